@@ -1,0 +1,1 @@
+"""The worker service: its core (state and decisions, no I/O) and its asyncio shell."""
