@@ -1,0 +1,80 @@
+"""One completion's state as the scheduler sees it.
+
+The scheduler plans ahead of the worker: a request's `num_computed_tokens` advances when a
+step is *scheduled*, and a token the worker will sample in that step is counted in
+`num_pending` until the step's result arrives. `num_tokens` counts those pending
+placeholders, so a decode step can be planned before the previous token is known.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from common.messages import TokenLogprobs
+from common.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    req_id: str
+    rid: str  # the client's request; n > 1 gives several completions of one rid
+    index: int
+    reply_to: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_pending: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at first schedule, for stats
+    status: Status = Status.WAITING
+    on_worker: bool = False  # the worker holds this request's state
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Sequence length including tokens sampled but not yet reported."""
+        return self.num_known_tokens + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def known_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Known tokens [start, end) without copying the whole sequence."""
+        prompt, num_prompt = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return prompt[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return prompt[start:] + self.output_token_ids[:end - num_prompt]
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)
