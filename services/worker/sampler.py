@@ -1,0 +1,236 @@
+"""Turns one step's logits into tokens (and logprobs), the way vLLM v1 does.
+
+Order: raw logprobs -> penalties -> min_tokens -> greedy argmax, or temperature -> top-k ->
+top-p -> min-p -> exponential race. Everything is batched over rows with tensors; the only
+Python loop over rows draws the noise of seeded requests from their own generators, so a
+seeded request's token depends on its own logits and seed alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.messages import TokenLogprobs
+from common.sampling_params import SamplingParams
+
+_SEED_MASK = (1 << 64) - 1  # torch seeds are uint64; any Python int maps into that range
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One request's sampling state, kept by the model runner."""
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens sampled so far (before this step)
+    generator: torch.Generator | None  # per-request, from params.seed; None if unseeded
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # int64 [N], on the logits' device
+    logprobs: list[TokenLogprobs | None]  # None where the row's params.logprobs is None
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed & _SEED_MASK)
+    return generator
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = make_generator(seed, device)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        logits = logits.float()
+        if all(_plain_greedy(row) for row in rows):
+            return SamplerOutput(logits.argmax(dim=-1), [None] * len(rows))
+        logprobs = (None if all(row.params.logprobs is None for row in rows)
+                    else torch.log_softmax(logits, dim=-1))
+        processed = block_early_stops(apply_penalties(logits, rows), rows)
+        token_ids = self._choose(processed, rows)
+        return SamplerOutput(token_ids, self._gather_logprobs(logprobs, token_ids, rows))
+
+    # --- choosing tokens ---------------------------------------------------------------
+
+    def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if len(random_rows) == len(rows):
+            return self._sample_random(logits, rows)
+        token_ids = logits.argmax(dim=-1)
+        if random_rows:
+            index = self._tensor(random_rows, torch.int64)
+            token_ids[index] = self._sample_random(logits[index],
+                                                   [rows[i] for i in random_rows])
+        return token_ids
+
+    def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+                       ) -> torch.Tensor:
+        logits = logits / self._column([row.params.temperature for row in rows])
+        params = [row.params for row in rows]
+        if any(p.top_k > 0 for p in params):
+            logits = apply_top_k(logits, self._tensor([p.top_k for p in params], torch.int64),
+                                 max(p.top_k for p in params))
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.top_p < 1.0 for p in params):
+            probs = apply_top_p(probs, self._tensor([p.top_p for p in params], torch.float32))
+        if any(p.min_p > 0.0 for p in params):
+            probs = apply_min_p(probs, self._column([p.min_p for p in params]))
+        return probs.div_(self._exponential_noise(probs, rows)).argmax(dim=-1)
+
+    def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]
+                           ) -> torch.Tensor:
+        """q ~ Exp(1) per entry: argmax(probs / q) is a draw from probs (unnormalised)."""
+        noise = torch.empty_like(probs)
+        if any(row.generator is None for row in rows):
+            noise.exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                noise[i].exponential_(generator=row.generator)
+        # exponential_ may return exactly 0, which would turn a dropped token's 0 into NaN.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    # --- logprobs ----------------------------------------------------------------------
+
+    def _gather_logprobs(self, logprobs: torch.Tensor | None, token_ids: torch.Tensor,
+                         rows: Sequence[SamplingRow]) -> list[TokenLogprobs | None]:
+        if logprobs is None:
+            return [None] * len(rows)
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        index = self._tensor(wanted, torch.int64)
+        k = max(rows[i].params.logprobs for i in wanted)
+        ids, values, ranks = top_logprobs(logprobs[index], token_ids[index], k)
+        ids_list, values_list, ranks_list = ids.tolist(), values.tolist(), ranks.tolist()
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        for j, i in enumerate(wanted):
+            width = rows[i].params.logprobs + 1
+            out[i] = TokenLogprobs(ids_list[j][:width], values_list[j][:width], ranks_list[j])
+        return out
+
+    def _tensor(self, values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+        return _to_device(values, dtype, self.device)
+
+    def _column(self, values: Sequence[float]) -> torch.Tensor:
+        return _column(values, self.device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty over prompt and output ids; frequency and presence penalties over
+    output ids. Returns `logits` itself when no row has a penalty."""
+    if not any(_has_penalty(row.params) for row in rows):
+        return logits
+    device = logits.device
+    # Only penalised rows contribute ids, so long prompts of the others are not copied.
+    outputs = [row.output_token_ids if _has_penalty(row.params) else () for row in rows]
+    prompts = [row.prompt_token_ids if row.params.repetition_penalty != 1.0 else ()
+               for row in rows]
+    counts = _token_counts(outputs, logits.shape[1], device)
+    seen = (_token_counts(prompts, logits.shape[1], device) > 0) | (counts > 0)
+    repetition = _column([row.params.repetition_penalty for row in rows], device)
+    frequency = _column([row.params.frequency_penalty for row in rows], device)
+    presence = _column([row.params.presence_penalty for row in rows], device)
+    scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
+    penalised = torch.where(seen, scaled, logits)
+    return penalised - frequency * counts - presence * (counts > 0).float()
+
+
+def block_early_stops(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """-inf on the EOS and stop token ids of rows still short of min_tokens (whatever
+    ignore_eos says, as vLLM does). Returns `logits` itself when nothing is blocked."""
+    vocab_size = logits.shape[1]
+    flat = [i * vocab_size + t for i, row in enumerate(rows) if _before_min_tokens(row)
+            for t in (*row.params.eos_token_ids, *row.params.stop_token_ids)
+            if t < vocab_size]  # an id past the vocabulary can never be sampled anyway
+    if not flat:
+        return logits
+    blocked = logits.clone()
+    blocked.view(-1)[_to_device(flat, torch.int64, logits.device)] = float("-inf")
+    return blocked
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Keep each row's logits >= its k-th largest (ties at the k-th all stay); k=0 keeps all."""
+    vocab_size = logits.shape[1]
+    largest = logits.topk(min(max_k, vocab_size), dim=-1).values
+    kth = largest.gather(1, (top_k.clamp(1, largest.shape[1]) - 1).unsqueeze(1))
+    enabled = (top_k > 0) & (top_k < vocab_size)
+    kth = torch.where(enabled.unsqueeze(1), kth, float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero all but the smallest most-likely set whose mass reaches top_p (and tokens tied
+    with its least likely member); top_p=1 keeps everything."""
+    ordered = probs.sort(dim=-1, descending=True).values
+    before = (ordered.cumsum(dim=-1) < top_p.unsqueeze(1)).sum(dim=-1)
+    # Rounding can leave a cumsum short of 1.0, so top_p=1 is not left to the arithmetic.
+    num_kept = torch.where(top_p < 1.0, before + 1, probs.shape[1]).clamp_max(probs.shape[1])
+    least_kept = ordered.gather(1, (num_kept - 1).unsqueeze(1))
+    return probs.masked_fill(probs < least_kept, 0.0)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero tokens less likely than min_p times the row's most likely token."""
+    floor = min_p * probs.max(dim=-1, keepdim=True).values
+    return probs.masked_fill(probs < floor, 0.0)
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [R, k+1], logprobs [R, k+1], ranks [R]): column 0 the chosen token, then the
+    top-k; rank = 1 + how many tokens are strictly more likely than the chosen one."""
+    chosen = chosen.long().unsqueeze(1)
+    chosen_logprob = logprobs.gather(1, chosen)
+    top = logprobs.topk(k, dim=-1)
+    ranks = (logprobs > chosen_logprob).sum(dim=-1) + 1
+    return (torch.cat([chosen, top.indices], dim=1),
+            torch.cat([chosen_logprob, top.values], dim=1), ranks)
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of each next prompt token plus the top-k, from the raw logits."""
+    return top_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, k)
+
+
+def _to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # non_blocking: a pageable host->device copy is staged by the driver, so unlike a
+    # blocking copy it does not wait for the GPU queue to drain.
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    """float32 [rows, 1], to broadcast one value per row over the vocabulary."""
+    return _to_device(values, torch.float32, device).unsqueeze(1)
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int,
+                  device: torch.device) -> torch.Tensor:
+    """float32 [rows, vocab]: how often each id occurs in each row's list."""
+    offsets = [np.asarray(ids, dtype=np.int64) + i * vocab_size
+               for i, ids in enumerate(token_lists)]
+    flat = torch.from_numpy(np.concatenate(offsets)).to(device, non_blocking=True)
+    counts = torch.zeros(len(token_lists) * vocab_size, device=device)
+    # index_add_, not bincount: bincount reads the largest id back to size its output.
+    counts.index_add_(0, flat, torch.ones(flat.shape, device=device))
+    return counts.view(len(token_lists), vocab_size)
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
+
+
+def _before_min_tokens(row: SamplingRow) -> bool:
+    return len(row.output_token_ids) < row.params.min_tokens
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    params = row.params
+    return (params.greedy and params.logprobs is None and not _has_penalty(params)
+            and not _before_min_tokens(row))

@@ -1,0 +1,404 @@
+"""Sampler against naive references: greedy, temperature frequencies, the top-k / top-p /
+min-p sets, penalties, min_tokens, seeds, logprobs and prompt logprobs.
+
+Runs on the CPU, and on CUDA as well where there is one."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from services.worker.sampler import (
+    Sampler, SamplingRow, apply_min_p, apply_penalties, apply_top_k, apply_top_p,
+    make_generator, prompt_logprobs)
+
+DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES, ids=str)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    return request.param
+
+
+def seeded_logits(seed: int, rows: int, vocab: int, scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def make_row(params: SamplingParams, device: torch.device, prompt: Sequence[int] = (),
+             output: Sequence[int] = ()) -> SamplingRow:
+    generator = None if params.seed is None else make_generator(params.seed, device)
+    return SamplingRow(params, list(prompt), list(output), generator)
+
+
+def within_sigmas(observed: torch.Tensor, expected: torch.Tensor, draws: int,
+                  sigmas: float = 5.0) -> bool:
+    # Each frequency is a mean of `draws` Bernoulli(p) variables, so its standard deviation
+    # is sqrt(p(1-p)/draws); 5 of them bound a chance miss per entry at about 6e-7, and the
+    # seeds are fixed, so the test is deterministic as well as unlikely to sit on the edge.
+    bound = sigmas * torch.sqrt(expected * (1 - expected) / draws) + 1e-9
+    return bool(((observed - expected).abs() <= bound).all())
+
+
+def frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(tokens.cpu(), minlength=vocab).double() / tokens.numel()
+
+
+# --- references ----------------------------------------------------------------------------
+
+def ref_top_k(logits: list[float], k: int) -> set[int]:
+    return {i for i, x in enumerate(logits) if k == 0 or sum(y > x for y in logits) < k}
+
+
+def ref_top_p(probs: list[float], p: float) -> set[int]:
+    return {i for i, x in enumerate(probs) if sum(y for y in probs if y > x) < p}
+
+
+def ref_min_p(probs: list[float], m: float) -> set[int]:
+    return {i for i, x in enumerate(probs) if x >= m * max(probs)}
+
+
+def ref_allowed(logits: list[float], params: SamplingParams) -> set[int]:
+    """Temperature, top-k, top-p on the renormalised top-k, then min-p; in float64."""
+    scaled = [x / params.temperature for x in logits]
+    kept = ref_top_k(scaled, params.top_k)
+    top = max(scaled)
+    weights = [math.exp(x - top) if i in kept else 0.0 for i, x in enumerate(scaled)]
+    probs = [w / sum(weights) for w in weights]
+    return kept & ref_top_p(probs, params.top_p) & ref_min_p(probs, params.min_p)
+
+
+def ref_penalised(logits: list[float], params: SamplingParams, prompt: Sequence[int],
+                  output: Sequence[int]) -> list[float]:
+    out = []
+    for t, x in enumerate(logits):
+        if t in prompt or t in output:
+            x = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
+        count = output.count(t)
+        out.append(x - params.frequency_penalty * count - params.presence_penalty * (count > 0))
+    return out
+
+
+@contextlib.contextmanager
+def forbid_syncs(device: torch.device) -> Iterator[None]:
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# --- greedy --------------------------------------------------------------------------------
+
+def test_all_greedy_is_argmax(device: torch.device) -> None:
+    logits = seeded_logits(0, 7, 300).to(device)
+    rows = [make_row(SamplingParams(temperature=0.0), device) for _ in range(7)]
+    out = Sampler(device, 0).sample(logits, rows)
+    assert out.token_ids.dtype == torch.int64 and out.token_ids.device.type == device.type
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+    assert out.logprobs == [None] * 7
+
+
+def test_greedy_rows_beside_random_rows_are_argmax(device: torch.device) -> None:
+    logits = seeded_logits(1, 8, 200).to(device)
+    params = [SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.3, top_k=20, seed=5),
+              SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.9, top_p=0.7),
+              SamplingParams(temperature=0.0, min_tokens=1, eos_token_ids=(7,)),
+              SamplingParams(temperature=1.0, min_p=0.1),
+              SamplingParams(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0),
+              SamplingParams(temperature=2.0)]
+    rows = [make_row(p, device, output=[1, 2]) for p in params]
+    out = Sampler(device, 0).sample(logits, rows)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(out.token_ids[greedy], expected[greedy])
+    assert ((out.token_ids >= 0) & (out.token_ids < 200)).all()
+
+
+# --- temperature and the filtered distributions ---------------------------------------------
+
+def test_temperature_frequencies_match_softmax(device: torch.device) -> None:
+    vocab, draws, temperature = 6, 60_000, 0.7
+    logits = seeded_logits(2, 1, vocab, scale=1.5)
+    rows = [make_row(SamplingParams(temperature=temperature), device)] * draws
+    out = Sampler(device, 11).sample(logits.expand(draws, vocab).to(device), rows)
+    expected = torch.softmax(logits[0].double() / temperature, dim=-1)
+    assert within_sigmas(frequencies(out.token_ids, vocab), expected, draws)
+
+
+def test_seeded_rows_sample_from_softmax(device: torch.device) -> None:
+    vocab, draws = 5, 4000
+    logits = seeded_logits(3, 1, vocab)
+    rows = [make_row(SamplingParams(temperature=1.0, seed=seed), device)
+            for seed in range(draws)]
+    out = Sampler(device, 0).sample(logits.expand(draws, vocab).to(device), rows)
+    expected = torch.softmax(logits[0].double(), dim=-1)
+    assert within_sigmas(frequencies(out.token_ids, vocab), expected, draws)
+
+
+def test_filtered_frequencies_match_renormalised_reference(device: torch.device) -> None:
+    vocab, draws = 10, 60_000
+    params = SamplingParams(temperature=0.9, top_k=6, top_p=0.85, min_p=0.08)
+    logits = seeded_logits(4, 1, vocab, scale=1.2)
+    allowed = ref_allowed(logits[0].tolist(), params)
+    scaled = logits[0].double() / params.temperature
+    mask = torch.tensor([i not in allowed for i in range(vocab)])
+    expected = torch.softmax(scaled.masked_fill(mask, float("-inf")), dim=-1)
+    assert 2 < len(allowed) < 6  # the filters really cut, and more than one token is left
+    rows = [make_row(params, device)] * draws
+    out = Sampler(device, 12).sample(logits.expand(draws, vocab).to(device), rows)
+    observed = frequencies(out.token_ids, vocab)
+    assert set(torch.nonzero(observed).flatten().tolist()) == allowed
+    assert within_sigmas(observed, expected, draws)
+
+
+# --- the top-k / top-p / min-p sets ------------------------------------------------------------
+
+def tied_logits(seed: int, rows: int, vocab: int) -> torch.Tensor:
+    # One decimal place: many exact ties, including at the k-th value and the top-p edge.
+    return torch.round(seeded_logits(seed, rows, vocab) * 2) / 2
+
+
+def test_top_k_set_matches_reference(device: torch.device) -> None:
+    rng = random.Random(5)
+    logits = tied_logits(5, 64, 12)
+    ks = [rng.choice([0, 1, 2, 3, 5, 8, 11, 12, 20]) for _ in range(64)]
+    kept = apply_top_k(logits.to(device), torch.tensor(ks, device=device), max(ks))
+    for row, k, out in zip(logits.tolist(), ks, kept.cpu()):
+        assert set(torch.nonzero(torch.isfinite(out)).flatten().tolist()) == ref_top_k(row, k)
+        assert torch.equal(out[torch.isfinite(out)], torch.tensor(row)[torch.isfinite(out)])
+
+
+def test_top_p_set_matches_reference(device: torch.device) -> None:
+    rng = random.Random(6)
+    probs = torch.softmax(tied_logits(6, 64, 12), dim=-1)
+    ps = [rng.choice([0.01, 0.2, 0.5, 0.75, 0.9, 0.99, 1.0]) for _ in range(64)]
+    kept = apply_top_p(probs.to(device), torch.tensor(ps, device=device))
+    for row, p, out in zip(probs.double().tolist(), ps, kept.cpu()):
+        assert set(torch.nonzero(out).flatten().tolist()) == ref_top_p(row, p)
+    assert torch.equal(kept[torch.tensor(ps) == 1.0].cpu(), probs[torch.tensor(ps) == 1.0])
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.5, {0}), (0.75, {0, 1}), (0.875, {0, 1, 2}),
+                                          (0.9, {0, 1, 2, 3, 4}), (1.0, {0, 1, 2, 3, 4})])
+def test_top_p_stops_where_the_mass_is_reached_exactly(device: torch.device, top_p: float,
+                                                       kept: set[int]) -> None:
+    # Powers of two sum exactly, so a set whose mass equals top_p is not widened by rounding.
+    probs = torch.tensor([[0.125, 0.5, 0.0625, 0.25, 0.0625]])
+    order = [1, 3, 0, 2, 4]  # the positions of 0.5, 0.25, 0.125, 0.0625, 0.0625
+    out = apply_top_p(probs.to(device), torch.tensor([top_p], device=device)).cpu()[0]
+    assert set(torch.nonzero(out).flatten().tolist()) == {order[i] for i in kept}
+    assert ref_top_p(probs[0].tolist(), top_p) == {order[i] for i in kept}
+
+
+def test_min_p_set_matches_reference(device: torch.device) -> None:
+    rng = random.Random(7)
+    probs = torch.softmax(tied_logits(7, 64, 12), dim=-1)
+    ms = [rng.choice([0.0, 0.05, 0.2, 0.5, 1.0]) for _ in range(64)]
+    kept = apply_min_p(probs.to(device), torch.tensor(ms, device=device).unsqueeze(1))
+    for row, m, out in zip(probs.tolist(), ms, kept.cpu()):
+        assert set(torch.nonzero(out).flatten().tolist()) == ref_min_p(row, m)
+
+
+def test_sampled_tokens_stay_inside_the_allowed_set(device: torch.device) -> None:
+    rng = random.Random(8)
+    vocab, num_rows = 16, 24
+    params = [SamplingParams(temperature=rng.choice([0.3, 1.0, 1.7]),
+                             top_k=rng.choice([0, 1, 3, 7]),
+                             top_p=rng.choice([0.3, 0.8, 1.0]),
+                             min_p=rng.choice([0.0, 0.1, 0.4]),
+                             seed=rng.choice([None, rng.randrange(1000)]))
+              for _ in range(num_rows)]
+    logits = tied_logits(8, num_rows, vocab)
+    allowed = [ref_allowed(row, p) for row, p in zip(logits.tolist(), params)]
+    rows = [make_row(p, device) for p in params]
+    sampler = Sampler(device, 3)
+    seen: list[set[int]] = [set() for _ in range(num_rows)]
+    for _ in range(60):
+        for i, token in enumerate(sampler.sample(logits.to(device), rows).token_ids.tolist()):
+            seen[i].add(token)
+    for got, want in zip(seen, allowed):
+        assert got <= want
+    assert any(len(got) > 1 for got in seen)
+
+
+# --- penalties and min_tokens ---------------------------------------------------------------------
+
+def penalty_case(seed: int) -> tuple[torch.Tensor, list[SamplingParams], list[list[int]],
+                                     list[list[int]]]:
+    rng = random.Random(seed)
+    vocab, num_rows = 40, 7
+    params = [SamplingParams(temperature=0.0,
+                             repetition_penalty=rng.choice([1.0, 0.7, 1.3, 2.0]),
+                             presence_penalty=rng.choice([0.0, -0.5, 0.8]),
+                             frequency_penalty=rng.choice([0.0, 0.4, -1.1]))
+              for _ in range(num_rows - 1)] + [SamplingParams(temperature=0.0)]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(16))]
+               for _ in range(num_rows)]
+    outputs = [[rng.randrange(vocab // 2) for _ in range(rng.randrange(21))]
+               for _ in range(num_rows)]
+    return seeded_logits(seed, num_rows, vocab, scale=3.0), params, prompts, outputs
+
+
+@pytest.mark.parametrize("seed", [9, 10, 11])
+def test_penalties_match_naive_reference(device: torch.device, seed: int) -> None:
+    logits, params, prompts, outputs = penalty_case(seed)
+    rows = [make_row(p, device, pr, out) for p, pr, out in zip(params, prompts, outputs)]
+    expected = torch.tensor([ref_penalised(row, p, pr, out) for row, p, pr, out
+                             in zip(logits.tolist(), params, prompts, outputs)])
+    got = apply_penalties(logits.to(device), rows).cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    tokens = Sampler(device, 0).sample(logits.to(device), rows).token_ids.cpu()
+    assert torch.equal(tokens, expected.argmax(dim=-1))
+
+
+def test_no_penalty_leaves_logits_untouched(device: torch.device) -> None:
+    logits = seeded_logits(12, 3, 20).to(device)
+    rows = [make_row(SamplingParams(), device, [1, 2, 3], [4, 4, 5])] * 3
+    assert apply_penalties(logits, rows) is logits
+
+
+def test_min_tokens_blocks_eos_and_stop_ids_until_reached(device: torch.device) -> None:
+    vocab, eos, stop, draws = 30, 3, 7, 200
+    logits = seeded_logits(13, 1, vocab)
+    logits[0, eos], logits[0, stop] = 25.0, 20.0  # both would win every draw if allowed
+    variants = [SamplingParams(temperature=0.0, min_tokens=4, eos_token_ids=(eos,),
+                               stop_token_ids=(stop, vocab + 50)),
+                SamplingParams(temperature=1.0, min_tokens=4, eos_token_ids=(eos,),
+                               stop_token_ids=(stop,), ignore_eos=True, seed=1),
+                SamplingParams(temperature=1.0, min_tokens=4, eos_token_ids=(eos,),
+                               stop_token_ids=(stop,))]
+    sampler = Sampler(device, 4)
+    for params in variants:
+        for done in range(5):
+            rows = [make_row(params, device, [1], list(range(10, 10 + done)))] * draws
+            tokens = sampler.sample(logits.expand(draws, vocab).to(device), rows).token_ids
+            blocked = (tokens == eos) | (tokens == stop)
+            assert bool(blocked.any()) == (done >= 4) and bool(blocked.all()) == (done >= 4)
+
+
+# --- seeds -------------------------------------------------------------------------------------
+
+TARGET_VOCAB = 500
+
+
+def target_logits(step: int) -> torch.Tensor:
+    return seeded_logits(100 + step, 1, TARGET_VOCAB, scale=0.5)[0]
+
+
+def run_target(device: torch.device, seed: int, crowd: bool, steps: int = 6) -> list[int]:
+    """Sample a seeded request for `steps` steps, alone or in a varying crowd of others."""
+    rng = random.Random(seed * 7 + crowd)
+    params = SamplingParams(temperature=1.0, top_p=0.97, top_k=400, seed=seed)
+    target = make_row(params, device, prompt=[1, 2, 3])
+    others = [make_row(SamplingParams(temperature=rng.choice([0.0, 0.6, 1.2]), top_k=50,
+                                      seed=rng.choice([None, rng.randrange(99)])), device)
+              for _ in range(8)]
+    sampler = Sampler(device, rng.randrange(1000))
+    tokens = []
+    for step in range(steps):
+        batch = rng.sample(others, rng.randrange(8)) if crowd else []
+        position = rng.randrange(len(batch) + 1)
+        batch.insert(position, target)
+        logits = torch.randn(len(batch), TARGET_VOCAB, generator=torch.Generator().manual_seed(
+            rng.randrange(1 << 30)))
+        logits[position] = target_logits(step)
+        token = sampler.sample(logits.to(device), batch).token_ids[position].item()
+        target.output_token_ids.append(token)
+        tokens.append(token)
+    return tokens
+
+
+def test_seed_fixes_tokens_whatever_the_batch(device: torch.device) -> None:
+    alone = run_target(device, seed=1234, crowd=False)
+    assert run_target(device, seed=1234, crowd=True) == alone
+    assert run_target(device, seed=4321, crowd=True) != alone
+
+
+def test_shared_generator_follows_the_sampler_seed(device: torch.device) -> None:
+    logits = seeded_logits(14, 16, 300).to(device)
+    rows = [make_row(SamplingParams(temperature=1.0), device)] * 16
+    first = Sampler(device, 21).sample(logits, rows).token_ids
+    assert torch.equal(Sampler(device, 21).sample(logits, rows).token_ids, first)
+    assert not torch.equal(Sampler(device, 22).sample(logits, rows).token_ids, first)
+
+
+def test_make_generator_takes_any_int_seed(device: torch.device) -> None:
+    for seed in (0, -1, 2**63, -(2**63), 2**64 + 5):
+        a = torch.rand(4, generator=make_generator(seed, device), device=device)
+        b = torch.rand(4, generator=make_generator(seed, device), device=device)
+        assert torch.equal(a, b)
+
+
+# --- logprobs ------------------------------------------------------------------------------------
+
+def test_logprobs_come_from_raw_logits(device: torch.device) -> None:
+    vocab = 50
+    ks = [0, 3, None, 5, 1, 2]
+    params = [SamplingParams(temperature=t, logprobs=k, top_k=10, repetition_penalty=1.5,
+                             frequency_penalty=0.5, seed=s)
+              for t, k, s in zip([0.8, 0.0, 1.0, 1.5, 0.0, 0.5], ks, [1, None, 2, None, 3, 4])]
+    logits = seeded_logits(15, len(params), vocab)
+    rows = [make_row(p, device, [1, 2, 3], [4, 5, 5]) for p in params]
+    out = Sampler(device, 0).sample(logits.to(device), rows)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    for i, (k, entry) in enumerate(zip(ks, out.logprobs)):
+        if k is None:
+            assert entry is None
+            continue
+        chosen = int(out.token_ids[i])
+        top = reference[i].topk(k)
+        assert entry.token_ids == [chosen] + top.indices.tolist()
+        torch.testing.assert_close(torch.tensor(entry.logprobs, dtype=torch.float64),
+                                   torch.cat([reference[i, chosen:chosen + 1], top.values]),
+                                   rtol=1e-5, atol=1e-5)
+        assert entry.rank == 1 + int((reference[i] > reference[i, chosen]).sum())
+    assert out.logprobs[1].rank == 1 and len(out.logprobs[1].token_ids) == 4  # greedy, k=3
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_prompt_logprobs_shapes_values_and_ranks(device: torch.device, k: int) -> None:
+    num_positions, vocab = 9, 40
+    logits = tied_logits(16, num_positions, vocab)
+    targets = torch.randint(0, vocab, (num_positions,),
+                            generator=torch.Generator().manual_seed(16))
+    ids, values, ranks = prompt_logprobs(logits.to(device), targets.to(device), k)
+    assert ids.shape == values.shape == (num_positions, k + 1) and ranks.shape == (num_positions,)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    ids, values, ranks = ids.cpu(), values.cpu().double(), ranks.cpu()
+    assert torch.equal(ids[:, 0], targets)
+    # With ties the top-k ids are not unique, but their logprobs are.
+    torch.testing.assert_close(values, reference.gather(1, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(values[:, 1:], reference.topk(k).values, rtol=1e-5, atol=1e-5)
+    naive = [1 + sum(x > row[t] for x in row) for row, t in zip(reference.tolist(),
+                                                                 targets.tolist())]
+    assert ranks.tolist() == naive
+
+
+# --- the GPU path ----------------------------------------------------------------------------------
+
+def test_mixed_batch_samples_without_a_device_sync(device: torch.device) -> None:
+    logits = seeded_logits(17, 6, 128).to(device)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.2),
+              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3),
+              SamplingParams(temperature=1.0, min_p=0.2, min_tokens=3, eos_token_ids=(2,)),
+              SamplingParams(temperature=0.5, presence_penalty=0.5, frequency_penalty=0.3),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.1, top_p=0.5)]
+    rows = [make_row(p, device, [5, 6, 7], [8, 9]) for p in params]
+    sampler = Sampler(device, 0)
+    with forbid_syncs(device):
+        out = sampler.sample(logits, rows)
+    tokens = out.token_ids.tolist()
+    assert tokens[4] == int(logits[4].argmax())
+    assert tokens[2] != 2
