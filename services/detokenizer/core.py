@@ -1,0 +1,234 @@
+"""Stateless incremental detokenization, stop strings and logprob texts.
+
+Any detokenizer replica may take any step's batch, so each DetokItem carries its own
+context: the last few token ids before the new ones (`make_context`, called by the
+scheduler). From that window alone the detokenizer finds where the text already sent ends
+and what the new tokens add:
+
+    P = text(prompt part of the window)      output text begins after P
+    A = text(window)                         text sent so far ends at len(A) - hold
+    B = text(window + new tokens)            this delta is B[len(A) - hold : len(B) - hold]
+
+All positions sit in one decoded window, so whatever the window's first token decodes to
+on its own (part of a character, a stripped leading space) is the same in P, A and B and
+cancels out. `hold` is the stop-string hold-back (longest stop string - 1 characters, when
+stop strings are not included in the output), so a partial stop string never reaches a
+client. When the item finishes, everything held is sent.
+
+text(ids) leaves out the trailing tokens of a character that is not finished yet. They are
+found from the bytes the tokens stand for, not from U+FFFD in the decoded text: a
+SentencePiece byte-fallback decoder renders a whole run of byte tokens as U+FFFD while any
+of it is incomplete (two emoji in a row read "€" then "\ufffd" * 4 then "€€"), so counting
+replacement characters would send text that later changes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from common.messages import Abort, DetokItem, DetokParams, TextDelta, TokenLogprobs
+from common.sampling_params import SamplingParams
+
+MAX_CHAR_BYTES = 4  # a UTF-8 character; a byte token carries one of its bytes
+# The window without stop strings: up to 3 tokens of a character begun before it, up to 3
+# of one not finished after it, and room for a few whole characters between.
+BASE_CONTEXT_TOKENS = 16
+
+_BYTE_LEVEL_CHARS = {char: byte for byte, char in bytes_to_unicode().items()}
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SPACE_MARKER = "\u2581"  # SentencePiece's word-start marker
+
+
+def stop_lookback(stop: Sequence[str]) -> int:
+    """Characters before the new text where a stop string ending in it may start."""
+    return max(map(len, stop)) - 1 if stop else 0
+
+
+def make_context(token_ids: Sequence[int], num_prompt_tokens: int, num_new: int,
+                 stop_buffer_chars: int) -> tuple[list[int], int]:
+    """(context_ids, num_context_prompt) for a DetokItem. `stop_buffer_chars` is the stop
+    look-back, `stop_lookback(params.stop)`; each of those characters may take
+    MAX_CHAR_BYTES byte tokens."""
+    if not 0 <= num_new <= len(token_ids) - num_prompt_tokens:
+        raise ValueError(f"{num_new} new tokens do not fit the {len(token_ids)} tokens after "
+                         f"a {num_prompt_tokens}-token prompt")
+    end = len(token_ids) - num_new
+    start = max(0, end - BASE_CONTEXT_TOKENS - MAX_CHAR_BYTES * stop_buffer_chars)
+    return list(token_ids[start:end]), max(0, num_prompt_tokens - start)
+
+
+def detok_params(params: SamplingParams) -> DetokParams:
+    return DetokParams(list(params.stop), params.skip_special_tokens,
+                       params.spaces_between_special_tokens, params.include_stop_str_in_output)
+
+
+@dataclass(slots=True)
+class StopMatch:
+    stop: str
+    start: int
+    end: int
+
+
+def find_stop(text: str, stop: Sequence[str], start: int) -> StopMatch | None:
+    """The stop string that is complete first in text[start:] (earlier in `stop` on a tie):
+    generation would have ended there."""
+    best: StopMatch | None = None
+    for s in stop:
+        at = text.find(s, start)
+        if at >= 0 and (best is None or at + len(s) < best.end):
+            best = StopMatch(s, at, at + len(s))
+    return best
+
+
+def unfinished_bytes(tail: bytes) -> int:
+    """How many bytes at the end of `tail` begin a character that needs more bytes."""
+    for i in range(1, min(len(tail), MAX_CHAR_BYTES - 1) + 1):
+        byte = tail[-i]
+        if byte & 0xC0 != 0x80:  # ASCII or a lead byte: the last character starts here
+            needed = 1 + (byte >= 0xC0) + (byte >= 0xE0) + (byte >= 0xF0)
+            return i if needed > i else 0
+    return 0  # continuation bytes only: no later byte can finish them
+
+
+def is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.decoder is not None:
+        # a decoder's state is its JSON config; ByteLevel may sit inside a Sequence
+        return b'"ByteLevel"' in backend.decoder.__getstate__()
+    return getattr(tokenizer, "byte_decoder", None) is not None  # a Python GPT-2 tokenizer
+
+
+class TokenBytes:
+    """The bytes each token stands for, where the vocabulary spells them out: byte-level
+    BPE's printable alphabet, or SentencePiece byte-fallback pieces <0xXX>. Any other token
+    is whole characters."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.byte_level = is_byte_level(tokenizer)
+        self.special = frozenset(tokenizer.all_special_ids) | frozenset(
+            i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+            if token.special)
+        self._pieces: dict[int, bytes] = {}
+
+    def piece(self, token_id: int, skip_special_tokens: bool) -> bytes:
+        if skip_special_tokens and token_id in self.special:
+            return b""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self._spell(token_id)
+        return piece
+
+    def _spell(self, token_id: int) -> bytes:
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        if token is None:  # an id beyond the vocabulary decodes to nothing
+            return b""
+        byte = _BYTE_FALLBACK_PIECE.fullmatch(token)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        if self.byte_level and all(char in _BYTE_LEVEL_CHARS for char in token):
+            return bytes(_BYTE_LEVEL_CHARS[char] for char in token)
+        return token.encode()
+
+    def num_unfinished(self, ids: Sequence[int], skip_special_tokens: bool) -> int:
+        """How many trailing tokens hold (part of) a character not finished yet."""
+        pieces: list[bytes] = []
+        size = 0
+        while size < MAX_CHAR_BYTES and len(pieces) < len(ids):
+            pieces.append(self.piece(ids[-1 - len(pieces)], skip_special_tokens))
+            size += len(pieces[-1])
+        pending = unfinished_bytes(b"".join(reversed(pieces)))
+        count = 0
+        while pending > 0:
+            pending -= len(pieces[count])
+            count += 1
+        return count
+
+    def num_partial_lead(self, ids: Sequence[int], skip_special_tokens: bool) -> int:
+        """How many leading tokens are only the continuation of a character begun before."""
+        count = 0
+        while count < min(len(ids), MAX_CHAR_BYTES - 1):
+            piece = self.piece(ids[count], skip_special_tokens)
+            if not piece or any(byte & 0xC0 != 0x80 for byte in piece):
+                break
+            count += 1
+        return count
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.bytes = TokenBytes(tokenizer)
+        self._token_texts: dict[int, str] = {}
+
+    def process(self, item: DetokItem) -> tuple[TextDelta, Abort | None]:
+        params = item.params
+        context, num_prompt = self._resync(item)
+        finishing = item.finish_reason is not None
+        prompt_end = len(self._text(context[:num_prompt], params, True)) if num_prompt else 0
+        seen_end = len(self._text(context, params, False))
+        text = self._text(context + list(item.new_token_ids), params, finishing)
+        lookback = stop_lookback(params.stop)
+        hold = 0 if params.include_stop_str_in_output else lookback
+        start = max(prompt_end, seen_end - hold)
+        match = find_stop(text, params.stop, max(prompt_end, seen_end - lookback))
+        finish_reason, stop_reason, abort = item.finish_reason, item.stop_reason, None
+        if match is None:
+            end = len(text) if finishing else len(text) - hold
+        else:
+            end = match.end if params.include_stop_str_in_output else match.start
+            finish_reason, stop_reason = "stop", match.stop
+            if not finishing and match.end > seen_end:  # new, and the request still runs
+                abort = Abort(item.rid, item.index, reason="stop", stop_reason=match.stop)
+        delta = TextDelta(item.rid, item.index, item.seq, text[start:max(start, end)],
+                          list(item.new_token_ids), item.num_prompt_tokens, finish_reason,
+                          stop_reason, [self._with_texts(lp) for lp in item.logprobs],
+                          [None if lp is None else self._with_texts(lp)
+                           for lp in item.prompt_logprobs])
+        return delta, abort
+
+    def _resync(self, item: DetokItem) -> tuple[list[int], int]:
+        """The window from its first character boundary, unless it starts the sequence."""
+        context, num_prompt = list(item.context_ids), item.num_context_prompt
+        if num_prompt == item.num_prompt_tokens:
+            return context, num_prompt
+        skip = self.bytes.num_partial_lead(context, item.params.skip_special_tokens)
+        return context[skip:], max(0, num_prompt - skip)
+
+    def _text(self, ids: list[int], params: DetokParams, complete: bool) -> str:
+        """The decoded ids; without complete, only up to the last finished character."""
+        if not complete:
+            ids = ids[:len(ids) - self.bytes.num_unfinished(ids, params.skip_special_tokens)]
+        if not ids:
+            return ""
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            clean_up_tokenization_spaces=False)
+
+    # --- logprobs ---------------------------------------------------------------------
+
+    def _with_texts(self, lp: TokenLogprobs) -> TokenLogprobs:
+        return TokenLogprobs(lp.token_ids, lp.logprobs, lp.rank,
+                             [self.token_text(t) for t in lp.token_ids])
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as vLLM reports it in logprobs: decode([id]) with special tokens
+        shown, so a byte token reads U+FFFD, plus the leading spaces a SentencePiece
+        decoder strips from the start of a text."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._decode_one(token_id)
+        return text
+
+    def _decode_one(self, token_id: int) -> str:
+        text = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        token = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+        missing = (len(token) - len(token.lstrip(_SPACE_MARKER))
+                   - (len(text) - len(text.lstrip(" "))))
+        return " " * missing + text if missing > 0 else text
