@@ -355,3 +355,50 @@ def test_logprob_texts_keep_sentencepiece_leading_spaces():
     the = tok.convert_tokens_to_ids("\u2581the")
     assert tok.decode([the]) == "the"  # the decoder strips a text's first space
     assert Detokenizer(tok).token_text(the) == " the"
+
+
+# --- randomized: stop strings against a one-shot reference ------------------------------
+
+PIECES = [*"abc xyz.,!\n", *"東京日本我书", "🎉", "👍🏽", "é", "ñ", "ß", "€", "𝔘"]
+
+
+def reference(full: str, stop: list[str], include: bool) -> tuple[str, str | None]:
+    """The text up to the stop string completed first, found in the whole decoded text."""
+    found = [(at + len(s), i, at, s) for i, s in enumerate(stop) if (at := full.find(s)) >= 0]
+    if not found:
+        return full, None
+    end, _, at, s = min(found)
+    return full[:end if include else at], s
+
+
+@pytest.mark.parametrize("which", ["byte_level", "byte_fallback"])
+def test_random_texts_and_stop_strings_match_a_one_shot_reference(which):
+    tok = smollm2_tokenizer() if which == "byte_level" else byte_fallback_tokenizer()
+    detok = Detokenizer(tok)
+    for seed in range(60):
+        rng = random.Random(seed)
+        text = "".join(rng.choices(PIECES, k=rng.randint(5, 50)))
+        prompt = tok.encode("".join(rng.choices(PIECES, k=rng.randint(1, 8))))
+        outputs = tok.encode(text)
+        full = output_text(tok, prompt, outputs, skip_special_tokens=True)
+        stop = [full[i:i + rng.randint(1, 8)] for i in rng.sample(range(len(full)), 2)]
+        stop.append("".join(rng.choices(PIECES, k=3)))
+        include = rng.random() < 0.5
+        expected, stop_reason = reference(full, stop, include)
+        params = SamplingParams(stop=stop, include_stop_str_in_output=include)
+        result = run(detok, prompt, outputs, params, rng)
+        assert result.text == expected, (seed, text, stop, include)
+        last = result.deltas[-1]
+        assert last.stop_reason == stop_reason
+        # a stop before the last item aborts; one in the last item ends with it anyway
+        assert len(result.aborts) == int(last.seq + len(last.token_ids) < len(outputs))
+        assert_never_rewrites(result, expected)
+
+
+def test_any_replica_gives_the_same_deltas_in_any_order(tok, detok):
+    prompt, outputs = tok.encode(PROMPT), tok.encode(SAMPLE_TEXTS["emoji"])
+    params = SamplingParams(stop=["done"])
+    items = [detok_item(prompt, outputs, seq, 1, params) for seq in range(len(outputs))]
+    in_order = [detok.process(item) for item in items]
+    other = Detokenizer(tok)
+    assert [other.process(item) for item in reversed(items)] == in_order[::-1]

@@ -128,12 +128,12 @@ class TokenBytes:
         token = self.tokenizer.convert_ids_to_tokens(token_id)
         if token is None:  # an id beyond the vocabulary decodes to nothing
             return b""
+        if self.byte_level:  # added tokens may hold characters outside the alphabet
+            if all(char in _BYTE_LEVEL_CHARS for char in token):
+                return bytes(_BYTE_LEVEL_CHARS[char] for char in token)
+            return token.encode()
         byte = _BYTE_FALLBACK_PIECE.fullmatch(token)
-        if byte:
-            return bytes([int(byte.group(1), 16)])
-        if self.byte_level and all(char in _BYTE_LEVEL_CHARS for char in token):
-            return bytes(_BYTE_LEVEL_CHARS[char] for char in token)
-        return token.encode()
+        return bytes([int(byte.group(1), 16)]) if byte else token.encode()
 
     def num_unfinished(self, ids: Sequence[int], skip_special_tokens: bool) -> int:
         """How many trailing tokens hold (part of) a character not finished yet."""
