@@ -222,7 +222,8 @@ def test_admit_resolves_an_already_built_params(tok):
     admit = proc.admit("r", "local", [5] * 10, SamplingParams(max_tokens=None, seed=3))
     assert admit.params.max_tokens == 30 and admit.params.seed == 3
     assert admit.params.eos_token_ids == EOS
-    assert proc.admit("r", "local", [5] * 10, SamplingParams(max_tokens=12)).params.max_tokens == 12
+    explicit = proc.admit("r", "local", [5] * 10, SamplingParams(max_tokens=12))
+    assert explicit.params.max_tokens == 12
 
 
 @pytest.mark.parametrize("ids, params, message", [

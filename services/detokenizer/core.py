@@ -18,8 +18,10 @@ client. When the item finishes, everything held is sent.
 text(ids) leaves out the trailing tokens of a character that is not finished yet. They are
 found from the bytes the tokens stand for, not from U+FFFD in the decoded text: a
 SentencePiece byte-fallback decoder renders a whole run of byte tokens as U+FFFD while any
-of it is incomplete (two emoji in a row read "€" then "\ufffd" * 4 then "€€"), so counting
-replacement characters would send text that later changes.
+of it is incomplete (two euro signs in a row, as six byte tokens, read "€", then U+FFFD
+four and five times, then "€€"), so counting replacement characters would send text that
+later changes. The same byte spelling lets a window that starts inside a character skip
+to the next one.
 """
 
 from __future__ import annotations
