@@ -1,0 +1,469 @@
+"""The Redis Streams bus that links the services.
+
+Every entry carries plain fields beside its MessagePack body, so `redis-cli XRANGE
+hr:requests - + COUNT 5` is readable: `type`, `rid` or `n` (and `step`), `ts`, `body`.
+
+Two ways to consume:
+* `consume(...)`: the loop for stateless stages. The handler maps one message to its
+  outputs; outputs and the XACK of the input go in one MULTI/EXEC, so a stage killed
+  between the two neither loses nor duplicates anything. Failures are retried, then
+  moved to `hr:dead`; entries left pending by a dead consumer are claimed (XAUTOCLAIM).
+* `read(...)` / `tail(...)` + `commit(...)`: for stateful consumers (scheduler, worker,
+  gateway) that read several streams and batch their work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from common import messages
+from common.log import get_logger
+
+REQUESTS = "hr:requests"
+ADMIT = "hr:admit"
+STEPS = "hr:steps"
+RESULTS = "hr:results"
+DETOK = "hr:detok"
+CONTROL = "hr:control"
+DEAD = "hr:dead"
+STREAM_PATTERN = "hr:*"
+
+UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
+LAG_COUNT_LIMIT = 10_000
+
+Output = tuple[str, Any]
+Record = tuple[str, Mapping[str, str | bytes]]  # (stream, entry fields), ready for XADD
+Handler = Callable[[Any], Awaitable[Sequence[Output] | None]]
+
+log = get_logger(__name__)
+
+# Redis < 7 does not report a group's lag: count the undelivered entries in pages, up to a
+# limit, inside Redis so no entry crosses the wire.
+_COUNT_AFTER = """
+local n, start, limit = 0, '(' .. ARGV[1], tonumber(ARGV[2])
+while true do
+  local page = redis.call('XRANGE', KEYS[1], start, '+', 'COUNT', 1000)
+  n = n + #page
+  if #page < 1000 or n >= limit then return math.min(n, limit) end
+  start = '(' .. page[#page][1]
+end
+"""
+
+
+def replies_stream(gateway_id: str) -> str:
+    return f"hr:replies:{gateway_id}"
+
+
+class BusUnavailable(RedisConnectionError):
+    """Redis stayed unreachable for longer than the bus's retry time."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One stream entry: `msg` is the decoded message; `group` is None for a plain read."""
+    stream: str
+    id: bytes
+    fields: dict[bytes, bytes]
+    msg: Any
+    group: str | None = None
+
+
+def entry_fields(msg: Any) -> dict[str, str | bytes]:
+    return {**messages.plain_fields(msg), "ts": f"{time.time():.6f}",
+            "body": messages.encode(msg)}
+
+
+def encode_outputs(outputs: Sequence[Output]) -> list[Record]:
+    return [(stream, entry_fields(msg)) for stream, msg in outputs]
+
+
+def decode_entry(stream: str, entry_id: bytes, fields: dict[bytes, bytes],
+                 group: str | None = None) -> Entry:
+    if not fields:
+        raise messages.MessageError("entry was trimmed before it was processed")
+    if b"body" not in fields:
+        raise messages.MessageError("entry has no body field")
+    return Entry(stream, entry_id, fields, messages.decode(fields[b"body"]), group)
+
+
+@dataclass(slots=True)
+class Backoff:
+    first_s: float = 0.05
+    max_s: float = 2.0
+    delay_s: float = 0.0
+
+    def next(self) -> float:
+        self.delay_s = min(max(self.first_s, 2 * self.delay_s), self.max_s)
+        return self.delay_s
+
+    def reset(self) -> None:
+        self.delay_s = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerInfo:
+    name: str
+    pending: int
+    idle_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    name: str
+    pending: int
+    lag: int | None  # entries not yet delivered; counted up to LAG_COUNT_LIMIT on Redis < 7
+    last_delivered_id: str
+    consumers: list[ConsumerInfo] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamInfo:
+    name: str
+    length: int
+    groups: list[GroupInfo] = field(default_factory=list)
+
+
+class Bus:
+    """One Redis client and the stream operations of every service. `retry_timeout_s`
+    bounds how long publish and commit keep retrying while Redis is unreachable."""
+
+    def __init__(self, url: str, maxlen: int = 100_000, *, retry_timeout_s: float = 30.0,
+                 max_backoff_s: float = 2.0, socket_timeout_s: float = 30.0) -> None:
+        if maxlen < 1:
+            raise ValueError(f"maxlen must be positive, got {maxlen}")
+        self.url = url
+        self.maxlen = maxlen
+        self.retry_timeout_s = retry_timeout_s
+        self.max_backoff_s = max_backoff_s
+        self.socket_timeout_s = socket_timeout_s
+        # Retries are ours (bounded in time, logged); redis-py's would hide an outage.
+        tcp = {} if url.startswith("unix:") else {"socket_keepalive": True}
+        self.redis = aioredis.Redis.from_url(
+            url, decode_responses=False, retry=Retry(NoBackoff(), 0),
+            socket_timeout=socket_timeout_s, socket_connect_timeout=5.0, **tcp)
+        self._count_after = self.redis.register_script(_COUNT_AFTER)
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # --- writing ----------------------------------------------------------------------
+
+    async def publish(self, stream: str, *msgs: Any) -> list[bytes]:
+        return await self.publish_to([(stream, msg) for msg in msgs])
+
+    async def publish_to(self, outputs: Sequence[Output]) -> list[bytes]:
+        """XADD each (stream, message) in one transaction; returns the entry ids."""
+        return await self.commit(outputs)
+
+    async def commit(self, outputs: Sequence[Output], done: Sequence[Entry] = ()) -> list[bytes]:
+        """Publish `outputs` and acknowledge `done` in one MULTI/EXEC, retrying while Redis
+        is unreachable."""
+        return await self.write(encode_outputs(outputs), done)
+
+    async def ack(self, done: Sequence[Entry]) -> None:
+        await self.write([], done)
+
+    async def bury(self, dead: Sequence[tuple[Entry, str]]) -> None:
+        """Copy entries to hr:dead with the reason, and acknowledge those read in a group."""
+        records = [(DEAD, _dead_fields(entry, reason)) for entry, reason in dead]
+        await self.write(records, [entry for entry, _ in dead if entry.group is not None])
+        for entry, reason in dead:
+            log.error("moved entry to the dead stream", stream=entry.stream,
+                      id=entry.id.decode(), group=entry.group, reason=reason)
+
+    async def write(self, records: Sequence[Record], done: Sequence[Entry]) -> list[bytes]:
+        """`commit` for outputs already encoded."""
+        if not records and not done:
+            return []
+
+        async def attempt() -> list[bytes]:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                for stream, fields in records:
+                    pipe.xadd(stream, dict(fields), maxlen=self.maxlen, approximate=True)
+                for (stream, group), ids in _ids_by_group(done).items():
+                    pipe.xack(stream, group, *ids)
+                return (await pipe.execute())[:len(records)]
+        return await self._retrying("write", attempt)
+
+    async def _retrying(self, what: str, operation: Callable[[], Awaitable[Any]]) -> Any:
+        deadline = time.monotonic() + self.retry_timeout_s
+        backoff = Backoff(max_s=self.max_backoff_s)
+        while True:
+            try:
+                return await operation()
+            except UNAVAILABLE as e:
+                delay = backoff.next()
+                if time.monotonic() + delay > deadline:
+                    raise BusUnavailable(f"{what}: Redis at {self.url} unreachable for "
+                                         f"{self.retry_timeout_s}s: {e}") from e
+                log.warning("redis unreachable, retrying", op=what, error=str(e),
+                            retry_in_s=delay)
+                await anyio.sleep(delay)
+
+    # --- reading ----------------------------------------------------------------------
+
+    async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
+        try:
+            await self.redis.xgroup_create(stream, group, id=start_id, mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read(self, group: str, consumer: str, streams: Mapping[str, str | bytes], *,
+                   count: int | None = None, block_ms: int | None = None) -> list[Entry]:
+        """XREADGROUP over several streams: id ">" for new entries, "0" for this
+        consumer's pending ones. Groups that went missing are created again; entries that
+        do not decode go to hr:dead and are not returned."""
+        try:
+            reply = await self.redis.xreadgroup(group, consumer, dict(streams), count=count,
+                                                block=block_ms)
+        except ResponseError as e:
+            if not str(e).startswith("NOGROUP"):
+                raise
+            log.warning("consumer group missing, creating it", group=group,
+                        streams=list(streams))
+            for stream in streams:
+                await self.ensure_group(stream, group)
+            reply = await self.redis.xreadgroup(group, consumer, dict(streams), count=count,
+                                                block=block_ms)
+        return await self._decode_all(_flatten(reply), group)
+
+    async def tail(self, streams: Mapping[str, str | bytes], *, count: int | None = None,
+                   block_ms: int | None = None) -> list[Entry]:
+        """XREAD without a group, for a stream only one process reads (a gateway's
+        replies): pass the last id seen per stream, or "$" for what comes next."""
+        reply = await self.redis.xread(dict(streams), count=count, block=block_ms)
+        return await self._decode_all(_flatten(reply), None)
+
+    async def claim_idle(self, stream: str, group: str, consumer: str, min_idle_ms: int,
+                         count: int = 100) -> tuple[list[Entry], bool]:
+        """XAUTOCLAIM every entry of `group` idle longer than `min_idle_ms`. Returns the
+        entries and whether some had been trimmed away (Redis 6.2 claims those without
+        saying which: a read of this consumer's pending entries finds them)."""
+        cursor, raw, trimmed = b"0-0", [], False
+        while True:
+            cursor, items, *_ = await self.redis.xautoclaim(
+                stream, group, consumer, min_idle_ms, start_id=cursor, count=count)
+            trimmed |= any(entry_id is None for entry_id, _ in items)
+            raw += [(stream, entry_id, fields) for entry_id, fields in items if entry_id]
+            if cursor in (b"0-0", "0-0"):
+                return await self._decode_all(raw, group), trimmed
+
+    async def delivery_counts(self, stream: str, group: str,
+                              ids: Sequence[bytes]) -> dict[bytes, int]:
+        """How many times each pending entry has been delivered (XPENDING)."""
+        if not ids:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry_id in ids:
+                pipe.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
+            replies = await pipe.execute()
+        return {row["message_id"]: row["times_delivered"] for rows in replies for row in rows}
+
+    async def _decode_all(self, raw: Iterable[tuple[str, bytes, dict[bytes, bytes]]],
+                          group: str | None) -> list[Entry]:
+        entries, dead = [], []
+        for stream, entry_id, fields in raw:
+            try:
+                entries.append(decode_entry(stream, entry_id, fields, group))
+            except messages.MessageError as e:
+                dead.append((Entry(stream, entry_id, fields, None, group), str(e)))
+        if dead:
+            await self.bury(dead)
+        return entries
+
+    # --- the consumer loop ------------------------------------------------------------
+
+    async def consume(self, stream: str, group: str, consumer: str, handler: Handler, *,
+                      count: int = 16, block_ms: int = 1000, stop: anyio.Event | None = None,
+                      min_idle_ms: int = 30_000, reclaim_every_s: float = 5.0,
+                      max_deliveries: int = 5) -> None:
+        """Run `handler` on every entry of `stream` for `group` until `stop` is set.
+
+        `min_idle_ms` must exceed the longest time an entry waits in a live consumer
+        (count x handler time), or a slow consumer's entries are claimed by another."""
+        if block_ms >= self.socket_timeout_s * 1000:
+            raise ValueError(f"block_ms ({block_ms}) must be below the socket timeout "
+                             f"({self.socket_timeout_s * 1000:.0f} ms)")
+        if max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be at least 1, got {max_deliveries}")
+        loop = _ConsumeLoop(self, stream, group, consumer, handler, count, block_ms,
+                            min_idle_ms, reclaim_every_s, max_deliveries)
+        stop = stop or anyio.Event()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(loop.interrupt_read_on, stop)
+            await loop.run(stop)
+            tasks.cancel_scope.cancel()
+
+    # --- introspection ----------------------------------------------------------------
+
+    async def stream_infos(self, match: str = STREAM_PATTERN) -> list[StreamInfo]:
+        """Length, groups (pending, lag, last delivered id) and consumers of each stream."""
+        names = sorted({name async for name in self.redis.scan_iter(match=match,
+                                                                   _type="stream")})
+        infos = []
+        for name in names:
+            try:
+                infos.append(await self._stream_info(name.decode()))
+            except ResponseError:
+                continue  # deleted between SCAN and XINFO
+        return infos
+
+    async def _stream_info(self, name: str) -> StreamInfo:
+        length = await self.redis.xlen(name)
+        groups = [await self._group_info(name, row)
+                  for row in await self.redis.xinfo_groups(name)]
+        return StreamInfo(name, length, groups)
+
+    async def _group_info(self, stream: str, row: dict[str, Any]) -> GroupInfo:
+        group, last_id = _text(row["name"]), _text(row["last-delivered-id"])
+        lag = row.get("lag")
+        if lag is None:
+            lag = await self._count_after(keys=[stream], args=[last_id, LAG_COUNT_LIMIT])
+        consumers = [ConsumerInfo(_text(c["name"]), c["pending"], c["idle"])
+                     for c in await self.redis.xinfo_consumers(stream, group)]
+        return GroupInfo(group, row["pending"], int(lag), last_id, consumers)
+
+
+class _ConsumeLoop:
+    """The state of one `Bus.consume` call."""
+
+    def __init__(self, bus: Bus, stream: str, group: str, consumer: str, handler: Handler,
+                 count: int, block_ms: int, min_idle_ms: int, reclaim_every_s: float,
+                 max_deliveries: int) -> None:
+        self.bus, self.stream, self.group, self.consumer = bus, stream, group, consumer
+        self.handler = handler
+        self.count, self.block_ms = count, block_ms
+        self.min_idle_ms, self.reclaim_every_s = min_idle_ms, reclaim_every_s
+        self.max_deliveries = max_deliveries
+        self.need_group = True
+        self.read_pending = True  # on start and after a reconnect: our own pending first
+        self.next_reclaim = 0.0
+        self.read_scope = anyio.CancelScope()
+        self.log = log.bind(stream=stream, group=group, consumer=consumer)
+
+    async def interrupt_read_on(self, stop: anyio.Event) -> None:
+        await stop.wait()
+        self.read_scope.cancel()
+
+    async def run(self, stop: anyio.Event) -> None:
+        backoff = Backoff(max_s=self.bus.max_backoff_s)
+        while not stop.is_set():
+            try:
+                await self._step(stop)
+                backoff.reset()
+            except UNAVAILABLE as e:
+                self.read_pending = True
+                delay = backoff.next()
+                self.log.warning("redis unreachable, reconnecting", error=str(e),
+                                 retry_in_s=delay)
+                with anyio.move_on_after(delay):
+                    await stop.wait()
+            except ResponseError as e:
+                if not str(e).startswith("NOGROUP"):
+                    raise
+                self.log.warning("consumer group missing, creating it")
+                self.need_group = self.read_pending = True
+
+    async def _step(self, stop: anyio.Event) -> None:
+        if self.need_group:
+            await self.bus.ensure_group(self.stream, self.group)
+            self.need_group = False
+        if time.monotonic() >= self.next_reclaim:
+            await self._reclaim()
+        for entry in await self._read(stop):
+            await self._process(entry)
+
+    async def _read(self, stop: anyio.Event) -> list[Entry]:
+        if self.read_pending:
+            self.read_pending = False
+            return await self.bus.read(self.group, self.consumer, {self.stream: "0"})
+        if stop.is_set():
+            return []
+        with anyio.CancelScope() as self.read_scope:
+            return await self.bus.read(self.group, self.consumer, {self.stream: ">"},
+                                       count=self.count, block_ms=self.block_ms)
+        return []  # stop was set while blocked
+
+    async def _reclaim(self) -> None:
+        self.next_reclaim = time.monotonic() + self.reclaim_every_s
+        entries, trimmed = await self.bus.claim_idle(
+            self.stream, self.group, self.consumer, self.min_idle_ms, self.count)
+        self.read_pending |= trimmed
+        if not entries:
+            return
+        self.log.info("claimed idle entries", n=len(entries))
+        counts = await self.bus.delivery_counts(self.stream, self.group,
+                                                [e.id for e in entries])
+        for entry in entries:
+            delivered = counts.get(entry.id, 0)
+            if delivered > self.max_deliveries:
+                await self.bus.bury([(entry, f"delivered {delivered} times and never "
+                                             "acknowledged (its consumers died?)")])
+            else:
+                await self._process(entry)
+
+    async def _process(self, entry: Entry) -> None:
+        try:
+            outputs = await self.handler(entry.msg) or ()
+            records = encode_outputs(outputs)
+        except Exception as e:  # a failing handler must not stop the stage: retry, then bury
+            await self._failed(entry, e)
+            return
+        await self.bus.write(records, [entry])
+
+    async def _failed(self, entry: Entry, error: Exception) -> None:
+        self.log.error("handler failed", id=entry.id.decode(), type=entry.msg.TYPE,
+                       exc_info=error)
+        delivered = (await self.bus.delivery_counts(
+            self.stream, self.group, [entry.id])).get(entry.id, 0)
+        if delivered >= self.max_deliveries:
+            await self.bus.bury([(entry, f"{type(error).__name__}: {error} "
+                                         f"(after {delivered} deliveries)")])
+
+
+def _flatten(reply: Any) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+    """XREAD(GROUP)'s [[stream, [(id, fields), ...]], ...] (or a dict of the same) as
+    (stream, id, fields) triples."""
+    pairs = reply.items() if isinstance(reply, dict) else (reply or [])
+    return [(_text(stream), entry_id, fields or {})
+            for stream, items in pairs for entry_id, fields in items]
+
+
+def _ids_by_group(done: Sequence[Entry]) -> dict[tuple[str, str], list[bytes]]:
+    ids: dict[tuple[str, str], list[bytes]] = {}
+    for entry in done:
+        if entry.group is None:
+            raise ValueError(f"entry {entry.id!r} of {entry.stream} was not read in a group")
+        ids.setdefault((entry.stream, entry.group), []).append(entry.id)
+    return ids
+
+
+def _dead_fields(entry: Entry, reason: str) -> dict[bytes, bytes]:
+    ours = {b"stream": entry.stream, b"id": entry.id, b"group": entry.group or "",
+            b"reason": reason}
+    return {**entry.fields, **{k: v if isinstance(v, bytes) else v.encode()
+                               for k, v in ours.items()}}
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

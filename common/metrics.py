@@ -1,0 +1,147 @@
+"""Prometheus metrics with vLLM's names under the `headrace:` prefix.
+
+Each `Metrics` owns its registry, so tests and several engines in one process never share
+counters. Totals that another process keeps (the scheduler's token and cache counters,
+which it sends in `SchedulerStats`) are exposed as counters set to the latest absolute value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "headrace:"
+
+# vLLM's buckets: first tokens take milliseconds to minutes, the gaps between tokens
+# milliseconds to seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+TOTALS = {
+    "num_preemptions": "Cumulative number of preemptions by the scheduler.",
+    "prompt_tokens": "Number of prefill tokens processed.",
+    "generation_tokens": "Number of generation tokens processed.",
+    "prefix_cache_queries": "Prefix cache queries, in tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in tokens.",
+}
+
+
+class SchedulerTotals(Protocol):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class StreamStats(Protocol):
+    name: str
+    length: int
+    groups: Iterable[GroupStats]
+
+
+class GroupStats(Protocol):
+    name: str
+    pending: int
+    lag: int | None
+
+
+class TotalsCollector(Collector):
+    """Counters whose value is a running total: `set` takes the absolute total (a restarted
+    source starts again from zero, which Prometheus reads as a counter reset); `inc` adds."""
+
+    def __init__(self, docs: Mapping[str, str]) -> None:
+        self._docs = dict(docs)
+        self._values = dict.fromkeys(docs, 0.0)
+
+    def set(self, name: str, total: float) -> None:
+        self._check(name)
+        if total < 0:
+            raise ValueError(f"a counter total is never negative, got {name}={total}")
+        self._values[name] = float(total)
+
+    def inc(self, name: str, amount: float = 1.0) -> None:
+        self._check(name)
+        if amount < 0:
+            raise ValueError(f"counters only go up, got {name} += {amount}")
+        self._values[name] += amount
+
+    def value(self, name: str) -> float:
+        self._check(name)
+        return self._values[name]
+
+    def collect(self) -> Iterator[Metric]:
+        for name, doc in self._docs.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=self._values[name])
+
+    def _check(self, name: str) -> None:
+        if name not in self._docs:
+            raise KeyError(f"unknown counter {name!r}; known: {sorted(self._docs)}")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.num_requests_running = Gauge(
+            PREFIX + "num_requests_running", "Requests in the running batch.", registry=reg)
+        self.num_requests_waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", registry=reg)
+        self.kv_cache_usage_perc = Gauge(
+            PREFIX + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).",
+            registry=reg)
+        self.totals = TotalsCollector(TOTALS)
+        reg.register(self.totals)
+        self.request_success = Counter(
+            PREFIX + "request_success", "Requests that finished, by finish reason.",
+            ["finished_reason"], registry=reg)
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time to the first token.",
+            buckets=TTFT_BUCKETS, registry=reg)
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between consecutive tokens.",
+            buckets=ITL_BUCKETS, registry=reg)
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
+            buckets=E2E_BUCKETS, registry=reg)
+        self.stream_length = Gauge(
+            PREFIX + "stream_length", "Entries in a stream.", ["stream"], registry=reg)
+        self.stream_pending = Gauge(
+            PREFIX + "stream_pending", "Entries delivered to a group and not acknowledged.",
+            ["stream", "group"], registry=reg)
+        self.stream_lag = Gauge(
+            PREFIX + "stream_lag", "Entries not yet delivered to a group.",
+            ["stream", "group"], registry=reg)
+
+    def set_scheduler_stats(self, stats: SchedulerTotals) -> None:
+        """Gauges and totals from the scheduler's latest `SchedulerStats`."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        for name in TOTALS:
+            self.totals.set(name, getattr(stats, name))
+
+    def set_streams(self, streams: Iterable[StreamStats]) -> None:
+        """Replace the per-stream gauges (streams and groups that vanished disappear)."""
+        for gauge in (self.stream_length, self.stream_pending, self.stream_lag):
+            gauge.clear()
+        for stream in streams:
+            self.stream_length.labels(stream.name).set(stream.length)
+            for group in stream.groups:
+                self.stream_pending.labels(stream.name, group.name).set(group.pending)
+                if group.lag is not None:
+                    self.stream_lag.labels(stream.name, group.name).set(group.lag)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,64 @@
+"""Shared fixtures: one real redis-server for the session, emptied before each test.
+
+    def test_x(redis_url): ...                 # a clean Redis, "unix:///.../redis.sock"
+    async def test_y(redis_url, restart_redis): # restart_redis() stops and starts it (AOF)
+    @pytest.mark.anyio                          # async tests run on asyncio
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from common.redis_server import EmbeddedRedis
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def embedded_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(embedded_redis: EmbeddedRedis) -> str:
+    if embedded_redis.process is None:  # a test stopped it and failed before starting it
+        embedded_redis.start()
+    client = embedded_redis.client()
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return embedded_redis.url
+
+
+@pytest.fixture
+def restart_redis(embedded_redis: EmbeddedRedis) -> Callable[[], None]:
+    """Stop the session's Redis and start it again on the same socket (data come back
+    from the append-only file). Blocking: from async code use anyio.to_thread.run_sync."""
+    return embedded_redis.restart
+
+
+def repo_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess that imports this repository's packages."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_command(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    """`python -m services.cli <args>` as a subprocess, from the repository root."""
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO,
+                          env=repo_env(**env), capture_output=True, text=True,
+                          timeout=timeout)

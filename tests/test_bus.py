@@ -1,0 +1,372 @@
+"""The bus against a real redis-server: round trips, readable entries, consumer groups
+across processes, kill -9 of a consumer, poison entries, trimming, a Redis restart."""
+
+from __future__ import annotations
+
+import inspect
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import msgpack
+import pytest
+import redis
+
+from common import bus as busmod
+from common.bus import ADMIT, DEAD, REQUESTS, Bus, entry_fields
+from common.messages import (Abort, AdmitRequest, CachedRequest, ErrorReply, GenerateRequest,
+                             NewRequest, StepPlan, decode)
+from common.sampling_params import SamplingParams
+from tests.conftest import repo_env
+
+WORKER = Path(__file__).resolve().parent / "bus_worker.py"
+IN, OUT = "hr:test:in", "hr:test:out"
+
+
+async def wait_until(predicate: Callable[[], object], timeout: float = 20.0) -> None:
+    """Poll `predicate` (sync or async) until it holds."""
+    with anyio.fail_after(timeout):
+        while True:
+            result = predicate()
+            if inspect.isawaitable(result):
+                result = await result
+            if result:
+                return
+            await anyio.sleep(0.01)
+
+
+def sync_wait_until(predicate: Callable[[], object], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def step_plan(rng: random.Random, step: int, n: int = 8) -> StepPlan:
+    req_ids = [f"req-{rng.randrange(10**6)}" for _ in range(n)]
+    params = SamplingParams(temperature=0.6, max_tokens=rng.randint(1, 500))
+    new = [NewRequest(rid, [rng.randrange(32000) for _ in range(rng.randint(1, 40))], 5,
+                      [rng.randrange(1000) for _ in range(3)], params) for rid in req_ids[:2]]
+    return StepPlan(step, req_ids, [rng.randint(1, 64) for _ in req_ids],
+                    [rng.randrange(4096) for _ in req_ids], new=new,
+                    cached=[CachedRequest(req_ids[2], [rng.randrange(1000)])],
+                    finished=[req_ids[3]])
+
+
+async def run_consumer(bus: Bus, handler, until: Callable[[], object], timeout: float = 20.0,
+                       stream: str = IN, **options) -> None:
+    """Run bus.consume on `stream` until `until()` holds, then stop it and wait for it."""
+    stop = anyio.Event()
+    options.setdefault("block_ms", 100)
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(lambda: bus.consume(stream, "g", "c1", handler, stop=stop,
+                                             **options))
+        await wait_until(until, timeout)
+        stop.set()
+
+
+@pytest.mark.anyio
+async def test_round_trip_of_real_messages_with_readable_fields(redis_url):
+    rng = random.Random(0)
+    sent = [GenerateRequest(f"rid-{i}", "gw-1", {"temperature": 0.5},
+                            prompt=f"prompt {rng.random()}") for i in range(5)]
+    sent.append(step_plan(rng, step=7))
+    seen = []
+
+    async def handler(msg):
+        seen.append(msg)
+        return [(ADMIT, msg)]
+
+    async with Bus(redis_url) as bus:
+        ids = await bus.publish(REQUESTS, *sent)
+        assert len(ids) == len(sent)
+        await run_consumer(bus, handler, lambda: len(seen) == len(sent), stream=REQUESTS)
+        out = await bus.redis.xrange(ADMIT)
+        pending = await bus.redis.xpending(REQUESTS, "g")
+    assert seen == sent
+    assert [decode(fields[b"body"]) for _, fields in out] == sent
+    first, plan = out[0][1], out[-1][1]
+    assert first[b"type"] == b"generate" and first[b"rid"] == b"rid-0"
+    assert abs(float(first[b"ts"]) - time.time()) < 60
+    assert plan[b"type"] == b"plan" and plan[b"n"] == b"8" and plan[b"step"] == b"7"
+    assert pending["pending"] == 0
+
+
+@pytest.mark.anyio
+async def test_consume_acks_every_handled_entry(redis_url):
+    handled = []
+
+    async def handler(msg):
+        handled.append(msg.rid)
+        return None  # a sink: nothing to publish, the entry is still acknowledged
+
+    async with Bus(redis_url) as bus:
+        await bus.publish(IN, *[Abort(f"r{i}") for i in range(20)])
+        await run_consumer(bus, handler, lambda: len(handled) == 20)
+        summary = await bus.redis.xpending(IN, "g")
+    assert handled == [f"r{i}" for i in range(20)]
+    assert summary["pending"] == 0
+
+
+@pytest.mark.anyio
+async def test_read_several_streams_then_commit_outputs_and_acks_together(redis_url):
+    async with Bus(redis_url) as bus:
+        for stream in (IN, OUT):
+            await bus.ensure_group(stream, "sched")
+        await bus.publish(IN, Abort("a1"), Abort("a2"))
+        await bus.publish(OUT, Abort("b1"))
+        entries = await bus.read("sched", "s0", {IN: ">", OUT: ">"}, count=10)
+        assert sorted(e.msg.rid for e in entries) == ["a1", "a2", "b1"]
+        assert {e.stream for e in entries} == {IN, OUT}
+        assert (await bus.redis.xpending(IN, "sched"))["pending"] == 2
+        await bus.commit([(ADMIT, ErrorReply("a1", 400, "x"))], done=entries)
+        assert (await bus.redis.xpending(IN, "sched"))["pending"] == 0
+        assert (await bus.redis.xpending(OUT, "sched"))["pending"] == 0
+        assert await bus.redis.xlen(ADMIT) == 1
+        # nothing new, and nothing pending for this consumer
+        assert await bus.read("sched", "s0", {IN: ">", OUT: ">"}) == []
+        assert await bus.read("sched", "s0", {IN: "0", OUT: "0"}) == []
+
+
+@pytest.mark.anyio
+async def test_tail_follows_a_stream_without_a_group(redis_url):
+    async with Bus(redis_url) as bus:
+        await bus.publish(OUT, Abort("x0"))
+        first = await bus.tail({OUT: "0"})
+        assert [e.msg.rid for e in first] == ["x0"] and first[0].group is None
+        await bus.redis.xadd(OUT, {"type": "junk", "body": b"\xc1"})
+        await bus.publish(OUT, Abort("x1"))
+        later = await bus.tail({OUT: first[-1].id}, block_ms=100)
+        assert [e.msg.rid for e in later] == ["x1"]
+        dead = await bus.redis.xrange(DEAD)
+        assert len(dead) == 1 and dead[0][1][b"group"] == b""
+
+
+@pytest.mark.anyio
+async def test_poison_entries_go_to_dead_and_the_consumer_keeps_going(redis_url):
+    handled = []
+
+    async def handler(msg):
+        handled.append(msg.rid)
+        return [(OUT, msg)]
+
+    async with Bus(redis_url) as bus:
+        await bus.redis.xadd(IN, {"type": "generate", "body": b"\xc1\x00garbage"})
+        await bus.redis.xadd(IN, {"type": "mystery",
+                                  "body": msgpack.packb({"t": "mystery", "v": 1})})
+        await bus.redis.xadd(IN, {"type": "abort", "rid": "no-body"})
+        await bus.publish(IN, Abort("good"))
+        await run_consumer(bus, handler, lambda: handled == ["good"])
+        dead = await bus.redis.xrange(DEAD)
+        assert (await bus.redis.xpending(IN, "g"))["pending"] == 0
+    reasons = [fields[b"reason"].decode() for _, fields in dead]
+    assert len(dead) == 3
+    assert "not MessagePack" in reasons[0]
+    assert "unknown message type 'mystery'" in reasons[1]
+    assert "no body" in reasons[2]
+    for _, fields in dead:
+        assert fields[b"stream"] == IN.encode() and fields[b"group"] == b"g"
+        assert fields[b"id"].count(b"-") == 1
+    assert dead[2][1][b"rid"] == b"no-body"  # the raw fields travel along
+
+
+@pytest.mark.anyio
+async def test_a_handler_that_always_fails_sends_its_entry_to_dead(redis_url):
+    calls = Counter()
+
+    async def handler(msg):
+        calls[msg.rid] += 1
+        if msg.rid == "bad":
+            raise RuntimeError("cannot tokenize this")
+        return [(OUT, msg)]
+
+    async with Bus(redis_url) as bus:
+        await bus.publish(IN, Abort("ok-1"), Abort("bad"), Abort("ok-2"))
+        await run_consumer(bus, handler, lambda: calls["bad"] >= 3 and calls["ok-2"],
+                           min_idle_ms=50, reclaim_every_s=0.05, max_deliveries=3)
+        dead = await bus.redis.xrange(DEAD)
+        outputs = [decode(f[b"body"]).rid for _, f in await bus.redis.xrange(OUT)]
+        assert (await bus.redis.xpending(IN, "g"))["pending"] == 0
+    assert calls == {"ok-1": 1, "bad": 3, "ok-2": 1}
+    assert outputs == ["ok-1", "ok-2"]
+    assert len(dead) == 1
+    reason = dead[0][1][b"reason"].decode()
+    assert "RuntimeError: cannot tokenize this" in reason and "3 deliveries" in reason
+    assert dead[0][1][b"rid"] == b"bad"
+
+
+@pytest.mark.anyio
+async def test_an_entry_whose_consumers_keep_dying_is_buried_when_claimed(redis_url):
+    handled = []
+
+    async def handler(msg):
+        handled.append(msg)
+
+    async with Bus(redis_url) as bus:
+        await bus.ensure_group(IN, "g")
+        await bus.publish(IN, Abort("crasher"))
+        await bus.redis.xreadgroup("g", "gone", {IN: ">"})
+        for _ in range(2):  # delivered again to consumers that die before acknowledging
+            await bus.redis.xreadgroup("g", "gone", {IN: "0"})
+        await run_consumer(bus, handler, lambda: bus.redis.xlen(DEAD), min_idle_ms=0,
+                           reclaim_every_s=0.05, max_deliveries=3)
+        dead = await bus.redis.xrange(DEAD)
+        assert (await bus.redis.xpending(IN, "g"))["pending"] == 0
+    assert handled == []
+    assert len(dead) == 1 and b"never acknowledged" in dead[0][1][b"reason"]
+
+
+@pytest.mark.anyio
+async def test_a_deleted_group_is_created_again(redis_url):
+    handled = []
+
+    async def handler(msg):
+        handled.append(msg.rid)
+
+    async with Bus(redis_url) as bus:
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(lambda: bus.consume(IN, "g", "c1", handler, stop=stop,
+                                                 block_ms=50, reclaim_every_s=0.05))
+            await bus.publish(IN, Abort("before"))
+            await wait_until(lambda: handled == ["before"])
+            await bus.redis.xgroup_destroy(IN, "g")
+            await bus.publish(IN, Abort("after"))
+            await wait_until(lambda: "after" in handled)
+            stop.set()
+    # the new group starts at "0", so the entry from before is delivered again
+    assert handled[-1] == "after" and set(handled) == {"before", "after"}
+
+
+@pytest.mark.anyio
+async def test_trimming_bounds_a_streams_length(redis_url):
+    rng = random.Random(1)
+    async with Bus(redis_url, maxlen=100) as bus:
+        for batch in range(20):
+            await bus.publish(IN, *[step_plan(rng, batch * 100 + i, n=4) for i in range(100)])
+        length = await bus.redis.xlen(IN)
+    # MAXLEN ~ trims whole radix-tree nodes (100 entries each by default)
+    assert 100 <= length < 300
+
+
+@pytest.mark.anyio
+async def test_a_redis_restart_during_consume_and_publish_loses_nothing(redis_url,
+                                                                        restart_redis):
+    handled = []
+    total = 150
+
+    async def handler(msg):
+        handled.append(msg.rid)
+        return [(OUT, ErrorReply(msg.rid, 200, "done"))]
+
+    async def publish_all(bus: Bus) -> None:
+        for i in range(total):
+            await bus.publish(IN, Abort(f"r{i}"))
+            if i == total // 3:
+                await anyio.to_thread.run_sync(restart_redis)
+            await anyio.sleep(0.002)
+
+    async with Bus(redis_url, max_backoff_s=0.2) as bus, Bus(redis_url) as checker:
+        stop = anyio.Event()
+        out_rids: list[str] = []
+
+        async def collect_outputs() -> None:
+            with anyio.fail_after(40):
+                while len(set(out_rids)) < total:
+                    try:
+                        out_rids[:] = [decode(f[b"body"]).rid
+                                       for _, f in await checker.redis.xrange(OUT)]
+                    except busmod.UNAVAILABLE:
+                        pass
+                    await anyio.sleep(0.05)
+            stop.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(lambda: bus.consume(IN, "g", "c1", handler, stop=stop,
+                                                 block_ms=100, reclaim_every_s=0.2))
+            await publish_all(bus)
+            await collect_outputs()
+    assert set(out_rids) == {f"r{i}" for i in range(total)}
+
+
+# --- consumer processes ----------------------------------------------------------------
+
+def start_worker(url: str, name: str, **flags: float) -> subprocess.Popen[str]:
+    argv = [sys.executable, str(WORKER), url, IN, OUT, "g", name]
+    for flag, value in flags.items():
+        argv += ["--" + flag.replace("_", "-"), str(value)]
+    proc = subprocess.Popen(argv, env=repo_env(HEADRACE_LOG_LEVEL="WARNING"),
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def stop_worker(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def outputs(client: redis.Redis) -> list[ErrorReply]:
+    return [decode(fields[b"body"]) for _, fields in client.xrange(OUT)]
+
+
+def publish_sync(client: redis.Redis, rids: list[str]) -> None:
+    pipe = client.pipeline()
+    for rid in rids:
+        pipe.xadd(IN, entry_fields(Abort(rid)))
+    pipe.execute()
+
+
+def test_two_consumer_processes_share_the_work(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    rids = [f"r{i}" for i in range(80)]
+    workers = [start_worker(redis_url, name, delay_ms=5) for name in ("w1", "w2")]
+    try:
+        publish_sync(client, rids)
+        sync_wait_until(lambda: client.xlen(OUT) >= len(rids))
+        assert all(w.poll() is None for w in workers)
+    finally:
+        for w in workers:
+            stop_worker(w)
+    replies = outputs(client)
+    assert sorted(r.rid for r in replies) == sorted(rids)
+    by_worker = Counter(r.message for r in replies)
+    assert by_worker["w1"] > 0 and by_worker["w2"] > 0
+    assert all(w.returncode == 0 for w in workers)  # SIGTERM stops the loop cleanly
+
+
+def test_kill_9_of_a_consumer_loses_and_duplicates_nothing(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    rids = [f"r{i}" for i in range(150)]
+    victim = start_worker(redis_url, "victim", delay_ms=15, min_idle_ms=400)
+    survivor = start_worker(redis_url, "survivor", delay_ms=15, min_idle_ms=400)
+    try:
+        publish_sync(client, rids)
+
+        def victim_pending() -> int:
+            summary = client.xpending(IN, "g")
+            return {c["name"]: c["pending"] for c in summary["consumers"]}.get(b"victim", 0)
+
+        sync_wait_until(lambda: client.xlen(OUT) >= 20 and victim_pending() >= 2)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        assert victim_pending() >= 1  # left behind, to be claimed by the survivor
+        sync_wait_until(lambda: client.xpending(IN, "g")["pending"] == 0
+                        and client.xlen(OUT) >= len(rids))
+    finally:
+        victim.kill()
+        stop_worker(survivor)
+    replies = outputs(client)
+    assert Counter(r.rid for r in replies) == Counter(rids)  # each exactly once
+    assert {r.message for r in replies} == {"victim", "survivor"}
