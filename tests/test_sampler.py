@@ -173,7 +173,7 @@ def test_top_k_set_matches_reference(device: torch.device) -> None:
     rng = random.Random(5)
     logits = tied_logits(5, 64, 12)
     ks = [rng.choice([0, 1, 2, 3, 5, 8, 11, 12, 20]) for _ in range(64)]
-    kept = apply_top_k(logits.to(device), torch.tensor(ks, device=device), max(ks))
+    kept = apply_top_k(logits.to(device), torch.tensor(ks, device=device), 12)
     for row, k, out in zip(logits.tolist(), ks, kept.cpu()):
         assert set(torch.nonzero(torch.isfinite(out)).flatten().tolist()) == ref_top_k(row, k)
         assert torch.equal(out[torch.isfinite(out)], torch.tensor(row)[torch.isfinite(out)])
@@ -187,6 +187,17 @@ def test_top_p_set_matches_reference(device: torch.device) -> None:
     for row, p, out in zip(probs.double().tolist(), ps, kept.cpu()):
         assert set(torch.nonzero(out).flatten().tolist()) == ref_top_p(row, p)
     assert torch.equal(kept[torch.tensor(ps) == 1.0].cpu(), probs[torch.tensor(ps) == 1.0])
+
+
+def test_top_p_among_the_top_k_equals_top_p_over_the_vocabulary(device: torch.device) -> None:
+    rng = random.Random(18)
+    logits, ks = tied_logits(18, 64, 40).to(device), [rng.randrange(1, 9) for _ in range(64)]
+    ps = torch.tensor([rng.choice([0.1, 0.5, 0.8, 0.95, 1.0]) for _ in range(64)], device=device)
+    probs = torch.softmax(apply_top_k(logits, torch.tensor(ks, device=device), 8), dim=-1)
+    assert (torch.count_nonzero(probs, dim=-1) > torch.tensor(ks, device=device)).any()  # ties
+    full = apply_top_p(probs, ps)
+    assert torch.equal(apply_top_p(probs, ps, probs.topk(8, dim=-1).values), full)
+    assert not torch.equal(full, probs)
 
 
 @pytest.mark.parametrize("top_p, kept", [(0.5, {0}), (0.75, {0, 1}), (0.875, {0, 1, 2}),
@@ -342,9 +353,9 @@ def test_make_generator_takes_any_int_seed(device: torch.device) -> None:
 
 # --- logprobs ------------------------------------------------------------------------------------
 
-def test_logprobs_come_from_raw_logits(device: torch.device) -> None:
+@pytest.mark.parametrize("ks", [[0, 3, None, 5, 1, 2], [2, 0, 4, 1, 1, 3]])
+def test_logprobs_come_from_raw_logits(device: torch.device, ks: list[int | None]) -> None:
     vocab = 50
-    ks = [0, 3, None, 5, 1, 2]
     params = [SamplingParams(temperature=t, logprobs=k, top_k=10, repetition_penalty=1.5,
                              frequency_penalty=0.5, seed=s)
               for t, k, s in zip([0.8, 0.0, 1.0, 1.5, 0.0, 0.5], ks, [1, None, 2, None, 3, 4])]
@@ -363,7 +374,8 @@ def test_logprobs_come_from_raw_logits(device: torch.device) -> None:
                                    torch.cat([reference[i, chosen:chosen + 1], top.values]),
                                    rtol=1e-5, atol=1e-5)
         assert entry.rank == 1 + int((reference[i] > reference[i, chosen]).sum())
-    assert out.logprobs[1].rank == 1 and len(out.logprobs[1].token_ids) == 4  # greedy, k=3
+    # The greedy row's penalties spare the raw favourite, so it is chosen and ranks first.
+    assert out.logprobs[1].rank == 1 and len(out.logprobs[1].token_ids) == ks[1] + 1
 
 
 @pytest.mark.parametrize("k", [0, 4])
@@ -373,7 +385,8 @@ def test_prompt_logprobs_shapes_values_and_ranks(device: torch.device, k: int) -
     targets = torch.randint(0, vocab, (num_positions,),
                             generator=torch.Generator().manual_seed(16))
     ids, values, ranks = prompt_logprobs(logits.to(device), targets.to(device), k)
-    assert ids.shape == values.shape == (num_positions, k + 1) and ranks.shape == (num_positions,)
+    assert ids.shape == values.shape == (num_positions, k + 1)
+    assert ranks.shape == (num_positions,)
     reference = torch.log_softmax(logits.double(), dim=-1)
     ids, values, ranks = ids.cpu(), values.cpu().double(), ranks.cpu()
     assert torch.equal(ids[:, 0], targets)
