@@ -1,0 +1,179 @@
+"""Finding a model's files: a local directory, a GGUF file (converted once into a cached
+Hugging Face directory), or a hub id (downloaded with huggingface_hub when online); and
+reading its config, tokenizer and generation config.
+
+The tokenizer and gateway processes use this module, so torch and transformers are only
+imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("headrace.model_files")
+
+CACHE_DIR_ENV = "HEADRACE_CACHE_DIR"
+DEFAULT_CACHE_DIR = "~/.cache/headrace"
+TOKENIZER_PATTERNS = ["tokenizer*", "*.jinja", "special_tokens_map.json", "vocab.json",
+                      "merges.txt", "*.model", "*.tiktoken"]
+CONFIG_PATTERNS = ["config.json", "generation_config.json"]
+WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
+MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "max_sequence_length")
+
+
+class ModelNotFound(FileNotFoundError):
+    """The model names no local directory or .gguf file and the hub cannot provide it."""
+
+
+def resolve_model(model: str, load_format: str = "auto") -> Path:
+    """The local Hugging Face directory holding `model`'s files."""
+    return _resolve(model, load_format, weights=load_format != "dummy")
+
+
+def _resolve(model: str, load_format: str, weights: bool) -> Path:
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelNotFound(f"GGUF file {model!r} does not exist")
+        return gguf_to_hf_dir(path)
+    if load_format == "gguf":
+        raise ModelNotFound(f"--load-format gguf needs a .gguf file, got {model!r}")
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelNotFound(f"model {model!r} is a file but not a .gguf file: pass a Hugging "
+                            "Face model directory, a .gguf file or a hub id")
+    return download_from_hub(model, weights)
+
+
+# --- GGUF ------------------------------------------------------------------------------
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def gguf_to_hf_dir(path: Path) -> Path:
+    """The cached Hugging Face directory converted from the GGUF file at `path`. The first
+    caller converts it, under a file lock, into a temporary directory renamed into place;
+    later callers (and ones that waited on the lock) find it ready."""
+    from filelock import FileLock
+
+    stat = path.stat()
+    root = cache_root() / "gguf"
+    target = root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if target.is_dir():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not target.is_dir():
+            convert_gguf(path, target)
+    return target
+
+
+def convert_gguf(path: Path, target: Path) -> None:
+    log.info("converting %s into a Hugging Face directory at %s (once; later starts reuse "
+             "it)", path, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write_hf_dir(path, tmp)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_hf_dir(path: Path, out: Path) -> None:
+    """config.json, dequantized float32 model.safetensors, a fast tokenizer with the chat
+    template, and generation_config.json, all taken from the GGUF file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.save_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32)
+    # the weights are already dequantized to float32; without the GGUF quantizer's marks
+    # transformers saves them as a plain checkpoint (it refuses to save "quantized" ones)
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+
+
+# --- the hub ---------------------------------------------------------------------------
+
+def download_from_hub(model: str, weights: bool = True) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (HFValidationError, HfHubHTTPError,
+                                        LocalEntryNotFoundError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    prefix = f"model {model!r} is not a local directory or .gguf file, and"
+    patterns = CONFIG_PATTERNS + TOKENIZER_PATTERNS + (WEIGHT_PATTERNS if weights else [])
+    try:
+        path = Path(snapshot_download(model, allow_patterns=patterns))
+    except HFValidationError:
+        raise ModelNotFound(f"{prefix} is not a valid Hugging Face hub id") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise ModelNotFound(f"{prefix} the Hugging Face hub has no such repository (or it "
+                            "is gated or private: log in with `hf auth login`)") from None
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        raise ModelNotFound(f"{prefix} the Hugging Face hub could not be reached (offline): "
+                            "pass a local path") from None
+    except HfHubHTTPError as e:
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelNotFound(f"{prefix} the Hugging Face hub answered: {first_line}") from None
+    if not (path / "config.json").is_file():
+        raise ModelNotFound(f"hub repository {model!r} has no config.json (a GGUF-only "
+                            "repository? download its .gguf file and pass that path)")
+    return path
+
+
+# --- reading the files -----------------------------------------------------------------
+
+def load_hf_config(path: str | os.PathLike):
+    """The transformers config (PretrainedConfig) of a model directory."""
+    from transformers import AutoConfig
+
+    if not (Path(path) / "config.json").is_file():
+        raise ModelNotFound(f"{path} has no config.json: not a Hugging Face model directory")
+    return AutoConfig.from_pretrained(path)
+
+
+def load_tokenizer(path: str | os.PathLike, tokenizer: str | None = None):
+    """The model's tokenizer, or the one `tokenizer` names (a directory, .gguf or hub id)."""
+    from transformers import AutoTokenizer
+
+    source = _resolve(tokenizer, "auto", weights=False) if tokenizer else Path(path)
+    return AutoTokenizer.from_pretrained(source)
+
+
+def load_generation_config(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The raw generation_config.json, or None when the model has none."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return None
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return config
+
+
+def max_model_len_of(hf_config) -> int:
+    """The longest sequence the model was built for."""
+    for key in MAX_LEN_KEYS:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"the model config has none of {list(MAX_LEN_KEYS)}; pass "
+                     "--max-model-len")

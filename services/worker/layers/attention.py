@@ -1,0 +1,55 @@
+"""Attention over the paged KV cache, and the per-step metadata every layer reads.
+
+A batch is its requests' new tokens concatenated (varlen, no padding). Each layer first
+writes the step's new K/V into its cache by slot_mapping and then attends through the block
+tables, so two requests of one step can share prefix blocks written in that same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.attention import paged_attention
+from kernels.cache import write_kv
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor     # int64 [T]: cache slot of each new token (-1: skip)
+    block_tables: torch.Tensor     # int32 [R, max_blocks_per_req]
+    query_start_loc: torch.Tensor  # int32 [R + 1], cumulative query lengths
+    seq_lens: torch.Tensor         # int32 [R], context length after this step
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+
+
+class Attention(nn.Module):
+    """q: [T, num_heads * head_dim], k and v: [T, num_kv_heads * head_dim] (this rank's
+    heads) -> [T, num_heads * head_dim]."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.num_kv_heads, self.layer_idx = num_kv_heads, layer_idx
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        meta = ctx.attn
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                              meta.seq_lens, self.scale)
+        return out.flatten(1)

@@ -1,0 +1,129 @@
+"""Linear layers split over the tensor-parallel group.
+
+Column-parallel layers split their output features (no communication: each rank keeps its
+slice of the activations); row-parallel layers split their input features and all-reduce
+the partial sums. The fused layers (q/k/v, gate/up) lay their shards out per rank so that
+one matmul serves all of them.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.layers.parallel import (all_reduce, divide, kv_heads_per_rank, tp_rank,
+                                              tp_size)
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{name}: checkpoint shard has shape {tuple(src.shape)}, the model "
+                         f"expects {tuple(dst.shape)}; the weights do not match config.json")
+    dst.copy_(src)
+
+
+def new_parameter(*shape: int, loader) -> nn.Parameter:
+    """An uninitialized parameter on the current default device and dtype."""
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+class LinearBase(nn.Module, abc.ABC):
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.weight = new_parameter(output_size, input_size, loader=self.weight_loader)
+        self.bias = new_parameter(output_size, loader=self.weight_loader) if bias else None
+
+    @abc.abstractmethod
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id=None) -> None:
+        """Copies this rank's shard of the full checkpoint tensor into param."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T with W's rows (output features) split across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, divide(output_size, tp_size(), "output size"), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id=None) -> None:
+        size = param.shape[0]
+        copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * size, size),
+                     type(self).__name__)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up: shard ids 0 and 1)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id=None) -> None:
+        if shard_id not in range(len(self.output_sizes)):
+            raise ValueError(f"{type(self).__name__}: shard id {shard_id!r} is not one of "
+                             f"{list(range(len(self.output_sizes)))}")
+        sizes = [divide(s, self.tp_size, "output size") for s in self.output_sizes]
+        offset, size = sum(sizes[:shard_id]), sizes[shard_id]
+        copy_checked(param.data.narrow(0, offset, size),
+                     loaded_weight.narrow(0, self.tp_rank * size, size),
+                     f"{type(self).__name__}[{shard_id}]")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection (shard ids "q", "k", "v"). Each rank holds its query heads and
+    their KV heads; with more ranks than KV heads, each KV head is replicated."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False) -> None:
+        size = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, size, "number of attention heads")
+        self.num_kv_heads = kv_heads_per_rank(total_num_kv_heads, size)
+        self.kv_replicas = max(1, size // total_num_kv_heads)
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id=None) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layout = {"q": (0, q_size, self.tp_rank),
+                  "k": (q_size, kv_size, self.tp_rank // self.kv_replicas),
+                  "v": (q_size + kv_size, kv_size, self.tp_rank // self.kv_replicas)}
+        if shard_id not in layout:
+            raise ValueError(f"QKVParallelLinear: shard id {shard_id!r} is not q, k or v")
+        offset, size, source_rank = layout[shard_id]
+        copy_checked(param.data.narrow(0, offset, size),
+                     loaded_weight.narrow(0, source_rank * size, size),
+                     f"QKVParallelLinear[{shard_id}]")
+
+
+class RowParallelLinear(LinearBase):
+    """y = x W^T with W's columns (input features) split across ranks; the partial sums are
+    all-reduced, then the (unsplit) bias is added."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(divide(input_size, tp_size(), "input size"), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id=None) -> None:
+        if param.ndim == 1:  # the bias is whole on every rank
+            copy_checked(param.data, loaded_weight, "RowParallelLinear bias")
+            return
+        size = param.shape[1]
+        copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * size, size),
+                     "RowParallelLinear")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

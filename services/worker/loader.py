@@ -1,0 +1,126 @@
+"""Building a model on its device and filling its weights: from a Hugging Face directory's
+*.safetensors (a GGUF file arrives here already converted to one, see common/model_files),
+or random at the real shapes (`load_format="dummy"`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from common.config import EngineConfig
+from common.model_files import resolve_model
+from services.worker.layers.norm import RMSNorm
+from services.worker.models import CausalLM, model_class
+
+DUMMY_STD = 0.02
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype,
+               model_dir: str | os.PathLike | None = None) -> CausalLM:
+    """The model of `hf_config` on `device` in `dtype`, with its weights. `model_dir` is the
+    resolved model directory; without it `config.model` is resolved here."""
+    cls = model_class(hf_config)
+    with default_dtype(dtype), torch.device(device):
+        model = cls(hf_config)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        directory = Path(model_dir) if model_dir is not None else resolve_model(
+            config.model, config.load_format)
+        load_weights(model, iter_safetensors(directory))
+    return model.eval()
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: CausalLM, seed: int) -> None:
+    """Normal(0, 0.02) everywhere except RMSNorm weights (1): activations stay finite at any
+    depth. Drawn on the parameters' device, so large models initialize in seconds."""
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    generators: dict[torch.device, torch.Generator] = {}
+    for param in model.parameters():
+        if id(param) in norm_weights:
+            param.fill_(1.0)
+            continue
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        param.normal_(0.0, DUMMY_STD, generator=generators[param.device])
+
+
+def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {directory}; use "
+                                "--load-format dummy for random weights")
+    counts = []
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            counts.append(len(f.keys()))
+    with tqdm(total=sum(counts), desc="Loading weights", unit="tensor") as bar:
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    bar.update()
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Routes each checkpoint tensor to its parameter's weight_loader (q/k/v and gate/up
+    into their fused parameters) and checks that every parameter got all its shards."""
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, str | int | None]] = set()
+    for name, tensor in weights:
+        if name.endswith(IGNORED_SUFFIXES) or (
+                model.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        target, shard_id = route(name, model)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
+                             f"{type(model).__name__}; is config.json the checkpoint's?")
+        param = params[target]
+        param.weight_loader(param, tensor, shard_id)
+        loaded.add((target, shard_id))
+    missing = sorted(f"{name}[{shard}]" if shard is not None else name
+                     for name, shard in expected_shards(model, params) - loaded)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} weights of "
+                         f"{type(model).__name__}, e.g. {', '.join(missing[:5])}")
+
+
+def route(name: str, model: CausalLM) -> tuple[str, str | int | None]:
+    """Checkpoint name -> (our parameter name, shard id)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in model.packed_modules:
+            fused, shard_id = model.packed_modules[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard_id
+    return name, None
+
+
+def expected_shards(model: CausalLM, params: dict[str, torch.nn.Parameter]
+                    ) -> set[tuple[str, str | int | None]]:
+    shards_of: dict[str, list[str | int]] = {}
+    for fused, shard_id in model.packed_modules.values():
+        shards_of.setdefault(fused, []).append(shard_id)
+    expected: set[tuple[str, str | int | None]] = set()
+    for name in params:
+        module = name.split(".")[-2] if "." in name else ""
+        expected |= {(name, s) for s in shards_of.get(module, [None])}
+    return expected

@@ -1,0 +1,37 @@
+"""The supported architectures, chosen by `config.architectures[0]`, and the KV cache
+shape they need."""
+
+from __future__ import annotations
+
+from services.worker.layers.parallel import kv_heads_per_rank
+from services.worker.models.causal_lm import CausalLM, head_dim_of
+from services.worker.models.llama import LlamaForCausalLM, MistralForCausalLM
+from services.worker.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+__all__ = ["ARCHITECTURES", "CausalLM", "kv_cache_shape", "model_class"]
+
+ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(hf_config) -> type[CausalLM]:
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ValueError("config.json names no architecture (`architectures` is empty); "
+                         f"supported: {', '.join(ARCHITECTURES)}")
+    name = architectures[0]
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {name!r}; supported: "
+                         f"{', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+def kv_cache_shape(hf_config, num_blocks: int, block_size: int,
+                   tp_size: int = 1) -> tuple[int, ...]:
+    """Shape of one layer's K (or V) cache on one tensor-parallel rank."""
+    num_kv_heads = kv_heads_per_rank(hf_config.num_key_value_heads, tp_size)
+    return (num_blocks, block_size, num_kv_heads, head_dim_of(hf_config))

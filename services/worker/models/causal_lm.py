@@ -1,0 +1,39 @@
+"""What every model offers the worker: a forward over a varlen batch and the logits."""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from services.worker.layers.attention import ForwardContext
+from services.worker.layers.embedding import ParallelLMHead
+
+
+def head_dim_of(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+class CausalLM(nn.Module, abc.ABC):
+    # checkpoint module name -> (our fused module name, shard id of its weight_loader)
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {}
+
+    num_layers: int
+    num_kv_heads: int  # per tensor-parallel rank
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    lm_head: ParallelLMHead
+
+    @abc.abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden_size]."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> float32 [N, vocab_size]."""
+        return self.lm_head(hidden)

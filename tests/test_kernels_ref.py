@@ -1,0 +1,230 @@
+"""The torch reference kernels against plain formulas written independently of them."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.attention import paged_attention, paged_attention_ref
+from kernels.cache import write_kv, write_kv_ref
+from kernels.norm import rms_norm, rms_norm_ref
+from kernels.rotary import (apply_rotary, apply_rotary_ref, rope_cos_sin_cache,
+                            rope_inv_freq)
+from services.worker.layers.rotary import rope_settings
+
+# (context length after the step, query length): a decode, whole prompts, prefill chunks
+# behind a cached prefix, and a context that exactly fills its blocks
+REQUESTS = [(1, 1), (17, 17), (40, 5), (33, 1), (64, 16), (9, 3)]
+
+
+def dense_attention(q, k, v, scale):
+    """q: [q_len, H, D] at the last q_len positions of k, v: [ctx, KVH, D]."""
+    q_len, ctx = q.shape[0], k.shape[0]
+    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                         v.transpose(0, 1), attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def paged_case(block_size, num_heads, num_kv_heads, head_dim, seed):
+    """Random per-request K/V laid into a cache through shuffled, non-contiguous blocks."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_needed = [math.ceil(ctx / block_size) for ctx, _ in REQUESTS]
+    num_blocks = 2 * sum(blocks_needed) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    pool = torch.randperm(num_blocks, generator=g).tolist()
+    block_tables = torch.zeros(len(REQUESTS), max(blocks_needed), dtype=torch.int32)
+    dense = []
+    for r, (ctx, q_len) in enumerate(REQUESTS):
+        ids = [pool.pop() for _ in range(blocks_needed[r])]
+        block_tables[r, :len(ids)] = torch.tensor(ids)
+        k = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
+        v = torch.randn(ctx, num_kv_heads, head_dim, generator=g)
+        for pos in range(ctx):
+            k_cache[ids[pos // block_size], pos % block_size] = k[pos]
+            v_cache[ids[pos // block_size], pos % block_size] = v[pos]
+        q = torch.randn(q_len, num_heads, head_dim, generator=g)
+        dense.append((q, k, v))
+    q_lens = torch.tensor([q_len for _, q_len in REQUESTS])
+    query_start_loc = torch.cat([torch.zeros(1), q_lens.cumsum(0)]).int()
+    seq_lens = torch.tensor([ctx for ctx, _ in REQUESTS], dtype=torch.int32)
+    q = torch.cat([d[0] for d in dense])
+    return q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, dense
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 4, 2), (128, 6, 2),
+                                                             (64, 2, 2), (128, 4, 1)])
+def test_paged_attention_matches_dense_causal(block_size, head_dim, num_heads, num_kv_heads):
+    q, k_cache, v_cache, tables, qsl, seq_lens, dense = paged_case(
+        block_size, num_heads, num_kv_heads, head_dim, seed=block_size * 1000 + head_dim)
+    scale = head_dim ** -0.5
+    out = paged_attention_ref(q, k_cache, v_cache, tables, qsl, seq_lens, scale)
+    expected = torch.cat([dense_attention(dq, dk, dv, scale) for dq, dk, dv in dense])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, tables, qsl, seq_lens,
+                                               scale), out)
+
+
+def test_paged_attention_ignores_cache_past_each_context():
+    q, k_cache, v_cache, tables, qsl, seq_lens, _ = paged_case(4, 4, 2, 64, seed=7)
+    out = paged_attention_ref(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125)
+    used = set(tables.flatten().tolist())
+    spare = [b for b in range(k_cache.shape[0]) if b not in used]
+    for r, ctx in enumerate(seq_lens.tolist()):
+        num_blocks = -(-ctx // 4)
+        tables[r, num_blocks:] = spare[r]  # table entries past the context: garbage blocks
+        k_cache[spare[r]] = v_cache[spare[r]] = 1e4
+        k_cache[tables[r, num_blocks - 1], ctx - 4 * (num_blocks - 1):] = 1e4
+    torch.testing.assert_close(
+        paged_attention_ref(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125), out)
+
+
+def test_paged_attention_keeps_bf16_dtype():
+    q, k_cache, v_cache, tables, qsl, seq_lens, dense = paged_case(4, 4, 2, 64, seed=3)
+    out = paged_attention_ref(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables,
+                              qsl, seq_lens, 0.125)
+    assert out.dtype == torch.bfloat16
+    expected = torch.cat([dense_attention(dq, dk, dv, 0.125) for dq, dk, dv in dense])
+    torch.testing.assert_close(out.float(), expected, rtol=3e-2, atol=3e-2)
+
+
+def test_write_kv_writes_slots_and_skips_minus_one():
+    g = torch.Generator().manual_seed(11)
+    num_blocks, block_size, kv_heads, head_dim = 6, 4, 2, 8
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([13, -1, 0, 22, -1, 7], dtype=torch.int64)
+    k = torch.randn(6, kv_heads, head_dim, generator=g)
+    v = torch.randn(6, kv_heads, head_dim, generator=g)
+    write_kv(k, v, k_cache, v_cache, slots)
+    expected_k, expected_v = before_k.clone(), before_v.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_k[slot // block_size, slot % block_size] = k[t]
+            expected_v[slot // block_size, slot % block_size] = v[t]
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert not torch.equal(k_cache, before_k)
+
+
+def test_write_kv_ref_casts_to_cache_dtype():
+    g = torch.Generator().manual_seed(12)
+    k_cache = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
+    v_cache = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
+    k, v = torch.randn(3, 1, 8, generator=g), torch.randn(3, 1, 8, generator=g)
+    write_kv_ref(k, v, k_cache, v_cache, torch.tensor([5, 1, -1]))
+    assert torch.equal(k_cache[1, 1], k[0].bfloat16()) and torch.equal(v_cache[0, 1],
+                                                                        v[1].bfloat16())
+
+
+def rms_formula(x, w, eps):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def test_rms_norm_matches_formula():
+    g = torch.Generator().manual_seed(21)
+    x, w = torch.randn(7, 96, generator=g) * 3, torch.randn(96, generator=g)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5), rms_formula(x, w, 1e-5))
+    torch.testing.assert_close(rms_norm_ref(x, w, 1e-5), rms_formula(x, w, 1e-5))
+
+
+def test_rms_norm_with_residual_returns_the_sum():
+    g = torch.Generator().manual_seed(22)
+    x, res, w = (torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g),
+                 torch.randn(64, generator=g))
+    out, new_residual = rms_norm(x, w, 1e-6, residual=res)
+    torch.testing.assert_close(new_residual, x + res)
+    torch.testing.assert_close(out, rms_formula(x + res, w, 1e-6))
+
+
+def test_rms_norm_bf16_keeps_dtype_and_accuracy():
+    g = torch.Generator().manual_seed(23)
+    x, w = torch.randn(4, 128, generator=g), torch.randn(128, generator=g)
+    out = rms_norm(x.bfloat16(), w.bfloat16(), 1e-6)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), rms_formula(x, w, 1e-6), rtol=2e-2, atol=2e-2)
+
+
+def rotate_by_complex(x, positions, inv_freq):
+    """Rotates each (x[i], x[i + d/2]) pair by position * inv_freq[i], as complex numbers."""
+    half = x.shape[-1] // 2
+    z = torch.complex(x[..., :half].double(), x[..., half:].double())
+    angle = positions.double()[:, None] * inv_freq.double()[None, :]
+    z = z * torch.polar(torch.ones_like(angle), angle)[:, None, :]
+    return torch.cat([z.real, z.imag], dim=-1).float()
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 64}])
+def test_rotary_matches_complex_rotation(scaling):
+    g = torch.Generator().manual_seed(31)
+    head_dim, theta = 64, 10000.0
+    cache = rope_cos_sin_cache(head_dim, 512, theta, scaling)
+    positions = torch.randint(0, 512, (9,), generator=g)
+    q, k = torch.randn(9, 4, head_dim, generator=g), torch.randn(9, 2, head_dim, generator=g)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    q_out, k_out = apply_rotary(positions, q, k, cache)
+    torch.testing.assert_close(q_out, rotate_by_complex(q, positions, inv_freq),
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(k_out, rotate_by_complex(k, positions, inv_freq),
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(apply_rotary_ref(positions, q, k, cache)[0], q_out)
+
+
+def test_default_inv_freq_is_theta_power():
+    inv_freq = rope_inv_freq(128, 500000.0)
+    expected = torch.tensor([500000.0 ** (-2 * i / 128) for i in range(64)])
+    torch.testing.assert_close(inv_freq, expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("original_max,factor", [(8192, 8.0), (64, 4.0)])
+def test_llama3_inv_freq_matches_transformers(original_max, factor):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=128,
+                         max_position_embeddings=131072, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": factor,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": original_max})
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    theta, scaling = rope_settings(config)
+    assert theta == 500000.0 and attention_factor == 1.0
+    ours = rope_inv_freq(128, theta, scaling)
+    torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
+    # all three bands present: kept, interpolated, slowed by `factor`
+    unscaled = rope_inv_freq(128, theta)
+    ratio = unscaled / ours
+    assert (ratio == 1).any() and (ratio == factor).any()
+    assert ((ratio > 1) & (ratio < factor)).any()
+
+
+def test_rope_settings_reads_old_style_configs():
+    old = SimpleNamespace(rope_theta=1e6, rope_scaling=None)
+    assert rope_settings(old) == (1e6, None)
+    scaled = SimpleNamespace(rope_theta=5e5, rope_scaling={"type": "llama3", "factor": 8.0})
+    assert rope_settings(scaled) == (5e5, {"type": "llama3", "factor": 8.0})
+    assert rope_settings(SimpleNamespace()) == (10000.0, None)
+
+
+def test_unsupported_rope_type_is_a_clear_error():
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_silu_and_mul_matches_formula():
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(3, 5, 2 * 48, generator=g) * 4
+    gate, up = x[..., :48], x[..., 48:]
+    expected = gate * torch.sigmoid(gate) * up
+    torch.testing.assert_close(silu_and_mul(x), expected)
+    torch.testing.assert_close(silu_and_mul_ref(x), expected)

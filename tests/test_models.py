@@ -1,0 +1,253 @@
+"""Our models against transformers on the same weights: whole prompts, chunked prefill
+through the paged cache, teacher-forced decodes, mixed varlen batches, tensor parallelism,
+and the demo SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.model_files import load_hf_config, load_tokenizer, resolve_model
+from services.demo import demo_model_path
+from services.worker.layers.attention import AttentionMetadata, ForwardContext
+from services.worker.loader import load_model
+from services.worker.models import CausalLM, kv_cache_shape
+from tests.tiny_models import TINY_VOCAB, make_tiny_model
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+TOLERANCE = 1e-4
+CPU = torch.device("cpu")
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).norm() / ref.norm()).item()
+
+
+class Paged:
+    """A model with its own paged KV cache; block ids are handed out from a shuffled pool."""
+
+    def __init__(self, model: CausalLM, hf_config, block_size: int, num_blocks: int = 64,
+                 seed: int = 0, tp_size: int = 1) -> None:
+        self.model, self.block_size = model, block_size
+        shape = kv_cache_shape(hf_config, num_blocks, block_size, tp_size)
+        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape))
+                          for _ in range(model.num_layers)]
+        self.pool = list(range(num_blocks))
+        random.Random(seed).shuffle(self.pool)
+
+    def blocks(self, num_tokens: int) -> list[int]:
+        return [self.pool.pop() for _ in range(-(-num_tokens // self.block_size))]
+
+    @torch.no_grad()
+    def step(self, chunks: list[tuple[list[int], list[int], int]]) -> list[torch.Tensor]:
+        """One varlen forward of (block ids, new token ids, first position) per request;
+        returns each request's logits."""
+        bs = self.block_size
+        input_ids, positions, slots, seq_lens, query_start_loc = [], [], [], [], [0]
+        for block_ids, tokens, start in chunks:
+            pos = list(range(start, start + len(tokens)))
+            input_ids += tokens
+            positions += pos
+            slots += [block_ids[p // bs] * bs + p % bs for p in pos]
+            seq_lens.append(start + len(tokens))
+            query_start_loc.append(query_start_loc[-1] + len(tokens))
+        tables = torch.zeros(len(chunks), max(len(c[0]) for c in chunks), dtype=torch.int32)
+        for r, (block_ids, _, _) in enumerate(chunks):
+            tables[r, :len(block_ids)] = torch.tensor(block_ids)
+        attn = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=tables,
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            max_query_len=max(len(c[1]) for c in chunks), max_seq_len=max(seq_lens))
+        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions),
+                            ForwardContext(attn, self.kv_caches))
+        logits = self.model.compute_logits(hidden)
+        assert logits.dtype == torch.float32 and logits.shape[1] == self.model.vocab_size
+        return list(logits.split([len(c[1]) for c in chunks]))
+
+
+def token_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, TINY_VOCAB, (n,), generator=torch.Generator().manual_seed(seed)
+                         ).tolist()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    hf_config = load_hf_config(model_dir)
+    ours = load_model(EngineConfig(model=str(model_dir), dtype="float32"), hf_config, CPU,
+                      torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def ref_logits(ids: list[int]) -> torch.Tensor:
+        return ref(torch.tensor([ids])).logits[0].float()
+
+    return ours, hf_config, ref_logits
+
+
+def test_whole_prompt_prefill(tiny):
+    model, hf_config, ref_logits = tiny
+    paged = Paged(model, hf_config, block_size=4)
+    ids = token_ids(37, seed=1)
+    (logits,) = paged.step([(paged.blocks(37), ids, 0)])
+    assert rel_err(logits, ref_logits(ids)) < TOLERANCE
+
+
+def test_chunked_prefill_through_the_cache(tiny):
+    model, hf_config, ref_logits = tiny
+    paged = Paged(model, hf_config, block_size=16, seed=1)
+    ids = token_ids(40, seed=2)
+    blocks = paged.blocks(40)
+    ref = ref_logits(ids)
+    for start, end in [(0, 13), (13, 24), (24, 40)]:  # chunk edges inside blocks
+        (logits,) = paged.step([(blocks, ids[start:end], start)])
+        assert rel_err(logits, ref[start:end]) < TOLERANCE, (start, end)
+
+
+def test_teacher_forced_decode(tiny):
+    model, hf_config, ref_logits = tiny
+    paged = Paged(model, hf_config, block_size=4, seed=2)
+    ids = token_ids(22, seed=3)
+    blocks = paged.blocks(22)
+    ref = ref_logits(ids)
+    (logits,) = paged.step([(blocks, ids[:6], 0)])
+    assert rel_err(logits, ref[:6]) < TOLERANCE
+    for pos in range(6, 22):
+        (logits,) = paged.step([(blocks, ids[pos:pos + 1], pos)])
+        assert rel_err(logits, ref[pos:pos + 1]) < TOLERANCE, pos
+
+
+def test_varlen_batches_with_shared_prefix_blocks(tiny):
+    model, hf_config, ref_logits = tiny
+    paged = Paged(model, hf_config, block_size=4, seed=3)
+    a, b, c = token_ids(12, seed=4), token_ids(29, seed=5), token_ids(9, seed=6)
+    e = a[:8] + token_ids(7, seed=7)  # shares a's first two blocks
+    blocks = {"a": paged.blocks(12), "b": paged.blocks(29), "c": paged.blocks(9)}
+    blocks["e"] = blocks["a"][:2] + paged.blocks(7)
+    ref = {name: ref_logits(ids) for name, ids in dict(a=a, b=b, c=c, e=e).items()}
+    # e computes only its own tokens, reading the prefix a writes in this same step
+    first = paged.step([(blocks["a"], a[:11], 0), (blocks["b"], b[:20], 0),
+                        (blocks["e"], e[8:], 8), (blocks["c"], c[:5], 0)])
+    for logits, (name, end) in zip(first, [("a", 11), ("b", 20), ("e", 15), ("c", 5)]):
+        start = 8 if name == "e" else 0
+        assert rel_err(logits, ref[name][start:end]) < TOLERANCE, name
+    # then a decode, the rest of a prompt, and a one-token chunk, in one step
+    second = paged.step([(blocks["c"], c[5:6], 5), (blocks["a"], a[11:], 11),
+                         (blocks["b"], b[20:], 20)])
+    for logits, (name, start, end) in zip(second, [("c", 5, 6), ("a", 11, 12),
+                                                   ("b", 20, 29)]):
+        assert rel_err(logits, ref[name][start:end]) < TOLERANCE, name
+
+
+# --- tensor parallelism: gloo ranks on the CPU against the single-rank model -------------
+
+def tp_rank_main(rank: int, world: int, init_file: str, model_dirs: list[str],
+                 ids: list[int], results) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        for model_dir in model_dirs:
+            hf_config = load_hf_config(model_dir)
+            model = load_model(EngineConfig(model=model_dir, tensor_parallel_size=world),
+                               hf_config, CPU, torch.float32)
+            paged = Paged(model, hf_config, block_size=4, tp_size=world)
+            (logits,) = paged.step([(paged.blocks(len(ids)), ids, 0)])
+            # numpy, not a tensor: torch would share the storage with a process about to exit
+            results.put((rank, model_dir, model.num_kv_heads, logits.numpy()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tp(world: int, model_dirs: list[Path], ids: list[int], tmp_path: Path) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=tp_rank_main, args=(rank, world, str(tmp_path / "init"),
+                                                    [str(d) for d in model_dirs], ids,
+                                                    results))
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    deadline = time.monotonic() + 120
+    while len(out) < world * len(model_dirs):
+        assert time.monotonic() < deadline, "tensor-parallel ranks timed out"
+        try:
+            rank, model_dir, num_kv_heads, logits = results.get(timeout=1)
+        except queue.Empty:
+            assert all(p.exitcode in (None, 0) for p in procs), "a rank failed"
+            continue
+        out[(rank, model_dir)] = (num_kv_heads, torch.from_numpy(logits))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return out
+
+
+@pytest.mark.parametrize("world,archs,kv_heads", [(2, ["llama", "qwen2", "qwen3"], 1),
+                                                  (4, ["qwen3"], 1)])
+def test_tensor_parallel_ranks_match_transformers(world, archs, kv_heads, tmp_path):
+    """Every rank ends with the full logits; with 4 ranks and 2 KV heads each KV head is
+    replicated on two ranks."""
+    from transformers import AutoModelForCausalLM
+
+    dirs = [make_tiny_model(tmp_path / arch, arch) for arch in archs]
+    ids = token_ids(19, seed=8)
+    out = run_tp(world, dirs, ids, tmp_path)
+    for model_dir in dirs:
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids])).logits[0]
+        for rank in range(world):
+            num_kv_heads, logits = out[(rank, str(model_dir))]
+            assert num_kv_heads == kv_heads
+            assert rel_err(logits, expected) < TOLERANCE, (model_dir.name, rank)
+
+
+# --- the demo model ----------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def demo_dir() -> Path:
+    # the default cache: the first run converts the GGUF (~20 s), later runs reuse it
+    return resolve_model(demo_model_path())
+
+
+@pytest.mark.slow
+def test_demo_gguf_prefill_matches_transformers_and_answers(demo_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf_config = load_hf_config(demo_dir)
+    tokenizer = load_tokenizer(demo_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                           tokenize=False)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    model = load_model(EngineConfig(model=str(demo_dir)), hf_config, CPU, torch.float32,
+                       demo_dir)
+    ref = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    paged = Paged(model, hf_config, block_size=16)
+    blocks = paged.blocks(len(ids) + 16)
+    (logits,) = paged.step([(blocks, ids, 0)])
+    assert rel_err(logits, expected) < TOLERANCE
+    answer = []
+    for _ in range(12):  # greedy decode through the paged cache
+        answer.append(int(logits[-1].argmax()))
+        if answer[-1] == hf_config.eos_token_id:
+            break
+        (logits,) = paged.step([(blocks, answer[-1:], len(ids) + len(answer) - 1)])
+    text = tokenizer.decode(answer, skip_special_tokens=True)
+    assert text.strip() == "The capital of France is Paris."

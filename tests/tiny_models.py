@@ -1,0 +1,100 @@
+"""Tiny random Hugging Face model directories for tests: a transformers config, seeded
+random safetensors weights, SmolLM2's tokenizer (49,152 tokens, so tests feed ids below the
+tiny vocabulary) and a generation_config.json.
+
+    make_tiny_model(tmp_path, "llama")               # llama3 rope scaling
+    make_tiny_model(tmp_path, "qwen2")               # qkv bias, tied embeddings
+    make_tiny_model(tmp_path, "qwen3")               # q/k norm, head_dim 32 != 64 / 4
+    make_tiny_model(tmp_path, "llama", num_hidden_layers=3)   # any config override
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO_ROOT.parent / "shared" / "models" / "qwen3-0.6b-shape"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+TINY_VOCAB = 512
+# large enough that attention is sharp and rotary/masking mistakes show in the logits
+INIT_STD = 0.2
+
+COMMON: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=TINY_VOCAB, max_position_embeddings=512,
+    rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, hidden_act="silu")
+
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(
+        architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
+        rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "mistral": ("MistralConfig", dict(
+        architectures=["MistralForCausalLM"], tie_word_embeddings=False, rope_theta=10000.0,
+        sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(
+        architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, rope_theta=1e6,
+        use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", dict(
+        architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True, rope_theta=1e6,
+        head_dim=32, attention_bias=False)),
+}
+
+
+def tokenizer_dir() -> Path:
+    if not (TOKENIZER_DIR / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"the test tokenizer is missing: expected {TOKENIZER_DIR}/tokenizer.json (the "
+            "repository must sit beside the shared/ directory)")
+    return TOKENIZER_DIR
+
+
+def tiny_config(arch: str, **overrides: Any):
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; known: {list(ARCHS)}")
+    class_name, specific = ARCHS[arch]
+    return getattr(transformers, class_name)(**{**COMMON, **specific, **overrides})
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every weight random, norms around 1 and biases around 0 but not equal to them, so
+    that a weight routed to the wrong place changes the logits."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=generator)
+        if param.ndim > 1:
+            param.copy_(noise * INIT_STD)
+        elif "norm" in name:
+            param.copy_(1.0 + 0.1 * noise)
+        else:
+            param.copy_(0.1 * noise)
+
+
+def make_tiny_model(tmp_path: Path, arch: str, *, seed: int = 0,
+                    generation: dict[str, Any] | None = None, **overrides: Any) -> Path:
+    """Writes a tiny `arch` model directory under tmp_path and returns it. `overrides` go
+    to the transformers config; `generation` to generation_config.json."""
+    from transformers import AutoModelForCausalLM
+
+    source = tokenizer_dir()
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize(model, seed)
+    out = Path(tmp_path) / f"tiny-{arch}"
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, out / name)
+    gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
+           **(generation or {})}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out
