@@ -1,0 +1,85 @@
+"""`headrace queues`: the snapshot of streams, groups and consumers, and the real command's
+table."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+from common.bus import Bus
+from common.messages import Abort
+from services.queues import COLUMNS, Snapshot, format_table, take_snapshot
+from tests.conftest import run_command
+
+
+async def fill_streams(url: str, rng: random.Random) -> dict[str, int]:
+    """hr:requests: 30 entries; group tok read 12 of them (tok-0 acked 3 of its 7,
+    tok-1 holds 5); group audit read nothing. hr:steps: 4 entries, no group."""
+    async with Bus(url) as bus:
+        await bus.publish("hr:requests", *[Abort(f"r{rng.randrange(10**6)}") for _ in range(30)])
+        await bus.publish("hr:steps", *[Abort(f"s{i}") for i in range(4)])
+        await bus.ensure_group("hr:requests", "tok")
+        await bus.ensure_group("hr:requests", "audit")
+        first = await bus.read("tok", "tok-0", {"hr:requests": ">"}, count=7)
+        await bus.read("tok", "tok-1", {"hr:requests": ">"}, count=5)
+        await bus.ack(first[:3])
+        await bus.redis.set("hr:not-a-stream", "x")
+    return {"tok-0": 4, "tok-1": 5}
+
+
+def parse_table(text: str) -> list[dict[str, str]]:
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("STREAM"))
+    starts = [lines[header].index(name) for name in COLUMNS] + [None]
+    return [{name: line[starts[i]:starts[i + 1]].strip() for i, name in enumerate(COLUMNS)}
+            for line in lines[header + 1:]]
+
+
+@pytest.mark.anyio
+async def test_snapshot_reports_length_pending_lag_and_consumers(redis_url):
+    await fill_streams(redis_url, random.Random(0))
+    snapshot = await take_snapshot(redis_url)
+    streams = {s.name: s for s in snapshot.streams}
+    assert sorted(streams) == ["hr:requests", "hr:steps"]
+    requests = streams["hr:requests"]
+    assert requests.length == 30 and streams["hr:steps"].groups == []
+    groups = {g.name: g for g in requests.groups}
+    assert (groups["tok"].pending, groups["tok"].lag) == (9, 18)
+    assert (groups["audit"].pending, groups["audit"].lag) == (0, 30)
+    assert groups["audit"].last_delivered_id == "0-0"
+    assert {c.name: c.pending for c in groups["tok"].consumers} == {"tok-0": 4, "tok-1": 5}
+    assert all(c.idle_ms >= 0 for c in groups["tok"].consumers)
+
+
+def test_the_table_has_one_row_per_stream_group_and_consumer(redis_url):
+    anyio.run(fill_streams, redis_url, random.Random(1))
+    snapshot = anyio.run(take_snapshot, redis_url)
+    rows = parse_table(format_table(snapshot))
+    assert [r["STREAM"] for r in rows if r["STREAM"]] == ["hr:requests", "hr:steps"]
+    assert [r["GROUP"] for r in rows if r["GROUP"]] == ["audit", "tok"]
+    assert format_table(Snapshot("unix:///x", 0.0, [])).endswith("(no hr:* streams yet)")
+
+
+def test_the_command_prints_groups_pending_lag_and_consumers(redis_url):
+    pending = anyio.run(fill_streams, redis_url, random.Random(2))
+    result = run_command("queues", REDIS_URL=redis_url)
+    assert result.returncode == 0, result.stderr
+    rows = parse_table(result.stdout)
+    stream_rows = {r["STREAM"]: r for r in rows if r["STREAM"]}
+    assert stream_rows["hr:requests"]["LENGTH"] == "30"
+    assert stream_rows["hr:steps"]["LENGTH"] == "4"
+    tok = next(r for r in rows if r["GROUP"] == "tok")
+    assert (tok["PENDING"], tok["LAG"]) == ("9", "18")
+    assert tok["LAST-DELIVERED"].count("-") == 1
+    consumers = {r["CONSUMER"]: r for r in rows if r["CONSUMER"]}
+    assert {name: int(r["PENDING"]) for name, r in consumers.items()} == pending
+    assert all(r["IDLE"].endswith("s") for r in consumers.values())
+
+
+def test_the_command_explains_when_no_redis_answers(tmp_path):
+    result = run_command("queues", "--run-dir", str(tmp_path), REDIS_URL="")
+    assert result.returncode == 1
+    assert "no Redis answers" in result.stderr and str(tmp_path) in result.stderr
+    assert "Traceback" not in result.stderr
