@@ -303,7 +303,10 @@ def encode(msg: Any) -> bytes:
         raise MessageError(f"{cls.__name__} is not a registered message")
     body = _codec(cls)[0](msg)
     body["t"], body["v"] = cls.TYPE, cls.VERSION
-    return msgpack.packb(body, use_bin_type=True)
+    try:
+        return msgpack.packb(body, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise MessageError(f"cannot encode {cls.TYPE}: {e}") from None
 
 
 def decode(data: bytes) -> Any:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+_INT64 = 2**63
+_INT32 = 2**31  # token ids travel as packed int32
 
 
 class SamplingError(ValueError):
@@ -55,49 +58,49 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n must be at least 1", "n", self.n)
-        _check(-2.0 <= self.presence_penalty <= 2.0,
-               "presence_penalty must be in [-2, 2]", "presence_penalty", self.presence_penalty)
-        _check(-2.0 <= self.frequency_penalty <= 2.0,
-               "frequency_penalty must be in [-2, 2]", "frequency_penalty",
-               self.frequency_penalty)
-        _check(self.repetition_penalty > 0.0, "repetition_penalty must be greater than 0",
-               "repetition_penalty", self.repetition_penalty)
-        _check(self.temperature >= 0.0, "temperature must be non-negative", "temperature",
-               self.temperature)
-        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p", self.top_p)
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+        _check(_is_int(self.n) and self.n >= 1, "n must be at least 1", "n", self.n)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2]",
+                   name, value)
+        _check(_is_number(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+               and self.repetition_penalty > 0.0, "repetition_penalty must be a finite number "
+               "greater than 0", "repetition_penalty", self.repetition_penalty)
+        _check(_is_number(self.temperature) and math.isfinite(self.temperature)
+               and self.temperature >= 0.0, "temperature must be a finite non-negative number",
+               "temperature", self.temperature)
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]",
+               "top_p", self.top_p)
+        _check(_is_int(self.top_k) and self.top_k >= 0,
                "top_k must be 0 or -1 (disabled) or a positive integer", "top_k", self.top_k)
-        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", "min_p", self.min_p)
-        _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer",
-               "seed", self.seed)
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int)
-                                           and self.max_tokens >= 1),
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]",
+               "min_p", self.min_p)
+        _check(self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),
+               "seed must be a 64-bit integer", "seed", self.seed)
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens must be at least 1", "max_tokens", self.max_tokens)
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
                "min_tokens must be non-negative", "min_tokens", self.min_tokens)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                "min_tokens must not exceed max_tokens", "min_tokens", self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and value >= 0),
+            _check(value is None or (_is_int(value) and value >= 0),
                    f"{name} must be a non-negative integer", name, value)
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop must be non-empty strings", "stop", self.stop)
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids must be non-negative integers", "stop_token_ids",
-               self.stop_token_ids)
+        for name in ("stop_token_ids", "eos_token_ids"):
+            value = getattr(self, name)
+            _check(all(_is_int(t) and 0 <= t < _INT32 for t in value),
+                   f"{name} must be token ids (integers in [0, 2**31))", name, value)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be a boolean", name,
+                   getattr(self, name))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
-
-    @property
-    def stop_buffer_chars(self) -> int:
-        """Characters of text held back while streaming so a stop string never leaks."""
-        if not self.stop or self.include_stop_str_in_output:
-            return 0
-        return max(len(s) for s in self.stop) - 1
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
@@ -107,6 +110,14 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or value <= max_logprobs,
                    f"{name} must be at most {max_logprobs} (--max-logprobs)", name, value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(ok: bool, message: str, param: str, value: Any) -> None:

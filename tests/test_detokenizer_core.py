@@ -158,14 +158,31 @@ def test_special_tokens_are_skipped_or_shown(tok, detok):
     prompt = tok.encode(PROMPT)
     outputs = tok.encode("Hi there") + [tok.eos_token_id]
     shown = run(detok, prompt, outputs, SamplingParams(skip_special_tokens=False),
-                random.Random(0), finish_reason="stop")
+                random.Random(0), finish_reason="length")
     skipped = run(detok, prompt, outputs, SamplingParams(), random.Random(0),
-                  finish_reason="stop")
+                  finish_reason="length")
     assert shown.text == "Hi there<|im_end|>" and skipped.text == "Hi there"
 
 
+@pytest.mark.parametrize("stop_reason", [None, 17])
+def test_a_stop_token_ends_the_text_without_appearing_in_it(tok, detok, stop_reason):
+    prompt = tok.encode(PROMPT)
+    last = tok.eos_token_id if stop_reason is None else stop_reason
+    outputs = tok.encode("Hi there") + [last]
+    item = detok_item(prompt, outputs, 0, len(outputs), SamplingParams(skip_special_tokens=False),
+                      "stop")
+    item = DetokItem(**{**{f: getattr(item, f) for f in item.__slots__},
+                        "stop_reason": stop_reason})
+    delta, _ = detok.process(item)
+    assert delta.text == "Hi there" and delta.token_ids == outputs
+    kept = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True)
+    item = DetokItem(**{**{f: getattr(item, f) for f in item.__slots__},
+                        "params": detok_params(kept)})
+    assert detok.process(item)[0].text == "Hi there" + tok.decode([last])
+
+
 def test_delta_carries_the_item_fields(tok, detok):
-    prompt, outputs = tok.encode(PROMPT), tok.encode("Done.")
+    prompt, outputs = tok.encode(PROMPT), tok.encode("Done.") + [2]  # ends on stop id 2
     item = detok_item(prompt, outputs, 0, len(outputs), SamplingParams(), "stop")
     item = DetokItem(**{**{f: getattr(item, f) for f in item.__slots__}, "stop_reason": 2})
     delta, abort = detok.process(item)

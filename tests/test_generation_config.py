@@ -71,7 +71,7 @@ def test_a_directory_without_the_file_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("content, message", [
     ("{not json", "cannot read"),
     ("[1, 2]", "JSON object"),
-    ('{"temperature": -1}', "temperature must be non-negative"),
+    ('{"temperature": -1}', "temperature must be a finite non-negative number"),
     ('{"temperature": "hot"}', "invalid sampling default"),
     ('{"max_new_tokens": 0}', "max_new_tokens must be a positive integer"),
 ])

@@ -162,6 +162,16 @@ class TokenBytes:
         return count
 
 
+def _text_ids(item: DetokItem) -> list[int]:
+    """The new ids that become text: a stop *token* (EOS or stop_token_ids) ends the text
+    without appearing in it, unless the request asks for stop strings in the output."""
+    ids = list(item.new_token_ids)
+    stopped_by_token = item.finish_reason == "stop" and not isinstance(item.stop_reason, str)
+    if stopped_by_token and not item.params.include_stop_str_in_output:
+        return ids[:-1]
+    return ids
+
+
 class Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -174,7 +184,7 @@ class Detokenizer:
         finishing = item.finish_reason is not None
         prompt_end = len(self._text(context[:num_prompt], params, True)) if num_prompt else 0
         seen_end = len(self._text(context, params, False))
-        text = self._text(context + list(item.new_token_ids), params, finishing)
+        text = self._text(context + _text_ids(item), params, finishing)
         lookback = stop_lookback(params.stop)
         hold = 0 if params.include_stop_str_in_output else lookback
         start = max(prompt_end, seen_end - hold)

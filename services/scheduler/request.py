@@ -9,6 +9,7 @@ placeholders, so a decode step can be planned before the previous token is known
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.messages import TokenLogprobs
@@ -60,10 +61,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids) + self.num_pending
 
-    @property
-    def finished(self) -> bool:
-        return self.status is Status.FINISHED
-
     def known_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
@@ -78,3 +75,21 @@ class Request:
 
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)
+
+
+class KnownTokens(Sequence[int]):
+    """A request's known tokens as one sequence, sliced without concatenating them."""
+
+    def __init__(self, req: Request) -> None:
+        self._req = req
+
+    def __len__(self) -> int:
+        return self._req.num_known_tokens
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            assert step == 1, "only contiguous slices"
+            return self._req.token_slice(start, max(start, stop))
+        position = range(len(self))[index]
+        return self._req.token_slice(position, position + 1)[0]

@@ -1,0 +1,327 @@
+"""The scheduler core: every request's state, and what each engine step computes.
+
+There is no prefill phase and no decode phase: each step shares one token budget, running
+requests first, and every request's `num_computed_tokens` catches up with its
+`num_tokens`. The scheduler plans ahead of the worker (see request.py), so `schedule` may be
+called again before the previous step's `update`; results for requests that finished or
+were aborted meanwhile are dropped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from common.config import EngineConfig
+from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
+                             SchedulerStats, StepPlan, StepResult, TokenLogprobs)
+from services.detokenizer.core import detok_params, make_context, stop_lookback
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import KnownTokens, Request, Status
+
+log = logging.getLogger("headrace.scheduler")
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    @classmethod
+    def from_engine(cls, config: EngineConfig, num_blocks: int) -> SchedulerConfig:
+        assert config.max_model_len and config.max_num_batched_tokens, "resolve the config"
+        return cls(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+                   config.block_size, num_blocks, config.enable_prefix_caching,
+                   config.enable_chunked_prefill, config.scheduling_policy)
+
+
+class WaitingQueue:
+    """Requests ordered by (priority, admission order) for `priority`, by admission order
+    for `fcfs`; a preempted request keeps its place, so it goes back ahead of later ones."""
+
+    def __init__(self, policy: str) -> None:
+        self._heap: list[tuple[tuple, Request]] = []
+        self._order: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._by_priority = policy == "priority"
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, req: Request) -> None:
+        order = self._order.setdefault(req.req_id, next(self._counter))
+        key = (req.priority, order) if self._by_priority else (order,)
+        heapq.heappush(self._heap, (key, req))
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, req: Request) -> None:
+        self._heap = [(k, r) for k, r in self._heap if r is not req]
+        heapq.heapify(self._heap)
+
+    def forget(self, req: Request) -> None:
+        self._order.pop(req.req_id, None)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.by_rid: dict[str, list[Request]] = {}
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.step = 0
+        self._dropped: list[str] = []  # worker state to drop with the next plan
+        self.num_preemptions = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    # --- requests ---------------------------------------------------------------------
+
+    def add_request(self, admit: AdmitRequest) -> list[str]:
+        """Admit a tokenized request; n > 1 becomes n completions. Returns their ids."""
+        num_prompt = len(admit.prompt_token_ids)
+        if not 0 < num_prompt < self.config.max_model_len:
+            raise ValueError(f"prompt of {num_prompt} tokens does not fit max_model_len "
+                             f"{self.config.max_model_len}")
+        if admit.rid in self.by_rid:
+            raise ValueError(f"request id {admit.rid!r} is already running")
+        children = [self._child(admit, i) for i in range(admit.params.n)]
+        for req in children:
+            self.requests[req.req_id] = req
+            self.waiting.push(req)
+        self.by_rid[admit.rid] = children
+        return [req.req_id for req in children]
+
+    def abort(self, rid: str, index: int | None = None, reason: str = "abort",
+              stop_reason: str | None = None) -> None:
+        """End a request's completions (index None: all of them), e.g. the client left or
+        the detokenizer matched a stop string."""
+        for req in list(self.by_rid.get(rid, ())):
+            if index is None or req.index == index:
+                req.finish_reason, req.stop_reason = reason, stop_reason
+                self._finish(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        budget = self.config.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
+        batch, budget = self._schedule_running(budget)
+        if self.num_preemptions == preemptions_before:  # no room to spare for new ones
+            batch += self._schedule_waiting(budget)
+        if not batch:
+            return None
+        return self._make_plan(batch)
+
+    def update(self, result: StepResult) -> list[DetokItem]:
+        """Apply a step's sampled tokens; returns what the detokenizers should see."""
+        for chunk in result.prompt_logprobs:
+            req = self.requests.get(chunk.req_id)
+            if req is not None:
+                req.prompt_logprobs.extend(chunk.rows())
+        items = []
+        logprobs = result.logprobs or [None] * len(result.req_ids)
+        for req_id, token, lp in zip(result.req_ids, result.token_ids, logprobs):
+            req = self.requests.get(req_id)
+            if req is None:
+                continue  # finished or aborted after this step was planned
+            req.num_pending -= 1
+            req.output_token_ids.append(token)
+            self.generation_tokens += 1
+            self._check_finish(req, token)
+            items.append(self._detok_item(req, [token], lp))
+            if req.finish_reason is not None:
+                self._finish(req)
+        return items
+
+    # --- scheduling -----------------------------------------------------------------------
+
+    def _schedule_running(self, budget: int) -> tuple[list[tuple[Request, int, list]], int]:
+        batch: list[tuple[Request, int, list]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_to_schedule(req, budget)
+            if n == 0:
+                i += 1
+                continue
+            new_blocks = self._allocate_or_preempt(req, n, i)
+            if new_blocks is None:
+                break  # req itself and every request after it were preempted
+            batch.append((req, n, new_blocks))
+            budget -= n
+            i += 1
+        return batch, budget
+
+    def _schedule_waiting(self, budget: int) -> list[tuple[Request, int, list]]:
+        batch: list[tuple[Request, int, list]] = []
+        deferred: list[Request] = []
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.pop()
+            if req.num_pending:  # preempted with a sampled token still on its way
+                deferred.append(req)
+                continue
+            computed = self.kv.computed_blocks(req)
+            num_cached = len(computed) * self.config.block_size
+            remaining = req.num_tokens - num_cached
+            n = min(remaining, budget)
+            new_blocks = None
+            if n == remaining or self.config.enable_chunked_prefill:
+                new_blocks = self.kv.allocate(req, n, computed)
+            if new_blocks is None:
+                deferred.append(req)
+                break
+            if req.status is Status.WAITING:
+                req.num_cached_tokens = num_cached
+                self.prompt_tokens += req.num_prompt_tokens
+            req.num_computed_tokens = num_cached
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch.append((req, n, computed + new_blocks))
+            budget -= n
+        for req in deferred:
+            self.waiting.push(req)
+        return batch
+
+    def _num_to_schedule(self, req: Request, budget: int) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining <= 0 or not self._may_sample(req):
+            return 0
+        n = min(remaining, budget)
+        if n < remaining and not self.config.enable_chunked_prefill:
+            return 0
+        return n
+
+    def _may_sample(self, req: Request) -> bool:
+        """False once the tokens already sampled (known or in flight) reach a length limit:
+        scheduling another step would only compute a token that is thrown away."""
+        max_tokens = req.params.max_tokens
+        if max_tokens is not None and req.num_output_tokens >= max_tokens:
+            return False
+        return req.num_tokens < self.config.max_model_len
+
+    def _allocate_or_preempt(self, req: Request, n: int, position: int) -> list | None:
+        while (new_blocks := self.kv.allocate(req, n)) is None:
+            victim = self._pick_victim(self.running[position:])
+            self._preempt(victim)
+            if victim is req:
+                return None
+        return new_blocks
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        if self.config.policy == "priority":
+            return max(candidates, key=Request.sort_key)
+        return candidates[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = Status.PREEMPTED
+        if req.on_worker:
+            req.on_worker = False
+            self._dropped.append(req.req_id)
+        self.waiting.push(req)
+        self.num_preemptions += 1
+        log.warning(
+            "Request %s is preempted (recompute mode) because there is not enough KV cache "
+            "space. This can affect the end-to-end performance. Increase "
+            "gpu_memory_utilization or tensor_parallel_size to provide more KV cache "
+            "memory. total_num_cumulative_preemption=%d", req.req_id, self.num_preemptions)
+
+    def _make_plan(self, batch: list[tuple[Request, int, list]]) -> StepPlan:
+        new, cached = [], []
+        req_ids, num_scheduled, num_computed = [], [], []
+        for req, n, new_blocks in batch:
+            if not req.on_worker:
+                new.append(NewRequest(req.req_id, req.known_token_ids(), req.num_prompt_tokens,
+                                      self.kv.block_ids(req.req_id), req.params))
+                req.on_worker = True
+            elif new_blocks:
+                cached.append(CachedRequest(req.req_id, [b.block_id for b in new_blocks]))
+            req_ids.append(req.req_id)
+            num_scheduled.append(n)
+            num_computed.append(req.num_computed_tokens)
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                req.num_pending += 1  # this step samples the request's next token
+        self.step += 1
+        plan = StepPlan(self.step, req_ids, num_scheduled, num_computed, new, cached,
+                        self._dropped)
+        self._dropped = []
+        return plan
+
+    # --- finishing --------------------------------------------------------------------
+
+    def _check_finish(self, req: Request, token: int) -> None:
+        params = req.params
+        if len(req.output_token_ids) >= params.min_tokens:
+            if not params.ignore_eos and token in params.eos_token_ids:
+                req.finish_reason, req.stop_reason = "stop", None
+            elif token in params.stop_token_ids:
+                req.finish_reason, req.stop_reason = "stop", token
+        if req.finish_reason is None:
+            max_tokens = params.max_tokens
+            if ((max_tokens is not None and len(req.output_token_ids) >= max_tokens)
+                    or req.num_known_tokens >= self.config.max_model_len):
+                req.finish_reason = "length"
+
+    def _finish(self, req: Request) -> None:
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        self.kv.free(req)
+        self.waiting.forget(req)
+        if req.on_worker:
+            self._dropped.append(req.req_id)
+        del self.requests[req.req_id]
+        siblings = self.by_rid[req.rid]
+        siblings.remove(req)
+        if not siblings:
+            del self.by_rid[req.rid]
+
+    def _child(self, admit: AdmitRequest, index: int) -> Request:
+        params = admit.params
+        if params.n > 1:  # siblings must not sample identically from one seed
+            params = params.replace(n=1, seed=None if params.seed is None else params.seed + index)
+        return Request(f"{admit.rid}#{index}", admit.rid, index, admit.reply_to,
+                       list(admit.prompt_token_ids), params, admit.arrival_time or time.time(),
+                       admit.priority)
+
+    def _detok_item(self, req: Request, new: list[int], lp: TokenLogprobs | None) -> DetokItem:
+        params = req.params
+        seq = len(req.output_token_ids) - len(new)
+        context, num_context_prompt = make_context(
+            KnownTokens(req), req.num_prompt_tokens, len(new), stop_lookback(params.stop))
+        return DetokItem(
+            req.rid, req.index, req.reply_to, seq, new, context, num_context_prompt,
+            detok_params(params), req.num_prompt_tokens, req.finish_reason, req.stop_reason,
+            [lp] if lp is not None else [], req.prompt_logprobs if seq == 0 else [])
+
+    # --- introspection ------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            ts=time.time())

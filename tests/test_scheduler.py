@@ -1,0 +1,302 @@
+"""Scheduler core against a simulated worker.
+
+The simulated worker keeps a "KV cache" of token ids, written by slot mapping and read back
+through block tables, and its "model" derives the next token from that context. So a wrong
+block table, a bad prefix-cache hit or a block shared while still being written changes the
+output, and every schedule (chunked, cached, preempted, planned ahead) must reproduce the
+reference continuation computed from the plain token sequence.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+
+from common.messages import AdmitRequest, StepPlan, StepResult
+from common.sampling_params import SamplingParams
+from services.scheduler.core import Scheduler, SchedulerConfig
+
+EOS = 2
+VOCAB = 60
+
+
+def next_token(context: list[int]) -> int:
+    value = 7
+    for i, t in enumerate(context):
+        value = (value * 31 + t * (i + 3)) % 1_000_003
+    return 3 + value % (VOCAB - 3)  # never EOS, so lengths are controlled by the tests
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+@dataclass
+class SimRequest:
+    tokens: list[int]
+    blocks: list[int]
+
+
+@dataclass
+class SimWorker:
+    num_blocks: int
+    block_size: int
+    cache: list[int | None] = field(default_factory=list)
+    reqs: dict[str, SimRequest] = field(default_factory=dict)
+    overrides: dict[str, int] = field(default_factory=dict)  # req_id -> forced next token
+
+    def __post_init__(self) -> None:
+        self.cache = [None] * (self.num_blocks * self.block_size)
+
+    def slot(self, req: SimRequest, pos: int) -> int:
+        return req.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for req_id in plan.finished:
+            self.reqs.pop(req_id, None)
+        for new in plan.new:
+            assert new.req_id not in self.reqs
+            self.reqs[new.req_id] = SimRequest(list(new.token_ids), list(new.block_ids))
+        for cached in plan.cached:
+            self.reqs[cached.req_id].blocks += cached.new_block_ids
+        steps = list(zip(plan.req_ids, plan.num_scheduled_tokens, plan.num_computed_tokens))
+        assert len(set(plan.req_ids)) == len(plan.req_ids)
+        for req_id, n, start in steps:  # every write of the step precedes every read
+            req = self.reqs[req_id]
+            assert start + n <= len(req.tokens), "scheduled a token the worker does not know"
+            assert (start + n - 1) // self.block_size < len(req.blocks), "no block for a token"
+            for pos in range(start, start + n):
+                self.cache[self.slot(req, pos)] = req.tokens[pos]
+        out_ids, out_tokens = [], []
+        for req_id, n, start in steps:
+            req = self.reqs[req_id]
+            if start + n < len(req.tokens):
+                continue  # a prefill chunk that does not reach the end samples nothing
+            context = [self.cache[self.slot(req, pos)] for pos in range(start + n)]
+            token = self.overrides.get(req_id, next_token(context))
+            req.tokens.append(token)
+            out_ids.append(req_id)
+            out_tokens.append(token)
+        return StepResult(plan.step, out_ids, out_tokens)
+
+
+@dataclass
+class Run:
+    outputs: dict[tuple[str, int], list[int]]
+    finish: dict[tuple[str, int], str]
+    plans: list[StepPlan]
+
+
+def drive(sched: Scheduler, worker: SimWorker, lag: int = 0, max_steps: int = 10_000,
+          on_step=None) -> Run:
+    """Run to completion with `lag` plans in flight beyond the one executing."""
+    outputs: dict[tuple[str, int], list[int]] = {}
+    finish: dict[tuple[str, int], str] = {}
+    inflight: deque[StepPlan] = deque()
+    plans = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished() and not inflight:
+            break
+        plan = sched.schedule()
+        if plan is not None:
+            plans.append(plan)
+            inflight.append(plan)
+        if inflight and (len(inflight) > lag or plan is None):
+            for item in sched.update(worker.execute(inflight.popleft())):
+                key = (item.rid, item.index)
+                assert key not in finish, "tokens after the finish"
+                outputs.setdefault(key, []).extend(item.new_token_ids)
+                assert item.seq == len(outputs[key]) - len(item.new_token_ids)
+                if item.finish_reason:
+                    finish[key] = item.finish_reason
+        elif plan is None:
+            raise AssertionError("scheduler is stuck: work left but nothing scheduled")
+        if on_step:
+            on_step(sched)
+    else:
+        raise AssertionError("did not finish")
+    return Run(outputs, finish, plans)
+
+
+def make(num_blocks=64, block_size=4, budget=64, max_seqs=16, max_len=256, caching=True,
+         chunked=True, policy="fcfs") -> tuple[Scheduler, SimWorker]:
+    config = SchedulerConfig(max_seqs, budget, max_len, block_size, num_blocks, caching,
+                             chunked, policy)
+    return Scheduler(config), SimWorker(num_blocks, block_size)
+
+
+def admit(sched: Scheduler, rid: str, prompt: list[int], priority: int = 0,
+          arrival: float = 0.0, **params) -> None:
+    params.setdefault("eos_token_ids", (EOS,))
+    sched.add_request(AdmitRequest(rid, "gw", prompt, SamplingParams(**params), arrival,
+                                   priority))
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 30) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_batch_matches_reference_and_wastes_no_step(lag):
+    sched, worker = make()
+    ps = prompts(6)
+    for i, p in enumerate(ps):
+        admit(sched, f"r{i}", p, max_tokens=5 + i)
+    run = drive(sched, worker, lag=lag)
+    for i, p in enumerate(ps):
+        assert run.outputs[(f"r{i}", 0)] == reference(p, 5 + i)
+        assert run.finish[(f"r{i}", 0)] == "length"
+    # planning ahead never computes a token past max_tokens: the last one is never fed back
+    for i, p in enumerate(ps):
+        computed = sum(n for pl in run.plans for r, n in zip(pl.req_ids, pl.num_scheduled_tokens)
+                       if r == f"r{i}#0")
+        assert computed == len(p) + (5 + i) - 1
+    assert sched.kv.usage == 0.0 and not sched.running
+
+
+def test_chunked_prefill_respects_the_budget_and_runs_decodes_first():
+    sched, worker = make(budget=8, num_blocks=64)
+    admit(sched, "short", [5, 6, 7], max_tokens=12)
+    admit(sched, "long", list(range(3, 40)), max_tokens=3)
+    run = drive(sched, worker, lag=1)
+    assert run.outputs[("short", 0)] == reference([5, 6, 7], 12)
+    assert run.outputs[("long", 0)] == reference(list(range(3, 40)), 3)
+    assert all(sum(pl.num_scheduled_tokens) <= 8 for pl in run.plans)
+    long_chunks = [n for pl in run.plans for r, n in zip(pl.req_ids, pl.num_scheduled_tokens)
+                   if r == "long#0"]
+    assert long_chunks[:5] == [5, 7, 7, 7, 7] and len(long_chunks) == 8  # 37 prompt + 3 out
+    for pl in run.plans:  # a running decode always precedes prefill chunks in the batch
+        if "short#0" in pl.req_ids and "long#0" in pl.req_ids:
+            assert pl.req_ids.index("short#0") < pl.req_ids.index("long#0")
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    sched, worker = make(budget=40, chunked=False)
+    admit(sched, "a", list(range(3, 33)), max_tokens=3)
+    admit(sched, "b", list(range(5, 25)), max_tokens=3)
+    run = drive(sched, worker)
+    assert run.plans[0].req_ids == ["a#0"]  # b (20 tokens) does not fit next to a (30)
+    assert run.outputs[("b", 0)] == reference(list(range(5, 25)), 3)
+
+
+def test_prefix_cache_hit_skips_computed_tokens():
+    sched, worker = make(block_size=4)
+    shared = list(range(3, 23))  # 20 tokens = 5 blocks
+    admit(sched, "a", shared + [30], max_tokens=2)
+    drive(sched, worker)
+    admit(sched, "b", shared + [40, 41], max_tokens=4)
+    run = drive(sched, worker)
+    first = run.plans[0]
+    assert first.new[0].req_id == "b#0" and first.num_computed_tokens == [20]
+    assert first.num_scheduled_tokens == [2]
+    assert run.outputs[("b", 0)] == reference(shared + [40, 41], 4)
+    stats = sched.stats()
+    assert stats.prefix_cache_hits == 20 and stats.prefix_cache_queries == 21 + 22
+
+
+def test_same_step_siblings_share_prompt_blocks():
+    sched, worker = make(block_size=4)
+    prompt = list(range(3, 20))  # 17 tokens: 4 full blocks
+    admit(sched, "n", prompt, n=3, max_tokens=4, temperature=0.0)
+    run = drive(sched, worker)
+    first = run.plans[0]
+    blocks = [new.block_ids[:4] for new in first.new]
+    assert blocks[0] == blocks[1] == blocks[2]  # one copy of the prompt's KV
+    assert first.num_computed_tokens == [0, 16, 16]
+    for i in range(3):
+        assert run.outputs[("n", i)] == reference(prompt, 4)
+
+
+def test_n_siblings_get_distinct_seeds():
+    sched, _ = make()
+    admit(sched, "s", [5, 6, 7], n=3, seed=10)
+    assert [sched.requests[f"s#{i}"].params.seed for i in range(3)] == [10, 11, 12]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_preemption_by_recompute_keeps_outputs_exact(lag, caplog):
+    sched, worker = make(num_blocks=12, block_size=4, budget=32, max_seqs=8)
+    ps = prompts(6, seed=3, lo=6, hi=14)
+    for i, p in enumerate(ps):
+        admit(sched, f"r{i}", p, max_tokens=12)
+    run = drive(sched, worker, lag=lag)
+    assert sched.num_preemptions > 0
+    assert "is preempted" in caplog.text and "total_num_cumulative_preemption" in caplog.text
+    for i, p in enumerate(ps):
+        assert run.outputs[(f"r{i}", 0)] == reference(p, 12)
+    assert sched.kv.usage == 0.0
+
+
+def test_priority_policy_orders_and_preempts_by_priority(caplog):
+    sched, worker = make(num_blocks=8, block_size=4, budget=64, policy="priority")
+    admit(sched, "low", list(range(3, 13)), priority=5, arrival=1.0, max_tokens=10)
+    admit(sched, "high", list(range(13, 23)), priority=0, arrival=2.0, max_tokens=10)
+    run = drive(sched, worker)
+    assert run.plans[0].req_ids[0] == "high#0"
+    # 8 blocks cannot hold both sequences to the end: the low-priority one is preempted
+    assert sched.num_preemptions > 0
+    assert "low#0 is preempted" in caplog.text and "high#0 is preempted" not in caplog.text
+    assert run.outputs[("low", 0)] == reference(list(range(3, 13)), 10)
+
+
+def test_abort_frees_blocks_and_drops_late_results():
+    sched, worker = make()
+    admit(sched, "a", [5, 6, 7, 8, 9], max_tokens=50)
+    admit(sched, "b", [9, 8, 7], max_tokens=5)
+    plan1 = sched.schedule()
+    plan2 = sched.schedule()  # planned ahead, a is in it
+    sched.update(worker.execute(plan1))
+    sched.abort("a")
+    items = sched.update(worker.execute(plan2))
+    assert [i.rid for i in items] == ["b"]  # a's late token is dropped
+    plan3 = sched.schedule()
+    assert plan3.finished == ["a#0"] and "a#0" not in plan3.req_ids
+    assert sched.kv.block_ids("a#0") == []
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_eos_stop_tokens_and_min_tokens(lag):
+    sched, worker = make()
+    worker.overrides = {"eos#0": EOS, "stopid#0": 17, "minimum#0": EOS, "ignore#0": EOS}
+    admit(sched, "eos", [5, 6], max_tokens=10)
+    admit(sched, "stopid", [5, 6], max_tokens=10, stop_token_ids=[17])
+    admit(sched, "minimum", [5, 6], max_tokens=10, min_tokens=3)
+    admit(sched, "ignore", [5, 6], max_tokens=4, ignore_eos=True)
+    run = drive(sched, worker, lag=lag)
+    assert run.outputs[("eos", 0)] == [EOS] and run.finish[("eos", 0)] == "stop"
+    assert run.outputs[("stopid", 0)] == [17] and run.finish[("stopid", 0)] == "stop"
+    assert run.outputs[("minimum", 0)] == [EOS] * 3
+    assert run.outputs[("ignore", 0)] == [EOS] * 4 and run.finish[("ignore", 0)] == "length"
+
+
+def test_max_model_len_ends_a_request():
+    sched, worker = make(max_len=20)
+    admit(sched, "a", list(range(3, 18)), max_tokens=100)
+    run = drive(sched, worker, lag=1)
+    assert len(run.outputs[("a", 0)]) == 5 and run.finish[("a", 0)] == "length"
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched, worker = make(max_seqs=3, budget=64)
+    for i, p in enumerate(prompts(7, seed=5)):
+        admit(sched, f"r{i}", p, max_tokens=4)
+    run = drive(sched, worker, lag=1,
+                on_step=lambda s: pytest.fail("over max_num_seqs") if len(s.running) > 3 else None)
+    assert all(len(pl.req_ids) <= 3 for pl in run.plans)
+    assert len(run.outputs) == 7
+
+
+def test_invalid_admissions_are_rejected():
+    sched, _ = make(max_len=10)
+    with pytest.raises(ValueError, match="max_model_len"):
+        admit(sched, "long", list(range(3, 13)))
+    admit(sched, "dup", [5])
+    with pytest.raises(ValueError, match="already"):
+        admit(sched, "dup", [5])
