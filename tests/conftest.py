@@ -1,7 +1,7 @@
 """Shared fixtures: one real redis-server for the session, emptied before each test.
 
     def test_x(redis_url): ...                 # a clean Redis, "unix:///.../redis.sock"
-    async def test_y(redis_url, restart_redis): # restart_redis() stops and starts it (AOF)
+    async def test_y(redis_url, restart_redis): # restart_redis(0.3): down 0.3 s, then up (AOF)
     @pytest.mark.anyio                          # async tests run on asyncio
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -44,10 +45,15 @@ def redis_url(embedded_redis: EmbeddedRedis) -> str:
 
 
 @pytest.fixture
-def restart_redis(embedded_redis: EmbeddedRedis) -> Callable[[], None]:
-    """Stop the session's Redis and start it again on the same socket (data come back
-    from the append-only file). Blocking: from async code use anyio.to_thread.run_sync."""
-    return embedded_redis.restart
+def restart_redis(embedded_redis: EmbeddedRedis) -> Callable[[float], None]:
+    """`restart_redis(down_s=0.0)`: stop the session's Redis, wait, start it again on the
+    same socket (data come back from the append-only file). Blocking: from async code use
+    `anyio.to_thread.run_sync(restart_redis, down_s)`."""
+    def restart(down_s: float = 0.0) -> None:
+        embedded_redis.stop()
+        time.sleep(down_s)
+        embedded_redis.start()
+    return restart
 
 
 def repo_env(**extra: str) -> dict[str, str]:

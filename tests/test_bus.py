@@ -4,6 +4,7 @@ across processes, kill -9 of a consumer, poison entries, trimming, a Redis resta
 from __future__ import annotations
 
 import inspect
+import json
 import random
 import signal
 import subprocess
@@ -17,13 +18,14 @@ import anyio
 import msgpack
 import pytest
 import redis
+import structlog.testing
 
 from common import bus as busmod
 from common.bus import ADMIT, DEAD, REQUESTS, Bus, entry_fields
 from common.messages import (Abort, AdmitRequest, CachedRequest, ErrorReply, GenerateRequest,
                              NewRequest, StepPlan, decode)
 from common.sampling_params import SamplingParams
-from tests.conftest import repo_env
+from tests.conftest import repo_env, run_command
 
 WORKER = Path(__file__).resolve().parent / "bus_worker.py"
 IN, OUT = "hr:test:in", "hr:test:out"
@@ -258,41 +260,46 @@ async def test_trimming_bounds_a_streams_length(redis_url):
 @pytest.mark.anyio
 async def test_a_redis_restart_during_consume_and_publish_loses_nothing(redis_url,
                                                                         restart_redis):
-    handled = []
     total = 150
+    halfway = anyio.Event()
 
     async def handler(msg):
-        handled.append(msg.rid)
         return [(OUT, ErrorReply(msg.rid, 200, "done"))]
 
     async def publish_all(bus: Bus) -> None:
         for i in range(total):
             await bus.publish(IN, Abort(f"r{i}"))
             if i == total // 3:
-                await anyio.to_thread.run_sync(restart_redis)
+                halfway.set()
             await anyio.sleep(0.002)
 
-    async with Bus(redis_url, max_backoff_s=0.2) as bus, Bus(redis_url) as checker:
-        stop = anyio.Event()
-        out_rids: list[str] = []
+    async def restart_once() -> None:
+        await halfway.wait()
+        await anyio.to_thread.run_sync(restart_redis, 0.3)
 
-        async def collect_outputs() -> None:
-            with anyio.fail_after(40):
-                while len(set(out_rids)) < total:
-                    try:
-                        out_rids[:] = [decode(f[b"body"]).rid
-                                       for _, f in await checker.redis.xrange(OUT)]
-                    except busmod.UNAVAILABLE:
-                        pass
-                    await anyio.sleep(0.05)
-            stop.set()
+    async def outputs_complete(checker: Bus) -> bool:
+        try:
+            entries = await checker.redis.xrange(OUT)
+        except busmod.UNAVAILABLE:
+            return False
+        out_rids[:] = [decode(fields[b"body"]).rid for _, fields in entries]
+        return len(set(out_rids)) == total
 
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(lambda: bus.consume(IN, "g", "c1", handler, stop=stop,
-                                                 block_ms=100, reclaim_every_s=0.2))
-            await publish_all(bus)
-            await collect_outputs()
+    out_rids: list[str] = []
+    with structlog.testing.capture_logs() as logs:
+        async with Bus(redis_url, max_backoff_s=0.1) as bus, Bus(redis_url) as checker:
+            stop = anyio.Event()
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(lambda: bus.consume(IN, "g", "c1", handler, stop=stop,
+                                                     block_ms=100, reclaim_every_s=0.2))
+                tasks.start_soon(restart_once)
+                await publish_all(bus)
+                await wait_until(lambda: outputs_complete(checker), timeout=40)
+                stop.set()
     assert set(out_rids) == {f"r{i}" for i in range(total)}
+    events = {entry["event"] for entry in logs}
+    # both sides saw the outage: the publisher retried, the consumer reconnected
+    assert {"redis unreachable, retrying", "redis unreachable, reconnecting"} <= events
 
 
 # --- consumer processes ----------------------------------------------------------------
@@ -370,3 +377,33 @@ def test_kill_9_of_a_consumer_loses_and_duplicates_nothing(redis_url):
     replies = outputs(client)
     assert Counter(r.rid for r in replies) == Counter(rids)  # each exactly once
     assert {r.message for r in replies} == {"victim", "survivor"}
+
+
+# --- headrace bench bus ----------------------------------------------------------------
+
+def test_bench_bus_measures_round_trips_and_publish_rate(redis_url, tmp_path):
+    out = tmp_path / "bus.json"
+    result = run_command("bench", "bus", "--redis-url", redis_url, "--iterations", "50",
+                         "--warmup", "5", "--batch", "20", "--batches", "5", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    trip, publish = report["round_trip"], report["publish"]
+    assert trip["iterations"] == 50
+    assert 0 < trip["p50_ms"] <= trip["p90_ms"] <= trip["p99_ms"] <= trip["max_ms"]
+    assert publish["messages_per_s"] > 0 and publish["message_bytes"] > 1000
+    assert report["machine"]["redis_version"] and report["machine"]["cores"] >= 1
+    assert "p99" in result.stdout and "messages/s" in result.stdout
+    client = redis.Redis.from_url(redis_url)
+    assert not client.exists("bench:ping", "bench:pong", "bench:bulk")  # cleaned up
+
+
+def test_bench_dispatcher_names_unknown_and_missing_benchmarks(monkeypatch, capsys):
+    from services import bench
+    assert bench.main(["nope"]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
+    monkeypatch.setitem(bench.BENCHMARKS, "ghost", "a benchmark nobody wrote")
+    assert bench.main(["ghost"]) == 2
+    assert "services.bench.ghost is missing" in capsys.readouterr().err
+    assert bench.main([]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in ("bus", "throughput", "latency", "serve"))
