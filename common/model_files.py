@@ -83,6 +83,7 @@ def convert_gguf(path: Path, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         write_hf_dir(path, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the cache from other users
         os.rename(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -9,6 +9,7 @@ one matmul serves all of them.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,18 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
-def new_parameter(*shape: int, loader) -> nn.Parameter:
+def take_shard(loaded: torch.Tensor, dim: int, index: int, size: int, full: int,
+               name: str) -> torch.Tensor:
+    """Shard `index` of `size` rows along `dim` of a checkpoint tensor that must have
+    `full` rows there."""
+    if loaded.ndim <= dim or loaded.shape[dim] != full:
+        raise ValueError(f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, the "
+                         f"model expects {full} along dimension {dim}; the weights do not "
+                         "match config.json")
+    return loaded.narrow(dim, index * size, size)
+
+
+def new_parameter(*shape: int, loader: Callable[..., None]) -> nn.Parameter:
     """An uninitialized parameter on the current default device and dtype."""
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
     param.weight_loader = loader
@@ -56,9 +68,9 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id=None) -> None:
-        size = param.shape[0]
-        copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * size, size),
-                     type(self).__name__)
+        size, name = param.shape[0], type(self).__name__
+        copy_checked(param.data, take_shard(loaded_weight, 0, self.tp_rank, size,
+                                            size * self.tp_size, name), name)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -75,9 +87,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                              f"{list(range(len(self.output_sizes)))}")
         sizes = [divide(s, self.tp_size, "output size") for s in self.output_sizes]
         offset, size = sum(sizes[:shard_id]), sizes[shard_id]
-        copy_checked(param.data.narrow(0, offset, size),
-                     loaded_weight.narrow(0, self.tp_rank * size, size),
-                     f"{type(self).__name__}[{shard_id}]")
+        name = f"{type(self).__name__}[{shard_id}]"
+        shard = take_shard(loaded_weight, 0, self.tp_rank, size, self.output_sizes[shard_id],
+                           name)
+        copy_checked(param.data.narrow(0, offset, size), shard, name)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -90,6 +103,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, size, "number of attention heads")
         self.num_kv_heads = kv_heads_per_rank(total_num_kv_heads, size)
+        self.total_num_kv_heads = total_num_kv_heads
         self.kv_replicas = max(1, size // total_num_kv_heads)
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
         super().__init__(hidden_size, output_size, bias)
@@ -97,15 +111,17 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id=None) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layout = {"q": (0, q_size, self.tp_rank),
-                  "k": (q_size, kv_size, self.tp_rank // self.kv_replicas),
-                  "v": (q_size + kv_size, kv_size, self.tp_rank // self.kv_replicas)}
+        kv_rank, kv_full = self.tp_rank // self.kv_replicas, self.total_num_kv_heads * self.head_dim
+        # shard id -> (offset in our parameter, rows, source shard index, checkpoint rows)
+        layout = {"q": (0, q_size, self.tp_rank, q_size * self.tp_size),
+                  "k": (q_size, kv_size, kv_rank, kv_full),
+                  "v": (q_size + kv_size, kv_size, kv_rank, kv_full)}
         if shard_id not in layout:
             raise ValueError(f"QKVParallelLinear: shard id {shard_id!r} is not q, k or v")
-        offset, size, source_rank = layout[shard_id]
-        copy_checked(param.data.narrow(0, offset, size),
-                     loaded_weight.narrow(0, source_rank * size, size),
-                     f"QKVParallelLinear[{shard_id}]")
+        offset, size, index, full = layout[shard_id]
+        name = f"QKVParallelLinear[{shard_id}]"
+        shard = take_shard(loaded_weight, 0, index, size, full, name)
+        copy_checked(param.data.narrow(0, offset, size), shard, name)
 
 
 class RowParallelLinear(LinearBase):
@@ -121,7 +137,8 @@ class RowParallelLinear(LinearBase):
             copy_checked(param.data, loaded_weight, "RowParallelLinear bias")
             return
         size = param.shape[1]
-        copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * size, size),
+        copy_checked(param.data, take_shard(loaded_weight, 1, self.tp_rank, size,
+                                            size * self.tp_size, "RowParallelLinear"),
                      "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
