@@ -98,6 +98,13 @@ def decode_entry(stream: str, entry_id: bytes, fields: dict[bytes, bytes],
     return Entry(stream, entry_id, fields, messages.decode(fields[b"body"]), group)
 
 
+@dataclass(frozen=True, slots=True)
+class Claim:
+    entries: list[Entry]
+    cursor: str  # where the next page starts; "0-0" when the pending list was walked
+    trimmed: bool  # Redis 6.2 claims trimmed entries without their ids: re-read pending
+
+
 @dataclass(slots=True)
 class Backoff:
     first_s: float = 0.05
@@ -255,18 +262,14 @@ class Bus:
         return await self._decode_all(_flatten(reply), None)
 
     async def claim_idle(self, stream: str, group: str, consumer: str, min_idle_ms: int,
-                         count: int = 100) -> tuple[list[Entry], bool]:
-        """XAUTOCLAIM every entry of `group` idle longer than `min_idle_ms`. Returns the
-        entries and whether some had been trimmed away (Redis 6.2 claims those without
-        saying which: a read of this consumer's pending entries finds them)."""
-        cursor, raw, trimmed = b"0-0", [], False
-        while True:
-            cursor, items, *_ = await self.redis.xautoclaim(
-                stream, group, consumer, min_idle_ms, start_id=cursor, count=count)
-            trimmed |= any(entry_id is None for entry_id, _ in items)
-            raw += [(stream, entry_id, fields) for entry_id, fields in items if entry_id]
-            if cursor in (b"0-0", "0-0"):
-                return await self._decode_all(raw, group), trimmed
+                         count: int = 100, cursor: bytes | str = "0-0") -> Claim:
+        """One page of XAUTOCLAIM: up to `count` entries of `group` idle longer than
+        `min_idle_ms`, from `cursor` on; pass the returned cursor to go on ("0-0": done)."""
+        cursor, items, *_ = await self.redis.xautoclaim(
+            stream, group, consumer, min_idle_ms, start_id=cursor, count=count)
+        raw = [(stream, entry_id, fields) for entry_id, fields in items if entry_id]
+        trimmed = any(entry_id is None for entry_id, _ in items)
+        return Claim(await self._decode_all(raw, group), _text(cursor), trimmed)
 
     async def delivery_counts(self, stream: str, group: str,
                               ids: Sequence[bytes]) -> dict[bytes, int]:
@@ -358,6 +361,7 @@ class _ConsumeLoop:
         self.need_group = True
         self.read_pending = True  # on start and after a reconnect: our own pending first
         self.next_reclaim = 0.0
+        self.claim_cursor = "0-0"
         self.read_scope = anyio.CancelScope()
         self.log = log.bind(stream=stream, group=group, consumer=consumer)
 
@@ -399,19 +403,27 @@ class _ConsumeLoop:
             return await self.bus.read(self.group, self.consumer, {self.stream: "0"})
         if stop.is_set():
             return []
+        backlog = self.claim_cursor != "0-0"  # claimed pages are waiting: do not block
         with anyio.CancelScope() as self.read_scope:
             return await self.bus.read(self.group, self.consumer, {self.stream: ">"},
-                                       count=self.count, block_ms=self.block_ms)
+                                       count=self.count,
+                                       block_ms=None if backlog else self.block_ms)
         return []  # stop was set while blocked
 
     async def _reclaim(self) -> None:
-        self.next_reclaim = time.monotonic() + self.reclaim_every_s
-        entries, trimmed = await self.bus.claim_idle(
-            self.stream, self.group, self.consumer, self.min_idle_ms, self.count)
-        self.read_pending |= trimmed
-        if not entries:
-            return
-        self.log.info("claimed idle entries", n=len(entries))
+        claim = await self.bus.claim_idle(self.stream, self.group, self.consumer,
+                                          self.min_idle_ms, self.count, self.claim_cursor)
+        # A backlog is claimed a page per step, between new reads, so no claimed entry
+        # waits here long enough to look idle to another consumer.
+        self.claim_cursor = claim.cursor
+        more = claim.cursor != "0-0"
+        self.next_reclaim = time.monotonic() + (0 if more else self.reclaim_every_s)
+        self.read_pending |= claim.trimmed
+        if claim.entries:
+            self.log.info("claimed idle entries", n=len(claim.entries))
+            await self._process_claimed(claim.entries)
+
+    async def _process_claimed(self, entries: list[Entry]) -> None:
         counts = await self.bus.delivery_counts(self.stream, self.group,
                                                 [e.id for e in entries])
         for entry in entries:

@@ -225,6 +225,29 @@ async def test_an_entry_whose_consumers_keep_dying_is_buried_when_claimed(redis_
 
 
 @pytest.mark.anyio
+async def test_a_dead_consumers_backlog_is_claimed_page_by_page_without_waiting(redis_url):
+    handled = []
+
+    async def handler(msg):
+        handled.append(msg.rid)
+        return [(OUT, msg)]
+
+    async with Bus(redis_url) as bus:
+        await bus.ensure_group(IN, "g")
+        await bus.publish(IN, *[Abort(f"r{i}") for i in range(50)])
+        await bus.redis.xreadgroup("g", "dead", {IN: ">"})  # takes all 50, never acks
+        start = time.monotonic()
+        # pages of 8; a long block and reclaim period must not slow the backlog down
+        await run_consumer(bus, handler, lambda: len(handled) == 50, count=8,
+                           min_idle_ms=0, reclaim_every_s=30, block_ms=5000)
+        elapsed = time.monotonic() - start
+        assert (await bus.redis.xpending(IN, "g"))["pending"] == 0
+        assert await bus.redis.xlen(OUT) == 50
+    assert sorted(handled) == sorted(f"r{i}" for i in range(50))
+    assert elapsed < 4
+
+
+@pytest.mark.anyio
 async def test_a_deleted_group_is_created_again(redis_url):
     handled = []
 
