@@ -8,20 +8,25 @@ which it sends in `SchedulerStats`) are exposed as counters set to the latest ab
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.messages import SchedulerStats
+
+if TYPE_CHECKING:
+    from common.bus import StreamInfo
+
 PREFIX = "headrace:"
 
 # vLLM's buckets: first tokens take milliseconds to minutes, the gaps between tokens
-# milliseconds to seconds.
+# milliseconds to seconds; ITL starts lower, since a small model decodes in 2-10 ms.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -32,29 +37,6 @@ TOTALS = {
     "prefix_cache_queries": "Prefix cache queries, in tokens.",
     "prefix_cache_hits": "Prefix cache hits, in tokens.",
 }
-
-
-class SchedulerTotals(Protocol):
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prompt_tokens: int
-    generation_tokens: int
-
-
-class StreamStats(Protocol):
-    name: str
-    length: int
-    groups: Iterable[GroupStats]
-
-
-class GroupStats(Protocol):
-    name: str
-    pending: int
-    lag: int | None
 
 
 class TotalsCollector(Collector):
@@ -124,7 +106,7 @@ class Metrics:
             PREFIX + "stream_lag", "Entries not yet delivered to a group.",
             ["stream", "group"], registry=reg)
 
-    def set_scheduler_stats(self, stats: SchedulerTotals) -> None:
+    def set_scheduler_stats(self, stats: SchedulerStats) -> None:
         """Gauges and totals from the scheduler's latest `SchedulerStats`."""
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
@@ -132,7 +114,7 @@ class Metrics:
         for name in TOTALS:
             self.totals.set(name, getattr(stats, name))
 
-    def set_streams(self, streams: Iterable[StreamStats]) -> None:
+    def set_streams(self, streams: Iterable[StreamInfo]) -> None:
         """Replace the per-stream gauges (streams and groups that vanished disappear)."""
         for gauge in (self.stream_length, self.stream_pending, self.stream_lag):
             gauge.clear()

@@ -22,7 +22,7 @@ import structlog.testing
 
 from common import bus as busmod
 from common.bus import ADMIT, DEAD, REQUESTS, Bus, entry_fields
-from common.messages import (Abort, AdmitRequest, CachedRequest, ErrorReply, GenerateRequest,
+from common.messages import (Abort, CachedRequest, ErrorReply, GenerateRequest,
                              NewRequest, StepPlan, decode)
 from common.sampling_params import SamplingParams
 from tests.conftest import repo_env, run_command
