@@ -114,6 +114,9 @@ class EngineConfig:
 
     def resolved(self, model_max_len: int) -> EngineConfig:
         """A copy with the model-dependent defaults filled in."""
+        if self.max_model_len is not None and self.max_model_len > model_max_len:
+            raise ConfigError(f"--max-model-len {self.max_model_len} is longer than the "
+                              f"model's {model_max_len} positions")
         max_model_len = self.max_model_len or model_max_len
         budget = self.max_num_batched_tokens
         if budget is None:  # every running request must fit a decode in one step

@@ -8,6 +8,7 @@ ones included: the cache write happens first) is read through block_tables[r].
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -15,8 +16,53 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [T, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
     returns [T, num_heads, head_dim] in q's dtype. The one dispatch point for this op."""
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                               scale)
+    return paged_attention_torch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                 scale)
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                          seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The CPU path: every decode (one query) of the batch in one padded attention call,
+    prefill chunks one request at a time (padding them together would cost
+    requests x chunk x context memory)."""
+    out = torch.empty_like(q)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    decodes = (q_lens == 1).nonzero().flatten()
+    if decodes.numel():
+        rows = query_start_loc[decodes].long()
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[decodes],
+                                      seq_lens[decodes], scale)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for r in (q_lens > 1).nonzero().flatten().tolist():
+        begin, end = starts[r], starts[r + 1]
+        k = gather_context(k_cache, block_tables[r], lens[r])
+        v = gather_context(v_cache, block_tables[r], lens[r])
+        # query i sits at position seq_len - q_len + i and sees keys 0..that position
+        visible = (torch.arange(lens[r], device=q.device)[None, :]
+                   <= torch.arange(lens[r] - (end - begin), lens[r], device=q.device)[:, None])
+        out[begin:end] = _sdpa(q[None, begin:end], k[None], v[None], visible[None], scale)[0]
+    return out
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    block_size, max_len = k_cache.shape[1], int(seq_lens.max())
+    blocks = block_tables[:, :-(-max_len // block_size)].long()
+    k = k_cache[blocks].flatten(1, 2)[:, :max_len]  # [R, S, kv_heads, head_dim]
+    v = v_cache[blocks].flatten(1, 2)[:, :max_len]
+    visible = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
+    return _sdpa(q[:, None], k, v, visible[:, None], scale)[:, 0]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+          scale: float) -> torch.Tensor:
+    """q [R, Q, H, D], k/v [R, S, KVH, D], visible [R, Q, S] -> [R, Q, H, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=visible[:, None], scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

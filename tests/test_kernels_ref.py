@@ -85,6 +85,8 @@ def test_paged_attention_ignores_cache_past_each_context():
         k_cache[tables[r, num_blocks - 1], ctx - 4 * (num_blocks - 1):] = 1e4
     torch.testing.assert_close(
         paged_attention_ref(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125), out)
+    torch.testing.assert_close(
+        paged_attention(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125), out)
 
 
 def test_paged_attention_keeps_bf16_dtype():

@@ -1,0 +1,158 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from common.config import EngineConfig
+from common.messages import TextDelta, TokenLogprobs
+from common.sampling_params import SamplingParams
+from services.engine import Engine
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+LogprobsDict = dict[int, Logprob]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[LogprobsDict] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[LogprobsDict | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished() for c in self.outputs)
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.info.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.info.defaults.default_params()
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        return self._run([self._encode(p) for p in _as_list(prompts)], sampling_params,
+                         use_tqdm, priority)
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True
+             ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        processor = self.engine.info.processor
+        encoded = [(None, processor.prompt_ids(None, None, list(conv), add_generation_prompt))
+                   for conv in conversations]
+        return self._run(encoded, sampling_params, use_tqdm, None)
+
+    def _encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        else:
+            text, ids = None, list(prompt)
+        return text, self.engine.info.processor.prompt_ids(text, ids, None)
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool, priority: Sequence[int] | None) -> list[RequestOutput]:
+        params_list = _per_prompt(sampling_params or self.get_default_sampling_params(),
+                                  len(encoded))
+        outputs: dict[str, RequestOutput] = {}
+        for i, ((text, ids), params) in enumerate(zip(encoded, params_list)):
+            rid = str(next(self._ids))
+            outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(j)
+                                                          for j in range(params.n)])
+            self.engine.add_request(rid, ids, params, priority[i] if priority else 0)
+        bar = tqdm(total=len(encoded), desc="Processed prompts", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                out = outputs[delta.rid]
+                was_finished = out.finished
+                _apply(out, delta)
+                if out.finished and not was_finished:
+                    bar.update(1)
+        bar.close()
+        return list(outputs.values())
+
+
+def _apply(out: RequestOutput, delta: TextDelta) -> None:
+    completion = out.outputs[delta.index]
+    if completion.finished() or delta.seq != len(completion.token_ids):
+        return  # tokens a stop string already ended
+    completion.text += delta.text
+    completion.token_ids += delta.token_ids
+    if delta.logprobs:
+        completion.logprobs = (completion.logprobs or []) + [_logprob_dict(lp)
+                                                             for lp in delta.logprobs]
+        completion.cumulative_logprob = ((completion.cumulative_logprob or 0.0)
+                                         + sum(lp.logprobs[0] for lp in delta.logprobs))
+    if delta.prompt_logprobs:
+        out.prompt_logprobs = [None if lp is None else _logprob_dict(lp)
+                               for lp in delta.prompt_logprobs]
+    if delta.finish_reason is not None:
+        completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def _logprob_dict(lp: TokenLogprobs) -> LogprobsDict:
+    texts = lp.texts or [None] * len(lp.token_ids)
+    ranks = [lp.rank] + list(range(1, len(lp.token_ids)))
+    entries: LogprobsDict = {}
+    for token_id, logprob, rank, text in zip(lp.token_ids, lp.logprobs, ranks, texts):
+        entries.setdefault(token_id, Logprob(logprob, rank, text))
+    return entries
+
+
+def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):  # one tokenized prompt
+        return [list(prompts)]  # type: ignore[arg-type]
+    return list(prompts)
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams], n: int
+                ) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return list(params)

@@ -1,0 +1,71 @@
+"""How many KV cache blocks fit: a byte budget on the CPU, a profiled budget on a GPU."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+from common.config import EngineConfig
+
+log = logging.getLogger("headrace.worker")
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class Profilable(Protocol):
+    device: torch.device
+
+    def profile_run(self) -> None: ...
+
+
+def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype,
+                             tp_size: int = 1) -> int:
+    num_kv_heads = max(1, hf_config.num_key_value_heads // tp_size)
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads)
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * hf_config.num_hidden_layers * block_size * num_kv_heads * head_dim * element
+
+
+def plan_num_blocks(config: EngineConfig, runner: Profilable, bytes_per_block: int) -> int:
+    if config.num_gpu_blocks_override is not None:
+        num_blocks = config.num_gpu_blocks_override
+    elif config.kv_cache_memory is not None:
+        num_blocks = config.kv_cache_memory // bytes_per_block
+    elif runner.device.type == "cuda":
+        num_blocks = _profiled_budget(config, runner) // bytes_per_block
+    else:
+        num_blocks = CPU_DEFAULT_KV_BYTES // bytes_per_block
+    if num_blocks < 1:
+        raise MemoryError(
+            "no memory is left for the KV cache: raise --gpu-memory-utilization or "
+            "--kv-cache-memory, or lower --max-num-batched-tokens / --max-num-seqs")
+    assert config.max_model_len is not None
+    per_request = -(-config.max_model_len // config.block_size)
+    log.info("KV cache: %d blocks of %d tokens (%.2f GiB); maximum concurrency for "
+             "%d tokens per request: %.2fx", num_blocks, config.block_size,
+             num_blocks * bytes_per_block / 2**30, config.max_model_len,
+             num_blocks / per_request)
+    return num_blocks
+
+
+def _profiled_budget(config: EngineConfig, runner: Profilable) -> int:
+    """gpu_memory_utilization of the device, minus what the weights, the largest step's
+    activations and everything outside torch's allocator (CUDA context, library
+    workspaces) take."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    runner.profile_run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    free, total = torch.cuda.mem_get_info()
+    outside_torch = (total - free) - torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    budget = int(total * config.gpu_memory_utilization) - peak - max(outside_torch, 0)
+    log.info("memory profile: total %.2f GiB, weights+activations peak %.2f GiB, outside "
+             "torch %.2f GiB, KV budget %.2f GiB", total / 2**30, peak / 2**30,
+             outside_torch / 2**30, budget / 2**30)
+    return max(budget, 0)

@@ -1,0 +1,214 @@
+"""The worker core: weights, the paged KV cache, and one engine step.
+
+The worker knows every request's tokens itself (it sampled them), so a plan only says
+which requests compute how many tokens from which position; the worker appends what it
+samples before the scheduler hears of it. A step is: apply the plan's deltas, prepare the
+flattened inputs, run the model, sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from common.config import EngineConfig
+from common.messages import PromptLogprobs, StepPlan, StepResult
+from common.sampling_params import SamplingParams
+from services.worker.layers.attention import AttentionMetadata, ForwardContext
+from services.worker.loader import load_model
+from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
+from services.worker.models import kv_cache_shape
+from services.worker.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    block_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        num_prompt = len(self.prompt_ids)
+        if end <= num_prompt:
+            return self.prompt_ids[start:end]
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_ids[start:] + self.output_ids[:end - num_prompt]
+
+    def sampling_row(self) -> SamplingRow:
+        return SamplingRow(self.params, self.prompt_ids, self.output_ids, self.generator)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    sample_indices: torch.Tensor  # token index of each sampling request's last token
+    sampling: list[RequestState] = field(default_factory=list)
+    prompt_logprob_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
+    # (state, first token index in the batch, first position, count) per prompt-logprob chunk
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, config.dtype)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, model_dir) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, self.device)
+        torch.manual_seed(config.seed)
+        self.model = load_model(config, hf_config, self.device, self.dtype, model_dir)
+        self.block_size = config.block_size
+        self.sampler = Sampler(self.device, config.seed)
+        self.requests: dict[str, RequestState] = {}
+        self.num_blocks = plan_num_blocks(config, self, kv_cache_bytes_per_block(
+            hf_config, config.block_size, self.dtype, config.tensor_parallel_size))
+        shape = kv_cache_shape(hf_config, self.num_blocks, self.block_size,
+                               config.tensor_parallel_size)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.model.num_layers)]
+
+    # --- one step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._apply_plan(plan)
+        inputs = self._prepare(plan)
+        hidden = self.model(inputs.input_ids, inputs.positions,
+                            ForwardContext(inputs.attn, self.kv_caches))
+        result = self._sample(plan.step, hidden, inputs)
+        chunks = [self._prompt_logprobs(hidden, *row) for row in inputs.prompt_logprob_rows]
+        return StepResult(plan.step, result[0], result[1], result[2], chunks)
+
+    def _apply_plan(self, plan: StepPlan) -> None:
+        for req_id in plan.finished:
+            self.requests.pop(req_id, None)
+        for new in plan.new:
+            params = new.params
+            generator = None if params.seed is None else make_generator(params.seed, self.device)
+            self.requests[new.req_id] = RequestState(
+                new.req_id, list(new.token_ids[:new.num_prompt_tokens]),
+                list(new.token_ids[new.num_prompt_tokens:]), list(new.block_ids), params,
+                generator)
+        for cached in plan.cached:
+            self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
+
+    def _prepare(self, plan: StepPlan) -> StepInputs:
+        states = [self.requests[req_id] for req_id in plan.req_ids]
+        num_scheduled = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
+        starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+        cu = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=cu[1:])
+        positions = np.arange(cu[-1]) + np.repeat(starts - cu[:-1], num_scheduled)
+        token_ids: list[int] = []
+        for state, start, n in zip(states, starts.tolist(), num_scheduled.tolist()):
+            token_ids += state.tokens(start, start + n)
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
+        for i, state in enumerate(states):
+            block_table[i, :len(state.block_ids)] = state.block_ids
+        req_of_token = np.repeat(np.arange(len(states)), num_scheduled)
+        slots = (block_table[req_of_token, positions // self.block_size].astype(np.int64)
+                 * self.block_size + positions % self.block_size)
+        seq_lens = starts + num_scheduled
+        samples = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
+        attn = AttentionMetadata(
+            slot_mapping=self._tensor(slots), block_tables=self._tensor(block_table),
+            query_start_loc=self._tensor(cu.astype(np.int32)),
+            seq_lens=self._tensor(seq_lens.astype(np.int32)),
+            max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()))
+        return StepInputs(
+            input_ids=self._tensor(np.asarray(token_ids, dtype=np.int64)),
+            positions=self._tensor(positions),
+            attn=attn,
+            sample_indices=self._tensor(cu[1:][samples] - 1),
+            sampling=[states[i] for i in samples],
+            prompt_logprob_rows=self._prompt_logprob_rows(states, starts, num_scheduled, cu))
+
+    def _prompt_logprob_rows(self, states, starts, num_scheduled, cu) -> list:
+        rows = []
+        for i, state in enumerate(states):
+            if state.params.prompt_logprobs is None:
+                continue
+            start, end = int(starts[i]), int(starts[i] + num_scheduled[i])
+            end = min(end, len(state.prompt_ids) - 1)  # the last prompt token predicts output
+            if end > start:
+                rows.append((state, int(cu[i]), start, end - start))
+        return rows
+
+    def _sample(self, step: int, hidden: torch.Tensor, inputs: StepInputs):
+        if not inputs.sampling:
+            return [], [], []
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        out = self.sampler.sample(logits, [s.sampling_row() for s in inputs.sampling])
+        token_ids = out.token_ids.tolist()
+        for state, token in zip(inputs.sampling, token_ids):
+            state.output_ids.append(token)
+        req_ids = [s.req_id for s in inputs.sampling]
+        logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
+        return req_ids, token_ids, logprobs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, state: RequestState, first: int,
+                         start: int, count: int) -> PromptLogprobs:
+        logits = self.model.compute_logits(hidden[first:first + count])
+        targets = torch.tensor(state.prompt_ids[start + 1:start + 1 + count], device=self.device)
+        k = state.params.prompt_logprobs
+        ids, lps, ranks = prompt_logprobs(logits, targets, k)
+        return PromptLogprobs(state.req_id, start + 1, k, ids.flatten().tolist(),
+                              lps.flatten().tolist(), ranks.tolist())
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest step the scheduler can plan (every token of the budget, the most
+        requests, all sampling with top-k/top-p), on a one-block cache whose writes are
+        skipped: its peak memory is what a step needs beside the weights."""
+        num_tokens = self.config.max_num_batched_tokens
+        num_reqs = min(self.config.max_num_seqs, num_tokens)
+        q_lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        q_lens[: num_tokens % num_reqs] += 1
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        shape = kv_cache_shape(self.hf_config, 1, self.block_size,
+                               self.config.tensor_parallel_size)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.dtype, device=self.device))
+                  for _ in range(self.model.num_layers)]
+        max_blocks = -(-int(q_lens.max()) // self.block_size)
+        attn = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros((num_reqs, max_blocks), dtype=torch.int32,
+                                     device=self.device),
+            query_start_loc=self._tensor(cu.astype(np.int32)),
+            seq_lens=self._tensor(q_lens.astype(np.int32)),
+            max_query_len=int(q_lens.max()), max_seq_len=int(q_lens.max()))
+        input_ids = torch.randint(0, self.model.vocab_size, (num_tokens,), device=self.device)
+        positions = self._tensor(np.arange(num_tokens) - np.repeat(cu[:-1], q_lens))
+        hidden = self.model(input_ids, positions, ForwardContext(attn, caches))
+        logits = self.model.compute_logits(hidden[self._tensor(cu[1:] - 1)])
+        params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50)
+        self.sampler.sample(logits, [SamplingRow(params, [], [], None)] * num_reqs)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
