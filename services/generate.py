@@ -13,6 +13,8 @@ from common.sampling_params import SamplingError, SamplingParams
 _SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                    "min_tokens", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logprobs", "ignore_eos")
+# --seed is the engine's (weights of dummy models, unseeded sampling), as in vLLM
+_DESTS = {"seed": "sampling_seed"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,12 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = SamplingParams()
     for name in _SAMPLING_FLAGS:
         default = getattr(defaults, name)
-        flag = "--" + name.replace("_", "-")
+        dest = _DESTS.get(name, name)
+        flag = "--" + dest.replace("_", "-")
         if isinstance(default, bool):
-            sampling.add_argument(flag, action="store_true", help=f"default {default}")
+            sampling.add_argument(flag, dest=dest, action="store_true",
+                                  help=f"default {default}")
         else:
             kind = float if isinstance(default, float) else int
-            sampling.add_argument(flag, type=kind, default=None, help=f"default {default}")
+            sampling.add_argument(flag, dest=dest, type=kind, default=None,
+                                  help=f"default {default}")
     add_engine_args(parser)
     return parser
 
@@ -42,8 +47,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         config = engine_config_from_args(args)
-        overrides = {name: getattr(args, name) for name in _SAMPLING_FLAGS
-                     if getattr(args, name) not in (None, False)}
+        overrides = {name: getattr(args, _DESTS.get(name, name)) for name in _SAMPLING_FLAGS
+                     if getattr(args, _DESTS.get(name, name)) not in (None, False)}
         if args.stop:
             overrides["stop"] = args.stop
     except ConfigError as e:

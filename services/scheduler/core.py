@@ -133,7 +133,11 @@ class Scheduler:
         """Apply a step's sampled tokens; returns what the detokenizers should see."""
         for chunk in result.prompt_logprobs:
             req = self.requests.get(chunk.req_id)
-            if req is not None:
+            if req is None:
+                continue
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)  # the first prompt token has no logprob
+            if chunk.start == len(req.prompt_logprobs):  # not a recompute after preemption
                 req.prompt_logprobs.extend(chunk.rows())
         items = []
         logprobs = result.logprobs or [None] * len(result.req_ids)
