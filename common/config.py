@@ -147,6 +147,9 @@ class ServerConfig:
         "Directory for the embedded Redis socket and process files."))
     max_request_body: int = field(default=8 * 2**20, metadata=_help(
         "Largest request body in bytes (413 above it)."))
+    reclaim_idle_ms: int = field(default=30_000, metadata=_help(
+        "A stateless stage takes over another replica's pending entries once they have "
+        "been idle this long (the replica died)."))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -155,7 +158,7 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         for name in ("tokenizer_replicas", "detokenizer_replicas", "max_queue_len",
-                     "stream_maxlen", "max_request_body"):
+                     "stream_maxlen", "max_request_body", "reclaim_idle_ms"):
             _positive(name, getattr(self, name))
 
 

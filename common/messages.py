@@ -208,6 +208,8 @@ class StepPlan:
     new: list[NewRequest] = field(default_factory=list)
     cached: list[CachedRequest] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # drop these before the step
+    epoch: str = ""  # the worker this plan is for; a restarted worker skips older plans
+    scheduler_epoch: str = ""  # a new value means a restarted scheduler: drop all state
 
 
 @message("result")

@@ -8,6 +8,7 @@ flattened inputs, run the model, sample.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,13 +95,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
         self._apply_plan(plan)
         inputs = self._prepare(plan)
         hidden = self.model(inputs.input_ids, inputs.positions,
                             ForwardContext(inputs.attn, self.kv_caches))
-        result = self._sample(plan.step, hidden, inputs)
+        req_ids, token_ids, logprobs = self._sample(hidden, inputs)
         chunks = [self._prompt_logprobs(hidden, *row) for row in inputs.prompt_logprob_rows]
-        return StepResult(plan.step, result[0], result[1], result[2], chunks)
+        return StepResult(plan.step, req_ids, token_ids, logprobs, chunks,
+                          execute_ms=1000 * (time.perf_counter() - start))
+
+    def forget_requests(self) -> None:
+        """Drop every request's state (a new scheduler took over)."""
+        self.requests.clear()
 
     def _apply_plan(self, plan: StepPlan) -> None:
         for req_id in plan.finished:
@@ -158,7 +165,7 @@ class ModelRunner:
                 rows.append((state, int(cu[i]), start, end - start))
         return rows
 
-    def _sample(self, step: int, hidden: torch.Tensor, inputs: StepInputs):
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs):
         if not inputs.sampling:
             return [], [], []
         logits = self.model.compute_logits(hidden[inputs.sample_indices])

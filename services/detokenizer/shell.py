@@ -1,0 +1,39 @@
+"""The detokenizer process: hr:detok -> text deltas to each request's gateway, and an abort
+to the scheduler when a stop string ends a completion. Stateless: every item carries its
+context, so any replica takes any step's batch."""
+
+from __future__ import annotations
+
+from common.bus import CONTROL, DETOK, Output, replies_stream
+from common.messages import ReplyBatch, TextDelta, TokenBatch
+from common.model_files import load_tokenizer, resolve_model
+from services.detokenizer.core import Detokenizer
+from services.process import ServiceContext, run_service
+
+GROUP = "detokenizer"
+
+
+def handler(detokenizer: Detokenizer):
+    async def handle(batch: TokenBatch) -> list[Output]:
+        by_gateway: dict[str, list[TextDelta]] = {}
+        outputs: list[Output] = []
+        for item in batch.items:
+            delta, abort = detokenizer.process(item)
+            by_gateway.setdefault(item.reply_to, []).append(delta)
+            if abort is not None:
+                outputs.append((CONTROL, abort))
+        return [(replies_stream(gateway), ReplyBatch(deltas))
+                for gateway, deltas in by_gateway.items()] + outputs
+    return handle
+
+
+async def serve(ctx: ServiceContext) -> None:
+    model_dir = resolve_model(ctx.engine.model, ctx.engine.load_format)
+    detokenizer = Detokenizer(load_tokenizer(model_dir, ctx.engine.tokenizer))
+    await ctx.bus.consume(DETOK, GROUP, ctx.consumer, handler(detokenizer), stop=ctx.stop,
+                           min_idle_ms=ctx.server.reclaim_idle_ms,
+                           reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000))
+
+
+def main(argv: list[str]) -> int:
+    return run_service("detokenizer", argv, serve, __doc__ or "")

@@ -1,0 +1,142 @@
+"""`headrace serve MODEL [engine args] [server args]`: an embedded Redis (unless --redis-url
+or REDIS_URL) and every service as a child process; a child that crashes is restarted.
+Ctrl-C or SIGTERM stops them all; each child also dies with this process if it is killed
+(parent-death signal), so nothing is orphaned."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import (EngineConfig, ServerConfig, engine_args_to_cli,
+                           engine_config_from_args, server_args_to_cli,
+                           server_config_from_args)
+from common.config import ConfigError
+from common.log import configure_logging, get_logger
+from common.model_files import resolve_model
+from common.redis_server import redis_url_or_embedded, spawn_child
+from services.process import service_parser
+
+STOP_TIMEOUT_S = 15.0
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
+
+log = get_logger("headrace.launcher")
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    replica: int
+    argv: list[str]
+    env: dict[str, str]
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    restart_at: float = 0.0
+    started_at: float = field(default=0.0)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.replica}"
+
+    def start(self) -> None:
+        self.process = spawn_child(self.argv, env=self.env)
+        self.started_at = time.monotonic()
+        log.info("started", child=self.label, pid=self.process.pid)
+
+
+def child_specs(engine: EngineConfig, server: ServerConfig, redis_url: str) -> list[Child]:
+    flags = engine_args_to_cli(engine) + server_args_to_cli(server)
+    env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+    layout = ([("worker", 0), ("scheduler", 0)]
+              + [("tokenizer", i) for i in range(server.tokenizer_replicas)]
+              + [("detokenizer", i) for i in range(server.detokenizer_replicas)]
+              + [("gateway", 0)])
+    return [Child(name, i, [sys.executable, "-m", "services.cli", name, *flags,
+                            "--replica", str(i)], env) for name, i in layout]
+
+
+class Supervisor:
+    def __init__(self, children: list[Child]) -> None:
+        self.children = children
+        self.stopping = False
+
+    def run(self, health_url: str) -> None:
+        for child in self.children:
+            child.start()
+        announced = False
+        while not self.stopping:
+            self._restart_crashed()
+            if not announced and _healthy(health_url):
+                log.info("serving", url=health_url.rsplit("/", 1)[0])
+                announced = True
+            time.sleep(0.2)
+
+    def stop(self, *_: object) -> None:
+        self.stopping = True
+
+    def shutdown(self) -> None:
+        running = [c.process for c in self.children if c.process and c.process.poll() is None]
+        for process in running:
+            process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in running:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def _restart_crashed(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.process is None or child.process.poll() is None:
+                continue
+            if child.restart_at == 0.0:
+                delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
+                if now - child.started_at > 60:  # it had been healthy: forget old crashes
+                    child.restarts, delay = 0, RESTART_BACKOFF_S[0]
+                log.error("child exited; restarting", child=child.label,
+                          code=child.process.returncode, in_s=delay)
+                child.restart_at = now + delay
+            elif now >= child.restart_at:
+                child.restarts += 1
+                child.restart_at = 0.0
+                child.start()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def main(argv: list[str]) -> int:
+    parser = service_parser("serve", __doc__ or "")
+    args = parser.parse_args(argv)
+    try:
+        engine, server = engine_config_from_args(args), server_config_from_args(args)
+    except ConfigError as e:
+        parser.error(str(e))
+    configure_logging("launcher")
+    resolve_model(engine.model, engine.load_format)  # a GGUF converts once, here
+    run_dir = Path(server.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    redis_url, redis = redis_url_or_embedded(server.redis_url, run_dir)
+    supervisor = Supervisor(child_specs(engine, server, redis_url))
+    signal.signal(signal.SIGTERM, supervisor.stop)
+    signal.signal(signal.SIGINT, supervisor.stop)
+    try:
+        supervisor.run(f"http://{server.host}:{server.port}/health")
+    finally:
+        supervisor.shutdown()
+        if redis is not None:
+            redis.stop()
+    return 0

@@ -1,0 +1,109 @@
+"""What every service process shares: its command line, logging, the bus, liveness keys and
+a clean stop on SIGINT/SIGTERM. A service is `run_service(name, argv, body)` where `body`
+is the async shell around its core."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from common.bus import UNAVAILABLE, Bus
+from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_args,
+                           add_server_args, engine_config_from_args, server_config_from_args)
+from common.log import configure_logging, get_logger
+
+ALIVE_SCHEDULER = "hr:alive:scheduler"
+ALIVE_WORKER = "hr:alive:worker"
+SCHEDULER_STATS = "hr:stats:scheduler"
+HEARTBEAT_S = 1.0
+ALIVE_TTL_MS = 4000
+
+
+@dataclass(slots=True)
+class ServiceContext:
+    name: str
+    replica: str
+    engine: EngineConfig
+    server: ServerConfig
+    bus: Bus
+    stop: anyio.Event
+
+    @property
+    def consumer(self) -> str:
+        """Stable across restarts of one replica, so a restarted process re-reads the
+        entries it left pending."""
+        return f"{self.name}-{self.replica}"
+
+
+Body = Callable[[ServiceContext], Awaitable[None]]
+
+
+def service_parser(name: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"headrace {name}", description=description)
+    parser.add_argument("--replica", default=None,
+                        help="replica id, unique per process of a service (default: "
+                             "hostname-pid)")
+    add_engine_args(parser, positional_model=True)
+    add_server_args(parser)
+    return parser
+
+
+def bus_url(server: ServerConfig) -> str:
+    """--redis-url, else REDIS_URL, else the socket of the launcher's embedded Redis."""
+    return (server.redis_url or os.environ.get("REDIS_URL")
+            or f"unix://{Path(server.run_dir).resolve() / 'redis.sock'}")
+
+
+def run_service(name: str, argv: list[str], body: Body, description: str = "") -> int:
+    parser = service_parser(name, description)
+    args = parser.parse_args(argv)
+    try:
+        engine, server = engine_config_from_args(args), server_config_from_args(args)
+    except ConfigError as e:
+        parser.error(str(e))
+    replica = args.replica or f"{socket.gethostname()}-{os.getpid()}"
+    configure_logging(name, replica)
+    anyio.run(_serve, name, replica, engine, server, body)
+    return 0
+
+
+async def _serve(name: str, replica: str, engine: EngineConfig, server: ServerConfig,
+                 body: Body) -> None:
+    log = get_logger("headrace.process")
+    async with Bus(bus_url(server), maxlen=server.stream_maxlen) as bus:
+        ctx = ServiceContext(name, replica, engine, server, bus, anyio.Event())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_stop_on_signal, ctx.stop)
+            log.info("service starting", redis=bus.url)
+            await body(ctx)
+            tg.cancel_scope.cancel()
+    log.info("service stopped")
+
+
+async def _stop_on_signal(stop: anyio.Event) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            stop.set()
+            return
+
+
+async def heartbeat(bus: Bus, key: str, value: str, stop: anyio.Event) -> None:
+    """Keep `key` alive while this process is; it expires ALIVE_TTL_MS after a crash."""
+    while not stop.is_set():
+        try:
+            await bus.redis.set(key, value, px=ALIVE_TTL_MS)
+        except UNAVAILABLE:
+            pass  # Redis is restarting; the bus's own retries report it
+        with anyio.move_on_after(HEARTBEAT_S):
+            await stop.wait()
+    try:
+        await bus.redis.delete(key)
+    except UNAVAILABLE:
+        pass

@@ -1,0 +1,193 @@
+"""The scheduler process: every request's state and the KV block table live here.
+
+It reads admitted requests, aborts and step results, and keeps two step plans in flight so
+the worker never waits on a Redis hop: while the worker runs step N, plan N+1 is already in
+its stream, planned before step N's tokens are known (see services/scheduler/request.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Iterable
+
+import anyio
+
+from common import messages
+from common.bus import ADMIT, CONTROL, DETOK, RESULTS, STEPS, Entry, Output, replies_stream
+from common.config import EngineConfig
+from common.log import get_logger
+from common.messages import (Abort, AdmitRequest, ErrorReply, StepResult, TokenBatch,
+                             WorkerReady)
+from common.model_files import load_hf_config, max_model_len_of, resolve_model
+from services.process import (ALIVE_SCHEDULER, ALIVE_WORKER, SCHEDULER_STATS, ServiceContext,
+                              heartbeat, run_service)
+from services.scheduler.core import Scheduler, SchedulerConfig
+
+GROUP = "scheduler"
+MAX_INFLIGHT = 2
+READ_BLOCK_MS = 100
+CHECK_WORKER_EVERY_S = 0.5
+STATS_EVERY_S = 0.5
+WORKER_GRACE_S = 60.0  # admissions wait this long for a (new) worker, then get a 503
+WORKER_READY_KEY = "hr:worker:ready"
+
+log = get_logger("headrace.scheduler")
+
+
+class SchedulerShell:
+    def __init__(self, ctx: ServiceContext, config: EngineConfig) -> None:
+        self.ctx, self.bus, self.config = ctx, ctx.bus, config
+        self.epoch = uuid.uuid4().hex[:12]
+        self.core: Scheduler | None = None
+        self.worker_epoch = ""
+        self.inflight = 0
+        self.next_worker_check = 0.0
+        self.no_worker_since = time.monotonic()
+
+    async def run(self) -> None:
+        for stream in (ADMIT, CONTROL, RESULTS):
+            await self.bus.ensure_group(stream, GROUP)
+        await self._discard_stale_results()
+        ready = await self.bus.redis.get(WORKER_READY_KEY)
+        if ready is not None:  # a worker already runs: take it over with a fresh state
+            await self.bus.commit(self._worker_ready(messages.decode(ready)))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat, self.bus, ALIVE_SCHEDULER, self.epoch, self.ctx.stop)
+            tg.start_soon(self._publish_stats)
+            pending = {ADMIT: "0", CONTROL: "0"}  # what a previous incarnation left unread
+            while not self.ctx.stop.is_set():
+                streams = {RESULTS: ">", CONTROL: ">", **self._admissions(), **pending}
+                entries = await self.bus.read(GROUP, self.ctx.consumer, streams, count=512,
+                                              block_ms=None if pending else READ_BLOCK_MS)
+                pending = {}
+                outputs = self._handle(entries) + self._plan()
+                if outputs or entries:
+                    await self.bus.commit(outputs, done=entries)
+                if lost := await self._check_worker():
+                    await self.bus.commit(lost)
+            tg.cancel_scope.cancel()
+
+    # --- inputs ---------------------------------------------------------------------------
+
+    def _admissions(self) -> dict[str, str]:
+        """Read new requests while a worker serves; without one, let them wait in their
+        stream for a while (a worker is starting or restarting), then reject them."""
+        waiting = time.monotonic() - self.no_worker_since < WORKER_GRACE_S
+        return {} if self.core is None and waiting else {ADMIT: ">"}
+
+    def _handle(self, entries: Iterable[Entry]) -> list[Output]:
+        outputs: list[Output] = []
+        for entry in entries:
+            msg = entry.msg
+            if isinstance(msg, StepResult):
+                outputs += self._result(msg)
+            elif isinstance(msg, WorkerReady):
+                outputs += self._worker_ready(msg)
+            elif isinstance(msg, Abort):
+                if self.core is not None:
+                    self.core.abort(msg.rid, msg.index, msg.reason, msg.stop_reason)
+            elif isinstance(msg, AdmitRequest):
+                outputs += self._admit(msg)
+            else:
+                log.warning("unexpected message", type=msg.TYPE, stream=entry.stream)
+        return outputs
+
+    def _result(self, result: StepResult) -> list[Output]:
+        if self.core is None or result.epoch != self.worker_epoch:
+            return []  # from a worker that is gone
+        self.inflight -= 1
+        items = self.core.update(result)
+        return [(DETOK, TokenBatch(result.step, items))] if items else []
+
+    def _admit(self, req: AdmitRequest) -> list[Output]:
+        if self.core is None:
+            return [_error(req.reply_to, req.rid, 503, "no GPU worker is running; retry later",
+                           "ServiceUnavailableError")]
+        try:
+            self.core.add_request(req)
+        except ValueError as e:
+            return [_error(req.reply_to, req.rid, 400, str(e))]
+        log.debug("admitted", rid=req.rid, prompt_tokens=len(req.prompt_token_ids))
+        return []
+
+    def _worker_ready(self, ready: WorkerReady) -> list[Output]:
+        """A (re)started worker has an empty KV cache: whatever ran on the last one ends."""
+        if ready.epoch == self.worker_epoch:
+            return []  # the announcement in the stream of a worker taken over from its key
+        outputs = self._fail_all("the GPU worker restarted; the request was aborted")
+        if ready.max_model_len < self.config.max_model_len:  # type: ignore[operator]
+            log.warning("worker serves a shorter max_model_len", worker=ready.max_model_len)
+        config = dataclasses.replace(self.config, block_size=ready.block_size)
+        self.core = Scheduler(SchedulerConfig.from_engine(config, ready.num_blocks))
+        self.worker_epoch, self.inflight = ready.epoch, 0
+        log.info("worker ready", worker=ready.worker_id, epoch=ready.epoch,
+                 num_blocks=ready.num_blocks)
+        return outputs
+
+    # --- outputs --------------------------------------------------------------------------
+
+    def _plan(self) -> list[Output]:
+        outputs: list[Output] = []
+        while self.core is not None and self.inflight < MAX_INFLIGHT:
+            plan = self.core.schedule()
+            if plan is None:
+                break
+            outputs.append((STEPS, dataclasses.replace(plan, epoch=self.worker_epoch,
+                                                       scheduler_epoch=self.epoch)))
+            self.inflight += 1
+        return outputs
+
+    def _fail_all(self, reason: str) -> list[Output]:
+        if self.core is None:
+            return []
+        outputs = [_error(reqs[0].reply_to, rid, 503, reason, "ServiceUnavailableError")
+                   for rid, reqs in self.core.by_rid.items()]
+        if outputs:
+            log.error("ending every request", reason=reason, requests=len(outputs))
+        return outputs
+
+    async def _check_worker(self) -> list[Output]:
+        """The worker's liveness key lapses a few seconds after it dies; then every request
+        it held ends with an error instead of waiting for results that will never come."""
+        now = time.monotonic()
+        if self.core is None or now < self.next_worker_check:
+            return []
+        self.next_worker_check = now + CHECK_WORKER_EVERY_S
+        alive = await self.bus.redis.get(ALIVE_WORKER)
+        if alive is not None and alive.decode() == self.worker_epoch:
+            return []
+        outputs = self._fail_all("the GPU worker stopped; the request was aborted")
+        self.core, self.worker_epoch, self.inflight = None, "", 0
+        self.no_worker_since = now
+        log.error("worker lost: waiting for a new one")
+        return outputs
+
+    async def _publish_stats(self) -> None:
+        while not self.ctx.stop.is_set():
+            if self.core is not None:
+                await self.bus.redis.set(SCHEDULER_STATS, messages.encode(self.core.stats()))
+            await anyio.sleep(STATS_EVERY_S)
+
+    async def _discard_stale_results(self) -> None:
+        """Results and worker announcements a previous incarnation left unacknowledged
+        refer to a state that is gone."""
+        stale = await self.bus.read(GROUP, self.ctx.consumer, {RESULTS: "0"}, count=10_000)
+        if stale:
+            await self.bus.ack(stale)
+
+
+def _error(reply_to: str, rid: str, status: int, message: str,
+           kind: str = "BadRequestError") -> Output:
+    return (replies_stream(reply_to), ErrorReply(rid, status, message, kind))
+
+
+async def serve(ctx: ServiceContext) -> None:
+    model_dir = resolve_model(ctx.engine.model, ctx.engine.load_format)
+    config = ctx.engine.resolved(max_model_len_of(load_hf_config(model_dir)))
+    await SchedulerShell(ctx, config).run()
+
+
+def main(argv: list[str]) -> int:
+    return run_service("scheduler", argv, serve, __doc__ or "")

@@ -1,0 +1,98 @@
+"""The worker process: owns the weights, the KV cache and the sampler; executes plans in
+order and returns each step's sampled tokens.
+
+A reader task prefetches plans and a writer task commits results while the model runs in
+a thread, so Redis I/O never sits between two steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from common import messages
+from common.bus import RESULTS, STEPS, Entry
+from common.log import get_logger
+from common.messages import StepPlan, StepResult, WorkerReady
+from common.model_files import load_hf_config, max_model_len_of, resolve_model
+from services.process import (ALIVE_TTL_MS, ALIVE_WORKER, ServiceContext, heartbeat,
+                              run_service)
+from services.scheduler.shell import WORKER_READY_KEY
+from services.worker.model_runner import ModelRunner
+
+GROUP = "worker"
+PREFETCH = 4
+
+log = get_logger("headrace.worker")
+
+
+class WorkerShell:
+    def __init__(self, ctx: ServiceContext, runner: ModelRunner) -> None:
+        self.ctx, self.bus, self.runner = ctx, ctx.bus, runner
+        self.epoch = uuid.uuid4().hex[:12]
+        self.scheduler_epoch = ""
+
+    async def run(self) -> None:
+        await self.bus.ensure_group(STEPS, GROUP)
+        stale = await self.bus.read(GROUP, self.ctx.consumer, {STEPS: "0"}, count=100_000)
+        await self.bus.ack(stale)  # plans left by a previous worker of this name
+        config = self.runner.config
+        ready = WorkerReady(self.ctx.consumer, self.epoch, self.runner.num_blocks,
+                            config.block_size, config.max_model_len or 0)
+        # alive before announced: the scheduler checks liveness as soon as it hears of us
+        await self.bus.redis.set(ALIVE_WORKER, self.epoch, px=ALIVE_TTL_MS)
+        await self.bus.redis.set(WORKER_READY_KEY, messages.encode(ready))
+        await self.bus.publish(RESULTS, ready)
+        log.info("worker ready", epoch=self.epoch, num_blocks=self.runner.num_blocks)
+        plans_in, plans_out = anyio.create_memory_object_stream[Entry](PREFETCH)
+        results_in, results_out = anyio.create_memory_object_stream[
+            tuple[Entry, StepResult | None]](PREFETCH)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat, self.bus, ALIVE_WORKER, self.epoch, self.ctx.stop)
+            tg.start_soon(self._read, plans_in)
+            tg.start_soon(self._write, results_out)
+            await self._execute(plans_out, results_in)
+            tg.cancel_scope.cancel()
+
+    async def _read(self, plans: ObjectSendStream[Entry]) -> None:
+        async with plans:
+            while not self.ctx.stop.is_set():
+                for entry in await self.bus.read(GROUP, self.ctx.consumer, {STEPS: ">"},
+                                                 count=PREFETCH, block_ms=200):
+                    await plans.send(entry)
+
+    async def _execute(self, plans: ObjectReceiveStream[Entry],
+                       results: ObjectSendStream[tuple[Entry, StepResult | None]]) -> None:
+        async with results:
+            async for entry in plans:  # ends when the reader stops and closes the stream
+                await results.send((entry, await self._step(entry.msg)))
+
+    async def _step(self, plan: StepPlan) -> StepResult | None:
+        if plan.epoch != self.epoch:
+            return None  # planned for a worker that is gone
+        if plan.scheduler_epoch != self.scheduler_epoch:  # a new scheduler starts afresh
+            self.runner.forget_requests()
+            self.scheduler_epoch = plan.scheduler_epoch
+        result = await anyio.to_thread.run_sync(self.runner.execute, plan)
+        return dataclasses.replace(result, epoch=self.epoch)
+
+    async def _write(self, results: ObjectReceiveStream[tuple[Entry, StepResult | None]]
+                     ) -> None:
+        async with results:
+            async for entry, result in results:
+                await self.bus.commit([(RESULTS, result)] if result else [], done=[entry])
+
+
+async def serve(ctx: ServiceContext) -> None:
+    model_dir = resolve_model(ctx.engine.model, ctx.engine.load_format)
+    hf_config = load_hf_config(model_dir)
+    config = ctx.engine.resolved(max_model_len_of(hf_config))
+    runner = await anyio.to_thread.run_sync(ModelRunner, config, hf_config, model_dir)
+    await WorkerShell(ctx, runner).run()
+
+
+def main(argv: list[str]) -> int:
+    return run_service("worker", argv, serve, __doc__ or "")

@@ -1,0 +1,241 @@
+"""The four backend services as real processes linked by a real Redis, driven from the bus
+the way a gateway drives them: outputs equal the in-process engine's, errors, aborts and
+stop strings come back, replicas killed with SIGKILL lose nothing, and a dead worker ends
+its requests with an error while a restarted one serves new requests."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import pytest
+
+from common import messages
+from common.bus import CONTROL, REQUESTS, Bus, replies_stream
+from common.messages import Abort, ErrorReply, GenerateRequest, ReplyBatch
+from common.redis_server import EmbeddedRedis
+from services.gateway.responses import Choice
+from services.llm import LLM
+from services.process import SCHEDULER_STATS
+from tests.conftest import REPO, repo_env
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.anyio
+BLOCKS = ["--num-gpu-blocks-override", "128", "--block-size", "16"]
+GATEWAY = "test-gw"
+
+
+@dataclass
+class Outcome:
+    choices: dict[int, Choice] = field(default_factory=dict)
+    error: ErrorReply | None = None
+
+    def done(self, n: int) -> bool:
+        return self.error is not None or (
+            len(self.choices) == n and all(c.finished for c in self.choices.values()))
+
+
+class Pipeline:
+    def __init__(self, root: Path, model: Path, tokenizers: int = 1, detokenizers: int = 1):
+        self.root, self.model = root, model
+        self.redis = EmbeddedRedis(root / "run")
+        self.redis.start()
+        self.env = repo_env(REDIS_URL=self.redis.url, HEADRACE_LOG_FORMAT="json")
+        self.procs: dict[str, subprocess.Popen] = {}
+        for name, replicas in (("worker", 1), ("scheduler", 1), ("tokenizer", tokenizers),
+                               ("detokenizer", detokenizers)):
+            for i in range(replicas):
+                self.start(name, i)
+
+    def start(self, name: str, replica: int) -> None:
+        log = open(self.root / f"{name}-{replica}.log", "ab")
+        self.procs[f"{name}-{replica}"] = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", name, str(self.model), *BLOCKS,
+             "--replica", str(replica), "--reclaim-idle-ms", "1000"],
+            cwd=REPO, env=self.env, stdout=log, stderr=log)
+
+    def kill(self, label: str) -> None:
+        self.procs[label].send_signal(signal.SIGKILL)
+        self.procs[label].wait()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.redis.stop()
+
+    async def run(self, requests: list[GenerateRequest], timeout: float = 120.0,
+                  during=None) -> dict[str, Outcome]:
+        outcomes = {r.rid: Outcome() for r in requests}
+        wanted = {r.rid: r.params.get("n", 1) for r in requests}
+        async with Bus(self.redis.url) as bus:
+            await bus.publish(REQUESTS, *requests)
+            last: bytes | str = "0"
+            with anyio.fail_after(timeout):
+                while not all(outcomes[rid].done(n) for rid, n in wanted.items()):
+                    for entry in await bus.tail({replies_stream(GATEWAY): last}, count=500,
+                                                block_ms=200):
+                        last = entry.id
+                        absorb(outcomes, entry.msg)
+                    if during is not None:
+                        await during(bus, outcomes)
+        return outcomes
+
+    async def stats(self) -> messages.SchedulerStats:
+        async with Bus(self.redis.url) as bus:
+            return messages.decode(await bus.redis.get(SCHEDULER_STATS))
+
+
+def absorb(outcomes: dict[str, Outcome], msg) -> None:
+    """Apply a reply; replies to earlier runs on the same stream are ignored."""
+    if isinstance(msg, ErrorReply):
+        if msg.rid in outcomes:
+            outcomes[msg.rid].error = msg
+        return
+    assert isinstance(msg, ReplyBatch)
+    for delta in msg.items:
+        if delta.rid in outcomes:
+            choices = outcomes[delta.rid].choices
+            choices.setdefault(delta.index, Choice(delta.index)).offer(delta)
+
+
+def request(rid: str, prompt: list[int], **params) -> GenerateRequest:
+    return GenerateRequest(rid, GATEWAY, params, prompt_token_ids=prompt,
+                           arrival_time=time.time())
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+@pytest.fixture(scope="module")
+def offline(model: Path) -> LLM:
+    return LLM(str(model), num_gpu_blocks_override=128)
+
+
+@pytest.fixture(scope="module")
+def pipeline(model: Path, tmp_path_factory) -> Iterator[Pipeline]:
+    pipe = Pipeline(tmp_path_factory.mktemp("pipeline"), model)
+    yield pipe
+    pipe.stop()
+
+
+def offline_texts(llm: LLM, batch: list[list[int]], **params) -> list[tuple[list[int], str]]:
+    from common.sampling_params import SamplingParams
+    outs = llm.generate(batch, SamplingParams(**params), use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
+
+
+async def test_greedy_outputs_equal_the_in_process_engine(pipeline, offline):
+    batch = prompts(8)
+    params = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    outcomes = await pipeline.run([request(f"g{i}", p, **params) for i, p in enumerate(batch)])
+    expected = offline_texts(offline, batch, **params)
+    for i, (token_ids, text) in enumerate(expected):
+        choice = outcomes[f"g{i}"].choices[0]
+        assert (choice.token_ids, choice.text) == (token_ids, text)
+        assert choice.finish_reason == "length" and choice.num_prompt_tokens == len(batch[i])
+
+
+async def test_n_logprobs_and_seed(pipeline):
+    params = {"n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 6, "logprobs": 2}
+    first = await pipeline.run([request("s1", [5, 6, 7, 8], **params)])
+    again = await pipeline.run([request("s2", [5, 6, 7, 8], **params)])
+    a, b = first["s1"].choices, again["s2"].choices
+    assert sorted(a) == [0, 1] and a[0].token_ids == b[0].token_ids
+    assert a[0].token_ids != a[1].token_ids  # siblings draw from different seeds
+    assert all(len(lp.token_ids) == 3 and lp.texts for lp in a[0].logprobs)
+
+
+async def test_a_prompt_too_long_is_rejected_with_both_numbers(pipeline):
+    outcome = (await pipeline.run([request("long", list(range(3, 500)) + [7] * 20)]))["long"]
+    assert outcome.error is not None and outcome.error.status == 400
+    assert "512" in outcome.error.message and "517" in outcome.error.message
+
+
+async def test_abort_and_stop_strings_free_the_kv_cache(pipeline):
+    async def abort_once_streaming(bus: Bus, outcomes: dict[str, Outcome]) -> None:
+        if outcomes["a"].choices and outcomes["a"].error is None:
+            await bus.publish(CONTROL, Abort("a"))
+            outcomes["a"].error = ErrorReply("a", 499, "aborted by the test")
+    long = {"max_tokens": 400, "ignore_eos": True}
+    await pipeline.run([request("a", [5, 6, 7], **long)], during=abort_once_streaming)
+    text = (await pipeline.run([request("t", [9, 10, 11], temperature=0.0, max_tokens=30,
+                                        ignore_eos=True)]))["t"].choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stopped = (await pipeline.run([request("u", [9, 10, 11], temperature=0.0, max_tokens=400,
+                                           ignore_eos=True, stop=[stop])]))["u"].choices[0]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop)
+    assert stopped.text == text[:text.index(stop)]
+    with anyio.fail_after(10):
+        while (stats := await pipeline.stats()).num_running or stats.kv_cache_usage:
+            await anyio.sleep(0.2)
+
+
+async def test_replicas_killed_mid_run_lose_nothing(model, offline, tmp_path):
+    pipe = Pipeline(tmp_path, model, tokenizers=3, detokenizers=3)
+    try:
+        batch = prompts(200, seed=1)
+        params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+        killed: list[str] = []
+
+        async def kill_two_replicas(bus: Bus, outcomes: dict[str, Outcome]) -> None:
+            if not killed and sum(bool(o.choices) for o in outcomes.values()) >= 20:
+                killed.extend(["tokenizer-1", "detokenizer-1"])
+                for label in killed:
+                    pipe.kill(label)
+
+        outcomes = await pipe.run([request(f"k{i}", p, **params) for i, p in enumerate(batch)],
+                                  timeout=240, during=kill_two_replicas)
+        assert killed, "the run ended before the kill"
+        for i, (token_ids, text) in enumerate(offline_texts(offline, batch, **params)):
+            choice = outcomes[f"k{i}"].choices[0]
+            assert (choice.token_ids, choice.text) == (token_ids, text)
+    finally:
+        pipe.stop()
+
+
+async def test_a_dead_worker_ends_its_requests_and_a_new_one_serves(model, tmp_path):
+    pipe = Pipeline(tmp_path, model)
+    killed_at: list[float] = []
+    try:
+        async def kill_worker(bus: Bus, outcomes: dict[str, Outcome]) -> None:
+            if outcomes["w"].choices and not killed_at:
+                pipe.kill("worker-0")
+                killed_at.append(time.monotonic())
+
+        outcome = (await pipe.run([request("w", [5, 6, 7], max_tokens=400, ignore_eos=True)],
+                                  during=kill_worker))["w"]
+        assert outcome.error is not None and outcome.error.status == 503
+        assert "worker stopped" in outcome.error.message
+        assert time.monotonic() - killed_at[0] < 10
+        pipe.start("worker", 0)
+        with anyio.fail_after(60):
+            while True:  # the restarted worker announces itself; then requests run again
+                again = (await pipe.run([request(f"x{time.monotonic_ns()}", [5, 6],
+                                                 max_tokens=4)]))
+                result = next(iter(again.values()))
+                if result.error is None:
+                    assert result.choices[0].finish_reason == "length"
+                    break
+                assert result.error.status == 503
+                await anyio.sleep(0.5)
+    finally:
+        pipe.stop()
