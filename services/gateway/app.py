@@ -1,0 +1,350 @@
+"""The gateway's HTTP API (aiohttp): OpenAI's completions, chat completions and models, plus
+/tokenize, /detokenize, /health, /version and /metrics.
+
+A generation call publishes one GenerateRequest per prompt and waits for every request's
+first reply before it answers: that reply decides the HTTP status, also for a stream (a
+prompt too long for the model is a 400, not a broken event stream). A call that ends
+before its requests do (client gone, an error, shutdown) aborts them, so the scheduler
+frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib.metadata
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import jinja2
+from aiohttp import web
+from structlog.stdlib import BoundLogger
+
+from common import messages
+from common.bus import ADMIT, CONTROL, REQUESTS, UNAVAILABLE, Bus
+from common.config import ServerConfig
+from common.log import get_logger
+from common.messages import Abort
+from common.metrics import Metrics
+from services.detokenizer.core import Detokenizer
+from services.engine import ModelInfo
+from services.gateway.core import (Applied, Backend, Call, Echo, Observed, admission_error,
+                                   queue_depth)
+from services.gateway.protocol import (ApiError, Job, TokenizeJob, parse_detokenize,
+                                       parse_job, parse_tokenize)
+from services.gateway.replies import Inbox, Replies, next_replies
+from services.process import ALIVE_SCHEDULER, ALIVE_WORKER, SCHEDULER_STATS
+from services.tokenizer.core import RequestRejected, plain_conversation
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+REFRESH_TIMEOUT_S = 2.0
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Gateway:
+    def __init__(self, bus: Bus, server: ServerConfig, info: ModelInfo, model: str,
+                 gateway_id: str) -> None:
+        self.bus, self.server, self.info = bus, server, info
+        self.id = gateway_id
+        self.model_path = model
+        self.names = list(server.served_model_name) or [model]
+        self.max_model_len = info.processor.max_model_len
+        self.metrics = Metrics()
+        self.backend = Backend()
+        self.replies = Replies(bus, gateway_id)
+        self.detokenizer = Detokenizer(info.tokenizer)  # spells echoed prompt tokens
+        self.started_at = int(time.time())
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.log = get_logger(__name__, gateway=gateway_id)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.errors, self.auth],
+                              client_max_size=self.server.max_request_body)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    # --- middlewares ------------------------------------------------------------------
+
+    @web.middleware
+    async def errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return self.error_response(request, e)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else {}
+            message = (e.text if e.status == 413  # it names the limit and the size
+                       else f"{e.reason}: {request.method} {request.path}")
+            return self.error_response(request, ApiError(e.status, message), allow)
+        except UNAVAILABLE as e:
+            self.log.error("redis unreachable", path=request.path, error=str(e))
+            return self.error_response(request, ApiError(503, "The server's Redis is "
+                                                              "unreachable; try again later."))
+        except Exception:  # a bug: the client still gets an OpenAI-shaped answer
+            self.log.exception("request failed", path=request.path)
+            return self.error_response(request, ApiError(500, "Internal server error."))
+
+    @web.middleware
+    async def auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.server.api_key
+        if key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                raise ApiError(401, "Missing or invalid API key: send the header "
+                                    "'Authorization: Bearer <key>'.")
+        return await handler(request)
+
+    def error_response(self, request: web.Request, error: ApiError,
+                       headers: dict[str, str] | None = None) -> web.Response:
+        if request.path != "/health":  # probes ask often; 503 there is a state, not news
+            self.log.info("request refused", path=request.path, status=error.status,
+                          error=error.message)
+        return web.json_response(error.body(), status=error.status,
+                                 headers={**error.headers(), **(headers or {})})
+
+    # --- generation -------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, chat=True)
+
+    async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        job = parse_job(await read_json(request), chat)
+        model = self.served_name(job.model)
+        error = admission_error(self.backend, self.server.max_queue_len, time.monotonic())
+        if error is not None:
+            raise error
+        call = await self.new_call(job, model)
+        log = self.log.bind(rid=call.id)
+        inbox = self.replies.open(call.rids)
+        try:
+            await self.bus.publish(REQUESTS, *call.requests(self.id, time.time()))
+            log.info("request queued", prompts=len(call.prompts), n=job.n, stream=job.stream)
+            applied: list[Applied] = []
+            while not call.started:
+                applied += await self.receive(call, inbox)
+            if call.error is not None:
+                raise call.error
+            if job.stream:
+                return await self.stream(request, call, inbox, applied, log)
+            while not call.done:
+                await self.receive(call, inbox)
+            if call.error is not None:
+                raise call.error
+            log.info("request finished", **call.usage())
+            return web.json_response(call.response())
+        except ApiError as e:
+            log.warning("request failed", status=e.status, error=e.message)
+            raise
+        except asyncio.CancelledError:
+            log.info("client disconnected")
+            raise
+        finally:
+            self.replies.close(call.rids)
+            self.abort(call.unfinished_rids())
+
+    async def new_call(self, job: Job, model: str) -> Call:
+        call_id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+        echoes = await anyio.to_thread.run_sync(self.echoes, job) if job.echo else None
+        return Call(job, call_id, model, int(time.time()), time.monotonic(), echoes)
+
+    def echoes(self, job: Job) -> list[Echo]:
+        tokenizer = self.info.tokenizer
+        out = []
+        for prompt in job.prompts:
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+            first = ""
+            if job.logprobs:  # the first prompt token has no logprob, but is listed
+                ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                first = self.detokenizer.token_text(ids[0]) if ids else ""
+            out.append(Echo(text, first))
+        return out
+
+    async def receive(self, call: Call, inbox: Inbox) -> list[Applied]:
+        applied: list[Applied] = []
+        for reply in await next_replies(inbox):
+            applied += call.offer(reply)
+        self.record(call.observe(applied, time.monotonic()))
+        return applied
+
+    async def stream(self, request: web.Request, call: Call, inbox: Inbox,
+                     applied: list[Applied], log: BoundLogger) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            await send(response, call.opening_chunks() + call.chunks(applied))
+            while not call.done:
+                await send(response, call.chunks(await self.receive(call, inbox)))
+            if call.error is not None:
+                log.warning("request failed while streaming", status=call.error.status,
+                            error=call.error.message)
+                await send(response, [call.error.body()])
+            elif call.job.include_usage:
+                await send(response, [call.usage_chunk()])
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            log.info("request finished", **call.usage())
+        except ConnectionResetError:
+            log.info("client disconnected")
+        return response
+
+    def abort(self, rids: list[str]) -> None:
+        if rids:
+            self.spawn(self.publish_aborts(rids))
+
+    async def publish_aborts(self, rids: list[str]) -> None:
+        try:
+            await self.bus.publish(CONTROL, *[Abort(rid) for rid in rids])
+        except UNAVAILABLE as e:
+            self.log.error("could not publish aborts", rids=rids, error=str(e))
+
+    def spawn(self, coro: Awaitable[None]) -> None:
+        """Run `coro` to its end even if the handler that started it is cancelled."""
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def finish_tasks(self, timeout_s: float) -> None:
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=timeout_s)
+
+    def record(self, seen: Observed) -> None:
+        for value in seen.ttft:
+            self.metrics.time_to_first_token.observe(value)
+        for value in seen.itl:
+            self.metrics.inter_token_latency.observe(value)
+        for value in seen.e2e:
+            self.metrics.e2e_request_latency.observe(value)
+        for reason in seen.finish_reasons:
+            self.metrics.request_success.labels(reason).inc()
+
+    # --- the backend ------------------------------------------------------------------
+
+    async def refresh_backend(self) -> None:
+        """Liveness keys and queue depth, for admission; the state stays as it was while
+        Redis does not answer (it goes stale, see Backend.alive)."""
+        with anyio.move_on_after(REFRESH_TIMEOUT_S):
+            try:
+                async with self.bus.redis.pipeline(transaction=False) as pipe:
+                    pipe.exists(ALIVE_SCHEDULER)
+                    pipe.exists(ALIVE_WORKER)
+                    pipe.get(SCHEDULER_STATS)
+                    scheduler, worker, raw_stats = await pipe.execute()
+                streams = [*await self.bus.stream_infos(REQUESTS),
+                           *await self.bus.stream_infos(ADMIT)]
+            except UNAVAILABLE:
+                return
+            depth = queue_depth(streams, self.scheduler_stats(raw_stats))
+            self.backend = Backend(bool(scheduler), bool(worker), depth, time.monotonic())
+
+    def scheduler_stats(self, raw: bytes | None) -> messages.SchedulerStats | None:
+        if raw is None:
+            return None
+        try:
+            stats = messages.decode(raw)
+        except messages.MessageError as e:
+            self.log.warning("unreadable scheduler stats", key=SCHEDULER_STATS, error=str(e))
+            return None
+        return stats if isinstance(stats, messages.SchedulerStats) else None
+
+    # --- the other routes -------------------------------------------------------------
+
+    def served_name(self, name: str | None) -> str:
+        """The name responses report (the first served one) for a model a client asked
+        for; 404 for a model this server does not serve."""
+        if name is not None and name not in self.names:
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves "
+                                f"{', '.join(map(repr, self.names))}.", "model")
+        return self.names[0]
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": name, "object": "model", "created": self.started_at,
+                 "owned_by": "headrace", "root": self.model_path, "parent": None,
+                 "max_model_len": self.max_model_len} for name in self.names]
+        return web.json_response({"object": "list", "data": data})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        job = parse_tokenize(await read_json(request))
+        self.served_name(job.model)
+        ids = await anyio.to_thread.run_sync(self.token_ids, job)
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len,
+                                  "tokens": ids})
+
+    def token_ids(self, job: TokenizeJob) -> list[int]:
+        tokenizer = self.info.tokenizer
+        text = job.prompt
+        if job.messages is not None:
+            try:
+                text = tokenizer.apply_chat_template(
+                    plain_conversation(job.messages), tokenize=False,
+                    add_generation_prompt=job.add_generation_prompt)
+            except RequestRejected as e:
+                raise ApiError(400, e.message, e.param) from None
+            except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
+                raise ApiError(400, f"The chat template failed on these messages: {e}",
+                               "messages") from None
+        return list(tokenizer.encode(text, add_special_tokens=job.add_special_tokens))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        name, tokens = parse_detokenize(await read_json(request))
+        self.served_name(name)
+        vocab_size = self.info.processor.vocab_size
+        bad = next((t for t in tokens if t >= vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"Token id {bad} is out of vocabulary: token ids must be "
+                                f"integers in [0, {vocab_size}).", "tokens")
+        text = await anyio.to_thread.run_sync(self.info.tokenizer.decode, tokens)
+        return web.json_response({"prompt": text})
+
+    async def health(self, request: web.Request) -> web.Response:
+        async with self.bus.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(ALIVE_SCHEDULER)
+            pipe.exists(ALIVE_WORKER)
+            alive = await pipe.execute()
+        missing = [name for name, up in zip(("scheduler", "worker"), alive) if not up]
+        if missing:
+            raise ApiError(503, f"Not ready: no live {' and no live '.join(missing)}.")
+        return web.json_response({"status": "ok"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": importlib.metadata.version("headrace")})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        stats = self.scheduler_stats(await self.bus.redis.get(SCHEDULER_STATS))
+        if stats is not None:
+            self.metrics.set_scheduler_stats(stats)
+        self.metrics.set_streams(await self.bus.stream_infos())
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await request.read()  # 413 past client_max_size
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, f"The request body is not valid JSON: {e}") from None
+
+
+async def send(response: web.StreamResponse, events: list[dict[str, Any]]) -> None:
+    if events:
+        await response.write(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n"
+                                      for e in events))

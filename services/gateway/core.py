@@ -1,0 +1,279 @@
+"""The gateway core: one API call's requests, the replies that build its choices, what it
+answers (one response, or chunks), its latencies, and the admission decision. No I/O: the
+shell feeds it messages and the clock, and writes what it returns.
+
+A completions call with several prompts publishes one request per prompt; choice
+`prompt_index * n + i` is completion `i` of prompt `prompt_index`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.bus import ADMIT, REQUESTS, StreamInfo
+from common.messages import ErrorReply, GenerateRequest, SchedulerStats, TextDelta
+from services.gateway import responses as shapes
+from services.gateway.protocol import ApiError, Job
+from services.gateway.responses import Choice
+
+# How long the scheduler may go unseen (Redis unreachable) before in-flight requests end;
+# a scheduler that died is seen at once, when its liveness key expires.
+STALE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """What `echo` puts before a prompt's completions."""
+    text: str
+    first_token: str = ""  # the first prompt token's text: it has no logprob of its own
+
+
+@dataclass(slots=True)
+class Prompt:
+    rid: str
+    source: str | list[int]
+    echo: Echo | None = None
+    started: bool = False  # its first reply has come
+
+
+@dataclass(slots=True)
+class Observed:
+    """Latencies and finishes that some applied deltas add to the metrics."""
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+Applied = tuple[Choice, TextDelta]
+
+
+def request_ids(call_id: str, num_prompts: int) -> list[str]:
+    if num_prompts == 1:
+        return [call_id]
+    return [f"{call_id}-{i}" for i in range(num_prompts)]
+
+
+class Call:
+    def __init__(self, job: Job, call_id: str, model: str, created: int, arrival: float,
+                 echoes: list[Echo] | None = None) -> None:
+        self.job, self.id, self.model, self.created = job, call_id, model, created
+        self.arrival = arrival  # on the clock `observe` gets
+        sources: list[str | list[int]] = list(job.prompts) if not job.chat else [""]
+        echoes = echoes or [None] * len(sources)  # type: ignore[list-item]
+        self.prompts = [Prompt(rid, source, echo) for rid, source, echo in
+                        zip(request_ids(call_id, len(sources)), sources, echoes)]
+        self.by_rid = {p.rid: p for p in self.prompts}
+        self.choices = {(p.rid, i): Choice(k * job.n + i)
+                        for k, p in enumerate(self.prompts) for i in range(job.n)}
+        self.error: ApiError | None = None
+        self.last_token_at: dict[int, float] = {}  # by choice index
+        self.opened: set[int] = set()  # choices that sent a chunk
+        self.offsets: dict[int, int] = {}  # by choice: where its next logprob text starts
+
+    # --- state --------------------------------------------------------------------------
+
+    @property
+    def rids(self) -> list[str]:
+        return [p.rid for p in self.prompts]
+
+    @property
+    def started(self) -> bool:
+        """Every request has answered (or one failed): the HTTP status is known."""
+        return self.error is not None or all(p.started for p in self.prompts)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices.values())
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.finished
+
+    def unfinished_rids(self) -> list[str]:
+        return [p.rid for p in self.prompts if not self._rid_finished(p.rid)]
+
+    def _rid_finished(self, rid: str) -> bool:
+        return all(self.choices[rid, i].finished for i in range(self.job.n))
+
+    def _sorted_choices(self) -> list[Choice]:
+        return sorted(self.choices.values(), key=lambda c: c.index)
+
+    # --- in --------------------------------------------------------------------------
+
+    def requests(self, reply_to: str, arrival_time: float) -> list[GenerateRequest]:
+        job = self.job
+        common = dict(reply_to=reply_to, params=job.params, priority=job.priority,
+                      arrival_time=arrival_time)
+        if job.chat:
+            return [GenerateRequest(self.id, messages=job.messages,
+                                    add_generation_prompt=job.add_generation_prompt, **common)]
+        return [GenerateRequest(p.rid, prompt=p.source, **common) if isinstance(p.source, str)
+                else GenerateRequest(p.rid, prompt_token_ids=p.source, **common)
+                for p in self.prompts]
+
+    def offer(self, msg: TextDelta | ErrorReply) -> list[Applied]:
+        """Apply one reply; returns the deltas that became applicable. The first error of a
+        request that still runs ends the whole call."""
+        prompt = self.by_rid.get(msg.rid)
+        if prompt is None:
+            return []
+        if isinstance(msg, ErrorReply):
+            if self.error is None and not self._rid_finished(msg.rid):
+                self.error = ApiError(msg.status, msg.message, msg.param, msg.kind)
+            return []
+        choice = self.choices.get((msg.rid, msg.index))
+        if choice is None:
+            return []
+        prompt.started = True
+        return [(choice, delta) for delta in choice.offer(msg)]
+
+    def observe(self, applied: Iterable[Applied], now: float) -> Observed:
+        seen = Observed()
+        for choice, delta in applied:
+            last = self.last_token_at.get(choice.index)
+            if last is None:
+                seen.ttft.append(now - self.arrival)
+            else:
+                seen.itl.append(now - last)
+            self.last_token_at[choice.index] = now
+            if delta.finish_reason is not None:
+                seen.e2e.append(now - self.arrival)
+                seen.finish_reasons.append(delta.finish_reason)
+        return seen
+
+    # --- out: one response -------------------------------------------------------------
+
+    def usage(self) -> dict[str, int]:
+        prompt_tokens = sum(max(self.choices[p.rid, i].num_prompt_tokens
+                                for i in range(self.job.n)) for p in self.prompts)
+        completion_tokens = sum(len(c.token_ids) for c in self.choices.values())
+        return shapes.usage(prompt_tokens, completion_tokens)
+
+    def response(self) -> dict[str, Any]:
+        choices = [self._final_choice(c) for c in self._sorted_choices()]
+        body = shapes.envelope(self.id, self.job.chat, self.created, self.model, choices,
+                               stream=False, usage_counts=self.usage())
+        if self.job.chat and "prompt_logprobs" in self.job.params:
+            first = self._sorted_choices()[0]  # every choice shares the prompt
+            body["prompt_logprobs"] = shapes.prompt_logprobs(first.prompt_logprobs)
+        return body
+
+    def _final_choice(self, choice: Choice) -> dict[str, Any]:
+        if self.job.chat:
+            logprobs = shapes.chat_logprobs(choice.logprobs) if self.job.logprobs else None
+            return shapes.chat_choice(choice.index, choice.text, logprobs,
+                                      choice.finish_reason, choice.stop_reason)
+        echo = self._echo(choice)
+        logprobs = None
+        if self.job.logprobs:
+            entries = [*(choice.prompt_logprobs if echo else []), *choice.logprobs]
+            logprobs = shapes.completion_logprobs(entries, 0, echo.first_token if echo else "")
+        text = (echo.text if echo else "") + choice.text
+        body = shapes.completion_choice(choice.index, text, logprobs, choice.finish_reason,
+                                        choice.stop_reason)
+        if "prompt_logprobs" in self.job.params and not self.job.echo:
+            body["prompt_logprobs"] = shapes.prompt_logprobs(choice.prompt_logprobs)
+        return body
+
+    def _echo(self, choice: Choice) -> Echo | None:
+        return self.prompts[choice.index // self.job.n].echo if self.job.echo else None
+
+    # --- out: chunks ---------------------------------------------------------------------
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams start with each choice's role."""
+        if not self.job.chat:
+            return []
+        return [self._chunk([shapes.chat_delta(c.index, {"role": "assistant", "content": ""})])
+                for c in self._sorted_choices()]
+
+    def chunks(self, applied: list[Applied]) -> list[dict[str, Any]]:
+        """One chunk per choice that moved, in the order the choices moved."""
+        by_choice: dict[int, tuple[Choice, list[TextDelta]]] = {}
+        for choice, delta in applied:
+            by_choice.setdefault(choice.index, (choice, []))[1].append(delta)
+        chunks = []
+        for choice, deltas in by_choice.values():
+            chunk_choice = self._chunk_choice(choice, deltas)
+            if chunk_choice is not None:
+                chunks.append(self._chunk([chunk_choice]))
+        return chunks
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return shapes.envelope(self.id, self.job.chat, self.created, self.model, [],
+                               stream=True, usage_counts=self.usage())
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return shapes.envelope(self.id, self.job.chat, self.created, self.model, choices,
+                               stream=True, with_usage=self.job.include_usage)
+
+    def _chunk_choice(self, choice: Choice, deltas: list[TextDelta]) -> dict[str, Any] | None:
+        text = "".join(d.text for d in deltas)
+        entries: list = [lp for d in deltas for lp in d.logprobs]
+        finish = deltas[-1].finish_reason
+        stop_reason = deltas[-1].stop_reason if finish is not None else None
+        first_token = ""
+        echo = self._echo(choice)
+        if echo is not None and choice.index not in self.opened:
+            text = echo.text + text
+            entries = [*choice.prompt_logprobs, *entries]
+            first_token = echo.first_token
+        if not text and not entries and finish is None:
+            return None  # text held back (a possible stop string, a partial character)
+        self.opened.add(choice.index)
+        if self.job.chat:
+            logprobs = shapes.chat_logprobs(entries) if self.job.logprobs else None
+            return shapes.chat_delta(choice.index, {"content": text}, logprobs, finish,
+                                     stop_reason)
+        logprobs = None
+        if self.job.logprobs:
+            offset = self.offsets.get(choice.index, 0)
+            logprobs = shapes.completion_logprobs(entries, offset, first_token)
+            self.offsets[choice.index] = offset + shapes.logprobs_text_length(logprobs)
+        return shapes.completion_choice(choice.index, text, logprobs, finish, stop_reason)
+
+
+# --- admission ----------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Backend:
+    """What the gateway last saw of the stages behind it."""
+    scheduler_alive: bool = False
+    worker_alive: bool = False
+    queue_depth: int = 0
+    seen_at: float = -math.inf  # when Redis last answered, on the clock `alive` gets
+
+    def alive(self, now: float) -> bool:
+        return self.scheduler_alive and now - self.seen_at <= STALE_S
+
+
+def queue_depth(streams: Iterable[StreamInfo], stats: SchedulerStats | None) -> int:
+    """Requests admitted to the pipeline that no stage has started on: entries the
+    tokenizers have not read, tokenized requests the scheduler has not read, and the
+    scheduler's waiting queue. A stream without a group counts whole: the group a stage
+    creates later starts from its first entry."""
+    depth = stats.num_waiting if stats is not None else 0
+    for stream in streams:
+        if stream.name in (REQUESTS, ADMIT):
+            lags = [g.lag for g in stream.groups if g.lag is not None]
+            depth += max(lags, default=0) if stream.groups else stream.length
+    return depth
+
+
+def admission_error(backend: Backend, max_queue_len: int, now: float) -> ApiError | None:
+    if not backend.alive(now):
+        return ApiError(503, "The scheduler is not running; try again later.")
+    if backend.queue_depth > max_queue_len:
+        return ApiError(503, f"The server is overloaded: {backend.queue_depth} requests are "
+                             f"queued, more than --max-queue-len {max_queue_len}. Try again "
+                             "later.")
+    return None
+
+
+def scheduler_gone(rid: str) -> ErrorReply:
+    return ErrorReply(rid, 503, "The scheduler stopped (its liveness key expired); the "
+                                "request was ended.", "ServiceUnavailableError")

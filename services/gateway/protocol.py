@@ -1,0 +1,276 @@
+"""OpenAI request bodies -> what the gateway publishes, and OpenAI-shaped errors.
+
+Only names, shapes and JSON types are checked here; value ranges are checked by building a
+SamplingParams (the validation the tokenizer stage applies again with the model's
+defaults), so a bad value is a 400 before anything is queued. Fields this server does not
+implement are refused by name rather than ignored, so a client never silently gets
+something other than what it asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.sampling_params import SamplingError, SamplingParams
+from services.tokenizer.core import RequestRejected, plain_conversation
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
+MAX_TOKEN_ID = 2**31  # token ids travel as packed int32
+RETRY_AFTER_S = 1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or ERROR_TYPES.get(status, "BadRequestError")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.status}}
+
+    def headers(self) -> dict[str, str]:
+        """A 503 is temporary (queue full, a stage restarting): say when to come back."""
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else {}
+
+
+# Fields that map one to one onto SamplingParams, with their JSON types.
+_SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
+    "n": (int,), "temperature": (int, float), "top_p": (int, float), "top_k": (int,),
+    "min_p": (int, float), "seed": (int,), "presence_penalty": (int, float),
+    "frequency_penalty": (int, float), "repetition_penalty": (int, float),
+    "min_tokens": (int,), "ignore_eos": (bool,), "stop_token_ids": (list,),
+    "skip_special_tokens": (bool,), "spaces_between_special_tokens": (bool,),
+    "include_stop_str_in_output": (bool,), "prompt_logprobs": (int,),
+}
+_COMMON_FIELDS = {*_SAMPLING_FIELDS, "model", "stream", "stream_options", "max_tokens",
+                  "stop", "logprobs", "priority", "user"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
+                                 "add_generation_prompt"}
+# Known OpenAI fields whose features this server does not have.
+_UNSUPPORTED = {"suffix", "best_of", "logit_bias", "tools", "tool_choice", "functions",
+                "function_call", "parallel_tool_calls", "response_format", "audio",
+                "modalities", "prediction", "reasoning_effort", "web_search_options",
+                "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+
+
+@dataclass(slots=True)
+class Job:
+    """One API call: one or more prompts (completions) or one conversation (chat)."""
+    chat: bool
+    model: str | None  # None: the first served name
+    prompts: list[str | list[int]] = field(default_factory=list)
+    messages: list[dict[str, Any]] | None = None
+    params: dict[str, Any] = field(default_factory=dict)  # only what the client set
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    add_generation_prompt: bool = True
+    priority: int = 0
+
+    @property
+    def n(self) -> int:
+        return self.params.get("n", 1)
+
+    @property
+    def logprobs(self) -> bool:
+        return self.params.get("logprobs") is not None
+
+
+@dataclass(slots=True)
+class TokenizeJob:
+    model: str | None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+def parse_job(body: Any, chat: bool) -> Job:
+    body = _object(body)
+    _check_names(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS)
+    job = Job(chat=chat, model=_typed(body, "model", str))
+    if chat:
+        job.messages = _messages(body)
+        job.add_generation_prompt = _typed(body, "add_generation_prompt", bool, True)
+    else:
+        job.prompts = _prompts(body)
+        job.echo = _typed(body, "echo", bool, False)
+    job.params = _sampling_overrides(body, chat, job.echo)
+    job.stream = _typed(body, "stream", bool, False)
+    job.include_usage = _include_usage(body, job.stream)
+    job.priority = _typed(body, "priority", int, 0)
+    try:
+        SamplingParams(**job.params)
+    except SamplingError as e:
+        raise ApiError(400, str(e), e.param) from None
+    return job
+
+
+def parse_tokenize(body: Any) -> TokenizeJob:
+    body = _object(body)
+    _check_names(body, {"model", "prompt", "messages", "add_special_tokens",
+                        "add_generation_prompt"})
+    job = TokenizeJob(_typed(body, "model", str))
+    if ("prompt" in body) == ("messages" in body):
+        raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
+    if "messages" in body:
+        job.messages = _messages(body)
+        job.add_generation_prompt = _typed(body, "add_generation_prompt", bool, True)
+        job.add_special_tokens = _typed(body, "add_special_tokens", bool, False)
+    else:
+        job.prompt = _typed(body, "prompt", str)
+        if job.prompt is None:
+            raise ApiError(400, "'prompt' must be a string", "prompt")
+        job.add_special_tokens = _typed(body, "add_special_tokens", bool, True)
+    return job
+
+
+def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
+    body = _object(body)
+    _check_names(body, {"model", "tokens"})
+    tokens = body.get("tokens")
+    if not (isinstance(tokens, list) and all(_is_token_id(t) for t in tokens)):
+        raise ApiError(400, f"'tokens' must be a list of token ids (integers in [0, "
+                            f"{MAX_TOKEN_ID}))", "tokens")
+    return _typed(body, "model", str), tokens
+
+
+# --- fields ---------------------------------------------------------------------------
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _check_names(body: dict[str, Any], known: set[str]) -> None:
+    for name, value in body.items():
+        if value is None:
+            continue  # clients send null for "not set"
+        if name in _UNSUPPORTED:
+            raise ApiError(400, f"{name!r} is not supported by this server", name)
+        if name not in known:
+            raise ApiError(400, f"unknown field {name!r}", name)
+
+
+def _sampling_overrides(body: dict[str, Any], chat: bool, echo: bool) -> dict[str, Any]:
+    params = {name: body[name] for name, kinds in _SAMPLING_FIELDS.items()
+              if _typed(body, name, kinds) is not None}
+    max_tokens = _typed(body, "max_completion_tokens", int) if chat else None
+    if max_tokens is None:
+        max_tokens = _typed(body, "max_tokens", int)
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    stop = _stop(body)
+    if stop:
+        params["stop"] = stop
+    logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body, echo)
+    for name, value in logprobs.items():
+        params.setdefault(name, value)  # an explicit prompt_logprobs wins over echo's
+    return params
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = _typed(body, "stop", (str, list))
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
+    return stop
+
+
+def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    wanted = _typed(body, "logprobs", bool, False)
+    top = _typed(body, "top_logprobs", int)
+    if top is not None and not wanted:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+    if top is not None and top < 0:
+        raise ApiError(400, f"'top_logprobs' must be non-negative, got {top}", "top_logprobs")
+    return {"logprobs": top or 0} if wanted else {}
+
+
+def _completion_logprobs(body: dict[str, Any], echo: bool) -> dict[str, Any]:
+    count = _typed(body, "logprobs", int)
+    if count is None:
+        return {}
+    if echo:  # echoed prompt tokens carry their logprobs too
+        return {"logprobs": count, "prompt_logprobs": count}
+    return {"logprobs": count}
+
+
+def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+    options = _typed(body, "stream_options", dict)
+    if options is None:
+        return False
+    if not stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream' set to true",
+                       "stream_options")
+    unknown = set(options) - {"include_usage"}
+    if unknown:
+        raise ApiError(400, f"unknown stream option {sorted(unknown)[0]!r}", "stream_options")
+    return _typed(options, "include_usage", bool, False)
+
+
+def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if _is_token_list(prompt):
+            return [list(prompt)]
+        if all(_is_token_list(p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise ApiError(400, "'prompt' must be a string, a non-empty list of strings, a list of "
+                        f"token ids or a list of token-id lists (token ids are integers in "
+                        f"[0, {MAX_TOKEN_ID}))", "prompt")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    try:  # the tokenizer stage's own rules, so both stages agree on what a message is
+        plain_conversation(messages)
+    except RequestRejected as e:
+        raise ApiError(400, e.message, e.param) from None
+    return messages
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_TOKEN_ID
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_token_id(t) for t in value)
+
+
+def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...],
+           default: Any = None) -> Any:
+    """body[name] if it has one of the JSON types `kinds`; `default` if absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if isinstance(value, bool) and bool not in kinds:
+        raise ApiError(400, f"{name!r} must be {_names(kinds)}, got a boolean", name)
+    if not isinstance(value, kinds):
+        raise ApiError(400, f"{name!r} must be {_names(kinds)}, got {_json_name(value)}", name)
+    return value
+
+
+def _names(kinds: tuple[type, ...]) -> str:
+    words = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+             list: "a list", dict: "an object"}
+    return " or ".join(words[k] for k in kinds)
+
+
+def _json_name(value: Any) -> str:
+    return {str: "a string", int: "an integer", float: "a number", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)

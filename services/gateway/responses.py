@@ -1,0 +1,177 @@
+"""Assembling a choice from text deltas, and OpenAI's response and chunk shapes.
+
+Deltas of one choice may arrive out of order or twice (detokenizer replicas run in
+parallel and a reclaimed entry is handled again); `Choice.offer` applies them once, in
+`seq` order, and ignores anything after the finish (tokens already in flight when a stop
+string ended the completion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.messages import TextDelta, TokenLogprobs
+
+MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    early: dict[int, TextDelta] = field(default_factory=dict)  # by seq, not yet applicable
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def next_seq(self) -> int:
+        """`seq` counts the output tokens before a delta's own."""
+        return len(self.token_ids)
+
+    def offer(self, delta: TextDelta) -> list[TextDelta]:
+        """The deltas that became applicable, in order (possibly none). Every delta carries
+        at least one token: one without has no place in the `seq` order."""
+        if self.finished or delta.seq < self.next_seq or not delta.token_ids:
+            return []
+        self.early[delta.seq] = delta
+        ready = []
+        while not self.finished and self.next_seq in self.early:
+            current = self.early.pop(self.next_seq)
+            self._apply(current)
+            ready.append(current)
+        if self.finished:
+            self.early.clear()
+        return ready
+
+    def _apply(self, delta: TextDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.num_prompt_tokens = delta.num_prompt_tokens
+        if delta.prompt_logprobs:
+            self.prompt_logprobs = list(delta.prompt_logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# --- logprobs -------------------------------------------------------------------------
+
+def completion_logprobs(entries: list[TokenLogprobs | None], offset: int,
+                        unscored_text: str = "") -> dict[str, Any]:
+    """The completions API's logprobs object for tokens whose text starts at `offset`. A
+    None entry is the first prompt token, which has no logprob: it reads `unscored_text`
+    with null logprobs, as an echoed prompt's first token does."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for entry in entries:
+        offsets.append(offset)
+        if entry is None:
+            tokens.append(unscored_text)
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            texts = token_texts(entry)
+            tokens.append(texts[0])
+            token_logprobs.append(finite(entry.logprobs[0]))
+            row: dict[str, float] = {}
+            for text, lp in zip(texts, entry.logprobs):  # the chosen token, then the top-k
+                row.setdefault(text, finite(lp))
+            top.append(row)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def logprobs_text_length(logprobs: dict[str, Any]) -> int:
+    """How far a completions logprobs object moves the text offset."""
+    return sum(map(len, logprobs["tokens"]))
+
+
+def chat_logprobs(entries: list[TokenLogprobs]) -> dict[str, Any]:
+    content = []
+    for entry in entries:
+        texts = token_texts(entry)
+        top = [{"token": t, "logprob": finite(lp), "bytes": list(t.encode())}
+               for t, lp in zip(texts[1:], entry.logprobs[1:])]
+        content.append({"token": texts[0], "logprob": finite(entry.logprobs[0]),
+                        "bytes": list(texts[0].encode()), "top_logprobs": top})
+    return {"content": content}
+
+
+def prompt_logprobs(entries: list[TokenLogprobs | None]) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt position, token id -> logprob, rank, text."""
+    rows: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            rows.append(None)
+            continue
+        ranks = [entry.rank, *range(1, len(entry.token_ids))]
+        row: dict[str, Any] = {}
+        for token_id, lp, rank, text in zip(entry.token_ids, entry.logprobs, ranks,
+                                            token_texts(entry)):
+            row.setdefault(str(token_id), {"logprob": finite(lp), "rank": rank,
+                                           "decoded_token": text})
+        rows.append(row)
+    return rows
+
+
+def token_texts(entry: TokenLogprobs) -> list[str]:
+    return list(entry.texts) if entry.texts else [f"token_id:{t}" for t in entry.token_ids]
+
+
+def finite(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+# --- shapes ---------------------------------------------------------------------------
+
+def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
+                      finish_reason: str | None, stop_reason: str | int | None
+                      ) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_choice(index: int, text: str, logprobs: dict[str, Any] | None,
+                finish_reason: str | None, stop_reason: str | int | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
+               finish_reason: str | None = None, stop_reason: str | int | None = None
+               ) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def envelope(rid: str, chat: bool, created: int, model: str, choices: list[dict[str, Any]],
+             stream: bool, usage_counts: dict[str, int] | None = None,
+             with_usage: bool = False) -> dict[str, Any]:
+    """A response (stream False) or a chunk; `with_usage` adds the usage field even when
+    it is null, as chunks do when the client asked for usage."""
+    if chat:
+        kind = "chat.completion.chunk" if stream else "chat.completion"
+    else:
+        kind = "text_completion"
+    body: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model,
+                            "choices": choices}
+    if usage_counts is not None or with_usage:
+        body["usage"] = usage_counts
+    return body

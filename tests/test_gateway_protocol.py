@@ -1,0 +1,481 @@
+"""The gateway's pure parts: OpenAI body parsing and validation, choices assembled from
+text deltas (order, duplicates, the finish), the calls' responses and chunks, logprobs
+objects, latencies and the admission decision."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.bus import ADMIT, REQUESTS, GroupInfo, StreamInfo
+from common.messages import ErrorReply, SchedulerStats, TextDelta, TokenLogprobs
+from services.gateway import responses
+from services.gateway.core import (STALE_S, Backend, Call, Echo, admission_error,
+                                   queue_depth, request_ids)
+from services.gateway.protocol import (ApiError, parse_detokenize, parse_job,
+                                       parse_tokenize)
+from services.gateway.responses import Choice
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def completion(**fields) -> dict:
+    return {"model": "m", "prompt": "Hello", **fields}
+
+
+def chat(**fields) -> dict:
+    return {"model": "m", "messages": USER, **fields}
+
+
+def refused(body, is_chat: bool = False) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_job(body, is_chat)
+    assert info.value.status == 400
+    return info.value
+
+
+# --- parsing ----------------------------------------------------------------------------
+
+def test_params_hold_only_what_the_client_set():
+    job = parse_job(completion(), chat=False)
+    assert job.params == {} and job.n == 1 and not job.stream and not job.echo
+    job = parse_job(completion(temperature=0, top_p=0.5, top_k=5, min_p=0.1, seed=7, n=2,
+                               presence_penalty=0.5, frequency_penalty=-0.5,
+                               repetition_penalty=1.1, max_tokens=9, stop="x",
+                               ignore_eos=True, min_tokens=1, stop_token_ids=[3],
+                               user="u", priority=-2), chat=False)
+    assert job.params == {"temperature": 0, "top_p": 0.5, "top_k": 5, "min_p": 0.1,
+                          "seed": 7, "n": 2, "presence_penalty": 0.5,
+                          "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+                          "max_tokens": 9, "stop": ["x"], "ignore_eos": True,
+                          "min_tokens": 1, "stop_token_ids": [3]}
+    assert job.n == 2 and job.priority == -2
+
+
+def test_nulls_count_as_not_set():
+    job = parse_job(completion(temperature=None, stop=None, logit_bias=None, tools=None,
+                               stream_options=None, whatever=None), chat=False)
+    assert job.params == {} and not job.include_usage
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("Hi", ["Hi"]),
+    (["a", "b"], ["a", "b"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_prompt_forms(prompt, expected):
+    assert parse_job(completion(prompt=prompt), chat=False).prompts == expected
+
+
+@pytest.mark.parametrize("prompt", [None, [], 5, ["a", 1], [[1], []], [True, 2], [-1],
+                                    [2**31], [[1], "a"], {"text": "a"}])
+def test_bad_prompts(prompt):
+    assert refused(completion(prompt=prompt)).param == "prompt"
+
+
+@pytest.mark.parametrize("name, value", [
+    ("temperature", "hot"), ("temperature", True), ("n", 1.5), ("n", "2"), ("seed", 1.0),
+    ("top_k", 2.5), ("top_p", [1]), ("max_tokens", "9"), ("stop", 3), ("stop", ["a", 1]),
+    ("ignore_eos", 1), ("stream", "yes"), ("echo", 1), ("priority", 0.5), ("logprobs", True),
+    ("model", 3), ("stream_options", []), ("stop_token_ids", 3),
+])
+def test_wrong_json_types_name_the_field(name, value):
+    error = refused(completion(**{name: value}))
+    assert error.param == name and name in error.message
+
+
+@pytest.mark.parametrize("name, value", [
+    ("temperature", -0.1), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
+    ("n", 0), ("max_tokens", 0), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+    ("repetition_penalty", 0), ("seed", 2**64), ("logprobs", -1), ("min_tokens", -1),
+    ("stop", [""]), ("stop_token_ids", [-1]), ("prompt_logprobs", -2),
+])
+def test_ranges_are_sampling_params_ranges(name, value):
+    error = refused(completion(**{name: value}))
+    assert error.param == name and name in error.message
+
+
+def test_temperature_nan_and_inf_are_refused():
+    for value in (math.inf, math.nan):
+        assert refused(completion(temperature=value)).param == "temperature"
+
+
+@pytest.mark.parametrize("name", ["suffix", "logit_bias", "best_of", "tools",
+                                  "response_format"])
+def test_unsupported_features_are_refused_by_name(name):
+    error = refused(chat(**{name: {"x": 1}}), is_chat=True)
+    assert error.param == name and "not supported" in error.message
+
+
+def test_unknown_fields_are_refused():
+    assert refused(completion(max_new_tokens=5)).param == "max_new_tokens"
+    assert refused(completion(messages=USER)).param == "messages"
+    assert refused(chat(prompt="x"), is_chat=True).param == "prompt"
+    assert refused(chat(echo=True), is_chat=True).param == "echo"
+
+
+def test_the_body_must_be_an_object():
+    for body in ([], "x", 3, None):
+        assert refused(body).param is None
+
+
+def test_chat_messages():
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                          {"type": "text", "text": "b"}]},
+             {"role": "assistant", "content": None}]
+    job = parse_job(chat(messages=parts), chat=True)
+    assert job.messages == parts and job.prompts == [] and job.add_generation_prompt
+    for messages in (None, [], [{"content": "x"}], ["x"], [{"role": "user", "content": 3}],
+                     [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]):
+        assert refused(chat(messages=messages), is_chat=True).param == "messages"
+    job = parse_job(chat(add_generation_prompt=False), chat=True)
+    assert not job.add_generation_prompt
+
+
+def test_chat_max_completion_tokens_wins_over_max_tokens():
+    job = parse_job(chat(max_tokens=5, max_completion_tokens=7), chat=True)
+    assert job.params["max_tokens"] == 7
+    assert parse_job(chat(max_tokens=5), chat=True).params["max_tokens"] == 5
+    assert refused(chat(max_completion_tokens=0), is_chat=True).param == "max_tokens"
+
+
+def test_logprobs():
+    assert parse_job(completion(logprobs=3), chat=False).params == {"logprobs": 3}
+    job = parse_job(completion(logprobs=2, echo=True), chat=False)
+    assert job.params == {"logprobs": 2, "prompt_logprobs": 2} and job.echo and job.logprobs
+    job = parse_job(completion(logprobs=2, echo=True, prompt_logprobs=4), chat=False)
+    assert job.params["prompt_logprobs"] == 4
+    assert parse_job(chat(logprobs=True), chat=True).params == {"logprobs": 0}
+    assert parse_job(chat(logprobs=True, top_logprobs=3), chat=True).params == {"logprobs": 3}
+    assert parse_job(chat(logprobs=False), chat=True).params == {}
+    assert refused(chat(top_logprobs=2), is_chat=True).param == "top_logprobs"
+    assert refused(chat(logprobs=True, top_logprobs=-1), is_chat=True).param == "top_logprobs"
+    assert refused(chat(logprobs=2), is_chat=True).param == "logprobs"
+
+
+def test_stream_options():
+    job = parse_job(completion(stream=True, stream_options={"include_usage": True}), False)
+    assert job.stream and job.include_usage
+    assert not parse_job(completion(stream=True, stream_options={}), False).include_usage
+    assert refused(completion(stream_options={"include_usage": True})).param == "stream_options"
+    assert refused(completion(stream=True, stream_options={"x": 1})).param == "stream_options"
+    error = refused(completion(stream=True, stream_options={"include_usage": 1}))
+    assert error.param == "include_usage"
+
+
+def test_model_is_optional():
+    assert parse_job({"prompt": "x"}, chat=False).model is None
+
+
+def test_tokenize_and_detokenize_bodies():
+    job = parse_tokenize({"model": "m", "prompt": "Hi"})
+    assert (job.prompt, job.messages, job.add_special_tokens) == ("Hi", None, True)
+    job = parse_tokenize({"messages": USER, "add_generation_prompt": False})
+    assert job.messages == USER and not job.add_special_tokens and not job.add_generation_prompt
+    for body in ({}, {"prompt": "a", "messages": USER}, {"prompt": 3}, {"prompt": "a", "x": 1},
+                 {"messages": "a"}, []):
+        with pytest.raises(ApiError) as info:
+            parse_tokenize(body)
+        assert info.value.status == 400
+    assert parse_detokenize({"model": "m", "tokens": [1, 2]}) == ("m", [1, 2])
+    assert parse_detokenize({"tokens": []}) == (None, [])
+    for body in ({}, {"tokens": [1.0]}, {"tokens": [-1]}, {"tokens": "1"}, {"tokens": [True]}):
+        with pytest.raises(ApiError) as info:
+            parse_detokenize(body)
+        assert info.value.param == "tokens"
+
+
+def test_api_error_shape_and_retry_after():
+    error = ApiError(400, "bad", "temperature")
+    assert error.body() == {"error": {"message": "bad", "type": "BadRequestError",
+                                      "param": "temperature", "code": 400}}
+    assert error.headers() == {}
+    busy = ApiError(503, "full")
+    assert busy.body()["error"]["type"] == "ServiceUnavailableError"
+    assert busy.headers() == {"Retry-After": "1"}
+    assert ApiError(401, "x").kind == "AuthenticationError"
+    assert ApiError(404, "x").kind == "NotFoundError"
+    assert ApiError(400, "x", kind="Custom").kind == "Custom"
+
+
+# --- choices ----------------------------------------------------------------------------
+
+def delta(seq: int, text: str, finish: str | None = None, rid: str = "cmpl-x", index: int = 0,
+          tokens: list[int] | None = None, **extra) -> TextDelta:
+    return TextDelta(rid, index, seq, text, tokens if tokens is not None else [seq + 100], 4,
+                     finish, **extra)
+
+
+def test_choice_applies_in_seq_order_once():
+    choice = Choice(0)
+    assert choice.offer(delta(1, "b")) == []
+    assert [d.text for d in choice.offer(delta(0, "a"))] == ["a", "b"]
+    assert choice.offer(delta(0, "a")) == [] and choice.offer(delta(1, "b")) == []
+    assert choice.offer(delta(3, "d")) == []
+    assert choice.offer(delta(3, "d")) == []  # a duplicate of an early one replaces it
+    assert [d.text for d in choice.offer(delta(2, "c"))] == ["c", "d"]
+    assert (choice.text, choice.token_ids, choice.num_prompt_tokens) == ("abcd",
+                                                                        [100, 101, 102, 103], 4)
+
+
+def test_choice_ignores_everything_after_its_finish():
+    choice = Choice(0)
+    choice.offer(delta(2, "late"))
+    choice.offer(delta(0, "a"))
+    applied = choice.offer(delta(1, "b", "stop", stop_reason="b"))
+    assert [d.text for d in applied] == ["b"]  # seq 2 was waiting, and is dropped
+    assert choice.finished and (choice.finish_reason, choice.stop_reason) == ("stop", "b")
+    assert choice.offer(delta(3, "more")) == [] and choice.text == "ab" and not choice.early
+
+
+def test_choice_counts_seq_in_tokens_and_skips_empty_deltas():
+    choice = Choice(0)
+    assert choice.offer(delta(0, "xy", tokens=[1, 2])) != []
+    assert choice.offer(delta(2, "", tokens=[])) == []
+    assert choice.offer(delta(2, "z", tokens=[3]))[0].text == "z"
+    assert choice.next_seq == 3
+
+
+def test_choice_keeps_prompt_logprobs_of_the_first_delta():
+    rows = [None, TokenLogprobs([5, 6], [-1.0, -0.5], 2, ["a", "b"])]
+    choice = Choice(0)
+    choice.offer(delta(0, "a", prompt_logprobs=rows))
+    choice.offer(delta(1, "b"))
+    assert choice.prompt_logprobs == rows
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts=st.lists(st.text(max_size=3), min_size=1, max_size=12), seed=st.integers(0, 2**16),
+       stop_at=st.integers(0, 11))
+def test_choice_text_is_the_in_order_text_up_to_the_finish(texts, seed, stop_at):
+    stop_at = min(stop_at, len(texts) - 1)
+    deltas = [delta(i, t, "stop" if i == stop_at else None) for i, t in enumerate(texts)]
+    rng = random.Random(seed)
+    arrivals = deltas + rng.sample(deltas, k=len(deltas) // 2)  # duplicates
+    rng.shuffle(arrivals)
+    choice = Choice(0)
+    applied = [d for d in arrivals for d in choice.offer(d)]
+    assert [d.seq for d in applied] == list(range(stop_at + 1))
+    assert choice.text == "".join(texts[:stop_at + 1]) and choice.finished
+
+
+# --- logprobs objects --------------------------------------------------------------------
+
+def lp(texts: list[str], logprobs: list[float], rank: int = 1) -> TokenLogprobs:
+    return TokenLogprobs(list(range(len(texts))), logprobs, rank, texts)
+
+
+def test_completion_logprobs_with_an_unscored_first_token():
+    entries = [None, lp([" b", " x"], [-1.0, -0.5], 2), lp(["cd", "cd"], [-float("inf"), -2.0])]
+    out = responses.completion_logprobs(entries, 10, unscored_text="A")
+    assert out == {"tokens": ["A", " b", "cd"], "token_logprobs": [None, -1.0, -9999.0],
+                   "top_logprobs": [None, {" b": -1.0, " x": -0.5}, {"cd": -9999.0}],
+                   "text_offset": [10, 11, 13]}
+    assert responses.logprobs_text_length(out) == 5
+    json.dumps(out, allow_nan=False)
+
+
+def test_chat_logprobs_list_the_top_k_apart_from_the_chosen_token():
+    out = responses.chat_logprobs([lp(["é", "a", "b"], [-0.1, -0.05, -3.0], 2)])
+    assert out == {"content": [{"token": "é", "logprob": -0.1, "bytes": [195, 169],
+                                "top_logprobs": [
+                                    {"token": "a", "logprob": -0.05, "bytes": [97]},
+                                    {"token": "b", "logprob": -3.0, "bytes": [98]}]}]}
+
+
+def test_logprobs_without_texts_name_the_token_ids():
+    entry = TokenLogprobs([7, 8], [-1.0, -2.0], 1)
+    assert responses.chat_logprobs([entry])["content"][0]["token"] == "token_id:7"
+
+
+def test_prompt_logprobs_rows():
+    rows = responses.prompt_logprobs([None, lp(["a", "b"], [-2.0, -1.0], 3)])
+    assert rows == [None, {"0": {"logprob": -2.0, "rank": 3, "decoded_token": "a"},
+                           "1": {"logprob": -1.0, "rank": 1, "decoded_token": "b"}}]
+
+
+def test_envelopes():
+    body = responses.envelope("id", True, 5, "m", [], stream=False, usage_counts={"x": 1})
+    assert body == {"id": "id", "object": "chat.completion", "created": 5, "model": "m",
+                    "choices": [], "usage": {"x": 1}}
+    chunk = responses.envelope("id", True, 5, "m", [], stream=True)
+    assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk
+    chunk = responses.envelope("id", False, 5, "m", [], stream=True, with_usage=True)
+    assert chunk["object"] == "text_completion" and chunk["usage"] is None
+    assert responses.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4,
+                                     "total_tokens": 7}
+
+
+# --- calls --------------------------------------------------------------------------------
+
+def make_call(body: dict, is_chat: bool = False, echoes: list[Echo] | None = None) -> Call:
+    return Call(parse_job(body, is_chat), "cmpl-x", "served", 123, 10.0, echoes)
+
+
+def test_one_request_per_prompt_with_the_client_params():
+    call = make_call(completion(prompt=["a", "b"], n=2, max_tokens=3, priority=1))
+    requests = call.requests("gw", 55.0)
+    assert [r.rid for r in requests] == ["cmpl-x-0", "cmpl-x-1"] == call.rids
+    assert [r.prompt for r in requests] == ["a", "b"]
+    assert all(r.params == {"n": 2, "max_tokens": 3} and r.reply_to == "gw"
+               and r.priority == 1 and r.arrival_time == 55.0 for r in requests)
+    tokens = make_call(completion(prompt=[5, 6])).requests("gw", 0.0)
+    assert tokens[0].prompt_token_ids == [5, 6] and tokens[0].prompt is None
+    chat_req, = make_call(chat(add_generation_prompt=False), is_chat=True).requests("gw", 0.0)
+    assert chat_req.rid == "cmpl-x" and chat_req.messages == USER
+    assert not chat_req.add_generation_prompt and chat_req.prompt is None
+    assert request_ids("c", 1) == ["c"] and request_ids("c", 2) == ["c-0", "c-1"]
+
+
+def test_choice_index_is_prompt_index_times_n_plus_i():
+    call = make_call(completion(prompt=["a", "b"], n=2))
+    for k, rid in enumerate(call.rids):
+        for i in range(2):
+            call.offer(delta(0, f"{rid}/{i}", "length", rid=rid, index=i))
+    body = call.response()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [
+        (0, "cmpl-x-0/0"), (1, "cmpl-x-0/1"), (2, "cmpl-x-1/0"), (3, "cmpl-x-1/1")]
+    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12}
+    assert body["object"] == "text_completion" and body["model"] == "served"
+
+
+def test_the_call_starts_when_every_request_answered_and_ends_when_every_choice_did():
+    call = make_call(completion(prompt=["a", "b"]))
+    call.offer(delta(0, "x", rid="cmpl-x-0"))
+    assert not call.started and call.unfinished_rids() == ["cmpl-x-0", "cmpl-x-1"]
+    call.offer(delta(0, "y", "stop", rid="cmpl-x-1"))
+    assert call.started and not call.done and call.unfinished_rids() == ["cmpl-x-0"]
+    assert call.offer(delta(0, "z", rid="other")) == []
+    assert call.offer(delta(0, "z", rid="cmpl-x-0", index=5)) == []
+    call.offer(delta(1, "x", "length", rid="cmpl-x-0"))
+    assert call.finished and call.done and call.unfinished_rids() == []
+
+
+def test_the_first_error_of_a_running_request_ends_the_call():
+    call = make_call(completion(prompt=["a", "b"]))
+    call.offer(delta(0, "done", "stop", rid="cmpl-x-0"))
+    call.offer(ErrorReply("cmpl-x-0", 503, "too late"))  # that request had finished
+    assert call.error is None
+    call.offer(ErrorReply("cmpl-x-1", 400, "too long: 10 > 5", param="prompt"))
+    call.offer(ErrorReply("cmpl-x-1", 503, "second"))
+    assert call.started and call.done
+    assert (call.error.status, call.error.message, call.error.param) == (400, "too long: 10 > 5",
+                                                                         "prompt")
+
+
+def test_chat_response_and_logprobs():
+    call = make_call(chat(logprobs=True, top_logprobs=1), is_chat=True)
+    call.offer(delta(0, "Hi", logprobs=[lp(["Hi", "Yo"], [-0.5, -1.0])]))
+    call.offer(delta(1, "!", "stop", logprobs=[lp(["!", "."], [-0.1, -2.0])]))
+    body = call.response()
+    assert body["object"] == "chat.completion" and body["id"] == "cmpl-x"
+    choice, = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "Hi!"}
+    assert [c["token"] for c in choice["logprobs"]["content"]] == ["Hi", "!"]
+    assert choice["finish_reason"] == "stop"
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first():
+    rows = [None, lp([" world", " there"], [-3.0, -1.0], 2)]
+    call = make_call(completion(prompt="Hello world", echo=True, logprobs=1),
+                     echoes=[Echo("Hello world", "Hello")])
+    call.offer(delta(0, "!", "length", prompt_logprobs=rows,
+                     logprobs=[lp(["!", "?"], [-0.2, -2.0])]))
+    choice, = call.response()["choices"]
+    assert choice["text"] == "Hello world!"
+    assert choice["logprobs"]["tokens"] == ["Hello", " world", "!"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -3.0, -0.2]
+    assert choice["logprobs"]["text_offset"] == [0, 5, 11]
+
+
+def test_prompt_logprobs_without_echo_are_vllm_rows():
+    call = make_call(completion(prompt_logprobs=1))
+    call.offer(delta(0, "x", "length", prompt_logprobs=[None, lp(["a"], [-1.0])]))
+    assert call.response()["choices"][0]["prompt_logprobs"] == [
+        None, {"0": {"logprob": -1.0, "rank": 1, "decoded_token": "a"}}]
+
+
+def test_chat_chunks_start_with_the_role_and_coalesce_per_choice():
+    call = make_call(chat(n=2, stream=True, stream_options={"include_usage": True}),
+                     is_chat=True)
+    opening = call.opening_chunks()
+    assert [c["choices"][0]["delta"] for c in opening] == [
+        {"role": "assistant", "content": ""}] * 2
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in opening)
+    applied = (call.offer(delta(0, "a")) + call.offer(delta(0, "x", index=1))
+               + call.offer(delta(1, "b", "stop", stop_reason=7)))
+    chunks = call.chunks(applied)
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"], c["choices"][0]["finish_reason"],
+             c["choices"][0]["stop_reason"]) for c in chunks] == [
+        (0, {"content": "ab"}, "stop", 7), (1, {"content": "x"}, None, None)]
+    usage = call.usage_chunk()
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+
+
+def test_held_back_text_makes_no_chunk_but_a_finish_does():
+    call = make_call(completion(stream=True))
+    assert call.chunks(call.offer(delta(0, ""))) == []
+    chunk, = call.chunks(call.offer(delta(1, "", "length")))
+    assert chunk["choices"][0] == {"index": 0, "text": "", "logprobs": None,
+                                   "finish_reason": "length", "stop_reason": None}
+    assert "usage" not in chunk
+
+
+def test_streamed_echo_and_logprob_offsets_continue_across_chunks():
+    call = make_call(completion(prompt="Hi", echo=True, logprobs=0, stream=True),
+                     echoes=[Echo("Hi", "Hi")])
+    first, = call.chunks(call.offer(delta(0, " a", prompt_logprobs=[None],
+                                          logprobs=[lp([" a"], [-1.0])])))
+    second, = call.chunks(call.offer(delta(1, " b", "length", logprobs=[lp([" b"], [-2.0])])))
+    assert first["choices"][0]["text"] == "Hi a" and second["choices"][0]["text"] == " b"
+    assert first["choices"][0]["logprobs"]["text_offset"] == [0, 2]
+    assert second["choices"][0]["logprobs"]["text_offset"] == [4]
+
+
+def test_observe_gives_ttft_then_itl_and_e2e_with_the_finish():
+    call = make_call(completion(n=2))
+    seen = call.observe(call.offer(delta(0, "a")), now=10.5)
+    assert (seen.ttft, seen.itl, seen.e2e) == ([0.5], [], [])
+    seen = call.observe(call.offer(delta(1, "b")) + call.offer(delta(2, "c", "stop")), now=11.0)
+    assert seen.ttft == [] and seen.itl == [0.5, 0.0]
+    assert (seen.e2e, seen.finish_reasons) == ([1.0], ["stop"])
+    seen = call.observe(call.offer(delta(0, "z", "length", index=1)), now=12.0)
+    assert (seen.ttft, seen.e2e, seen.finish_reasons) == ([2.0], [2.0], ["length"])
+
+
+# --- admission ----------------------------------------------------------------------------
+
+def stream(name: str, length: int, *lags: int | None) -> StreamInfo:
+    return StreamInfo(name, length, [GroupInfo(f"g{i}", 0, lag, "0-0")
+                                     for i, lag in enumerate(lags)])
+
+
+def stats(waiting: int) -> SchedulerStats:
+    return SchedulerStats(1, waiting, 0.0, 0, 0, 0, 0, 0)
+
+
+def test_queue_depth_adds_undelivered_entries_and_the_waiting_queue():
+    streams = [stream(REQUESTS, 50, 3), stream(ADMIT, 40, 2, 5), stream("hr:detok", 9, 9)]
+    assert queue_depth(streams, stats(4)) == 3 + 5 + 4
+    assert queue_depth([stream(REQUESTS, 7)], None) == 7  # no group yet: every entry waits
+    assert queue_depth([stream(REQUESTS, 7, None)], None) == 0
+    assert queue_depth([], None) == 0
+
+
+def test_admission():
+    now = 100.0
+    alive = Backend(scheduler_alive=True, worker_alive=True, queue_depth=4, seen_at=now - 1)
+    assert admission_error(alive, 4, now) is None
+    full = admission_error(Backend(True, True, 5, now), 4, now)
+    assert full.status == 503 and "5" in full.message and "4" in full.message
+    assert full.headers() == {"Retry-After": "1"}
+    assert admission_error(Backend(False, True, 0, now), 4, now).status == 503
+    stale = Backend(True, True, 0, now - STALE_S - 0.1)
+    assert not stale.alive(now) and admission_error(stale, 4, now).status == 503
+    assert not Backend().alive(now)
