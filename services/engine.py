@@ -6,10 +6,11 @@ the transport between them differs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import EngineConfig
-from common.messages import DetokItem, TextDelta
+from common.messages import DetokItem, StepPlan, TextDelta
 from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
                                 max_model_len_of, resolve_model)
 from common.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config,
                                                                self.runner.num_blocks))
         self.detokenizer = Detokenizer(self.info.tokenizer)
+        self.on_plan: Callable[[StepPlan], None] | None = None  # benchmarks trace steps
 
     def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> None:
@@ -71,6 +73,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        if self.on_plan is not None:
+            self.on_plan(plan)
         result = self.runner.execute(plan)
         return self.postprocess(self.scheduler.update(result))
 

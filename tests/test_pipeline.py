@@ -5,117 +5,49 @@ its requests with an error while a restarted one serves new requests."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
+import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 import pytest
 
 from common import messages
-from common.bus import CONTROL, REQUESTS, Bus, replies_stream
-from common.messages import Abort, ErrorReply, GenerateRequest, ReplyBatch
-from common.redis_server import EmbeddedRedis
-from services.gateway.responses import Choice
+from common.bus import CONTROL, Bus
+from common.config import EngineConfig, ServerConfig
+from common.messages import Abort, ErrorReply, GenerateRequest
+from common.sampling_params import SamplingParams
+from services.bench.pipeline import CLIENT, LocalPipeline, Outcome, drive
 from services.llm import LLM
 from services.process import SCHEDULER_STATS
-from tests.conftest import REPO, repo_env
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.anyio
-BLOCKS = ["--num-gpu-blocks-override", "128", "--block-size", "16"]
-GATEWAY = "test-gw"
+BLOCKS = 128
 
 
-@dataclass
-class Outcome:
-    choices: dict[int, Choice] = field(default_factory=dict)
-    error: ErrorReply | None = None
-
-    def done(self, n: int) -> bool:
-        return self.error is not None or (
-            len(self.choices) == n and all(c.finished for c in self.choices.values()))
-
-
-class Pipeline:
+class Pipeline(LocalPipeline):
     def __init__(self, root: Path, model: Path, tokenizers: int = 1, detokenizers: int = 1):
-        self.root, self.model = root, model
-        self.redis = EmbeddedRedis(root / "run")
-        self.redis.start()
-        self.env = repo_env(REDIS_URL=self.redis.url, HEADRACE_LOG_FORMAT="json")
-        self.procs: dict[str, subprocess.Popen] = {}
-        for name, replicas in (("worker", 1), ("scheduler", 1), ("tokenizer", tokenizers),
-                               ("detokenizer", detokenizers)):
-            for i in range(replicas):
-                self.start(name, i)
-
-    def start(self, name: str, replica: int) -> None:
-        log = open(self.root / f"{name}-{replica}.log", "ab")
-        self.procs[f"{name}-{replica}"] = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", name, str(self.model), *BLOCKS,
-             "--replica", str(replica), "--reclaim-idle-ms", "1000"],
-            cwd=REPO, env=self.env, stdout=log, stderr=log)
-
-    def kill(self, label: str) -> None:
-        self.procs[label].send_signal(signal.SIGKILL)
-        self.procs[label].wait()
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        self.redis.stop()
+        super().__init__(root, EngineConfig(model=str(model), num_gpu_blocks_override=BLOCKS),
+                         ServerConfig(tokenizer_replicas=tokenizers,
+                                      detokenizer_replicas=detokenizers, reclaim_idle_ms=1000))
 
     async def run(self, requests: list[GenerateRequest], timeout: float = 120.0,
                   during=None) -> dict[str, Outcome]:
-        outcomes = {r.rid: Outcome() for r in requests}
-        wanted = {r.rid: r.params.get("n", 1) for r in requests}
-        async with Bus(self.redis.url) as bus:
-            await bus.publish(REQUESTS, *requests)
-            last: bytes | str = "0"
-            with anyio.fail_after(timeout):
-                while not all(outcomes[rid].done(n) for rid, n in wanted.items()):
-                    for entry in await bus.tail({replies_stream(GATEWAY): last}, count=500,
-                                                block_ms=200):
-                        last = entry.id
-                        absorb(outcomes, entry.msg)
-                    if during is not None:
-                        await during(bus, outcomes)
-        return outcomes
+        return await drive(self.url, requests, timeout, during)
 
     async def stats(self) -> messages.SchedulerStats:
-        async with Bus(self.redis.url) as bus:
+        async with Bus(self.url) as bus:
             return messages.decode(await bus.redis.get(SCHEDULER_STATS))
 
 
-def absorb(outcomes: dict[str, Outcome], msg) -> None:
-    """Apply a reply; replies to earlier runs on the same stream are ignored."""
-    if isinstance(msg, ErrorReply):
-        if msg.rid in outcomes:
-            outcomes[msg.rid].error = msg
-        return
-    assert isinstance(msg, ReplyBatch)
-    for delta in msg.items:
-        if delta.rid in outcomes:
-            choices = outcomes[delta.rid].choices
-            choices.setdefault(delta.index, Choice(delta.index)).offer(delta)
-
-
 def request(rid: str, prompt: list[int], **params) -> GenerateRequest:
-    return GenerateRequest(rid, GATEWAY, params, prompt_token_ids=prompt,
+    return GenerateRequest(rid, CLIENT, params, prompt_token_ids=prompt,
                            arrival_time=time.time())
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    import random
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(rng.randint(3, 40))] for _ in range(n)]
 
@@ -127,7 +59,7 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def offline(model: Path) -> LLM:
-    return LLM(str(model), num_gpu_blocks_override=128)
+    return LLM(str(model), num_gpu_blocks_override=BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +70,6 @@ def pipeline(model: Path, tmp_path_factory) -> Iterator[Pipeline]:
 
 
 def offline_texts(llm: LLM, batch: list[list[int]], **params) -> list[tuple[list[int], str]]:
-    from common.sampling_params import SamplingParams
     outs = llm.generate(batch, SamplingParams(**params), use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
 
@@ -226,7 +157,7 @@ async def test_a_dead_worker_ends_its_requests_and_a_new_one_serves(model, tmp_p
         assert outcome.error is not None and outcome.error.status == 503
         assert "worker stopped" in outcome.error.message
         assert time.monotonic() - killed_at[0] < 10
-        pipe.start("worker", 0)
+        pipe.start("worker-0")
         with anyio.fail_after(60):
             while True:  # the restarted worker announces itself; then requests run again
                 again = (await pipe.run([request(f"x{time.monotonic_ns()}", [5, 6],

@@ -8,6 +8,7 @@ flattened inputs, run the model, sample.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -17,11 +18,14 @@ import torch
 from common.config import EngineConfig
 from common.messages import PromptLogprobs, StepPlan, StepResult
 from common.sampling_params import SamplingParams
+from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
 from services.worker.loader import load_model
 from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
 from services.worker.models import kv_cache_shape
 from services.worker.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
+
+log = logging.getLogger("headrace.worker")
 
 
 @dataclass(slots=True)
@@ -90,6 +94,7 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.model.num_layers)]
+        self.graphs = self._capture_graphs()
 
     # --- one step -----------------------------------------------------------------------
 
@@ -98,12 +103,31 @@ class ModelRunner:
         start = time.perf_counter()
         self._apply_plan(plan)
         inputs = self._prepare(plan)
-        hidden = self.model(inputs.input_ids, inputs.positions,
-                            ForwardContext(inputs.attn, self.kv_caches))
+        hidden = self._forward(inputs)
         req_ids, token_ids, logprobs = self._sample(hidden, inputs)
         chunks = [self._prompt_logprobs(hidden, *row) for row in inputs.prompt_logprob_rows]
         return StepResult(plan.step, req_ids, token_ids, logprobs, chunks,
                           execute_ms=1000 * (time.perf_counter() - start))
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        graphs, attn = self.graphs, inputs.attn
+        if (graphs is not None and attn.max_query_len == 1 and not inputs.prompt_logprob_rows
+                and inputs.input_ids.shape[0] <= graphs.max_batch):
+            return graphs.run(inputs.input_ids, inputs.positions, attn)
+        return self.model(inputs.input_ids, inputs.positions,
+                          ForwardContext(attn, self.kv_caches))
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        assert self.config.max_model_len is not None
+        graphs = DecodeGraphs(self.model, self.kv_caches, min(self.config.max_num_seqs, 512),
+                              self.config.max_model_len, self.block_size)
+        start = time.perf_counter()
+        graphs.capture()
+        log.info("captured CUDA graphs for decode batches %s in %.1f s", graphs.sizes,
+                 time.perf_counter() - start)
+        return graphs
 
     def forget_requests(self) -> None:
         """Drop every request's state (a new scheduler took over)."""

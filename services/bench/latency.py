@@ -1,0 +1,103 @@
+"""`headrace bench latency`: one batch's prefill time and per-token decode latency.
+
+    headrace bench latency --model DIR --load-format dummy --context-len 1000 \\
+        [--batch-size 1] [--output-len 128] [--iterations 3] [--json FILE]
+
+Each iteration prefills `batch-size` prompts of `context-len` tokens and decodes
+`output-len` tokens; a decode step's time is ms per output token (per request). The floor
+of a batch-1 decode is the weights plus the KV cache read once, over the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from common.config import ConfigError, add_engine_args, engine_config_from_args
+from common.log import configure_logging
+from common.sampling_params import SamplingParams
+from services.bench.throughput import _sync, machine_info
+from services.bench.workloads import ModelShape, fixed_workload, measure_ceilings
+from services.engine import Engine
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="headrace bench latency", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context-len", type=int, default=1000,
+                        help="prompt tokens before decoding starts")
+    parser.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens decoded")
+    parser.add_argument("--iterations", type=int, default=3, help="timed repetitions")
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    add_engine_args(parser)
+    return parser
+
+
+def time_one_batch(engine: Engine, prompts: list[list[int]], output_len: int
+                   ) -> tuple[float, list[float]]:
+    """(prefill seconds, seconds of each decode step)."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    run_id = uuid.uuid4().hex[:6]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{run_id}-{i}", prompt, params)
+    steps = []
+    device = engine.runner.device
+    while engine.has_unfinished():
+        _sync(device)
+        start = time.perf_counter()
+        engine.step()
+        _sync(device)
+        steps.append(time.perf_counter() - start)
+    return steps[0], steps[1:]
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = engine_config_from_args(args)
+    except ConfigError as e:
+        parser.error(str(e))
+    configure_logging("bench")
+    engine = Engine(config)
+    prompts = fixed_workload("latency", args.batch_size, args.context_len, 1,
+                             vocab_size=engine.runner.model.vocab_size).prompts
+    time_one_batch(engine, prompts, 4)  # warm-up: kernels compile, graphs are ready
+    prefills, decodes = [], []
+    for _ in range(args.iterations):
+        prefill, steps = time_one_batch(engine, prompts, args.output_len)
+        prefills.append(prefill)
+        decodes += steps
+    shape = ModelShape.of(engine.runner.model, engine.runner.hf_config)
+    ceilings = measure_ceilings(engine.runner.device)
+    context = args.context_len + args.output_len / 2
+    floor_s = (shape.weight_bytes + args.batch_size * context * shape.kv_bytes_per_token) \
+        / ceilings.copy_bytes_per_s
+    ms = [1000 * s for s in decodes]
+    result = {"command": "headrace bench latency " + " ".join(argv),
+              "machine": machine_info(engine.runner.device),
+              "batch_size": args.batch_size, "context_len": args.context_len,
+              "prefill_ms": 1000 * statistics.median(prefills),
+              "decode_ms_per_token_median": statistics.median(ms),
+              "decode_ms_per_token_mean": statistics.fmean(ms),
+              "decode_ms_per_token_p90": sorted(ms)[int(0.9 * (len(ms) - 1))],
+              "floor_ms_per_token": 1000 * floor_s,
+              "copy_bandwidth_tb_s": ceilings.copy_bytes_per_s / 1e12}
+    print(f"{result['machine']['device']}: batch {args.batch_size}, context "
+          f"{args.context_len}: prefill {result['prefill_ms']:.1f} ms; decode "
+          f"{result['decode_ms_per_token_median']:.3f} ms/token median "
+          f"(mean {result['decode_ms_per_token_mean']:.3f}, p90 "
+          f"{result['decode_ms_per_token_p90']:.3f}); floor {result['floor_ms_per_token']:.3f}"
+          f" ms/token ({result['floor_ms_per_token'] / result['decode_ms_per_token_median']:.0%}"
+          " of it achieved)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return 0

@@ -1,0 +1,129 @@
+"""The serving path without HTTP: a local pipeline of service processes, and a client that
+drives it from the bus the way a gateway does. Benchmarks use it to measure what the
+process hops cost; tests use it to check the services against the in-process engine."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+
+from common.bus import REQUESTS, Bus, replies_stream
+from common.config import EngineConfig, ServerConfig
+from common.messages import ErrorReply, GenerateRequest, ReplyBatch
+from common.redis_server import EmbeddedRedis, spawn_child
+from services.gateway.responses import Choice
+from services.launcher import child_specs
+from services.process import ALIVE_SCHEDULER, ALIVE_WORKER
+
+CLIENT = "bench-client"
+
+
+@dataclass(slots=True)
+class Outcome:
+    choices: dict[int, Choice] = field(default_factory=dict)
+    error: ErrorReply | None = None
+    finished_at: float = 0.0
+
+    def done(self, n: int) -> bool:
+        return self.error is not None or (
+            len(self.choices) == n and all(c.finished for c in self.choices.values()))
+
+
+During = Callable[[Bus, dict[str, Outcome]], Awaitable[None]]
+
+
+def absorb(outcomes: dict[str, Outcome], msg: object) -> None:
+    """Apply one reply; replies to other runs on the same stream are ignored."""
+    if isinstance(msg, ErrorReply):
+        if msg.rid in outcomes:
+            outcomes[msg.rid].error = msg
+        return
+    assert isinstance(msg, ReplyBatch)
+    for delta in msg.items:
+        if delta.rid in outcomes:
+            choices = outcomes[delta.rid].choices
+            choices.setdefault(delta.index, Choice(delta.index)).offer(delta)
+
+
+async def drive(url: str, requests: list[GenerateRequest], timeout: float = 600.0,
+                during: During | None = None) -> dict[str, Outcome]:
+    """Publish the requests (reply_to must be CLIENT) and collect every reply."""
+    outcomes = {r.rid: Outcome() for r in requests}
+    remaining = {r.rid: r.params.get("n", 1) for r in requests}
+    async with Bus(url) as bus:
+        last = (await bus.redis.xrevrange(replies_stream(CLIENT), count=1) or [(b"0",)])[0][0]
+        await bus.publish(REQUESTS, *requests)
+        with anyio.fail_after(timeout):
+            while remaining:
+                for entry in await bus.tail({replies_stream(CLIENT): last}, count=1000,
+                                            block_ms=100):
+                    last = entry.id
+                    absorb(outcomes, entry.msg)
+                now = time.monotonic()
+                for rid in [r for r, n in remaining.items() if outcomes[r].done(n)]:
+                    outcomes[rid].finished_at = now
+                    del remaining[rid]
+                if during is not None:
+                    await during(bus, outcomes)
+    return outcomes
+
+
+class LocalPipeline:
+    """An embedded Redis plus worker, scheduler, tokenizers and detokenizers (no gateway)
+    as child processes, logging into `root`."""
+
+    def __init__(self, root: Path, engine: EngineConfig, server: ServerConfig) -> None:
+        self.root = root
+        self.redis = EmbeddedRedis(root / "run")
+        self.redis.start()
+        self.children = {c.label: c for c in child_specs(engine, server, self.redis.url)
+                         if c.name != "gateway"}
+        for label in self.children:
+            self.start(label)
+
+    @property
+    def url(self) -> str:
+        return self.redis.url
+
+    def start(self, label: str) -> None:
+        child = self.children[label]
+        log = open(self.root / f"{label}.log", "ab")
+        child.process = spawn_child(child.argv, env=child.env, stdout=log, stderr=log)
+
+    def kill(self, label: str) -> None:
+        process = self.children[label].process
+        assert process is not None
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+
+    async def wait_ready(self, timeout: float = 600.0) -> None:
+        async with Bus(self.url) as bus:
+            with anyio.fail_after(timeout):
+                while not (await bus.redis.exists(ALIVE_WORKER, ALIVE_SCHEDULER)) == 2:
+                    self._check_alive()
+                    await anyio.sleep(0.2)
+
+    def stop(self) -> None:
+        processes = [c.process for c in self.children.values() if c.process is not None]
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.redis.stop()
+
+    def _check_alive(self) -> None:
+        for label, child in self.children.items():
+            if child.process is not None and child.process.poll() is not None:
+                raise RuntimeError(f"{label} exited with {child.process.returncode}; see "
+                                   f"{self.root / (label + '.log')}")

@@ -1,0 +1,243 @@
+"""`headrace bench throughput`: offline generation throughput against the workload's floor.
+
+    headrace bench throughput --model DIR --load-format dummy --workload nano \\
+        [--path inprocess|pipeline|both] [--compare transformers] [--json FILE]
+
+Workloads: `nano` (256 requests, prompt and output lengths uniform in [100, 1024], seed 0,
+133,966 output tokens), `8b` (64 requests of 1000-token prompts and 1000 output tokens) and
+`fixed` (--num-prompts of --prompt-len tokens and --output-len outputs). `inprocess`
+runs the engine's cores in this process; `pipeline` runs the same workload through the
+Redis-linked worker, scheduler, tokenizer and detokenizer processes, so the cost of the
+serving path is measured, not guessed. `--compare transformers` runs transformers'
+generate_batch on the same weights and prompts (a subset, at one fixed output length,
+since it cannot take a length per request) and the same for ours, and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import platform
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_args,
+                           engine_config_from_args)
+from common.log import configure_logging
+from common.messages import GenerateRequest
+from services.bench.pipeline import CLIENT, LocalPipeline, drive
+from services.bench.workloads import (Ceilings, ModelShape, Trace, Workload, fixed_workload,
+                                      kv_waste, measure_ceilings, nano_workload,
+                                      with_output_len)
+from services.engine import Engine
+
+
+@dataclass(slots=True)
+class RunResult:
+    path: str
+    workload: str
+    requests: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="headrace bench throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=("nano", "8b", "fixed"), default="nano",
+                        help="which workload to run (default nano)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="requests (default: 256 for nano, 64 otherwise)")
+    parser.add_argument("--prompt-len", type=int, default=1000,
+                        help="prompt tokens of the fixed and 8b workloads")
+    parser.add_argument("--output-len", type=int, default=1000,
+                        help="output tokens of the fixed and 8b workloads")
+    parser.add_argument("--path", choices=("inprocess", "pipeline", "both"),
+                        default="inprocess", help="which serving path to time")
+    parser.add_argument("--compare", choices=("transformers",), default=None,
+                        help="also run transformers' generate_batch on the same weights")
+    parser.add_argument("--transformers-attn", default="paged|sdpa",
+                        help="attn_implementation for the transformers run")
+    parser.add_argument("--compare-num-prompts", type=int, default=64,
+                        help="prompts of the workload both engines run for the comparison")
+    parser.add_argument("--compare-output-len", type=int, default=512,
+                        help="fixed output length of the comparison run")
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    add_engine_args(parser)
+    return parser
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    if args.workload == "nano":
+        return nano_workload(args.num_prompts or 256)
+    return fixed_workload(args.workload, args.num_prompts or 64, args.prompt_len,
+                          args.output_len, vocab_size=vocab_size)
+
+
+def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None,
+                  shape: ModelShape | None = None) -> RunResult:
+    if trace is not None and shape is not None:
+        engine.on_plan = lambda plan: trace.record(plan, shape, kv_waste(engine.scheduler))
+    run_id = uuid.uuid4().hex[:6]
+    for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
+        engine.add_request(f"{run_id}-{i}", prompt, params)
+    output_tokens = 0
+    _sync(engine.runner.device)
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        output_tokens += sum(len(d.token_ids) for d in engine.step())
+    _sync(engine.runner.device)
+    engine.on_plan = None
+    return RunResult("inprocess", workload.name, len(workload.prompts), output_tokens,
+                     time.perf_counter() - start)
+
+
+def run_pipeline(config: EngineConfig, workload: Workload) -> RunResult:
+    with tempfile.TemporaryDirectory(prefix="headrace-bench-") as root:
+        pipeline = LocalPipeline(Path(root), config, ServerConfig())
+        try:
+            anyio.run(pipeline.wait_ready)
+            requests = [GenerateRequest(f"p{i}", CLIENT, _overrides(params),
+                                        prompt_token_ids=prompt, arrival_time=time.time())
+                        for i, (prompt, params) in enumerate(zip(workload.prompts,
+                                                                 workload.params))]
+            warm = [dataclasses.replace(r, rid=f"warm{i}") for i, r in enumerate(requests[:4])]
+            anyio.run(drive, pipeline.url, warm)  # first steps compile kernels: not timed
+            start = time.perf_counter()
+            outcomes = anyio.run(drive, pipeline.url, requests)
+            seconds = time.perf_counter() - start
+        finally:
+            pipeline.stop()
+    failed = [rid for rid, o in outcomes.items() if o.error is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {outcomes[failed[0]].error}")
+    tokens = sum(len(c.token_ids) for o in outcomes.values() for c in o.choices.values())
+    return RunResult("pipeline", workload.name, len(requests), tokens, seconds)
+
+
+def run_transformers(engine: Engine, workload: Workload, attn: str) -> RunResult:
+    """transformers' continuous batching on the weights our engine holds."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    hf_config = engine.runner.hf_config
+    hf = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn,
+                                          dtype=engine.runner.dtype).to(engine.runner.device)
+    copy_weights(engine.runner.model, hf)
+    gen = GenerationConfig(max_new_tokens=workload.params[0].max_tokens, do_sample=True,
+                           temperature=workload.params[0].temperature, eos_token_id=None,
+                           pad_token_id=0)
+    hf.generate_batch(workload.prompts[:2], generation_config=gen)  # warm-up
+    _sync(engine.runner.device)
+    start = time.perf_counter()
+    outputs = hf.generate_batch(workload.prompts, generation_config=gen)
+    _sync(engine.runner.device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    del hf
+    return RunResult(f"transformers[{attn}]", workload.name, len(workload.prompts), tokens,
+                     seconds)
+
+
+def copy_weights(ours: torch.nn.Module, hf: torch.nn.Module) -> None:
+    """transformers' (random) weights into ours through our checkpoint loader, so both
+    engines hold identical values."""
+    from services.worker.loader import load_weights
+    load_weights(ours, hf.state_dict().items())
+
+
+def _overrides(params) -> dict[str, Any]:
+    return {"temperature": params.temperature, "ignore_eos": True,
+            "max_tokens": params.max_tokens}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def report(results: list[RunResult], floor_s: float, ceilings: Ceilings, waste: float,
+           machine: dict[str, Any]) -> str:
+    lines = [f"machine: {machine['device']}; copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, "
+             f"bf16 matmul {ceilings.matmul_flops_per_s / 1e12:.0f} TFLOP/s"]
+    lines.append(f"{'path':<26}{'workload':<28}{'requests':>9}{'tokens':>10}{'seconds':>9}"
+                 f"{'tok/s':>10}")
+    for r in results:
+        lines.append(f"{r.path:<26}{r.workload:<28}{r.requests:>9}{r.output_tokens:>10}"
+                     f"{r.seconds:>9.2f}{r.tokens_per_s:>10.0f}")
+    first = results[0]
+    lines.append(f"floor of {first.workload}: {floor_s:.2f} s "
+                 f"({first.output_tokens / floor_s:.0f} tok/s); achieved "
+                 f"{floor_s / first.seconds:.1%} of it")
+    lines.append(f"KV cache waste (allocated slots not holding a token), mean over steps: "
+                 f"{waste:.2%}")
+    by_path = {r.path: r for r in results}
+    if "pipeline" in by_path and "inprocess" in by_path:
+        ratio = by_path["pipeline"].tokens_per_s / by_path["inprocess"].tokens_per_s
+        lines.append(f"pipeline / in-process throughput: {ratio:.1%}")
+    compared = [r for r in results if r.path.startswith("transformers")]
+    ours = [r for r in results if r.path == "inprocess" and r.workload == compared[0].workload] \
+        if compared else []
+    if compared and ours:
+        lines.append(f"headrace / transformers on {compared[0].workload}: "
+                     f"{ours[0].tokens_per_s / compared[0].tokens_per_s:.1f}x")
+    return "\n".join(lines)
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    return {"device": name or device.type, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version()}
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = engine_config_from_args(args)
+    except ConfigError as e:
+        parser.error(str(e))
+    configure_logging("bench")
+    engine = Engine(config)
+    workload = make_workload(args, engine.runner.model.vocab_size)
+    shape = ModelShape.of(engine.runner.model, engine.runner.hf_config)
+    ceilings = measure_ceilings(engine.runner.device)
+    run_inprocess(engine, with_output_len(workload, 4, 8))  # warm-up: kernels compile
+    results, trace = [], Trace()
+    if args.path in ("inprocess", "both"):
+        results.append(run_inprocess(engine, workload, trace, shape))
+    if args.compare == "transformers":
+        subset = with_output_len(workload, args.compare_num_prompts, args.compare_output_len)
+        results.append(run_transformers(engine, subset, args.transformers_attn))
+        results.append(run_inprocess(engine, subset))
+    device = engine.runner.device
+    if args.path in ("pipeline", "both"):
+        del engine  # the worker process needs the GPU memory
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        results.append(run_pipeline(config, workload))
+    if not trace.steps:
+        raise SystemExit("the floor needs the in-process trace: use --path inprocess or both")
+    floor_s = trace.floor_seconds(ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s)
+    machine = machine_info(device)
+    print(report(results, floor_s, ceilings, trace.mean_waste, machine))
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "command": "headrace bench throughput " + " ".join(argv), "machine": machine,
+            "ceilings": asdict(ceilings), "floor_seconds": floor_s,
+            "kv_waste_mean": trace.mean_waste,
+            "results": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in results]},
+            indent=2))
+    return 0

@@ -1,0 +1,165 @@
+"""The benchmark workloads, the trace of what a run computed, and the floor it implies.
+
+The floor of a step is the larger of (bytes it must move / measured copy bandwidth) and
+(FLOPs it must do / measured bf16 matrix rate); bytes are the weights plus the KV cache
+read (every context token) and written (every new token). A run's floor is the sum over
+its steps, so "fraction of floor" says how close the engine came to the hardware.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from common.messages import StepPlan
+from common.sampling_params import SamplingParams
+
+TOKEN_ID_LIMIT = 10_000  # ids valid in every vocabulary the benchmarks use
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(p.max_tokens or 0 for p in self.params)
+
+
+def nano_workload(num_prompts: int = 256, seed: int = 0) -> Workload:
+    """256 requests, prompt and output lengths uniform in [100, 1024], token ids in
+    [0, 10000), temperature 0.6, ignore_eos: 133,966 output tokens with seed 0."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, TOKEN_ID_LIMIT) for _ in range(rng.randint(100, 1024))]
+               for _ in range(num_prompts)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=rng.randint(100, 1024)) for _ in range(num_prompts)]
+    return Workload("nano", prompts, params)
+
+
+def fixed_workload(name: str, num_prompts: int, prompt_len: int, output_len: int,
+                   seed: int = 0, vocab_size: int = TOKEN_ID_LIMIT) -> Workload:
+    rng = random.Random(seed)
+    top = min(TOKEN_ID_LIMIT, vocab_size) - 1
+    prompts = [[rng.randint(0, top) for _ in range(prompt_len)] for _ in range(num_prompts)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=output_len)
+              for _ in range(num_prompts)]
+    return Workload(name, prompts, params)
+
+
+def with_output_len(workload: Workload, num_prompts: int, output_len: int) -> Workload:
+    """The first prompts of a workload with one fixed output length (for engines that
+    cannot take a length per request)."""
+    params = [p.replace(max_tokens=output_len) for p in workload.params[:num_prompts]]
+    return Workload(f"{workload.name}[:{num_prompts}],out={output_len}",
+                    workload.prompts[:num_prompts], params)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    weight_bytes: int
+    num_params: int
+    dtype_bytes: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, hf_config) -> ModelShape:
+        params = list(model.parameters())
+        head_dim = getattr(hf_config, "head_dim", None) or (
+            hf_config.hidden_size // hf_config.num_attention_heads)
+        return cls(hf_config.num_hidden_layers, hf_config.num_attention_heads,
+                   hf_config.num_key_value_heads, head_dim,
+                   sum(p.numel() * p.element_size() for p in params),
+                   sum(p.numel() for p in params), params[0].element_size())
+
+
+@dataclass(slots=True)
+class StepCost:
+    bytes: int
+    flops: int
+
+
+@dataclass(slots=True)
+class Trace:
+    """What each step computed, and the KV cache waste sampled at each step."""
+    steps: list[StepCost] = field(default_factory=list)
+    waste: list[float] = field(default_factory=list)
+
+    def record(self, plan: StepPlan, shape: ModelShape, waste: float) -> None:
+        new_tokens = sum(plan.num_scheduled_tokens)
+        context = attended = 0
+        for start, n in zip(plan.num_computed_tokens, plan.num_scheduled_tokens):
+            context += start + n
+            attended += n * start + n * (n + 1) // 2  # query i sees start + i + 1 keys
+        kv = shape.kv_bytes_per_token
+        attention_flops = 4 * attended * shape.head_dim * shape.num_heads * shape.num_layers
+        self.steps.append(StepCost(shape.weight_bytes + context * kv + new_tokens * kv,
+                                   2 * shape.num_params * new_tokens + attention_flops))
+        self.waste.append(waste)
+
+    def floor_seconds(self, bandwidth: float, matmul_rate: float) -> float:
+        return sum(max(s.bytes / bandwidth, s.flops / matmul_rate) for s in self.steps)
+
+    @property
+    def mean_waste(self) -> float:
+        return sum(self.waste) / len(self.waste) if self.waste else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ceilings:
+    copy_bytes_per_s: float  # bytes read + written per second by a device-to-device copy
+    matmul_flops_per_s: float  # bf16 8192^3 matrix product
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    if device.type != "cuda":
+        return _measure(device, copy_mib=256, matmul_n=1024, repeat=3)
+    return _measure(device, copy_mib=2048, matmul_n=8192, repeat=20)
+
+
+def _measure(device: torch.device, copy_mib: int, matmul_n: int, repeat: int) -> Ceilings:
+    dtype = torch.bfloat16
+    src = torch.randn(copy_mib * 2**19, dtype=dtype, device=device)  # copy_mib MiB
+    dst = torch.empty_like(src)
+    copy_s = _median_seconds(lambda: dst.copy_(src), device, repeat)
+    a = torch.randn(matmul_n, matmul_n, dtype=dtype, device=device)
+    b = torch.randn(matmul_n, matmul_n, dtype=dtype, device=device)
+    matmul_s = _median_seconds(lambda: a @ b, device, repeat)
+    return Ceilings(2 * src.numel() * src.element_size() / copy_s,
+                    2 * matmul_n**3 / matmul_s)
+
+
+def _median_seconds(fn, device: torch.device, repeat: int) -> float:
+    import time
+    fn()  # warm-up: allocations, library handles
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def kv_waste(scheduler) -> float:
+    """(allocated slots - tokens they hold) / allocated slots, over running requests."""
+    block_size = scheduler.config.block_size
+    allocated = held = 0
+    for req in scheduler.running:
+        allocated += len(scheduler.kv.req_blocks.get(req.req_id, ())) * block_size
+        held += req.num_computed_tokens
+    return (allocated - held) / allocated if allocated else 0.0

@@ -1,0 +1,80 @@
+"""The throughput and latency benchmarks: workloads, floor arithmetic, and both commands
+end to end on a tiny model (CPU), including the serving path through real processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.messages import StepPlan
+from services.bench.workloads import (ModelShape, Trace, fixed_workload, nano_workload,
+                                      with_output_len)
+from tests.conftest import run_command
+from tests.tiny_models import make_tiny_model
+
+SHAPE = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, weight_bytes=1000,
+                   num_params=500, dtype_bytes=2)
+
+
+def test_nano_workload_is_the_published_one():
+    workload = nano_workload()
+    assert len(workload.prompts) == 256
+    assert workload.output_tokens == 133_966
+    assert sum(map(len, workload.prompts)) == 142_827
+    assert all(0 <= t <= 10_000 for p in workload.prompts for t in p)
+    assert {p.temperature for p in workload.params} == {0.6}
+    assert all(p.ignore_eos for p in workload.params)
+    subset = with_output_len(workload, 8, 512)
+    assert len(subset.prompts) == 8 and subset.output_tokens == 8 * 512
+
+
+def test_fixed_workload_respects_the_vocabulary():
+    workload = fixed_workload("f", 3, prompt_len=50, output_len=7, vocab_size=100)
+    assert all(len(p) == 50 and max(p) < 100 for p in workload.prompts)
+    assert workload.output_tokens == 21
+
+
+def test_trace_counts_bytes_and_flops_of_a_step():
+    trace = Trace()
+    # one decode at position 9 (10 keys) and a 3-token prefill chunk behind 4 cached tokens
+    plan = StepPlan(1, ["a", "b"], [1, 3], [9, 4])
+    trace.record(plan, SHAPE, waste=0.25)
+    kv = SHAPE.kv_bytes_per_token  # 2 * 2 layers * 2 heads * 8 * 2 bytes = 128
+    context, new, attended = 10 + 7, 4, 10 + (5 + 6 + 7)
+    step = trace.steps[0]
+    assert step.bytes == 1000 + context * kv + new * kv
+    assert step.flops == 2 * 500 * new + 4 * attended * 8 * 4 * 2
+    assert trace.floor_seconds(bandwidth=1e3, matmul_rate=1e12) == pytest.approx(
+        step.bytes / 1e3)
+    assert trace.mean_waste == 0.25
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("bench"), "llama")
+
+
+def test_throughput_command_times_both_paths(tiny, tmp_path):
+    out = tmp_path / "throughput.json"
+    result = run_command("bench", "throughput", "--model", str(tiny), "--workload", "fixed",
+                         "--num-prompts", "6", "--prompt-len", "20", "--output-len", "12",
+                         "--path", "both", "--num-gpu-blocks-override", "128",
+                         "--json", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "pipeline / in-process throughput" in result.stdout
+    data = json.loads(out.read_text())
+    assert [r["path"] for r in data["results"]] == ["inprocess", "pipeline"]
+    assert all(r["output_tokens"] == 6 * 12 for r in data["results"])
+    assert data["floor_seconds"] > 0 and 0 <= data["kv_waste_mean"] < 1
+
+
+def test_latency_command_reports_decode_time(tiny, tmp_path):
+    out = tmp_path / "latency.json"
+    result = run_command("bench", "latency", "--model", str(tiny), "--context-len", "32",
+                         "--output-len", "8", "--iterations", "1",
+                         "--num-gpu-blocks-override", "64", "--json", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["decode_ms_per_token_median"] > 0 and data["prefill_ms"] > 0
+    assert data["floor_ms_per_token"] > 0
