@@ -7,6 +7,7 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
+DEMO_NAME := SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
 .PHONY: test serve install clean
@@ -28,7 +29,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 serve: $(STAMP)
-	$(VENV)/bin/headrace serve "$$($(PY) -m services.demo)" --host $(HOST) --port $(PORT)
+	$(VENV)/bin/headrace serve "$$($(PY) -m services.demo)" --served-model-name $(DEMO_NAME) \
+		--host $(HOST) --port $(PORT)
 
 clean:
 	rm -rf $(VENV) run .pytest_cache .hypothesis

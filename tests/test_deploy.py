@@ -1,0 +1,124 @@
+"""The deployment files run the services the CLI knows, with flags it accepts; the Procfile
+serves real requests under honcho."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.cli import COMMANDS
+from services.process import service_parser
+from tests.conftest import REPO, repo_env
+from tests.tiny_models import make_tiny_model
+
+SERVICES = {"gateway", "tokenizer", "scheduler", "worker", "detokenizer"}
+DEPLOY = REPO / "deploy"
+
+
+def check_command(argv: list[str]) -> str:
+    """argv = [service, args...] must parse with that service's own parser."""
+    service, args = argv[0], argv[1:]
+    assert service in SERVICES and service in COMMANDS
+    service_parser(service, "").parse_args(args)
+    return service
+
+
+def test_procfile_lines_are_service_commands():
+    lines = [line for line in (REPO / "Procfile").read_text().splitlines()
+             if line and not line.startswith("#")]
+    names = set()
+    for line in lines:
+        name, command = line.split(":", 1)
+        expanded = subprocess.run(["sh", "-c", f"printf '%s\\n' {command}"], text=True,
+                                  capture_output=True,
+                                  env={"MODEL": "/models/m", "PORT": "5000"}).stdout.split("\n")
+        argv = [a for a in expanded if a]
+        assert argv[0] == "headrace"
+        assert check_command(argv[1:]) == name.strip()
+        names.add(name.strip())
+    assert names == SERVICES
+
+
+def test_compose_and_kubernetes_run_every_service():
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    seen = {check_command([a.replace("${MODEL}", "/models/m") for a in svc["command"]])
+            for name, svc in compose["services"].items() if name != "redis"}
+    assert seen == SERVICES
+    containers = [c for doc in yaml.safe_load_all((DEPLOY / "k8s" / "headrace.yaml").read_text())
+                  if doc["kind"] in ("Deployment", "StatefulSet")
+                  for c in doc["spec"]["template"]["spec"]["containers"] if c["name"] != "redis"]
+    assert {check_command([a.replace("$(MODEL)", "/models/m") for a in c["args"]])
+            for c in containers} == SERVICES
+
+
+def test_systemd_instance_names_become_service_and_replica(tmp_path):
+    unit = (DEPLOY / "systemd" / "headrace@.service").read_text()
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    command = exec_start.removeprefix("ExecStart=").replace("%%", "%").replace("$$", "$")
+    fake = tmp_path / "headrace"
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+    fake.chmod(0o755)
+    command = command.replace("/opt/headrace/venv/bin/headrace", str(fake))
+    argv = shlex.split(command.replace("%i", "tokenizer-2"))
+    out = subprocess.run(argv, capture_output=True, text=True, env={"MODEL": "/models/m"})
+    assert out.stdout.split() == ["tokenizer", "/models/m", "--replica", "2"]
+    check_command(out.stdout.split())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_procfile_serves_under_honcho(redis_url, tmp_path):
+    model = make_tiny_model(tmp_path, "llama")
+    port = free_port()
+    bin_dir = str(Path(sys.executable).parent)
+    env = repo_env(MODEL=str(model), REDIS_URL=redis_url, PORT=str(port),
+                   PATH=bin_dir + os.pathsep + os.environ["PATH"],
+                   HEADRACE_NUM_GPU_BLOCKS_OVERRIDE="64", HEADRACE_LOG_FORMAT="json")
+    honcho = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f",
+                               str(REPO / "Procfile"), "-c", "tokenizer=2"], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the Procfile's services never became healthy"
+            assert honcho.poll() is None, honcho.stdout.read().decode()[-3000:]
+            time.sleep(0.5)
+        body = post(f"http://127.0.0.1:{port}/v1/completions",
+                    {"model": str(model), "prompt": [5, 6, 7], "max_tokens": 5,
+                     "ignore_eos": True})
+        assert body["usage"]["completion_tokens"] == 5
+    finally:
+        os.killpg(honcho.pid, signal.SIGTERM)
+        honcho.wait(30)
+    leftover = subprocess.run(["pgrep", "-f", f"headrace .* {model}"], capture_output=True,
+                              text=True).stdout.split()
+    assert not leftover, f"processes left behind: {leftover}"
