@@ -1,0 +1,533 @@
+"""The gateway process against a real Redis, with real HTTP clients (aiohttp and the
+official `openai` package). Nothing runs behind it but what a test plays: `fake_stages`
+keeps the liveness keys set and answers each request on hr:requests with scripted
+replies (deltas out of order and twice, errors, silence), the way the tokenizer,
+scheduler and detokenizer would."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import random
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+import anyio
+import openai
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from common import messages
+from common.bus import ADMIT, CONTROL, REQUESTS, Bus, replies_stream
+from common.messages import ErrorReply, GenerateRequest, ReplyBatch, SchedulerStats, TextDelta
+from common.model_files import resolve_model
+from common.redis_server import EmbeddedRedis
+from services.demo import demo_model_path
+from services.process import ALIVE_SCHEDULER, ALIVE_WORKER, SCHEDULER_STATS
+from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, start_server
+
+pytestmark = pytest.mark.anyio
+MAX_QUEUE_LEN = 3
+MAX_REQUEST_BODY = 4096
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+HANG = "hang"  # a script step: the stages go silent for this request
+
+Step = ReplyBatch | ErrorReply | float | str
+Script = Callable[[GenerateRequest], list[Step]]
+
+
+@pytest.fixture(scope="module")
+def gateway(embedded_redis: EmbeddedRedis, tmp_path_factory) -> Iterator[ServerProcess]:
+    """A gateway that sees a live scheduler and worker from its first look on."""
+    client = embedded_redis.client()
+    client.set(ALIVE_SCHEDULER, "fake")
+    client.set(ALIVE_WORKER, "fake")
+    root = tmp_path_factory.mktemp("gateway")
+    server = start_server(["gateway", demo_model_path(), "--redis-url", embedded_redis.url,
+                           "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
+                           "--max-queue-len", str(MAX_QUEUE_LEN),
+                           "--max-request-body", str(MAX_REQUEST_BODY)],
+                          root / "gateway.log")
+    try:
+        server.wait_for("/version", (200,), timeout_s=120)
+    except BaseException:
+        server.stop()
+        raise
+    yield server
+    assert not server.stop() and server.process.returncode == 0, server.log_tail()
+    assert not client.keys("hr:replies:*"), "the gateway left its reply stream behind"
+    client.close()
+
+
+@pytest.fixture
+def url(gateway: ServerProcess, embedded_redis: EmbeddedRedis) -> str:
+    """The gateway's URL, with the pipeline's streams empty. A test that deletes a
+    liveness key sets it again and waits `until_admitting` before it ends."""
+    client = embedded_redis.client()
+    client.delete(REQUESTS, ADMIT, CONTROL, SCHEDULER_STATS)
+    client.close()
+    return gateway.url
+
+
+@pytest.fixture
+def rdb(embedded_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
+    client = embedded_redis.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def redis_at(embedded_redis: EmbeddedRedis) -> str:
+    """The URL of the gateway's Redis, for the fake stages."""
+    return embedded_redis.url
+
+
+def client(url: str, key: str = API_KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=20)
+
+
+@pytest.fixture
+async def api(url: str, anyio_backend: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with client(url) as api:
+        yield api
+
+
+# --- the fake stages ----------------------------------------------------------------------
+
+def deltas(req: GenerateRequest, texts: list[str], n: int = 1,
+           finish: str = "length") -> list[TextDelta]:
+    """Completion i of `req` is texts with an "i" suffix, one token per text."""
+    return [TextDelta(req.rid, i, seq, f"{text}{i}", [10 + seq], 3,
+                      finish if seq == len(texts) - 1 else None)
+            for i in range(n) for seq, text in enumerate(texts)]
+
+
+def in_order(texts: list[str], n: int = 1) -> Script:
+    return lambda req: [ReplyBatch(deltas(req, texts, n))]
+
+
+def shuffled_twice(texts: list[str], n: int, seed: int = 0) -> Script:
+    """Every delta twice, in random order, one per batch."""
+    def script(req: GenerateRequest) -> list[Step]:
+        items = deltas(req, texts, n) * 2
+        random.Random(seed).shuffle(items)
+        return [ReplyBatch([item]) for item in items]
+    return script
+
+
+async def play(bus: Bus, req: GenerateRequest, steps: list[Step]) -> None:
+    for step in steps:
+        if step == HANG:
+            await anyio.sleep_forever()
+        elif isinstance(step, float):
+            await anyio.sleep(step)
+        else:
+            await bus.publish(replies_stream(req.reply_to), step)
+
+
+@asynccontextmanager
+async def fake_stages(redis_url: str, script: Script) -> AsyncIterator[list[GenerateRequest]]:
+    """Answer every request on hr:requests with `script(request)`; yields the requests
+    seen."""
+    seen: list[GenerateRequest] = []
+    async with Bus(redis_url) as bus, anyio.create_task_group() as tasks:
+        async def answer() -> None:
+            while True:
+                entries = await bus.read("tokenizer", "fake", {REQUESTS: ">"}, count=16,
+                                         block_ms=100)
+                for entry in entries:
+                    seen.append(entry.msg)
+                    tasks.start_soon(play, bus, entry.msg, script(entry.msg))
+                await bus.ack(entries)
+        await bus.ensure_group(REQUESTS, "tokenizer")
+        tasks.start_soon(answer)
+        yield seen
+        tasks.cancel_scope.cancel()
+
+
+async def aborted(redis_url: str, rids: set[str], timeout_s: float = 5.0) -> set[str]:
+    """The rids of `rids` that an Abort on hr:control names, waiting up to `timeout_s`."""
+    found: set[str] = set()
+    async with Bus(redis_url) as bus:
+        with anyio.move_on_after(timeout_s):
+            while found != rids:
+                entries = await bus.redis.xrange(CONTROL)
+                found = {messages.decode(fields[b"body"]).rid for _, fields in entries} & rids
+                await anyio.sleep(0.05)
+    return found
+
+
+async def until_admitting(url: str, redis_at: str) -> None:
+    """Wait until the gateway admits requests: it looks at the liveness keys and the queue
+    depth a few times a second."""
+    body = {"model": MODEL_NAME, "prompt": "hi"}
+    async with fake_stages(redis_at, in_order(["a"])), aiohttp.ClientSession() as session:
+        with anyio.fail_after(5):
+            while True:
+                async with session.post(url + "/v1/completions", json=body,
+                                        headers=AUTH) as response:
+                    if response.status == 200:
+                        return
+                await anyio.sleep(0.05)
+
+
+@dataclass
+class Sse:
+    status: int
+    headers: dict[str, str]
+    events: list[str]
+
+
+async def post_sse(url: str, path: str, body: dict) -> Sse:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + path, json=body, headers=AUTH) as response:
+            text = await response.text()
+    if not response.headers["Content-Type"].startswith("text/event-stream"):
+        return Sse(response.status, dict(response.headers), [text])  # an error, as JSON
+    events = [event.removeprefix("data: ") for event in text.split("\n\n") if event]
+    return Sse(response.status, dict(response.headers), events)
+
+
+# --- without a backend ------------------------------------------------------------------
+
+async def test_v1_routes_need_the_api_key(url):
+    async with aiohttp.ClientSession() as session:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            async with session.get(url + "/v1/models", headers=headers) as response:
+                assert response.status == 401
+                error = (await response.json())["error"]
+                assert error["type"] == "AuthenticationError" and error["code"] == 401
+        for path in ("/health", "/version", "/metrics"):
+            async with session.get(url + path) as response:
+                assert response.status != 401
+        async with session.post(url + "/tokenize", json={"prompt": "a"}) as response:
+            assert response.status == 200
+    async with client(url, key="nope") as api:
+        with pytest.raises(openai.AuthenticationError):
+            await api.completions.create(model=MODEL_NAME, prompt="hi")
+
+
+async def test_models_and_version(url, api):
+    models = await api.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert models.data[0].max_model_len == 8192 and models.data[0].owned_by == "headrace"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/version") as response:
+            assert await response.json() == {"version": importlib.metadata.version("headrace")}
+
+
+async def test_an_unknown_model_is_404(url, rdb, api):
+    with pytest.raises(openai.NotFoundError) as info:
+        await api.completions.create(model="gpt-9", prompt="hi")
+    assert "gpt-9" in info.value.message and info.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        await api.chat.completions.create(model="gpt-9", messages=[{"role": "user",
+                                                                   "content": "hi"}])
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/tokenize", json={"model": "x", "prompt": "a"}) as r:
+            assert r.status == 404
+    assert rdb.xlen(REQUESTS) == 0
+
+
+async def test_a_body_over_the_limit_is_413(url):
+    body = {"model": MODEL_NAME, "prompt": "x" * MAX_REQUEST_BODY}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/completions", json=body, headers=AUTH) as response:
+            assert response.status == 413
+            error = (await response.json())["error"]
+    assert error["code"] == 413 and str(MAX_REQUEST_BODY) in error["message"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b"{not json", None),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "temperature": -1},
+     "temperature"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "top_p": "x"}, "top_p"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": []}, "prompt"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_new_tokens": 3},
+     "max_new_tokens"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user"}],
+                              "tools": [{"type": "function"}]}, "tools"),
+])
+async def test_invalid_requests_are_400_and_queue_nothing(url, rdb, path, body, param):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + path, data=data, headers=AUTH) as response:
+            assert response.status == 400
+            error = (await response.json())["error"]
+    assert error["type"] == "BadRequestError" and error["param"] == param
+    assert rdb.xlen(REQUESTS) == 0
+
+
+async def test_the_openai_client_sees_400s(api):
+    with pytest.raises(openai.BadRequestError) as info:
+        await api.completions.create(model=MODEL_NAME, prompt="a", temperature=-0.5)
+    assert info.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        await api.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "a"}], top_logprobs=3)
+
+
+async def test_wrong_routes_answer_like_aiohttp_in_openai_json(url):
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/v1/nothing", headers=AUTH) as response:
+            assert response.status == 404
+            assert (await response.json())["error"]["code"] == 404
+        async with session.get(url + "/v1/completions", headers=AUTH) as response:
+            assert response.status == 405 and response.headers["Allow"] == "POST"
+            assert (await response.json())["error"]["code"] == 405
+
+
+async def test_health_needs_both_the_scheduler_and_the_worker(url, rdb, redis_at, gateway):
+    async def health() -> int | None:
+        return await anyio.to_thread.run_sync(gateway.status, "/health")
+
+    assert await health() == 200
+    rdb.delete(ALIVE_WORKER)
+    assert await health() == 503
+    rdb.delete(ALIVE_SCHEDULER)
+    assert await health() == 503
+    rdb.set(ALIVE_WORKER, "x")
+    assert await health() == 503
+    rdb.set(ALIVE_SCHEDULER, "x")
+    assert await health() == 200
+    await until_admitting(url, redis_at)
+
+
+async def test_tokenize_and_detokenize_use_the_model_tokenizer(url):
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(demo_model_path()))
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/tokenize", json={"model": MODEL_NAME,
+                                                         "prompt": "Hello there"}) as r:
+            body = await r.json()
+        assert body == {"count": len(tokenizer.encode("Hello there")), "max_model_len": 8192,
+                        "tokens": tokenizer.encode("Hello there")}
+        async with session.post(url + "/tokenize", json={"messages": chat}) as r:
+            tokens = (await r.json())["tokens"]
+        assert tokens == tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                       tokenize=True, return_dict=False)
+        async with session.post(url + "/detokenize", json={"tokens": tokens}) as r:
+            assert (await r.json())["prompt"] == tokenizer.decode(tokens)
+        async with session.post(url + "/detokenize", json={"tokens": [10**8]}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "tokens"
+
+
+async def test_a_queue_over_the_bound_is_503_with_retry_after(url, rdb, redis_at, api):
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    for i in range(MAX_QUEUE_LEN + 1):  # tokenized requests no scheduler reads
+        rdb.xadd(ADMIT, {"type": "admit", "rid": f"stuck-{i}"})
+    async with fake_stages(redis_at, in_order(["a"])), aiohttp.ClientSession() as session:
+        with anyio.fail_after(5):  # admitted (and answered) until the gateway sees the queue
+            while True:
+                async with session.post(url + "/v1/completions", json=body,
+                                        headers=AUTH) as response:
+                    answer = await response.json()
+                if response.status == 503:
+                    break
+                assert response.status == 200
+                await anyio.sleep(0.05)
+        assert response.headers["Retry-After"] == "1"
+        error = answer["error"]
+        assert error["type"] == "ServiceUnavailableError"
+        assert "4 requests are queued" in error["message"]
+        assert "--max-queue-len 3" in error["message"]
+        with pytest.raises(openai.InternalServerError) as info:
+            await api.completions.create(**body)
+        assert info.value.status_code == 503
+    rdb.delete(ADMIT)
+    await until_admitting(url, redis_at)
+
+
+# --- with the fake stages -----------------------------------------------------------------
+
+async def test_choices_are_assembled_once_and_in_order(redis_at, api):
+    async with fake_stages(redis_at, shuffled_twice([" a", " b", " c"], n=2)) as seen:
+        out = await api.completions.create(model=MODEL_NAME, prompt=["one", "two"], n=2,
+                                           max_tokens=3, temperature=0.5, seed=4)
+    assert [(c.index, c.text, c.finish_reason) for c in out.choices] == [
+        (i, f" a{i % 2} b{i % 2} c{i % 2}", "length") for i in range(4)]
+    assert out.usage.prompt_tokens == 6 and out.usage.completion_tokens == 12
+    assert out.model == MODEL_NAME and out.object == "text_completion"
+    assert sorted(r.prompt for r in seen) == ["one", "two"]
+    assert len({r.rid for r in seen}) == 2 and all(r.rid.startswith(out.id) for r in seen)
+    assert all(r.params == {"n": 2, "max_tokens": 3, "temperature": 0.5, "seed": 4}
+               and r.reply_to == seen[0].reply_to and r.arrival_time > 0 for r in seen)
+
+
+async def test_chat_messages_and_token_prompts_reach_the_stages(redis_at, api):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    async with fake_stages(redis_at, in_order(["Hel", "lo"])) as seen:
+        out = await api.chat.completions.create(model=MODEL_NAME, messages=chat,
+                                                max_completion_tokens=2)
+        text = await api.completions.create(model=MODEL_NAME, prompt=[1, 2, 3], echo=True)
+    assert out.choices[0].message.content == "Hel0lo0" and out.id.startswith("chatcmpl-")
+    assert out.choices[0].message.role == "assistant" and out.object == "chat.completion"
+    assert seen[0].messages == chat and seen[0].params == {"max_tokens": 2}
+    assert seen[1].prompt_token_ids == [1, 2, 3] and seen[1].prompt is None
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(demo_model_path()))
+    assert text.choices[0].text == tokenizer.decode([1, 2, 3]) + "Hel0lo0"
+
+
+async def test_streams_send_chunks_then_usage_then_done(url, redis_at, api):
+    async with fake_stages(redis_at, shuffled_twice([" x", " y"], n=2, seed=3)):
+        stream = await api.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], n=2, stream=True,
+            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        sse = await post_sse(url, "/v1/completions", {"model": MODEL_NAME, "prompt": "p",
+                                                      "stream": True})
+    roles = [c.choices[0].delta.role for c in chunks[:2]]
+    assert roles == ["assistant", "assistant"]
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for chunk in chunks[2:-1]:
+        choice, = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert texts == {0: " x0 y0", 1: " x1 y1"} and finishes == {0: "length", 1: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert sse.status == 200 and sse.headers["Content-Type"].startswith("text/event-stream")
+    assert sse.events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in sse.events[:-1]) == " x0 y0"
+
+
+async def test_the_first_reply_decides_the_status_also_for_a_stream(url, redis_at, api):
+    too_long = ("This model's maximum context length is 8192 tokens. However, your request "
+                "has 9000 input tokens.")
+    rejected = lambda req: [ErrorReply(req.rid, 400, too_long, param="prompt")]
+    async with fake_stages(redis_at, rejected):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as info:
+                await api.completions.create(model=MODEL_NAME, prompt="x" * 20,
+                                                     stream=stream)
+            assert "8192" in info.value.message and "9000" in info.value.message
+        sse = await post_sse(url, "/v1/chat/completions", {
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": "a"}],
+            "stream": True})
+    assert sse.status == 400 and json.loads(sse.events[0])["error"]["param"] == "prompt"
+
+
+async def test_one_failing_prompt_fails_the_call_and_aborts_the_others(redis_at, api):
+    def script(req: GenerateRequest) -> list[Step]:
+        if req.prompt == "bad":
+            return [0.2, ErrorReply(req.rid, 400, "no")]
+        return [ReplyBatch(deltas(req, ["a", "b"])[:1]), HANG]
+    async with fake_stages(redis_at, script) as seen:
+        with pytest.raises(openai.BadRequestError):
+            await api.completions.create(model=MODEL_NAME, prompt=["good", "bad"])
+        good = next(r.rid for r in seen if r.prompt == "good")
+        assert await aborted(redis_at, {good}) == {good}
+
+
+async def test_an_error_after_the_headers_is_an_error_event_then_done(url, redis_at, api):
+    def script(req: GenerateRequest) -> list[Step]:
+        first = deltas(req, ["a", "b", "c"])[:2]
+        return [ReplyBatch(first), 0.1, ErrorReply(req.rid, 503, "The worker died.",
+                                                   "ServiceUnavailableError")]
+    async with fake_stages(redis_at, script):
+        sse = await post_sse(url, "/v1/completions", {"model": MODEL_NAME, "prompt": "p",
+                                                      "stream": True})
+        with pytest.raises(openai.APIError) as info:
+            stream = await api.completions.create(model=MODEL_NAME, prompt="p",
+                                                          stream=True)
+            async for _ in stream:
+                pass
+    assert sse.status == 200 and sse.events[-1] == "[DONE]"
+    assert json.loads(sse.events[-2])["error"] == {
+        "message": "The worker died.", "type": "ServiceUnavailableError", "param": None,
+        "code": 503}
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in sse.events[:-2]) == "a0b0"
+    assert "worker died" in info.value.message
+
+
+async def test_a_client_that_leaves_aborts_its_requests(url, redis_at, api):
+    started = lambda req: [ReplyBatch(deltas(req, ["a", "b", "c"])[:2]), HANG]
+    async with fake_stages(redis_at, started) as seen:
+        stream = await api.completions.create(model=MODEL_NAME, prompt="p",
+                                                      stream=True)
+        async for _ in stream:
+            break
+        await stream.close()
+        timeout = aiohttp.ClientTimeout(total=0.5)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            with pytest.raises(asyncio.TimeoutError):
+                await session.post(url + "/v1/chat/completions", headers=AUTH, json={
+                    "model": MODEL_NAME, "messages": [{"role": "user", "content": "a"}]})
+        rids = {r.rid for r in seen}
+        assert len(rids) == 2 and await aborted(redis_at, rids) == rids
+
+
+async def test_requests_end_with_503_when_the_scheduler_goes_away(url, rdb, redis_at, api):
+    started = lambda req: [ReplyBatch(deltas(req, ["a", "b"])[:1]), HANG]
+    async with fake_stages(redis_at, started) as seen:
+        async with anyio.create_task_group() as tasks:
+            results: dict[str, object] = {}
+
+            async def plain() -> None:
+                try:
+                    await api.completions.create(model=MODEL_NAME, prompt="p")
+                except openai.APIStatusError as e:
+                    results["plain"] = e.status_code
+
+            async def streamed() -> None:
+                results["stream"] = await post_sse(url, "/v1/completions", {
+                    "model": MODEL_NAME, "prompt": "p", "stream": True})
+
+            tasks.start_soon(plain)
+            tasks.start_soon(streamed)
+            with anyio.fail_after(5):
+                while len(seen) < 2:
+                    await anyio.sleep(0.05)
+            rdb.delete(ALIVE_SCHEDULER)
+            with anyio.fail_after(5):  # the watcher sees it within a fraction of a second
+                while len(results) < 2:
+                    await anyio.sleep(0.05)
+        rids = {r.rid for r in seen}
+        assert await aborted(redis_at, rids) == rids
+        with pytest.raises(openai.InternalServerError) as info:  # new requests are refused
+            await api.completions.create(model=MODEL_NAME, prompt="p")
+        assert info.value.response.headers["Retry-After"] == "1"
+        assert "scheduler is not running" in info.value.message
+    rdb.set(ALIVE_SCHEDULER, "back")
+    await until_admitting(url, redis_at)
+    assert results["plain"] == 503
+    sse = results["stream"]
+    assert sse.status == 200 and sse.events[-1] == "[DONE]"
+    assert json.loads(sse.events[-2])["error"]["code"] == 503
+
+
+async def test_metrics_carry_the_scheduler_stats_streams_and_latencies(url, rdb, redis_at,
+                                                                        gateway, api):
+    rdb.set(SCHEDULER_STATS, messages.encode(SchedulerStats(
+        num_running=3, num_waiting=1, kv_cache_usage=0.25, num_preemptions=2,
+        prefix_cache_queries=10, prefix_cache_hits=4, prompt_tokens=100,
+        generation_tokens=50)))
+    async with fake_stages(redis_at, in_order(["a", "b"])):
+        out = await api.completions.create(model=MODEL_NAME, prompt="p")
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/metrics") as response:
+            assert response.headers["Content-Type"].startswith("text/plain")
+            text = await response.text()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples["headrace:num_requests_running", ()] == 3
+    assert samples["headrace:num_requests_waiting", ()] == 1
+    assert samples["headrace:kv_cache_usage_perc", ()] == 0.25
+    assert samples["headrace:num_preemptions_total", ()] == 2
+    assert samples["headrace:request_success_total", (("finished_reason", "length"),)] >= 1
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds"):
+        assert samples[f"headrace:{name}_count", ()] >= 1
+    assert samples["headrace:stream_length", (("stream", REQUESTS),)] >= 1
+    assert (f"headrace:stream_lag", (("group", "tokenizer"), ("stream", REQUESTS))) in samples
+    finished = [r for r in gateway.log_records() if r.get("rid") == out.id]
+    assert [r["event"] for r in finished] == ["request queued", "request finished"]
+    assert finished[-1]["completion_tokens"] == 2 and finished[-1]["service"] == "gateway"
