@@ -47,6 +47,7 @@ class ServerProcess:
     process: subprocess.Popen
     port: int
     log_path: Path
+    run_dir: Path | None = None  # `headrace serve`'s: its embedded Redis's socket is there
 
     @property
     def url(self) -> str:
@@ -136,6 +137,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     launcher exits cleanly and no child process survives it."""
     root = tmp_path_factory.mktemp("serve")
     server = start_server(serve_args(root / "run"), root / "serve.log")
+    server.run_dir = root / "run"
     try:
         server.wait_for("/health", (200,))
     except BaseException:

@@ -249,6 +249,7 @@ async def test_a_body_over_the_limit_is_413(url):
      "temperature"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "top_p": "x"}, "top_p"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": []}, "prompt"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": [1, 10**8], "echo": True}, "prompt"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_new_tokens": 3},
      "max_new_tokens"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}, "messages"),

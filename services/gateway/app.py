@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import jinja2
 from aiohttp import web
+from redis.exceptions import RedisError
 from structlog.stdlib import BoundLogger
 
 from common import messages
@@ -129,6 +130,9 @@ class Gateway:
     async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         job = parse_job(await read_json(request), chat)
         model = self.served_name(job.model)
+        for prompt in job.prompts:
+            if isinstance(prompt, list):
+                self.check_vocabulary(prompt, "prompt")
         error = admission_error(self.backend, self.server.max_queue_len, time.monotonic())
         if error is not None:
             raise error
@@ -250,7 +254,8 @@ class Gateway:
                     scheduler, worker, raw_stats = await pipe.execute()
                 streams = [*await self.bus.stream_infos(REQUESTS),
                            *await self.bus.stream_infos(ADMIT)]
-            except UNAVAILABLE:
+            except RedisError as e:  # unreachable, or a key of an unexpected type
+                self.log.warning("cannot see the backend", error=str(e))
                 return
             depth = queue_depth(streams, self.scheduler_stats(raw_stats))
             self.backend = Backend(bool(scheduler), bool(worker), depth, time.monotonic())
@@ -306,13 +311,16 @@ class Gateway:
     async def detokenize(self, request: web.Request) -> web.Response:
         name, tokens = parse_detokenize(await read_json(request))
         self.served_name(name)
+        self.check_vocabulary(tokens, "tokens")
+        text = await anyio.to_thread.run_sync(self.info.tokenizer.decode, tokens)
+        return web.json_response({"prompt": text})
+
+    def check_vocabulary(self, tokens: list[int], param: str) -> None:
         vocab_size = self.info.processor.vocab_size
         bad = next((t for t in tokens if t >= vocab_size), None)
         if bad is not None:
             raise ApiError(400, f"Token id {bad} is out of vocabulary: token ids must be "
-                                f"integers in [0, {vocab_size}).", "tokens")
-        text = await anyio.to_thread.run_sync(self.info.tokenizer.decode, tokens)
-        return web.json_response({"prompt": text})
+                                f"integers in [0, {vocab_size}).", param)
 
     async def health(self, request: web.Request) -> web.Response:
         async with self.bus.redis.pipeline(transaction=False) as pipe:

@@ -34,7 +34,7 @@ class Echo:
 @dataclass(slots=True)
 class Prompt:
     rid: str
-    source: str | list[int]
+    source: str | list[int] | None  # None: a chat's conversation, which is the job's
     echo: Echo | None = None
     started: bool = False  # its first reply has come
 
@@ -62,7 +62,7 @@ class Call:
                  echoes: list[Echo] | None = None) -> None:
         self.job, self.id, self.model, self.created = job, call_id, model, created
         self.arrival = arrival  # on the clock `observe` gets
-        sources: list[str | list[int]] = list(job.prompts) if not job.chat else [""]
+        sources: list[str | list[int] | None] = [None] if job.chat else list(job.prompts)
         echoes = echoes or [None] * len(sources)  # type: ignore[list-item]
         self.prompts = [Prompt(rid, source, echo) for rid, source, echo in
                         zip(request_ids(call_id, len(sources)), sources, echoes)]

@@ -1,0 +1,285 @@
+"""End to end: a real `headrace serve` of the demo SmolLM2 (embedded Redis, worker,
+scheduler, tokenizer, detokenizer and gateway as processes), driven by the official
+`openai` client and aiohttp, started once for the module (tests/e2e_fixtures.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import AsyncIterator
+
+import aiohttp
+import anyio
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.redis_server import find_redis_binary
+from common.sampling_params import SamplingParams
+from services.demo import demo_model_path
+from services.llm import LLM
+from tests.conftest import run_command
+from tests.e2e_fixtures import (API_KEY, MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_QUEUE_LEN,
+                                MAX_REQUEST_BODY, MODEL_NAME, ServerProcess)
+from tests.e2e_fixtures import served  # noqa: F401  (the module's server, a fixture)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+USER = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n   ", "1, 2, 3, 5, 8, 13,",
+           "Once upon a time, in a small village,"]
+DESIGN_METRICS = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                  "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                  "time_to_first_token_seconds", "inter_token_latency_seconds",
+                  "e2e_request_latency_seconds", "prefix_cache_queries_total",
+                  "prefix_cache_hits_total", "stream_length", "stream_lag", "stream_pending",
+                  "request_success_total"]
+
+
+@pytest.fixture
+async def api(served: ServerProcess, anyio_backend: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key=API_KEY,
+                                  max_retries=0, timeout=60) as api:
+        yield api
+
+
+async def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/metrics") as response:
+            text = await response.text()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def until_idle(url: str, timeout_s: float = 15.0) -> dict[tuple[str, tuple], float]:
+    """The metrics once nothing runs, waits or holds KV blocks (the scheduler publishes
+    its stats every half second)."""
+    with anyio.fail_after(timeout_s):
+        while True:
+            samples = await metrics(url)
+            if (samples["headrace:num_requests_running", ()] == 0
+                    and samples["headrace:num_requests_waiting", ()] == 0
+                    and samples["headrace:kv_cache_usage_perc", ()] == 0):
+                return samples
+            await anyio.sleep(0.2)
+
+
+# --- generation ---------------------------------------------------------------------------
+
+async def test_chat_knows_the_capital_of_france(api):
+    out = await api.chat.completions.create(model=MODEL_NAME, messages=USER, temperature=0,
+                                            max_tokens=30)
+    choice, = out.choices
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length") and out.model == MODEL_NAME
+    assert out.usage.prompt_tokens > 10 and out.usage.completion_tokens >= 1
+
+
+async def test_greedy_outputs_equal_the_offline_llm(api):
+    replies = await asyncio.gather(*[
+        api.completions.create(model=MODEL_NAME, prompt=p, temperature=0, max_tokens=16,
+                               extra_body={"ignore_eos": True}) for p in PROMPTS])
+    llm = await anyio.to_thread.run_sync(lambda: LLM(
+        demo_model_path(), max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64))
+    offline = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert [r.choices[0].text for r in replies] == [o.outputs[0].text for o in offline]
+    assert [r.usage.prompt_tokens for r in replies] == [len(o.prompt_token_ids)
+                                                        for o in offline]
+    assert all(r.usage.completion_tokens == 16 for r in replies)
+
+
+async def test_streamed_text_equals_the_whole_response(api):
+    whole = await api.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], temperature=0,
+                                         max_tokens=12)
+    stream = await api.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], temperature=0,
+                                          max_tokens=12, stream=True,
+                                          stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+
+async def test_a_chat_stream_starts_with_the_role(api):
+    stream = await api.chat.completions.create(model=MODEL_NAME, messages=USER, temperature=0,
+                                               max_tokens=30, stream=True,
+                                               stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[1:-1])
+    assert "Paris" in text and chunks[-2].choices[0].finish_reason is not None
+    assert chunks[-1].usage.completion_tokens >= 1 and all(c.id == chunks[0].id
+                                                           for c in chunks)
+
+
+async def test_n_and_seed_are_reproducible(api):
+    params = dict(model=MODEL_NAME, prompt="Write a word:", n=2, temperature=1.0, seed=11,
+                  max_tokens=8)
+    first, second = [await api.completions.create(**params) for _ in range(2)]
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert first.usage == second.usage
+    two_prompts = await api.completions.create(model=MODEL_NAME, prompt=PROMPTS[:2], n=2,
+                                               temperature=0, max_tokens=4)
+    assert [c.index for c in two_prompts.choices] == [0, 1, 2, 3]
+    assert two_prompts.choices[0].text == two_prompts.choices[1].text  # greedy: equal
+
+
+async def test_logprobs(api):
+    out = await api.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], temperature=0,
+                                       max_tokens=5, logprobs=2)
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    assert "".join(logprobs.tokens) == out.choices[0].text
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    for token, lp, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert top[token] == lp and lp == max(top.values())  # greedy took the likeliest
+    chat = await api.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=4,
+                                             logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 3 for entry in content)
+
+
+async def test_echo_returns_the_prompt_and_its_logprobs(api):
+    out = await api.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], echo=True,
+                                       temperature=0, max_tokens=3, logprobs=1)
+    choice = out.choices[0]
+    assert choice.text.startswith(PROMPTS[0]) and len(choice.text) > len(PROMPTS[0])
+    num_prompt = out.usage.prompt_tokens
+    assert len(choice.logprobs.tokens) == num_prompt + 3
+    assert choice.logprobs.token_logprobs[0] is None
+    assert all(lp is not None for lp in choice.logprobs.token_logprobs[1:])
+    assert "".join(choice.logprobs.tokens[:num_prompt]) == PROMPTS[0]
+
+
+async def test_stop_strings_end_the_text_before_them(api):
+    whole = await api.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], temperature=0,
+                                         max_tokens=20)
+    stop = whole.choices[0].text.strip().split(",")[1] + ","  # e.g. " 34,"
+    out = await api.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], temperature=0,
+                                       max_tokens=20, stop=[stop])
+    choice = out.choices[0]
+    assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", stop)
+    assert stop not in choice.text and whole.choices[0].text.startswith(choice.text)
+    assert out.usage.completion_tokens < 20
+
+
+# --- errors through the pipeline ---------------------------------------------------------
+
+async def test_a_prompt_longer_than_the_model_is_400_naming_both_numbers(api, served):
+    prompt = "hello " * (MAX_MODEL_LEN + 50)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(served.url + "/tokenize", json={"prompt": prompt}) as response:
+            counted = await response.json()
+    assert counted["max_model_len"] == MAX_MODEL_LEN and counted["count"] > MAX_MODEL_LEN
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            await api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4,
+                                         stream=stream)
+        message = info.value.message
+        assert f"{MAX_MODEL_LEN} tokens" in message and f"{counted['count']} input" in message
+
+
+async def test_client_errors(api, served):
+    with pytest.raises(openai.BadRequestError) as info:
+        await api.completions.create(model=MODEL_NAME, prompt="a", temperature=-1)
+    assert info.value.param == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        await api.chat.completions.create(model="gpt-x", messages=USER)
+    async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="wrong",
+                                  max_retries=0) as stranger:
+        with pytest.raises(openai.AuthenticationError):
+            await stranger.models.list()
+    async with aiohttp.ClientSession() as session:
+        body = {"model": MODEL_NAME, "prompt": "x" * MAX_REQUEST_BODY}
+        async with session.post(served.url + "/v1/completions", json=body,
+                                headers=AUTH) as response:
+            assert response.status == 413
+            assert (await response.json())["error"]["code"] == 413
+    models = await api.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+
+
+async def test_a_full_queue_is_503_with_retry_after(api, served):
+    """More long requests than the batch holds: the rest wait, and past --max-queue-len
+    waiting the gateway refuses new ones; the long ones are then abandoned."""
+    long = dict(model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=400,
+                extra_body={"ignore_eos": True})
+    probe = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}
+    async def occupy() -> None:
+        try:
+            await api.completions.create(**long)
+        except openai.APIStatusError as e:  # came after the queue was full
+            assert e.status_code == 503
+
+    async with anyio.create_task_group() as load:
+        for _ in range(MAX_NUM_SEQS + MAX_QUEUE_LEN + 4):
+            load.start_soon(occupy)
+        async with aiohttp.ClientSession() as session:
+            with anyio.fail_after(60):
+                while True:
+                    async with session.post(served.url + "/v1/completions", headers=AUTH,
+                                            json=probe) as response:
+                        body = await response.json()
+                    if response.status == 503:
+                        break
+                    await anyio.sleep(0.1)
+        load.cancel_scope.cancel()  # the clients leave: their requests are aborted
+    assert response.headers["Retry-After"].isdigit()
+    assert "--max-queue-len" in body["error"]["message"]
+    await until_idle(served.url)
+
+
+async def test_streaming_clients_that_leave_free_the_kv_cache(api, served):
+    async def leave_after_three_chunks() -> None:
+        stream = await api.chat.completions.create(
+            model=MODEL_NAME, messages=USER, max_tokens=300, stream=True,
+            extra_body={"ignore_eos": True})
+        received = 0
+        async for _ in stream:
+            received += 1
+            if received == 3:
+                break
+        await stream.close()
+
+    async with anyio.create_task_group() as burst:
+        for _ in range(MAX_NUM_SEQS + 2):
+            burst.start_soon(leave_after_three_chunks)
+    samples = await until_idle(served.url)
+    assert samples["headrace:generation_tokens_total", ()] > 0
+
+
+# --- operations ---------------------------------------------------------------------------
+
+async def test_metrics_carry_the_design_names(api, served):
+    await api.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2)
+    names = {name for name, _ in await metrics(served.url)}
+    for metric in DESIGN_METRICS:
+        assert any(name.startswith("headrace:" + metric) for name in names), metric
+    samples = await metrics(served.url)
+    assert samples["headrace:prompt_tokens_total", ()] > 0
+    assert sum(value for (name, _), value in samples.items()
+               if name == "headrace:request_success_total") >= 1
+
+
+def test_operators_see_the_consumer_groups(served):
+    socket = served.run_dir / "redis.sock"
+    cli = subprocess.run([find_redis_binary("redis-cli"), "-s", str(socket), "XINFO", "GROUPS",
+                          "hr:requests"], capture_output=True, text=True, timeout=30)
+    assert cli.returncode == 0 and "tokenizer" in cli.stdout, cli.stdout + cli.stderr
+    queues = run_command("queues", "--redis-url", f"unix://{socket}")
+    assert queues.returncode == 0, queues.stderr
+    for stream, group in (("hr:requests", "tokenizer"), ("hr:admit", "scheduler"),
+                          ("hr:detok", "detokenizer")):
+        assert stream in queues.stdout and group in queues.stdout
+
+
+def test_the_gateway_logs_each_request_with_its_rid(served):
+    records = [r for r in served.log_records() if r.get("service") == "gateway"]
+    finished = [r for r in records if r.get("event") == "request finished"]
+    assert finished and all(r["rid"].startswith(("cmpl-", "chatcmpl-")) for r in finished)
+    assert any(r.get("event") == "client disconnected" for r in records)
