@@ -10,12 +10,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.triton_attention import paged_attention_triton
+
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
+                    max_seq_len: int | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-    returns [T, num_heads, head_dim] in q's dtype. The one dispatch point for this op."""
+    returns [T, num_heads, head_dim] in q's dtype. max_query_len and max_seq_len are host
+    upper bounds that size the GPU launch (no device read). The one dispatch point for this
+    op: CUDA tensors take the Triton kernel, others the batched torch path."""
+    if q.is_cuda:
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc,
+                                      seq_lens, scale, max_query_len, max_seq_len)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                  scale)
 

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x) * weight; with residual: (norm(x + residual) * weight, x + residual). The one
-    dispatch point for this op."""
+    dispatch point for this op: CUDA tensors take the Triton kernel."""
+    if x.is_cuda:
+        return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
 
 
@@ -23,3 +27,55 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
     out = weight * normed.to(x.dtype)
     return out if residual is None else (out, x)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    residual_out: torch.Tensor | None = None
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One program per row. x may be a strided [T, hidden] or [T, heads, head_dim] view
+    (the per-head q/k norms read q and k straight out of the fused qkv output). out and
+    residual_out: contiguous buffers to write into, allocated when None."""
+    hidden = x.shape[-1]
+    assert x.stride(-1) == 1 and weight.is_contiguous() and x.dim() in (2, 3)
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device) if out is None else out
+    has_residual = residual is not None
+    # without a residual, x and out stand in for its pointers, which the kernel never uses
+    res = residual if has_residual else x
+    if residual_out is None:
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if has_residual \
+            else out
+    assert res.shape == x.shape and res.stride(-1) == 1
+    assert out.dtype == out_dtype and out.is_contiguous() and residual_out.is_contiguous()
+    inner = x.shape[1] if x.dim() == 3 else 1
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(x.numel() // hidden,)](
+        x, res, weight, out, residual_out, hidden, inner, eps,
+        x.stride(0), x.stride(-2), res.stride(0), res.stride(-2),
+        HAS_RESIDUAL=has_residual, BLOCK=block,
+        num_warps=min(16, max(1, block // 512)))
+    return (out, residual_out) if has_residual else out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, inner, eps,
+                     stride_x0, stride_x1, stride_r0, stride_r1,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    outer, within = row // inner, row % inner
+    x = tl.load(x_ptr + outer * stride_x0 + within * stride_x1 + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + outer * stride_r0 + within * stride_r1 + cols, mask=mask,
+                      other=0.0)
+        # the sum rounded to the activation dtype, as the reference adds before normalizing
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+        tl.store(new_res_ptr + row * hidden + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
+    normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * hidden + cols, (w * normed).to(out_ptr.dtype.element_ty),
+             mask=mask)

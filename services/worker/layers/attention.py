@@ -51,5 +51,6 @@ class Attention(nn.Module):
         meta = ctx.attn
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                              meta.seq_lens, self.scale)
+                              meta.seq_lens, self.scale, max_query_len=meta.max_query_len,
+                              max_seq_len=meta.max_seq_len)
         return out.flatten(1)

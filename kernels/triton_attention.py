@@ -1,0 +1,257 @@
+"""The Triton paged attention: one kernel for prefill chunks and decodes, split-K for long
+contexts in small batches.
+
+A program owns a tile of one request's queries for one KV head: BLOCK_Q consecutive query
+tokens times the GROUP query heads that share that KV head, flattened into the rows of
+one matrix (row i = token i // GROUP, head i % GROUP). So every K/V element a tile reads
+serves all the heads of its group, and a decode (one token) still gives the tensor cores
+GROUP rows. The program walks its request's block table BLOCK_N keys at a time (any
+number of cache blocks per step) with an online softmax.
+
+Tiles are numbered without a look at the lengths: request r's tiles start at
+query_start_loc[r] // BLOCK_Q + r, since q_len // BLOCK_Q + 1 tiles always cover it, and
+num_tokens // BLOCK_Q + num_reqs + 1 tiles cover the batch. The extra last "request"
+holds the tokens past query_start_loc[-1] (a padded CUDA-graph batch): it has no context
+and its rows come out as zeros. Programs whose tile is past their request's queries
+return at once.
+
+Decode tiles hold 16 rows, prefill tiles up to 128: a decode in a 128-row tile would leave
+most of the tensor-core work idle. A batch that may mix both runs the kernel twice, each
+launch taking the requests of its length class and skipping the others.
+
+With num_splits > 1 the program axis 2 cuts each tile's context into that many equal
+parts (of the actual length, in whole BLOCK_Ns); each part stores its normalised output
+and log-sum-exp, and a second kernel merges them. The split count comes from host ints
+only (the batch shape, the SM count, max_seq_len), so a captured graph replays with any
+lengths up to max_seq_len.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+# splits beyond this add combine traffic faster than they add parallelism
+MAX_SPLITS = 64
+NO_LIMIT = 2 ** 31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    block_m: int     # query rows per program (tokens x heads of the group), >= 16
+    block_n: int     # keys per step of the context loop, >= 16
+    num_warps: int
+    num_stages: int
+
+    def queries(self, group: int) -> int:
+        """Query tokens per tile."""
+        return max(1, self.block_m // group)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    decode: TileConfig    # requests of at most decode.queries(group) queries
+    prefill: TileConfig   # the longer ones, in a second launch when a batch may have them
+    target_programs: int  # split contexts until the grid has about this many programs
+    min_partition: int    # fewest keys worth a split of their own
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_config(q: torch.Tensor) -> AttentionConfig:
+    """Decode tiles of 16 rows (a decode has only GROUP rows: wider tiles would multiply
+    idle tensor-core work); prefill tiles as wide as registers allow, since each K/V step
+    then serves more queries."""
+    programs = 4 * sm_count(q.device.index or 0) if q.is_cuda else 1
+    if q.dtype == torch.float32:  # exact fp32 dots: 16 x 16 tiles, larger ones spill
+        return AttentionConfig(TileConfig(16, 16, 4, 2), TileConfig(16, 16, 4, 2), programs, 64)
+    return AttentionConfig(TileConfig(16, 64, 4, 3), TileConfig(128, 64, 8, 2), programs, 64)
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float,
+                           max_query_len: int | None = None, max_seq_len: int | None = None,
+                           config: AttentionConfig | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as kernels.attention.paged_attention. max_query_len and max_seq_len
+    are host upper bounds (the shapes' bounds when None); nothing here reads the device.
+    out: a contiguous buffer to write into (a static buffer, a poisoned one in tests).
+
+    A batch that may hold requests longer than a decode tile runs two launches of the
+    kernel: decode tiles for the short requests, prefill tiles for the long ones."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_reqs, num_kv_heads, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim: a power of two"
+    assert block_size & (block_size - 1) == 0, "block_size: a power of two"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
+    group = num_heads // num_kv_heads
+    max_query_len = num_tokens if max_query_len is None else max_query_len
+    max_seq_len = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
+    config = config or default_config(q)
+    short = config.decode.queries(group)
+    passes = [(config.decode, 0, NO_LIMIT)] if max_query_len <= short else \
+        [(config.decode, 0, short), (config.prefill, short, NO_LIMIT)]
+    busy_tiles = max(num_reqs, triton.cdiv(num_tokens, passes[-1][0].queries(group)))
+    num_splits = split_count(busy_tiles * num_kv_heads, max_seq_len, config)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    if num_splits > 1:
+        part_out = torch.empty((num_splits, num_tokens, num_heads, head_dim),
+                               dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32,
+                               device=q.device)
+    else:  # never touched: the SPLIT=False kernel stores straight into out
+        part_out = part_lse = out
+    for tile, q_len_above, q_len_upto in passes:
+        block_q = tile.queries(group)
+        grid = (num_tokens // block_q + num_reqs + 1, num_kv_heads, num_splits)
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, out, part_out, part_lse, block_tables, query_start_loc,
+            seq_lens, num_tokens, num_reqs, num_splits, q_len_above, q_len_upto,
+            scale * LOG2_E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), block_tables.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
+            BLOCK_M=max(16, triton.next_power_of_2(block_q * group)), BLOCK_N=tile.block_n,
+            SEARCH_BLOCK=triton.next_power_of_2(num_reqs + 1),
+            SPLIT=num_splits > 1, EXACT_DOT=q.dtype == torch.float32,
+            num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, num_tokens, num_heads, num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4)
+    return out
+
+
+def split_count(busy_programs: int, max_seq_len: int, config: AttentionConfig) -> int:
+    """Enough context splits to fill the GPU, never so many that a split of the longest
+    possible context gets fewer than min_partition keys."""
+    wanted = config.target_programs // max(busy_programs, 1)
+    useful = triton.cdiv(max(max_seq_len, 1), config.min_partition)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+@triton.jit
+def _request_of_tile(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr,
+                     SEARCH_BLOCK: tl.constexpr):
+    """The last request r (num_reqs: the padding tail) whose first tile is <= tile,
+    counted over all requests at once: one round trip to memory, not a chain of dependent
+    loads as a binary search would be. (A loop over blocks of requests here kept triton
+    3.9 from vectorizing and pipelining the K/V loads of the main loop.)"""
+    r = tl.arange(0, SEARCH_BLOCK)
+    exists = r <= num_reqs
+    first_tile = tl.load(query_start_loc_ptr + r, mask=exists, other=0) // BLOCK_Q + r
+    return tl.sum((exists & (first_tile <= tile)).to(tl.int32), axis=0) - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        num_tokens, num_reqs, num_splits, q_len_above, q_len_upto, qk_scale,
+        stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SEARCH_BLOCK: tl.constexpr, SPLIT: tl.constexpr, EXACT_DOT: tl.constexpr):
+    tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    req = _request_of_tile(query_start_loc_ptr, num_reqs, tile, BLOCK_Q, SEARCH_BLOCK)
+    real = req < num_reqs
+    q_begin = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1, mask=real, other=num_tokens) - q_begin
+    seq_len = tl.load(seq_lens_ptr + req, mask=real, other=0)
+    first_query = (tile - q_begin // BLOCK_Q - req) * BLOCK_Q
+    # real requests of another launch's length class are not ours; the padding tail is
+    # every launch's (it only writes zeros)
+    other_class = real & ((q_len <= q_len_above) | (q_len > q_len_upto))
+    if (first_query >= q_len) | other_class:
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    query = first_query + rows // GROUP  # index among the request's queries
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (query < q_len)
+    # query i of q_len sits at context position seq_len - q_len + i
+    query_pos = seq_len - q_len + query
+    token = q_begin + query
+    q_offsets = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None], other=0.0)
+
+    # the keys this tile can see, and this split's share of them
+    kv_end = tl.maximum(seq_len - q_len + tl.minimum(first_query + BLOCK_Q, q_len), 0)
+    part = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    kv_start = split * part
+    kv_stop = tl.minimum(kv_start + part, kv_end)
+
+    # a finite floor instead of -inf keeps rows that see no key of this split NaN-free
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    table_row = block_tables_ptr + req * stride_bt
+    head_offset = kv_head * stride_ch
+    for start in range(kv_start, kv_stop, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        in_range = keys < kv_stop
+        block = tl.load(table_row + keys // BLOCK_SIZE, mask=in_range, other=0)
+        slot = block.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_cs + head_offset
+        kv_offsets = slot[:, None] + dims[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
+        if EXACT_DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(keys[None, :] <= query_pos[:, None], scores * qk_scale,
+                          float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
+        if EXACT_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # l_i == 0: the row saw no key (padding, or a split past its causal edge)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    out_rows = token * tl.num_programs(1) * GROUP + head
+    if SPLIT:
+        part_rows = split * num_tokens * tl.num_programs(1) * GROUP + out_rows
+        tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=row_valid[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + part_rows, lse, mask=row_valid)
+    else:
+        tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_tokens, num_heads,
+                           num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out[t, h] = sum over splits of exp2(lse_s) * out_s / sum of exp2(lse_s)."""
+    token, head = tl.program_id(0), tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    rows = (splits * num_tokens + token) * num_heads + head
+    exists = splits < num_splits
+    lse = tl.load(part_lse_ptr + rows, mask=exists, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
+                    mask=exists[:, None], other=0.0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + (token * num_heads + head) * HEAD_DIM + dims,
+             out.to(out_ptr.dtype.element_ty))

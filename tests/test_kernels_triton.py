@@ -1,0 +1,380 @@
+"""Each Triton kernel against its torch reference twin, on fresh random inputs, into
+outputs poisoned with NaN so that any element a kernel fails to write fails the check.
+
+On CPU the kernels run in Triton's interpreter at tiny shapes. Triton picks compiling or
+interpreting when a kernel is defined, and other test modules import the kernels first in
+this process, so each interpreter check runs in a fresh `python -m tests.test_kernels_triton
+<check>` with TRITON_INTERPRET=1. On CUDA the same checks run in this process at real model
+shapes (benchmarks/gpu/kernels_check.py runs them on the device machine).
+
+The interpreter multiplies bf16 matrices as their raw 16-bit patterns (triton 3.9), so the
+attention checks use fp16 there for the low-precision path; bf16 attention is checked on
+the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.attention import paged_attention, paged_attention_ref
+from kernels.cache import write_kv, write_kv_ref, write_kv_triton
+from kernels.norm import rms_norm_ref, rms_norm_triton
+from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
+from kernels.triton_attention import AttentionConfig, TileConfig, paged_attention_triton
+
+REPO = Path(__file__).resolve().parent.parent
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def fresh_generator() -> tuple[torch.Generator, int]:
+    seed = random.SystemRandom().randrange(2 ** 31)
+    return torch.Generator().manual_seed(seed), seed
+
+
+def rand(g: torch.Generator, *shape: int, dtype: torch.dtype, device: str,
+         scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, seed: int) -> None:
+    """‖out − ref‖ / ‖ref‖ within the dtype's tolerance; NaN never passes."""
+    error = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert error <= TOLERANCE[ref.dtype], f"{what}: relative error {error:.3g} (seed {seed})"
+
+
+# --- paged attention ---------------------------------------------------------------------
+
+# (context length after the step, query length): decodes, a whole prompt, prefill chunks
+# behind cached prefixes, a context that exactly fills its blocks
+TINY_REQUESTS = [(1, 1), (37, 37), (70, 6), (45, 1), (64, 16), (33, 1), (96, 3)]
+TINY_DECODES = [(5, 1), (63, 1), (64, 1), (17, 1), (100, 1)]
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+def attention_inputs(shape: AttentionShape, requests: list[tuple[int, int]], padding: int,
+                     dtype: torch.dtype, device: str, g: torch.Generator) -> dict:
+    """A batch of `requests` then `padding` empty requests (seq_len 0, query_start_loc
+    repeating) and `padding` tokens past the last request, as a padded CUDA-graph batch
+    has; each request's blocks drawn from a shuffled pool; the whole cache random."""
+    bs = shape.block_size
+    blocks_needed = [math.ceil(ctx / bs) for ctx, _ in requests]
+    num_blocks = 2 * sum(blocks_needed) + 3
+    pool = torch.randperm(num_blocks, generator=g)
+    table_width = max(blocks_needed) + 2  # entries past each context: other blocks
+    block_tables = pool[torch.randint(0, num_blocks, (len(requests) + padding, table_width),
+                                      generator=g)]
+    taken = 0
+    for r, n in enumerate(blocks_needed):
+        block_tables[r, :n] = pool[taken:taken + n]
+        taken += n
+    q_lens = [q for _, q in requests] + [0] * padding
+    query_start_loc = torch.tensor([0] + q_lens).cumsum(0)
+    num_tokens = int(query_start_loc[-1]) + padding
+    seq_lens = torch.tensor([ctx for ctx, _ in requests] + [0] * padding)
+    cache_shape = (num_blocks, bs, shape.num_kv_heads, shape.head_dim)
+    return dict(
+        q=rand(g, num_tokens, shape.num_heads, shape.head_dim, dtype=dtype, device=device),
+        k_cache=rand(g, *cache_shape, dtype=dtype, device=device),
+        v_cache=rand(g, *cache_shape, dtype=dtype, device=device),
+        block_tables=block_tables.to(device=device, dtype=torch.int32),
+        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
+        seq_lens=seq_lens.to(device=device, dtype=torch.int32))
+
+
+def check_attention(shape: AttentionShape, requests: list[tuple[int, int]], dtype: torch.dtype,
+                    device: str, padding: int = 0, config: AttentionConfig | None = None,
+                    max_seq_len: int | None = None) -> None:
+    g, seed = fresh_generator()
+    inputs = attention_inputs(shape, requests, padding, dtype, device, g)
+    scale = shape.head_dim ** -0.5
+    out = poisoned(inputs["q"].shape, dtype, device)
+    paged_attention_triton(**inputs, scale=scale, max_query_len=max(q for _, q in requests),
+                           max_seq_len=max_seq_len, config=config, out=out)
+    ref = paged_attention_ref(**inputs, scale=scale)
+    real = sum(q for _, q in requests)
+    assert_close(out[:real], ref[:real], f"attention {shape} {dtype}", seed)
+    assert out[real:].isfinite().all(), f"padding rows not finite (seed {seed})"
+
+
+def tiny_config(decode_block_n: int, prefill_block_m: int, prefill_block_n: int,
+                split: bool) -> AttentionConfig:
+    """Tile shapes for tiny batches; with split, every context is cut into parts of 16
+    keys, as many as MAX_SPLITS allows: split-K at tiny shapes."""
+    return AttentionConfig(TileConfig(16, decode_block_n, 4, 1),
+                           TileConfig(prefill_block_m, prefill_block_n, 4, 1),
+                           target_programs=1 << 20 if split else 1, min_partition=16)
+
+
+# --- the small kernels -------------------------------------------------------------------
+
+def check_write_kv(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   dtype: torch.dtype, device: str) -> None:
+    """Into a NaN cache through a fused qkv view; skipped slots and every slot no token
+    names must stay NaN."""
+    g, seed = fresh_generator()
+    num_blocks = 2 * math.ceil(num_tokens / block_size) + 1
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=g) < 0.25] = -1
+    qkv = rand(g, num_tokens, 3 * num_kv_heads, head_dim, dtype=dtype, device=device)
+    k, v = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = poisoned(cache_shape, dtype, device), poisoned(cache_shape, dtype, device)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    slots = slots.to(device)
+    write_kv_triton(k, v, k_cache, v_cache, slots)
+    write_kv_ref(k, v, expected_k, expected_v, slots)
+    assert torch.equal(k_cache.isnan(), expected_k.isnan()), f"write_kv K slots (seed {seed})"
+    assert torch.equal(v_cache.isnan(), expected_v.isnan()), f"write_kv V slots (seed {seed})"
+    written = ~expected_k.isnan()
+    assert torch.equal(k_cache[written], expected_k[written]), f"write_kv K (seed {seed})"
+    assert torch.equal(v_cache[written], expected_v[written]), f"write_kv V (seed {seed})"
+
+
+def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: str,
+                   with_residual: bool) -> None:
+    """A strided view as input (a slice of a wider tensor), as the q/k norms get one."""
+    g, seed = fresh_generator()
+    wide = rand(g, *shape[:-1], shape[-1] + 8, dtype=dtype, device=device, scale=3.0)
+    x = wide[..., 8:]
+    weight = rand(g, shape[-1], dtype=dtype, device=device)
+    residual = rand(g, *shape, dtype=dtype, device=device) if with_residual else None
+    out = poisoned(shape, dtype, device)
+    residual_out = poisoned(shape, dtype, device) if with_residual else None
+    rms_norm_triton(x, weight, 1e-6, residual, out=out, residual_out=residual_out)
+    ref = rms_norm_ref(x, weight, 1e-6, residual)
+    if with_residual:
+        assert_close(residual_out, ref[1], f"rms_norm residual {shape} {dtype}", seed)
+        ref = ref[0]
+    assert_close(out, ref, f"rms_norm {shape} {dtype}", seed)
+
+
+def check_rotary(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str) -> None:
+    """q and k as strided views of one fused qkv tensor, Llama-3 scaled frequencies."""
+    g, seed = fresh_generator()
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    cache = rope_cos_sin_cache(head_dim, 4096, 500000.0, scaling).to(device)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=g).to(device)
+    qkv = rand(g, num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype,
+               device=device)
+    q, k = qkv[:, :num_heads], qkv[:, num_heads:num_heads + num_kv_heads]
+    q_out, k_out = poisoned(q.shape, dtype, device), poisoned(k.shape, dtype, device)
+    apply_rotary_triton(positions, q, k, cache, q_out=q_out, k_out=k_out)
+    q_ref, k_ref = apply_rotary_ref(positions, q, k, cache)
+    assert_close(q_out, q_ref, f"rotary q {dtype}", seed)
+    assert_close(k_out, k_ref, f"rotary k {dtype}", seed)
+
+
+def check_silu_and_mul(num_tokens: int, d: int, dtype: torch.dtype, device: str) -> None:
+    g, seed = fresh_generator()
+    x = rand(g, num_tokens, 2 * d, dtype=dtype, device=device, scale=4.0)
+    out = poisoned((num_tokens, d), dtype, device)
+    silu_and_mul_triton(x, out=out)
+    assert_close(out, silu_and_mul_ref(x), f"silu_and_mul {dtype}", seed)
+
+
+# --- interpreter checks: tiny shapes, each run in a subprocess -----------------------------
+
+CHECKS: dict[str, Callable[[], None]] = {}
+
+
+def interpreter_check(fn: Callable[[], None]) -> Callable[[], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+@interpreter_check
+def attention_mixed_batches() -> None:
+    """Decodes and prefill chunks in one batch (two launches: decode and prefill tiles),
+    GQA 1, 2, 3 and 4, heads 64 and 128, blocks 16 and 32, fp32 and fp16, split-K on and
+    off (splits straddle the causal edge of prefill tiles)."""
+    for shape, dtype, config in [
+            (AttentionShape(2, 2, 64, 16), torch.float32, tiny_config(16, 32, 16, False)),
+            (AttentionShape(4, 2, 128, 32), torch.float16, tiny_config(32, 64, 16, True)),
+            (AttentionShape(8, 2, 64, 32), torch.float32, tiny_config(16, 32, 32, True)),
+            (AttentionShape(6, 2, 128, 16), torch.float16, tiny_config(16, 64, 32, False))]:
+        check_attention(shape, TINY_REQUESTS, dtype, "cpu", padding=2, config=config)
+
+
+@interpreter_check
+def attention_padded_decode_batch() -> None:
+    """A CUDA-graph-style decode batch (one launch): padded rows, and a max_seq_len far
+    above the actual contexts (the split count comes from it, the parts from the real
+    lengths)."""
+    check_attention(AttentionShape(4, 1, 128, 16), TINY_DECODES, torch.float16, "cpu",
+                    padding=3, config=tiny_config(16, 64, 16, True), max_seq_len=4096)
+    check_attention(AttentionShape(4, 2, 64, 32), TINY_DECODES, torch.float32, "cpu",
+                    padding=2, max_seq_len=4096)
+
+
+@interpreter_check
+def small_kernels() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        check_write_kv(13, 2, 64, 4, dtype, "cpu")
+        check_rms_norm((5, 96), dtype, "cpu", with_residual=False)
+        check_rms_norm((5, 96), dtype, "cpu", with_residual=True)
+        check_rms_norm((4, 3, 64), dtype, "cpu", with_residual=False)
+        check_rotary(6, 3, 1, 64, dtype, "cpu")
+        check_silu_and_mul(3, 1500, dtype, "cpu")
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_under_triton_interpreter(check: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-m", "tests.test_kernels_triton", check],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- CUDA: real model shapes ---------------------------------------------------------------
+
+# (heads, KV heads, head_dim, hidden size, MLP intermediate size)
+MODELS = {"qwen3-0.6b": (16, 8, 128, 1024, 3072), "llama-3.1-8b": (32, 8, 128, 4096, 14336),
+          "smollm2": (9, 3, 64, 576, 1536)}
+MIXED_REQUESTS = [(700, 1), (2048, 2048), (1500, 512), (3001, 1), (129, 1), (4100, 256),
+                  (17, 17), (1000, 1)]
+
+
+def decode_requests(n: int, g: random.Random) -> list[tuple[int, int]]:
+    return [(g.randrange(1, 2000), 1) for _ in range(n)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_attention_cuda(model: str, block_size: int, dtype: torch.dtype) -> None:
+    heads, kv_heads, head_dim = MODELS[model][:3]
+    shape = AttentionShape(heads, kv_heads, head_dim, block_size)
+    check_attention(shape, MIXED_REQUESTS, dtype, "cuda", padding=2)
+    # decodes: a full batch, a small one (split-K), a padded one sized for max_model_len
+    decodes = random.Random()
+    check_attention(shape, decode_requests(256, decodes), dtype, "cuda")
+    check_attention(shape, decode_requests(3, decodes), dtype, "cuda")
+    check_attention(shape, decode_requests(30, decodes), dtype, "cuda", padding=2,
+                    max_seq_len=131072)
+
+
+@needs_cuda
+def test_attention_dispatch_takes_triton_on_cuda() -> None:
+    """The public op on CUDA tensors matches the reference (and is the Triton path: the
+    torch path would need a device sync this test would not notice, so compare both)."""
+    g, seed = fresh_generator()
+    inputs = attention_inputs(AttentionShape(16, 8, 128, 16), MIXED_REQUESTS, 0,
+                              torch.bfloat16, "cuda", g)
+    out = paged_attention(**inputs, scale=0.088, max_query_len=2048, max_seq_len=4100)
+    triton_out = paged_attention_triton(**inputs, scale=0.088, max_query_len=2048,
+                                        max_seq_len=4100)
+    assert torch.equal(out, triton_out)
+    assert_close(out, paged_attention_ref(**inputs, scale=0.088), "dispatch", seed)
+
+
+def fill_decode_batch(static: dict[str, torch.Tensor], num_real: int, block_size: int,
+                      g: torch.Generator) -> None:
+    """New contexts for the first num_real rows of a static decode batch, on distinct
+    blocks; the rest padding: seq_len 0, slot -1, query_start_loc repeating."""
+    batch, max_blocks = static["block_tables"].shape
+    num_blocks = static["k_cache"].shape[0]
+    tables = torch.randperm(num_blocks, generator=g)[:batch * max_blocks].view(batch, max_blocks)
+    seq_lens = torch.randint(1, max_blocks * block_size + 1, (batch,), generator=g)
+    seq_lens[num_real:] = 0
+    last = (seq_lens - 1).clamp(min=0)
+    slots = tables.gather(1, (last // block_size)[:, None])[:, 0] * block_size + last % block_size
+    slots[num_real:] = -1
+    q_lens = (torch.arange(batch) < num_real).int()
+    static["block_tables"].copy_(tables)
+    static["seq_lens"].copy_(seq_lens)
+    static["slot_mapping"].copy_(slots)
+    static["query_start_loc"].copy_(torch.cat([torch.zeros(1, dtype=torch.int32),
+                                               q_lens.cumsum(0)]))
+    for name in ("q", "k", "v"):
+        static[name].copy_(torch.randn(static[name].shape, generator=g))
+
+
+@needs_cuda
+def test_padded_decode_step_replays_in_cuda_graph() -> None:
+    """The cache write and attention captured once for a batch of 8 sized for a long
+    max_seq_len, replayed with fewer real requests and new lengths: capture fails on any
+    host sync, and padded rows must neither write nor poison anything."""
+    heads, kv_heads, head_dim, block_size, batch, max_blocks = 32, 8, 128, 16, 8, 64
+    g, seed = fresh_generator()
+
+    def cuda(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device="cuda", dtype=dtype)
+
+    static = dict(q=cuda(batch, heads, head_dim), k=cuda(batch, kv_heads, head_dim),
+                  v=cuda(batch, kv_heads, head_dim),
+                  k_cache=cuda(batch * max_blocks + 5, block_size, kv_heads, head_dim),
+                  v_cache=cuda(batch * max_blocks + 5, block_size, kv_heads, head_dim),
+                  block_tables=cuda(batch, max_blocks, dtype=torch.int32),
+                  seq_lens=cuda(batch, dtype=torch.int32),
+                  slot_mapping=cuda(batch, dtype=torch.int64),
+                  query_start_loc=cuda(batch + 1, dtype=torch.int32))
+    attention_args = [static[name] for name in ("q", "k_cache", "v_cache", "block_tables",
+                                                 "query_start_loc", "seq_lens")]
+
+    def step() -> torch.Tensor:
+        write_kv(static["k"], static["v"], static["k_cache"], static["v_cache"],
+                 static["slot_mapping"])
+        return paged_attention(*attention_args, 0.088, max_query_len=1,
+                               max_seq_len=max_blocks * block_size)
+
+    fill_decode_batch(static, batch, block_size, g)
+    step()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for num_real in (batch, 5, 1):
+        fill_decode_batch(static, num_real, block_size, g)
+        expected_k, expected_v = static["k_cache"].clone(), static["v_cache"].clone()
+        write_kv_ref(static["k"], static["v"], expected_k, expected_v, static["slot_mapping"])
+        graph.replay()
+        assert torch.equal(static["k_cache"], expected_k), f"K cache (seed {seed})"
+        assert torch.equal(static["v_cache"], expected_v), f"V cache (seed {seed})"
+        ref = paged_attention_ref(static["q"], expected_k, expected_v, *attention_args[3:],
+                                  0.088)
+        assert_close(out[:num_real], ref[:num_real], f"graph replay, {num_real} real", seed)
+        assert out.isfinite().all(), f"padded rows not finite (seed {seed})"
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_small_kernels_cuda(model: str, dtype: torch.dtype) -> None:
+    heads, kv_heads, head_dim, hidden, intermediate = MODELS[model]
+    for num_tokens in (1, 256, 4096):
+        check_write_kv(num_tokens, kv_heads, head_dim, 16, dtype, "cuda")
+        check_rms_norm((num_tokens, hidden), dtype, "cuda", with_residual=True)
+        check_rms_norm((num_tokens, hidden), dtype, "cuda", with_residual=False)
+        check_rms_norm((num_tokens, heads, head_dim), dtype, "cuda", with_residual=False)
+        check_rotary(num_tokens, heads, kv_heads, head_dim, dtype, "cuda")
+        check_silu_and_mul(num_tokens, intermediate, dtype, "cuda")
+
+
+if __name__ == "__main__":
+    CHECKS[sys.argv[1]]()
