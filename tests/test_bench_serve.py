@@ -1,0 +1,439 @@
+"""`headrace bench serve` against servers whose timing is known: a fake OpenAI-compatible
+aiohttp server (first chunk after 200 ms, then one every 20 ms) checks what the client
+measures, how it paces and bounds requests, and how it counts tokens and failures; then a
+small run against a real `headrace serve` of a tiny model.
+
+Tolerances: the fake server sleeps to absolute deadlines (request receipt + 200 ms +
+i * 20 ms), so its lateness does not accumulate; asyncio timers are good to about 1 ms and
+loopback adds well under 1 ms, but this machine has 2 cores shared with other tests, so a
+single timestamp may be late by tens of ms. Hence: TTFT and e2e within +60 ms of nominal
+(never early), per-request mean ITL within 3 ms (a late first or last chunk spreads over
+19 gaps), the ITL median within 5 ms (one late chunk makes one long and one short gap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from services.bench import serve
+from services.bench.serve import (RequestResult, SseDecoder, StreamTimer, arrival_offsets,
+                                  plan_requests, random_lengths, sharegpt_lengths, summarize)
+from tests.conftest import REPO, repo_env
+from tests.tiny_models import TOKENIZER_DIR, make_tiny_model
+
+FIRST_S, GAP_S = 0.200, 0.020
+LATE_S = 0.060  # how late one timestamp may be on a busy 2-core machine
+
+
+# --- a fake server with known delays ------------------------------------------------------
+
+@dataclass
+class FakeServer:
+    """An OpenAI-compatible streaming server in a thread: the first output chunk FIRST_S
+    after the request arrived, then one every GAP_S, `tokens_per_chunk` tokens each."""
+    tokens_per_chunk: int = 1
+    fail_indices: set[int] = field(default_factory=set)  # answer 500 to these arrivals
+    arrivals: list[float] = field(default_factory=list)  # perf_counter at each request
+    bodies: list[dict] = field(default_factory=list)
+    authorizations: list[str | None] = field(default_factory=list)
+    open_streams: int = 0
+    most_open: int = 0
+    port: int = 0
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        index = len(self.arrivals)
+        self.arrivals.append(arrived)
+        body = await request.json()
+        self.bodies.append(body)
+        self.authorizations.append(request.headers.get("Authorization"))
+        if index in self.fail_indices:
+            return web.json_response({"error": {"message": "planned failure"}}, status=500)
+        chat = request.path.endswith("/chat/completions")
+        max_tokens = body["max_completion_tokens" if chat else "max_tokens"]
+        self.open_streams += 1
+        self.most_open = max(self.most_open, self.open_streams)
+        try:
+            return await self.stream(request, arrived, chat, max_tokens)
+        finally:
+            self.open_streams -= 1
+
+    async def stream(self, request: web.Request, arrived: float, chat: bool,
+                     max_tokens: int) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if chat:  # the role comes first and at once; it carries no output
+            await send(response, {"choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                     "content": ""}}]})
+        num_chunks = math.ceil(max_tokens / self.tokens_per_chunk)
+        for i in range(num_chunks):
+            await asyncio.sleep(max(0.0, arrived + FIRST_S + i * GAP_S - time.perf_counter()))
+            text = " tok" * self.tokens_per_chunk
+            choice = {"index": 0, "delta": {"content": text}} if chat else \
+                {"index": 0, "text": text}
+            await send(response, {"choices": [choice]})
+        await send(response, {"choices": [], "usage": {
+            "prompt_tokens": 7, "completion_tokens": max_tokens, "total_tokens": 7 + max_tokens}})
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+
+
+async def send(response: web.StreamResponse, chunk: dict) -> None:
+    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+
+@pytest.fixture
+def fake_server():
+    """`make(**settings)` starts a FakeServer in a thread and returns it (port filled in)."""
+    stops = []
+
+    def make(**settings) -> FakeServer:
+        server = FakeServer(**settings)
+        ready = threading.Event()
+        loop = asyncio.new_event_loop()
+
+        async def start() -> web.AppRunner:
+            app = web.Application()
+            app.router.add_post("/v1/completions", server.completions)
+            app.router.add_post("/v1/chat/completions", server.completions)
+            app.router.add_get("/v1/models", server.models)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            server.port = runner.addresses[0][1]
+            return runner
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            runner = loop.run_until_complete(start())
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        assert ready.wait(10)
+        stops.append((loop, thread))
+        return server
+
+    yield make
+    for loop, thread in stops:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def bench(server: FakeServer, tmp_path: Path, *flags: str) -> tuple[int, dict]:
+    out = tmp_path / "result.json"
+    code = serve.main(["--base-url", f"http://127.0.0.1:{server.port}", "--disable-tqdm",
+                       "--save-result", str(out), *flags])
+    return code, json.loads(out.read_text())
+
+
+# --- measurements against known delays ------------------------------------------------------
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_latencies_match_the_servers_delays(fake_server, tmp_path, endpoint):
+    server = fake_server()
+    n_tokens = 20
+    code, data = bench(server, tmp_path, "--endpoint", endpoint, "--num-prompts", "3",
+                       "--random-input-len", "8", "--random-output-len", str(n_tokens),
+                       "--max-concurrency", "1")
+    assert code == 0
+    nominal_e2e = FIRST_S + (n_tokens - 1) * GAP_S
+    for r in data["requests"]:
+        assert r["success"] and r["chunks"] == n_tokens and r["output_tokens"] == n_tokens
+        assert r["prompt_tokens"] == 7 and r["usage_reported"]
+        assert FIRST_S <= r["ttft"] < FIRST_S + LATE_S  # the chat role chunk is not output
+        assert nominal_e2e <= r["e2e"] < nominal_e2e + LATE_S
+        assert len(r["itl"]) == n_tokens - 1
+        assert sum(r["itl"]) / len(r["itl"]) == pytest.approx(GAP_S, abs=0.003)
+        assert r["tpot"] == pytest.approx(GAP_S, abs=0.003)
+    summary = data["summary"]
+    assert summary["completed"] == 3 and summary["failed"] == 0
+    assert summary["itl"]["median_ms"] == pytest.approx(GAP_S * 1000, abs=5)
+    assert summary["ttft"]["count"] == 3 and summary["itl"]["count"] == 3 * (n_tokens - 1)
+    assert summary["tokens_per_chunk"] == 1.0
+    assert summary["total_output_tokens"] == 3 * n_tokens
+    # one at a time: the run lasts three requests, so the throughputs follow
+    assert 3 * nominal_e2e <= summary["duration_s"] < 3 * (nominal_e2e + LATE_S)
+    assert summary["output_throughput"] == pytest.approx(
+        3 * n_tokens / summary["duration_s"])
+    body = server.bodies[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["model"] == "fake-model"
+
+
+def test_tokens_per_chunk_come_from_usage(fake_server, tmp_path):
+    server = fake_server(tokens_per_chunk=2)
+    code, data = bench(server, tmp_path, "--num-prompts", "2", "--random-input-len", "8",
+                       "--random-output-len", "20")
+    assert code == 0
+    summary = data["summary"]
+    assert summary["tokens_per_chunk"] == 2.0
+    for r in data["requests"]:
+        assert r["chunks"] == 10 and r["output_tokens"] == 20
+        # 9 gaps of 20 ms spread over 19 tokens after the first
+        assert r["tpot"] == pytest.approx(9 * GAP_S / 19, abs=0.003)
+    assert summary["itl"]["median_ms"] == pytest.approx(GAP_S * 1000, abs=5)
+
+
+def test_max_concurrency_bounds_open_streams(fake_server, tmp_path):
+    server = fake_server()
+    code, data = bench(server, tmp_path, "--num-prompts", "6", "--random-input-len", "4",
+                       "--random-output-len", "5", "--max-concurrency", "2")
+    assert code == 0
+    assert server.most_open == 2
+    assert data["summary"]["max_concurrency_seen"] == 2
+    # three waves of two; each request's TTFT counts from its own send, not from the start
+    one = FIRST_S + 4 * GAP_S
+    assert 3 * one <= data["summary"]["duration_s"] < 3 * (one + LATE_S)
+    assert all(r["ttft"] < FIRST_S + LATE_S for r in data["requests"])
+
+
+def test_poisson_arrivals_follow_the_schedule(fake_server, tmp_path):
+    server = fake_server()
+    flags = ["--num-prompts", "8", "--random-input-len", "4", "--random-output-len", "2",
+             "--request-rate", "10", "--seed", "3"]
+    code, data = bench(server, tmp_path, *flags)
+    assert code == 0
+    planned = [p.send_at for p in plan_requests(serve.build_parser().parse_args(flags))]
+    arrived = sorted(t - server.arrivals[0] for t in server.arrivals)
+    assert arrived == pytest.approx(planned, abs=0.03)
+    started = sorted(r["start"] for r in data["requests"])
+    assert started == pytest.approx(planned, abs=0.03)
+
+
+def test_infinite_rate_sends_everything_at_once(fake_server, tmp_path):
+    server = fake_server()
+    code, data = bench(server, tmp_path, "--num-prompts", "12", "--random-input-len", "4",
+                       "--random-output-len", "3")
+    assert code == 0
+    assert server.most_open == 12  # no hidden cap from the HTTP client's connection pool
+    assert max(server.arrivals) - min(server.arrivals) < 0.1
+
+
+def test_failed_requests_are_counted_not_fatal(fake_server, tmp_path):
+    server = fake_server(fail_indices={1, 4})
+    code, data = bench(server, tmp_path, "--num-prompts", "5", "--random-input-len", "4",
+                       "--random-output-len", "3", "--max-concurrency", "1")
+    assert code == 0
+    assert data["summary"]["completed"] == 3 and data["summary"]["failed"] == 2
+    failed = [r for r in data["requests"] if not r["success"]]
+    assert [r["index"] for r in failed] == [1, 4]
+    assert all("HTTP 500" in r["error"] and "planned failure" in r["error"] for r in failed)
+    assert data["summary"]["ttft"]["count"] == 3
+
+
+def test_unreachable_server_fails_every_request(tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"  # closed again: nothing listens there
+    out = tmp_path / "result.json"
+    assert serve.main(["--base-url", url, "--model", "m", "--num-prompts", "2",
+                       "--disable-tqdm", "--save-result", str(out)]) == 1
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["completed"] == 0 and summary["failed"] == 2
+    assert serve.main(["--base-url", url, "--num-prompts", "1", "--disable-tqdm"]) == 1
+    assert "give --model" in capsys.readouterr().err
+
+
+def test_save_result_and_plot(fake_server, tmp_path):
+    server = fake_server()
+    png = tmp_path / "latency.png"
+    code, data = bench(server, tmp_path, "--num-prompts", "4", "--random-input-len", "4",
+                       "--random-output-len", "6", "--plot", str(png), "--api-key", "secret",
+                       "--dataset", "synthetic-sharegpt", "--sharegpt-output-mean", "6",
+                       "--sharegpt-input-mean", "10")
+    assert code == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert server.authorizations == ["Bearer secret"] * 4
+    assert data["settings"]["dataset"] == "synthetic-sharegpt"
+    assert "api_key" not in data["settings"] and "secret" not in json.dumps(data)
+    assert data["settings"]["request_rate"] == "inf"
+    assert len(data["requests"]) == 4 and data["model"] == "fake-model"
+    assert set(data["summary"]) >= {"ttft", "tpot", "itl", "e2e", "request_throughput",
+                                    "output_throughput", "total_token_throughput", "failed"}
+
+
+# --- the core without a server ----------------------------------------------------------------
+
+def test_sse_decoder_joins_split_lines():
+    decoder = SseDecoder()
+    assert decoder.feed(b'data: {"a": 1}\n\nda') == ['{"a": 1}']
+    assert decoder.feed(b'ta: {"b"') == []
+    assert decoder.feed(b': 2}\r\n\n: a comment\n\ndata: [DONE]\n\n') == ['{"b": 2}', "[DONE]"]
+
+
+def test_stream_timer_times_output_chunks_only():
+    timer = StreamTimer(RequestResult(0, 5, 3), sent=10.0)
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    assert timer.observe(json.dumps(role), 10.01)
+    for t in (10.5, 10.6, 10.8):
+        assert timer.observe(json.dumps({"choices": [{"index": 0, "delta": {"content": "x"}}]}),
+                             t)
+    assert timer.observe(json.dumps({"choices": [], "usage": {"prompt_tokens": 5,
+                                                              "completion_tokens": 3}}), 10.81)
+    assert not timer.observe("[DONE]", 10.81)
+    result = timer.finish(10.82)
+    assert result.success and result.ttft == pytest.approx(0.5)
+    assert result.itl == pytest.approx([0.1, 0.2]) and result.e2e == pytest.approx(0.82)
+    assert result.tpot == pytest.approx((0.82 - 0.5) / 2)
+
+
+def test_stream_timer_takes_an_error_chunk_as_failure():
+    timer = StreamTimer(RequestResult(0, 5, 3), sent=0.0)
+    timer.observe(json.dumps({"choices": [{"index": 0, "text": "a"}]}), 0.1)
+    assert not timer.observe(json.dumps({"error": {"message": "worker died"}}), 0.2)
+    result = timer.finish(0.2)
+    assert not result.success and result.error == "worker died"
+
+
+def test_stream_timer_counts_chunks_when_the_server_sends_no_usage():
+    timer = StreamTimer(RequestResult(0, 5, 3), sent=0.0)
+    for t in (0.1, 0.2):
+        timer.observe(json.dumps({"choices": [{"index": 0, "text": "a"}]}), t)
+    result = timer.finish(0.3)
+    assert result.output_tokens == 2 and result.prompt_tokens == 5 and not result.usage_reported
+
+
+def test_arrivals_are_poisson():
+    offsets = arrival_offsets(random.Random(0), 4000, rate=50.0)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert offsets[0] == 0.0 and all(g >= 0 for g in gaps)
+    mean = sum(gaps) / len(gaps)
+    assert mean == pytest.approx(1 / 50, rel=0.05)
+    # exponential gaps: the standard deviation equals the mean
+    std = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+    assert std == pytest.approx(mean, rel=0.1)
+    assert arrival_offsets(random.Random(0), 3, math.inf) == [0.0, 0.0, 0.0]
+
+
+def test_dataset_lengths():
+    rng = random.Random(0)
+    assert set(random_lengths(rng, 50, 100, 10, 0.0)) == {(100, 10)}
+    spread = random_lengths(rng, 2000, 100, 10, 0.5)
+    assert min(p for p, _ in spread) == 50 and max(p for p, _ in spread) == 150
+    assert min(o for _, o in spread) == 5 and max(o for _, o in spread) == 15
+    share = sharegpt_lengths(rng, 5000, 161, 338, 1.0)
+    assert all(4 <= p <= 1024 and o >= 4 and p + o <= 2048 for p, o in share)
+    # the clipping moves the means a little, the log-normal draws keep them near the targets
+    assert sum(p for p, _ in share) / len(share) == pytest.approx(161, rel=0.1)
+    assert sum(o for _, o in share) / len(share) == pytest.approx(338, rel=0.1)
+
+
+def test_prompt_words_are_one_token_each():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    for word in serve.WORDS:
+        assert len(tokenizer.encode(" " + word, add_special_tokens=False)) == 1, word
+    args = serve.build_parser().parse_args(["--num-prompts", "3", "--random-input-len", "50"])
+    for planned in plan_requests(args):
+        assert len(tokenizer.encode(" " + planned.prompt, add_special_tokens=False)) == 50
+
+
+def test_token_id_prompts_and_their_limits():
+    parser = serve.build_parser()
+    args = parser.parse_args(["--num-prompts", "4", "--random-input-len", "30",
+                              "--token-id-prompts", "100"])
+    planned = plan_requests(args)
+    assert all(len(p.prompt) == 30 and max(p.prompt) < 100 for p in planned)
+    with pytest.raises(SystemExit):
+        serve.check_args(parser, parser.parse_args(["--endpoint", "chat",
+                                                    "--token-id-prompts", "100"]))
+    with pytest.raises(SystemExit):
+        serve.check_args(parser, parser.parse_args(["--request-rate", "0"]))
+
+
+def test_summary_of_nothing_but_failures():
+    failed = RequestResult(0, 4, 4, error="boom")
+    summary = summarize([failed], duration_s=1.0)
+    assert summary.completed == 0 and summary.failed == 1 and summary.ttft.count == 0
+
+
+def test_help_describes_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        serve.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for action in serve.build_parser()._actions:
+        for flag in action.option_strings:
+            assert flag in text
+        assert action.help, action.dest
+    assert "no internet" in text
+
+
+# --- against a real `headrace serve` ----------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(process: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"headrace serve exited with {process.returncode}:\n"
+                               f"{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"headrace serve was not healthy in {timeout_s}s:\n"
+                       f"{log.read_text()[-3000:]}")
+
+
+def test_against_headrace_serve(tmp_path):
+    model = make_tiny_model(tmp_path, "llama")
+    port, log = free_port(), tmp_path / "serve.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", str(model), "--served-model-name",
+             "tiny", "--port", str(port), "--run-dir", str(tmp_path / "run")],
+            cwd=REPO, env=repo_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(process, url, log, timeout_s=180)
+        result = tmp_path / "serve.json"
+        code = serve.main(["--base-url", url, "--num-prompts", "8", "--random-input-len", "12",
+                           "--random-output-len", "6", "--token-id-prompts", "500",
+                           "--request-rate", "20", "--disable-tqdm",
+                           "--save-result", str(result)])
+        assert code == 0
+        data = json.loads(result.read_text())
+        assert data["model"] == "tiny"
+        summary = data["summary"]
+        assert summary["completed"] == 8 and summary["failed"] == 0, data["requests"]
+        assert summary["total_input_tokens"] == 8 * 12
+        assert summary["total_output_tokens"] == 8 * 6  # ignore_eos held every length
+        assert all(r["usage_reported"] and r["ttft"] > 0 for r in data["requests"])
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
