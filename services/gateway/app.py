@@ -114,8 +114,9 @@ class Gateway:
     def error_response(self, request: web.Request, error: ApiError,
                        headers: dict[str, str] | None = None) -> web.Response:
         if request.path != "/health":  # probes ask often; 503 there is a state, not news
-            self.log.info("request refused", path=request.path, status=error.status,
-                          error=error.message)
+            log = self.log.bind(rid=request["rid"]) if "rid" in request else self.log
+            log.info("request refused", path=request.path, status=error.status,
+                     error=error.message)
         return web.json_response(error.body(), status=error.status,
                                  headers={**error.headers(), **(headers or {})})
 
@@ -130,40 +131,46 @@ class Gateway:
     async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         job = parse_job(await read_json(request), chat)
         model = self.served_name(job.model)
-        for prompt in job.prompts:
-            if isinstance(prompt, list):
-                self.check_vocabulary(prompt, "prompt")
-        error = admission_error(self.backend, self.server.max_queue_len, time.monotonic())
-        if error is not None:
-            raise error
+        self.admit(job)
         call = await self.new_call(job, model)
+        request["rid"] = call.id  # for the error middleware's log line
         log = self.log.bind(rid=call.id)
         inbox = self.replies.open(call.rids)
         try:
-            await self.bus.publish(REQUESTS, *call.requests(self.id, time.time()))
-            log.info("request queued", prompts=len(call.prompts), n=job.n, stream=job.stream)
-            applied: list[Applied] = []
-            while not call.started:
-                applied += await self.receive(call, inbox)
-            if call.error is not None:
-                raise call.error
-            if job.stream:
-                return await self.stream(request, call, inbox, applied, log)
-            while not call.done:
-                await self.receive(call, inbox)
-            if call.error is not None:
-                raise call.error
-            log.info("request finished", **call.usage())
-            return web.json_response(call.response())
-        except ApiError as e:
-            log.warning("request failed", status=e.status, error=e.message)
-            raise
+            return await self.answer(request, call, inbox, log)
         except asyncio.CancelledError:
             log.info("client disconnected")
             raise
         finally:
             self.replies.close(call.rids)
             self.abort(call.unfinished_rids())
+
+    def admit(self, job: Job) -> None:
+        for prompt in job.prompts:
+            if isinstance(prompt, list):
+                self.check_vocabulary(prompt, "prompt")
+        error = admission_error(self.backend, self.server.max_queue_len, time.monotonic())
+        if error is not None:
+            raise error
+
+    async def answer(self, request: web.Request, call: Call, inbox: Inbox,
+                     log: BoundLogger) -> web.StreamResponse:
+        await self.bus.publish(REQUESTS, *call.requests(self.id, time.time()))
+        log.info("request queued", prompts=len(call.prompts), n=call.job.n,
+                 stream=call.job.stream)
+        applied: list[Applied] = []
+        while not call.started:  # the first replies decide the status
+            applied += await self.receive(call, inbox)
+        if call.error is not None:
+            raise call.error
+        if call.job.stream:
+            return await self.stream(request, call, inbox, applied, log)
+        while not call.done:
+            await self.receive(call, inbox)
+        if call.error is not None:
+            raise call.error
+        log.info("request finished", **call.usage())
+        return web.json_response(call.response())
 
     async def new_call(self, job: Job, model: str) -> Call:
         call_id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
