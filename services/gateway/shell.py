@@ -64,5 +64,6 @@ async def serve(ctx: ServiceContext) -> None:
                 await gateway.replies.delete()
             tasks.cancel_scope.cancel()
 
+
 def main(argv: list[str]) -> int:
     return run_service("gateway", argv, serve, __doc__ or "")
