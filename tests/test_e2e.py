@@ -204,12 +204,33 @@ async def test_client_errors(api, served):
     assert [m.id for m in models.data] == [MODEL_NAME]
 
 
+async def probe_until(url: str, status: int, probe_timeout_s: float,
+                      timeout_s: float = 60.0) -> tuple[dict[str, str], dict]:
+    """POST one-token completions until one is answered with `status`: (headers, body). A
+    probe not answered within `probe_timeout_s` (queued behind others) is abandoned, which
+    aborts it."""
+    probe = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}
+    patience = aiohttp.ClientTimeout(total=probe_timeout_s)
+    async with aiohttp.ClientSession(timeout=patience) as session:
+        with anyio.fail_after(timeout_s):
+            while True:
+                try:
+                    async with session.post(url + "/v1/completions", headers=AUTH,
+                                            json=probe) as response:
+                        body = await response.json()
+                    if response.status == status:
+                        return dict(response.headers), body
+                except asyncio.TimeoutError:
+                    pass
+                await anyio.sleep(0.1)
+
+
 async def test_a_full_queue_is_503_with_retry_after(api, served):
     """More long requests than the batch holds: the rest wait, and past --max-queue-len
     waiting the gateway refuses new ones; the long ones are then abandoned."""
     long = dict(model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=400,
                 extra_body={"ignore_eos": True})
-    probe = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}
+
     async def occupy() -> None:
         try:
             await api.completions.create(**long)
@@ -219,19 +240,12 @@ async def test_a_full_queue_is_503_with_retry_after(api, served):
     async with anyio.create_task_group() as load:
         for _ in range(MAX_NUM_SEQS + MAX_QUEUE_LEN + 4):
             load.start_soon(occupy)
-        async with aiohttp.ClientSession() as session:
-            with anyio.fail_after(60):
-                while True:
-                    async with session.post(served.url + "/v1/completions", headers=AUTH,
-                                            json=probe) as response:
-                        body = await response.json()
-                    if response.status == 503:
-                        break
-                    await anyio.sleep(0.1)
+        headers, body = await probe_until(served.url, 503, probe_timeout_s=2.0)
         load.cancel_scope.cancel()  # the clients leave: their requests are aborted
-    assert response.headers["Retry-After"].isdigit()
+    assert headers["Retry-After"].isdigit()
     assert "--max-queue-len" in body["error"]["message"]
     await until_idle(served.url)
+    await probe_until(served.url, 200, probe_timeout_s=30.0)  # admitted again
 
 
 async def test_streaming_clients_that_leave_free_the_kv_cache(api, served):
