@@ -208,11 +208,12 @@ class Gateway:
                 log.warning("request failed while streaming", status=call.error.status,
                             error=call.error.message)
                 await send(response, [call.error.body()])
-            elif call.job.include_usage:
-                await send(response, [call.usage_chunk()])
+            else:
+                log.info("request finished", **call.usage())
+                if call.job.include_usage:
+                    await send(response, [call.usage_chunk()])
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-            log.info("request finished", **call.usage())
         except ConnectionResetError:
             log.info("client disconnected")
         return response
