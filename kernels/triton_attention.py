@@ -8,16 +8,21 @@ serves all the heads of its group, and a decode (one token) still gives the tens
 GROUP rows. The program walks its request's block table BLOCK_N keys at a time (any
 number of cache blocks per step) with an online softmax.
 
-Tiles are numbered without a look at the lengths: request r's tiles start at
-query_start_loc[r] // BLOCK_Q + r, since q_len // BLOCK_Q + 1 tiles always cover it, and
-num_tokens // BLOCK_Q + num_reqs + 1 tiles cover the batch. The extra last "request"
-holds the tokens past query_start_loc[-1] (a padded CUDA-graph batch): it has no context
-and its rows come out as zeros. Programs whose tile is past their request's queries
-return at once.
-
 Decode tiles hold 16 rows, prefill tiles up to 128: a decode in a 128-row tile would leave
-most of the tensor-core work idle. A batch that may mix both runs the kernel twice, each
-launch taking the requests of its length class and skipping the others.
+most of the tensor-core work idle. So the kernel runs as a decode launch, taking the
+requests that fit one decode tile, and, when max_query_len says the batch may hold
+longer ones, a prefill launch taking those; each skips the other's requests.
+
+Tiles are numbered without a look at the lengths. In the decode launch tile r is request
+r's. In the prefill launch request r's tiles start at query_start_loc[r] // BLOCK_Q + r,
+since q_len // BLOCK_Q + 1 tiles always cover it, and num_tokens // BLOCK_Q + num_reqs + 1
+tiles cover the batch; a program finds its request with one vector compare over
+query_start_loc. In both, an extra last "request" holds the tokens past
+query_start_loc[-1] (a padded CUDA-graph batch): it has no context and its rows come out
+as zeros. Programs whose tile is past their request's queries return at once.
+
+Keys below the tile's first query position that fill whole BLOCK_Ns go through an
+unmasked loop; the rest (the diagonal, the context's ragged end) through a masked one.
 
 With num_splits > 1 the program axis 2 cuts each tile's context into that many equal
 parts (of the actual length, in whole BLOCK_Ns); each part stores its normalised output
@@ -99,8 +104,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_seq_len = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     config = config or default_config(q)
     short = config.decode.queries(group)
-    passes = [(config.decode, 0, NO_LIMIT)] if max_query_len <= short else \
-        [(config.decode, 0, short), (config.prefill, short, NO_LIMIT)]
+    # (tiles, q_len range (above, upto], one tile per request)
+    passes = [(config.decode, 0, short, True)]
+    if max_query_len > short:
+        passes.append((config.prefill, short, NO_LIMIT, False))
     busy_tiles = max(num_reqs, triton.cdiv(num_tokens, passes[-1][0].queries(group)))
     num_splits = split_count(busy_tiles * num_kv_heads, max_seq_len, config)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
@@ -112,9 +119,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                device=q.device)
     else:  # never touched: the SPLIT=False kernel stores straight into out
         part_out = part_lse = out
-    for tile, q_len_above, q_len_upto in passes:
+    for tile, q_len_above, q_len_upto, one_tile_each in passes:
         block_q = tile.queries(group)
-        grid = (num_tokens // block_q + num_reqs + 1, num_kv_heads, num_splits)
+        # tiles: one per request then the padding tail's, or, numbered by the search,
+        # request r's from query_start_loc[r] // block_q + r on (module doc)
+        num_tiles = num_reqs + triton.cdiv(num_tokens, block_q) if one_tile_each \
+            else num_tokens // block_q + num_reqs + 1
+        grid = (num_tiles, num_kv_heads, num_splits)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_out, part_lse, block_tables, query_start_loc,
             seq_lens, num_tokens, num_reqs, num_splits, q_len_above, q_len_upto,
@@ -122,7 +133,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             k_cache.stride(2), block_tables.stride(0),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
             BLOCK_M=max(16, triton.next_power_of_2(block_q * group)), BLOCK_N=tile.block_n,
-            SEARCH_BLOCK=triton.next_power_of_2(num_reqs + 1),
+            ONE_TILE_EACH=one_tile_each,
+            SEARCH_BLOCK=1 if one_tile_each else triton.next_power_of_2(num_reqs + 1),
             SPLIT=num_splits > 1, EXACT_DOT=q.dtype == torch.float32,
             num_warps=tile.num_warps, num_stages=tile.num_stages)
     if num_splits > 1:
@@ -161,14 +173,23 @@ def _paged_attention_kernel(
         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SEARCH_BLOCK: tl.constexpr, SPLIT: tl.constexpr, EXACT_DOT: tl.constexpr):
+        ONE_TILE_EACH: tl.constexpr, SEARCH_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+        EXACT_DOT: tl.constexpr):
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    req = _request_of_tile(query_start_loc_ptr, num_reqs, tile, BLOCK_Q, SEARCH_BLOCK)
+    if ONE_TILE_EACH:
+        # the decode launch: each request of its class fits one tile, so tile r is request
+        # r's, and the tiles past num_reqs cover the padding tail (no search, one memory
+        # round trip less on the critical path of a small batch)
+        req = tl.minimum(tile, num_reqs)
+        first_query = (tile - req) * BLOCK_Q
+    else:
+        req = _request_of_tile(query_start_loc_ptr, num_reqs, tile, BLOCK_Q, SEARCH_BLOCK)
     real = req < num_reqs
     q_begin = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1, mask=real, other=num_tokens) - q_begin
     seq_len = tl.load(seq_lens_ptr + req, mask=real, other=0)
-    first_query = (tile - q_begin // BLOCK_Q - req) * BLOCK_Q
+    if not ONE_TILE_EACH:
+        first_query = (tile - q_begin // BLOCK_Q - req) * BLOCK_Q
     # real requests of another launch's length class are not ours; the padding tail is
     # every launch's (it only writes zeros)
     other_class = real & ((q_len <= q_len_above) | (q_len > q_len_upto))
@@ -191,36 +212,23 @@ def _paged_attention_kernel(
     part = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     kv_start = split * part
     kv_stop = tl.minimum(kv_start + part, kv_end)
+    # whole BLOCK_Ns that every row sees (at or before the tile's first query position)
+    # need neither the causal nor the range mask
+    seen_by_all = tl.minimum(kv_stop, seq_len - q_len + first_query + 1)
+    unmasked_stop = kv_start + tl.maximum(seen_by_all - kv_start, 0) // BLOCK_N * BLOCK_N
 
     # a finite floor instead of -inf keeps rows that see no key of this split NaN-free
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     table_row = block_tables_ptr + req * stride_bt
-    head_offset = kv_head * stride_ch
-    for start in range(kv_start, kv_stop, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        in_range = keys < kv_stop
-        block = tl.load(table_row + keys // BLOCK_SIZE, mask=in_range, other=0)
-        slot = block.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_cs + head_offset
-        kv_offsets = slot[:, None] + dims[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
-        if EXACT_DOT:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(keys[None, :] <= query_pos[:, None], scores * qk_scale,
-                          float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
-        if EXACT_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    kv_head_ptrs = (k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, kv_start,
+                            unmasked_stop, qk_scale, stride_cb, stride_cs, False, BLOCK_SIZE,
+                            BLOCK_N, HEAD_DIM, EXACT_DOT)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row,
+                            unmasked_stop, kv_stop, qk_scale, stride_cb, stride_cs, True,
+                            BLOCK_SIZE, BLOCK_N, HEAD_DIM, EXACT_DOT)
 
     # l_i == 0: the row saw no key (padding, or a split past its causal edge)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -235,6 +243,49 @@ def _paged_attention_kernel(
     else:
         tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, qk_scale,
+            stride_cb, stride_cs, MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EXACT_DOT: tl.constexpr):
+    """The online softmax over keys [start, stop), BLOCK_N at a time, read through the
+    block table. MASKED: mask keys past stop and past each row's query position."""
+    k_ptr, v_ptr = kv_head_ptrs
+    dims = tl.arange(0, HEAD_DIM)
+    for block_start in range(start, stop, BLOCK_N):
+        keys = block_start + tl.arange(0, BLOCK_N)
+        in_range = keys < stop
+        if MASKED:
+            block = tl.load(table_row + keys // BLOCK_SIZE, mask=in_range, other=0)
+        else:
+            block = tl.load(table_row + keys // BLOCK_SIZE)
+        slot = block.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_cs
+        kv_offsets = slot[:, None] + dims[None, :]
+        if MASKED:
+            k = tl.load(k_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + kv_offsets)
+        if EXACT_DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            scores = tl.where(keys[None, :] <= query_pos[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if MASKED:
+            v = tl.load(v_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptr + kv_offsets)
+        if EXACT_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit

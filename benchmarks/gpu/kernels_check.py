@@ -32,7 +32,7 @@ from kernels.attention import paged_attention_torch  # noqa: E402
 from kernels.cache import write_kv_ref, write_kv_triton  # noqa: E402
 from kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache  # noqa: E402
-from kernels.triton_attention import (AttentionConfig, TileConfig,  # noqa: E402
+from kernels.triton_attention import (AttentionConfig,  # noqa: E402
                                       _paged_attention_kernel, default_config,
                                       paged_attention_triton, sm_count)
 
@@ -51,7 +51,7 @@ class Result:
 
     @property
     def fraction(self) -> float:
-        return self.floor_us / self.us
+        return self.floor_us / self.us if self.us else 0.0
 
 
 @dataclass
@@ -144,12 +144,12 @@ def config_label(c: AttentionConfig) -> str:
             f"t{c.target_programs} p{c.min_partition}")
 
 
-def sweep(name: str, model: tuple, requests: list[tuple[int, int]], ceilings: Ceilings,
-          configs: list[AttentionConfig]) -> list[Result]:
+def sweep(name: str, configs: list[AttentionConfig],
+          measure: Callable[[AttentionConfig], Result]) -> list[Result]:
     results = []
     for config in configs:
         try:
-            results.append(time_attention(name, model, requests, ceilings, config=config))
+            results.append(measure(config))
         except Exception as exc:  # noqa: BLE001 - a config past the chip's resources
             print(f"{name} {config_label(config)}: {type(exc).__name__}: {exc}"[:300])
     results.sort(key=lambda r: r.us)
@@ -192,17 +192,25 @@ def attention_suite(ceilings: Ceilings) -> list[Result]:
     for name, model, requests, max_seq_len in cases:
         guarded(results, name, lambda: time_attention(name, model, requests, ceilings,
                                                       max_seq_len))
-    guarded(results, "graph", lambda: time_graph_decode(
-        "attn decode llama 1x1000 graph", LLAMA_8B, decode_1, 131072, ceilings))
+    graphs = [("attn decode llama 1x1000 graph, 1 layer", LLAMA_8B, decode_1, 131072, 1),
+              ("attn decode llama 1x1000 graph, per layer of 32", LLAMA_8B, decode_1, 131072,
+               32),
+              ("attn decode qwen3 256x~600 graph, per layer of 8", QWEN3_06B, decode_256,
+               40960, 8)]
+    for name, model, requests, max_seq_len, layers in graphs:
+        guarded(results, name, lambda: time_graph_decode(name, model, requests, max_seq_len,
+                                                         ceilings, layers=layers))
     guarded(results, "torch", lambda: time_torch_decode(
         "torch decode qwen3 256x~600", QWEN3_06B, decode_256, ceilings))
+    guarded(results, "enqueue", lambda: cpu_enqueue_us("host: attn decode llama 1x1000",
+                                                       LLAMA_8B, decode_1))
     return results
 
 
 def attention_sweeps(ceilings: Ceilings) -> dict[str, list[Result]]:
     """Launch configs around the defaults, for the cases the targets name."""
     sms = sm_count(0)
-    base = AttentionConfig(TileConfig(16, 64, 4, 3), TileConfig(128, 64, 8, 2), 4 * sms, 64)
+    base = default_config(torch.empty(1, device="cuda", dtype=BF16))
 
     def decode_tile(**changes: int) -> AttentionConfig:
         return replace(base, decode=replace(base.decode, **changes))
@@ -210,41 +218,73 @@ def attention_sweeps(ceilings: Ceilings) -> dict[str, list[Result]]:
     def prefill_tile(**changes: int) -> AttentionConfig:
         return replace(base, prefill=replace(base.prefill, **changes))
 
+    prefill_configs = [prefill_tile(block_m=m, block_n=n, num_warps=w, num_stages=s)
+                       for m, n, w, s in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2),
+                                          (128, 64, 8, 3), (128, 32, 8, 3)]]
     return {
-        "decode qwen3 256x600": sweep("decode qwen3 256x600", QWEN3_06B,
-                                      decode_requests(256, 500, 700), ceilings, [
+        "decode qwen3 256x600": sweep("decode qwen3 256x600", [
             decode_tile(block_n=n, num_warps=w, num_stages=s)
-            for n in (32, 64, 128) for w in (2, 4) for s in (2, 3, 4)]),
-        "decode llama 1x1000": sweep("decode llama 1x1000", LLAMA_8B, [(1000, 1)], ceilings, [
+            for n, w, s in [(64, 4, 2), (64, 4, 3), (32, 2, 3), (128, 4, 3)]],
+            lambda c: time_attention("decode qwen3 256x600", QWEN3_06B,
+                                     decode_requests(256, 500, 700), ceilings, config=c)),
+        "decode llama 1x1000 graph/layer": sweep("decode llama 1x1000 graph/layer", [
             replace(decode_tile(block_n=n), target_programs=t * sms, min_partition=n)
-            for n in (16, 32, 64) for t in (1, 2, 4, 8)]),
+            for n in (16, 32, 64) for t in (1, 2, 4)],
+            lambda c: time_graph_decode("decode llama 1x1000 graph/layer", LLAMA_8B,
+                                        [(1000, 1)], 131072, ceilings, c, layers=32)),
         "prefill llama 2048 after 2048": sweep(
-            "prefill llama 2048 after 2048", LLAMA_8B, [(4096, 2048)], ceilings, [
-                prefill_tile(block_m=m, block_n=n, num_warps=w, num_stages=s)
-                for m in (64, 128) for n in (32, 64) for w in (4, 8) for s in (2, 3)]),
-        # decode tiles as wide as prefill tiles: what the second launch saves
-        "mixed qwen3 255 dec + 512": sweep(
-            "mixed qwen3 255 dec + 512", QWEN3_06B,
-            decode_requests(255, 100, 1100) + [(1536, 512)], ceilings,
-            [base, replace(base, decode=base.prefill), decode_tile(block_m=64)]),
+            "prefill llama 2048 after 2048", prefill_configs,
+            lambda c: time_attention("prefill llama 2048 after 2048", LLAMA_8B,
+                                     [(4096, 2048)], ceilings, config=c)),
+        "prefill qwen3 4x2048": sweep(
+            "prefill qwen3 4x2048", prefill_configs,
+            lambda c: time_attention("prefill qwen3 4x2048", QWEN3_06B, [(2048, 2048)] * 4,
+                                     ceilings, config=c)),
     }
 
 
 def time_graph_decode(name: str, model: tuple, requests: list[tuple[int, int]],
-                      max_seq_len: int, ceilings: Ceilings) -> Result:
-    """One layer's decode attention captured in a CUDA graph and replayed, as the model
-    runner will run it."""
+                      max_seq_len: int, ceilings: Ceilings,
+                      config: AttentionConfig | None = None, layers: int = 1) -> Result:
+    """Decode attention of `layers` layers captured in one CUDA graph, as the model runner
+    will run it: each layer its own K/V cache, the metadata shared; time per layer (the
+    L2 is flushed before each replay, so the first layer finds the metadata cold)."""
     batch = attention_batch(model, requests)
+    caches = [(batch["k_cache"], batch["v_cache"])] + [
+        (torch.randn_like(batch["k_cache"]), torch.randn_like(batch["v_cache"]))
+        for _ in range(layers - 1)]
 
-    def step() -> torch.Tensor:
-        return paged_attention_triton(**batch, max_query_len=1, max_seq_len=max_seq_len)
+    def step() -> None:
+        for k_cache, v_cache in caches:
+            paged_attention_triton(**(batch | {"k_cache": k_cache, "v_cache": v_cache}),
+                                   max_query_len=1, max_seq_len=max_seq_len, config=config)
 
     step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
     floor, bound = attention_floor_us(model, requests, ceilings)
-    return Result(name, bench_us(graph.replay), floor, f"{bound}-bound; graph replay")
+    used = config or default_config(batch["q"])
+    return Result(name, bench_us(graph.replay) / layers, floor,
+                  f"{bound}-bound; graph of {layers}; {config_label(used)}")
+
+
+def cpu_enqueue_us(name: str, model: tuple, requests: list[tuple[int, int]]) -> Result:
+    """Host time of one call (launches queued, no sync): what a step outside a CUDA graph
+    pays per layer whatever the GPU does."""
+    batch = attention_batch(model, requests)
+
+    def call() -> None:
+        paged_attention_triton(**batch, max_query_len=1, max_seq_len=max(c for c, _ in requests))
+
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(200):
+        call()
+    us = (time.perf_counter() - start) / 200 * 1e6
+    torch.cuda.synchronize()
+    return Result(name, us, 0.0, "host enqueue time per call, not GPU time")
 
 
 def time_torch_decode(name: str, model: tuple, requests: list[tuple[int, int]],
@@ -326,9 +366,9 @@ def print_table(results: list[Result], ceilings: Ceilings, tests: str) -> None:
     print(f"\ntests: {tests}")
     print(f"ceilings: copy {ceilings.bandwidth / 1e12:.2f} TB/s (read+write), "
           f"bf16 matmul {ceilings.matmul / 1e12:.0f} TFLOP/s")
-    print(f"{'kernel':38s} {'time us':>9s} {'floor us':>9s} {'of floor':>8s}  note")
+    print(f"{'kernel':48s} {'time us':>9s} {'floor us':>9s} {'of floor':>8s}  note")
     for r in results:
-        print(f"{r.name:38s} {r.us:9.1f} {r.floor_us:9.1f} {r.fraction:8.1%}  {r.note}")
+        print(f"{r.name:48s} {r.us:9.1f} {r.floor_us:9.1f} {r.fraction:8.1%}  {r.note}")
 
 
 def main() -> None:
