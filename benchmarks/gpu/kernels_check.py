@@ -66,8 +66,9 @@ def bench_us(fn: Callable[[], object]) -> float:
 
 def run_tests(out_dir: Path) -> str:
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "4", "--maxfail=20", "--timeout=600",
-                           "tests/test_kernels_triton.py", "-k", "cuda"],
+    # 4 workers: the tests spend most of their time compiling kernel variants
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "4", "--maxfail=20",
+                           "--timeout=600", "tests/test_kernels_triton.py", "-k", "cuda"],
                           cwd=REPO, capture_output=True, text=True)
     (out_dir / "tests.log").write_text(proc.stdout + proc.stderr)
     summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
