@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from torch import nn
+from torch.autograd import DeviceType
 
 from common.config import EngineConfig
 from services.profiler import plot, run, table
-from services.profiler.layerwise import (PYTHON_ROW, REST_OF_STEP, STEP_RANGE, ModelRow,
-                                         ModuleRanges, PhaseStats, phase_stats, profile_step)
+from services.profiler.layerwise import (PYTHON_ROW, REST_OF_STEP, STEP_RANGE, Kernel,
+                                         ModelRow, ModuleRanges, PhaseStats, device_work,
+                                         phase_stats, profile_step)
 from services.profiler.run import (ProfileSettings, fit_error, kv_error, output_lengths,
                                    requests_per_step)
 from tests.tiny_models import make_tiny_model
@@ -142,31 +144,34 @@ class Counter:
 # --- the core on a tree with CUDA kernels (the GPU path, without a GPU) ------------------------
 
 @dataclass
-class Kernel:
-    name: str
-    duration: float
-
-
-@dataclass
 class Event:
     name: str
     cpu_time_total: float
     self_cpu_time_total: float
     is_user_annotation: bool = False
-    kernels: list[Kernel] = field(default_factory=list)
+    device_type: DeviceType = DeviceType.CPU
     cpu_children: list[Event] = field(default_factory=list)
+    id: int = 0
 
 
 def test_kernels_are_charged_to_the_modules_that_launched_them():
-    mm = Event("aten::mm", 30, 20, kernels=[Kernel("sm90_gemm", 50)],
-               cpu_children=[Event("cudaLaunchKernel", 10, 10)])
-    add = Event("aten::add", 8, 8, kernels=[Kernel("elementwise_add", 10)])
-    inner = Event("block", 15, 7, True, cpu_children=[add])
+    # an aten op launching a GEMM through cuLaunchKernelEx (correlation id 900), and a
+    # Triton kernel launched straight from a module's forward (id 901); the aten op's own
+    # id is 901 too, as ids of ops and of runtime calls come from different counters
+    gemm = Event("cuLaunchKernelEx", 10, 10, id=900)
+    mm = Event("aten::mm", 30, 20, cpu_children=[gemm], id=901)
+    triton = Event("cuLaunchKernelEx", 8, 8, id=901)
+    inner = Event("block", 15, 7, True, cpu_children=[triton])
     model = Event("Net", 80, 35, True, cpu_children=[mm, inner])
-    copy = Event("aten::copy_", 6, 6, kernels=[Kernel("memcpy", 5)])
-    step = Event(STEP_RANGE, 100, 14, True, cpu_children=[model, copy])
+    memcpy = Event("cudaMemcpyAsync", 6, 6, id=902)
+    step = Event(STEP_RANGE, 100, 14, True, cpu_children=[model, memcpy])
+    launches = {900: [Kernel("sm90_gemm", 50)], 901: [Kernel("_rms_norm_kernel", 10)],
+                902: [Kernel("Memcpy HtoD", 5)]}
     modules = {"Net": ("", "Net"), "block": ("block", "Block")}
-    stats = phase_stats([step, mm, add], modules, num_running_requests=2, num_tokens=2)
+    # on a GPU every range also leaves a twin on the device's timeline
+    gpu_step = Event(STEP_RANGE, 0, 0, True, DeviceType.CUDA)
+    stats = phase_stats([step, gpu_step, mm, gemm], launches, modules,
+                        num_running_requests=2, num_tokens=2)
     assert stats.cuda_time_us == 65 and stats.cpu_time_us == 100
     net, rest = stats.model
     assert (net.cuda_time_us, net.cpu_time_us) == (60, 80)
@@ -175,7 +180,8 @@ def test_kernels_are_charged_to_the_modules_that_launched_them():
     rows = {r.name: r for r in stats.summary}
     assert stats.summary[0].name == "sm90_gemm"  # the most CUDA time first
     assert rows["sm90_gemm"].pct_cuda_time == pytest.approx(100 * 50 / 65)
-    assert rows["cudaLaunchKernel"].cpu_time_us == 10
+    assert rows["_rms_norm_kernel"].invocations == 1
+    assert rows["cuLaunchKernelEx"].cpu_time_us == 18
     assert rows[PYTHON_ROW].cpu_time_us == 14 + 35 + 7
     assert sum(r.cpu_time_us for r in stats.summary) == 100
     assert sum(r.pct_cuda_time for r in stats.summary) == pytest.approx(100.0)
@@ -183,9 +189,47 @@ def test_kernels_are_charged_to_the_modules_that_launched_them():
     assert again == stats
 
 
+@dataclass
+class RawEvent:
+    """The methods device_work reads of torch's raw (kineto) events."""
+    event_name: str
+    device: DeviceType
+    correlation: int
+    start: int
+    end: int
+    annotation: bool = False
+
+    def name(self) -> str:
+        return self.event_name
+
+    def device_type(self) -> DeviceType:
+        return self.device
+
+    def correlation_id(self) -> int:
+        return self.correlation
+
+    def start_ns(self) -> int:
+        return self.start
+
+    def end_ns(self) -> int:
+        return self.end
+
+    def is_user_annotation(self) -> bool:
+        return self.annotation
+
+
+def test_device_work_by_correlation_id():
+    raw = [RawEvent("cuLaunchKernelEx", DeviceType.CPU, 7, 0, 1000),
+           RawEvent("_rms_norm_kernel", DeviceType.CUDA, 7, 5000, 7500),
+           RawEvent("model.layers.0.mlp", DeviceType.CUDA, 3, 5000, 9000, annotation=True),
+           RawEvent("Memset (Device)", DeviceType.CUDA, 8, 9000, 9500)]
+    assert device_work(raw) == {7: [Kernel("_rms_norm_kernel", 2.5)],
+                                8: [Kernel("Memset (Device)", 0.5)]}
+
+
 def test_a_profile_needs_one_step_range():
     with pytest.raises(ValueError, match="expected one 'engine_step' range"):
-        phase_stats([Event("aten::mm", 1, 1)], {})
+        phase_stats([Event("aten::mm", 1, 1)], {}, {})
 
 
 # --- the commands on the engine ---------------------------------------------------------------
@@ -201,7 +245,8 @@ def profiled(tmp_path_factory):
     code = run.main(["--model", str(model), "--prompt-len", str(PROMPT), "--batch-size",
                      str(BATCH), "--csv", str(root / "tiny.csv"), "--json",
                      str(root / "tiny"), "--save-chrome-traces-folder", str(root / "traces"),
-                     "--num-gpu-blocks-override", "64", "run_to_completion", "-n", "2"])
+                     "--num-gpu-blocks-override", "64", "--device", "cpu",
+                     "run_to_completion", "-n", "2"])
     assert code == 0
     return root, model
 

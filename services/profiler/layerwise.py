@@ -11,6 +11,12 @@ tree gives two tables:
 * the SUMMARY table: one row per CUDA kernel name (CUDA time) and per CPU op name (self
   CPU time, so nothing is counted twice), with percentages of the step's totals.
 
+Kernels are matched to the CUDA runtime/driver call that launched them (cudaLaunchKernel,
+cuLaunchKernelEx, cudaMemcpyAsync, ...) by their shared CUPTI correlation id, read from the
+raw profiler events. FunctionEvent.kernels is not used: it links kernels through the aten op
+around the launch, so Triton kernels (launched outside any aten op) go missing, and a
+Triton launch whose correlation id equals some aten op's id is handed that op's kernels.
+
 The tree walk (`phase_stats`) reads only the attributes below from each event, so it is
 tested on real CPU profiles and on hand-built trees with kernels alike.
 """
@@ -18,32 +24,58 @@ tested on real CPU profiles and on hand-built trees with kernels alike.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 STEP_RANGE = "engine_step"
 REST_OF_STEP = "(rest of step)"
 PYTHON_ROW = "(python, outside torch ops)"
-
-
-class KernelLike(Protocol):
-    name: str
-    duration: float  # us
+RUNTIME_CALL = re.compile(r"^cuda[A-Z]|^cu[A-Z]")  # cudaLaunchKernel, cuLaunchKernelEx, ...
 
 
 class EventLike(Protocol):
     """What the walk reads of a torch.autograd.profiler FunctionEvent."""
     name: str
+    id: int  # a runtime call's CUPTI correlation id, shared with the kernels it launched
+    device_type: DeviceType  # a range also leaves a CUDA-side twin in a GPU profile
     is_user_annotation: bool
     cpu_time_total: float  # us, the range's wall time
     self_cpu_time_total: float  # us, minus the children's
     cpu_children: Sequence[EventLike]
-    kernels: Sequence[KernelLike]  # device work launched by this very event
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """Device work: a kernel, a memcpy or a memset."""
+    name: str
+    duration_us: float
+
+
+Launches = dict[int, list[Kernel]]  # correlation id -> the device work it launched
+
+
+def device_work(raw_events: Sequence[Any]) -> Launches:
+    """The device events of a profile (torch's raw kineto events), by correlation id."""
+    launches: Launches = {}
+    for event in raw_events:
+        if event.device_type() != DeviceType.CPU and not event.is_user_annotation():
+            kernel = Kernel(event.name(), (event.end_ns() - event.start_ns()) / 1000)
+            launches.setdefault(event.correlation_id(), []).append(kernel)
+    return launches
+
+
+def launched(event: EventLike, launches: Launches) -> list[Kernel]:
+    """The device work a CPU event launched itself (only runtime calls launch)."""
+    if event.is_user_annotation or not RUNTIME_CALL.match(event.name):
+        return []
+    return launches.get(event.id, [])
 
 
 @dataclass(slots=True)
@@ -119,10 +151,10 @@ def _row_in(rows: list[ModelRow], path: str, module: str) -> ModelRow:
 
 # --- the event tree -> tables ------------------------------------------------------------
 
-def device_time_us(event: EventLike) -> float:
+def device_time_us(event: EventLike, launches: Launches) -> float:
     """CUDA time of the kernels launched inside an event, its descendants' included."""
-    own = sum(k.duration for k in event.kernels)
-    return own + sum(device_time_us(c) for c in event.cpu_children)
+    own = sum(k.duration_us for k in launched(event, launches))
+    return own + sum(device_time_us(c, launches) for c in event.cpu_children)
 
 
 @dataclass(slots=True)
@@ -133,9 +165,9 @@ class _Totals:
     python_us: float = 0.0
     python_count: int = 0
 
-    def add(self, event: EventLike) -> None:
-        for kernel in event.kernels:
-            _bump(self.kernels, kernel.name, kernel.duration)
+    def add(self, event: EventLike, launches: Launches) -> None:
+        for kernel in launched(event, launches):
+            _bump(self.kernels, kernel.name, kernel.duration_us)
         if event.is_user_annotation:  # Python code between ops, in forwards and the engine
             self.python_us += event.self_cpu_time_total
             self.python_count += 1
@@ -163,17 +195,18 @@ def _pct(part: float, total: float) -> float:
     return 100.0 * part / total if total > 0 else 0.0
 
 
-def phase_stats(events: Sequence[EventLike], modules: dict[str, tuple[str, str]],
-                num_running_requests: int = 0, num_tokens: int = 0) -> PhaseStats:
+def phase_stats(events: Sequence[EventLike], launches: Launches,
+                modules: dict[str, tuple[str, str]], num_running_requests: int = 0,
+                num_tokens: int = 0) -> PhaseStats:
     """Tables of the step range in `events` (one profile's event list). `modules` maps a
     range name to (module path, class name), as `ModuleRanges.names` does."""
     step = find_step(events)
     root = ModelRow("", "")
     totals = _Totals()
     for child in step.cpu_children:
-        _walk(child, root, modules, totals)
-    totals.add(step)
-    cuda_total, cpu_total = device_time_us(step), step.cpu_time_total
+        _walk(child, root, modules, launches, totals)
+    totals.add(step, launches)
+    cuda_total, cpu_total = device_time_us(step, launches), step.cpu_time_total
     rest = ModelRow(REST_OF_STEP, "", invocations=1,
                     cuda_time_us=max(0.0, cuda_total - sum(r.cuda_time_us for r in root.children)),
                     cpu_time_us=max(0.0, cpu_total - sum(r.cpu_time_us for r in root.children)))
@@ -182,23 +215,24 @@ def phase_stats(events: Sequence[EventLike], modules: dict[str, tuple[str, str]]
 
 
 def find_step(events: Sequence[EventLike]) -> EventLike:
-    steps = [e for e in events if e.is_user_annotation and e.name == STEP_RANGE]
+    steps = [e for e in events if e.is_user_annotation and e.name == STEP_RANGE
+             and e.device_type == DeviceType.CPU]
     if len(steps) != 1:
         raise ValueError(f"expected one {STEP_RANGE!r} range in the profile, found {len(steps)}")
     return steps[0]
 
 
 def _walk(event: EventLike, parent: ModelRow, modules: dict[str, tuple[str, str]],
-          totals: _Totals) -> None:
-    totals.add(event)
+          launches: Launches, totals: _Totals) -> None:
+    totals.add(event, launches)
     module = modules.get(event.name) if event.is_user_annotation else None
     if module is not None:
         parent = parent.child(*module)
         parent.invocations += 1
         parent.cpu_time_us += event.cpu_time_total
-        parent.cuda_time_us += device_time_us(event)
+        parent.cuda_time_us += device_time_us(event, launches)
     for child in event.cpu_children:
-        _walk(child, parent, modules, totals)
+        _walk(child, parent, modules, launches, totals)
 
 
 # --- ranges around module forwards --------------------------------------------------------
@@ -275,4 +309,6 @@ def profile_step(run: Callable[[], tuple[int, int]], ranges: ModuleRanges, use_c
             num_requests, num_tokens = run()
             if use_cuda:
                 torch.cuda.synchronize()  # the step's kernels end inside its range
-    return StepProfile(prof, phase_stats(prof.events(), ranges.names, num_requests, num_tokens))
+    launches = device_work(prof.profiler.kineto_results.events())
+    stats = phase_stats(prof.events(), launches, ranges.names, num_requests, num_tokens)
+    return StepProfile(prof, stats)

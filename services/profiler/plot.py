@@ -26,7 +26,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first)
 
-from services.profiler.layerwise import PYTHON_ROW, ModelRow, PhaseStats  # noqa: E402
+from services.profiler.layerwise import (PYTHON_ROW, RUNTIME_CALL, ModelRow,  # noqa: E402
+                                         PhaseStats)
 from services.profiler.table import load_phases  # noqa: E402
 
 METRICS = ("pct_cuda_time", "cuda_time_us", "pct_cpu_time", "cpu_time_us")
@@ -39,24 +40,24 @@ CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     ("norm", re.compile(r"norm|rsqrt")),
     ("activation", re.compile(r"silu|gelu|act_and_mul|sigmoid")),
     ("rotary", re.compile(r"rotary|rope|\b(cos|sin)\b")),
-    ("sampling", re.compile(r"softmax|sort|topk|multinomial|argmax|exponential|cumsum")),
+    ("sampling", re.compile(r"softmax|sort|topk|multinomial|argmax|exponential|cumsum|scan|"
+                            r"distribution")),
     ("copy and index", re.compile(r"copy|\bcat\b|index|gather|scatter|fill|empty|zero|memcpy|"
-                                  r"memset|clone|contiguous|embedding")),
-    ("views", re.compile(r"\b(as_strided|view|reshape|transpose|t|slice|select|unsqueeze|squeeze|"
-                         r"expand|narrow|split|split_with_sizes|chunk|flatten|permute|"
-                         r"alias|detach|unbind)\b")),
+                                  r"memset|clone|contiguous|embedding|\b(to|item|arange|resize_|"
+                                  r"_local_scalar_dense|lift_fresh|scalar_tensor)\b")),
+    ("views", re.compile(r"\b(as_strided_?|view|reshape|transpose|t|slice|select|unsqueeze|"
+                         r"squeeze|expand|narrow|split|split_with_sizes|chunk|flatten|permute|"
+                         r"alias|detach_?|unbind|resolve_conj|resolve_neg)\b")),
     ("elementwise", re.compile(r"elementwise|reduce|\b(add|mul|sub|div|pow|where|mean|sum|neg|"
-                               r"exp|clamp|masked_fill)_?\b")),
+                               r"exp|masked_fill|lt|le|gt|ge|eq|ne|max|min|maximum|minimum)_?\b|"
+                               r"clamp")),
 ]
-
-
-RUNTIME = re.compile(r"^cuda[A-Z]|^cu[A-Z]")  # cudaLaunchKernel, cuLaunchKernel, ...
 
 
 def category(name: str) -> str:
     if name == PYTHON_ROW:
         return "python"
-    if RUNTIME.match(name):
+    if RUNTIME_CALL.match(name):
         return "cuda runtime"
     lowered = name.lower()
     for label, pattern in CATEGORIES:
@@ -151,7 +152,7 @@ def draw(phases: dict[str, PhaseStats], metric: str, by: str, title: str, path: 
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     ax.set_xticks(range(len(names)), [phase_label(n, phases[n]) for n in names], fontsize=8)
     ax.set_ylabel(y_label(metric))
-    ax.set_title(title, fontsize=10)
+    fig.suptitle(title, fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
