@@ -218,9 +218,9 @@ def test_poisson_arrivals_follow_the_schedule(fake_server, tmp_path):
     assert code == 0
     planned = [p.send_at for p in plan_requests(serve.build_parser().parse_args(flags))]
     arrived = sorted(t - server.arrivals[0] for t in server.arrivals)
-    assert arrived == pytest.approx(planned, abs=0.03)
+    assert arrived == pytest.approx(planned, abs=LATE_S)
     started = sorted(r["start"] for r in data["requests"])
-    assert started == pytest.approx(planned, abs=0.03)
+    assert started == pytest.approx(planned, abs=LATE_S)
 
 
 def test_infinite_rate_sends_everything_at_once(fake_server, tmp_path):
@@ -229,7 +229,7 @@ def test_infinite_rate_sends_everything_at_once(fake_server, tmp_path):
                        "--random-output-len", "3")
     assert code == 0
     assert server.most_open == 12  # no hidden cap from the HTTP client's connection pool
-    assert max(server.arrivals) - min(server.arrivals) < 0.1
+    assert max(server.arrivals) - min(server.arrivals) < 4 * LATE_S  # not paced
 
 
 def test_failed_requests_are_counted_not_fatal(fake_server, tmp_path):
