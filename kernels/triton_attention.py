@@ -73,12 +73,12 @@ def sm_count(device_index: int) -> int:
 
 def default_config(q: torch.Tensor) -> AttentionConfig:
     """Decode tiles of 16 rows (a decode has only GROUP rows: wider tiles would multiply
-    idle tensor-core work); prefill tiles as wide as registers allow, since each K/V step
-    then serves more queries."""
-    programs = 4 * sm_count(q.device.index or 0) if q.is_cuda else 1
+    idle tensor-core work), prefill tiles of 64 rows, and splits until about one program
+    per SM. Chosen by the H100 sweeps in benchmarks/gpu/kernels.md."""
+    programs = sm_count(q.device.index or 0) if q.is_cuda else 1
     if q.dtype == torch.float32:  # exact fp32 dots: 16 x 16 tiles, larger ones spill
         return AttentionConfig(TileConfig(16, 16, 4, 2), TileConfig(16, 16, 4, 2), programs, 64)
-    return AttentionConfig(TileConfig(16, 64, 4, 3), TileConfig(128, 64, 8, 2), programs, 64)
+    return AttentionConfig(TileConfig(16, 64, 4, 3), TileConfig(64, 64, 4, 2), programs, 64)
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

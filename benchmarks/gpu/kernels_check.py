@@ -203,8 +203,10 @@ def attention_suite(ceilings: Ceilings) -> list[Result]:
                                                          ceilings, layers=layers))
     guarded(results, "torch", lambda: time_torch_decode(
         "torch decode qwen3 256x~600", QWEN3_06B, decode_256, ceilings))
-    guarded(results, "enqueue", lambda: cpu_enqueue_us("host: attn decode llama 1x1000",
-                                                       LLAMA_8B, decode_1))
+    guarded(results, "host", lambda: host_attention("host: attn decode llama 1x1000",
+                                                    LLAMA_8B, decode_1))
+    guarded(results, "host", lambda: host_attention("host: attn mixed qwen3 255 dec + 512",
+                                                    QWEN3_06B, mixed))
     return results
 
 
@@ -220,17 +222,16 @@ def attention_sweeps(ceilings: Ceilings) -> dict[str, list[Result]]:
         return replace(base, prefill=replace(base.prefill, **changes))
 
     prefill_configs = [prefill_tile(block_m=m, block_n=n, num_warps=w, num_stages=s)
-                       for m, n, w, s in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2),
-                                          (128, 64, 8, 3), (128, 32, 8, 3)]]
+                       for m, n, w, s in [(64, 64, 4, 2), (128, 64, 8, 3)]]
     return {
         "decode qwen3 256x600": sweep("decode qwen3 256x600", [
             decode_tile(block_n=n, num_warps=w, num_stages=s)
-            for n, w, s in [(64, 4, 2), (64, 4, 3), (32, 2, 3), (128, 4, 3)]],
+            for n, w, s in [(64, 4, 3), (32, 2, 3)]],
             lambda c: time_attention("decode qwen3 256x600", QWEN3_06B,
                                      decode_requests(256, 500, 700), ceilings, config=c)),
         "decode llama 1x1000 graph/layer": sweep("decode llama 1x1000 graph/layer", [
-            replace(decode_tile(block_n=n), target_programs=t * sms, min_partition=n)
-            for n in (16, 32, 64) for t in (1, 2, 4)],
+            replace(decode_tile(block_n=n), target_programs=t, min_partition=n)
+            for n, t in [(64, 1), (64, sms), (64, 2 * sms), (32, sms)]],
             lambda c: time_graph_decode("decode llama 1x1000 graph/layer", LLAMA_8B,
                                         [(1000, 1)], 131072, ceilings, c, layers=32)),
         "prefill llama 2048 after 2048": sweep(
@@ -270,21 +271,24 @@ def time_graph_decode(name: str, model: tuple, requests: list[tuple[int, int]],
                   f"{bound}-bound; graph of {layers}; {config_label(used)}")
 
 
-def cpu_enqueue_us(name: str, model: tuple, requests: list[tuple[int, int]]) -> Result:
+def host_us(fn: Callable[[], object], calls: int = 200) -> float:
     """Host time of one call (launches queued, no sync): what a step outside a CUDA graph
-    pays per layer whatever the GPU does."""
-    batch = attention_batch(model, requests)
-
-    def call() -> None:
-        paged_attention_triton(**batch, max_query_len=1, max_seq_len=max(c for c, _ in requests))
-
-    call()
+    pays whatever the GPU does."""
+    fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(200):
-        call()
-    us = (time.perf_counter() - start) / 200 * 1e6
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - start) / calls * 1e6
     torch.cuda.synchronize()
+    return us
+
+
+def host_attention(name: str, model: tuple, requests: list[tuple[int, int]]) -> Result:
+    batch = attention_batch(model, requests)
+    max_query_len, max_seq_len = max(q for _, q in requests), max(c for c, _ in requests)
+    us = host_us(lambda: paged_attention_triton(**batch, max_query_len=max_query_len,
+                                                max_seq_len=max_seq_len))
     return Result(name, us, 0.0, "host enqueue time per call, not GPU time")
 
 
@@ -313,9 +317,10 @@ def time_small_kernels(tokens: int, heads: int, kv_heads: int, head_dim: int, hi
         return num_bytes / ceilings.bandwidth * 1e6
 
     def pair(name: str, triton_fn: Callable, ref_fn: Callable, num_bytes: float) -> Result:
-        """The Triton kernel against its floor, the torch reference's time beside it."""
+        """The Triton kernel against its floor; the torch reference's time and the host
+        enqueue time of the Triton call beside it."""
         return Result(f"{name} T={tokens}", bench_us(triton_fn), floor(num_bytes),
-                      f"torch ref {bench_us(ref_fn):.1f} us")
+                      f"torch ref {bench_us(ref_fn):.1f} us; host {host_us(triton_fn):.1f} us")
 
     kv = torch.randn(tokens, 2 * kv_heads, head_dim, device="cuda", dtype=BF16)
     k, v = kv[:, :kv_heads], kv[:, kv_heads:]
