@@ -11,6 +11,7 @@ tiny vocabulary) and a generation_config.json.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,10 @@ from typing import Any
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO_ROOT.parent / "shared" / "models" / "qwen3-0.6b-shape"
+# The shapes' directory: ../shared/models here and in CI; the device script points
+# HEADRACE_SHAPES at the copy it carries (.devkit/models).
+TOKENIZER_DIR = Path(os.environ.get("HEADRACE_SHAPES", REPO_ROOT.parent / "shared" / "models")
+                     ) / "qwen3-0.6b-shape"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 TINY_VOCAB = 512
 # large enough that attention is sharp and rotary/masking mistakes show in the logits

@@ -38,7 +38,7 @@ from services.bench.pipeline import CLIENT, LocalPipeline, drive
 from services.bench.workloads import (Ceilings, ModelShape, Trace, Workload, fixed_workload,
                                       kv_waste, measure_ceilings, nano_workload,
                                       with_output_len)
-from services.engine import Engine
+from services.engine import Engine, StepTimes
 
 
 @dataclass(slots=True)
@@ -48,6 +48,7 @@ class RunResult:
     requests: int
     output_tokens: int
     seconds: float
+    phases: dict[str, float] | None = None  # where an in-process run's time went
 
     @property
     def tokens_per_s(self) -> float:
@@ -96,13 +97,19 @@ def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None
         engine.add_request(f"{run_id}-{i}", prompt, params)
     output_tokens = 0
     _sync(engine.runner.device)
+    engine.times = StepTimes()
     start = time.perf_counter()
     while engine.has_unfinished():
         output_tokens += sum(len(d.token_ids) for d in engine.step())
     _sync(engine.runner.device)
     engine.on_plan = None
     return RunResult("inprocess", workload.name, len(workload.prompts), output_tokens,
-                     time.perf_counter() - start)
+                     time.perf_counter() - start, _phases(engine.times))
+
+
+def _phases(times: StepTimes) -> dict[str, float]:
+    return {"steps": times.steps, "schedule_s": times.schedule, "execute_s": times.execute,
+            "update_s": times.update, "postprocess_s": times.postprocess}
 
 
 def run_pipeline(config: EngineConfig, workload: Workload) -> RunResult:
@@ -176,6 +183,9 @@ def report(results: list[RunResult], floor_s: float, ceilings: Ceilings, waste: 
     for r in results:
         lines.append(f"{r.path:<26}{r.workload:<28}{r.requests:>9}{r.output_tokens:>10}"
                      f"{r.seconds:>9.2f}{r.tokens_per_s:>10.0f}")
+        if r.phases:
+            lines.append("    " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else
+                                            f"{k} {v}" for k, v in r.phases.items()))
     first = results[0]
     lines.append(f"floor of {first.workload}: {floor_s:.2f} s "
                  f"({first.output_tokens / floor_s:.0f} tok/s); achieved "

@@ -53,19 +53,33 @@ def plan_num_blocks(config: EngineConfig, runner: Profilable, bytes_per_block: i
 
 def _profiled_budget(config: EngineConfig, runner: Profilable) -> int:
     """gpu_memory_utilization of the device, minus what the weights, the largest step's
-    activations and everything outside torch's allocator (CUDA context, library
-    workspaces) take."""
+    activations, the CUDA graphs' own memory pool and everything outside torch's
+    allocator (CUDA context, library workspaces) take."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    weights = torch.cuda.memory_allocated()
     runner.profile_run()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     free, total = torch.cuda.mem_get_info()
-    outside_torch = (total - free) - torch.cuda.memory_reserved()
+    outside_torch = max((total - free) - torch.cuda.memory_reserved(), 0)
     torch.cuda.empty_cache()
-    budget = int(total * config.gpu_memory_utilization) - peak - max(outside_torch, 0)
-    log.info("memory profile: total %.2f GiB, weights+activations peak %.2f GiB, outside "
-             "torch %.2f GiB, KV budget %.2f GiB", total / 2**30, peak / 2**30,
+    graphs = _graph_reserve(config, peak - weights)
+    budget = int(total * config.gpu_memory_utilization) - peak - outside_torch - graphs
+    log.info("memory profile: total %.2f GiB, weights %.2f GiB, activation peak %.2f GiB, "
+             "CUDA graphs %.2f GiB, outside torch %.2f GiB, KV budget %.2f GiB",
+             total / 2**30, weights / 2**30, (peak - weights) / 2**30, graphs / 2**30,
              outside_torch / 2**30, budget / 2**30)
     return max(budget, 0)
+
+
+def _graph_reserve(config: EngineConfig, activations: int) -> int:
+    """Decode graphs keep their activations in a pool of their own, captured after the KV
+    cache exists: the profiled activations scaled to the largest graph's batch, plus room
+    for the per-graph workspaces."""
+    if config.enforce_eager:
+        return 0
+    assert config.max_num_batched_tokens is not None
+    batch = min(config.max_num_seqs, 512)
+    return activations * batch // config.max_num_batched_tokens + 256 * 2**20

@@ -36,10 +36,18 @@ class RequestState:
     block_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    pending: int = 0  # tokens sampled by launched steps, not yet copied back to the host
 
     @property
     def num_tokens(self) -> int:
+        """Tokens known on the host (the pending one excluded)."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def needs_history(self) -> bool:
+        """Penalties and min_tokens read the output so far."""
+        p = self.params
+        return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                or p.repetition_penalty != 1.0 or p.min_tokens > len(self.output_ids))
 
     def tokens(self, start: int, end: int) -> list[int]:
         num_prompt = len(self.prompt_ids)
@@ -51,6 +59,19 @@ class RequestState:
 
     def sampling_row(self) -> SamplingRow:
         return SamplingRow(self.params, self.prompt_ids, self.output_ids, self.generator)
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step whose work is queued on the device; its tokens land in `host` when `done`
+    fires."""
+    step: int
+    sampling: list[RequestState]
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    logprobs: list
+    prompt_logprobs: list[PromptLogprobs]
+    started: float
 
 
 @dataclass(slots=True)
@@ -87,6 +108,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.sampler = Sampler(self.device, config.seed)
         self.requests: dict[str, RequestState] = {}
+        self._pending: Launched | None = None
+        self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._last_index: dict[str, int] = {}
         self.num_blocks = plan_num_blocks(config, self, kv_cache_bytes_per_block(
             hf_config, config.block_size, self.dtype, config.tensor_parallel_size))
         shape = kv_cache_shape(hf_config, self.num_blocks, self.block_size,
@@ -99,15 +123,72 @@ class ModelRunner:
     # --- one step -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        start = time.perf_counter()
+    def submit(self, plan: StepPlan) -> list[StepResult]:
+        """Queue `plan` on the device and return the results of earlier steps that are now
+        complete (at most one). A decode input whose token is still being copied back is
+        gathered on the device from the previous step's samples, so the host prepares and
+        launches this step while the device finishes the last one."""
+        done = []
         self._apply_plan(plan)
+        if self._pending is not None and any(
+                self.requests[r].pending and self.requests[r].needs_history()
+                for r in plan.req_ids):
+            done.append(self._complete())
+        launched = self._launch(plan)
+        if self._pending is not None:
+            done.append(self._complete())
+        self._pending = launched
+        return done
+
+    @torch.inference_mode()
+    def flush(self) -> list[StepResult]:
+        """The result of the last submitted step, once it is complete."""
+        return [self._complete()] if self._pending is not None else []
+
+    def step_done(self) -> bool:
+        """Whether the last submitted step's tokens are on the host (flush won't wait)."""
+        pending = self._pending
+        return pending is None or pending.done is None or pending.done.query()
+
+    def _launch(self, plan: StepPlan) -> Launched:
+        started = time.perf_counter()
         inputs = self._prepare(plan)
         hidden = self._forward(inputs)
-        req_ids, token_ids, logprobs = self._sample(hidden, inputs)
         chunks = [self._prompt_logprobs(hidden, *row) for row in inputs.prompt_logprob_rows]
-        return StepResult(plan.step, req_ids, token_ids, logprobs, chunks,
-                          execute_ms=1000 * (time.perf_counter() - start))
+        if not inputs.sampling:
+            return Launched(plan.step, [], torch.empty(0, dtype=torch.int64), None, [], chunks,
+                            started)
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        out = self.sampler.sample(logits, [s.sampling_row() for s in inputs.sampling])
+        self._last_tokens = out.token_ids
+        self._last_index = {s.req_id: i for i, s in enumerate(inputs.sampling)}
+        for state in inputs.sampling:
+            state.pending += 1
+        host, done = self._copy_to_host(out.token_ids)
+        logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
+        return Launched(plan.step, inputs.sampling, host, done, logprobs, chunks, started)
+
+    def _complete(self) -> StepResult:
+        launched, self._pending = self._pending, None
+        assert launched is not None
+        if launched.done is not None:
+            launched.done.synchronize()
+        token_ids = launched.host.tolist()
+        for state, token in zip(launched.sampling, token_ids):
+            state.output_ids.append(token)
+            state.pending -= 1
+        return StepResult(launched.step, [s.req_id for s in launched.sampling], token_ids,
+                          launched.logprobs, launched.prompt_logprobs,
+                          execute_ms=1000 * (time.perf_counter() - launched.started))
+
+    def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if tokens.device.type != "cuda":
+            return tokens, None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         graphs, attn = self.graphs, inputs.attn
@@ -130,7 +211,8 @@ class ModelRunner:
         return graphs
 
     def forget_requests(self) -> None:
-        """Drop every request's state (a new scheduler took over)."""
+        """Drop every request's state (a new scheduler took over); flush first."""
+        assert self._pending is None, "a launched step still refers to these requests"
         self.requests.clear()
 
     def _apply_plan(self, plan: StepPlan) -> None:
@@ -154,8 +236,14 @@ class ModelRunner:
         np.cumsum(num_scheduled, out=cu[1:])
         positions = np.arange(cu[-1]) + np.repeat(starts - cu[:-1], num_scheduled)
         token_ids: list[int] = []
+        gathers: list[tuple[int, int]] = []  # (input index, row of the previous samples)
         for state, start, n in zip(states, starts.tolist(), num_scheduled.tolist()):
-            token_ids += state.tokens(start, start + n)
+            known = min(start + n, state.num_tokens)
+            token_ids += state.tokens(start, known)
+            if known < start + n:  # the token sampled by the step still in flight
+                assert state.pending == 1 and known + 1 == start + n, "one token ahead at most"
+                gathers.append((len(token_ids), self._last_index[state.req_id]))
+                token_ids.append(0)
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
         for i, state in enumerate(states):
@@ -164,14 +252,19 @@ class ModelRunner:
         slots = (block_table[req_of_token, positions // self.block_size].astype(np.int64)
                  * self.block_size + positions % self.block_size)
         seq_lens = starts + num_scheduled
-        samples = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
+        samples = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens + s.pending]
         attn = AttentionMetadata(
             slot_mapping=self._tensor(slots), block_tables=self._tensor(block_table),
             query_start_loc=self._tensor(cu.astype(np.int32)),
             seq_lens=self._tensor(seq_lens.astype(np.int32)),
             max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()))
+        input_ids = self._tensor(np.asarray(token_ids, dtype=np.int64))
+        if gathers:
+            dst, src = zip(*gathers)
+            input_ids[self._tensor(np.asarray(dst))] = self._last_tokens[
+                self._tensor(np.asarray(src))]
         return StepInputs(
-            input_ids=self._tensor(np.asarray(token_ids, dtype=np.int64)),
+            input_ids=input_ids,
             positions=self._tensor(positions),
             attn=attn,
             sample_indices=self._tensor(cu[1:][samples] - 1),
@@ -188,18 +281,6 @@ class ModelRunner:
             if end > start:
                 rows.append((state, int(cu[i]), start, end - start))
         return rows
-
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs):
-        if not inputs.sampling:
-            return [], [], []
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        out = self.sampler.sample(logits, [s.sampling_row() for s in inputs.sampling])
-        token_ids = out.token_ids.tolist()
-        for state, token in zip(inputs.sampling, token_ids):
-            state.output_ids.append(token)
-        req_ids = [s.req_id for s in inputs.sampling]
-        logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
-        return req_ids, token_ids, logprobs
 
     def _prompt_logprobs(self, hidden: torch.Tensor, state: RequestState, first: int,
                          start: int, count: int) -> PromptLogprobs:

@@ -2,13 +2,16 @@
 order and returns each step's sampled tokens.
 
 A reader task prefetches plans and a writer task commits results while the model runs in
-a thread, so Redis I/O never sits between two steps.
+a thread, so Redis I/O never sits between two steps. Execution is asynchronous: a plan is
+launched on the device before the previous step's tokens are copied back, so the device
+starts step N+1 while the host ships step N's result.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections import deque
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -25,6 +28,7 @@ from services.worker.model_runner import ModelRunner
 
 GROUP = "worker"
 PREFETCH = 4
+POLL_S = 0.0002  # how often to look for a finished step while no plan waits
 
 log = get_logger("headrace.worker")
 
@@ -34,6 +38,7 @@ class WorkerShell:
         self.ctx, self.bus, self.runner = ctx, ctx.bus, runner
         self.epoch = uuid.uuid4().hex[:12]
         self.scheduler_epoch = ""
+        self.launched: deque[Entry] = deque()  # plans on the device, results not yet out
 
     async def run(self) -> None:
         await self.bus.ensure_group(STEPS, GROUP)
@@ -66,18 +71,57 @@ class WorkerShell:
 
     async def _execute(self, plans: ObjectReceiveStream[Entry],
                        results: ObjectSendStream[tuple[Entry, StepResult | None]]) -> None:
+        """Launch each plan as it comes; a step's result goes out once the next step is
+        queued behind it on the device, or once it is complete and no plan is waiting."""
         async with results:
-            async for entry in plans:  # ends when the reader stops and closes the stream
-                await results.send((entry, await self._step(entry.msg)))
+            while True:
+                entry = await self._next_plan(plans)
+                if entry is None:
+                    if not self.launched:
+                        return  # the reader stopped and every result is out
+                    done = await anyio.to_thread.run_sync(self.runner.flush)
+                else:
+                    done = await self._step(entry)
+                    if done is None:
+                        await results.send((entry, None))
+                        continue
+                for result in done:
+                    finished = self.launched.popleft()
+                    await results.send((finished, dataclasses.replace(result,
+                                                                      epoch=self.epoch)))
 
-    async def _step(self, plan: StepPlan) -> StepResult | None:
+    async def _next_plan(self, plans: ObjectReceiveStream[Entry]) -> Entry | None:
+        """The next plan, or None when the step on the device is complete (or the stream
+        ended) before one arrives."""
+        while True:
+            try:
+                return plans.receive_nowait()
+            except anyio.EndOfStream:
+                return None
+            except anyio.WouldBlock:
+                if not self.launched:
+                    try:
+                        return await plans.receive()
+                    except anyio.EndOfStream:
+                        return None
+                if self.runner.step_done():
+                    return None
+            await anyio.sleep(POLL_S)
+
+    async def _step(self, entry: Entry) -> list[StepResult] | None:
+        """Launch the plan; the results of earlier steps that it completed, or None when
+        the plan is not for this worker."""
+        plan: StepPlan = entry.msg
         if plan.epoch != self.epoch:
             return None  # planned for a worker that is gone
+        done = []
         if plan.scheduler_epoch != self.scheduler_epoch:  # a new scheduler starts afresh
+            done = await anyio.to_thread.run_sync(self.runner.flush)
             self.runner.forget_requests()
             self.scheduler_epoch = plan.scheduler_epoch
-        result = await anyio.to_thread.run_sync(self.runner.execute, plan)
-        return dataclasses.replace(result, epoch=self.epoch)
+        done += await anyio.to_thread.run_sync(self.runner.submit, plan)
+        self.launched.append(entry)
+        return done
 
     async def _write(self, results: ObjectReceiveStream[tuple[Entry, StepResult | None]]
                      ) -> None:

@@ -1,0 +1,116 @@
+"""The engine on a GPU: Triton kernels inside whole models against transformers, CUDA graph
+replay against eager execution, and the KV cache sized from gpu_memory_utilization without
+the peak ever passing the budget. Skipped without CUDA (CI has none; the device script
+runs them)."""
+
+from __future__ import annotations
+
+import gc
+import shutil
+
+import pytest
+import torch
+
+from common.model_files import resolve_model
+from common.sampling_params import SamplingParams
+from services import LLM
+from services.demo import demo_model_path
+from tests.tiny_models import TOKENIZER_DIR, make_tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
+           "Once upon a time, in a small village at the edge of a great forest,",
+           "List three primary colors:"]
+
+
+def greedy(llm: LLM, prompts, max_tokens: int = 24) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_models_on_gpu_match_transformers(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_model(tmp_path, arch)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    llm = LLM(str(model_dir), dtype="float32", block_size=16, num_gpu_blocks_override=256,
+              max_num_batched_tokens=32, max_num_seqs=8)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 40, 77, 12)]
+    for prompt, ours in zip(prompts, greedy(llm, prompts, 16)):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert ours == ref[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def real_model(tmp_path_factory) -> str:
+    """The demo model where its package is installed; else random weights at Qwen3-0.6B's
+    shape (the device has no demo package), saved by transformers so both engines read the
+    same safetensors."""
+    try:
+        return str(resolve_model(demo_model_path()))
+    except FileNotFoundError:
+        pass
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = TOKENIZER_DIR  # the Qwen3-0.6B shape, with its tokenizer
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape),
+                                             dtype=torch.float32)
+    out = tmp_path_factory.mktemp("qwen3-random")
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(shape / name, out / name)
+    return str(out)
+
+
+def assert_greedy_agrees(hf, prompt: list[int], ours: list[int]) -> None:
+    """Each of our tokens is transformers' argmax given the same prefix, or within a
+    rounding-sized logit of it (random weights leave near-ties that fp32 reduction order
+    may break either way); teacher-forced, so one near-tie does not end the comparison."""
+    ids = torch.tensor([prompt + ours], device="cuda")
+    with torch.no_grad():
+        logits = hf(ids).logits[0, len(prompt) - 1:-1].float()
+    chosen = logits.gather(1, torch.tensor(ours, device="cuda")[:, None])[:, 0]
+    gap = logits.max(dim=1).values - chosen
+    assert gap.max().item() <= 1e-3 * logits.abs().max().item(), gap.tolist()
+
+
+def test_real_model_on_gpu_matches_transformers_fp32(real_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).cuda().eval()
+    tokenizer = AutoTokenizer.from_pretrained(real_model)
+    llm = LLM(real_model, dtype="float32", num_gpu_blocks_override=512, max_model_len=2048)
+    for prompt, ours in zip(PROMPTS, greedy(llm, PROMPTS)):
+        assert_greedy_agrees(hf, tokenizer(prompt)["input_ids"], ours)
+
+
+def test_cuda_graphs_give_the_eager_tokens(real_model):
+    graphs = LLM(real_model, num_gpu_blocks_override=512, max_num_seqs=16, max_model_len=2048)
+    assert graphs.engine.runner.graphs is not None
+    eager = LLM(real_model, num_gpu_blocks_override=512, max_num_seqs=16, max_model_len=2048,
+                enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    prompts = PROMPTS * 3  # 12 requests: replays the 16-wide graph with padding rows
+    assert greedy(graphs, prompts) == greedy(eager, prompts)
+
+
+def test_kv_cache_fills_the_memory_budget_and_peak_stays_inside(real_model):
+    gc.collect()  # engines of earlier tests
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(real_model, gpu_memory_utilization=0.3, max_num_seqs=32, max_model_len=2048)
+    runner = llm.engine.runner
+    kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for k, v in runner.kv_caches)
+    assert kv_bytes > 0.15 * total  # the cache took most of what the weights left
+    greedy(llm, PROMPTS * 8, 64)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_reserved() <= 0.3 * total
