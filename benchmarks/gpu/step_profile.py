@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.config import add_engine_args, engine_config_from_args  # noqa: E402
 from services.bench.throughput import run_inprocess  # noqa: E402
-from services.bench.workloads import nano_workload, with_output_len  # noqa: E402
+from services.bench.workloads import fixed_workload, nano_workload, with_output_len  # noqa: E402
 from services.engine import Engine  # noqa: E402
 
 
@@ -30,10 +30,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--skip", type=int, default=100, help="steps before the window")
     parser.add_argument("--window", type=int, default=30, help="steps profiled")
+    parser.add_argument("--fixed", default=None, metavar="N,LEN",
+                        help="N requests of LEN-token prompts instead of nano")
     add_engine_args(parser)
     args = parser.parse_args()
     engine = Engine(engine_config_from_args(args))
-    workload = nano_workload(256)
+    if args.fixed:
+        num, length = map(int, args.fixed.split(","))
+        workload = fixed_workload("fixed", num, length, 1000,
+                                  vocab_size=engine.runner.model.vocab_size)
+    else:
+        workload = nano_workload(256)
     run_inprocess(engine, with_output_len(workload, 4, 8))
     for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
         engine.add_request(f"{uuid.uuid4().hex[:6]}-{i}", prompt, params)
@@ -54,7 +61,8 @@ def main() -> None:
              events.table(sort_by="self_device_time_total", row_limit=25),
              events.table(sort_by="cpu_time_total", row_limit=40)]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step_profile.txt").write_text("\n".join(lines))
+    name = "step_profile" + (f"_fixed{num}x{length}" if args.fixed else "_nano")
+    (args.out / f"{name}.txt").write_text("\n".join(lines))
     print(lines[0])
 
 
