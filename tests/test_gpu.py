@@ -114,3 +114,24 @@ def test_kv_cache_fills_the_memory_budget_and_peak_stays_inside(real_model):
     greedy(llm, PROMPTS * 8, 64)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_reserved() <= 0.3 * total
+
+
+def test_sampler_takes_the_fused_kernel_for_temperature_alone():
+    """Temperature-only rows go through the Triton Gumbel-max kernel with the engine's seed
+    stream; a row with top_p or its own seed sends the step down the torch path."""
+    import random
+
+    from kernels.sampling import gumbel_argmax_ref, philox_uniform
+    from services.worker.sampler import Sampler, SamplingRow
+
+    logits = torch.randn(8, 151936, device="cuda", dtype=torch.bfloat16) * 3
+    rows = [SamplingRow(SamplingParams(temperature=t), [], [], None)
+            for t in (0.6, 1.0, 0.3, 1.2, 0.6, 0.9, 1.0, 0.5)]
+    tokens = Sampler(torch.device("cuda"), seed=7).sample(logits, rows).token_ids
+    key = random.Random(7).getrandbits(31)
+    temperature = torch.tensor([r.params.temperature for r in rows], device="cuda")
+    expected = gumbel_argmax_ref(logits, temperature, philox_uniform(8, 151936, key, "cuda"))
+    assert torch.equal(tokens, expected)
+    rows[3] = SamplingRow(SamplingParams(temperature=1.2, top_p=0.9), [], [], None)
+    other = Sampler(torch.device("cuda"), seed=7).sample(logits, rows).token_ids
+    assert not torch.equal(other, expected)  # the torch race draws other noise

@@ -31,6 +31,8 @@ from kernels.attention import paged_attention, paged_attention_ref
 from kernels.cache import write_kv, write_kv_ref, write_kv_triton
 from kernels.norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
+from kernels.sampling import (BLOCK_VOCAB, gumbel_argmax_ref, gumbel_argmax_triton,
+                              philox_uniform)
 from kernels.triton_attention import AttentionConfig, TileConfig, paged_attention_triton
 
 REPO = Path(__file__).resolve().parent.parent
@@ -197,6 +199,31 @@ def check_silu_and_mul(num_tokens: int, d: int, dtype: torch.dtype, device: str)
     assert_close(out, silu_and_mul_ref(x), f"silu_and_mul {dtype}", seed)
 
 
+def check_gumbel_argmax(rows: int, vocab: int, dtype: torch.dtype, device: str) -> None:
+    """Token for token against the twin fed the kernel's own uniforms (a fresh seed)."""
+    g, seed = fresh_generator()
+    logits = rand(g, rows, vocab, dtype=dtype, device=device, scale=3.0)
+    temperature = (torch.rand(rows, generator=g) * 1.9 + 0.1).to(device)
+    out = gumbel_argmax_triton(logits, temperature, seed)
+    ref = gumbel_argmax_ref(logits, temperature, philox_uniform(rows, vocab, seed,
+                                                                logits.device))
+    assert torch.equal(out, ref), f"gumbel argmax {dtype} (seed {seed})"
+
+
+def check_gumbel_distribution(device: str, draws: int = 1500) -> None:
+    """The kernel draws from softmax(logits / T): one row repeated `draws` times (each row
+    has its own noise), every token's frequency within 4.5 standard errors."""
+    g, seed = fresh_generator()
+    logits = torch.randn(6, generator=g)
+    temperature = 0.7
+    out = gumbel_argmax_triton(logits.to(device).repeat(draws, 1),
+                               torch.full((draws,), temperature, device=device), seed)
+    freq = torch.bincount(out.cpu(), minlength=6).double() / draws
+    p = torch.softmax(logits.double() / temperature, dim=0)
+    bound = 4.5 * (p * (1 - p) / draws).sqrt() + 1e-3
+    assert ((freq - p).abs() <= bound).all(), f"{freq} vs {p} (seed {seed})"
+
+
 # --- interpreter checks: tiny shapes, each run in a subprocess -----------------------------
 
 CHECKS: dict[str, Callable[[], None]] = {}
@@ -240,6 +267,14 @@ def small_kernels() -> None:
         check_rms_norm((4, 3, 64), dtype, "cpu", with_residual=False)
         check_rotary(6, 3, 1, 64, dtype, "cpu")
         check_silu_and_mul(3, 1500, dtype, "cpu")
+
+
+@interpreter_check
+def sampling_kernel() -> None:
+    """A vocabulary over two iterations and a partial last one; bf16 and fp32 logits."""
+    check_gumbel_argmax(5, 2 * BLOCK_VOCAB + 37, torch.float32, "cpu")
+    check_gumbel_argmax(3, 300, torch.bfloat16, "cpu")
+    check_gumbel_distribution("cpu")
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
@@ -374,6 +409,14 @@ def test_small_kernels_cuda(model: str, dtype: torch.dtype) -> None:
         check_rms_norm((num_tokens, heads, head_dim), dtype, "cuda", with_residual=False)
         check_rotary(num_tokens, heads, kv_heads, head_dim, dtype, "cuda")
         check_silu_and_mul(num_tokens, intermediate, dtype, "cuda")
+
+
+@needs_cuda
+def test_sampling_kernel_cuda() -> None:
+    for rows in (1, 256):
+        check_gumbel_argmax(rows, 151936, torch.bfloat16, "cuda")
+        check_gumbel_argmax(rows, 128256, torch.float32, "cuda")
+    check_gumbel_distribution("cuda", draws=20000)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ take the time, with the wall time per step and the device time per step.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 import uuid
@@ -54,12 +57,24 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / args.window
+    host = cProfile.Profile()
+    start = time.perf_counter()
+    with host:
+        for _ in range(args.window):
+            engine.step()
+        torch.cuda.synchronize()
+    host_wall = (time.perf_counter() - start) / args.window
+    host_stats = io.StringIO()
+    pstats.Stats(host, stream=host_stats).sort_stats("tottime").print_stats(30)
+    pstats.Stats(host, stream=host_stats).sort_stats("cumtime").print_stats(40)
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events) / args.window
     lines = [f"running requests {running}; wall {wall * 1e3:.2f} ms/step (profiled); "
              f"device busy {device_us / 1e3:.2f} ms/step",
              events.table(sort_by="self_device_time_total", row_limit=25),
-             events.table(sort_by="cpu_time_total", row_limit=40)]
+             events.table(sort_by="cpu_time_total", row_limit=40),
+             f"host functions over the next {args.window} steps, "
+             f"{host_wall * 1e3:.2f} ms/step under cProfile", host_stats.getvalue()]
     args.out.mkdir(parents=True, exist_ok=True)
     name = "step_profile" + (f"_fixed{num}x{length}" if args.fixed else "_nano")
     (args.out / f"{name}.txt").write_text("\n".join(lines))

@@ -139,6 +139,10 @@ class TokenBytes:
 
     def num_unfinished(self, ids: Sequence[int], skip_special_tokens: bool) -> int:
         """How many trailing tokens hold (part of) a character not finished yet."""
+        if ids:
+            last = self.piece(ids[-1], skip_special_tokens)
+            if last and last[-1] < 0x80:  # ends in ASCII: the usual case, decided at once
+                return 0
         pieces: list[bytes] = []
         size = 0
         while size < MAX_CHAR_BYTES and len(pieces) < len(ids):

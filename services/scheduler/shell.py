@@ -26,7 +26,7 @@ from services.process import (ALIVE_SCHEDULER, ALIVE_WORKER, SCHEDULER_STATS, Se
 from services.scheduler.core import Scheduler, SchedulerConfig
 
 GROUP = "scheduler"
-MAX_INFLIGHT = 2
+MAX_INFLIGHT = 3  # one step on the device, one queued behind it, one on its way
 READ_BLOCK_MS = 100
 CHECK_WORKER_EVERY_S = 0.5
 STATS_EVERY_S = 0.5

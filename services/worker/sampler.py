@@ -3,12 +3,15 @@
 Order: raw logprobs -> penalties -> min_tokens -> greedy argmax, or temperature -> top-k ->
 top-p -> min-p -> exponential race. The device work is batched over rows with tensors, but
 for one step: each seeded request draws its noise from its own generator, so its token
-depends on its own logits and seed alone, never on the rest of the batch.
+depends on its own logits and seed alone, never on the rest of the batch. On CUDA, a step
+whose rows ask for temperature alone (no top-k/p, min-p, penalties, logprobs or seeds)
+samples in one Triton pass instead (kernels/sampling.py: the Gumbel-max form of the race).
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +20,7 @@ import torch
 
 from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
+from kernels.sampling import gumbel_argmax_triton
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are uint64; any Python int maps into that range
 
@@ -46,11 +50,18 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
         self.generator = make_generator(seed, device)
+        self._kernel_seeds = random.Random(seed)  # one Philox key per fused step
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        logits = logits.float()
         if all(_plain_greedy(row) for row in rows):
             return SamplerOutput(logits.argmax(dim=-1), [None] * len(rows))
+        if logits.is_cuda and all(_plain_random(row) for row in rows):
+            temperature = _to_device([row.params.temperature for row in rows], torch.float32,
+                                     self.device)
+            token_ids = gumbel_argmax_triton(logits, temperature,
+                                             self._kernel_seeds.getrandbits(31))
+            return SamplerOutput(token_ids, [None] * len(rows))
+        logits = logits.float()
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         # Taken before any processing: logprobs describe the model's raw distribution.
         raw = self._rows(logits, wanted, len(rows)) if wanted else None
@@ -251,6 +262,14 @@ def _has_penalty(params: SamplingParams) -> bool:
 
 def _before_min_tokens(row: SamplingRow) -> bool:
     return len(row.output_token_ids) < row.params.min_tokens
+
+
+def _plain_random(row: SamplingRow) -> bool:
+    """Temperature alone shapes the draw, from the engine's noise: one fused kernel does it."""
+    params = row.params
+    return (not params.greedy and params.logprobs is None and not _has_penalty(params)
+            and not _before_min_tokens(row) and params.top_k == 0 and params.top_p == 1.0
+            and params.min_p == 0.0 and row.generator is None)
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
