@@ -44,6 +44,7 @@ LOG2_E = 1.4426950408889634
 # splits beyond this add combine traffic faster than they add parallelism
 MAX_SPLITS = 64
 NO_LIMIT = 2 ** 31 - 1
+MIN_SEARCH_BLOCK = 512  # one search width for any batch up to 511 requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +135,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
             BLOCK_M=max(16, triton.next_power_of_2(block_q * group)), BLOCK_N=tile.block_n,
             ONE_TILE_EACH=one_tile_each,
-            SEARCH_BLOCK=1 if one_tile_each else triton.next_power_of_2(num_reqs + 1),
+            SEARCH_BLOCK=1 if one_tile_each else search_block(num_reqs),
             SPLIT=num_splits > 1, EXACT_DOT=q.dtype == torch.float32,
             num_warps=tile.num_warps, num_stages=tile.num_stages)
     if num_splits > 1:
@@ -142,6 +143,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             part_out, part_lse, out, num_tokens, num_heads, num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4)
     return out
+
+
+def search_block(num_reqs: int) -> int:
+    """The tile search's width: every request's start at once, at least MIN_SEARCH_BLOCK
+    wide so that batch sizes do not each compile a kernel of their own."""
+    return max(MIN_SEARCH_BLOCK, triton.next_power_of_2(num_reqs + 1))
 
 
 def split_count(busy_programs: int, max_seq_len: int, config: AttentionConfig) -> int:
@@ -165,7 +172,11 @@ def _request_of_tile(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr,
     return tl.sum((exists & (first_tile <= tile)).to(tl.int32), axis=0) - 1
 
 
-@triton.jit
+# The sizes of a step change every step; were they specialized on (divisibility by 16,
+# equality to 1), each new combination would compile another kernel in the middle of
+# serving, seconds each on the H100.
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits", "q_len_above",
+                               "q_len_upto"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -288,7 +299,7 @@ def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, q
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_tokens, num_heads,
                            num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     """out[t, h] = sum over splits of exp2(lse_s) * out_s / sum of exp2(lse_s)."""

@@ -6,11 +6,11 @@ the transport between them differs.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from common.config import EngineConfig
+from common.timing import PhaseClock
 from common.messages import DetokItem, StepPlan, TextDelta
 from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
                                 max_model_len_of, resolve_model)
@@ -22,23 +22,6 @@ from services.tokenizer.defaults import SamplingDefaults, eos_token_ids, samplin
 from services.worker.model_runner import ModelRunner
 
 LOCAL_REPLY = "local"
-
-
-@dataclass(slots=True)
-class StepTimes:
-    """Seconds spent in each phase of the steps so far (the benchmarks print them)."""
-    schedule: float = 0.0
-    execute: float = 0.0
-    update: float = 0.0
-    postprocess: float = 0.0
-    steps: int = 0
-    marks: list[float] = field(default_factory=list, repr=False)
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        elapsed = now - self.marks[-1] if self.marks else 0.0
-        self.marks = [now]
-        return elapsed
 
 
 @dataclass(slots=True)
@@ -74,7 +57,7 @@ class Engine:
                                                                self.runner.num_blocks))
         self.detokenizer = Detokenizer(self.info.tokenizer)
         self.on_plan: Callable[[StepPlan], None] | None = None  # benchmarks trace steps
-        self.times = StepTimes()
+        self.clock = PhaseClock()  # where the steps' time goes (benchmarks print it)
 
     def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> None:
@@ -92,21 +75,20 @@ class Engine:
         """Plan and launch the next step, then finish the previous one: the scheduler plans
         ahead of the tokens (see services/scheduler/request.py), so the host updates and
         detokenizes step N while the device runs step N+1."""
-        times = self.times
-        times.lap()
+        clock = self.clock
+        clock.start()
         plan = self.scheduler.schedule()
         if plan is not None and self.on_plan is not None:
             self.on_plan(plan)
-        times.schedule += times.lap()
+        clock.lap("schedule")
         results = self.runner.submit(plan) if plan is not None else self.runner.flush()
-        times.execute += times.lap()
+        clock.lap("execute")
         deltas: list[TextDelta] = []
         for result in results:
             items = self.scheduler.update(result)
-            times.update += times.lap()
+            clock.lap("update")
             deltas += self.postprocess(items)
-            times.postprocess += times.lap()
-        times.steps += 1
+            clock.lap("postprocess")
         return deltas
 
     def postprocess(self, items: list[DetokItem]) -> list[TextDelta]:

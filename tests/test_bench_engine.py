@@ -67,6 +67,12 @@ def test_throughput_command_times_both_paths(tiny, tmp_path):
     assert [r["path"] for r in data["results"]] == ["inprocess", "pipeline"]
     assert all(r["output_tokens"] == 6 * 12 for r in data["results"])
     assert data["floor_seconds"] > 0 and 0 <= data["kv_waste_mean"] < 1
+    inprocess, pipeline = (r["phases"] for r in data["results"])
+    assert inprocess["loops"] > 12 and inprocess["execute_s"] > 0  # the engine's own clock
+    # the services' loop clocks, logged when they stopped: warm-up and timed run, so at
+    # least one loop per output token's step
+    assert pipeline["worker.loops"] >= 12 and pipeline["worker.submit_s"] > 0
+    assert pipeline["scheduler.loops"] >= 12 and pipeline["scheduler.update_s"] > 0
 
 
 def test_latency_command_reports_decode_time(tiny, tmp_path):

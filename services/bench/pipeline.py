@@ -4,6 +4,7 @@ process hops cost; tests use it to check the services against the in-process eng
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -121,6 +122,23 @@ class LocalPipeline:
                 process.kill()
                 process.wait()
         self.redis.stop()
+
+    def loop_times(self) -> dict[str, float | int]:
+        """The worker's and scheduler's loop clocks (common/timing.py), as each logged them
+        when it stopped: `worker.submit_s`, `scheduler.update_s`, ... (after stop())."""
+        times: dict[str, float | int] = {}
+        for path in sorted(self.root.glob("*.log")):
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                event = record.get("event", "") if isinstance(record, dict) else ""
+                if event in ("worker loop times", "scheduler loop times"):
+                    service = event.split()[0]
+                    times |= {f"{service}.{k}": v for k, v in record.items()
+                              if k == "loops" or k.endswith("_s")}
+        return times
 
     def _check_alive(self) -> None:
         for label, child in self.children.items():

@@ -16,7 +16,6 @@ since it cannot take a length per request) and the same for ours, and prints the
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import platform
@@ -34,11 +33,12 @@ from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_a
                            engine_config_from_args)
 from common.log import configure_logging
 from common.messages import GenerateRequest
+from common.timing import PhaseClock
 from services.bench.pipeline import CLIENT, LocalPipeline, drive
 from services.bench.workloads import (Ceilings, ModelShape, Trace, Workload, fixed_workload,
                                       kv_waste, measure_ceilings, nano_workload,
                                       with_output_len)
-from services.engine import Engine, StepTimes
+from services.engine import Engine
 
 
 @dataclass(slots=True)
@@ -48,7 +48,7 @@ class RunResult:
     requests: int
     output_tokens: int
     seconds: float
-    phases: dict[str, float] | None = None  # where an in-process run's time went
+    phases: dict[str, float | int] | None = None  # where the run's time went
 
     @property
     def tokens_per_s(self) -> float:
@@ -97,19 +97,14 @@ def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None
         engine.add_request(f"{run_id}-{i}", prompt, params)
     output_tokens = 0
     _sync(engine.runner.device)
-    engine.times = StepTimes()
+    engine.clock = PhaseClock()
     start = time.perf_counter()
     while engine.has_unfinished():
         output_tokens += sum(len(d.token_ids) for d in engine.step())
     _sync(engine.runner.device)
     engine.on_plan = None
     return RunResult("inprocess", workload.name, len(workload.prompts), output_tokens,
-                     time.perf_counter() - start, _phases(engine.times))
-
-
-def _phases(times: StepTimes) -> dict[str, float]:
-    return {"steps": times.steps, "schedule_s": times.schedule, "execute_s": times.execute,
-            "update_s": times.update, "postprocess_s": times.postprocess}
+                     time.perf_counter() - start, engine.clock.summary())
 
 
 def run_pipeline(config: EngineConfig, workload: Workload) -> RunResult:
@@ -117,22 +112,27 @@ def run_pipeline(config: EngineConfig, workload: Workload) -> RunResult:
         pipeline = LocalPipeline(Path(root), config, ServerConfig())
         try:
             anyio.run(pipeline.wait_ready)
-            requests = [GenerateRequest(f"p{i}", CLIENT, _overrides(params),
-                                        prompt_token_ids=prompt, arrival_time=time.time())
-                        for i, (prompt, params) in enumerate(zip(workload.prompts,
-                                                                 workload.params))]
-            warm = [dataclasses.replace(r, rid=f"warm{i}") for i, r in enumerate(requests[:4])]
-            anyio.run(drive, pipeline.url, warm)  # first steps compile kernels: not timed
+            # warm-up as in-process: every prompt once, the kernels compile untimed
+            warm = with_output_len(workload, len(workload.prompts), 4)
+            anyio.run(drive, pipeline.url, _requests(warm, "warm"))
+            requests = _requests(workload, "p")
             start = time.perf_counter()
             outcomes = anyio.run(drive, pipeline.url, requests)
             seconds = time.perf_counter() - start
         finally:
             pipeline.stop()
+        phases = pipeline.loop_times()  # warm-up and timed run together
     failed = [rid for rid, o in outcomes.items() if o.error is not None]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {outcomes[failed[0]].error}")
     tokens = sum(len(c.token_ids) for o in outcomes.values() for c in o.choices.values())
-    return RunResult("pipeline", workload.name, len(requests), tokens, seconds)
+    return RunResult("pipeline", workload.name, len(requests), tokens, seconds, phases)
+
+
+def _requests(workload: Workload, prefix: str) -> list[GenerateRequest]:
+    return [GenerateRequest(f"{prefix}{i}", CLIENT, _overrides(params),
+                            prompt_token_ids=prompt, arrival_time=time.time())
+            for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params))]
 
 
 def run_transformers(engine: Engine, workload: Workload, attn: str) -> RunResult:
@@ -223,7 +223,8 @@ def main(argv: list[str]) -> int:
     workload = make_workload(args, engine.runner.model.vocab_size)
     shape = ModelShape.of(engine.runner.model, engine.runner.hf_config)
     ceilings = measure_ceilings(engine.runner.device)
-    run_inprocess(engine, with_output_len(workload, 4, 8))  # warm-up: kernels compile
+    # warm-up: every prompt once, so the kernels of every step shape compile before timing
+    run_inprocess(engine, with_output_len(workload, len(workload.prompts), 4))
     results, trace = [], Trace()
     if args.path in ("inprocess", "both"):
         results.append(run_inprocess(engine, workload, trace, shape))

@@ -21,6 +21,7 @@ from common.log import get_logger
 from common.messages import (Abort, AdmitRequest, ErrorReply, StepResult, TokenBatch,
                              WorkerReady)
 from common.model_files import load_hf_config, max_model_len_of, resolve_model
+from common.timing import PhaseClock
 from services.process import (ALIVE_SCHEDULER, ALIVE_WORKER, SCHEDULER_STATS, ServiceContext,
                               heartbeat, run_service)
 from services.scheduler.core import Scheduler, SchedulerConfig
@@ -45,6 +46,7 @@ class SchedulerShell:
         self.inflight = 0
         self.next_worker_check = 0.0
         self.no_worker_since = time.monotonic()
+        self.clock = PhaseClock()
 
     async def run(self) -> None:
         for stream in (ADMIT, CONTROL, RESULTS):
@@ -57,17 +59,25 @@ class SchedulerShell:
             tg.start_soon(heartbeat, self.bus, ALIVE_SCHEDULER, self.epoch, self.ctx.stop)
             tg.start_soon(self._publish_stats)
             pending = {ADMIT: "0", CONTROL: "0"}  # what a previous incarnation left unread
+            clock = self.clock
             while not self.ctx.stop.is_set():
+                clock.start()
                 streams = {RESULTS: ">", CONTROL: ">", **self._admissions(), **pending}
                 entries = await self.bus.read(GROUP, self.ctx.consumer, streams, count=512,
                                               block_ms=None if pending else READ_BLOCK_MS)
+                clock.lap("read")
                 pending = {}
-                outputs = self._handle(entries) + self._plan()
+                outputs = self._handle(entries)
+                clock.lap("update")
+                outputs += self._plan()
+                clock.lap("schedule")
                 if outputs or entries:
                     await self.bus.commit(outputs, done=entries)
+                clock.lap("commit")
                 if lost := await self._check_worker():
                     await self.bus.commit(lost)
             tg.cancel_scope.cancel()
+        log.info("scheduler loop times", **self.clock.summary())
 
     # --- inputs ---------------------------------------------------------------------------
 

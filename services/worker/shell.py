@@ -21,6 +21,7 @@ from common.bus import RESULTS, STEPS, Entry
 from common.log import get_logger
 from common.messages import StepPlan, StepResult, WorkerReady
 from common.model_files import load_hf_config, max_model_len_of, resolve_model
+from common.timing import PhaseClock
 from services.process import (ALIVE_TTL_MS, ALIVE_WORKER, ServiceContext, heartbeat,
                               run_service)
 from services.scheduler.shell import WORKER_READY_KEY
@@ -39,6 +40,7 @@ class WorkerShell:
         self.epoch = uuid.uuid4().hex[:12]
         self.scheduler_epoch = ""
         self.launched: deque[Entry] = deque()  # plans on the device, results not yet out
+        self.clock = PhaseClock()
 
     async def run(self) -> None:
         await self.bus.ensure_group(STEPS, GROUP)
@@ -61,6 +63,7 @@ class WorkerShell:
             tg.start_soon(self._write, results_out)
             await self._execute(plans_out, results_in)
             tg.cancel_scope.cancel()
+        log.info("worker loop times", **self.clock.summary())
 
     async def _read(self, plans: ObjectSendStream[Entry]) -> None:
         async with plans:
@@ -73,15 +76,20 @@ class WorkerShell:
                        results: ObjectSendStream[tuple[Entry, StepResult | None]]) -> None:
         """Launch each plan as it comes; a step's result goes out once the next step is
         queued behind it on the device, or once it is complete and no plan is waiting."""
+        clock = self.clock
         async with results:
             while True:
+                clock.start()
                 entry = await self._next_plan(plans)
+                clock.lap("wait_for_plan")
                 if entry is None:
                     if not self.launched:
                         return  # the reader stopped and every result is out
                     done = await anyio.to_thread.run_sync(self.runner.flush)
+                    clock.lap("flush")
                 else:
                     done = await self._step(entry)
+                    clock.lap("submit")
                     if done is None:
                         await results.send((entry, None))
                         continue
@@ -89,6 +97,7 @@ class WorkerShell:
                     finished = self.launched.popleft()
                     await results.send((finished, dataclasses.replace(result,
                                                                       epoch=self.epoch)))
+                clock.lap("hand_to_writer")
 
     async def _next_plan(self, plans: ObjectReceiveStream[Entry]) -> Entry | None:
         """The next plan, or None when the step on the device is complete (or the stream
