@@ -364,20 +364,32 @@ def _build_codec(hint: Any) -> tuple[Converter, Converter]:
 
 
 def _record_codec(cls: type) -> tuple[Converter, Converter]:
-    hints = typing.get_type_hints(cls, include_extras=True)
     fields = [(f.name, f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING)  # type: ignore[misc]
               for f in dataclasses.fields(cls)]
-    # Resolve nested codecs lazily: a record may be built before its field types are.
+    # (name, required, to_wire or None for a plain value, from_wire), resolved on first use:
+    # a record may be built before its field types are. Steps carry hundreds of records,
+    # so the per-field work is kept to one call, none for scalars on the way out.
+    resolved: list[tuple[str, bool, Converter | None, Converter]] = []
+
+    def codecs() -> list[tuple[str, bool, Converter | None, Converter]]:
+        if not resolved:
+            hints = typing.get_type_hints(cls, include_extras=True)
+            for name, required in fields:
+                to, frm = _codec(hints[name])
+                resolved.append((name, required, None if to is _plain else to, frm))
+        return resolved
+
     def to_wire(obj: Any) -> dict[str, Any]:
-        return {name: _codec(hints[name])[0](getattr(obj, name)) for name, _ in fields}
+        return {name: getattr(obj, name) if to is None else to(getattr(obj, name))
+                for name, _, to, _ in codecs()}
 
     def from_wire(wire: Any) -> Any:
         wire = _typed(wire, dict)
         values = {}
-        for name, required in fields:
+        for name, required, _, frm in codecs():
             if name in wire:
-                values[name] = _codec(hints[name])[1](wire[name])
+                values[name] = frm(wire[name])
             elif required:
                 raise MessageError(f"{cls.__name__} lacks field {name!r}")
         return cls(**values)
@@ -410,7 +422,12 @@ def _scalar_codec(kinds: tuple[type, ...]) -> tuple[Converter, Converter]:
         if isinstance(w, bool) and bool not in kinds:
             raise MessageError(f"expected {kinds}, got a bool")
         return _typed(w, accepted)
-    return (lambda v: v), from_wire
+    return _plain, from_wire
+
+
+def _plain(value: Any) -> Any:
+    """A scalar goes on the wire as it is."""
+    return value
 
 
 def _typed(value: Any, kinds: type | tuple[type, ...]) -> Any:

@@ -27,7 +27,7 @@ from services.process import (ALIVE_SCHEDULER, ALIVE_WORKER, SCHEDULER_STATS, Se
 from services.scheduler.core import Scheduler, SchedulerConfig
 
 GROUP = "scheduler"
-MAX_INFLIGHT = 3  # one step on the device, one queued behind it, one on its way
+MAX_INFLIGHT = 4  # on the device, queued behind it, on its way, being planned
 READ_BLOCK_MS = 100
 CHECK_WORKER_EVERY_S = 0.5
 STATS_EVERY_S = 0.5
@@ -44,6 +44,7 @@ class SchedulerShell:
         self.core: Scheduler | None = None
         self.worker_epoch = ""
         self.inflight = 0
+        self.results: list[StepResult] = []  # taken this round, applied after planning
         self.next_worker_check = 0.0
         self.no_worker_since = time.monotonic()
         self.clock = PhaseClock()
@@ -68,9 +69,15 @@ class SchedulerShell:
                 clock.lap("read")
                 pending = {}
                 outputs = self._handle(entries)
-                clock.lap("update")
-                outputs += self._plan()
+                # Plan before applying the results: the scheduler plans ahead of the tokens
+                # anyway, and the worker waits on the plan, not on the token batches.
+                plans = self._plan()
                 clock.lap("schedule")
+                if plans:
+                    await self.bus.commit(plans)
+                clock.lap("commit")
+                outputs += self._apply_results()
+                clock.lap("update")
                 if outputs or entries:
                     await self.bus.commit(outputs, done=entries)
                 clock.lap("commit")
@@ -92,7 +99,7 @@ class SchedulerShell:
         for entry in entries:
             msg = entry.msg
             if isinstance(msg, StepResult):
-                outputs += self._result(msg)
+                self._take_result(msg)
             elif isinstance(msg, WorkerReady):
                 outputs += self._worker_ready(msg)
             elif isinstance(msg, Abort):
@@ -104,12 +111,21 @@ class SchedulerShell:
                 log.warning("unexpected message", type=msg.TYPE, stream=entry.stream)
         return outputs
 
-    def _result(self, result: StepResult) -> list[Output]:
+    def _take_result(self, result: StepResult) -> None:
+        """Frees the step's slot now; its tokens are applied after the next plan is out."""
         if self.core is None or result.epoch != self.worker_epoch:
-            return []  # from a worker that is gone
+            return  # from a worker that is gone
         self.inflight -= 1
-        items = self.core.update(result)
-        return [(DETOK, TokenBatch(result.step, items))] if items else []
+        self.results.append(result)
+
+    def _apply_results(self) -> list[Output]:
+        outputs: list[Output] = []
+        for result in self.results:
+            if self.core is not None and result.epoch == self.worker_epoch:
+                if items := self.core.update(result):
+                    outputs.append((DETOK, TokenBatch(result.step, items)))
+        self.results = []
+        return outputs
 
     def _admit(self, req: AdmitRequest) -> list[Output]:
         if self.core is None:
