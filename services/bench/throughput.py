@@ -30,7 +30,7 @@ import anyio
 import torch
 
 from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_args,
-                           engine_config_from_args)
+                           add_server_args, engine_config_from_args, server_config_from_args)
 from common.log import configure_logging
 from common.messages import GenerateRequest
 from common.timing import PhaseClock
@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fixed output length of the comparison run")
     parser.add_argument("--json", default=None, help="write the results to this file")
     add_engine_args(parser)
+    add_server_args(parser)  # the pipeline path's replicas (--detokenizer-replicas, ...)
     return parser
 
 
@@ -107,9 +108,9 @@ def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None
                      time.perf_counter() - start, engine.clock.summary())
 
 
-def run_pipeline(config: EngineConfig, workload: Workload) -> RunResult:
+def run_pipeline(config: EngineConfig, server: ServerConfig, workload: Workload) -> RunResult:
     with tempfile.TemporaryDirectory(prefix="headrace-bench-") as root:
-        pipeline = LocalPipeline(Path(root), config, ServerConfig())
+        pipeline = LocalPipeline(Path(root), config, server)
         try:
             anyio.run(pipeline.wait_ready)
             # warm-up as in-process: every prompt once, the kernels compile untimed
@@ -215,7 +216,7 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        config = engine_config_from_args(args)
+        config, server = engine_config_from_args(args), server_config_from_args(args)
     except ConfigError as e:
         parser.error(str(e))
     configure_logging("bench")
@@ -238,7 +239,7 @@ def main(argv: list[str]) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        results.append(run_pipeline(config, workload))
+        results.append(run_pipeline(config, server, workload))
     if not trace.steps:
         raise SystemExit("the floor needs the in-process trace: use --path inprocess or both")
     floor_s = trace.floor_seconds(ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s)

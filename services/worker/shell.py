@@ -108,14 +108,15 @@ class WorkerShell:
             except anyio.EndOfStream:
                 return None
             except anyio.WouldBlock:
-                if not self.launched:
-                    try:
-                        return await plans.receive()
-                    except anyio.EndOfStream:
-                        return None
-                if self.runner.step_done():
+                pass
+            if self.launched and self.runner.step_done():
+                return None
+            # woken at once by a plan; without one, look at the device again in a moment
+            with anyio.move_on_after(POLL_S if self.launched else None):
+                try:
+                    return await plans.receive()
+                except anyio.EndOfStream:
                     return None
-            await anyio.sleep(POLL_S)
 
     async def _step(self, entry: Entry) -> list[StepResult] | None:
         """Launch the plan; the results of earlier steps that it completed, or None when
