@@ -303,9 +303,9 @@ def encode(msg: Any) -> bytes:
     cls = type(msg)
     if _REGISTRY.get(getattr(cls, "TYPE", None)) is not cls:
         raise MessageError(f"{cls.__name__} is not a registered message")
-    body = _codec(cls)[0](msg)
-    body["t"], body["v"] = cls.TYPE, cls.VERSION
     try:
+        body = _codec(cls)[0](msg)
+        body["t"], body["v"] = cls.TYPE, cls.VERSION
         return msgpack.packb(body, use_bin_type=True)
     except (OverflowError, TypeError, ValueError) as e:
         raise MessageError(f"cannot encode {cls.TYPE}: {e}") from None
@@ -318,7 +318,8 @@ def decode(data: bytes) -> Any:
         raise MessageError(f"not MessagePack: {e}") from None
     if not isinstance(body, dict):
         raise MessageError(f"a message is a map, got {type(body).__name__}")
-    cls = _REGISTRY.get(body.get("t"))  # type: ignore[arg-type]
+    tag = body.get("t")
+    cls = _REGISTRY.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise MessageError(f"unknown message type {body.get('t')!r}")
     try:

@@ -81,13 +81,15 @@ class Supervisor:
         self.stopping = True
 
     def shutdown(self) -> None:
-        running = [c.process for c in self.children if c.process and c.process.poll() is None]
-        for process in running:
+        """Stop the children one by one from the front (gateway) to the back (worker), so
+        that no stage takes a normal shutdown for the loss of the one behind it."""
+        for child in reversed(self.children):
+            process = child.process
+            if process is None or process.poll() is not None:
+                continue
             process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for process in running:
             try:
-                process.wait(max(0.1, deadline - time.monotonic()))
+                process.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

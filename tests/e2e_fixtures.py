@@ -147,3 +147,5 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     survivors = server.stop()
     assert server.process.returncode == 0, server.log_tail()
     assert not survivors, f"children outlived the launcher: {survivors}\n{server.log_tail()}"
+    # stopped front to back: the scheduler never takes the shutdown for a lost worker
+    assert "worker lost" not in server.log_path.read_text(errors="replace"), server.log_tail()

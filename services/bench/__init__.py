@@ -10,7 +10,7 @@ BENCHMARKS: dict[str, str] = {
     "bus": "round-trip latency and publish throughput of the Redis Streams bus",
     "throughput": "offline generation throughput (tokens/s) against the workload's floor",
     "latency": "latency of one batch: prefill and per-token decode times",
-    "serve": "online serving through the gateway: TTFT, ITL, TPOT, e2e at several rates",
+    "serve": "online serving through the gateway at one request rate: TTFT, ITL, TPOT, e2e",
 }
 
 

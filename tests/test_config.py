@@ -1,0 +1,119 @@
+"""Settings: vLLM's flag names on every entry point, environment overrides under the command
+line, and a clear error (flag, value, what is allowed) for every invalid value."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_args,
+                           add_server_args, engine_args_to_cli, engine_config_from_args,
+                           server_args_to_cli, server_config_from_args)
+from tests.conftest import REPO, repo_env
+
+
+def parse(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, positional_model=True)
+    add_server_args(parser)
+    args = parser.parse_args(argv)
+    return engine_config_from_args(args), server_config_from_args(args)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--block-size", "7"], ["--block-size", "7", "16"]),
+    (["--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization", "1.5", "(0, 1]"]),
+    (["--gpu-memory-utilization", "0"], ["--gpu-memory-utilization", "(0, 1]"]),
+    (["--max-num-seqs", "0"], ["max-num-seqs", "0"]),
+    (["--tensor-parallel-size", "-2"], ["tensor-parallel-size", "-2"]),
+    (["--max-model-len", "0"], ["max-model-len", "0"]),
+    (["--num-gpu-blocks-override", "-1"], ["num-gpu-blocks-override", "-1"]),
+    (["--max-num-batched-tokens", "8", "--max-num-seqs", "16"],
+     ["--max-num-batched-tokens (8)", "--max-num-seqs (16)"]),
+    (["--max-num-batched-tokens", "512", "--max-model-len", "2048",
+      "--no-enable-chunked-prefill"], ["512", "2048", "chunked prefill"]),
+    (["--port", "70000"], ["--port", "70000"]),
+    (["--detokenizer-replicas", "0"], ["detokenizer-replicas", "0"]),
+])
+def test_every_invalid_value_names_the_flag_and_the_value(argv, words):
+    with pytest.raises(ConfigError) as info:
+        parse(["some-model", *argv])
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_choices_are_enforced_by_the_parser(capsys):
+    for argv in (["--dtype", "int3"], ["--load-format", "pickle"],
+                 ["--scheduling-policy", "random"]):
+        with pytest.raises(SystemExit):
+            parse(["m", *argv])
+        assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_model_is_required():
+    with pytest.raises(ConfigError, match="a model is required"):
+        parse([])
+
+
+def test_positional_and_flag_model_and_vllm_names():
+    engine, server = parse(["org/model", "--max-model-len", "1024", "--block-size", "32",
+                            "--enable-prefix-caching", "--served-model-name", "a", "b",
+                            "--tokenizer-replicas", "3"])
+    assert engine.model == "org/model" and engine.max_model_len == 1024
+    assert engine.block_size == 32 and engine.enable_prefix_caching
+    assert server.served_model_name == ["a", "b"] and server.tokenizer_replicas == 3
+    assert parse(["--model", "m2"])[0].model == "m2"
+
+
+def test_environment_overrides_defaults_and_the_command_line_overrides_both(monkeypatch):
+    monkeypatch.setenv("HEADRACE_MAX_NUM_SEQS", "8")
+    monkeypatch.setenv("HEADRACE_ENFORCE_EAGER", "true")
+    monkeypatch.setenv("REDIS_URL", "redis://example:6380/0")
+    engine, server = parse(["m"])
+    assert engine.max_num_seqs == 8 and engine.enforce_eager
+    assert server.redis_url == "redis://example:6380/0"
+    engine, _ = parse(["m", "--max-num-seqs", "4", "--no-enforce-eager"])
+    assert engine.max_num_seqs == 4 and not engine.enforce_eager
+
+
+def test_a_malformed_environment_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HEADRACE_MAX_NUM_SEQS", "many")
+    with pytest.raises(ConfigError, match="HEADRACE_MAX_NUM_SEQS='many'"):
+        parse(["m"])
+
+
+def test_resolved_fills_model_defaults_and_refuses_a_longer_max_model_len():
+    config = EngineConfig(model="m").resolved(4096)
+    assert config.max_model_len == 4096 and config.max_num_batched_tokens == 8192
+    with pytest.raises(ConfigError, match="--max-model-len 8192 is longer than the model's "
+                                          "4096 positions"):
+        EngineConfig(model="m", max_model_len=8192).resolved(4096)
+
+
+def test_configs_travel_to_child_processes_as_flags():
+    engine = EngineConfig(model="m", block_size=32, enforce_eager=True, max_num_seqs=7)
+    server = ServerConfig(served_model_name=["x"], detokenizer_replicas=2)
+    rebuilt = parse([*engine_args_to_cli(engine), *server_args_to_cli(server)])
+    assert rebuilt == (engine, server)
+
+
+@pytest.mark.parametrize("command, extra", [("serve", []), ("worker", []), ("scheduler", []),
+                                            ("generate", ["--prompt", "hi"])])
+def test_every_entry_point_shares_the_engine_flags_and_rejects_a_bad_block_size(command,
+                                                                                extra):
+    """One parser: the same flag, the same message, from a real process."""
+    env = repo_env()
+    help_text = subprocess.run([sys.executable, "-m", "services.cli", command, "--help"],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert help_text.returncode == 0, help_text.stderr
+    for flag in ("--block-size", "--gpu-memory-utilization", "--max-num-batched-tokens",
+                 "--enable-prefix-caching", "--load-format", "--max-model-len"):
+        assert flag in help_text.stdout
+    bad = subprocess.run([sys.executable, "-m", "services.cli", command, "--model", "m",
+                          "--block-size", "7", *extra], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "--block-size must be one of" in bad.stderr and "got 7" in bad.stderr

@@ -1,0 +1,146 @@
+"""The typed messages and their one codec: every registered message round-trips (property
+tests whose values are drawn from each field's own type hint), token ids travel as packed
+int32 bytes, and any bytes that are not a valid message raise MessageError and nothing
+else, so a reader can always bury them in hr:dead and go on."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Annotated, Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common import messages
+from common.messages import (_REGISTRY, DetokItem, DetokParams, MessageError, StepPlan,
+                             TokenBatch)
+from common.sampling_params import SamplingParams
+
+INT32 = st.integers(-2**31, 2**31 - 1)
+TEXT = st.text(max_size=12)
+JSON_SCALAR = st.none() | st.booleans() | st.integers(-2**53, 2**53) | TEXT | st.floats(
+    allow_nan=False)
+PARAMS = st.sampled_from([
+    SamplingParams(), SamplingParams(temperature=0.0, max_tokens=3),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=11, stop=["\n", "END"],
+                   stop_token_ids=[2], logprobs=3, presence_penalty=0.5, n=2),
+    SamplingParams(min_tokens=4, ignore_eos=True, prompt_logprobs=1, min_p=0.1)])
+
+
+def strategy(hint: Any) -> st.SearchStrategy:
+    """Values of a field's declared type, as the codec reads the hint."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:  # packed arrays
+        if args[1].dtype.kind == "i":
+            return st.lists(INT32, max_size=6)
+        return st.lists(st.floats(width=32, allow_nan=False), max_size=6)
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of(*(strategy(a) for a in args))
+    if origin is list:
+        return st.lists(strategy(args[0]), max_size=3)
+    if hint is dict or origin is dict:
+        return st.dictionaries(TEXT, JSON_SCALAR, max_size=3)
+    if hint is SamplingParams:
+        return PARAMS
+    if dataclasses.is_dataclass(hint):
+        hints = typing.get_type_hints(hint, include_extras=True)
+        return st.builds(hint, **{f.name: strategy(hints[f.name])
+                                  for f in dataclasses.fields(hint)})
+    return {type(None): st.none(), bool: st.booleans(), str: TEXT,
+            int: st.integers(-2**63, 2**63 - 1), float: st.floats(allow_nan=False),
+            Any: JSON_SCALAR}[hint]
+
+
+ANY_MESSAGE = st.one_of(*(strategy(cls) for cls in _REGISTRY.values()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(ANY_MESSAGE)
+def test_every_message_round_trips(msg):
+    data = messages.encode(msg)
+    assert isinstance(data, bytes)
+    assert messages.decode(data) == msg
+
+
+def test_every_registered_message_is_covered():
+    assert set(_REGISTRY) == {"generate", "admit", "abort", "error", "plan", "result",
+                              "worker_ready", "tokens", "replies", "sched_stats"}
+    for tag, cls in _REGISTRY.items():
+        assert cls.TYPE == tag and cls.VERSION >= 1
+        assert dataclasses.fields(cls) and cls.__dataclass_params__.frozen
+
+
+def test_token_ids_travel_as_packed_int32_bytes():
+    plan = StepPlan(7, ["a", "b"], [1, 300], [0, 2**31 - 1])
+    body = msgpack.unpackb(messages.encode(plan), raw=False)
+    assert body["t"] == "plan" and body["v"] == 1
+    assert body["num_scheduled_tokens"] == (1).to_bytes(4, "little") + (300).to_bytes(
+        4, "little")
+    assert len(body["num_computed_tokens"]) == 8
+
+
+@settings(max_examples=100, deadline=None)
+@given(ANY_MESSAGE, st.data())
+def test_truncated_bytes_raise_message_error(msg, data):
+    encoded = messages.encode(msg)
+    cut = data.draw(st.integers(0, len(encoded) - 1))
+    with pytest.raises(MessageError):
+        messages.decode(encoded[:cut])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=64) | st.builds(msgpack.packb, st.dictionaries(
+    st.sampled_from(["t", "v", "rid", "step", "items", "req_ids"]),
+    st.sampled_from(sorted(_REGISTRY)) | JSON_SCALAR | st.lists(JSON_SCALAR, max_size=2))))
+def test_arbitrary_bytes_decode_or_raise_message_error_only(data):
+    try:
+        msg = messages.decode(data)
+    except MessageError:
+        return
+    assert type(msg) in _REGISTRY.values()
+
+
+def test_malformed_messages_raise_one_typed_error():
+    good = msgpack.unpackb(messages.encode(StepPlan(1, ["r"], [1], [0])), raw=False)
+    cases = {
+        "unknown tag": {**good, "t": "teleport"},
+        "missing field": {k: v for k, v in good.items() if k != "req_ids"},
+        "wrong type": {**good, "step": "one"},
+        "bool for int": {**good, "step": True},
+        "odd packed length": {**good, "num_scheduled_tokens": b"\x01\x00\x00"},
+        "list for packed": {**good, "num_scheduled_tokens": [1]},
+        "not a map": [1, 2, 3],
+    }
+    for what, body in cases.items():
+        try:
+            messages.decode(msgpack.packb(body))
+        except MessageError:
+            continue
+        pytest.fail(f"{what}: decoded without an error")
+    with pytest.raises(MessageError, match="not MessagePack"):
+        messages.decode(b"\xc1")
+    bad_params = {**msgpack.unpackb(messages.encode(
+        messages.AdmitRequest("r", "x", [1], SamplingParams())), raw=False)}
+    bad_params["params"] = {**bad_params["params"], "temperature": -1.0}
+    with pytest.raises(MessageError):  # SamplingParams' own validation, typed the same
+        messages.decode(msgpack.packb(bad_params))
+
+
+def test_values_that_cannot_be_encoded_raise_message_error():
+    with pytest.raises(MessageError):
+        messages.encode(StepPlan(1, ["r"], [2**40], [0]))  # not an int32
+    with pytest.raises(MessageError):
+        messages.encode(DetokParams())  # a record, not a registered message
+
+
+def test_an_older_reader_ignores_fields_it_does_not_know():
+    body = msgpack.unpackb(messages.encode(TokenBatch(3, [DetokItem(
+        "r", 0, "x", 0, [5], [1, 2], 2, DetokParams(), 2)])), raw=False)
+    body["added_later"] = 42
+    body["items"][0]["also_new"] = "?"
+    decoded = messages.decode(msgpack.packb(body))
+    assert decoded.step == 3 and decoded.items[0].new_token_ids == [5]
