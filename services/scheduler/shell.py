@@ -1,8 +1,11 @@
 """The scheduler process: every request's state and the KV block table live here.
 
-It reads admitted requests, aborts and step results, and keeps two step plans in flight so
-the worker never waits on a Redis hop: while the worker runs step N, plan N+1 is already in
-its stream, planned before step N's tokens are known (see services/scheduler/request.py).
+It reads admitted requests, aborts and step results, and keeps up to MAX_INFLIGHT steps
+planned but not yet reported, so the worker never waits on a Redis hop: while the device
+runs step N (and the worker has launched N+1 behind it), the next plans are already in its
+stream, planned before those steps' tokens are known (see services/scheduler/request.py).
+A result frees its slot at once; the next plan goes out before the result's tokens are
+applied and sent to the detokenizers.
 """
 
 from __future__ import annotations
