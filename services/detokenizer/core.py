@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from common.messages import Abort, DetokItem, DetokParams, TextDelta, TokenLogprobs
 from common.sampling_params import SamplingParams
@@ -181,10 +182,6 @@ def rust_decoder(tokenizer: Any) -> Any | None:
     Tokenizer's decode plus optional clean-up (which we never ask for): calling it directly
     skips transformers' per-call argument handling, two thirds of a short window's decode
     time, and matters at hundreds of windows a step. None for any other tokenizer."""
-    try:
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:
-        return None
     if isinstance(tokenizer, TokenizersBackend) and \
             type(tokenizer)._decode is TokenizersBackend._decode:
         return tokenizer.backend_tokenizer

@@ -123,10 +123,10 @@ class SchedulerShell:
 
     def _apply_results(self) -> list[Output]:
         outputs: list[Output] = []
-        for result in self.results:
-            if self.core is not None and result.epoch == self.worker_epoch:
-                if items := self.core.update(result):
-                    outputs.append((DETOK, TokenBatch(result.step, items)))
+        for result in self.results:  # all of the current worker's: _worker_ready clears
+            assert self.core is not None
+            if items := self.core.update(result):
+                outputs.append((DETOK, TokenBatch(result.step, items)))
         self.results = []
         return outputs
 
@@ -150,7 +150,7 @@ class SchedulerShell:
             log.warning("worker serves a shorter max_model_len", worker=ready.max_model_len)
         config = dataclasses.replace(self.config, block_size=ready.block_size)
         self.core = Scheduler(SchedulerConfig.from_engine(config, ready.num_blocks))
-        self.worker_epoch, self.inflight = ready.epoch, 0
+        self.worker_epoch, self.inflight, self.results = ready.epoch, 0, []
         log.info("worker ready", worker=ready.worker_id, epoch=ready.epoch,
                  num_blocks=ready.num_blocks)
         return outputs

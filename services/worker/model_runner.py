@@ -37,6 +37,7 @@ class RequestState:
     params: SamplingParams
     generator: torch.Generator | None
     pending: int = 0  # tokens sampled by launched steps, not yet copied back to the host
+    sample_row: int = 0  # this request's row in the last launched step's samples
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +111,6 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._pending: Launched | None = None
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
-        self._last_index: dict[str, int] = {}
         self.num_blocks = plan_num_blocks(config, self, kv_cache_bytes_per_block(
             hf_config, config.block_size, self.dtype, config.tensor_parallel_size))
         shape = kv_cache_shape(hf_config, self.num_blocks, self.block_size,
@@ -161,9 +161,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
         out = self.sampler.sample(logits, [s.sampling_row() for s in inputs.sampling])
         self._last_tokens = out.token_ids
-        self._last_index = {s.req_id: i for i, s in enumerate(inputs.sampling)}
-        for state in inputs.sampling:
+        for row, state in enumerate(inputs.sampling):
             state.pending += 1
+            state.sample_row = row
         host, done = self._copy_to_host(out.token_ids)
         logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
         return Launched(plan.step, inputs.sampling, host, done, logprobs, chunks, started)
@@ -242,7 +242,7 @@ class ModelRunner:
             token_ids += state.tokens(start, known)
             if known < start + n:  # the token sampled by the step still in flight
                 assert state.pending == 1 and known + 1 == start + n, "one token ahead at most"
-                gathers.append((len(token_ids), self._last_index[state.req_id]))
+                gathers.append((len(token_ids), state.sample_row))
                 token_ids.append(0)
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
