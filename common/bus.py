@@ -1,7 +1,7 @@
 """The Redis Streams bus that links the services.
 
 Every entry carries plain fields beside its MessagePack body, so `redis-cli XRANGE
-hr:requests - + COUNT 5` is readable: `type`, `rid` or `n` (and `step`), `ts`, `body`.
+hr:requests - + COUNT 5` is readable (common/keys.py names every stream and key): `type`, `rid` or `n` (and `step`), `ts`, `body`.
 
 Two ways to consume:
 * `consume(...)`: the loop for stateless stages. The handler maps one message to its
@@ -10,6 +10,8 @@ Two ways to consume:
   moved to `hr:dead`; entries left pending by a dead consumer are claimed (XAUTOCLAIM).
 * `read(...)` / `tail(...)` + `commit(...)`: for stateful consumers (scheduler, worker,
   gateway) that read several streams and batch their work.
+* `set_alive` / `values` / `store` / `load`: the little shared state beside the streams
+  (liveness keys, the running worker's announcement, the scheduler's stats).
 """
 
 from __future__ import annotations
@@ -28,17 +30,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from common import messages
+from common import keys, messages
 from common.log import get_logger
-
-REQUESTS = "hr:requests"
-ADMIT = "hr:admit"
-STEPS = "hr:steps"
-RESULTS = "hr:results"
-DETOK = "hr:detok"
-CONTROL = "hr:control"
-DEAD = "hr:dead"
-STREAM_PATTERN = "hr:*"
 
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
 LAG_COUNT_LIMIT = 10_000
@@ -60,10 +53,6 @@ while true do
   start = '(' .. page[#page][1]
 end
 """
-
-
-def replies_stream(gateway_id: str) -> str:
-    return f"hr:replies:{gateway_id}"
 
 
 class BusUnavailable(RedisConnectionError):
@@ -191,7 +180,7 @@ class Bus:
 
     async def bury(self, dead: Sequence[tuple[Entry, str]]) -> None:
         """Copy entries to hr:dead with the reason, and acknowledge those read in a group."""
-        records = [(DEAD, _dead_fields(entry, reason)) for entry, reason in dead]
+        records = [(keys.DEAD, _dead_fields(entry, reason)) for entry, reason in dead]
         await self.write(records, [entry for entry, _ in dead if entry.group is not None])
         for entry, reason in dead:
             log.error("moved entry to the dead stream", stream=entry.stream,
@@ -225,6 +214,34 @@ class Bus:
                 log.warning("redis unreachable, retrying", op=what, error=str(e),
                             retry_in_s=delay)
                 await anyio.sleep(delay)
+
+    # --- shared state ------------------------------------------------------------------
+
+    async def set_alive(self, key: str, token: str, ttl_ms: int) -> None:
+        """`key` holds `token` for `ttl_ms`: a heartbeat renews it, a crash lets it lapse."""
+        await self.redis.set(key, token, px=ttl_ms)
+
+    async def values(self, *names: str) -> list[bytes | None]:
+        """The values of plain keys, None for a missing one (one round trip)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.get(name)
+            return list(await pipe.execute())
+
+    async def store(self, key: str, msg: Any) -> None:
+        await self.redis.set(key, messages.encode(msg))
+
+    async def load(self, key: str) -> Any | None:
+        """The message stored at `key`; None if there is none or it does not decode."""
+        return decode_value(key, (await self.values(key))[0])
+
+    async def forget(self, *names: str) -> None:
+        """Delete keys or streams."""
+        await self.redis.delete(*names)
+
+    async def trim_before(self, stream: str, entry_id: bytes | str) -> None:
+        """Drop a stream's entries older than `entry_id` (approximately, as Redis can)."""
+        await self.redis.xtrim(stream, minid=entry_id, approximate=True)
 
     # --- reading ----------------------------------------------------------------------
 
@@ -319,7 +336,7 @@ class Bus:
 
     # --- introspection ----------------------------------------------------------------
 
-    async def stream_infos(self, match: str = STREAM_PATTERN) -> list[StreamInfo]:
+    async def stream_infos(self, match: str = keys.PATTERN) -> list[StreamInfo]:
         """Length, groups (pending, lag, last delivered id) and consumers of each stream."""
         names = sorted({name async for name in self.redis.scan_iter(match=match,
                                                                    _type="stream")})
@@ -451,6 +468,17 @@ class _ConsumeLoop:
         if delivered >= self.max_deliveries:
             await self.bus.bury([(entry, f"{type(error).__name__}: {error} "
                                          f"(after {delivered} deliveries)")])
+
+
+def decode_value(key: str, raw: bytes | None) -> Any | None:
+    """A stored message, or None (with a warning when it does not decode)."""
+    if raw is None:
+        return None
+    try:
+        return messages.decode(raw)
+    except messages.MessageError as e:
+        log.warning("unreadable value", key=key, error=str(e))
+        return None
 
 
 def _flatten(reply: Any) -> list[tuple[str, bytes, dict[bytes, bytes]]]:

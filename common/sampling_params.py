@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +112,37 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or value <= max_logprobs,
                    f"{name} must be at most {max_logprobs} (--max-logprobs)", name, value)
+
+
+# Set by the tokenizer stage from the model, never by a client.
+INTERNAL_PARAMS = frozenset({"eos_token_ids"})
+# Every parameter a client may set, in field order: the one list the gateway, the tokenizer
+# stage and `headrace generate` derive theirs from.
+CLIENT_PARAMS = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                      if f.name not in INTERNAL_PARAMS)
+_HINTS = typing.get_type_hints(SamplingParams)
+_JSON_KINDS: dict[type, tuple[type, ...]] = {int: (int,), float: (int, float), bool: (bool,),
+                                             str: (str,), tuple: (list,)}
+_JSON_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+               list: "a list", dict: "an object"}
+
+
+def json_kinds(name: str) -> tuple[type, ...]:
+    """The JSON types a client may send for parameter `name` (null aside): a float
+    parameter takes integers too, a tuple parameter a list."""
+    hint = _HINTS[name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return _JSON_KINDS[typing.get_origin(hint) or hint]
+
+
+def check_json_type(name: str, value: Any, kinds: tuple[type, ...]) -> None:
+    """A SamplingError naming `name` unless `value` has one of the JSON types `kinds` (a
+    JSON true is not a number)."""
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        wanted = " or ".join(_JSON_NAMES[k] for k in kinds)
+        got = _JSON_NAMES.get(type(value), type(value).__name__)
+        raise SamplingError(f"{name!r} must be {wanted}, got {got}", name)
 
 
 def _is_int(value: Any) -> bool:

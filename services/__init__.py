@@ -13,6 +13,6 @@ __all__ = ["LLM", "SamplingParams"]
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from services.llm import LLM
+        from services.offline.llm import LLM
         return LLM
     raise AttributeError(name)

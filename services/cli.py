@@ -13,7 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "scheduler": ("services.scheduler.shell", "run the scheduler process"),
     "worker": ("services.worker.shell", "run the GPU worker process"),
     "detokenizer": ("services.detokenizer.shell", "run one detokenizer process"),
-    "generate": ("services.generate", "generate completions offline and print them"),
+    "generate": ("services.offline.generate", "generate completions offline and print them"),
     "queues": ("services.queues", "show every hr:* stream: length, groups, pending, lag"),
     "bench": ("services.bench", "benchmarks: bus, throughput, latency, serve"),
     "profile": ("services.profiler.run", "layerwise profile of prefill and decode steps"),

@@ -21,7 +21,7 @@ from common.config import ConfigError
 from common.log import configure_logging, get_logger
 from common.model_files import resolve_model
 from common.redis_server import redis_url_or_embedded, spawn_child
-from services.process import service_parser
+from common.service import service_parser
 
 STOP_TIMEOUT_S = 15.0
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)

@@ -21,7 +21,8 @@ import redis
 import structlog.testing
 
 from common import bus as busmod
-from common.bus import ADMIT, DEAD, REQUESTS, Bus, entry_fields
+from common import keys
+from common.bus import Bus, entry_fields
 from common.messages import (Abort, CachedRequest, ErrorReply, GenerateRequest,
                              NewRequest, StepPlan, decode)
 from common.sampling_params import SamplingParams
@@ -83,14 +84,14 @@ async def test_round_trip_of_real_messages_with_readable_fields(redis_url):
 
     async def handler(msg):
         seen.append(msg)
-        return [(ADMIT, msg)]
+        return [(keys.admit(), msg)]
 
     async with Bus(redis_url) as bus:
-        ids = await bus.publish(REQUESTS, *sent)
+        ids = await bus.publish(keys.REQUESTS, *sent)
         assert len(ids) == len(sent)
-        await run_consumer(bus, handler, lambda: len(seen) == len(sent), stream=REQUESTS)
-        out = await bus.redis.xrange(ADMIT)
-        pending = await bus.redis.xpending(REQUESTS, "g")
+        await run_consumer(bus, handler, lambda: len(seen) == len(sent), stream=keys.REQUESTS)
+        out = await bus.redis.xrange(keys.admit())
+        pending = await bus.redis.xpending(keys.REQUESTS, "g")
     assert seen == sent
     assert [decode(fields[b"body"]) for _, fields in out] == sent
     first, plan = out[0][1], out[-1][1]
@@ -127,10 +128,10 @@ async def test_read_several_streams_then_commit_outputs_and_acks_together(redis_
         assert sorted(e.msg.rid for e in entries) == ["a1", "a2", "b1"]
         assert {e.stream for e in entries} == {IN, OUT}
         assert (await bus.redis.xpending(IN, "sched"))["pending"] == 2
-        await bus.commit([(ADMIT, ErrorReply("a1", 400, "x"))], done=entries)
+        await bus.commit([(keys.admit(), ErrorReply("a1", 400, "x"))], done=entries)
         assert (await bus.redis.xpending(IN, "sched"))["pending"] == 0
         assert (await bus.redis.xpending(OUT, "sched"))["pending"] == 0
-        assert await bus.redis.xlen(ADMIT) == 1
+        assert await bus.redis.xlen(keys.admit()) == 1
         # nothing new, and nothing pending for this consumer
         assert await bus.read("sched", "s0", {IN: ">", OUT: ">"}) == []
         assert await bus.read("sched", "s0", {IN: "0", OUT: "0"}) == []
@@ -146,7 +147,7 @@ async def test_tail_follows_a_stream_without_a_group(redis_url):
         await bus.publish(OUT, Abort("x1"))
         later = await bus.tail({OUT: first[-1].id}, block_ms=100)
         assert [e.msg.rid for e in later] == ["x1"]
-        dead = await bus.redis.xrange(DEAD)
+        dead = await bus.redis.xrange(keys.DEAD)
         assert len(dead) == 1 and dead[0][1][b"group"] == b""
 
 
@@ -165,7 +166,7 @@ async def test_poison_entries_go_to_dead_and_the_consumer_keeps_going(redis_url)
         await bus.redis.xadd(IN, {"type": "abort", "rid": "no-body"})
         await bus.publish(IN, Abort("good"))
         await run_consumer(bus, handler, lambda: handled == ["good"])
-        dead = await bus.redis.xrange(DEAD)
+        dead = await bus.redis.xrange(keys.DEAD)
         assert (await bus.redis.xpending(IN, "g"))["pending"] == 0
     reasons = [fields[b"reason"].decode() for _, fields in dead]
     assert len(dead) == 3
@@ -192,7 +193,7 @@ async def test_a_handler_that_always_fails_sends_its_entry_to_dead(redis_url):
         await bus.publish(IN, Abort("ok-1"), Abort("bad"), Abort("ok-2"))
         await run_consumer(bus, handler, lambda: calls["bad"] >= 3 and calls["ok-2"],
                            min_idle_ms=50, reclaim_every_s=0.05, max_deliveries=3)
-        dead = await bus.redis.xrange(DEAD)
+        dead = await bus.redis.xrange(keys.DEAD)
         outputs = [decode(f[b"body"]).rid for _, f in await bus.redis.xrange(OUT)]
         assert (await bus.redis.xpending(IN, "g"))["pending"] == 0
     assert calls == {"ok-1": 1, "bad": 3, "ok-2": 1}
@@ -216,9 +217,9 @@ async def test_an_entry_whose_consumers_keep_dying_is_buried_when_claimed(redis_
         await bus.redis.xreadgroup("g", "gone", {IN: ">"})
         for _ in range(2):  # delivered again to consumers that die before acknowledging
             await bus.redis.xreadgroup("g", "gone", {IN: "0"})
-        await run_consumer(bus, handler, lambda: bus.redis.xlen(DEAD), min_idle_ms=0,
+        await run_consumer(bus, handler, lambda: bus.redis.xlen(keys.DEAD), min_idle_ms=0,
                            reclaim_every_s=0.05, max_deliveries=3)
-        dead = await bus.redis.xrange(DEAD)
+        dead = await bus.redis.xrange(keys.DEAD)
         assert (await bus.redis.xpending(IN, "g"))["pending"] == 0
     assert handled == []
     assert len(dead) == 1 and b"never acknowledged" in dead[0][1][b"reason"]

@@ -117,3 +117,22 @@ def test_every_entry_point_shares_the_engine_flags_and_rejects_a_bad_block_size(
                          text=True, timeout=120)
     assert bad.returncode == 2
     assert "--block-size must be one of" in bad.stderr and "got 7" in bad.stderr
+
+
+@pytest.mark.parametrize("command, extra", [("serve", []), ("worker", []),
+                                            ("generate", ["--prompt", "hi"])])
+def test_tensor_parallelism_is_refused_in_one_line_before_anything_starts(command, extra):
+    bad = subprocess.run([sys.executable, "-m", "services.cli", command, "--model", "m",
+                          "--tensor-parallel-size", "2", *extra], cwd=REPO, env=repo_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].endswith(
+        "--tensor-parallel-size 2 is not supported yet: the worker's executor runs one rank; "
+        "use 1")
+    assert "Traceback" not in bad.stderr
+
+
+def test_the_offline_engine_refuses_tensor_parallelism_too():
+    from services import LLM
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 2 is not supported yet"):
+        LLM("m", tensor_parallel_size=2)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from services.cli import COMMANDS
-from services.process import service_parser
+from common.service import service_parser
 from tests.conftest import REPO, repo_env
 from tests.tiny_models import make_tiny_model
 

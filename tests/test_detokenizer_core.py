@@ -13,8 +13,8 @@ import pytest
 from common.messages import (Abort, DetokItem, TextDelta, TokenBatch, TokenLogprobs, decode,
                              encode)
 from common.sampling_params import SamplingParams
-from services.detokenizer.core import (Detokenizer, TokenBytes, detok_params, find_stop,
-                                       make_context, stop_lookback, unfinished_bytes)
+from common.detok_window import detok_params, make_context, stop_lookback
+from services.detokenizer.core import Detokenizer, TokenBytes, find_stop, unfinished_bytes
 from tests.text_fixtures import SAMPLE_TEXTS, byte_fallback_tokenizer, smollm2_tokenizer
 
 REPLACEMENT = "\ufffd"

@@ -14,10 +14,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common import keys
 from common.redis_server import find_redis_binary
 from common.sampling_params import SamplingParams
 from services.demo import demo_model_path
-from services.llm import LLM
+from services.offline.llm import LLM
 from tests.conftest import run_command
 from tests.e2e_fixtures import (API_KEY, MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_QUEUE_LEN,
                                 MAX_REQUEST_BODY, MODEL_NAME, ServerProcess)
@@ -287,7 +288,7 @@ def test_operators_see_the_consumer_groups(served):
     assert cli.returncode == 0 and "tokenizer" in cli.stdout, cli.stdout + cli.stderr
     queues = run_command("queues", "--redis-url", f"unix://{socket}")
     assert queues.returncode == 0, queues.stderr
-    for stream, group in (("hr:requests", "tokenizer"), ("hr:admit", "scheduler"),
+    for stream, group in (("hr:requests", "tokenizer"), (keys.admit(), "scheduler"),
                           ("hr:detok", "detokenizer")):
         assert stream in queues.stdout and group in queues.stdout
 

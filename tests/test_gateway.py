@@ -23,12 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from common import messages
-from common.bus import ADMIT, CONTROL, REQUESTS, Bus, replies_stream
+from common import keys
+from common.bus import Bus
 from common.messages import ErrorReply, GenerateRequest, ReplyBatch, SchedulerStats, TextDelta
 from common.model_files import resolve_model
 from common.redis_server import EmbeddedRedis
 from services.demo import demo_model_path
-from services.process import ALIVE_SCHEDULER, ALIVE_WORKER, SCHEDULER_STATS
 from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, start_server
 
 pytestmark = pytest.mark.anyio
@@ -45,8 +45,8 @@ Script = Callable[[GenerateRequest], list[Step]]
 def gateway(embedded_redis: EmbeddedRedis, tmp_path_factory) -> Iterator[ServerProcess]:
     """A gateway that sees a live scheduler and worker from its first look on."""
     client = embedded_redis.client()
-    client.set(ALIVE_SCHEDULER, "fake")
-    client.set(ALIVE_WORKER, "fake")
+    client.set(keys.alive_scheduler(), "fake")
+    client.set(keys.alive_worker(), "fake")
     root = tmp_path_factory.mktemp("gateway")
     server = start_server(["gateway", demo_model_path(), "--redis-url", embedded_redis.url,
                            "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
@@ -69,7 +69,7 @@ def url(gateway: ServerProcess, embedded_redis: EmbeddedRedis) -> str:
     """The gateway's URL, with the pipeline's streams empty. A test that deletes a
     liveness key sets it again and waits `until_admitting` before it ends."""
     client = embedded_redis.client()
-    client.delete(REQUESTS, ADMIT, CONTROL, SCHEDULER_STATS)
+    client.delete(keys.REQUESTS, keys.admit(), keys.control(), keys.scheduler_stats())
     client.close()
     return gateway.url
 
@@ -127,7 +127,7 @@ async def play(bus: Bus, req: GenerateRequest, steps: list[Step]) -> None:
         elif isinstance(step, float):
             await anyio.sleep(step)
         else:
-            await bus.publish(replies_stream(req.reply_to), step)
+            await bus.publish(keys.replies(req.reply_to), step)
 
 
 @asynccontextmanager
@@ -138,13 +138,13 @@ async def fake_stages(redis_url: str, script: Script) -> AsyncIterator[list[Gene
     async with Bus(redis_url) as bus, anyio.create_task_group() as tasks:
         async def answer() -> None:
             while True:
-                entries = await bus.read("tokenizer", "fake", {REQUESTS: ">"}, count=16,
+                entries = await bus.read("tokenizer", "fake", {keys.REQUESTS: ">"}, count=16,
                                          block_ms=100)
                 for entry in entries:
                     seen.append(entry.msg)
                     tasks.start_soon(play, bus, entry.msg, script(entry.msg))
                 await bus.ack(entries)
-        await bus.ensure_group(REQUESTS, "tokenizer")
+        await bus.ensure_group(keys.REQUESTS, "tokenizer")
         tasks.start_soon(answer)
         yield seen
         tasks.cancel_scope.cancel()
@@ -156,7 +156,7 @@ async def aborted(redis_url: str, rids: set[str], timeout_s: float = 5.0) -> set
     async with Bus(redis_url) as bus:
         with anyio.move_on_after(timeout_s):
             while found != rids:
-                entries = await bus.redis.xrange(CONTROL)
+                entries = await bus.redis.xrange(keys.control())
                 found = {messages.decode(fields[b"body"]).rid for _, fields in entries} & rids
                 await anyio.sleep(0.05)
     return found
@@ -231,7 +231,7 @@ async def test_an_unknown_model_is_404(url, rdb, api):
     async with aiohttp.ClientSession() as session:
         async with session.post(url + "/tokenize", json={"model": "x", "prompt": "a"}) as r:
             assert r.status == 404
-    assert rdb.xlen(REQUESTS) == 0
+    assert rdb.xlen(keys.REQUESTS) == 0
 
 
 async def test_a_body_over_the_limit_is_413(url):
@@ -263,7 +263,7 @@ async def test_invalid_requests_are_400_and_queue_nothing(url, rdb, path, body, 
             assert response.status == 400
             error = (await response.json())["error"]
     assert error["type"] == "BadRequestError" and error["param"] == param
-    assert rdb.xlen(REQUESTS) == 0
+    assert rdb.xlen(keys.REQUESTS) == 0
 
 
 async def test_the_openai_client_sees_400s(api):
@@ -290,13 +290,13 @@ async def test_health_needs_both_the_scheduler_and_the_worker(url, rdb, redis_at
         return await anyio.to_thread.run_sync(gateway.status, "/health")
 
     assert await health() == 200
-    rdb.delete(ALIVE_WORKER)
+    rdb.delete(keys.alive_worker())
     assert await health() == 503
-    rdb.delete(ALIVE_SCHEDULER)
+    rdb.delete(keys.alive_scheduler())
     assert await health() == 503
-    rdb.set(ALIVE_WORKER, "x")
+    rdb.set(keys.alive_worker(), "x")
     assert await health() == 503
-    rdb.set(ALIVE_SCHEDULER, "x")
+    rdb.set(keys.alive_scheduler(), "x")
     assert await health() == 200
     await until_admitting(url, redis_at)
 
@@ -323,7 +323,7 @@ async def test_tokenize_and_detokenize_use_the_model_tokenizer(url):
 async def test_a_queue_over_the_bound_is_503_with_retry_after(url, rdb, redis_at, api):
     body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
     for i in range(MAX_QUEUE_LEN + 1):  # tokenized requests no scheduler reads
-        rdb.xadd(ADMIT, {"type": "admit", "rid": f"stuck-{i}"})
+        rdb.xadd(keys.admit(), {"type": "admit", "rid": f"stuck-{i}"})
     async with fake_stages(redis_at, in_order(["a"])), aiohttp.ClientSession() as session:
         with anyio.fail_after(5):  # admitted (and answered) until the gateway sees the queue
             while True:
@@ -342,7 +342,7 @@ async def test_a_queue_over_the_bound_is_503_with_retry_after(url, rdb, redis_at
         with pytest.raises(openai.InternalServerError) as info:
             await api.completions.create(**body)
         assert info.value.status_code == 503
-    rdb.delete(ADMIT)
+    rdb.delete(keys.admit())
     await until_admitting(url, redis_at)
 
 
@@ -487,7 +487,7 @@ async def test_requests_end_with_503_when_the_scheduler_goes_away(url, rdb, redi
             with anyio.fail_after(5):
                 while len(seen) < 2:
                     await anyio.sleep(0.05)
-            rdb.delete(ALIVE_SCHEDULER)
+            rdb.delete(keys.alive_scheduler())
             with anyio.fail_after(5):  # the watcher sees it within a fraction of a second
                 while len(results) < 2:
                     await anyio.sleep(0.05)
@@ -497,7 +497,7 @@ async def test_requests_end_with_503_when_the_scheduler_goes_away(url, rdb, redi
             await api.completions.create(model=MODEL_NAME, prompt="p")
         assert info.value.response.headers["Retry-After"] == "1"
         assert "scheduler is not running" in info.value.message
-    rdb.set(ALIVE_SCHEDULER, "back")
+    rdb.set(keys.alive_scheduler(), "back")
     await until_admitting(url, redis_at)
     assert results["plain"] == 503
     sse = results["stream"]
@@ -507,7 +507,7 @@ async def test_requests_end_with_503_when_the_scheduler_goes_away(url, rdb, redi
 
 async def test_metrics_carry_the_scheduler_stats_streams_and_latencies(url, rdb, redis_at,
                                                                         gateway, api):
-    rdb.set(SCHEDULER_STATS, messages.encode(SchedulerStats(
+    rdb.set(keys.scheduler_stats(), messages.encode(SchedulerStats(
         num_running=3, num_waiting=1, kv_cache_usage=0.25, num_preemptions=2,
         prefix_cache_queries=10, prefix_cache_hits=4, prompt_tokens=100,
         generation_tokens=50)))
@@ -527,8 +527,8 @@ async def test_metrics_carry_the_scheduler_stats_streams_and_latencies(url, rdb,
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds"):
         assert samples[f"headrace:{name}_count", ()] >= 1
-    assert samples["headrace:stream_length", (("stream", REQUESTS),)] >= 1
-    assert (f"headrace:stream_lag", (("group", "tokenizer"), ("stream", REQUESTS))) in samples
+    assert samples["headrace:stream_length", (("stream", keys.REQUESTS),)] >= 1
+    assert (f"headrace:stream_lag", (("group", "tokenizer"), ("stream", keys.REQUESTS))) in samples
     finished = [r for r in gateway.log_records() if r.get("rid") == out.id]
     assert [r["event"] for r in finished] == ["request queued", "request finished"]
     assert finished[-1]["completion_tokens"] == 2 and finished[-1]["service"] == "gateway"

@@ -12,13 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.bus import ADMIT, REQUESTS, GroupInfo, StreamInfo
+from common import keys
+from common.bus import GroupInfo, StreamInfo
+from common.errors import ApiError
 from common.messages import ErrorReply, SchedulerStats, TextDelta, TokenLogprobs
 from services.gateway import responses
 from services.gateway.core import (STALE_S, Backend, Call, Echo, admission_error,
                                    queue_depth, request_ids)
-from services.gateway.protocol import (ApiError, parse_detokenize, parse_job,
-                                       parse_tokenize)
+from services.gateway.protocol import parse_detokenize, parse_job, parse_tokenize
 from services.gateway.responses import Choice
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -461,10 +462,10 @@ def stats(waiting: int) -> SchedulerStats:
 
 
 def test_queue_depth_adds_undelivered_entries_and_the_waiting_queue():
-    streams = [stream(REQUESTS, 50, 3), stream(ADMIT, 40, 2, 5), stream("hr:detok", 9, 9)]
+    streams = [stream(keys.REQUESTS, 50, 3), stream(keys.admit(), 40, 2, 5), stream("hr:detok", 9, 9)]
     assert queue_depth(streams, stats(4)) == 3 + 5 + 4
-    assert queue_depth([stream(REQUESTS, 7)], None) == 7  # no group yet: every entry waits
-    assert queue_depth([stream(REQUESTS, 7, None)], None) == 0
+    assert queue_depth([stream(keys.REQUESTS, 7)], None) == 7  # no group yet: every entry waits
+    assert queue_depth([stream(keys.REQUESTS, 7, None)], None) == 0
     assert queue_depth([], None) == 0
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from common.sampling_params import SamplingParams
-from services.tokenizer.defaults import SamplingDefaults, eos_token_ids, sampling_defaults
+from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
 
 MODEL_CONFIG = {"bos_token_id": 1, "eos_token_id": [2, 7], "do_sample": True,
                 "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": None,

@@ -14,13 +14,13 @@ import anyio
 import pytest
 
 from common import messages
-from common.bus import CONTROL, Bus
+from common import keys
+from common.bus import Bus
 from common.config import EngineConfig, ServerConfig
 from common.messages import Abort, ErrorReply, GenerateRequest
 from common.sampling_params import SamplingParams
 from services.bench.pipeline import CLIENT, LocalPipeline, Outcome, drive
-from services.llm import LLM
-from services.process import SCHEDULER_STATS
+from services.offline.llm import LLM
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.anyio
@@ -39,7 +39,7 @@ class Pipeline(LocalPipeline):
 
     async def stats(self) -> messages.SchedulerStats:
         async with Bus(self.url) as bus:
-            return messages.decode(await bus.redis.get(SCHEDULER_STATS))
+            return messages.decode(await bus.redis.get(keys.scheduler_stats()))
 
 
 def request(rid: str, prompt: list[int], **params) -> GenerateRequest:
@@ -104,7 +104,7 @@ async def test_a_prompt_too_long_is_rejected_with_both_numbers(pipeline):
 async def test_abort_and_stop_strings_free_the_kv_cache(pipeline):
     async def abort_once_streaming(bus: Bus, outcomes: dict[str, Outcome]) -> None:
         if outcomes["a"].choices and outcomes["a"].error is None:
-            await bus.publish(CONTROL, Abort("a"))
+            await bus.publish(keys.control(), Abort("a"))
             outcomes["a"].error = ErrorReply("a", 499, "aborted by the test")
     long = {"max_tokens": 400, "ignore_eos": True}
     await pipeline.run([request("a", [5, 6, 7], **long)], during=abort_once_streaming)

@@ -8,8 +8,9 @@ from transformers import AutoTokenizer
 
 from common.messages import AdmitRequest, GenerateRequest, decode, encode
 from common.sampling_params import SamplingParams
-from services.tokenizer.core import InputProcessor, RequestRejected
-from services.tokenizer.defaults import SamplingDefaults, sampling_defaults
+from common.errors import ApiError
+from services.tokenizer.core import InputProcessor
+from common.sampling_defaults import SamplingDefaults, sampling_defaults
 from tests.text_fixtures import SMOLLM2_TOKENIZER_DIR, smollm2_tokenizer
 
 MAX_LEN = 256
@@ -32,8 +33,8 @@ def request(params: dict | None = None, **prompt) -> GenerateRequest:
     return GenerateRequest("rid-1", "gw-1", params or {}, **prompt)
 
 
-def rejected(proc: InputProcessor, req: GenerateRequest) -> RequestRejected:
-    with pytest.raises(RequestRejected) as info:
+def rejected(proc: InputProcessor, req: GenerateRequest) -> ApiError:
+    with pytest.raises(ApiError) as info:
         proc.process(req)
     assert info.value.status == 400 and info.value.kind == "BadRequestError"
     return info.value
@@ -233,5 +234,5 @@ def test_admit_resolves_an_already_built_params(tok):
     ([5], SamplingParams(logprobs=9), "at most 5"),
 ])
 def test_admit_rejects_what_process_rejects(tok, ids, params, message):
-    with pytest.raises(RequestRejected, match=message):
+    with pytest.raises(ApiError, match=message):
         processor(tok).admit("r", "local", ids, params)

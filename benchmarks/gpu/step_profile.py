@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common.config import add_engine_args, engine_config_from_args  # noqa: E402
 from services.bench.throughput import run_inprocess  # noqa: E402
 from services.bench.workloads import fixed_workload, nano_workload, with_output_len  # noqa: E402
-from services.engine import Engine  # noqa: E402
+from services.offline.engine import Engine  # noqa: E402
 
 
 def main() -> None:

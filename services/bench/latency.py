@@ -25,7 +25,7 @@ from common.log import configure_logging
 from common.sampling_params import SamplingParams
 from services.bench.throughput import _sync, machine_info
 from services.bench.workloads import ModelShape, fixed_workload, measure_ceilings
-from services.engine import Engine
+from services.offline.engine import Engine
 
 
 def build_parser() -> argparse.ArgumentParser:

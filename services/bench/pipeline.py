@@ -14,13 +14,13 @@ from pathlib import Path
 
 import anyio
 
-from common.bus import REQUESTS, Bus, replies_stream
+from common import keys
+from common.bus import Bus
 from common.config import EngineConfig, ServerConfig
 from common.messages import ErrorReply, GenerateRequest, ReplyBatch
 from common.redis_server import EmbeddedRedis, spawn_child
 from services.gateway.responses import Choice
 from services.launcher import child_specs
-from services.process import ALIVE_SCHEDULER, ALIVE_WORKER
 
 CLIENT = "bench-client"
 
@@ -58,11 +58,11 @@ async def drive(url: str, requests: list[GenerateRequest], timeout: float = 600.
     outcomes = {r.rid: Outcome() for r in requests}
     remaining = {r.rid: r.params.get("n", 1) for r in requests}
     async with Bus(url) as bus:
-        last = (await bus.redis.xrevrange(replies_stream(CLIENT), count=1) or [(b"0",)])[0][0]
-        await bus.publish(REQUESTS, *requests)
+        last = (await bus.redis.xrevrange(keys.replies(CLIENT), count=1) or [(b"0",)])[0][0]
+        await bus.publish(keys.REQUESTS, *requests)
         with anyio.fail_after(timeout):
             while remaining:
-                for entry in await bus.tail({replies_stream(CLIENT): last}, count=1000,
+                for entry in await bus.tail({keys.replies(CLIENT): last}, count=1000,
                                             block_ms=100):
                     last = entry.id
                     absorb(outcomes, entry.msg)
@@ -106,7 +106,7 @@ class LocalPipeline:
     async def wait_ready(self, timeout: float = 600.0) -> None:
         async with Bus(self.url) as bus:
             with anyio.fail_after(timeout):
-                while not (await bus.redis.exists(ALIVE_WORKER, ALIVE_SCHEDULER)) == 2:
+                while None in await bus.values(keys.alive_worker(), keys.alive_scheduler()):
                     self._check_alive()
                     await anyio.sleep(0.2)
 

@@ -38,7 +38,7 @@ from services.bench.pipeline import CLIENT, LocalPipeline, drive
 from services.bench.workloads import (Ceilings, ModelShape, Trace, Workload, fixed_workload,
                                       kv_waste, measure_ceilings, nano_workload,
                                       with_output_len)
-from services.engine import Engine
+from services.offline.engine import Engine
 
 
 @dataclass(slots=True)

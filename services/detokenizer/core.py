@@ -1,8 +1,8 @@
 """Stateless incremental detokenization, stop strings and logprob texts.
 
 Any detokenizer replica may take any step's batch, so each DetokItem carries its own
-context: the last few token ids before the new ones (`make_context`, called by the
-scheduler). From that window alone the detokenizer finds where the text already sent ends
+context: the last few token ids before the new ones (common/detok_window.py, applied by
+the scheduler). From that window alone the detokenizer finds where the text already sent ends
 and what the new tokens add:
 
     P = text(prompt part of the window)      output text begins after P
@@ -34,40 +34,12 @@ from typing import Any
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
+from common.detok_window import MAX_CHAR_BYTES, stop_lookback
 from common.messages import Abort, DetokItem, DetokParams, TextDelta, TokenLogprobs
-from common.sampling_params import SamplingParams
-
-MAX_CHAR_BYTES = 4  # a UTF-8 character; a byte token carries one of its bytes
-# The window without stop strings: up to 3 tokens of a character begun before it, up to 3
-# of one not finished after it, and room for a few whole characters between.
-BASE_CONTEXT_TOKENS = 16
+from common.token_text import TokenTexts
 
 _BYTE_LEVEL_CHARS = {char: byte for byte, char in bytes_to_unicode().items()}
 _BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-_SPACE_MARKER = "\u2581"  # SentencePiece's word-start marker
-
-
-def stop_lookback(stop: Sequence[str]) -> int:
-    """Characters before the new text where a stop string ending in it may start."""
-    return max(map(len, stop)) - 1 if stop else 0
-
-
-def make_context(token_ids: Sequence[int], num_prompt_tokens: int, num_new: int,
-                 stop_buffer_chars: int) -> tuple[list[int], int]:
-    """(context_ids, num_context_prompt) for a DetokItem. `stop_buffer_chars` is the stop
-    look-back, `stop_lookback(params.stop)`; each of those characters may take
-    MAX_CHAR_BYTES byte tokens."""
-    if not 0 <= num_new <= len(token_ids) - num_prompt_tokens:
-        raise ValueError(f"{num_new} new tokens do not fit the {len(token_ids)} tokens after "
-                         f"a {num_prompt_tokens}-token prompt")
-    end = len(token_ids) - num_new
-    start = max(0, end - BASE_CONTEXT_TOKENS - MAX_CHAR_BYTES * stop_buffer_chars)
-    return list(token_ids[start:end]), max(0, num_prompt_tokens - start)
-
-
-def detok_params(params: SamplingParams) -> DetokParams:
-    return DetokParams(list(params.stop), params.skip_special_tokens,
-                       params.spaces_between_special_tokens, params.include_stop_str_in_output)
 
 
 @dataclass(slots=True)
@@ -193,7 +165,7 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.bytes = TokenBytes(tokenizer)
         self._rust = rust_decoder(tokenizer)
-        self._token_texts: dict[int, str] = {}
+        self.token_text = TokenTexts(tokenizer)
 
     def process(self, item: DetokItem) -> tuple[TextDelta, Abort | None]:
         params = item.params
@@ -214,11 +186,13 @@ class Detokenizer:
             finish_reason, stop_reason = "stop", match.stop
             if not finishing and match.end > seen_end:  # new, and the request still runs
                 abort = Abort(item.rid, item.index, reason="stop", stop_reason=match.stop)
-        delta = TextDelta(item.rid, item.index, item.seq, text[start:max(start, end)],
-                          list(item.new_token_ids), item.num_prompt_tokens, finish_reason,
-                          stop_reason, [self._with_texts(lp) for lp in item.logprobs],
-                          [None if lp is None else self._with_texts(lp)
-                           for lp in item.prompt_logprobs])
+        delta = TextDelta(
+            rid=item.rid, index=item.index, seq=item.seq, text=text[start:max(start, end)],
+            token_ids=list(item.new_token_ids), num_prompt_tokens=item.num_prompt_tokens,
+            finish_reason=finish_reason, stop_reason=stop_reason,
+            logprobs=[self._with_texts(lp) for lp in item.logprobs],
+            prompt_logprobs=[None if lp is None else self._with_texts(lp)
+                             for lp in item.prompt_logprobs])
         return delta, abort
 
     def _resync(self, item: DetokItem) -> tuple[list[int], int]:
@@ -247,19 +221,3 @@ class Detokenizer:
     def _with_texts(self, lp: TokenLogprobs) -> TokenLogprobs:
         return TokenLogprobs(lp.token_ids, lp.logprobs, lp.rank,
                              [self.token_text(t) for t in lp.token_ids])
-
-    def token_text(self, token_id: int) -> str:
-        """One token's text as vLLM reports it in logprobs: decode([id]) with special tokens
-        shown, so a byte token reads U+FFFD, plus the leading spaces a SentencePiece
-        decoder strips from the start of a text."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self._decode_one(token_id)
-        return text
-
-    def _decode_one(self, token_id: int) -> str:
-        text = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
-        token = self.tokenizer.convert_ids_to_tokens(token_id) or ""
-        missing = (len(token) - len(token.lstrip(_SPACE_MARKER))
-                   - (len(text) - len(text.lstrip(" "))))
-        return " " * missing + text if missing > 0 else text

@@ -4,11 +4,12 @@ context, so any replica takes any step's batch."""
 
 from __future__ import annotations
 
-from common.bus import CONTROL, DETOK, Output, replies_stream
+from common import keys
+from common.bus import Output
 from common.messages import ReplyBatch, TextDelta, TokenBatch
 from common.model_files import load_tokenizer, resolve_model
+from common.service import ServiceContext, run_service
 from services.detokenizer.core import Detokenizer
-from services.process import ServiceContext, run_service
 
 GROUP = "detokenizer"
 
@@ -21,8 +22,8 @@ def handler(detokenizer: Detokenizer):
             delta, abort = detokenizer.process(item)
             by_gateway.setdefault(item.reply_to, []).append(delta)
             if abort is not None:
-                outputs.append((CONTROL, abort))
-        return [(replies_stream(gateway), ReplyBatch(deltas))
+                outputs.append((keys.control(), abort))
+        return [(keys.replies(gateway), ReplyBatch(deltas))
                 for gateway, deltas in by_gateway.items()] + outputs
     return handle
 
@@ -30,9 +31,9 @@ def handler(detokenizer: Detokenizer):
 async def serve(ctx: ServiceContext) -> None:
     model_dir = resolve_model(ctx.engine.model, ctx.engine.load_format)
     detokenizer = Detokenizer(load_tokenizer(model_dir, ctx.engine.tokenizer))
-    await ctx.bus.consume(DETOK, GROUP, ctx.consumer, handler(detokenizer), stop=ctx.stop,
-                           min_idle_ms=ctx.server.reclaim_idle_ms,
-                           reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000))
+    await ctx.bus.consume(keys.DETOK, GROUP, ctx.consumer, handler(detokenizer),
+                          stop=ctx.stop, min_idle_ms=ctx.server.reclaim_idle_ms,
+                          reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000))
 
 
 def main(argv: list[str]) -> int:

@@ -20,26 +20,26 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
-import jinja2
 from aiohttp import web
 from redis.exceptions import RedisError
 from structlog.stdlib import BoundLogger
 
-from common import messages
-from common.bus import ADMIT, CONTROL, REQUESTS, UNAVAILABLE, Bus
+from common import keys
+from common.bus import UNAVAILABLE, Bus, decode_value
+from common.chat import render_chat
 from common.config import ServerConfig
+from common.errors import ApiError
 from common.log import get_logger
-from common.messages import Abort
+from common.messages import Abort, SchedulerStats
 from common.metrics import Metrics
-from services.detokenizer.core import Detokenizer
-from services.engine import ModelInfo
+from common.model_info import ModelInfo
+from common.token_text import TokenTexts
+from common.tokens import check_vocabulary
 from services.gateway.core import (Applied, Backend, Call, Echo, Observed, admission_error,
                                    queue_depth)
-from services.gateway.protocol import (ApiError, Job, TokenizeJob, parse_detokenize,
-                                       parse_job, parse_tokenize)
+from services.gateway.protocol import (Job, TokenizeJob, parse_detokenize, parse_job,
+                                       parse_tokenize)
 from services.gateway.replies import Inbox, Replies, next_replies
-from services.process import ALIVE_SCHEDULER, ALIVE_WORKER, SCHEDULER_STATS
-from services.tokenizer.core import RequestRejected, plain_conversation
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -56,11 +56,11 @@ class Gateway:
         self.id = gateway_id
         self.model_path = model
         self.names = list(server.served_model_name) or [model]
-        self.max_model_len = info.processor.max_model_len
+        self.max_model_len = info.max_model_len
         self.metrics = Metrics()
         self.backend = Backend()
         self.replies = Replies(bus, gateway_id)
-        self.detokenizer = Detokenizer(info.tokenizer)  # spells echoed prompt tokens
+        self.token_text = TokenTexts(info.tokenizer)  # spells echoed prompt tokens
         self.started_at = int(time.time())
         self.tasks: set[asyncio.Task[None]] = set()
         self.log = get_logger(__name__, gateway=gateway_id)
@@ -148,14 +148,14 @@ class Gateway:
     def admit(self, job: Job) -> None:
         for prompt in job.prompts:
             if isinstance(prompt, list):
-                self.check_vocabulary(prompt, "prompt")
+                check_vocabulary(prompt, self.info.vocab_size, "prompt")
         error = admission_error(self.backend, self.server.max_queue_len, time.monotonic())
         if error is not None:
             raise error
 
     async def answer(self, request: web.Request, call: Call, inbox: Inbox,
                      log: BoundLogger) -> web.StreamResponse:
-        await self.bus.publish(REQUESTS, *call.requests(self.id, time.time()))
+        await self.bus.publish(keys.REQUESTS, *call.requests(self.id, time.time()))
         log.info("request queued", prompts=len(call.prompts), n=call.job.n,
                  stream=call.job.stream)
         applied: list[Applied] = []
@@ -185,7 +185,7 @@ class Gateway:
             first = ""
             if job.logprobs:  # the first prompt token has no logprob, but is listed
                 ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-                first = self.detokenizer.token_text(ids[0]) if ids else ""
+                first = self.token_text(ids[0]) if ids else ""
             out.append(Echo(text, first))
         return out
 
@@ -224,7 +224,7 @@ class Gateway:
 
     async def publish_aborts(self, rids: list[str]) -> None:
         try:
-            await self.bus.publish(CONTROL, *[Abort(rid) for rid in rids])
+            await self.bus.publish(keys.control(), *[Abort(rid) for rid in rids])
         except UNAVAILABLE as e:
             self.log.error("could not publish aborts", rids=rids, error=str(e))
 
@@ -255,28 +255,16 @@ class Gateway:
         Redis does not answer (it goes stale, see Backend.alive)."""
         with anyio.move_on_after(REFRESH_TIMEOUT_S):
             try:
-                async with self.bus.redis.pipeline(transaction=False) as pipe:
-                    pipe.exists(ALIVE_SCHEDULER)
-                    pipe.exists(ALIVE_WORKER)
-                    pipe.get(SCHEDULER_STATS)
-                    scheduler, worker, raw_stats = await pipe.execute()
-                streams = [*await self.bus.stream_infos(REQUESTS),
-                           *await self.bus.stream_infos(ADMIT)]
+                scheduler, worker, raw_stats = await self.bus.values(
+                    keys.alive_scheduler(), keys.alive_worker(), keys.scheduler_stats())
+                streams = [*await self.bus.stream_infos(keys.REQUESTS),
+                           *await self.bus.stream_infos(keys.admit())]
             except RedisError as e:  # unreachable, or a key of an unexpected type
                 self.log.warning("cannot see the backend", error=str(e))
                 return
-            depth = queue_depth(streams, self.scheduler_stats(raw_stats))
-            self.backend = Backend(bool(scheduler), bool(worker), depth, time.monotonic())
-
-    def scheduler_stats(self, raw: bytes | None) -> messages.SchedulerStats | None:
-        if raw is None:
-            return None
-        try:
-            stats = messages.decode(raw)
-        except messages.MessageError as e:
-            self.log.warning("unreadable scheduler stats", key=SCHEDULER_STATS, error=str(e))
-            return None
-        return stats if isinstance(stats, messages.SchedulerStats) else None
+            depth = queue_depth(streams, scheduler_stats(raw_stats))
+            self.backend = Backend(scheduler is not None, worker is not None, depth,
+                                   time.monotonic())
 
     # --- the other routes -------------------------------------------------------------
 
@@ -305,37 +293,20 @@ class Gateway:
         tokenizer = self.info.tokenizer
         text = job.prompt
         if job.messages is not None:
-            try:
-                text = tokenizer.apply_chat_template(
-                    plain_conversation(job.messages), tokenize=False,
-                    add_generation_prompt=job.add_generation_prompt)
-            except RequestRejected as e:
-                raise ApiError(400, e.message, e.param) from None
-            except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
-                raise ApiError(400, f"The chat template failed on these messages: {e}",
-                               "messages") from None
+            text = render_chat(tokenizer, job.messages, job.add_generation_prompt,
+                               tokenize=False)
         return list(tokenizer.encode(text, add_special_tokens=job.add_special_tokens))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         name, tokens = parse_detokenize(await read_json(request))
         self.served_name(name)
-        self.check_vocabulary(tokens, "tokens")
+        check_vocabulary(tokens, self.info.vocab_size, "tokens")
         text = await anyio.to_thread.run_sync(self.info.tokenizer.decode, tokens)
         return web.json_response({"prompt": text})
 
-    def check_vocabulary(self, tokens: list[int], param: str) -> None:
-        vocab_size = self.info.processor.vocab_size
-        bad = next((t for t in tokens if t >= vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"Token id {bad} is out of vocabulary: token ids must be "
-                                f"integers in [0, {vocab_size}).", param)
-
     async def health(self, request: web.Request) -> web.Response:
-        async with self.bus.redis.pipeline(transaction=False) as pipe:
-            pipe.exists(ALIVE_SCHEDULER)
-            pipe.exists(ALIVE_WORKER)
-            alive = await pipe.execute()
-        missing = [name for name, up in zip(("scheduler", "worker"), alive) if not up]
+        alive = await self.bus.values(keys.alive_scheduler(), keys.alive_worker())
+        missing = [name for name, up in zip(("scheduler", "worker"), alive) if up is None]
         if missing:
             raise ApiError(503, f"Not ready: no live {' and no live '.join(missing)}.")
         return web.json_response({"status": "ok"})
@@ -344,12 +315,17 @@ class Gateway:
         return web.json_response({"version": importlib.metadata.version("headrace")})
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        stats = self.scheduler_stats(await self.bus.redis.get(SCHEDULER_STATS))
+        stats = scheduler_stats((await self.bus.values(keys.scheduler_stats()))[0])
         if stats is not None:
             self.metrics.set_scheduler_stats(stats)
         self.metrics.set_streams(await self.bus.stream_infos())
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def scheduler_stats(raw: bytes | None) -> SchedulerStats | None:
+    stats = decode_value(keys.scheduler_stats(), raw)
+    return stats if isinstance(stats, SchedulerStats) else None
 
 
 async def read_json(request: web.Request) -> Any:

@@ -13,10 +13,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.bus import ADMIT, REQUESTS, StreamInfo
+from common import keys
+from common.bus import StreamInfo
+from common.errors import ApiError
 from common.messages import ErrorReply, GenerateRequest, SchedulerStats, TextDelta
 from services.gateway import responses as shapes
-from services.gateway.protocol import ApiError, Job
+from services.gateway.protocol import Job
 from services.gateway.responses import Choice
 
 # How long the scheduler may go unseen (Redis unreachable) before in-flight requests end;
@@ -258,7 +260,7 @@ def queue_depth(streams: Iterable[StreamInfo], stats: SchedulerStats | None) -> 
     creates later starts from its first entry."""
     depth = stats.num_waiting if stats is not None else 0
     for stream in streams:
-        if stream.name in (REQUESTS, ADMIT):
+        if stream.name in (keys.REQUESTS, keys.admit()):
             lags = [g.lag for g in stream.groups if g.lag is not None]
             depth += max(lags, default=0) if stream.groups else stream.length
     return depth

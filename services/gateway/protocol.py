@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> what the gateway publishes, and OpenAI-shaped errors.
+"""OpenAI request bodies -> what the gateway publishes (errors: common/errors.py).
 
 Only names, shapes and JSON types are checked here; value ranges are checked by building a
 SamplingParams (the validation the tokenizer stage applies again with the model's
@@ -12,41 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.sampling_params import SamplingError, SamplingParams
-from services.tokenizer.core import RequestRejected, plain_conversation
+from common.chat import plain_conversation
+from common.errors import ApiError
+from common.sampling_params import (CLIENT_PARAMS, SamplingError, SamplingParams,
+                                    check_json_type, json_kinds)
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
 MAX_TOKEN_ID = 2**31  # token ids travel as packed int32
-RETRY_AFTER_S = 1
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind = kind or ERROR_TYPES.get(status, "BadRequestError")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.status}}
-
-    def headers(self) -> dict[str, str]:
-        """A 503 is temporary (queue full, a stage restarting): say when to come back."""
-        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else {}
-
-
-# Fields that map one to one onto SamplingParams, with their JSON types.
-_SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
-    "n": (int,), "temperature": (int, float), "top_p": (int, float), "top_k": (int,),
-    "min_p": (int, float), "seed": (int,), "presence_penalty": (int, float),
-    "frequency_penalty": (int, float), "repetition_penalty": (int, float),
-    "min_tokens": (int,), "ignore_eos": (bool,), "stop_token_ids": (list,),
-    "skip_special_tokens": (bool,), "spaces_between_special_tokens": (bool,),
-    "include_stop_str_in_output": (bool,), "prompt_logprobs": (int,),
-}
+# Sampling parameters whose request field has their name and meaning, with their JSON
+# types; the others are spelled differently by OpenAI's API (max_tokens beside chat's
+# max_completion_tokens, logprobs, a stop string or list) and are read below.
+_READ_APART = {"max_tokens", "logprobs", "stop"}
+_SAMPLING_FIELDS = {name: json_kinds(name) for name in CLIENT_PARAMS if name not in _READ_APART}
 _COMMON_FIELDS = {*_SAMPLING_FIELDS, "model", "stream", "stream_options", "max_tokens",
                   "stop", "logprobs", "priority", "user"}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
@@ -236,10 +214,7 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
-    try:  # the tokenizer stage's own rules, so both stages agree on what a message is
-        plain_conversation(messages)
-    except RequestRejected as e:
-        raise ApiError(400, e.message, e.param) from None
+    plain_conversation(messages)  # the tokenizer stage's rules: both agree on a message
     return messages
 
 
@@ -257,20 +232,8 @@ def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...],
     value = body.get(name)
     if value is None:
         return default
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    if isinstance(value, bool) and bool not in kinds:
-        raise ApiError(400, f"{name!r} must be {_names(kinds)}, got a boolean", name)
-    if not isinstance(value, kinds):
-        raise ApiError(400, f"{name!r} must be {_names(kinds)}, got {_json_name(value)}", name)
+    try:
+        check_json_type(name, value, kinds if isinstance(kinds, tuple) else (kinds,))
+    except SamplingError as e:
+        raise ApiError(400, str(e), name) from None
     return value
-
-
-def _names(kinds: tuple[type, ...]) -> str:
-    words = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
-             list: "a list", dict: "an object"}
-    return " or ".join(words[k] for k in kinds)
-
-
-def _json_name(value: Any) -> str:
-    return {str: "a string", int: "an integer", float: "a number", list: "a list",
-            dict: "an object"}.get(type(value), type(value).__name__)

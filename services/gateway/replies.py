@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterable
 
 import anyio
 
-from common.bus import UNAVAILABLE, Backoff, Bus, replies_stream
+from common import keys
+from common.bus import UNAVAILABLE, Backoff, Bus
 from common.log import get_logger
 from common.messages import ErrorReply, ReplyBatch, TextDelta
 
@@ -26,7 +27,7 @@ log = get_logger(__name__)
 class Replies:
     def __init__(self, bus: Bus, gateway_id: str) -> None:
         self.bus = bus
-        self.stream = replies_stream(gateway_id)
+        self.stream = keys.replies(gateway_id)
         self.inboxes: dict[str, Inbox] = {}
         self.last_id: bytes | str = "0-0"  # the stream is this gateway's: read it all
 
@@ -78,10 +79,10 @@ class Replies:
     async def trim(self) -> None:
         """Drop the entries already routed."""
         if self.last_id != "0-0":
-            await self.bus.redis.xtrim(self.stream, minid=self.last_id, approximate=True)
+            await self.bus.trim_before(self.stream, self.last_id)
 
     async def delete(self) -> None:
-        await self.bus.redis.delete(self.stream)
+        await self.bus.forget(self.stream)
 
 
 async def next_replies(inbox: Inbox) -> list[Reply]:

@@ -14,10 +14,10 @@ import anyio
 from aiohttp import web
 
 from common.log import get_logger
-from services.engine import load_model_info
+from common.model_info import load_model_info
+from common.service import ServiceContext, run_service
 from services.gateway.app import Gateway
 from services.gateway.core import scheduler_gone
-from services.process import ServiceContext, run_service
 
 WATCH_S = 0.25
 TRIM_EVERY_S = 5.0

@@ -31,7 +31,8 @@ from tqdm import tqdm
 from common.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args
 from common.log import configure_logging
 from common.sampling_params import SamplingParams
-from services.engine import Engine, load_model_info
+from common.model_info import resolve_engine
+from services.offline.engine import Engine
 from services.profiler.layerwise import ModuleRanges, StepProfile, profile_step
 from services.profiler.table import format_phase_table, write_model_csv, write_summary_csv
 
@@ -304,7 +305,7 @@ def main(argv: list[str]) -> int:
     steps = requests_per_step(settings)
     lengths = output_lengths(settings.batch_size, steps)
     max_output_len = max(lengths)
-    resolved = load_model_info(config).config
+    resolved = resolve_engine(config).config
     if error := fit_error(settings, resolved, max_output_len):
         print(f"ERROR: {error}", file=sys.stderr)
         return 1

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 
 from common.config import EngineConfig
+from common.detok_window import detok_params, make_context, stop_lookback
 from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
                              SchedulerStats, StepPlan, StepResult, TokenLogprobs)
-from services.detokenizer.core import detok_params, make_context, stop_lookback
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import KnownTokens, Request, Status
 
@@ -39,9 +39,12 @@ class SchedulerConfig:
     @classmethod
     def from_engine(cls, config: EngineConfig, num_blocks: int) -> SchedulerConfig:
         assert config.max_model_len and config.max_num_batched_tokens, "resolve the config"
-        return cls(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                   config.block_size, num_blocks, config.enable_prefix_caching,
-                   config.enable_chunked_prefill, config.scheduling_policy)
+        return cls(max_num_seqs=config.max_num_seqs,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   max_model_len=config.max_model_len, block_size=config.block_size,
+                   num_blocks=num_blocks, enable_prefix_caching=config.enable_prefix_caching,
+                   enable_chunked_prefill=config.enable_chunked_prefill,
+                   policy=config.scheduling_policy)
 
 
 class WaitingQueue:
@@ -254,11 +257,14 @@ class Scheduler:
         req_ids, num_scheduled, num_computed = [], [], []
         for req, n, new_blocks in batch:
             if not req.on_worker:
-                new.append(NewRequest(req.req_id, req.known_token_ids(), req.num_prompt_tokens,
-                                      self.kv.block_ids(req.req_id), req.params))
+                new.append(NewRequest(req_id=req.req_id, token_ids=req.known_token_ids(),
+                                      num_prompt_tokens=req.num_prompt_tokens,
+                                      block_ids=self.kv.block_ids(req.req_id),
+                                      params=req.params))
                 req.on_worker = True
             elif new_blocks:
-                cached.append(CachedRequest(req.req_id, [b.block_id for b in new_blocks]))
+                cached.append(CachedRequest(req_id=req.req_id,
+                                            new_block_ids=[b.block_id for b in new_blocks]))
             req_ids.append(req.req_id)
             num_scheduled.append(n)
             num_computed.append(req.num_computed_tokens)
@@ -266,8 +272,9 @@ class Scheduler:
             if req.num_computed_tokens == req.num_tokens:
                 req.num_pending += 1  # this step samples the request's next token
         self.step += 1
-        plan = StepPlan(self.step, req_ids, num_scheduled, num_computed, new, cached,
-                        self._dropped)
+        plan = StepPlan(step=self.step, req_ids=req_ids, num_scheduled_tokens=num_scheduled,
+                        num_computed_tokens=num_computed, new=new, cached=cached,
+                        finished=self._dropped)
         self._dropped = []
         return plan
 
@@ -306,9 +313,10 @@ class Scheduler:
         params = admit.params
         if params.n > 1:  # siblings must not sample identically from one seed
             params = params.replace(n=1, seed=None if params.seed is None else params.seed + index)
-        return Request(f"{admit.rid}#{index}", admit.rid, index, admit.reply_to,
-                       list(admit.prompt_token_ids), params, admit.arrival_time or time.time(),
-                       admit.priority)
+        return Request(req_id=f"{admit.rid}#{index}", rid=admit.rid, index=index,
+                       reply_to=admit.reply_to, prompt_token_ids=list(admit.prompt_token_ids),
+                       params=params, arrival_time=admit.arrival_time or time.time(),
+                       priority=admit.priority)
 
     def _detok_item(self, req: Request, new: list[int], lp: TokenLogprobs | None) -> DetokItem:
         params = req.params
@@ -316,9 +324,12 @@ class Scheduler:
         context, num_context_prompt = make_context(
             KnownTokens(req), req.num_prompt_tokens, len(new), stop_lookback(params.stop))
         return DetokItem(
-            req.rid, req.index, req.reply_to, seq, new, context, num_context_prompt,
-            detok_params(params), req.num_prompt_tokens, req.finish_reason, req.stop_reason,
-            [lp] if lp is not None else [], req.prompt_logprobs if seq == 0 else [])
+            rid=req.rid, index=req.index, reply_to=req.reply_to, seq=seq, new_token_ids=new,
+            context_ids=context, num_context_prompt=num_context_prompt,
+            params=detok_params(params), num_prompt_tokens=req.num_prompt_tokens,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            logprobs=[lp] if lp is not None else [],
+            prompt_logprobs=req.prompt_logprobs if seq == 0 else [])
 
     # --- introspection ------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
+from common.tokens import slice_tokens
 
 
 class Status(enum.Enum):
@@ -66,12 +67,7 @@ class Request:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Known tokens [start, end) without copying the whole sequence."""
-        prompt, num_prompt = self.prompt_token_ids, len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return prompt[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt:end - num_prompt]
-        return prompt[start:] + self.output_token_ids[:end - num_prompt]
+        return slice_tokens(self.prompt_token_ids, self.output_token_ids, start, end)
 
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)

@@ -17,16 +17,15 @@ from collections.abc import Iterable
 
 import anyio
 
-from common import messages
-from common.bus import ADMIT, CONTROL, DETOK, RESULTS, STEPS, Entry, Output, replies_stream
+from common import keys
+from common.bus import Entry, Output
 from common.config import EngineConfig
 from common.log import get_logger
 from common.messages import (Abort, AdmitRequest, ErrorReply, StepResult, TokenBatch,
                              WorkerReady)
-from common.model_files import load_hf_config, max_model_len_of, resolve_model
+from common.model_info import resolve_engine
+from common.service import ServiceContext, heartbeat, run_service
 from common.timing import PhaseClock
-from services.process import (ALIVE_SCHEDULER, ALIVE_WORKER, SCHEDULER_STATS, ServiceContext,
-                              heartbeat, run_service)
 from services.scheduler.core import Scheduler, SchedulerConfig
 
 GROUP = "scheduler"
@@ -35,7 +34,6 @@ READ_BLOCK_MS = 100
 CHECK_WORKER_EVERY_S = 0.5
 STATS_EVERY_S = 0.5
 WORKER_GRACE_S = 60.0  # admissions wait this long for a (new) worker, then get a 503
-WORKER_READY_KEY = "hr:worker:ready"
 
 log = get_logger("headrace.scheduler")
 
@@ -53,20 +51,23 @@ class SchedulerShell:
         self.clock = PhaseClock()
 
     async def run(self) -> None:
-        for stream in (ADMIT, CONTROL, RESULTS):
+        for stream in (keys.admit(), keys.control(), keys.results()):
             await self.bus.ensure_group(stream, GROUP)
         await self._discard_stale_results()
-        ready = await self.bus.redis.get(WORKER_READY_KEY)
-        if ready is not None:  # a worker already runs: take it over with a fresh state
-            await self.bus.commit(self._worker_ready(messages.decode(ready)))
+        ready = await self.bus.load(keys.worker_ready())
+        if isinstance(ready, WorkerReady):  # a worker already runs: take it over afresh
+            await self.bus.commit(self._worker_ready(ready))
         async with anyio.create_task_group() as tg:
-            tg.start_soon(heartbeat, self.bus, ALIVE_SCHEDULER, self.epoch, self.ctx.stop)
+            tg.start_soon(heartbeat, self.bus, keys.alive_scheduler(), self.epoch,
+                          self.ctx.stop)
             tg.start_soon(self._publish_stats)
-            pending = {ADMIT: "0", CONTROL: "0"}  # what a previous incarnation left unread
+            # what a previous incarnation left unread
+            pending = {keys.admit(): "0", keys.control(): "0"}
             clock = self.clock
             while not self.ctx.stop.is_set():
                 clock.start()
-                streams = {RESULTS: ">", CONTROL: ">", **self._admissions(), **pending}
+                streams = {keys.results(): ">", keys.control(): ">", **self._admissions(),
+                           **pending}
                 entries = await self.bus.read(GROUP, self.ctx.consumer, streams, count=512,
                                               block_ms=None if pending else READ_BLOCK_MS)
                 clock.lap("read")
@@ -95,7 +96,7 @@ class SchedulerShell:
         """Read new requests while a worker serves; without one, let them wait in their
         stream for a while (a worker is starting or restarting), then reject them."""
         waiting = time.monotonic() - self.no_worker_since < WORKER_GRACE_S
-        return {} if self.core is None and waiting else {ADMIT: ">"}
+        return {} if self.core is None and waiting else {keys.admit(): ">"}
 
     def _handle(self, entries: Iterable[Entry]) -> list[Output]:
         outputs: list[Output] = []
@@ -126,7 +127,7 @@ class SchedulerShell:
         for result in self.results:  # all of the current worker's: _worker_ready clears
             assert self.core is not None
             if items := self.core.update(result):
-                outputs.append((DETOK, TokenBatch(result.step, items)))
+                outputs.append((keys.DETOK, TokenBatch(result.step, items)))
         self.results = []
         return outputs
 
@@ -163,8 +164,8 @@ class SchedulerShell:
             plan = self.core.schedule()
             if plan is None:
                 break
-            outputs.append((STEPS, dataclasses.replace(plan, epoch=self.worker_epoch,
-                                                       scheduler_epoch=self.epoch)))
+            outputs.append((keys.steps(), dataclasses.replace(
+                plan, epoch=self.worker_epoch, scheduler_epoch=self.epoch)))
             self.inflight += 1
         return outputs
 
@@ -184,7 +185,7 @@ class SchedulerShell:
         if self.core is None or now < self.next_worker_check:
             return []
         self.next_worker_check = now + CHECK_WORKER_EVERY_S
-        alive = await self.bus.redis.get(ALIVE_WORKER)
+        alive, = await self.bus.values(keys.alive_worker())
         if alive is not None and alive.decode() == self.worker_epoch:
             return []
         outputs = self._fail_all("the GPU worker stopped; the request was aborted")
@@ -196,26 +197,25 @@ class SchedulerShell:
     async def _publish_stats(self) -> None:
         while not self.ctx.stop.is_set():
             if self.core is not None:
-                await self.bus.redis.set(SCHEDULER_STATS, messages.encode(self.core.stats()))
+                await self.bus.store(keys.scheduler_stats(), self.core.stats())
             await anyio.sleep(STATS_EVERY_S)
 
     async def _discard_stale_results(self) -> None:
         """Results and worker announcements a previous incarnation left unacknowledged
         refer to a state that is gone."""
-        stale = await self.bus.read(GROUP, self.ctx.consumer, {RESULTS: "0"}, count=10_000)
+        stale = await self.bus.read(GROUP, self.ctx.consumer, {keys.results(): "0"},
+                                    count=10_000)
         if stale:
             await self.bus.ack(stale)
 
 
 def _error(reply_to: str, rid: str, status: int, message: str,
            kind: str = "BadRequestError") -> Output:
-    return (replies_stream(reply_to), ErrorReply(rid, status, message, kind))
+    return (keys.replies(reply_to), ErrorReply(rid, status, message, kind))
 
 
 async def serve(ctx: ServiceContext) -> None:
-    model_dir = resolve_model(ctx.engine.model, ctx.engine.load_format)
-    config = ctx.engine.resolved(max_model_len_of(load_hf_config(model_dir)))
-    await SchedulerShell(ctx, config).run()
+    await SchedulerShell(ctx, resolve_engine(ctx.engine).config).run()
 
 
 def main(argv: list[str]) -> int:

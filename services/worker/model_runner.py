@@ -18,6 +18,7 @@ import torch
 from common.config import EngineConfig
 from common.messages import PromptLogprobs, StepPlan, StepResult
 from common.sampling_params import SamplingParams
+from common.tokens import slice_tokens
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
 from services.worker.loader import load_model
@@ -51,12 +52,7 @@ class RequestState:
                 or p.repetition_penalty != 1.0 or p.min_tokens > len(self.output_ids))
 
     def tokens(self, start: int, end: int) -> list[int]:
-        num_prompt = len(self.prompt_ids)
-        if end <= num_prompt:
-            return self.prompt_ids[start:end]
-        if start >= num_prompt:
-            return self.output_ids[start - num_prompt:end - num_prompt]
-        return self.prompt_ids[start:] + self.output_ids[:end - num_prompt]
+        return slice_tokens(self.prompt_ids, self.output_ids, start, end)
 
     def sampling_row(self) -> SamplingRow:
         return SamplingRow(self.params, self.prompt_ids, self.output_ids, self.generator)
@@ -177,8 +173,9 @@ class ModelRunner:
         for state, token in zip(launched.sampling, token_ids):
             state.output_ids.append(token)
             state.pending -= 1
-        return StepResult(launched.step, [s.req_id for s in launched.sampling], token_ids,
-                          launched.logprobs, launched.prompt_logprobs,
+        return StepResult(step=launched.step, req_ids=[s.req_id for s in launched.sampling],
+                          token_ids=token_ids, logprobs=launched.logprobs,
+                          prompt_logprobs=launched.prompt_logprobs,
                           execute_ms=1000 * (time.perf_counter() - launched.started))
 
     def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

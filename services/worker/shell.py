@@ -16,16 +16,14 @@ from collections import deque
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from common import messages
-from common.bus import RESULTS, STEPS, Entry
+from common import keys
+from common.bus import Entry
 from common.log import get_logger
 from common.messages import StepPlan, StepResult, WorkerReady
-from common.model_files import load_hf_config, max_model_len_of, resolve_model
+from common.model_info import resolve_engine
+from common.service import ALIVE_TTL_MS, ServiceContext, heartbeat, run_service
 from common.timing import PhaseClock
-from services.process import (ALIVE_TTL_MS, ALIVE_WORKER, ServiceContext, heartbeat,
-                              run_service)
-from services.scheduler.shell import WORKER_READY_KEY
-from services.worker.model_runner import ModelRunner
+from services.worker.executor import Executor
 
 GROUP = "worker"
 PREFETCH = 4
@@ -35,30 +33,32 @@ log = get_logger("headrace.worker")
 
 
 class WorkerShell:
-    def __init__(self, ctx: ServiceContext, runner: ModelRunner) -> None:
-        self.ctx, self.bus, self.runner = ctx, ctx.bus, runner
+    def __init__(self, ctx: ServiceContext, executor: Executor) -> None:
+        self.ctx, self.bus, self.executor = ctx, ctx.bus, executor
         self.epoch = uuid.uuid4().hex[:12]
         self.scheduler_epoch = ""
         self.launched: deque[Entry] = deque()  # plans on the device, results not yet out
         self.clock = PhaseClock()
 
     async def run(self) -> None:
-        await self.bus.ensure_group(STEPS, GROUP)
-        stale = await self.bus.read(GROUP, self.ctx.consumer, {STEPS: "0"}, count=100_000)
+        await self.bus.ensure_group(keys.steps(), GROUP)
+        stale = await self.bus.read(GROUP, self.ctx.consumer, {keys.steps(): "0"},
+                                    count=100_000)
         await self.bus.ack(stale)  # plans left by a previous worker of this name
-        config = self.runner.config
-        ready = WorkerReady(self.ctx.consumer, self.epoch, self.runner.num_blocks,
-                            config.block_size, config.max_model_len or 0)
+        config = self.executor.config
+        ready = WorkerReady(worker_id=self.ctx.consumer, epoch=self.epoch,
+                            num_blocks=self.executor.num_blocks, block_size=config.block_size,
+                            max_model_len=config.max_model_len or 0)
         # alive before announced: the scheduler checks liveness as soon as it hears of us
-        await self.bus.redis.set(ALIVE_WORKER, self.epoch, px=ALIVE_TTL_MS)
-        await self.bus.redis.set(WORKER_READY_KEY, messages.encode(ready))
-        await self.bus.publish(RESULTS, ready)
-        log.info("worker ready", epoch=self.epoch, num_blocks=self.runner.num_blocks)
+        await self.bus.set_alive(keys.alive_worker(), self.epoch, ALIVE_TTL_MS)
+        await self.bus.store(keys.worker_ready(), ready)
+        await self.bus.publish(keys.results(), ready)
+        log.info("worker ready", epoch=self.epoch, num_blocks=self.executor.num_blocks)
         plans_in, plans_out = anyio.create_memory_object_stream[Entry](PREFETCH)
         results_in, results_out = anyio.create_memory_object_stream[
             tuple[Entry, StepResult | None]](PREFETCH)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(heartbeat, self.bus, ALIVE_WORKER, self.epoch, self.ctx.stop)
+            tg.start_soon(heartbeat, self.bus, keys.alive_worker(), self.epoch, self.ctx.stop)
             tg.start_soon(self._read, plans_in)
             tg.start_soon(self._write, results_out)
             await self._execute(plans_out, results_in)
@@ -68,8 +68,9 @@ class WorkerShell:
     async def _read(self, plans: ObjectSendStream[Entry]) -> None:
         async with plans:
             while not self.ctx.stop.is_set():
-                for entry in await self.bus.read(GROUP, self.ctx.consumer, {STEPS: ">"},
-                                                 count=PREFETCH, block_ms=200):
+                for entry in await self.bus.read(GROUP, self.ctx.consumer,
+                                                 {keys.steps(): ">"}, count=PREFETCH,
+                                                 block_ms=200):
                     await plans.send(entry)
 
     async def _execute(self, plans: ObjectReceiveStream[Entry],
@@ -85,7 +86,7 @@ class WorkerShell:
                 if entry is None:
                     if not self.launched:
                         return  # the reader stopped and every result is out
-                    done = await anyio.to_thread.run_sync(self.runner.flush)
+                    done = await anyio.to_thread.run_sync(self.executor.flush)
                     clock.lap("flush")
                 else:
                     done = await self._step(entry)
@@ -109,7 +110,7 @@ class WorkerShell:
                 return None
             except anyio.WouldBlock:
                 pass
-            if self.launched and self.runner.step_done():
+            if self.launched and self.executor.step_done():
                 return None
             # woken at once by a plan; without one, look at the device again in a moment
             with anyio.move_on_after(POLL_S if self.launched else None):
@@ -126,10 +127,10 @@ class WorkerShell:
             return None  # planned for a worker that is gone
         done = []
         if plan.scheduler_epoch != self.scheduler_epoch:  # a new scheduler starts afresh
-            done = await anyio.to_thread.run_sync(self.runner.flush)
-            self.runner.forget_requests()
+            done = await anyio.to_thread.run_sync(self.executor.flush)
+            self.executor.forget_requests()
             self.scheduler_epoch = plan.scheduler_epoch
-        done += await anyio.to_thread.run_sync(self.runner.submit, plan)
+        done += await anyio.to_thread.run_sync(self.executor.submit, plan)
         self.launched.append(entry)
         return done
 
@@ -137,15 +138,13 @@ class WorkerShell:
                      ) -> None:
         async with results:
             async for entry, result in results:
-                await self.bus.commit([(RESULTS, result)] if result else [], done=[entry])
+                await self.bus.commit([(keys.results(), result)] if result else [],
+                                      done=[entry])
 
 
 async def serve(ctx: ServiceContext) -> None:
-    model_dir = resolve_model(ctx.engine.model, ctx.engine.load_format)
-    hf_config = load_hf_config(model_dir)
-    config = ctx.engine.resolved(max_model_len_of(hf_config))
-    runner = await anyio.to_thread.run_sync(ModelRunner, config, hf_config, model_dir)
-    await WorkerShell(ctx, runner).run()
+    executor = await anyio.to_thread.run_sync(Executor, resolve_engine(ctx.engine))
+    await WorkerShell(ctx, executor).run()
 
 
 def main(argv: list[str]) -> int:

@@ -8,11 +8,8 @@ import json
 import sys
 
 from common.config import ConfigError, add_engine_args, engine_config_from_args
-from common.sampling_params import SamplingError, SamplingParams
+from common.sampling_params import CLIENT_PARAMS, SamplingError, SamplingParams, json_kinds
 
-_SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
-                   "min_tokens", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logprobs", "ignore_eos")
 # --seed is the engine's (weights of dummy models, unseeded sampling), as in vLLM
 _DESTS = {"seed": "sampling_seed"}
 
@@ -23,23 +20,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a prompt (repeat the flag for several)")
     parser.add_argument("--chat", action="store_true",
                         help="send each prompt as a user message through the chat template")
-    parser.add_argument("--stop", action="append", default=None, help="a stop string")
     parser.add_argument("--json", action="store_true", help="print JSON lines")
-    sampling = parser.add_argument_group("sampling")
-    defaults = SamplingParams()
-    for name in _SAMPLING_FLAGS:
-        default = getattr(defaults, name)
-        dest = _DESTS.get(name, name)
-        flag = "--" + dest.replace("_", "-")
-        if isinstance(default, bool):
-            sampling.add_argument(flag, dest=dest, action="store_true",
-                                  help=f"default {default}")
-        else:
-            kind = float if isinstance(default, float) else int
-            sampling.add_argument(flag, dest=dest, type=kind, default=None,
-                                  help=f"default {default}")
+    add_sampling_args(parser.add_argument_group("sampling"))
     add_engine_args(parser)
     return parser
+
+
+def add_sampling_args(group: argparse._ArgumentGroup) -> None:
+    """One flag per client sampling parameter; a list parameter repeats its flag."""
+    defaults = SamplingParams()
+    for name in CLIENT_PARAMS:
+        dest = _DESTS.get(name, name)
+        flag, kinds = "--" + dest.replace("_", "-"), json_kinds(name)
+        text = f"default {getattr(defaults, name)!r}"
+        if kinds == (bool,):
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                               default=None, help=text)
+        elif kinds == (list,):
+            item = str if name == "stop" else int
+            group.add_argument(flag, dest=dest, action="append", type=item, default=None,
+                               help=text + " (repeat the flag for several)")
+        else:
+            group.add_argument(flag, dest=dest, type=float if float in kinds else int,
+                               default=None, help=text)
 
 
 def main(argv: list[str]) -> int:
@@ -47,13 +50,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         config = engine_config_from_args(args)
-        overrides = {name: getattr(args, _DESTS.get(name, name)) for name in _SAMPLING_FLAGS
-                     if getattr(args, _DESTS.get(name, name)) not in (None, False)}
-        if args.stop:
-            overrides["stop"] = args.stop
+        overrides = {name: getattr(args, _DESTS.get(name, name)) for name in CLIENT_PARAMS
+                     if getattr(args, _DESTS.get(name, name)) is not None}
     except ConfigError as e:
         parser.error(str(e))
-    from services.llm import LLM  # torch is imported only once the flags are valid
+    from services.offline.llm import LLM  # torch is imported only once the flags are valid
 
     llm = LLM(**dataclasses.asdict(config))
     try:

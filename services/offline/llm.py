@@ -12,7 +12,7 @@ from tqdm import tqdm
 from common.config import EngineConfig
 from common.messages import TextDelta, TokenLogprobs
 from common.sampling_params import SamplingParams
-from services.engine import Engine
+from services.offline.engine import Engine
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -77,7 +77,7 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True
              ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        processor = self.engine.info.processor
+        processor = self.engine.processor
         encoded = [(None, processor.prompt_ids(None, None, list(conv), add_generation_prompt))
                    for conv in conversations]
         return self._run(encoded, sampling_params, use_tqdm, None)
@@ -89,7 +89,7 @@ class LLM:
             text, ids = prompt, None
         else:
             text, ids = None, list(prompt)
-        return text, self.engine.info.processor.prompt_ids(text, ids, None)
+        return text, self.engine.processor.prompt_ids(text, ids, None)
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,

@@ -1,6 +1,6 @@
-"""What every service process shares: its command line, logging, the bus, liveness keys and
-a clean stop on SIGINT/SIGTERM. A service is `run_service(name, argv, body)` where `body`
-is the async shell around its core."""
+"""What every service process shares: its command line, logging, the bus, its heartbeat
+and a clean stop on SIGINT/SIGTERM. A service is `run_service(name, argv, body)` where
+`body` is the async shell around its core."""
 
 from __future__ import annotations
 
@@ -19,9 +19,6 @@ from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_a
                            add_server_args, engine_config_from_args, server_config_from_args)
 from common.log import configure_logging, get_logger
 
-ALIVE_SCHEDULER = "hr:alive:scheduler"
-ALIVE_WORKER = "hr:alive:worker"
-SCHEDULER_STATS = "hr:stats:scheduler"
 HEARTBEAT_S = 1.0
 ALIVE_TTL_MS = 4000
 
@@ -98,12 +95,12 @@ async def heartbeat(bus: Bus, key: str, value: str, stop: anyio.Event) -> None:
     """Keep `key` alive while this process is; it expires ALIVE_TTL_MS after a crash."""
     while not stop.is_set():
         try:
-            await bus.redis.set(key, value, px=ALIVE_TTL_MS)
+            await bus.set_alive(key, value, ALIVE_TTL_MS)
         except UNAVAILABLE:
             pass  # Redis is restarting; the bus's own retries report it
         with anyio.move_on_after(HEARTBEAT_S):
             await stop.wait()
     try:
-        await bus.redis.delete(key)
+        await bus.forget(key)
     except UNAVAILABLE:
         pass

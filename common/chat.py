@@ -1,0 +1,44 @@
+"""The chat rules both the gateway and the tokenizer apply: what a message is, and how a
+conversation becomes a prompt through the model's chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+
+from common.errors import ApiError
+
+
+def plain_conversation(messages: Any) -> list[dict[str, Any]]:
+    """Messages whose content is one string, as templates written for strings expect;
+    OpenAI-style lists of text parts are joined with newlines."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list.", "messages")
+    return [plain_message(m, i) for i, m in enumerate(messages)]
+
+
+def plain_message(message: Any, i: int) -> dict[str, Any]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ApiError(400, f"messages[{i}] must be an object with a string role.", "messages")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return message
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return {**message, "content": "\n".join(p["text"] for p in content)}
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts "
+                        "(this server takes text only).", "messages")
+
+
+def render_chat(tokenizer: Any, messages: Any, add_generation_prompt: bool,
+                tokenize: bool) -> Any:
+    """The conversation through the chat template: token ids, or the prompt text."""
+    conversation = plain_conversation(messages)
+    try:
+        return tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=tokenize,
+            return_dict=False)
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
+        raise ApiError(400, f"The chat template failed on these messages: {e}",
+                       "messages") from None

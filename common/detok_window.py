@@ -1,0 +1,39 @@
+"""The detokenization window: what context the scheduler sends with each step's new tokens
+so that any detokenizer replica can turn them into text on its own (see
+services/detokenizer/core.py for how the window is read). Both sides apply these rules."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.messages import DetokParams
+from common.sampling_params import SamplingParams
+
+MAX_CHAR_BYTES = 4  # a UTF-8 character; a byte token carries one of its bytes
+# The window without stop strings: up to 3 tokens of a character begun before it, up to 3
+# of one not finished after it, and room for a few whole characters between.
+BASE_CONTEXT_TOKENS = 16
+
+
+def stop_lookback(stop: Sequence[str]) -> int:
+    """Characters before the new text where a stop string ending in it may start."""
+    return max(map(len, stop)) - 1 if stop else 0
+
+
+def make_context(token_ids: Sequence[int], num_prompt_tokens: int, num_new: int,
+                 stop_buffer_chars: int) -> tuple[list[int], int]:
+    """(context_ids, num_context_prompt) for a DetokItem. `stop_buffer_chars` is the stop
+    look-back, `stop_lookback(params.stop)`; each of those characters may take
+    MAX_CHAR_BYTES byte tokens."""
+    if not 0 <= num_new <= len(token_ids) - num_prompt_tokens:
+        raise ValueError(f"{num_new} new tokens do not fit the {len(token_ids)} tokens after "
+                         f"a {num_prompt_tokens}-token prompt")
+    end = len(token_ids) - num_new
+    start = max(0, end - BASE_CONTEXT_TOKENS - MAX_CHAR_BYTES * stop_buffer_chars)
+    return list(token_ids[start:end]), max(0, num_prompt_tokens - start)
+
+
+def detok_params(params: SamplingParams) -> DetokParams:
+    return DetokParams(stop=list(params.stop), skip_special_tokens=params.skip_special_tokens,
+                       spaces_between_special_tokens=params.spaces_between_special_tokens,
+                       include_stop_str_in_output=params.include_stop_str_in_output)

@@ -1,0 +1,63 @@
+"""What every stage knows about the model besides its weights: the resolved engine
+settings, the tokenizer (with its chat template), the vocabulary size, the EOS ids and the
+sampling defaults of its generation config. Torch-free to import, so the light processes
+(gateway, tokenizer, detokenizer) stay light; the tokenizer itself comes from transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.config import EngineConfig
+from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
+                                max_model_len_of, resolve_model)
+from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
+
+
+@dataclass(slots=True)
+class ResolvedModel:
+    config: EngineConfig  # max_model_len and the token budget filled in from the model
+    model_dir: Path
+    hf_config: Any  # transformers' PretrainedConfig
+
+
+def resolve_engine(config: EngineConfig) -> ResolvedModel:
+    """The one place an engine config meets its model's files."""
+    model_dir = resolve_model(config.model, config.load_format)
+    hf_config = load_hf_config(model_dir)
+    return ResolvedModel(config.resolved(max_model_len_of(hf_config)), model_dir, hf_config)
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    config: EngineConfig  # resolved
+    model_dir: Path
+    hf_config: Any
+    tokenizer: Any
+    defaults: SamplingDefaults
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def resolved(self) -> ResolvedModel:
+        return ResolvedModel(self.config, self.model_dir, self.hf_config)
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.config.max_model_len is not None, "resolved on load"
+        return self.config.max_model_len
+
+
+def load_model_info(config: EngineConfig) -> ModelInfo:
+    model = resolve_engine(config)
+    tokenizer = load_tokenizer(model.model_dir, config.tokenizer)
+    generation_config = load_generation_config(model.model_dir)
+    return ModelInfo(
+        config=model.config, model_dir=model.model_dir, hf_config=model.hf_config,
+        tokenizer=tokenizer,
+        defaults=sampling_defaults(config.generation_config, generation_config),
+        eos_token_ids=eos_token_ids(tokenizer, generation_config))
