@@ -5,8 +5,8 @@ hr:requests - + COUNT 5` is readable (common/keys.py names every stream and key)
 
 Two ways to consume:
 * `consume(...)`: the loop for stateless stages. The handler maps one message to its
-  outputs; outputs and the XACK of the input go in one MULTI/EXEC, so a stage killed
-  between the two neither loses nor duplicates anything. Failures are retried, then
+  outputs; a read batch's outputs and the XACKs of its inputs go in one MULTI/EXEC, so a
+  stage killed between the two neither loses nor duplicates anything. Failures are retried, then
   moved to `hr:dead`; entries left pending by a dead consumer are claimed (XAUTOCLAIM).
 * `read(...)` / `tail(...)` + `commit(...)`: for stateful consumers (scheduler, worker,
   gateway) that read several streams and batch their work.
@@ -35,6 +35,7 @@ from common.log import get_logger
 
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
 LAG_COUNT_LIMIT = 10_000
+MAX_CONNECTIONS = 16
 
 Output = tuple[str, Any]
 Record = tuple[str, Mapping[str, str | bytes]]  # (stream, entry fields), ready for XADD
@@ -136,7 +137,8 @@ class Bus:
     bounds how long publish and commit keep retrying while Redis is unreachable."""
 
     def __init__(self, url: str, maxlen: int = 100_000, *, retry_timeout_s: float = 30.0,
-                 max_backoff_s: float = 2.0, socket_timeout_s: float = 30.0) -> None:
+                 max_backoff_s: float = 2.0, socket_timeout_s: float = 30.0,
+                 max_connections: int = MAX_CONNECTIONS, name: str | None = None) -> None:
         if maxlen < 1:
             raise ValueError(f"maxlen must be positive, got {maxlen}")
         self.url = url
@@ -146,9 +148,14 @@ class Bus:
         self.socket_timeout_s = socket_timeout_s
         # Retries are ours (bounded in time, logged); redis-py's would hide an outage.
         tcp = {} if url.startswith("unix:") else {"socket_keepalive": True}
-        self.redis = aioredis.Redis.from_url(
-            url, decode_responses=False, retry=Retry(NoBackoff(), 0),
+        # A bounded pool that makes a caller wait for a free connection: however many
+        # requests a process serves, it holds at most `max_connections` (named in CLIENT
+        # LIST), and a busy pool slows callers down instead of failing them.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=socket_timeout_s,
+            decode_responses=False, retry=Retry(NoBackoff(), 0), client_name=name,
             socket_timeout=socket_timeout_s, socket_connect_timeout=5.0, **tcp)
+        self.redis = aioredis.Redis.from_pool(pool)
         self._count_after = self.redis.register_script(_COUNT_AFTER)
 
     async def __aenter__(self) -> Bus:
@@ -411,8 +418,7 @@ class _ConsumeLoop:
             self.need_group = False
         if time.monotonic() >= self.next_reclaim:
             await self._reclaim()
-        for entry in await self._read(stop):
-            await self._process(entry)
+        await self._process(await self._read(stop))
 
     async def _read(self, stop: anyio.Event) -> list[Entry]:
         if self.read_pending:
@@ -443,22 +449,30 @@ class _ConsumeLoop:
     async def _process_claimed(self, entries: list[Entry]) -> None:
         counts = await self.bus.delivery_counts(self.stream, self.group,
                                                 [e.id for e in entries])
+        live = []
         for entry in entries:
             delivered = counts.get(entry.id, 0)
             if delivered > self.max_deliveries:
                 await self.bus.bury([(entry, f"delivered {delivered} times and never "
                                              "acknowledged (its consumers died?)")])
             else:
-                await self._process(entry)
+                live.append(entry)
+        await self._process(live)
 
-    async def _process(self, entry: Entry) -> None:
-        try:
-            outputs = await self.handler(entry.msg) or ()
-            records = encode_outputs(outputs)
-        except Exception as e:  # a failing handler must not stop the stage: retry, then bury
-            await self._failed(entry, e)
-            return
-        await self.bus.write(records, [entry])
+    async def _process(self, entries: list[Entry]) -> None:
+        """Handle a read batch, then commit every output and acknowledgement in one
+        transaction: one round trip per batch, and a stage killed before it leaves the
+        whole batch pending, to be handled again, never half of it."""
+        records: list[Record] = []
+        done: list[Entry] = []
+        for entry in entries:
+            try:
+                records += encode_outputs(await self.handler(entry.msg) or ())
+            except Exception as e:  # a failing handler must not stop the stage: retry, bury
+                await self._failed(entry, e)
+                continue
+            done.append(entry)
+        await self.bus.write(records, done)
 
     async def _failed(self, entry: Entry, error: Exception) -> None:
         self.log.error("handler failed", id=entry.id.decode(), type=entry.msg.TYPE,

@@ -146,6 +146,9 @@ class ServerConfig:
     redis_url: str | None = field(default=None, metadata=_help(
         "Redis to link the services through; without it an embedded redis-server is "
         "started on a unix socket.", env="REDIS_URL"))
+    api_server_count: int = field(default=1, metadata=_help(
+        "Gateway processes serving one port (SO_REUSEPORT), each with its own reply stream; "
+        "`headrace serve` starts them, a lone `headrace gateway` then shares its port."))
     tokenizer_replicas: int = field(default=1, metadata=_help("Tokenizer processes."))
     detokenizer_replicas: int = field(default=1, metadata=_help("Detokenizer processes."))
     max_queue_len: int = field(default=1024, metadata=_help(
@@ -166,7 +169,8 @@ class ServerConfig:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
-        for name in ("tokenizer_replicas", "detokenizer_replicas", "max_queue_len",
+        for name in ("api_server_count", "tokenizer_replicas", "detokenizer_replicas",
+                     "max_queue_len",
                      "stream_maxlen", "max_request_body", "reclaim_idle_ms"):
             _positive(name, getattr(self, name))
 

@@ -74,7 +74,8 @@ def run_service(name: str, argv: list[str], body: Body, description: str = "") -
 async def _serve(name: str, replica: str, engine: EngineConfig, server: ServerConfig,
                  body: Body) -> None:
     log = get_logger("headrace.process")
-    async with Bus(bus_url(server), maxlen=server.stream_maxlen) as bus:
+    async with Bus(bus_url(server), maxlen=server.stream_maxlen,
+                   name=f"{name}-{replica}") as bus:
         ctx = ServiceContext(name, replica, engine, server, bus, anyio.Event())
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, ctx.stop)

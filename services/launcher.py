@@ -56,7 +56,7 @@ def child_specs(engine: EngineConfig, server: ServerConfig, redis_url: str) -> l
     layout = ([("worker", 0), ("scheduler", 0)]
               + [("tokenizer", i) for i in range(server.tokenizer_replicas)]
               + [("detokenizer", i) for i in range(server.detokenizer_replicas)]
-              + [("gateway", 0)])
+              + [("gateway", i) for i in range(server.api_server_count)])
     return [Child(name, i, [sys.executable, "-m", "services.cli", name, *flags,
                             "--replica", str(i)], env) for name, i in layout]
 

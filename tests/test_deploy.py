@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 
 from services.cli import COMMANDS
@@ -93,11 +94,13 @@ def test_procfile_serves_under_honcho(redis_url, tmp_path):
     model = make_tiny_model(tmp_path, "llama")
     port = free_port()
     bin_dir = str(Path(sys.executable).parent)
-    env = repo_env(MODEL=str(model), REDIS_URL=redis_url, PORT=str(port),
+    env = repo_env(MODEL=str(model), REDIS_URL=redis_url, GATEWAY_PORT=str(port),
                    PATH=bin_dir + os.pathsep + os.environ["PATH"],
-                   HEADRACE_NUM_GPU_BLOCKS_OVERRIDE="64", HEADRACE_LOG_FORMAT="json")
+                   HEADRACE_NUM_GPU_BLOCKS_OVERRIDE="64", HEADRACE_LOG_FORMAT="json",
+                   HEADRACE_API_SERVER_COUNT="2")
     honcho = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f",
-                               str(REPO / "Procfile"), "-c", "tokenizer=2"], cwd=tmp_path,
+                               str(REPO / "Procfile"), "-c", "tokenizer=2,gateway=2"],
+                              cwd=tmp_path,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               start_new_session=True)
     try:
@@ -112,10 +115,16 @@ def test_procfile_serves_under_honcho(redis_url, tmp_path):
             assert time.monotonic() < deadline, "the Procfile's services never became healthy"
             assert honcho.poll() is None, honcho.stdout.read().decode()[-3000:]
             time.sleep(0.5)
-        body = post(f"http://127.0.0.1:{port}/v1/completions",
-                    {"model": str(model), "prompt": [5, 6, 7], "max_tokens": 5,
-                     "ignore_eos": True})
-        assert body["usage"]["completion_tokens"] == 5
+        for _ in range(2):  # until both gateways listen, one answers /health alone
+            body = post(f"http://127.0.0.1:{port}/v1/completions",
+                        {"model": str(model), "prompt": [5, 6, 7], "max_tokens": 5,
+                         "ignore_eos": True})
+            assert body["usage"]["completion_tokens"] == 5
+        client = redis.Redis.from_url(redis_url)
+        gateways = {c["name"] for c in client.client_list()
+                    if c["name"].startswith("gateway-")}
+        client.close()
+        assert len(gateways) == 2, gateways  # two gateway processes on the one port
     finally:
         os.killpg(honcho.pid, signal.SIGTERM)
         honcho.wait(30)

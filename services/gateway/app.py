@@ -33,6 +33,7 @@ from common.log import get_logger
 from common.messages import Abort, SchedulerStats
 from common.metrics import Metrics
 from common.model_info import ModelInfo
+from common.outbox import Outbox
 from common.token_text import TokenTexts
 from common.tokens import check_vocabulary
 from services.gateway.core import (Applied, Backend, Call, Echo, Observed, admission_error,
@@ -59,7 +60,8 @@ class Gateway:
         self.max_model_len = info.max_model_len
         self.metrics = Metrics()
         self.backend = Backend()
-        self.replies = Replies(bus, gateway_id)
+        self.replies = Replies(bus, gateway_id)  # one reader of this gateway's replies
+        self.outbox = Outbox(bus)  # one writer of every call's requests and aborts
         self.token_text = TokenTexts(info.tokenizer)  # spells echoed prompt tokens
         self.started_at = int(time.time())
         self.tasks: set[asyncio.Task[None]] = set()
@@ -155,7 +157,7 @@ class Gateway:
 
     async def answer(self, request: web.Request, call: Call, inbox: Inbox,
                      log: BoundLogger) -> web.StreamResponse:
-        await self.bus.publish(keys.REQUESTS, *call.requests(self.id, time.time()))
+        await self.outbox.publish(keys.REQUESTS, *call.requests(self.id, time.time()))
         log.info("request queued", prompts=len(call.prompts), n=call.job.n,
                  stream=call.job.stream)
         applied: list[Applied] = []
@@ -224,8 +226,8 @@ class Gateway:
 
     async def publish_aborts(self, rids: list[str]) -> None:
         try:
-            await self.bus.publish(keys.control(), *[Abort(rid) for rid in rids])
-        except UNAVAILABLE as e:
+            await self.outbox.publish(keys.control(), *[Abort(rid) for rid in rids])
+        except RedisError as e:
             self.log.error("could not publish aborts", rids=rids, error=str(e))
 
     def spawn(self, coro: Awaitable[None]) -> None:

@@ -9,9 +9,10 @@ import asyncio
 from collections.abc import Callable, Iterable
 
 import anyio
+from redis.exceptions import RedisError
 
 from common import keys
-from common.bus import UNAVAILABLE, Backoff, Bus
+from common.bus import Backoff, Bus
 from common.log import get_logger
 from common.messages import ErrorReply, ReplyBatch, TextDelta
 
@@ -65,9 +66,9 @@ class Replies:
             try:
                 entries = await self.bus.tail({self.stream: self.last_id}, count=READ_COUNT,
                                               block_ms=BLOCK_MS)
-            except UNAVAILABLE as e:
+            except RedisError as e:  # never fatal: every open call waits on this loop
                 delay = backoff.next()
-                log.warning("redis unreachable, reading replies again soon", error=str(e),
+                log.warning("cannot read replies, reading again soon", error=str(e),
                             retry_in_s=delay)
                 await anyio.sleep(delay)
                 continue

@@ -12,6 +12,7 @@ import time
 
 import anyio
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from common.log import get_logger
 from common.model_info import load_model_info
@@ -27,6 +28,7 @@ log = get_logger(__name__)
 
 
 async def watch_backend(gateway: Gateway) -> None:
+    """Never raises: a background task that died would take every open stream with it."""
     next_trim = time.monotonic() + TRIM_EVERY_S
     while True:
         await gateway.refresh_backend()
@@ -35,7 +37,10 @@ async def watch_backend(gateway: Gateway) -> None:
             gateway.replies.fail_all(scheduler_gone)
         if now >= next_trim:
             next_trim = now + TRIM_EVERY_S
-            await gateway.replies.trim()
+            try:
+                await gateway.replies.trim()
+            except RedisError as e:  # trimmed next time
+                log.warning("cannot trim the reply stream", error=str(e))
         await anyio.sleep(WATCH_S)
 
 
@@ -51,9 +56,13 @@ async def serve(ctx: ServiceContext) -> None:
     await runner.setup()
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(gateway.replies.run)
+        tasks.start_soon(gateway.outbox.run)
         tasks.start_soon(watch_backend, gateway)
         try:
-            await web.TCPSite(runner, ctx.server.host, ctx.server.port).start()
+            # several gateways share one port only when asked to: otherwise a second
+            # server started on a busy port fails instead of silently splitting its clients
+            await web.TCPSite(runner, ctx.server.host, ctx.server.port,
+                              reuse_port=ctx.server.api_server_count > 1).start()
             log.info("gateway listening", url=f"http://{ctx.server.host}:{ctx.server.port}",
                      gateway=gateway_id, models=gateway.names)
             await ctx.stop.wait()

@@ -4,8 +4,8 @@ It reads admitted requests, aborts and step results, and keeps up to MAX_INFLIGH
 planned but not yet reported, so the worker never waits on a Redis hop: while the device
 runs step N (and the worker has launched N+1 behind it), the next plans are already in its
 stream, planned before those steps' tokens are known (see services/scheduler/request.py).
-A result frees its slot at once; the next plan goes out before the result's tokens are
-applied and sent to the detokenizers.
+A result frees its slot at once; the next plan is made before the result's tokens are
+applied, and both leave in one commit with the acknowledgements of what was read.
 """
 
 from __future__ import annotations
@@ -73,17 +73,14 @@ class SchedulerShell:
                 clock.lap("read")
                 pending = {}
                 outputs = self._handle(entries)
-                # Plan before applying the results: the scheduler plans ahead of the tokens
-                # anyway, and the worker waits on the plan, not on the token batches.
+                # Plan before applying the results (the scheduler plans ahead of the tokens
+                # anyway), then send the tokens and the plans in one round trip.
                 plans = self._plan()
                 clock.lap("schedule")
-                if plans:
-                    await self.bus.commit(plans)
-                clock.lap("commit")
                 outputs += self._apply_results()
                 clock.lap("update")
-                if outputs or entries:
-                    await self.bus.commit(outputs, done=entries)
+                if outputs or plans or entries:
+                    await self.bus.commit(outputs + plans, done=entries)
                 clock.lap("commit")
                 if lost := await self._check_worker():
                     await self.bus.commit(lost)
