@@ -32,6 +32,10 @@ class Executor:
     def step_done(self) -> bool:
         return self.runner.step_done()
 
+    def wait_step_done(self) -> None:
+        """Block (in a thread of the caller's) until the last step's tokens are back."""
+        self.runner.wait_step_done()
+
     def forget_requests(self) -> None:
         """A new scheduler took over: drop every request's state (flush first)."""
         self.runner.forget_requests()

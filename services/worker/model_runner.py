@@ -146,6 +146,12 @@ class ModelRunner:
         pending = self._pending
         return pending is None or pending.done is None or pending.done.query()
 
+    def wait_step_done(self) -> None:
+        """Block until the last submitted step's tokens are on the host."""
+        pending = self._pending
+        if pending is not None and pending.done is not None:
+            pending.done.synchronize()
+
     def _launch(self, plan: StepPlan) -> Launched:
         started = time.perf_counter()
         inputs = self._prepare(plan)

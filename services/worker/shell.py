@@ -9,6 +9,7 @@ starts step N+1 while the host ships step N's result.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections import deque
@@ -27,7 +28,6 @@ from services.worker.executor import Executor
 
 GROUP = "worker"
 PREFETCH = 4
-POLL_S = 0.0002  # how often to look for a finished step while no plan waits
 
 log = get_logger("headrace.worker")
 
@@ -38,6 +38,8 @@ class WorkerShell:
         self.epoch = uuid.uuid4().hex[:12]
         self.scheduler_epoch = ""
         self.launched: deque[Entry] = deque()  # plans on the device, results not yet out
+        self._receiving: asyncio.Future[Entry] | None = None  # the next plan, when it comes
+        self._device: asyncio.Future[None] | None = None  # the device finishing a step
         self.clock = PhaseClock()
 
     async def run(self) -> None:
@@ -101,23 +103,29 @@ class WorkerShell:
                 clock.lap("hand_to_writer")
 
     async def _next_plan(self, plans: ObjectReceiveStream[Entry]) -> Entry | None:
-        """The next plan, or None when the step on the device is complete (or the stream
-        ended) before one arrives."""
+        """The next plan, or None when the step on the device completes (or the stream
+        ends) before one arrives: whichever comes first wakes us, with no polling. Neither
+        wait is ever cancelled (a cancelled receive could drop a plan handed to it); the
+        one that loses stays pending for the next call."""
         while True:
-            try:
-                return plans.receive_nowait()
-            except anyio.EndOfStream:
-                return None
-            except anyio.WouldBlock:
-                pass
-            if self.launched and self.executor.step_done():
-                return None
-            # woken at once by a plan; without one, look at the device again in a moment
-            with anyio.move_on_after(POLL_S if self.launched else None):
+            if self._receiving is None:
+                self._receiving = asyncio.ensure_future(plans.receive())
+            waits = {self._receiving}
+            if self.launched and not self.executor.step_done():
+                if self._device is None or self._device.done():
+                    self._device = asyncio.ensure_future(
+                        anyio.to_thread.run_sync(self.executor.wait_step_done))
+                waits.add(self._device)
+            elif self.launched and not self._receiving.done():
+                return None  # the last step is complete and no plan waits
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if self._receiving.done():
+                receiving, self._receiving = self._receiving, None
                 try:
-                    return await plans.receive()
+                    return receiving.result()
                 except anyio.EndOfStream:
                     return None
+            # a device wait ended: the loop sees whether it was the latest step's
 
     async def _step(self, entry: Entry) -> list[StepResult] | None:
         """Launch the plan; the results of earlier steps that it completed, or None when
