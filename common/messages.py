@@ -8,7 +8,8 @@ Reading this module tells the whole protocol:
 
 Records are frozen dataclasses. Fields are only ever appended (with defaults), so an older
 reader ignores what it does not know and a newer reader fills in what an older writer did
-not send. Token ids and floats travel as packed little-endian int32 / float32 bytes.
+not send. Token ids and floats travel as packed little-endian int32 / float32 bytes, the
+timestamps of the hops a message passed (common/hops.py) as float64.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class _Packed:
 
 Tokens = Annotated[list[int], _Packed("<i4")]
 Floats = Annotated[list[float], _Packed("<f4")]
+Times = Annotated[list[float], _Packed("<f8")]  # wall-clock stamps, see common/hops.py
 
 _REGISTRY: dict[str, type] = {}
 
@@ -119,6 +121,7 @@ class DetokItem:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    request_stamps: Times = field(default_factory=list)  # the request's way in; seq 0 only
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,7 @@ class TextDelta:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    request_stamps: Times = field(default_factory=list)  # the request's way in; seq 0 only
 
 
 # --- messages ------------------------------------------------------------------------------
@@ -168,6 +172,7 @@ class AdmitRequest:
     params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0
+    stamps: Times = field(default_factory=list)  # arrival, tokenizer in, tokenizer out
 
 
 @message("abort")
@@ -210,6 +215,7 @@ class StepPlan:
     finished: list[str] = field(default_factory=list)  # drop these before the step
     epoch: str = ""  # the worker this plan is for; a restarted worker skips older plans
     scheduler_epoch: str = ""  # a new value means a restarted scheduler: drop all state
+    planned_at: float = 0.0
 
 
 @message("result")
@@ -225,6 +231,7 @@ class StepResult:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     epoch: str = ""
     execute_ms: float = 0.0
+    stamps: Times = field(default_factory=list)  # planned, launched, done
 
 
 @message("worker_ready")
@@ -248,6 +255,7 @@ class TokenBatch:
     VERSION: ClassVar[int]
     step: int
     items: list[DetokItem]
+    stamps: Times = field(default_factory=list)  # the step's, from its StepResult
 
 
 @message("replies")
@@ -257,6 +265,7 @@ class ReplyBatch:
     TYPE: ClassVar[str]
     VERSION: ClassVar[int]
     items: list[TextDelta]
+    stamps: Times = field(default_factory=list)  # the step's, then detokenizer in and out
 
 
 @message("sched_stats")

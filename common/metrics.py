@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from common.hops import STAGES
 from common.messages import SchedulerStats
 
 if TYPE_CHECKING:
@@ -27,6 +28,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# a hop between processes takes tens of microseconds to milliseconds; a step up to seconds
+STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003,
+                 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -97,6 +101,11 @@ class Metrics:
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
             buckets=E2E_BUCKETS, registry=reg)
+        stage_seconds = Histogram(
+            PREFIX + "stage_seconds", "Time a request or a step spent in one stage of the "
+            "serving path, from the timestamps its messages carry (common/hops.py).",
+            ["stage"], buckets=STAGE_BUCKETS, registry=reg)
+        self.stages = {stage: stage_seconds.labels(stage) for stage in STAGES}
         self.stream_length = Gauge(
             PREFIX + "stream_length", "Entries in a stream.", ["stream"], registry=reg)
         self.stream_pending = Gauge(
@@ -113,6 +122,10 @@ class Metrics:
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         for name in TOTALS:
             self.totals.set(name, getattr(stats, name))
+
+    def observe_stages(self, stages: Iterable[tuple[str, float]]) -> None:
+        for stage, seconds in stages:
+            self.stages[stage].observe(seconds)
 
     def set_streams(self, streams: Iterable[StreamInfo]) -> None:
         """Replace the per-stream gauges (streams and groups that vanished disappear)."""

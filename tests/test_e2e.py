@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -15,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import keys
+from common.hops import STAGES
 from common.redis_server import find_redis_binary
 from common.sampling_params import SamplingParams
 from services.demo import demo_model_path
@@ -275,10 +277,44 @@ async def test_metrics_carry_the_design_names(api, served):
     names = {name for name, _ in await metrics(served.url)}
     for metric in DESIGN_METRICS:
         assert any(name.startswith("headrace:" + metric) for name in names), metric
-    samples = await metrics(served.url)
+    samples = await until_idle(served.url)  # the scheduler's totals come every 0.5 s
     assert samples["headrace:prompt_tokens_total", ()] > 0
     assert sum(value for (name, _), value in samples.items()
                if name == "headrace:request_success_total") >= 1
+
+
+def stage_totals(samples: dict[tuple[str, tuple], float]) -> dict[str, tuple[float, float]]:
+    """(count, sum) of headrace:stage_seconds per stage."""
+    totals: dict[str, list[float]] = {stage: [0.0, 0.0] for stage in STAGES}
+    for (name, labels), value in samples.items():
+        if name in ("headrace:stage_seconds_count", "headrace:stage_seconds_sum"):
+            totals[dict(labels)["stage"]][name.endswith("_sum")] = value
+    return {stage: (count, total) for stage, (count, total) in totals.items()}
+
+
+async def test_stage_histograms_account_for_a_streamed_request(api, served):
+    before = stage_totals(await until_idle(served.url))
+    sent = time.monotonic()
+    stream = await api.completions.create(model=MODEL_NAME, prompt="The river", max_tokens=5,
+                                          stream=True, extra_body={"ignore_eos": True})
+    ttft = None
+    async for chunk in stream:
+        if ttft is None and chunk.choices and chunk.choices[0].text:
+            ttft = time.monotonic() - sent
+    after = stage_totals(await metrics(served.url))
+    counts = {stage: after[stage][0] - before[stage][0] for stage in STAGES}
+    seconds = {stage: after[stage][1] - before[stage][1] for stage in STAGES}
+    for stage in ("gateway_to_tokenizer", "tokenizer", "admit_to_plan"):
+        assert counts[stage] == 1, (stage, counts)  # once per request
+    for stage in ("plan_to_worker", "step", "result_to_detokenizer", "detokenizer"):
+        assert counts[stage] == 5, (stage, counts)  # once per step that sampled a token
+    assert 1 <= counts["detokenizer_to_client"] <= 5, counts
+    assert all(value >= 0 for value in seconds.values()), seconds
+    # the request's way in happened before its first token reached this client
+    assert ttft is not None
+    way_in = sum(seconds[s] for s in ("gateway_to_tokenizer", "tokenizer", "admit_to_plan"))
+    assert 0 < way_in < ttft, (way_in, ttft)
+    assert seconds["step"] > 0, seconds
 
 
 def test_operators_see_the_consumer_groups(served):

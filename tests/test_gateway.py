@@ -37,7 +37,7 @@ MAX_REQUEST_BODY = 4096
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HANG = "hang"  # a script step: the stages go silent for this request
 
-Step = ReplyBatch | ErrorReply | float | str
+Step = ReplyBatch | ErrorReply | float | str | list[ReplyBatch]
 Script = Callable[[GenerateRequest], list[Step]]
 
 
@@ -126,6 +126,8 @@ async def play(bus: Bus, req: GenerateRequest, steps: list[Step]) -> None:
             await anyio.sleep_forever()
         elif isinstance(step, float):
             await anyio.sleep(step)
+        elif isinstance(step, list):  # one write: the gateway reads them all at once
+            await bus.publish(keys.replies(req.reply_to), *step)
         else:
             await bus.publish(keys.replies(req.reply_to), step)
 
@@ -398,6 +400,24 @@ async def test_streams_send_chunks_then_usage_then_done(url, redis_at, api):
     assert sse.status == 200 and sse.headers["Content-Type"].startswith("text/event-stream")
     assert sse.events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in sse.events[:-1]) == " x0 y0"
+
+
+async def test_a_chunk_per_engine_step_coalesced_only_when_behind(url, redis_at):
+    texts = [" a", " b", " c", " d"]
+    body = {"model": MODEL_NAME, "prompt": "p", "stream": True}
+
+    def one_per_step(req: GenerateRequest) -> list[Step]:
+        return [step for delta in deltas(req, texts) for step in (ReplyBatch([delta]), 0.05)]
+
+    def all_at_once(req: GenerateRequest) -> list[Step]:
+        return [[ReplyBatch([delta]) for delta in deltas(req, texts)]]
+
+    for script, expected in ((one_per_step, [" a0", " b0", " c0", " d0"]),
+                             (all_at_once, [" a0 b0 c0 d0"])):
+        async with fake_stages(redis_at, script):
+            sse = await post_sse(url, "/v1/completions", body)
+        chunks = [json.loads(e)["choices"] for e in sse.events[:-1]]
+        assert [c[0]["text"] for c in chunks if c] == expected
 
 
 async def test_the_first_reply_decides_the_status_also_for_a_stream(url, redis_at, api):

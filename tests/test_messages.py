@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common import messages
+from common.hops import request_stages, step_stages
 from common.messages import (_REGISTRY, DetokItem, DetokParams, MessageError, StepPlan,
-                             TokenBatch)
+                             TokenBatch, decode, encode)
 from common.sampling_params import SamplingParams
 
 INT32 = st.integers(-2**31, 2**31 - 1)
@@ -144,3 +145,19 @@ def test_an_older_reader_ignores_fields_it_does_not_know():
     body["items"][0]["also_new"] = "?"
     decoded = messages.decode(msgpack.packb(body))
     assert decoded.step == 3 and decoded.items[0].new_token_ids == [5]
+
+
+def test_stamps_keep_microseconds_across_the_wire():
+    stamps = [1_790_000_000.123456, 1_790_000_000.123457, 1_790_000_000.5]
+    batch = decode(encode(TokenBatch(1, [], stamps)))
+    assert batch.stamps == stamps
+
+
+def test_stages_come_from_consecutive_stamps():
+    assert request_stages([10.0, 10.5, 10.75, 12.0]) == [
+        ("gateway_to_tokenizer", 0.5), ("tokenizer", 0.25), ("admit_to_plan", 1.25)]
+    assert [s for s, _ in step_stages([1.0, 2.0, 3.0, 4.0, 5.0])] == [
+        "plan_to_worker", "step", "result_to_detokenizer", "detokenizer"]
+    assert step_stages([1.0, 2.0, 3.0]) == []  # a writer that did not stamp every hop
+    assert request_stages([0.0, 1.0, 2.0, 3.0]) == []
+    assert step_stages([5.0, 4.0, 6.0, 7.0, 8.0])[0] == ("plan_to_worker", 0.0)  # no negatives

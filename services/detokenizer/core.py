@@ -192,7 +192,8 @@ class Detokenizer:
             finish_reason=finish_reason, stop_reason=stop_reason,
             logprobs=[self._with_texts(lp) for lp in item.logprobs],
             prompt_logprobs=[None if lp is None else self._with_texts(lp)
-                             for lp in item.prompt_logprobs])
+                             for lp in item.prompt_logprobs],
+            request_stamps=item.request_stamps)
         return delta, abort
 
     def _resync(self, item: DetokItem) -> tuple[list[int], int]:

@@ -4,6 +4,8 @@ context, so any replica takes any step's batch."""
 
 from __future__ import annotations
 
+import time
+
 from common import keys
 from common.bus import Output
 from common.messages import ReplyBatch, TextDelta, TokenBatch
@@ -16,6 +18,7 @@ GROUP = "detokenizer"
 
 def handler(detokenizer: Detokenizer):
     async def handle(batch: TokenBatch) -> list[Output]:
+        received = time.time()
         by_gateway: dict[str, list[TextDelta]] = {}
         outputs: list[Output] = []
         for item in batch.items:
@@ -23,7 +26,8 @@ def handler(detokenizer: Detokenizer):
             by_gateway.setdefault(item.reply_to, []).append(delta)
             if abort is not None:
                 outputs.append((keys.control(), abort))
-        return [(keys.replies(gateway), ReplyBatch(deltas))
+        stamps = [*batch.stamps, received, time.time()] if batch.stamps else []
+        return [(keys.replies(gateway), ReplyBatch(deltas, stamps))
                 for gateway, deltas in by_gateway.items()] + outputs
     return handle
 

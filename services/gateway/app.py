@@ -29,6 +29,7 @@ from common.bus import UNAVAILABLE, Bus, decode_value
 from common.chat import render_chat
 from common.config import ServerConfig
 from common.errors import ApiError
+from common.hops import DELIVERY_STAGE
 from common.log import get_logger
 from common.messages import Abort, SchedulerStats
 from common.metrics import Metrics
@@ -60,7 +61,8 @@ class Gateway:
         self.max_model_len = info.max_model_len
         self.metrics = Metrics()
         self.backend = Backend()
-        self.replies = Replies(bus, gateway_id)  # one reader of this gateway's replies
+        # one reader of this gateway's replies
+        self.replies = Replies(bus, gateway_id, self.metrics)
         self.outbox = Outbox(bus)  # one writer of every call's requests and aborts
         self.token_text = TokenTexts(info.tokenizer)  # spells echoed prompt tokens
         self.started_at = int(time.time())
@@ -161,12 +163,14 @@ class Gateway:
         log.info("request queued", prompts=len(call.prompts), n=call.job.n,
                  stream=call.job.stream)
         applied: list[Applied] = []
+        sent = 0.0
         while not call.started:  # the first replies decide the status
-            applied += await self.receive(call, inbox)
+            more, sent = await self.receive(call, inbox)
+            applied += more
         if call.error is not None:
             raise call.error
         if call.job.stream:
-            return await self.stream(request, call, inbox, applied, log)
+            return await self.stream(request, call, inbox, applied, sent, log)
         while not call.done:
             await self.receive(call, inbox)
         if call.error is not None:
@@ -191,21 +195,30 @@ class Gateway:
             out.append(Echo(text, first))
         return out
 
-    async def receive(self, call: Call, inbox: Inbox) -> list[Applied]:
+    async def receive(self, call: Call, inbox: Inbox) -> tuple[list[Applied], float]:
+        """The replies that came, applied to the call, and when the detokenizer sent the
+        oldest of them (0 when unknown)."""
         applied: list[Applied] = []
-        for reply in await next_replies(inbox):
+        sent_at: list[float] = []
+        for reply, sent in await next_replies(inbox):
             applied += call.offer(reply)
+            if sent:
+                sent_at.append(sent)
         self.record(call.observe(applied, time.monotonic()))
-        return applied
+        return applied, min(sent_at, default=0.0)
 
     async def stream(self, request: web.Request, call: Call, inbox: Inbox,
-                     applied: list[Applied], log: BoundLogger) -> web.StreamResponse:
+                     applied: list[Applied], sent: float, log: BoundLogger
+                     ) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         try:
             await send(response, call.opening_chunks() + call.chunks(applied))
+            self.delivered(sent)
             while not call.done:
-                await send(response, call.chunks(await self.receive(call, inbox)))
+                applied, sent = await self.receive(call, inbox)
+                await send(response, call.chunks(applied))
+                self.delivered(sent)
             if call.error is not None:
                 log.warning("request failed while streaming", status=call.error.status,
                             error=call.error.message)
@@ -239,6 +252,12 @@ class Gateway:
     async def finish_tasks(self, timeout_s: float) -> None:
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=timeout_s)
+
+    def delivered(self, sent: float) -> None:
+        """Streamed replies reach the client as they are written; a whole response only at
+        its end, so only streams time the detokenizer-to-client stage."""
+        if sent:
+            self.metrics.observe_stages([(DELIVERY_STAGE, max(0.0, time.time() - sent))])
 
     def record(self, seen: Observed) -> None:
         for value in seen.ttft:

@@ -1,7 +1,8 @@
 """The gateway's reply stream, hr:replies:<gateway id>: one XREAD loop (no group, only this
 gateway reads it) routes every text delta and error to the inbox of the call waiting for
-its request id. Replies for requests no call waits for any more (aborted, or tokens
-already in flight when a request finished) are dropped."""
+its request id, with when the detokenizer sent it. Replies for requests no call waits for
+any more (aborted, or tokens already in flight when a request finished) are dropped. The
+stages a reply's stamps tell (common/hops.py) are observed here, once per step batch."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from redis.exceptions import RedisError
 
 from common import keys
 from common.bus import Backoff, Bus
+from common.hops import request_stages, step_stages
 from common.log import get_logger
 from common.messages import ErrorReply, ReplyBatch, TextDelta
+from common.metrics import Metrics
 
 Reply = TextDelta | ErrorReply
-Inbox = asyncio.Queue[Reply]
+Delivery = tuple[Reply, float]  # a reply, and when the detokenizer sent it (0: unknown)
+Inbox = asyncio.Queue[Delivery]
 
 READ_COUNT = 256
 BLOCK_MS = 1000
@@ -26,8 +30,8 @@ log = get_logger(__name__)
 
 
 class Replies:
-    def __init__(self, bus: Bus, gateway_id: str) -> None:
-        self.bus = bus
+    def __init__(self, bus: Bus, gateway_id: str, metrics: Metrics) -> None:
+        self.bus, self.metrics = bus, metrics
         self.stream = keys.replies(gateway_id)
         self.inboxes: dict[str, Inbox] = {}
         self.last_id: bytes | str = "0-0"  # the stream is this gateway's: read it all
@@ -45,20 +49,25 @@ class Replies:
     def fail_all(self, error_for: Callable[[str], ErrorReply]) -> None:
         """End every call in flight with the error `error_for(rid)`."""
         for rid, inbox in self.inboxes.items():
-            inbox.put_nowait(error_for(rid))
+            inbox.put_nowait((error_for(rid), 0.0))
 
     def route(self, msg: object) -> None:
         if isinstance(msg, ReplyBatch):
-            replies: list[Reply] = list(msg.items)
+            self.metrics.observe_stages(step_stages(msg.stamps))
+            sent = msg.stamps[-1] if msg.stamps else 0.0
+            for delta in msg.items:
+                if delta.request_stamps:
+                    self.metrics.observe_stages(request_stages(delta.request_stamps))
+                self.deliver(delta, sent)
         elif isinstance(msg, ErrorReply):
-            replies = [msg]
+            self.deliver(msg, 0.0)
         else:
             log.warning("unexpected message on the reply stream", type=getattr(msg, "TYPE", "?"))
-            return
-        for reply in replies:
-            inbox = self.inboxes.get(reply.rid)
-            if inbox is not None:
-                inbox.put_nowait(reply)
+
+    def deliver(self, reply: Reply, sent: float) -> None:
+        inbox = self.inboxes.get(reply.rid)
+        if inbox is not None:
+            inbox.put_nowait((reply, sent))
 
     async def run(self) -> None:
         backoff = Backoff()
@@ -86,7 +95,7 @@ class Replies:
         await self.bus.forget(self.stream)
 
 
-async def next_replies(inbox: Inbox) -> list[Reply]:
+async def next_replies(inbox: Inbox) -> list[Delivery]:
     """Wait for one reply, then take every other one already there."""
     replies = [await inbox.get()]
     while not inbox.empty():

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from common.config import EngineConfig
 from common.detok_window import detok_params, make_context, stop_lookback
+from common.hops import NUM_REQUEST_STAMPS
 from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
                              SchedulerStats, StepPlan, StepResult, TokenLogprobs)
 from services.scheduler.kv_cache_manager import KVCacheManager
@@ -253,6 +254,7 @@ class Scheduler:
             "memory. total_num_cumulative_preemption=%d", req.req_id, self.num_preemptions)
 
     def _make_plan(self, batch: list[tuple[Request, int, list]]) -> StepPlan:
+        now = time.time()
         new, cached = [], []
         req_ids, num_scheduled, num_computed = [], [], []
         for req, n, new_blocks in batch:
@@ -262,6 +264,8 @@ class Scheduler:
                                       block_ids=self.kv.block_ids(req.req_id),
                                       params=req.params))
                 req.on_worker = True
+                if len(req.stamps) == NUM_REQUEST_STAMPS - 1:  # its first plan
+                    req.stamps.append(now)
             elif new_blocks:
                 cached.append(CachedRequest(req_id=req.req_id,
                                             new_block_ids=[b.block_id for b in new_blocks]))
@@ -274,7 +278,7 @@ class Scheduler:
         self.step += 1
         plan = StepPlan(step=self.step, req_ids=req_ids, num_scheduled_tokens=num_scheduled,
                         num_computed_tokens=num_computed, new=new, cached=cached,
-                        finished=self._dropped)
+                        finished=self._dropped, planned_at=now)
         self._dropped = []
         return plan
 
@@ -316,7 +320,7 @@ class Scheduler:
         return Request(req_id=f"{admit.rid}#{index}", rid=admit.rid, index=index,
                        reply_to=admit.reply_to, prompt_token_ids=list(admit.prompt_token_ids),
                        params=params, arrival_time=admit.arrival_time or time.time(),
-                       priority=admit.priority)
+                       priority=admit.priority, stamps=list(admit.stamps))
 
     def _detok_item(self, req: Request, new: list[int], lp: TokenLogprobs | None) -> DetokItem:
         params = req.params
@@ -329,7 +333,8 @@ class Scheduler:
             params=detok_params(params), num_prompt_tokens=req.num_prompt_tokens,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             logprobs=[lp] if lp is not None else [],
-            prompt_logprobs=req.prompt_logprobs if seq == 0 else [])
+            prompt_logprobs=req.prompt_logprobs if seq == 0 else [],
+            request_stamps=req.stamps if seq == 0 else [])
 
     # --- introspection ------------------------------------------------------------------
 

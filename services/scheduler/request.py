@@ -44,6 +44,7 @@ class Request:
     stop_reason: str | int | None = None
     block_hashes: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    stamps: list[float] = field(default_factory=list)  # its way in, see common/hops.py
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,11 +1,11 @@
 """The scheduler process: every request's state and the KV block table live here.
 
-It reads admitted requests, aborts and step results, and keeps up to MAX_INFLIGHT steps
-planned but not yet reported, so the worker never waits on a Redis hop: while the device
-runs step N (and the worker has launched N+1 behind it), the next plans are already in its
-stream, planned before those steps' tokens are known (see services/scheduler/request.py).
-A result frees its slot at once; the next plan is made before the result's tokens are
-applied, and both leave in one commit with the acknowledgements of what was read.
+It reads admitted requests, aborts and step results, and keeps a few steps planned but
+not yet reported (services/scheduler/inflight.py), so the worker does not wait on a Redis
+hop: while the device runs step N+1, the plan of N+2 is made from N's result, before those
+steps' tokens are known (see services/scheduler/request.py). A result frees its slot at
+once; the next plan is made before the result's tokens are applied, and both leave in one
+commit with the acknowledgements of what was read.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from common.model_info import resolve_engine
 from common.service import ServiceContext, heartbeat, run_service
 from common.timing import PhaseClock
 from services.scheduler.core import Scheduler, SchedulerConfig
+from services.scheduler.inflight import StepsInFlight
 
 GROUP = "scheduler"
-MAX_INFLIGHT = 4  # on the device, queued behind it, on its way, being planned
 READ_BLOCK_MS = 100
 CHECK_WORKER_EVERY_S = 0.5
 STATS_EVERY_S = 0.5
@@ -44,7 +44,7 @@ class SchedulerShell:
         self.epoch = uuid.uuid4().hex[:12]
         self.core: Scheduler | None = None
         self.worker_epoch = ""
-        self.inflight = 0
+        self.steps = StepsInFlight()
         self.results: list[StepResult] = []  # taken this round, applied after planning
         self.next_worker_check = 0.0
         self.no_worker_since = time.monotonic()
@@ -116,7 +116,7 @@ class SchedulerShell:
         """Frees the step's slot now; its tokens are applied after the next plan is out."""
         if self.core is None or result.epoch != self.worker_epoch:
             return  # from a worker that is gone
-        self.inflight -= 1
+        self.steps.finished(result.step, result.stamps)
         self.results.append(result)
 
     def _apply_results(self) -> list[Output]:
@@ -124,7 +124,7 @@ class SchedulerShell:
         for result in self.results:  # all of the current worker's: _worker_ready clears
             assert self.core is not None
             if items := self.core.update(result):
-                outputs.append((keys.DETOK, TokenBatch(result.step, items)))
+                outputs.append((keys.DETOK, TokenBatch(result.step, items, result.stamps)))
         self.results = []
         return outputs
 
@@ -148,7 +148,7 @@ class SchedulerShell:
             log.warning("worker serves a shorter max_model_len", worker=ready.max_model_len)
         config = dataclasses.replace(self.config, block_size=ready.block_size)
         self.core = Scheduler(SchedulerConfig.from_engine(config, ready.num_blocks))
-        self.worker_epoch, self.inflight, self.results = ready.epoch, 0, []
+        self.worker_epoch, self.steps, self.results = ready.epoch, StepsInFlight(), []
         log.info("worker ready", worker=ready.worker_id, epoch=ready.epoch,
                  num_blocks=ready.num_blocks)
         return outputs
@@ -157,13 +157,14 @@ class SchedulerShell:
 
     def _plan(self) -> list[Output]:
         outputs: list[Output] = []
-        while self.core is not None and self.inflight < MAX_INFLIGHT:
+        while self.core is not None and self.steps.may_plan():
             plan = self.core.schedule()
             if plan is None:
+                self.steps.idle()
                 break
             outputs.append((keys.steps(), dataclasses.replace(
                 plan, epoch=self.worker_epoch, scheduler_epoch=self.epoch)))
-            self.inflight += 1
+            self.steps.planned(plan.step)
         return outputs
 
     def _fail_all(self, reason: str) -> list[Output]:
@@ -186,7 +187,7 @@ class SchedulerShell:
         if alive is not None and alive.decode() == self.worker_epoch:
             return []
         outputs = self._fail_all("the GPU worker stopped; the request was aborted")
-        self.core, self.worker_epoch, self.inflight = None, "", 0
+        self.core, self.worker_epoch, self.steps = None, "", StepsInFlight()
         self.no_worker_since = now
         log.error("worker lost: waiting for a new one")
         return outputs

@@ -4,6 +4,9 @@ entries are reclaimed."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 from common import keys
 from common.bus import Output
 from common.errors import ApiError
@@ -17,10 +20,13 @@ GROUP = "tokenizer"
 
 def handler(processor: InputProcessor):
     async def handle(req: GenerateRequest) -> list[Output]:
+        received = time.time()
         try:
-            return [(keys.admit(), processor.process(req))]
+            admit = processor.process(req)
         except ApiError as e:
             return [(keys.replies(req.reply_to), e.reply(req.rid))]
+        stamps = [req.arrival_time, received, time.time()]
+        return [(keys.admit(), dataclasses.replace(admit, stamps=stamps))]
     return handle
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 from collections import deque
 
@@ -37,7 +38,9 @@ class WorkerShell:
         self.ctx, self.bus, self.executor = ctx, ctx.bus, executor
         self.epoch = uuid.uuid4().hex[:12]
         self.scheduler_epoch = ""
-        self.launched: deque[Entry] = deque()  # plans on the device, results not yet out
+        # plans on the device, results not yet out, with when each was launched
+        self.launched: deque[tuple[Entry, float]] = deque()
+        self.last_done = 0.0  # when the latest step's result reached the host
         self._receiving: asyncio.Future[Entry] | None = None  # the next plan, when it comes
         self._device: asyncio.Future[None] | None = None  # the device finishing a step
         self.clock = PhaseClock()
@@ -96,10 +99,15 @@ class WorkerShell:
                     if done is None:
                         await results.send((entry, None))
                         continue
+                now = time.time()
                 for result in done:
-                    finished = self.launched.popleft()
-                    await results.send((finished, dataclasses.replace(result,
-                                                                      epoch=self.epoch)))
+                    finished, launched_at = self.launched.popleft()
+                    # a step launched behind another starts when that one is done
+                    started = max(launched_at, self.last_done)
+                    stamps = [finished.msg.planned_at, started, now]
+                    self.last_done = now
+                    await results.send((finished, dataclasses.replace(
+                        result, epoch=self.epoch, stamps=stamps)))
                 clock.lap("hand_to_writer")
 
     async def _next_plan(self, plans: ObjectReceiveStream[Entry]) -> Entry | None:
@@ -138,8 +146,9 @@ class WorkerShell:
             done = await anyio.to_thread.run_sync(self.executor.flush)
             self.executor.forget_requests()
             self.scheduler_epoch = plan.scheduler_epoch
+        launched_at = time.time()
         done += await anyio.to_thread.run_sync(self.executor.submit, plan)
-        self.launched.append(entry)
+        self.launched.append((entry, launched_at))
         return done
 
     async def _write(self, results: ObjectReceiveStream[tuple[Entry, StepResult | None]]

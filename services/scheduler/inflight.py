@@ -1,0 +1,59 @@
+"""How many steps the scheduler keeps planned ahead of the worker's results.
+
+Two is the least that keeps the device busy: one step runs while the next is queued behind
+it, and the plan after that is made while the queued one runs. Every step more in flight
+is one more step that a new request's prefill waits behind, since plans are made in
+order. So the depth starts at two and grows only when the worker shows it waited: a step
+whose plan was held back by the depth (a refill) that started after the step before it
+had finished means the device sat idle for want of a plan. After a long run without
+that, the depth goes back down by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+MIN_DEPTH, MAX_DEPTH = 2, 4
+IDLE_S = 0.0002  # a device idle this long between two steps waited for a plan
+QUIET_STEPS = 2000  # steps without such a wait before the depth shrinks by one
+
+
+@dataclass(slots=True)
+class StepsInFlight:
+    depth: int = MIN_DEPTH
+    inflight: int = 0
+    refills: set[int] = field(default_factory=set)  # steps planned the moment one freed
+    held_back: bool = False  # the depth is full: the next plan is a refill
+    last_done: float = 0.0  # when the latest step's result reached the worker's host
+    quiet: int = 0
+
+    def may_plan(self) -> bool:
+        return self.inflight < self.depth
+
+    def planned(self, step: int) -> None:
+        if self.held_back:
+            self.refills.add(step)
+            self.held_back = False
+        self.inflight += 1
+        self.held_back = self.inflight >= self.depth
+
+    def idle(self) -> None:
+        """Nothing left to plan: the next plan is not held back by the depth."""
+        self.held_back = False
+
+    def finished(self, step: int, stamps: Sequence[float]) -> None:
+        """A step's result came back with its stamps (planned, started, done)."""
+        self.inflight -= 1
+        refill = step in self.refills
+        self.refills.discard(step)
+        if len(stamps) < 3 or not all(stamps):
+            return
+        starved = refill and self.last_done and stamps[1] - self.last_done > IDLE_S
+        self.last_done = stamps[2]
+        if starved:
+            self.depth, self.quiet = min(self.depth + 1, MAX_DEPTH), 0
+        elif (quiet := self.quiet + 1) >= QUIET_STEPS:
+            self.depth, self.quiet = max(self.depth - 1, MIN_DEPTH), 0
+        else:
+            self.quiet = quiet
