@@ -1,14 +1,18 @@
-"""The throughput and latency benchmarks: workloads, floor arithmetic, and both commands
-end to end on a tiny model (CPU), including the serving path through real processes."""
+"""The throughput and latency benchmarks: workloads, their warm-up twins, floor arithmetic,
+and both commands end to end on a tiny model (CPU), including the serving paths through
+real processes, from the bus and through the HTTP gateway."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 from common.messages import StepPlan
-from services.bench.workloads import (ModelShape, Trace, fixed_workload, nano_workload,
+from services.bench.throughput import parse_paths
+from services.bench.workloads import (WARMUP_OUTPUT_LEN, WARMUP_SEED, ModelShape, Trace,
+                                      fixed_workload, nano_workload, warmup_twin,
                                       with_output_len)
 from tests.conftest import run_command
 from tests.tiny_models import make_tiny_model
@@ -33,6 +37,30 @@ def test_fixed_workload_respects_the_vocabulary():
     workload = fixed_workload("f", 3, prompt_len=50, output_len=7, vocab_size=100)
     assert all(len(p) == 50 and max(p) < 100 for p in workload.prompts)
     assert workload.output_tokens == 21
+
+
+@pytest.mark.parametrize("workload", [nano_workload(),
+                                      fixed_workload("f", 64, 1000, 1000, vocab_size=300)],
+                         ids=["nano", "fixed-small-vocab"])
+def test_warmup_twin_has_the_shapes_but_not_the_prompts(workload):
+    twin = warmup_twin(workload, WARMUP_SEED)
+    assert [len(p) for p in twin.prompts] == [len(p) for p in workload.prompts]
+    assert [p.max_tokens for p in twin.params] == [WARMUP_OUTPUT_LEN] * len(workload.params)
+    assert [p.temperature for p in twin.params] == [p.temperature for p in workload.params]
+    assert all(0 <= t <= workload.top_token_id for p in twin.prompts for t in p)
+    # no warm prompt shares even its first block (16 tokens) with a timed prompt, so the
+    # prefix cache holds none of the timed prefills when the timed run starts
+    timed_heads = {tuple(p[:16]) for p in workload.prompts}
+    assert not any(tuple(p[:16]) in timed_heads for p in twin.prompts)
+    assert warmup_twin(workload, WARMUP_SEED).prompts == twin.prompts  # reproducible
+
+
+def test_path_lists():
+    assert parse_paths("inprocess,http") == ["inprocess", "http"]
+    assert parse_paths("both") == ["inprocess", "pipeline"]
+    assert parse_paths("http, both,http") == ["http", "inprocess", "pipeline"]
+    with pytest.raises(argparse.ArgumentTypeError, match="'grpc'"):
+        parse_paths("inprocess,grpc")
 
 
 def test_trace_counts_bytes_and_flops_of_a_step():
@@ -62,7 +90,7 @@ def test_throughput_command_times_both_paths(tiny, tmp_path):
                          "--path", "both", "--num-gpu-blocks-override", "128",
                          "--json", str(out), timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "pipeline / in-process throughput" in result.stdout
+    assert "pipeline / inprocess: " in result.stdout
     data = json.loads(out.read_text())
     assert [r["path"] for r in data["results"]] == ["inprocess", "pipeline"]
     assert all(r["output_tokens"] == 6 * 12 for r in data["results"])
@@ -73,6 +101,23 @@ def test_throughput_command_times_both_paths(tiny, tmp_path):
     # least one loop per output token's step
     assert pipeline["worker.loops"] >= 12 and pipeline["worker.submit_s"] > 0
     assert pipeline["scheduler.loops"] >= 12 and pipeline["scheduler.update_s"] > 0
+
+
+def test_throughput_command_times_the_http_path(tiny, tmp_path):
+    out = tmp_path / "throughput.json"
+    result = run_command("bench", "throughput", "--model", str(tiny), "--workload", "fixed",
+                         "--num-prompts", "6", "--prompt-len", "20", "--output-len", "12",
+                         "--path", "inprocess,http", "--num-gpu-blocks-override", "128",
+                         "--json", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [r["path"] for r in data["results"]] == ["inprocess", "http"]
+    assert all(r["output_tokens"] == 6 * 12 and r["requests"] == 6 for r in data["results"])
+    inprocess, http = data["results"]
+    ratio = http["tokens_per_s"] / inprocess["tokens_per_s"]
+    assert f"http / inprocess: {ratio:.2f}x" in result.stdout.splitlines()
+    # the gateway drove the same services: their loop clocks ran the warm-up and the run
+    assert http["phases"]["worker.loops"] >= 12 and http["phases"]["scheduler.loops"] >= 12
 
 
 def test_latency_command_reports_decode_time(tiny, tmp_path):

@@ -1,7 +1,9 @@
 """`headrace bench serve` against servers whose timing is known: a fake OpenAI-compatible
 aiohttp server (first chunk after 200 ms, then one every 20 ms) checks what the client
-measures, how it paces and bounds requests, and how it counts tokens and failures; then a
-small run against a real `headrace serve` of a tiny model.
+measures, how it paces and bounds requests, how it counts tokens (by the server's usage,
+not the text) and failures, and the server-side stage breakdown it reads from /metrics
+(the parsing checked on prometheus_client's own exposition too); then a small run against
+a real `headrace serve` of a tiny model.
 
 Tolerances: the fake server sleeps to absolute deadlines (request receipt + 200 ms +
 i * 20 ms), so its lateness does not accumulate; asyncio timers are good to about 1 ms and
@@ -29,15 +31,24 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from services.bench import serve
 from services.bench.serve import (RequestResult, SseDecoder, StreamTimer, arrival_offsets,
                                   plan_requests, random_lengths, sharegpt_lengths, summarize)
+from services.bench.server_stages import (STAGE_HISTOGRAM, bucket_quantile, parse_stages,
+                                          stage_breakdown)
 from tests.conftest import REPO, repo_env
 from tests.tiny_models import TOKENIZER_DIR, make_tiny_model
 
 FIRST_S, GAP_S = 0.200, 0.020
 LATE_S = 0.060  # how late one timestamp may be on a busy 2-core machine
+STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+def stage_histogram(registry: CollectorRegistry, *labels: str) -> Histogram:
+    return Histogram(STAGE_HISTOGRAM, "Seconds a request spent in each stage.",
+                     ["stage", *labels], registry=registry, buckets=STAGE_BUCKETS)
 
 
 # --- a fake server with known delays ------------------------------------------------------
@@ -45,15 +56,25 @@ LATE_S = 0.060  # how late one timestamp may be on a busy 2-core machine
 @dataclass
 class FakeServer:
     """An OpenAI-compatible streaming server in a thread: the first output chunk FIRST_S
-    after the request arrived, then one every GAP_S, `tokens_per_chunk` tokens each."""
+    after the request arrived, then one every GAP_S, `tokens_per_chunk` tokens each, of
+    `token_text` each. With `metrics`, GET /metrics serves its registry, where each
+    request observes `stage_seconds` in the stage histogram; without, /metrics is 404."""
     tokens_per_chunk: int = 1
+    token_text: str = " tok"
     fail_indices: set[int] = field(default_factory=set)  # answer 500 to these arrivals
+    metrics: bool = False
+    stage_seconds: dict[str, float] = field(default_factory=dict)
     arrivals: list[float] = field(default_factory=list)  # perf_counter at each request
     bodies: list[dict] = field(default_factory=list)
     authorizations: list[str | None] = field(default_factory=list)
     open_streams: int = 0
     most_open: int = 0
     port: int = 0
+
+    def __post_init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.stages = stage_histogram(self.registry)
+        self.served = Counter("fake_requests", "Requests served.", registry=self.registry)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrived = time.perf_counter()
@@ -83,10 +104,13 @@ class FakeServer:
         num_chunks = math.ceil(max_tokens / self.tokens_per_chunk)
         for i in range(num_chunks):
             await asyncio.sleep(max(0.0, arrived + FIRST_S + i * GAP_S - time.perf_counter()))
-            text = " tok" * self.tokens_per_chunk
+            text = self.token_text * self.tokens_per_chunk
             choice = {"index": 0, "delta": {"content": text}} if chat else \
                 {"index": 0, "text": text}
             await send(response, {"choices": [choice]})
+        for stage, seconds in self.stage_seconds.items():
+            self.stages.labels(stage).observe(seconds)
+        self.served.inc()
         await send(response, {"choices": [], "usage": {
             "prompt_tokens": 7, "completion_tokens": max_tokens, "total_tokens": 7 + max_tokens}})
         await response.write(b"data: [DONE]\n\n")
@@ -94,6 +118,12 @@ class FakeServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        if not self.metrics:
+            raise web.HTTPNotFound()
+        return web.Response(body=generate_latest(self.registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
 async def send(response: web.StreamResponse, chunk: dict) -> None:
@@ -115,6 +145,7 @@ def fake_server():
             app.router.add_post("/v1/completions", server.completions)
             app.router.add_post("/v1/chat/completions", server.completions)
             app.router.add_get("/v1/models", server.models)
+            app.router.add_get("/metrics", server.prometheus)
             runner = web.AppRunner(app)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -244,6 +275,61 @@ def test_failed_requests_are_counted_not_fatal(fake_server, tmp_path):
     assert data["summary"]["ttft"]["count"] == 3
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_stream_of_empty_text_succeeds_by_its_tokens(fake_server, tmp_path, endpoint):
+    """A dummy model's token ids often decode to nothing: every chunk then carries empty
+    text, and the request still produced its tokens."""
+    server = fake_server(token_text="")
+    n_tokens = 6
+    code, data = bench(server, tmp_path, "--endpoint", endpoint, "--num-prompts", "3",
+                       "--random-input-len", "4", "--random-output-len", str(n_tokens))
+    assert code == 0
+    assert data["summary"]["completed"] == 3 and data["summary"]["failed"] == 0
+    assert data["summary"]["total_output_tokens"] == 3 * n_tokens
+    for r in data["requests"]:
+        assert r["success"] and r["output_tokens"] == n_tokens and r["chunks"] == n_tokens
+        assert FIRST_S <= r["ttft"] < FIRST_S + LATE_S  # from the first token's chunk
+        assert len(r["itl"]) == n_tokens - 1
+
+
+def test_server_side_stages_are_the_runs_share_of_metrics(fake_server, tmp_path, capsys):
+    stage_seconds = {"tokenize": 0.003, "queue": 0.04, "prefill": 0.15}
+    server = fake_server(metrics=True, stage_seconds=stage_seconds)
+    for _ in range(5):  # served before the run: not the run's
+        server.stages.labels("queue").observe(0.7)
+        server.stages.labels("warm-up only").observe(0.7)
+    code, data = bench(server, tmp_path, "--num-prompts", "4", "--random-input-len", "4",
+                       "--random-output-len", "3")
+    assert code == 0
+    rows = data["server_stages"]
+    # in the exposition's order; "warm-up only" saw nothing during the run
+    assert [r["stage"] for r in rows] == ["queue", "tokenize", "prefill"]
+    for row in rows:
+        seconds = stage_seconds[row["stage"]]
+        lower = max([b for b in STAGE_BUCKETS if b < seconds], default=0.0)
+        upper = min(b for b in STAGE_BUCKETS if b >= seconds)
+        assert row["count"] == 4
+        assert row["mean_ms"] == pytest.approx(seconds * 1000)
+        # four equal observations in one bucket: interpolation puts p50 halfway into it
+        assert row["p50_ms"] == pytest.approx(1000 * (lower + (upper - lower) * 0.5))
+        assert row["p90_ms"] == pytest.approx(1000 * (lower + (upper - lower) * 0.9))
+    out = capsys.readouterr().out
+    table = out[out.index("Server-side stages (from /metrics)"):]
+    assert out.index("Serving Benchmark Result") < out.index("Server-side stages")
+    assert [line.split()[0] for line in table.splitlines()[2:5]] == \
+        [r["stage"] for r in rows]
+
+
+@pytest.mark.parametrize("metrics", [False, True], ids=["no-metrics", "no-histogram"])
+def test_no_stage_histogram_prints_nothing_extra(fake_server, tmp_path, capsys, metrics):
+    server = fake_server(metrics=metrics)  # with metrics: a counter, no stage observed
+    code, data = bench(server, tmp_path, "--num-prompts", "2", "--random-input-len", "4",
+                       "--random-output-len", "2")
+    assert code == 0 and data["summary"]["completed"] == 2
+    assert data["server_stages"] == []
+    assert "Server-side" not in capsys.readouterr().out
+
+
 def test_unreachable_server_fails_every_request(tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}"  # closed again: nothing listens there
     out = tmp_path / "result.json"
@@ -312,6 +398,85 @@ def test_stream_timer_counts_chunks_when_the_server_sends_no_usage():
         timer.observe(json.dumps({"choices": [{"index": 0, "text": "a"}]}), t)
     result = timer.finish(0.3)
     assert result.output_tokens == 2 and result.prompt_tokens == 5 and not result.usage_reported
+
+
+def test_stream_timer_counts_tokens_whose_text_is_empty():
+    # headrace's gateway holds back empty text, so a stream whose tokens all decode to
+    # nothing is one finish chunk with no text, and the usage
+    timer = StreamTimer(RequestResult(0, 5, 4), sent=0.0)
+    finish = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+    assert timer.observe(json.dumps({"choices": [finish], "usage": None}), 0.3)
+    assert timer.observe(json.dumps({"choices": [], "usage": {"prompt_tokens": 5,
+                                                              "completion_tokens": 4}}), 0.31)
+    result = timer.finish(0.32)
+    assert result.success and result.output_tokens == 4 and result.chunks == 1
+    assert result.ttft == pytest.approx(0.3)
+
+
+def test_stream_timer_skips_what_stands_for_no_token():
+    timer = StreamTimer(RequestResult(0, 5, 2), sent=0.0)
+    for chunk, t in (({"index": 0, "delta": {"role": "assistant", "content": ""}}, 0.1),
+                     ({"index": 0, "delta": {"content": ""}, "finish_reason": None}, 0.2),
+                     ({"index": 0, "delta": {"content": "b"}}, 0.3),
+                     ({"index": 0, "delta": {}, "finish_reason": "stop"}, 0.4)):
+        timer.observe(json.dumps({"choices": [chunk]}), t)
+    result = timer.finish(0.5)
+    # the role announcement and the bare finish are no tokens; the empty delta is one
+    assert result.success and result.chunks == 2 and result.output_tokens == 2
+    assert result.ttft == pytest.approx(0.2) and result.itl == pytest.approx([0.1])
+
+
+def test_stream_timer_fails_a_stream_without_tokens():
+    timer = StreamTimer(RequestResult(0, 5, 3), sent=0.0)
+    timer.observe(json.dumps({"choices": [], "usage": {"prompt_tokens": 5,
+                                                       "completion_tokens": 0}}), 0.1)
+    assert not timer.observe("[DONE]", 0.1)
+    result = timer.finish(0.1)
+    assert not result.success and result.error == "the stream ended without output"
+
+
+def test_stage_breakdown_of_prometheus_client_expositions():
+    registry = CollectorRegistry()
+    histogram = stage_histogram(registry, "replica")
+    histogram.labels("decode", "0").observe(0.3)  # before the run, and never again
+    for _ in range(3):
+        histogram.labels("prefill", "0").observe(0.8)
+    before = generate_latest(registry).decode()
+    run = {"prefill": [0.03] * 4 + [0.07] * 6, "detokenize": [0.004, 2.0, 3.0]}
+    for stage, values in run.items():
+        for i, value in enumerate(values):
+            histogram.labels(stage, str(i % 2)).observe(value)  # two replicas, summed
+    after = generate_latest(registry).decode()
+
+    assert list(parse_stages(after)) == ["decode", "prefill", "detokenize"]
+    rows = {r.stage: r for r in stage_breakdown(before, after)}
+    assert list(rows) == ["prefill", "detokenize"]  # decode saw nothing during the run
+    for stage, values in run.items():
+        assert rows[stage].count == len(values)
+        assert rows[stage].mean_ms == pytest.approx(1000 * sum(values) / len(values))
+    # prefill: 4 in (0.02, 0.05], 6 in (0.05, 0.1]; the earlier 0.8s are not the run's.
+    # p50 is the 5th observation, 1/6 into (0.05, 0.1]; p90 the 9th, 5/6 into it
+    assert rows["prefill"].p50_ms == pytest.approx(1000 * (0.05 + 0.05 / 6))
+    assert rows["prefill"].p90_ms == pytest.approx(1000 * (0.05 + 0.05 * 5 / 6))
+    # detokenize: p90 falls past the last finite bound, which Prometheus then reports
+    assert rows["detokenize"].p90_ms == pytest.approx(1000 * STAGE_BUCKETS[-1])
+    assert [r.stage for r in stage_breakdown(None, after)] == ["decode", "prefill",
+                                                               "detokenize"]
+
+
+def test_bucket_quantile_interpolates_as_prometheus_does():
+    buckets = {0.1: 2.0, 0.2: 2.0, 0.4: 6.0, math.inf: 8.0}
+    assert bucket_quantile(0.25, buckets) == pytest.approx(0.1)  # rank 2: the 1st bound
+    assert bucket_quantile(0.5, buckets) == pytest.approx(0.2 + 0.2 * (4 - 2) / 4)
+    assert bucket_quantile(0.125, buckets) == pytest.approx(0.05)  # from 0 up
+    assert bucket_quantile(0.9, buckets) == 0.4
+
+
+def test_no_histogram_no_stages():
+    registry = CollectorRegistry()
+    Counter("requests", "Requests.", registry=registry).inc()
+    assert stage_breakdown(None, generate_latest(registry).decode()) == []
+    assert parse_stages("<html>not found</html>") == {}
 
 
 def test_arrivals_are_poisson():

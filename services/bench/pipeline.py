@@ -1,17 +1,21 @@
-"""The serving path without HTTP: a local pipeline of service processes, and a client that
-drives it from the bus the way a gateway does. Benchmarks use it to measure what the
-process hops cost; tests use it to check the services against the in-process engine."""
+"""The serving path as local processes: the services behind the gateway (or with it, so
+that HTTP clients can drive it), and a client that drives them from the bus the way a
+gateway does. Benchmarks use it to measure what the process hops and HTTP cost; tests use
+it to check the services against the in-process engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import anyio
 
 from common import keys
@@ -76,15 +80,21 @@ async def drive(url: str, requests: list[GenerateRequest], timeout: float = 600.
 
 
 class LocalPipeline:
-    """An embedded Redis plus worker, scheduler, tokenizers and detokenizers (no gateway)
-    as child processes, logging into `root`."""
+    """An embedded Redis plus worker, scheduler, tokenizers and detokenizers as child
+    processes, logging into `root`; with `gateway`, also the gateways (every child
+    `headrace serve` runs), listening on a free port of 127.0.0.1 (`http_url`)."""
 
-    def __init__(self, root: Path, engine: EngineConfig, server: ServerConfig) -> None:
+    def __init__(self, root: Path, engine: EngineConfig, server: ServerConfig,
+                 gateway: bool = False) -> None:
         self.root = root
+        self.gateway = gateway
+        if gateway:
+            server = dataclasses.replace(server, host="127.0.0.1", port=free_port())
+        self.http_url = f"http://{server.host}:{server.port}"
         self.redis = EmbeddedRedis(root / "run")
         self.redis.start()
         self.children = {c.label: c for c in child_specs(engine, server, self.redis.url)
-                         if c.name != "gateway"}
+                         if gateway or c.name != "gateway"}
         for label in self.children:
             self.start(label)
 
@@ -104,13 +114,22 @@ class LocalPipeline:
         process.wait()
 
     async def wait_ready(self, timeout: float = 600.0) -> None:
-        async with Bus(self.url) as bus:
-            with anyio.fail_after(timeout):
+        """Until the worker and scheduler are alive and, with the gateway, /health says 200
+        (which it does once the gateway sees them alive)."""
+        with anyio.fail_after(timeout):
+            async with Bus(self.url) as bus:
                 while None in await bus.values(keys.alive_worker(), keys.alive_scheduler()):
                     self._check_alive()
                     await anyio.sleep(0.2)
+            if self.gateway:
+                async with aiohttp.ClientSession() as session:
+                    while not await _healthy(session, self.http_url + "/health"):
+                        self._check_alive()
+                        await anyio.sleep(0.2)
 
     def stop(self) -> None:
+        """SIGTERM to every child, then wait for each to exit (SIGKILL after 20 s), so
+        that the worker's device memory is free when this returns."""
         processes = [c.process for c in self.children.values() if c.process is not None]
         for process in processes:
             if process.poll() is None:
@@ -145,3 +164,18 @@ class LocalPipeline:
             if child.process is not None and child.process.poll() is not None:
                 raise RuntimeError(f"{label} exited with {child.process.returncode}; see "
                                    f"{self.root / (label + '.log')}")
+
+
+async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as response:
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

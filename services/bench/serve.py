@@ -11,7 +11,10 @@ aiohttp, so each chunk gets its own timestamp) and asks for usage in the stream
 (stream_options.include_usage), and ignore_eos with max_tokens makes output lengths the
 planned ones. Per request: TTFT (send to the first chunk carrying output), ITL (the gaps
 between later output chunks), TPOT ((e2e - TTFT) / (output tokens - 1)) and e2e latency;
-token counts are the server's usage numbers.
+token counts are the server's usage numbers. A request succeeds by its tokens, not its
+text: the ids of a model with dummy weights often decode to nothing. Where the server's
+GET /metrics has headrace's `headrace:stage_seconds` histogram, the run's share of it (the
+difference of scrapes before and after) is printed beside the client's view.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 from tqdm import tqdm
+
+from services.bench.server_stages import StageStats, format_stages, stage_breakdown
 
 # Common English words, each one token (with its leading space) in the Llama 3, Qwen2/3
 # and SmolLM2 vocabularies, so a prompt of N words is about N tokens in them; the
@@ -51,6 +56,7 @@ WORDS = (
 SHAREGPT_INPUT_MEAN, SHAREGPT_OUTPUT_MEAN, SHAREGPT_SIGMA = 161.0, 338.0, 1.0
 SHAREGPT_MIN_LEN, SHAREGPT_MAX_INPUT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
 PERCENTILES = (50, 90, 99)
+METRICS_TIMEOUT_S = 10.0
 
 
 # --- the workload ------------------------------------------------------------------------
@@ -196,7 +202,7 @@ class StreamTimer:
             self.result.output_tokens = usage["completion_tokens"]
             self.result.prompt_tokens = usage.get("prompt_tokens") or 0
             self.result.usage_reported = True
-        if any(_output_of(c) for c in chunk.get("choices") or ()):
+        if any(carries_output(c) for c in chunk.get("choices") or ()):
             self._output_at(now)
         return True
 
@@ -211,20 +217,26 @@ class StreamTimer:
     def finish(self, now: float) -> RequestResult:
         result = self.result
         result.e2e = now - self.sent
-        if not result.error and result.chunks == 0:
-            result.error = "the stream ended without output"
-        result.success = not result.error
         if not result.usage_reported:  # a server that ignores include_usage
             result.output_tokens = result.chunks
             result.prompt_tokens = result.prompt_len
+        if not result.error and (result.chunks == 0 or result.output_tokens == 0):
+            result.error = "the stream ended without output"
+        result.success = not result.error
         return result
 
 
-def _output_of(choice: dict[str, Any]) -> str:
+def carries_output(choice: dict[str, Any]) -> bool:
+    """Whether a streamed choice stands for generated tokens, whatever its text: servers
+    send one for tokens whose text is empty too (a dummy model's ids often decode to
+    nothing, and headrace's last chunk may hold no text). A completions choice always does;
+    a chat delta does unless it only announces the role or is empty (a bare finish)."""
     delta = choice.get("delta")
-    if delta is not None:
-        return delta.get("content") or ""
-    return choice.get("text") or ""
+    if delta is None or choice.get("logprobs") or choice.get("token_ids"):
+        return True
+    if delta.get("role") is not None:
+        return bool(delta.get("content"))
+    return bool(delta)
 
 
 # --- aggregates ------------------------------------------------------------------------------
@@ -360,8 +372,31 @@ async def first_model(session: aiohttp.ClientSession, root: str) -> str:
                       "give --model") from e
 
 
+def metrics_url(base_url: str) -> str:
+    """Prometheus' /metrics sits at the server's root, beside /v1."""
+    return api_root(base_url).removesuffix("/v1") + "/metrics"
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> str | None:
+    """The server's Prometheus exposition, or None where it has none."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=METRICS_TIMEOUT_S)
+                               ) as response:
+            return await response.text() if response.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
+        return None
+
+
+@dataclass(slots=True)
+class BenchmarkRun:
+    model: str
+    results: list[RequestResult]
+    duration_s: float
+    stages: list[StageStats]  # the server's breakdown (empty: it keeps none)
+
+
 async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
-                        ) -> tuple[str, list[RequestResult], float]:
+                        ) -> BenchmarkRun:
     root = api_root(args.base_url)
     url = root + ("/chat/completions" if args.endpoint == "chat" else "/completions")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -371,6 +406,7 @@ async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
     async with aiohttp.ClientSession(headers=headers, timeout=timeout,
                                      connector=connector) as session:
         model = args.model or await first_model(session, root)
+        before = await scrape(session, metrics_url(args.base_url))
         gate = asyncio.Semaphore(args.max_concurrency or len(planned) or 1)
         bar = tqdm(total=len(planned), desc="requests", disable=args.disable_tqdm)
         origin = time.perf_counter()
@@ -387,7 +423,9 @@ async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(planned)))
         duration = time.perf_counter() - origin
         bar.close()
-    return model, list(results), duration
+        after = await scrape(session, metrics_url(args.base_url))
+    stages = stage_breakdown(before, after) if after is not None else []
+    return BenchmarkRun(model, list(results), duration, stages)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -439,13 +477,14 @@ def redacted(argv: list[str]) -> list[str]:
     return out
 
 
-def save_result(path: Path, args: argparse.Namespace, model: str, summary: Summary,
-                results: list[RequestResult], argv: list[str]) -> None:
-    requests = [asdict(r) | {"tpot": r.tpot} for r in results]
+def save_result(path: Path, args: argparse.Namespace, run: BenchmarkRun, summary: Summary,
+                argv: list[str]) -> None:
+    requests = [asdict(r) | {"tpot": r.tpot} for r in run.results]
     path.write_text(json.dumps({
         "command": "headrace bench serve " + " ".join(redacted(argv)),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model": model, "settings": settings_of(args), "summary": asdict(summary),
+        "model": run.model, "settings": settings_of(args), "summary": asdict(summary),
+        "server_stages": [asdict(s) for s in run.stages],
         "requests": requests}, indent=1, default=str) + "\n")
 
 
@@ -535,18 +574,20 @@ def main(argv: list[str]) -> int:
     check_args(parser, args)
     planned = plan_requests(args)
     try:
-        model, results, duration = asyncio.run(run_benchmark(args, planned))
+        run = asyncio.run(run_benchmark(args, planned))
     except NoModel as e:
         print(f"headrace bench serve: {e}", file=sys.stderr)
         return 1
-    summary = summarize(results, duration)
+    summary = summarize(run.results, run.duration_s)
     print(format_summary(summary))
-    for failure in [r for r in results if not r.success][:5]:
+    if run.stages:
+        print(format_stages(run.stages))
+    for failure in [r for r in run.results if not r.success][:5]:
         print(f"request {failure.index} failed: {failure.error}", file=sys.stderr)
     if args.save_result:
-        save_result(args.save_result, args, model, summary, results, argv)
+        save_result(args.save_result, args, run, summary, argv)
     if args.plot:
-        plot_latencies(results, args.plot,
-                       f"{model}, {args.endpoint}, {args.num_prompts} requests at "
+        plot_latencies(run.results, args.plot,
+                       f"{run.model}, {args.endpoint}, {args.num_prompts} requests at "
                        f"{args.request_rate:g}/s, concurrency {args.max_concurrency or 'any'}")
     return 0 if summary.completed else 1

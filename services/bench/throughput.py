@@ -1,21 +1,26 @@
 """`headrace bench throughput`: offline generation throughput against the workload's floor.
 
     headrace bench throughput --model DIR --load-format dummy --workload nano \\
-        [--path inprocess|pipeline|both] [--compare transformers] [--json FILE]
+        [--path inprocess[,pipeline][,http]] [--compare transformers] [--json FILE]
 
 Workloads: `nano` (256 requests, prompt and output lengths uniform in [100, 1024], seed 0,
 133,966 output tokens), `8b` (64 requests of 1000-token prompts and 1000 output tokens) and
 `fixed` (--num-prompts of --prompt-len tokens and --output-len outputs). `inprocess`
 runs the engine's cores in this process; `pipeline` runs the same workload through the
-Redis-linked worker, scheduler, tokenizer and detokenizer processes, so the cost of the
-serving path is measured, not guessed. `--compare transformers` runs transformers'
-generate_batch on the same weights and prompts (a subset, at one fixed output length,
-since it cannot take a length per request) and the same for ours, and prints the ratio.
+Redis-linked worker, scheduler, tokenizer and detokenizer processes; `http` through all of
+those and the gateway (what `headrace serve` runs), as streamed /v1/completions requests
+sent at once. So the cost of each serving layer is measured, not guessed: the report gives
+each path's throughput as a ratio of the in-process one (`both` means inprocess,pipeline).
+Every path warms up first on other prompts of the same lengths, so that the timed prompts
+are not in the prefix cache. `--compare transformers` runs transformers' generate_batch on
+the same weights and prompts (a subset, at one fixed output length, since it cannot take a
+length per request) and the same for ours, and prints the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import platform
@@ -26,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anyio
 import torch
 
@@ -33,12 +39,18 @@ from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_a
                            add_server_args, engine_config_from_args, server_config_from_args)
 from common.log import configure_logging
 from common.messages import GenerateRequest
+from common.sampling_params import SamplingParams
 from common.timing import PhaseClock
 from services.bench.pipeline import CLIENT, LocalPipeline, drive
-from services.bench.workloads import (Ceilings, ModelShape, Trace, Workload, fixed_workload,
-                                      kv_waste, measure_ceilings, nano_workload,
-                                      with_output_len)
+from services.bench.serve import RequestResult, first_model, send_request
+from services.bench.workloads import (WARMUP_SEED, Ceilings, ModelShape, Trace, Workload,
+                                      fixed_workload, kv_waste, measure_ceilings,
+                                      nano_workload, warmup_twin, with_output_len)
 from services.offline.engine import Engine
+
+SERVED_PATHS = ("pipeline", "http")  # through service processes
+PATHS = ("inprocess", *SERVED_PATHS)
+REQUEST_TIMEOUT_S = 600.0
 
 
 @dataclass(slots=True)
@@ -66,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt tokens of the fixed and 8b workloads")
     parser.add_argument("--output-len", type=int, default=1000,
                         help="output tokens of the fixed and 8b workloads")
-    parser.add_argument("--path", choices=("inprocess", "pipeline", "both"),
-                        default="inprocess", help="which serving path to time")
+    parser.add_argument("--path", type=parse_paths, default=["inprocess"],
+                        help="comma-separated serving paths to time, of inprocess, pipeline "
+                             "and http (both: inprocess,pipeline); inprocess always runs, "
+                             "first, since the floor and the other paths' ratios need it "
+                             "(default inprocess)")
     parser.add_argument("--compare", choices=("transformers",), default=None,
                         help="also run transformers' generate_batch on the same weights")
     parser.add_argument("--transformers-attn", default="paged|sdpa",
@@ -78,8 +93,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fixed output length of the comparison run")
     parser.add_argument("--json", default=None, help="write the results to this file")
     add_engine_args(parser)
-    add_server_args(parser)  # the pipeline path's replicas (--detokenizer-replicas, ...)
+    add_server_args(parser)  # the served paths' replicas (--detokenizer-replicas, ...)
     return parser
+
+
+def parse_paths(text: str) -> list[str]:
+    """`--path`: names of PATHS, comma-separated, in the order given; `both` is the older
+    spelling of inprocess,pipeline."""
+    paths: list[str] = []
+    for name in (n.strip() for n in text.split(",")):
+        if name not in (*PATHS, "both"):
+            raise argparse.ArgumentTypeError(
+                f"unknown path {name!r}: choose from {', '.join(PATHS)} (or both)")
+        for path in ("inprocess", "pipeline") if name == "both" else (name,):
+            if path not in paths:
+                paths.append(path)
+    return paths
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
@@ -108,32 +137,79 @@ def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None
                      time.perf_counter() - start, engine.clock.summary())
 
 
-def run_pipeline(config: EngineConfig, server: ServerConfig, workload: Workload) -> RunResult:
+def run_served(path: str, config: EngineConfig, server: ServerConfig, workload: Workload
+               ) -> RunResult:
+    """The workload through local service processes: `pipeline` drives them from the bus,
+    `http` through the gateway. A warm-up on the workload's warm-up twin comes first; every
+    process has exited when this returns, so the next path finds the device free."""
     with tempfile.TemporaryDirectory(prefix="headrace-bench-") as root:
-        pipeline = LocalPipeline(Path(root), config, server)
+        pipeline = LocalPipeline(Path(root), config, server, gateway=path == "http")
+        drive_workload, url = ((drive_bus, pipeline.url) if path == "pipeline" else
+                               (drive_http, pipeline.http_url))
         try:
             anyio.run(pipeline.wait_ready)
-            # warm-up as in-process: every prompt once, the kernels compile untimed
-            warm = with_output_len(workload, len(workload.prompts), 4)
-            anyio.run(drive, pipeline.url, _requests(warm, "warm"))
-            requests = _requests(workload, "p")
-            start = time.perf_counter()
-            outcomes = anyio.run(drive, pipeline.url, requests)
-            seconds = time.perf_counter() - start
+            anyio.run(drive_workload, url, warmup_twin(workload, WARMUP_SEED))
+            tokens, seconds = anyio.run(drive_workload, url, workload)
         finally:
             pipeline.stop()
         phases = pipeline.loop_times()  # warm-up and timed run together
+    return RunResult(path, workload.name, len(workload.prompts), tokens, seconds, phases)
+
+
+async def drive_bus(redis_url: str, workload: Workload) -> tuple[int, float]:
+    """(output tokens, seconds) of the workload published on the bus of `redis_url` as
+    GenerateRequests; raises with the first error if any request fails."""
+    run_id = uuid.uuid4().hex[:6]
+    requests = [GenerateRequest(f"{run_id}-{i}", CLIENT, _overrides(params),
+                                prompt_token_ids=prompt, arrival_time=time.time())
+                for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params))]
+    start = time.perf_counter()
+    outcomes = await drive(redis_url, requests)
+    seconds = time.perf_counter() - start
     failed = [rid for rid, o in outcomes.items() if o.error is not None]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {outcomes[failed[0]].error}")
     tokens = sum(len(c.token_ids) for o in outcomes.values() for c in o.choices.values())
-    return RunResult("pipeline", workload.name, len(requests), tokens, seconds, phases)
+    return tokens, seconds
 
 
-def _requests(workload: Workload, prefix: str) -> list[GenerateRequest]:
-    return [GenerateRequest(f"{prefix}{i}", CLIENT, _overrides(params),
-                            prompt_token_ids=prompt, arrival_time=time.time())
-            for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params))]
+async def drive_http(http_url: str, workload: Workload) -> tuple[int, float]:
+    """(output tokens by the usage numbers, seconds from the first send to the last
+    completion) of the workload sent at once to the server at `http_url` as streamed
+    /v1/completions requests, as users send them; raises with the first failure if any
+    request fails."""
+    root = http_url + "/v1"
+    connector = aiohttp.TCPConnector(limit=0)  # no pool limit: every request opens at once
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        model = await first_model(session, root)
+        origin = time.perf_counter()
+        results = await asyncio.gather(*(
+            send_request(session, root + "/completions", completion_body(model, prompt, params),
+                         RequestResult(i, len(prompt), params.max_tokens or 0), origin)
+            for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params))))
+    failures = [f for r in results if (f := http_failure(r)) is not None]
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {len(results)} HTTP requests failed, "
+                           f"the first: {failures[0]}")
+    seconds = max(r.start + r.e2e for r in results) - min(r.start for r in results)
+    return sum(r.output_tokens for r in results), seconds
+
+
+def completion_body(model: str, prompt: list[int], params: SamplingParams) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "stream": True,
+            "stream_options": {"include_usage": True}, **_overrides(params)}
+
+
+def http_failure(result: RequestResult) -> str | None:
+    """Why one HTTP request of the workload failed, or None: an error, or fewer tokens than
+    asked (ignore_eos holds every length)."""
+    if not result.success:
+        return f"request {result.index}: {result.error}"
+    if result.output_tokens < result.output_len:
+        return (f"request {result.index}: {result.output_tokens} of {result.output_len} "
+                "tokens")
+    return None
 
 
 def run_transformers(engine: Engine, workload: Workload, attn: str) -> RunResult:
@@ -165,7 +241,7 @@ def copy_weights(ours: torch.nn.Module, hf: torch.nn.Module) -> None:
     load_weights(ours, hf.state_dict().items())
 
 
-def _overrides(params) -> dict[str, Any]:
+def _overrides(params: SamplingParams) -> dict[str, Any]:
     return {"temperature": params.temperature, "ignore_eos": True,
             "max_tokens": params.max_tokens}
 
@@ -193,10 +269,7 @@ def report(results: list[RunResult], floor_s: float, ceilings: Ceilings, waste: 
                  f"{floor_s / first.seconds:.1%} of it")
     lines.append(f"KV cache waste (allocated slots not holding a token), mean over steps: "
                  f"{waste:.2%}")
-    by_path = {r.path: r for r in results}
-    if "pipeline" in by_path and "inprocess" in by_path:
-        ratio = by_path["pipeline"].tokens_per_s / by_path["inprocess"].tokens_per_s
-        lines.append(f"pipeline / in-process throughput: {ratio:.1%}")
+    lines += ratio_lines(results)
     compared = [r for r in results if r.path.startswith("transformers")]
     ours = [r for r in results if r.path == "inprocess" and r.workload == compared[0].workload] \
         if compared else []
@@ -206,10 +279,53 @@ def report(results: list[RunResult], floor_s: float, ceilings: Ceilings, waste: 
     return "\n".join(lines)
 
 
+def ratio_lines(results: list[RunResult]) -> list[str]:
+    """Each served path's tokens/s over the in-process run's on the same workload."""
+    inprocess = {r.workload: r for r in results if r.path == "inprocess"}
+    return [f"{r.path} / inprocess: {r.tokens_per_s / inprocess[r.workload].tokens_per_s:.2f}x"
+            for r in results if r.path in SERVED_PATHS and r.workload in inprocess]
+
+
 def machine_info(device: torch.device) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     return {"device": name or device.type, "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version()}
+
+
+@dataclass(slots=True)
+class EngineRuns:
+    """What the in-process engine measured, kept after the engine is gone."""
+    workload: Workload
+    results: list[RunResult]
+    trace: Trace
+    ceilings: Ceilings
+    device: torch.device
+
+
+def run_engine(args: argparse.Namespace, config: EngineConfig) -> EngineRuns:
+    """The in-process path (and the transformers comparison). The engine lives only in
+    this call, so its device memory can be released when it returns."""
+    engine = Engine(config)
+    workload = make_workload(args, engine.runner.model.vocab_size)
+    shape = ModelShape.of(engine.runner.model, engine.runner.hf_config)
+    ceilings = measure_ceilings(engine.runner.device)
+    # the kernels of every step shape compile untimed, on prompts the timed run won't reuse
+    run_inprocess(engine, warmup_twin(workload, WARMUP_SEED))
+    trace = Trace()
+    results = [run_inprocess(engine, workload, trace, shape)]
+    if args.compare == "transformers":
+        subset = with_output_len(workload, args.compare_num_prompts, args.compare_output_len)
+        results.append(run_transformers(engine, subset, args.transformers_attn))
+        results.append(run_inprocess(engine, subset))
+    return EngineRuns(workload, results, trace, ceilings, engine.runner.device)
+
+
+def release_device(device: torch.device) -> None:
+    """Free what the engine held (its reference cycles too) and hand the cached device
+    memory back, so that a served path's worker process can allocate it."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str]) -> int:
@@ -220,30 +336,13 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         parser.error(str(e))
     configure_logging("bench")
-    engine = Engine(config)
-    workload = make_workload(args, engine.runner.model.vocab_size)
-    shape = ModelShape.of(engine.runner.model, engine.runner.hf_config)
-    ceilings = measure_ceilings(engine.runner.device)
-    # warm-up: every prompt once, so the kernels of every step shape compile before timing
-    run_inprocess(engine, with_output_len(workload, len(workload.prompts), 4))
-    results, trace = [], Trace()
-    if args.path in ("inprocess", "both"):
-        results.append(run_inprocess(engine, workload, trace, shape))
-    if args.compare == "transformers":
-        subset = with_output_len(workload, args.compare_num_prompts, args.compare_output_len)
-        results.append(run_transformers(engine, subset, args.transformers_attn))
-        results.append(run_inprocess(engine, subset))
-    device = engine.runner.device
-    if args.path in ("pipeline", "both"):
-        del engine  # the worker process needs the GPU memory
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        results.append(run_pipeline(config, server, workload))
-    if not trace.steps:
-        raise SystemExit("the floor needs the in-process trace: use --path inprocess or both")
+    runs = run_engine(args, config)
+    release_device(runs.device)
+    results = runs.results + [run_served(path, config, server, runs.workload)
+                              for path in args.path if path != "inprocess"]
+    ceilings, trace = runs.ceilings, runs.trace
     floor_s = trace.floor_seconds(ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s)
-    machine = machine_info(device)
+    machine = machine_info(runs.device)
     print(report(results, floor_s, ceilings, trace.mean_waste, machine))
     if args.json:
         Path(args.json).write_text(json.dumps({

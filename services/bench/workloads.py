@@ -17,6 +17,8 @@ from common.messages import StepPlan
 from common.sampling_params import SamplingParams
 
 TOKEN_ID_LIMIT = 10_000  # ids valid in every vocabulary the benchmarks use
+WARMUP_SEED = 1  # the workloads draw with seed 0: warm-up prompts come from another stream
+WARMUP_OUTPUT_LEN = 4  # enough to run decode steps after the prefills
 
 
 @dataclass(slots=True)
@@ -24,6 +26,7 @@ class Workload:
     name: str
     prompts: list[list[int]]
     params: list[SamplingParams]
+    top_token_id: int  # prompts draw their ids from [0, top_token_id]
 
     @property
     def output_tokens(self) -> int:
@@ -38,7 +41,7 @@ def nano_workload(num_prompts: int = 256, seed: int = 0) -> Workload:
                for _ in range(num_prompts)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True,
                              max_tokens=rng.randint(100, 1024)) for _ in range(num_prompts)]
-    return Workload("nano", prompts, params)
+    return Workload("nano", prompts, params, TOKEN_ID_LIMIT)
 
 
 def fixed_workload(name: str, num_prompts: int, prompt_len: int, output_len: int,
@@ -48,7 +51,7 @@ def fixed_workload(name: str, num_prompts: int, prompt_len: int, output_len: int
     prompts = [[rng.randint(0, top) for _ in range(prompt_len)] for _ in range(num_prompts)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=output_len)
               for _ in range(num_prompts)]
-    return Workload(name, prompts, params)
+    return Workload(name, prompts, params, top)
 
 
 def with_output_len(workload: Workload, num_prompts: int, output_len: int) -> Workload:
@@ -56,7 +59,19 @@ def with_output_len(workload: Workload, num_prompts: int, output_len: int) -> Wo
     cannot take a length per request)."""
     params = [p.replace(max_tokens=output_len) for p in workload.params[:num_prompts]]
     return Workload(f"{workload.name}[:{num_prompts}],out={output_len}",
-                    workload.prompts[:num_prompts], params)
+                    workload.prompts[:num_prompts], params, workload.top_token_id)
+
+
+def warmup_twin(workload: Workload, seed: int) -> Workload:
+    """As many prompts of the same lengths, with ids drawn from another seed, and short
+    outputs: a warm-up runs the step shapes of the timed run (so the kernels compile
+    untimed) without leaving the timed prompts in the prefix cache, where they would turn
+    the timed prefills into cache hits. `seed` must differ from the workload's own."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, workload.top_token_id) for _ in prompt]
+               for prompt in workload.prompts]
+    params = [p.replace(max_tokens=WARMUP_OUTPUT_LEN) for p in workload.params]
+    return Workload(f"{workload.name}:warm-up", prompts, params, workload.top_token_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +138,8 @@ class Ceilings:
 
 
 def measure_ceilings(device: torch.device) -> Ceilings:
-    if device.type != "cuda":
-        return _measure(device, copy_mib=256, matmul_n=1024, repeat=3)
+    if device.type != "cuda":  # bf16 products are slow on CPUs (2 s at 1024): a smaller one
+        return _measure(device, copy_mib=256, matmul_n=512, repeat=3)
     return _measure(device, copy_mib=2048, matmul_n=8192, repeat=20)
 
 
