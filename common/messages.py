@@ -231,7 +231,7 @@ class StepResult:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     epoch: str = ""
     execute_ms: float = 0.0
-    stamps: Times = field(default_factory=list)  # planned, launched, done
+    stamps: Times = field(default_factory=list)  # planned, started, tokens on the host
 
 
 @message("worker_ready")

@@ -3,6 +3,8 @@ scheduler process's shell against a real Redis with this test playing the worker
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import anyio
 import pytest
 
@@ -16,39 +18,49 @@ from services.scheduler.inflight import IDLE_S, MAX_DEPTH, MIN_DEPTH, QUIET_STEP
 from services.scheduler.shell import SchedulerShell
 
 
-def run_steps(steps: StepsInFlight, gaps: list[float], step_s: float = 0.002) -> None:
-    """Keep the depth full and finish one step per gap: a step starts `gap` after the one
-    before it finished (0: it was queued in time)."""
-    done, step = 1.0, 0
-    while steps.may_plan():
-        step += 1
-        steps.planned(step)
-    for finished, gap in enumerate(gaps, start=1):
-        started = done + gap
-        done = started + step_s
-        steps.finished(finished, [started - 0.001, started, done])
-        step += 1
-        steps.planned(step)
+@dataclass
+class Device:
+    """Keeps the depth full and finishes one step per gap: a step starts `gap` after the
+    one before it finished (0: its plan was queued in time)."""
+    steps: StepsInFlight
+    planned: int = 0
+    finished: int = 0
+    done: float = 1.0
+
+    def run(self, gaps: list[float], step_s: float = 0.002) -> None:
+        self.fill()
+        for gap in gaps:
+            started = self.done + gap
+            self.done = started + step_s
+            self.finished += 1
+            self.steps.finished(self.finished, [started - 0.001, started, self.done])
+            self.fill()
+
+    def fill(self) -> None:
+        while self.steps.may_plan():
+            self.planned += 1
+            self.steps.planned(self.planned)
 
 
 def test_two_steps_in_flight_while_the_worker_keeps_up():
     steps = StepsInFlight()
-    run_steps(steps, [0.0] * 50)
+    Device(steps).run([0.0] * 50)
     assert steps.depth == MIN_DEPTH == 2
     assert steps.inflight == 2 and not steps.may_plan()
 
 
 def test_a_device_waiting_for_a_refill_plan_deepens_the_queue_up_to_the_max():
     steps = StepsInFlight()
-    run_steps(steps, [0.0] * 5 + [IDLE_S * 5])
-    assert steps.depth == 3
-    run_steps(steps, [IDLE_S * 5] * 10)
+    device = Device(steps)
+    device.run([0.0] * 5 + [IDLE_S * 5] * 2)
+    assert steps.depth == 3  # the steps planned before it deepened do not count again
+    device.run([IDLE_S * 5] * 10)
     assert steps.depth == MAX_DEPTH
 
 
 def test_a_quiet_run_brings_the_depth_back_down():
     steps = StepsInFlight(depth=3)
-    run_steps(steps, [0.0] * (QUIET_STEPS + 1))
+    Device(steps).run([0.0] * (QUIET_STEPS + 1))
     assert steps.depth == 2
 
 
@@ -108,3 +120,14 @@ async def test_a_new_prefill_waits_behind_at_most_one_queued_step(redis_url):
         assert third.step == 3 and [r.req_id for r in third.new] == ["b#0"]
         ctx.stop.set()
         tg.cancel_scope.cancel()
+
+
+def test_a_gap_small_beside_a_long_step_keeps_the_depth():
+    """On the CPU a step takes ~100 ms and a hop a few: queueing deeper would only make
+    new requests wait a whole step longer."""
+    steps = StepsInFlight()
+    device = Device(steps)
+    device.run([0.004] * 20, step_s=0.1)
+    assert steps.depth == MIN_DEPTH
+    device.run([0.02] * 2, step_s=0.1)
+    assert steps.depth == MIN_DEPTH + 1

@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
-# The serving path on the GPU: one short chat at a time through `headrace serve` over HTTP
-# (TTFT and the gaps between tokens), then the first 64 nano prompts in-process and through
-# the pipeline in one command. Every output under $OUT/r:
-#   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh
+# The serving path on the GPU, as a user meets it. Every output under $OUT/r:
+#   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh serve
+#     one short chat at a time, then 1000 synthetic-sharegpt requests at once, through
+#     `headrace serve` over HTTP (client latencies beside the server's per-stage
+#     breakdown), the Redis errors in the logs, then the in-process decode step to compare
+#   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh throughput
+#     the nano workload in-process and over HTTP in one command
 set -uo pipefail
 M=.devkit/models
 R="$OUT/r"
 mkdir -p "$R"
 export HEADRACE_SHAPES=$M
 hr() { python -m services.cli "$@"; }
-hr serve $M/qwen3-0.6b-shape --load-format dummy --detokenizer-replicas 2 --port 8800 \
-  --run-dir /tmp/hr-serve --served-model-name qwen3 > "$R/serve.log" 2>&1 &
-serve=$!
-python - <<'PY'
+bench_serve() {  # NAME ARGS...: a timed run, after a warm-up on another seed's prompts
+  local name=$1; shift
+  timeout 200 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
+    --seed 7 --disable-tqdm "$@" > "$R/warmup-$name.txt" 2>&1
+  timeout 300 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
+    --seed 1 --disable-tqdm --save-result "$R/$name.json" "$@" > "$R/$name.txt" 2>&1
+}
+
+serve_checks() {
+  hr serve $M/qwen3-0.6b-shape --load-format dummy --detokenizer-replicas 2 --port 8800 \
+    --run-dir /tmp/hr-serve --served-model-name qwen3 > "$R/serve.log" 2>&1 &
+  local serve=$!
+  python - <<'PY'
 import time, urllib.request
-for _ in range(240):
+for _ in range(300):
     try:
         if urllib.request.urlopen("http://127.0.0.1:8800/health", timeout=1).status == 200:
             break
@@ -22,16 +34,29 @@ for _ in range(240):
         pass
     time.sleep(1)
 PY
-# warm-up on other prompts (another seed) of the same lengths
-timeout 120 python -m services.cli bench serve --base-url http://127.0.0.1:8800 --endpoint chat \
-  --num-prompts 16 --max-concurrency 1 --dataset random --random-input-len 32 \
-  --random-output-len 64 --ignore-eos --seed 7 --disable-tqdm > "$R/warmup.txt" 2>&1
-timeout 200 python -m services.cli bench serve --base-url http://127.0.0.1:8800 --endpoint chat \
-  --num-prompts 64 --max-concurrency 1 --dataset random --random-input-len 32 \
-  --random-output-len 64 --ignore-eos --seed 1 --disable-tqdm \
-  --save-result "$R/serve-chat-c1.json" > "$R/serve-chat-c1.txt" 2>&1
-kill -TERM $serve; wait $serve
-timeout 240 python -m services.cli bench throughput --model $M/qwen3-0.6b-shape --load-format dummy \
-  --workload nano --num-prompts 64 --path both --detokenizer-replicas 2 \
-  > "$R/throughput-nano-64.txt" 2>&1
-grep -hv '"event"' "$R/serve-chat-c1.txt" "$R/throughput-nano-64.txt" | tail -n 40
+  bench_serve serve-chat-c1 --endpoint chat --num-prompts 64 --max-concurrency 1 \
+    --dataset random --random-input-len 32 --random-output-len 64 --ignore-eos
+  bench_serve serve-sharegpt-1000 --num-prompts 1000 --dataset synthetic-sharegpt \
+    --ignore-eos
+  kill -TERM $serve; wait $serve
+  grep -ciE 'too many connections|MaxConnectionsError|ConnectionError|cannot (read|write)' \
+    "$R/serve.log" /tmp/hr-serve/*.log > "$R/redis-errors.txt" 2>&1
+  timeout 200 python -m services.cli bench latency --model $M/qwen3-0.6b-shape \
+    --load-format dummy --context-len 40 --batch-size 1 --output-len 64 --iterations 3 \
+    > "$R/latency-c40-b1.txt" 2>&1
+  grep -hv '"event"' "$R/serve-chat-c1.txt" "$R/serve-sharegpt-1000.txt" \
+    "$R/redis-errors.txt" "$R/latency-c40-b1.txt" | tail -n 90
+}
+
+throughput_checks() {
+  timeout 560 python -m services.cli bench throughput --model $M/qwen3-0.6b-shape \
+    --load-format dummy --workload nano --path inprocess,http --detokenizer-replicas 2 \
+    --json "$R/throughput-nano.json" > "$R/throughput-nano.txt" 2>&1
+  grep -hv '"event"' "$R/throughput-nano.txt" | tail -n 40
+}
+
+case "${1:-serve}" in
+  serve) serve_checks ;;
+  throughput) throughput_checks ;;
+  *) echo "usage: $0 serve|throughput" >&2; exit 2 ;;
+esac

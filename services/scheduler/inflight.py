@@ -5,8 +5,10 @@ it, and the plan after that is made while the queued one runs. Every step more i
 is one more step that a new request's prefill waits behind, since plans are made in
 order. So the depth starts at two and grows only when the worker shows it waited: a step
 whose plan was held back by the depth (a refill) that started after the step before it
-had finished means the device sat idle for want of a plan. After a long run without
-that, the depth goes back down by one.
+had finished means the device sat idle for want of a plan. An idle gap counts when it is
+a tenth of a step or more: on a slow or synchronous device (the CPU) a hop costs a few
+percent of a step, and a deeper queue would cost new requests a whole step. After a long
+run without such a gap, the depth goes back down by one.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MIN_DEPTH, MAX_DEPTH = 2, 4
-IDLE_S = 0.0002  # a device idle this long between two steps waited for a plan
+IDLE_S = 0.0002  # a device idle this long between two steps waited for a plan...
+IDLE_FRACTION = 0.1  # ...if that is also this much of the step it waited for
 QUIET_STEPS = 2000  # steps without such a wait before the depth shrinks by one
 
 
@@ -27,6 +30,8 @@ class StepsInFlight:
     held_back: bool = False  # the depth is full: the next plan is a refill
     last_done: float = 0.0  # when the latest step's result reached the worker's host
     quiet: int = 0
+    last_planned: int = 0
+    deepened_after: int = 0  # steps up to this one were planned before the last deepening
 
     def may_plan(self) -> bool:
         return self.inflight < self.depth
@@ -36,6 +41,7 @@ class StepsInFlight:
             self.refills.add(step)
             self.held_back = False
         self.inflight += 1
+        self.last_planned = step
         self.held_back = self.inflight >= self.depth
 
     def idle(self) -> None:
@@ -49,10 +55,12 @@ class StepsInFlight:
         self.refills.discard(step)
         if len(stamps) < 3 or not all(stamps):
             return
-        starved = refill and self.last_done and stamps[1] - self.last_done > IDLE_S
+        idle, busy = stamps[1] - self.last_done, stamps[2] - stamps[1]
+        starved = refill and self.last_done and idle > max(IDLE_S, IDLE_FRACTION * busy)
         self.last_done = stamps[2]
-        if starved:
+        if starved and step > self.deepened_after:
             self.depth, self.quiet = min(self.depth + 1, MAX_DEPTH), 0
+            self.deepened_after = self.last_planned
         elif (quiet := self.quiet + 1) >= QUIET_STEPS:
             self.depth, self.quiet = max(self.depth - 1, MIN_DEPTH), 0
         else:

@@ -69,6 +69,7 @@ class Launched:
     logprobs: list
     prompt_logprobs: list[PromptLogprobs]
     started: float
+    on_host_at: float = 0.0  # wall clock; set at launch on a synchronous device (the CPU)
 
 
 @dataclass(slots=True)
@@ -126,9 +127,11 @@ class ModelRunner:
         launches this step while the device finishes the last one."""
         done = []
         self._apply_plan(plan)
-        if self._pending is not None and any(
+        # On a synchronous device (the CPU) the last step is computed already: its tokens
+        # go out now rather than after this step's compute.
+        if self._pending is not None and (self._pending.done is None or any(
                 self.requests[r].pending and self.requests[r].needs_history()
-                for r in plan.req_ids):
+                for r in plan.req_ids)):
             done.append(self._complete())
         launched = self._launch(plan)
         if self._pending is not None:
@@ -168,13 +171,16 @@ class ModelRunner:
             state.sample_row = row
         host, done = self._copy_to_host(out.token_ids)
         logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
-        return Launched(plan.step, inputs.sampling, host, done, logprobs, chunks, started)
+        return Launched(plan.step, inputs.sampling, host, done, logprobs, chunks, started,
+                        time.time() if done is None else 0.0)
 
     def _complete(self) -> StepResult:
         launched, self._pending = self._pending, None
         assert launched is not None
         if launched.done is not None:
             launched.done.synchronize()
+        # when the tokens reached the host: the worker shell adds the plan's and the start's
+        on_host = launched.on_host_at or time.time()
         token_ids = launched.host.tolist()
         for state, token in zip(launched.sampling, token_ids):
             state.output_ids.append(token)
@@ -182,7 +188,8 @@ class ModelRunner:
         return StepResult(step=launched.step, req_ids=[s.req_id for s in launched.sampling],
                           token_ids=token_ids, logprobs=launched.logprobs,
                           prompt_logprobs=launched.prompt_logprobs,
-                          execute_ms=1000 * (time.perf_counter() - launched.started))
+                          execute_ms=1000 * (time.perf_counter() - launched.started),
+                          stamps=[on_host])
 
     def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if tokens.device.type != "cuda":

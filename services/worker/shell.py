@@ -99,13 +99,13 @@ class WorkerShell:
                     if done is None:
                         await results.send((entry, None))
                         continue
-                now = time.time()
                 for result in done:
                     finished, launched_at = self.launched.popleft()
+                    done_at = result.stamps[-1]  # when the executor had its tokens
                     # a step launched behind another starts when that one is done
                     started = max(launched_at, self.last_done)
-                    stamps = [finished.msg.planned_at, started, now]
-                    self.last_done = now
+                    stamps = [finished.msg.planned_at, started, done_at]
+                    self.last_done = done_at
                     await results.send((finished, dataclasses.replace(
                         result, epoch=self.epoch, stamps=stamps)))
                 clock.lap("hand_to_writer")
