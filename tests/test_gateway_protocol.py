@@ -419,9 +419,11 @@ def test_chat_chunks_start_with_the_role_and_coalesce_per_choice():
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
 
 
-def test_held_back_text_makes_no_chunk_but_a_finish_does():
+def test_a_step_makes_a_chunk_even_when_its_text_is_held_back():
+    """As vLLM: a client sees every step's tokens arrive, also before their text is out."""
     call = make_call(completion(stream=True))
-    assert call.chunks(call.offer(delta(0, ""))) == []
+    held, = call.chunks(call.offer(delta(0, "")))
+    assert held["choices"][0]["text"] == "" and held["choices"][0]["finish_reason"] is None
     chunk, = call.chunks(call.offer(delta(1, "", "length")))
     assert chunk["choices"][0] == {"index": 0, "text": "", "logprobs": None,
                                    "finish_reason": "length", "stop_reason": None}

@@ -3,7 +3,7 @@
 #   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh serve
 #     one short chat at a time, then 1000 synthetic-sharegpt requests at once, through
 #     `headrace serve` over HTTP (client latencies beside the server's per-stage
-#     breakdown), the Redis errors in the logs, then the in-process decode step to compare
+#     breakdown) and the Redis errors in their logs, after the in-process decode step
 #   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh throughput
 #     the nano workload in-process and over HTTP in one command
 set -uo pipefail
@@ -21,7 +21,12 @@ bench_serve() {  # NAME ARGS...: a timed run, after a warm-up on another seed's 
 }
 
 serve_checks() {
-  hr serve $M/qwen3-0.6b-shape --load-format dummy --detokenizer-replicas 2 --port 8800 \
+  # the in-process decode step first: the served worker would still hold the GPU memory
+  timeout 200 python -m services.cli bench latency --model $M/qwen3-0.6b-shape \
+    --load-format dummy --context-len 62 --batch-size 1 --output-len 64 --iterations 3 \
+    > "$R/latency-c62-b1.txt" 2>&1
+  hr serve $M/qwen3-0.6b-shape --load-format dummy --tokenizer-replicas 2 \
+    --detokenizer-replicas 2 --port 8800 \
     --run-dir /tmp/hr-serve --served-model-name qwen3 > "$R/serve.log" 2>&1 &
   local serve=$!
   python - <<'PY'
@@ -41,11 +46,8 @@ PY
   kill -TERM $serve; wait $serve
   grep -ciE 'too many connections|MaxConnectionsError|ConnectionError|cannot (read|write)' \
     "$R/serve.log" /tmp/hr-serve/*.log > "$R/redis-errors.txt" 2>&1
-  timeout 200 python -m services.cli bench latency --model $M/qwen3-0.6b-shape \
-    --load-format dummy --context-len 40 --batch-size 1 --output-len 64 --iterations 3 \
-    > "$R/latency-c40-b1.txt" 2>&1
   grep -hv '"event"' "$R/serve-chat-c1.txt" "$R/serve-sharegpt-1000.txt" \
-    "$R/redis-errors.txt" "$R/latency-c40-b1.txt" | tail -n 90
+    "$R/redis-errors.txt" "$R/latency-c62-b1.txt" | tail -n 90
 }
 
 throughput_checks() {

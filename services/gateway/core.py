@@ -224,8 +224,10 @@ class Call:
             text = echo.text + text
             entries = [*choice.prompt_logprobs, *entries]
             first_token = echo.first_token
-        if not text and not entries and finish is None:
-            return None  # text held back (a possible stop string, a partial character)
+        if not text and not entries and finish is None and not any(d.token_ids for d in deltas):
+            return None  # nothing new: no token, no text
+        # A step's tokens make a chunk even when their text is held back (a possible stop
+        # string, a partial character) or empty, as vLLM sends them: a client sees each step.
         self.opened.add(choice.index)
         if self.job.chat:
             logprobs = shapes.chat_logprobs(entries) if self.job.logprobs else None
