@@ -274,6 +274,17 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return config_from_args(ServerConfig, args)
 
 
+def parse_configs(parser: argparse.ArgumentParser, argv: list[str]
+                  ) -> tuple[argparse.Namespace, EngineConfig, ServerConfig]:
+    """The command line of a command with engine and server flags; a bad setting exits
+    with the parser's usage error."""
+    args = parser.parse_args(argv)
+    try:
+        return args, engine_config_from_args(args), server_config_from_args(args)
+    except ConfigError as e:
+        parser.error(str(e))
+
+
 def engine_args_to_cli(config: EngineConfig) -> list[str]:
     """The flags that rebuild `config` in a child process (only the non-defaults)."""
     return _to_cli(config, EngineConfig())

@@ -15,8 +15,8 @@ from pathlib import Path
 import anyio
 
 from common.bus import UNAVAILABLE, Bus
-from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_args,
-                           add_server_args, engine_config_from_args, server_config_from_args)
+from common.config import (EngineConfig, ServerConfig, add_engine_args, add_server_args,
+                           parse_configs)
 from common.log import configure_logging, get_logger
 
 HEARTBEAT_S = 1.0
@@ -59,12 +59,7 @@ def bus_url(server: ServerConfig) -> str:
 
 
 def run_service(name: str, argv: list[str], body: Body, description: str = "") -> int:
-    parser = service_parser(name, description)
-    args = parser.parse_args(argv)
-    try:
-        engine, server = engine_config_from_args(args), server_config_from_args(args)
-    except ConfigError as e:
-        parser.error(str(e))
+    args, engine, server = parse_configs(service_parser(name, description), argv)
     replica = args.replica or f"{socket.gethostname()}-{os.getpid()}"
     configure_logging(name, replica)
     anyio.run(_serve, name, replica, engine, server, body)

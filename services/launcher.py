@@ -14,10 +14,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import (EngineConfig, ServerConfig, engine_args_to_cli,
-                           engine_config_from_args, server_args_to_cli,
-                           server_config_from_args)
-from common.config import ConfigError
+from common.config import (EngineConfig, ServerConfig, engine_args_to_cli, parse_configs,
+                           server_args_to_cli)
 from common.log import configure_logging, get_logger
 from common.model_files import resolve_model
 from common.redis_server import redis_url_or_embedded, spawn_child
@@ -121,12 +119,7 @@ def _healthy(url: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    parser = service_parser("serve", __doc__ or "")
-    args = parser.parse_args(argv)
-    try:
-        engine, server = engine_config_from_args(args), server_config_from_args(args)
-    except ConfigError as e:
-        parser.error(str(e))
+    args, engine, server = parse_configs(service_parser("serve", __doc__ or ""), argv)
     configure_logging("launcher")
     resolve_model(engine.model, engine.load_format)  # a GGUF converts once, here
     run_dir = Path(server.run_dir)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from services.bench.pipeline import free_port
 from services.demo import demo_model_path
 from tests.conftest import REPO, repo_env
 
@@ -34,12 +34,6 @@ MAX_QUEUE_LEN = 4
 MAX_REQUEST_BODY = 64 * 1024
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

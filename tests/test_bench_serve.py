@@ -20,7 +20,6 @@ import json
 import math
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from services.bench import serve
+from services.bench.pipeline import free_port
 from services.bench.serve import (RequestResult, SseDecoder, StreamTimer, arrival_offsets,
                                   plan_requests, random_lengths, sharegpt_lengths, summarize)
 from services.bench.server_stages import (STAGE_HISTOGRAM, bucket_quantile, parse_stages,
@@ -547,12 +547,6 @@ def test_help_describes_every_flag(capsys):
 
 
 # --- against a real `headrace serve` ----------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def wait_healthy(process: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s

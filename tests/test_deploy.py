@@ -7,7 +7,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,8 +17,9 @@ import pytest
 import redis
 import yaml
 
-from services.cli import COMMANDS
 from common.service import service_parser
+from services.bench.pipeline import free_port
+from services.cli import COMMANDS
 from tests.conftest import REPO, repo_env
 from tests.tiny_models import make_tiny_model
 
@@ -75,12 +75,6 @@ def test_systemd_instance_names_become_service_and_replica(tmp_path):
     out = subprocess.run(argv, capture_output=True, text=True, env={"MODEL": "/models/m"})
     assert out.stdout.split() == ["tokenizer", "/models/m", "--replica", "2"]
     check_command(out.stdout.split())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict) -> dict:

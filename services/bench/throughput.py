@@ -35,8 +35,8 @@ import aiohttp
 import anyio
 import torch
 
-from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_args,
-                           add_server_args, engine_config_from_args, server_config_from_args)
+from common.config import (EngineConfig, ServerConfig, add_engine_args, add_server_args,
+                           parse_configs)
 from common.log import configure_logging
 from common.messages import GenerateRequest
 from common.sampling_params import SamplingParams
@@ -329,12 +329,7 @@ def release_device(device: torch.device) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        config, server = engine_config_from_args(args), server_config_from_args(args)
-    except ConfigError as e:
-        parser.error(str(e))
+    args, config, server = parse_configs(build_parser(), argv)
     configure_logging("bench")
     runs = run_engine(args, config)
     release_device(runs.device)
