@@ -8,6 +8,7 @@ import argparse
 import os
 import signal
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from common.log import configure_logging, get_logger
 
 HEARTBEAT_S = 1.0
 ALIVE_TTL_MS = 4000
+GIL_SWITCH_S = 0.0005  # measured on the H100: one chat's ITL p50 1.76 ms at 5 ms, 1.63 at this
 
 
 @dataclass(slots=True)
@@ -62,7 +64,13 @@ def run_service(name: str, argv: list[str], body: Body, description: str = "") -
     args, engine, server = parse_configs(service_parser(name, description), argv)
     replica = args.replica or f"{socket.gethostname()}-{os.getpid()}"
     configure_logging(name, replica)
-    anyio.run(_serve, name, replica, engine, server, body)
+    # A thread that wants the GIL waits up to this long for a busy one to yield it (5 ms
+    # by default): the worker's step thread would wait that long behind its Redis loop.
+    sys.setswitchinterval(GIL_SWITCH_S)
+    # uvloop: every stage is a loop of small socket reads and writes, and the Redis hops'
+    # share of each token's latency is mostly the event loop's own overhead
+    anyio.run(_serve, name, replica, engine, server, body,
+              backend_options={"use_uvloop": True})
     return 0
 
 

@@ -101,6 +101,24 @@ def test_cuda_graphs_give_the_eager_tokens(real_model):
     assert greedy(graphs, prompts) == greedy(eager, prompts)
 
 
+def test_mixed_graphs_give_the_eager_prompt_logprobs(real_model):
+    """Prefills replay mixed graphs (padded request slots and tokens); every prompt token's
+    logprob, read from the replay's hidden states, is the eager one's."""
+    kwargs = dict(dtype="float32", num_gpu_blocks_override=512, max_num_seqs=16,
+                  max_model_len=2048)
+    graphs = LLM(real_model, **kwargs)
+    assert graphs.engine.runner.graphs.sizes["mixed"][-1] == 512
+    eager = LLM(real_model, enforce_eager=True, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    ours, want = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in (graphs, eager))
+    for a, b in zip(ours, want):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) > 4
+        for token, x, y in zip(a.prompt_token_ids[1:], a.prompt_logprobs[1:],
+                               b.prompt_logprobs[1:]):
+            assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-3)
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
 def test_kv_cache_fills_the_memory_budget_and_peak_stays_inside(real_model):
     gc.collect()  # engines of earlier tests
     total = torch.cuda.get_device_properties(0).total_memory

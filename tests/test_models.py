@@ -16,6 +16,7 @@ import torch
 from common.config import EngineConfig
 from common.model_files import load_hf_config, load_tokenizer, resolve_model
 from services.demo import demo_model_path
+from services.worker.cuda_graphs import StepGraphs, decode_sizes, mixed_sizes
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
 from services.worker.loader import load_model
 from services.worker.models import CausalLM, kv_cache_shape
@@ -49,6 +50,17 @@ class Paged:
     def step(self, chunks: list[tuple[list[int], list[int], int]]) -> list[torch.Tensor]:
         """One varlen forward of (block ids, new token ids, first position) per request;
         returns each request's logits."""
+        input_ids, positions, attn = self.inputs(chunks)
+        hidden = self.model(input_ids, positions, ForwardContext(attn, self.kv_caches))
+        return self.logits(hidden, chunks)
+
+    def logits(self, hidden: torch.Tensor, chunks) -> list[torch.Tensor]:
+        logits = self.model.compute_logits(hidden)
+        assert logits.dtype == torch.float32 and logits.shape[1] == self.model.vocab_size
+        return list(logits.split([len(c[1]) for c in chunks]))
+
+    def inputs(self, chunks: list[tuple[list[int], list[int], int]]
+               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         input_ids, positions, slots, seq_lens, query_start_loc = [], [], [], [], [0]
         for block_ids, tokens, start in chunks:
@@ -66,11 +78,7 @@ class Paged:
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             max_query_len=max(len(c[1]) for c in chunks), max_seq_len=max(seq_lens))
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions),
-                            ForwardContext(attn, self.kv_caches))
-        logits = self.model.compute_logits(hidden)
-        assert logits.dtype == torch.float32 and logits.shape[1] == self.model.vocab_size
-        return list(logits.split([len(c[1]) for c in chunks]))
+        return torch.tensor(input_ids), torch.tensor(positions), attn
 
 
 def token_ids(n: int, seed: int) -> list[int]:
@@ -147,6 +155,46 @@ def test_varlen_batches_with_shared_prefix_blocks(tiny):
     for logits, (name, start, end) in zip(second, [("c", 5, 6), ("a", 11, 12),
                                                    ("b", 20, 29)]):
         assert rel_err(logits, ref[name][start:end]) < TOLERANCE, name
+
+
+
+@torch.no_grad()
+def test_steps_padded_into_the_graph_buffers_compute_the_same(tiny):
+    """What a CUDA graph replays, run eagerly on the CPU: each step copied into the static
+    buffers and padded to its graph's size (unused request slots, a padding tail of
+    tokens, stale rows left by a larger step) gives the unpadded step's logits."""
+    model, hf_config, ref_logits = tiny
+    paged = Paged(model, hf_config, block_size=4, seed=4)
+    graphs = StepGraphs(model, paged.kv_caches, max_num_seqs=4, max_num_batched_tokens=64,
+                        max_model_len=64, block_size=4)
+    assert graphs.sizes == {"decode": [1, 2, 4], "mixed": [16, 32, 48, 64]}
+    a, b, c = token_ids(30, seed=8), token_ids(9, seed=9), token_ids(5, seed=10)
+    blocks = {"a": paged.blocks(30), "b": paged.blocks(9), "c": paged.blocks(5)}
+    ref = {name: ref_logits(ids) for name, ids in dict(a=a, b=b, c=c).items()}
+    steps = [  # (chunks, the graph that replays them)
+        ([(blocks["a"], a[:25], 0), (blocks["b"], b[:8], 0)], (True, 48)),
+        ([(blocks["a"], a[25:26], 25), (blocks["b"], b[8:9], 8), (blocks["c"], c[:4], 0)],
+         (True, 16)),
+        ([(blocks["a"], a[26:27], 26), (blocks["b"], b[8:9], 8), (blocks["c"], c[4:5], 4)],
+         (False, 4)),
+        ([(blocks["a"], a[27:28], 27)], (False, 1)),
+    ]
+    names_of = ["ab", "abc", "abc", "a"]
+    for (chunks, key), names in zip(steps, names_of):
+        input_ids, positions, attn = paged.inputs(chunks)
+        assert graphs.key(attn, input_ids.shape[0]) == key
+        graphs.load(key, input_ids, positions, attn)
+        hidden = graphs.forward(*key)[:input_ids.shape[0]]
+        for logits, name, (_, tokens, start) in zip(paged.logits(hidden, chunks), names,
+                                                     chunks):
+            want = ref[name][start:start + len(tokens)]
+            assert rel_err(logits, want) < TOLERANCE, (key, name)
+
+
+def test_graph_ladders():
+    assert decode_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert mixed_sizes(512) == [16, 32, 48, 64, 96, 144, 208, 304, 448, 512]
+    assert mixed_sizes(8) == [8]
 
 
 # --- tensor parallelism: gloo ranks on the CPU against the single-rank model -------------

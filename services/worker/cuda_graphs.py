@@ -1,9 +1,17 @@
-"""Decode steps replayed from CUDA graphs captured for a ladder of batch sizes.
+"""Engine steps replayed from CUDA graphs captured for ladders of token counts.
 
-A decode step of a small model is hundreds of tiny kernel launches; replaying a graph
-issues them all at once. A step of n requests replays the smallest captured batch >= n:
-its inputs are copied into the graph's static buffers, and the padding rows have context
-length 0 and cache slot -1, so they attend to nothing and write nothing.
+A step of a small model, decode or short prefill, is hundreds of tiny kernel launches whose
+host cost dwarfs their device time; replaying a graph issues them all at once. Two kinds:
+
+- decode graphs (every request computes one token) for 1, 2, 4, 8, 16, ... requests;
+- mixed graphs for any step of at most 512 tokens (prefills, prefill chunks beside
+  decodes), captured with as many request slots as tokens, since a step never has more
+  requests than tokens.
+
+A step replays the smallest graph of its kind that fits. Its inputs are copied into the
+graphs' static buffers; the unused request slots have no queries and context length 0,
+the tokens past the last real one have cache slot -1 and form the kernel's padding tail
+(kernels/triton_attention.py), so they attend to nothing and write nothing.
 """
 
 from __future__ import annotations
@@ -13,8 +21,15 @@ import torch
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
 from services.worker.models import CausalLM
 
+MAX_TOKENS = 512  # beyond this a step's device time hides its launches
 
-def capture_sizes(max_batch: int) -> list[int]:
+
+def graph_tokens(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The most tokens one captured graph computes (its activations' size)."""
+    return max(min(max_num_seqs, MAX_TOKENS), min(max_num_batched_tokens, MAX_TOKENS))
+
+
+def decode_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, then every multiple of 8 up to max_batch (and max_batch itself)."""
     sizes = [s for s in (1, 2, 4) if s <= max_batch]
     sizes += list(range(8, max_batch + 1, 8))
@@ -23,64 +38,93 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
+def mixed_sizes(max_tokens: int) -> list[int]:
+    """16, 32, 48, 64, then steps of about 1.5x (at most a third of a replay is padding)
+    up to max_tokens, which is included."""
+    sizes, size = [], 16
+    while size < max_tokens:
+        sizes.append(size)
+        size = size + 16 if size < 64 else size * 3 // 2 // 16 * 16
+    return sizes + [max_tokens]
+
+
+class StepGraphs:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 max_batch: int, max_model_len: int, block_size: int) -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 block_size: int) -> None:
         self.model, self.kv_caches = model, kv_caches
-        self.sizes = capture_sizes(max_batch)
+        self.decode_sizes = decode_sizes(min(max_num_seqs, MAX_TOKENS))
+        self.mixed_sizes = mixed_sizes(min(max_num_batched_tokens, MAX_TOKENS))
         self.max_model_len = max_model_len
         device = kv_caches[0][0].device
+        rows = max(self.decode_sizes[-1], self.mixed_sizes[-1])
         max_blocks = -(-max_model_len // block_size)
 
         def ints(*shape: int, dtype=torch.int32) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
-        self.input_ids = ints(max_batch, dtype=torch.int64)
-        self.positions = ints(max_batch, dtype=torch.int64)
-        self.slot_mapping = ints(max_batch, dtype=torch.int64)
-        self.block_tables = ints(max_batch, max_blocks)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.seq_lens = ints(max_batch)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # each graph's hidden states
+        self.input_ids = ints(rows, dtype=torch.int64)
+        self.positions = ints(rows, dtype=torch.int64)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.block_tables = ints(rows, max_blocks)
+        self.seq_lens = ints(rows)
+        # decode graphs: request i is token i; mixed graphs: written for every step
+        self.decode_starts = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.mixed_starts = ints(rows + 1)
+        self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[bool, int], torch.Tensor] = {}  # each graph's hidden states
 
     @property
-    def max_batch(self) -> int:
-        return self.sizes[-1]
+    def sizes(self) -> dict[str, list[int]]:
+        return {"decode": self.decode_sizes, "mixed": self.mixed_sizes}
+
+    def key(self, attn: AttentionMetadata, num_tokens: int) -> tuple[bool, int] | None:
+        """The graph (mixed, size) that replays a step: the smallest of its kind that fits
+        (a decode batch past the decode ladder takes a mixed one), or None."""
+        mixed = attn.max_query_len > 1 or num_tokens > self.decode_sizes[-1]
+        return next(((mixed, s) for s in (self.mixed_sizes if mixed else self.decode_sizes)
+                     if s >= num_tokens), None)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        self._pad_from(0)
-        for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
-            self._forward(size)  # warm-up outside capture (compiles, allocates workspaces)
+        keys = [(False, s) for s in self.decode_sizes] + [(True, s) for s in self.mixed_sizes]
+        for key in sorted(keys, key=lambda k: -k[1]):  # largest first: the rest reuse its memory
+            self.forward(*key)  # warm-up outside capture (compiles, allocates workspaces)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
+                self.outputs[key] = self.forward(*key)
+            self.graphs[key] = graph
         torch.cuda.synchronize()
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def run(self, key: tuple[bool, int], input_ids: torch.Tensor, positions: torch.Tensor,
             attn: AttentionMetadata) -> torch.Tensor:
-        """The hidden states of a decode step of n <= max_batch requests."""
-        n = input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(attn.slot_mapping)
-        self.seq_lens[:n].copy_(attn.seq_lens)
-        self.block_tables[:n, :attn.block_tables.shape[1]].copy_(attn.block_tables)
-        self._pad_from(n, size)
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+        """The hidden states of a step, replayed by graph `key` (from `key()`)."""
+        self.load(key, input_ids, positions, attn)
+        self.graphs[key].replay()
+        return self.outputs[key][:input_ids.shape[0]]
 
-    def _pad_from(self, n: int, size: int | None = None) -> None:
-        end = size or self.max_batch
-        self.slot_mapping[n:end] = -1
-        self.seq_lens[n:end] = 0
+    def load(self, key: tuple[bool, int], input_ids: torch.Tensor, positions: torch.Tensor,
+             attn: AttentionMetadata) -> None:
+        """Copy a step into the static buffers, padded to graph `key`'s size."""
+        mixed, size = key
+        num_tokens, num_reqs = input_ids.shape[0], attn.seq_lens.shape[0]
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(attn.slot_mapping)
+        self.slot_mapping[num_tokens:size] = -1
+        self.seq_lens[:num_reqs].copy_(attn.seq_lens)
+        self.seq_lens[num_reqs:size] = 0
+        self.block_tables[:num_reqs, :attn.block_tables.shape[1]].copy_(attn.block_tables)
+        if mixed:
+            self.mixed_starts[:num_reqs + 1].copy_(attn.query_start_loc)
+            self.mixed_starts[num_reqs + 1:size + 1] = num_tokens
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def forward(self, mixed: bool, size: int) -> torch.Tensor:
+        """The model over the static buffers as graph `(mixed, size)` sees them."""
+        starts = self.mixed_starts if mixed else self.decode_starts
         attn = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size],
-                                 self.query_start_loc[:size + 1], self.seq_lens[:size],
-                                 max_query_len=1, max_seq_len=self.max_model_len)
+                                 starts[:size + 1], self.seq_lens[:size],
+                                 max_query_len=size if mixed else 1,
+                                 max_seq_len=self.max_model_len)
         return self.model(self.input_ids[:size], self.positions[:size],
                           ForwardContext(attn, self.kv_caches))

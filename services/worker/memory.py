@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from common.config import EngineConfig
+from services.worker.cuda_graphs import graph_tokens
 
 log = logging.getLogger("headrace.worker")
 
@@ -75,11 +76,11 @@ def _profiled_budget(config: EngineConfig, runner: Profilable) -> int:
 
 
 def _graph_reserve(config: EngineConfig, activations: int) -> int:
-    """Decode graphs keep their activations in a pool of their own, captured after the KV
-    cache exists: the profiled activations scaled to the largest graph's batch, plus room
+    """CUDA graphs keep their activations in a pool of their own, captured after the KV
+    cache exists: the profiled activations scaled to the largest graph's tokens, plus room
     for the per-graph workspaces."""
     if config.enforce_eager:
         return 0
     assert config.max_num_batched_tokens is not None
-    batch = min(config.max_num_seqs, 512)
-    return activations * batch // config.max_num_batched_tokens + 256 * 2**20
+    tokens = graph_tokens(config.max_num_seqs, config.max_num_batched_tokens)
+    return activations * tokens // config.max_num_batched_tokens + 256 * 2**20

@@ -19,7 +19,7 @@ from common.config import EngineConfig
 from common.messages import PromptLogprobs, StepPlan, StepResult
 from common.sampling_params import SamplingParams
 from common.tokens import slice_tokens
-from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.cuda_graphs import StepGraphs
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
 from services.worker.loader import load_model
 from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
@@ -202,21 +202,23 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         graphs, attn = self.graphs, inputs.attn
-        if (graphs is not None and attn.max_query_len == 1 and not inputs.prompt_logprob_rows
-                and inputs.input_ids.shape[0] <= graphs.max_batch):
-            return graphs.run(inputs.input_ids, inputs.positions, attn)
+        key = None if graphs is None else graphs.key(attn, inputs.input_ids.shape[0])
+        if key is not None:
+            return graphs.run(key, inputs.input_ids, inputs.positions, attn)
         return self.model(inputs.input_ids, inputs.positions,
                           ForwardContext(attn, self.kv_caches))
 
-    def _capture_graphs(self) -> DecodeGraphs | None:
-        if self.device.type != "cuda" or self.config.enforce_eager:
+    def _capture_graphs(self) -> StepGraphs | None:
+        config = self.config
+        if self.device.type != "cuda" or config.enforce_eager:
             return None
-        assert self.config.max_model_len is not None
-        graphs = DecodeGraphs(self.model, self.kv_caches, min(self.config.max_num_seqs, 512),
-                              self.config.max_model_len, self.block_size)
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+        graphs = StepGraphs(self.model, self.kv_caches, config.max_num_seqs,
+                            config.max_num_batched_tokens, config.max_model_len,
+                            self.block_size)
         start = time.perf_counter()
         graphs.capture()
-        log.info("captured CUDA graphs for decode batches %s in %.1f s", graphs.sizes,
+        log.info("captured CUDA graphs for steps of %s tokens in %.1f s", graphs.sizes,
                  time.perf_counter() - start)
         return graphs
 

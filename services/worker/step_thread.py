@@ -1,0 +1,120 @@
+"""The thread that drives the executor: it launches each plan the moment one is queued and
+hands every step's result back to the event loop.
+
+Launching the next step must not wait on the event loop: there it would queue behind the
+Redis reads and writes, and the device would idle between steps. So the executor has a
+thread of its own, woken by one queue: plans put by the event loop, and the word of a
+waiter thread that the device finished the last step. A step's result goes out when the
+next plan's launch completes it (the device already runs that plan), or, when no plan is
+waiting, as soon as the device is done. Nothing polls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from common.bus import Entry
+from common.messages import StepPlan, StepResult
+from common.timing import PhaseClock
+from services.worker.executor import Executor
+
+Post = Callable[[Entry | None, StepResult | BaseException | None], None]
+DEVICE_DONE, STOP = object(), object()
+
+
+class StepThread:
+    def __init__(self, executor: Executor, epoch: str, post: Post) -> None:
+        """`post(entry, result)` is called from this thread for every plan, in order:
+        with the step's result, or None for a plan meant for another worker; then once
+        `post(None, None)` after `stop()`, or `post(None, error)` if the executor fails."""
+        self.executor, self.epoch, self.post = executor, epoch, post
+        self.scheduler_epoch = ""
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.launched: deque[tuple[Entry, float]] = deque()  # with when each was launched
+        self.last_done = 0.0  # when the latest step's result reached the host
+        self.clock = PhaseClock()
+        self._arm: queue.SimpleQueue = queue.SimpleQueue()  # the waiter's orders
+        self._waiting = False  # the waiter is watching the device for us
+        self._threads = [threading.Thread(target=self._run, name="steps", daemon=True),
+                         threading.Thread(target=self._wait_device, name="device-wait",
+                                          daemon=True)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def put(self, entry: Entry) -> None:
+        self.inbox.put(entry)
+
+    def stop(self) -> None:
+        """Finish the queued plans, post their results, then post (None, None)."""
+        self.inbox.put(STOP)
+
+    def _run(self) -> None:
+        try:
+            while self._handle(self._next()):
+                pass
+            self._deliver(self.executor.flush())
+            self.post(None, None)
+        except BaseException as e:  # the event loop raises it: the process must not hang
+            self.post(None, e)
+        finally:
+            self._arm.put(STOP)
+
+    def _next(self) -> object:
+        """The next order. When none is queued and a step is out: its result goes out now
+        if the device is done (on the CPU it always is), else the waiter is to tell us."""
+        self.clock.start()
+        if self.launched and not self._waiting and self.inbox.empty():
+            if self.executor.step_done():
+                return DEVICE_DONE
+            self._waiting = True
+            self._arm.put(True)
+        item = self.inbox.get()
+        self.clock.lap("wait")
+        return item
+
+    def _handle(self, item: object) -> bool:
+        if item is STOP:
+            return False
+        if item is DEVICE_DONE:
+            self._waiting = False
+            if self.launched and self.inbox.empty() and self.executor.step_done():
+                self._deliver(self.executor.flush())
+                self.clock.lap("flush")
+            return True
+        assert isinstance(item, Entry)
+        plan: StepPlan = item.msg
+        if plan.epoch != self.epoch:
+            self.post(item, None)  # planned for a worker that is gone
+            return True
+        if plan.scheduler_epoch != self.scheduler_epoch:  # a new scheduler starts afresh
+            self._deliver(self.executor.flush())
+            self.executor.forget_requests()
+            self.scheduler_epoch = plan.scheduler_epoch
+        launched_at = time.time()
+        done = self.executor.submit(plan)
+        self.launched.append((item, launched_at))
+        self._deliver(done)
+        self.clock.lap("submit")
+        return True
+
+    def _deliver(self, results: list[StepResult]) -> None:
+        for result in results:
+            entry, launched_at = self.launched.popleft()
+            done_at = result.stamps[-1]  # when the executor had its tokens
+            # a step launched behind another starts when that one is done
+            started = max(launched_at, self.last_done)
+            self.last_done = done_at
+            self.post(entry, dataclasses.replace(
+                result, epoch=self.epoch, stamps=[entry.msg.planned_at, started, done_at]))
+
+    def _wait_device(self) -> None:
+        while self._arm.get() is not STOP:
+            self.executor.wait_step_done()
+            self.inbox.put(DEVICE_DONE)
