@@ -5,6 +5,7 @@ and a clean stop on SIGINT/SIGTERM. A service is `run_service(name, argv, body)`
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import socket
@@ -64,6 +65,7 @@ def run_service(name: str, argv: list[str], body: Body, description: str = "") -
     args, engine, server = parse_configs(service_parser(name, description), argv)
     replica = args.replica or f"{socket.gethostname()}-{os.getpid()}"
     configure_logging(name, replica)
+    freeze_heap()
     # A thread that wants the GIL waits up to this long for a busy one to yield it (5 ms
     # by default): the worker's step thread would wait that long behind its Redis loop.
     sys.setswitchinterval(GIL_SWITCH_S)
@@ -72,6 +74,16 @@ def run_service(name: str, argv: list[str], body: Body, description: str = "") -
     anyio.run(_serve, name, replica, engine, server, body,
               backend_options={"use_uvloop": True})
     return 0
+
+
+def freeze_heap() -> None:
+    """Exempt every object alive now (the imported libraries, a loaded model or tokenizer)
+    from garbage collection for good. Each full collection would otherwise walk them all:
+    on the H100 that made every process pause 200-350 ms a dozen times in a 1000-request
+    run, the whole of the served p99 gap between tokens. Called once the process is set
+    up, before it serves."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _serve(name: str, replica: str, engine: EngineConfig, server: ServerConfig,

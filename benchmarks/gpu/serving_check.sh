@@ -6,6 +6,8 @@
 #     breakdown) and the Redis errors in their logs, after the in-process decode step
 #   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh throughput
 #     the nano workload in-process and over HTTP in one command
+#   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh all
+#     both
 set -uo pipefail
 M=.devkit/models
 R="$OUT/r"
@@ -44,6 +46,8 @@ PY
   bench_serve serve-sharegpt-1000 --num-prompts 1000 --dataset synthetic-sharegpt \
     --ignore-eos
   kill -TERM $serve; wait $serve
+  # the GPU is free once the worker is gone (an in-process run after this needs it)
+  for _ in $(seq 60); do pgrep -f "services.cli worker" > /dev/null || break; sleep 1; done
   grep -ciE 'too many connections|MaxConnectionsError|ConnectionError|cannot (read|write)' \
     "$R/serve.log" /tmp/hr-serve/*.log > "$R/redis-errors.txt" 2>&1
   grep -hv '"event"' "$R/serve-chat-c1.txt" "$R/serve-sharegpt-1000.txt" \
@@ -60,5 +64,6 @@ throughput_checks() {
 case "${1:-serve}" in
   serve) serve_checks ;;
   throughput) throughput_checks ;;
-  *) echo "usage: $0 serve|throughput" >&2; exit 2 ;;
+  all) serve_checks; throughput_checks ;;
+  *) echo "usage: $0 serve|throughput|all" >&2; exit 2 ;;
 esac

@@ -10,7 +10,7 @@ from common import keys
 from common.bus import Output
 from common.messages import ReplyBatch, TextDelta, TokenBatch
 from common.model_files import load_tokenizer, resolve_model
-from common.service import ServiceContext, run_service
+from common.service import ServiceContext, freeze_heap, run_service
 from services.detokenizer.core import Detokenizer
 
 GROUP = "detokenizer"
@@ -35,6 +35,7 @@ def handler(detokenizer: Detokenizer):
 async def serve(ctx: ServiceContext) -> None:
     model_dir = resolve_model(ctx.engine.model, ctx.engine.load_format)
     detokenizer = Detokenizer(load_tokenizer(model_dir, ctx.engine.tokenizer))
+    freeze_heap()
     await ctx.bus.consume(keys.DETOK, GROUP, ctx.consumer, handler(detokenizer),
                           stop=ctx.stop, min_idle_ms=ctx.server.reclaim_idle_ms,
                           reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000))

@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from common.log import get_logger
 from common.model_info import load_model_info
-from common.service import ServiceContext, run_service
+from common.service import ServiceContext, freeze_heap, run_service
 from services.gateway.app import Gateway
 from services.gateway.core import scheduler_gone
 
@@ -51,6 +51,7 @@ async def serve(ctx: ServiceContext) -> None:
     gateway_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
     gateway = Gateway(ctx.bus, ctx.server, info, ctx.engine.model, gateway_id)
     await gateway.refresh_backend()
+    freeze_heap()
     runner = web.AppRunner(gateway.app(), handler_cancellation=True,
                            shutdown_timeout=SHUTDOWN_S, access_log=None)
     await runner.setup()

@@ -12,7 +12,7 @@ from common.bus import Output
 from common.errors import ApiError
 from common.messages import GenerateRequest
 from common.model_info import load_model_info
-from common.service import ServiceContext, run_service
+from common.service import ServiceContext, freeze_heap, run_service
 from services.tokenizer.core import InputProcessor
 
 GROUP = "tokenizer"
@@ -32,6 +32,7 @@ def handler(processor: InputProcessor):
 
 async def serve(ctx: ServiceContext) -> None:
     processor = InputProcessor.from_info(load_model_info(ctx.engine))
+    freeze_heap()
     await ctx.bus.consume(keys.REQUESTS, GROUP, ctx.consumer, handler(processor),
                           stop=ctx.stop, min_idle_ms=ctx.server.reclaim_idle_ms,
                           reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000))

@@ -20,7 +20,7 @@ from common.bus import Entry
 from common.log import get_logger
 from common.messages import StepResult, WorkerReady
 from common.model_info import resolve_engine
-from common.service import ALIVE_TTL_MS, ServiceContext, heartbeat, run_service
+from common.service import ALIVE_TTL_MS, ServiceContext, freeze_heap, heartbeat, run_service
 from services.worker.executor import Executor
 from services.worker.step_thread import StepThread
 
@@ -92,6 +92,7 @@ class WorkerShell:
 
 async def serve(ctx: ServiceContext) -> None:
     executor = await anyio.to_thread.run_sync(Executor, resolve_engine(ctx.engine))
+    freeze_heap()
     await WorkerShell(ctx, executor).run()
 
 
