@@ -47,7 +47,11 @@ PY
     --ignore-eos
   kill -TERM $serve; wait $serve
   # the GPU is free once the worker is gone (an in-process run after this needs it)
-  for _ in $(seq 60); do pgrep -f "services.cli worker" > /dev/null || break; sleep 1; done
+  for _ in $(seq 60); do
+    [ "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)" -lt 1024 ] \
+      && break
+    sleep 1
+  done
   grep -ciE 'too many connections|MaxConnectionsError|ConnectionError|cannot (read|write)' \
     "$R/serve.log" /tmp/hr-serve/*.log > "$R/redis-errors.txt" 2>&1
   grep -hv '"event"' "$R/serve-chat-c1.txt" "$R/serve-sharegpt-1000.txt" \
