@@ -6,8 +6,6 @@
 #     breakdown) and the Redis errors in their logs, after the in-process decode step
 #   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh throughput
 #     the nano workload in-process and over HTTP in one command
-#   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh all
-#     both
 set -uo pipefail
 M=.devkit/models
 R="$OUT/r"
@@ -46,12 +44,6 @@ PY
   bench_serve serve-sharegpt-1000 --num-prompts 1000 --dataset synthetic-sharegpt \
     --ignore-eos
   kill -TERM $serve; wait $serve
-  # the GPU is free once the worker is gone (an in-process run after this needs it)
-  for _ in $(seq 60); do
-    [ "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)" -lt 1024 ] \
-      && break
-    sleep 1
-  done
   grep -ciE 'too many connections|MaxConnectionsError|ConnectionError|cannot (read|write)' \
     "$R/serve.log" /tmp/hr-serve/*.log > "$R/redis-errors.txt" 2>&1
   grep -hv '"event"' "$R/serve-chat-c1.txt" "$R/serve-sharegpt-1000.txt" \
@@ -68,6 +60,5 @@ throughput_checks() {
 case "${1:-serve}" in
   serve) serve_checks ;;
   throughput) throughput_checks ;;
-  all) serve_checks; throughput_checks ;;
-  *) echo "usage: $0 serve|throughput|all" >&2; exit 2 ;;
+  *) echo "usage: $0 serve|throughput" >&2; exit 2 ;;
 esac
