@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from aiohttp.web import StreamResponse
 
 from services.bench.pipeline import free_port
 from services.demo import demo_model_path
@@ -143,3 +144,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     assert not survivors, f"children outlived the launcher: {survivors}\n{server.log_tail()}"
     # stopped front to back: the scheduler never takes the shutdown for a lost worker
     assert "worker lost" not in server.log_path.read_text(errors="replace"), server.log_tail()
+
+
+async def write_event(response: StreamResponse, chunk: dict) -> None:
+    """One server-sent event of a scripted OpenAI stream (the fake servers of the bench
+    tests)."""
+    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")

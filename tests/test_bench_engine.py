@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -83,15 +84,20 @@ def tiny(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("bench"), "llama")
 
 
-def test_throughput_command_times_both_paths(tiny, tmp_path):
+def run_throughput(model: Path, tmp_path: Path, paths: str) -> tuple[str, dict]:
+    """`headrace bench throughput` of 6 fixed prompts over `paths`: (stdout, its --json)."""
     out = tmp_path / "throughput.json"
-    result = run_command("bench", "throughput", "--model", str(tiny), "--workload", "fixed",
+    result = run_command("bench", "throughput", "--model", str(model), "--workload", "fixed",
                          "--num-prompts", "6", "--prompt-len", "20", "--output-len", "12",
-                         "--path", "both", "--num-gpu-blocks-override", "128",
+                         "--path", paths, "--num-gpu-blocks-override", "128",
                          "--json", str(out), timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "pipeline / inprocess: " in result.stdout
-    data = json.loads(out.read_text())
+    return result.stdout, json.loads(out.read_text())
+
+
+def test_throughput_command_times_both_paths(tiny, tmp_path):
+    stdout, data = run_throughput(tiny, tmp_path, "both")
+    assert "pipeline / inprocess: " in stdout
     assert [r["path"] for r in data["results"]] == ["inprocess", "pipeline"]
     assert all(r["output_tokens"] == 6 * 12 for r in data["results"])
     assert data["floor_seconds"] > 0 and 0 <= data["kv_waste_mean"] < 1
@@ -104,18 +110,12 @@ def test_throughput_command_times_both_paths(tiny, tmp_path):
 
 
 def test_throughput_command_times_the_http_path(tiny, tmp_path):
-    out = tmp_path / "throughput.json"
-    result = run_command("bench", "throughput", "--model", str(tiny), "--workload", "fixed",
-                         "--num-prompts", "6", "--prompt-len", "20", "--output-len", "12",
-                         "--path", "inprocess,http", "--num-gpu-blocks-override", "128",
-                         "--json", str(out), timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    data = json.loads(out.read_text())
+    stdout, data = run_throughput(tiny, tmp_path, "inprocess,http")
     assert [r["path"] for r in data["results"]] == ["inprocess", "http"]
     assert all(r["output_tokens"] == 6 * 12 and r["requests"] == 6 for r in data["results"])
     inprocess, http = data["results"]
     ratio = http["tokens_per_s"] / inprocess["tokens_per_s"]
-    assert f"http / inprocess: {ratio:.2f}x" in result.stdout.splitlines()
+    assert f"http / inprocess: {ratio:.2f}x" in stdout.splitlines()
     # the gateway drove the same services: their loop clocks ran the warm-up and the run
     assert http["phases"]["worker.loops"] >= 12 and http["phases"]["scheduler.loops"] >= 12
 

@@ -8,7 +8,6 @@ gateway is in test_bench_engine.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -17,6 +16,7 @@ from aiohttp import web
 
 from services.bench.throughput import drive_http
 from services.bench.workloads import fixed_workload
+from tests.e2e_fixtures import write_event
 
 pytestmark = pytest.mark.anyio
 HOLD_S = 0.2  # each stream stays open this long before its first token
@@ -52,12 +52,12 @@ class ScriptedServer:
         sent = max_tokens - 1 if self.misbehave.get(index) == "short" else max_tokens
         for i in range(sent):
             finish = "length" if i == sent - 1 else None
-            await event(response, {"choices": [{"index": 0, "text": "", "logprobs": None,
+            await write_event(response, {"choices": [{"index": 0, "text": "", "logprobs": None,
                                                 "finish_reason": finish}], "usage": None})
         if self.misbehave.get(index) == "error-chunk":
-            await event(response, {"error": {"message": "worker died", "code": 500}})
+            await write_event(response, {"error": {"message": "worker died", "code": 500}})
         else:
-            await event(response, {"choices": [], "usage": {
+            await write_event(response, {"choices": [], "usage": {
                 "prompt_tokens": 3, "completion_tokens": sent, "total_tokens": 3 + sent}})
         await response.write(b"data: [DONE]\n\n")
         return response
@@ -65,9 +65,6 @@ class ScriptedServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "scripted"}]})
 
-
-async def event(response: web.StreamResponse, chunk: dict) -> None:
-    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
 
 Serve = Callable[..., Awaitable[tuple[ScriptedServer, str]]]

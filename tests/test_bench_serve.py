@@ -39,6 +39,7 @@ from services.bench.serve import (RequestResult, SseDecoder, StreamTimer, arriva
 from services.bench.server_stages import (STAGE_HISTOGRAM, bucket_quantile, parse_stages,
                                           stage_breakdown)
 from tests.conftest import REPO, repo_env
+from tests.e2e_fixtures import write_event
 from tests.tiny_models import TOKENIZER_DIR, make_tiny_model
 
 FIRST_S, GAP_S = 0.200, 0.020
@@ -99,7 +100,7 @@ class FakeServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         if chat:  # the role comes first and at once; it carries no output
-            await send(response, {"choices": [{"index": 0, "delta": {"role": "assistant",
+            await write_event(response, {"choices": [{"index": 0, "delta": {"role": "assistant",
                                                                      "content": ""}}]})
         num_chunks = math.ceil(max_tokens / self.tokens_per_chunk)
         for i in range(num_chunks):
@@ -107,11 +108,11 @@ class FakeServer:
             text = self.token_text * self.tokens_per_chunk
             choice = {"index": 0, "delta": {"content": text}} if chat else \
                 {"index": 0, "text": text}
-            await send(response, {"choices": [choice]})
+            await write_event(response, {"choices": [choice]})
         for stage, seconds in self.stage_seconds.items():
             self.stages.labels(stage).observe(seconds)
         self.served.inc()
-        await send(response, {"choices": [], "usage": {
+        await write_event(response, {"choices": [], "usage": {
             "prompt_tokens": 7, "completion_tokens": max_tokens, "total_tokens": 7 + max_tokens}})
         await response.write(b"data: [DONE]\n\n")
         return response
@@ -125,9 +126,6 @@ class FakeServer:
         return web.Response(body=generate_latest(self.registry),
                             headers={"Content-Type": "text/plain; version=0.0.4"})
 
-
-async def send(response: web.StreamResponse, chunk: dict) -> None:
-    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
 
 @pytest.fixture
