@@ -11,14 +11,15 @@ import typing
 from typing import Annotated, Any
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common import messages
 from common.hops import request_stages, step_stages
-from common.messages import (_REGISTRY, DetokItem, DetokParams, MessageError, StepPlan,
-                             TokenBatch, decode, encode)
+from common.messages import (_REGISTRY, DetokItem, DetokParams, MessageError, ReplyBatch,
+                             StepPlan, TextDelta, TokenBatch, decode, encode)
 from common.sampling_params import SamplingParams
 
 INT32 = st.integers(-2**31, 2**31 - 1)
@@ -122,6 +123,20 @@ def test_malformed_messages_raise_one_typed_error():
         except MessageError:
             continue
         pytest.fail(f"{what}: decoded without an error")
+    replies = msgpack.unpackb(messages.encode(ReplyBatch([TextDelta("r", 0, 1, "x", [2], 3)])),
+                              raw=False)
+    delta = replies["items"][0]
+    nested = {
+        "nested record not a map": [1],
+        "nested missing field": {k: v for k, v in delta.items() if k != "seq"},
+        "nested bool for int": {**delta, "seq": True},
+        "nested None for a list": {**delta, "logprobs": None},
+        "nested int for text": {**delta, "text": 5},
+    }
+    for what, item in nested.items():
+        with pytest.raises(MessageError):
+            messages.decode(msgpack.packb({**replies, "items": [item]}))
+            pytest.fail(f"{what}: decoded without an error")
     with pytest.raises(MessageError, match="not MessagePack"):
         messages.decode(b"\xc1")
     bad_params = {**msgpack.unpackb(messages.encode(
@@ -145,6 +160,22 @@ def test_an_older_reader_ignores_fields_it_does_not_know():
     body["items"][0]["also_new"] = "?"
     decoded = messages.decode(msgpack.packb(body))
     assert decoded.step == 3 and decoded.items[0].new_token_ids == [5]
+
+
+def test_fields_at_their_empty_default_stay_off_the_wire():
+    delta = TextDelta("r", 0, 1, "x", [2], 3)
+    body = msgpack.unpackb(messages.encode(ReplyBatch([delta])), raw=False)
+    assert set(body["items"][0]) == {"rid", "index", "seq", "text", "token_ids",
+                                     "num_prompt_tokens"}
+    assert messages.decode(messages.encode(ReplyBatch([delta]))).items == [delta]
+    finished = dataclasses.replace(delta, finish_reason="stop", stop_reason=0)
+    body = msgpack.unpackb(messages.encode(ReplyBatch([finished])), raw=False)
+    assert body["items"][0]["finish_reason"] == "stop" and body["items"][0]["stop_reason"] == 0
+
+
+def test_packed_fields_take_numpy_arrays_and_tuples():
+    plan = StepPlan(1, ["a", "b"], np.array([3, 4], dtype=np.int64), (0, 5))
+    assert messages.decode(messages.encode(plan)) == StepPlan(1, ["a", "b"], [3, 4], [0, 5])
 
 
 def test_stamps_keep_microseconds_across_the_wire():
