@@ -1,17 +1,26 @@
 """Prometheus metrics with vLLM's names under the `headrace:` prefix.
 
-Each `Metrics` owns its registry, so tests and several engines in one process never share
+Each `Metrics` owns its registries, so tests and several engines in one process never share
 counters. Totals that another process keeps (the scheduler's token and cache counters,
 which it sends in `SchedulerStats`) are exposed as counters set to the latest absolute value.
+
+Several gateway processes on one host (`--api-server-count N`) share one port, so a scrape
+lands on any of them. With PROMETHEUS_MULTIPROC_DIR set (the launcher sets it), each writes
+what it observes (request counters and latency histograms) to prometheus-client's files
+there, and every scrape sums all processes' files; the state read from Redis at scrape
+time (scheduler gauges and totals, stream gauges) is the same for all and is not summed.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from common.hops import STAGES
@@ -78,8 +87,9 @@ class TotalsCollector(Collector):
 
 class Metrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        reg = self.registry
+        self.state = CollectorRegistry()  # read from Redis at scrape time
+        self.observed = CollectorRegistry()  # what this process saw, summed over processes
+        reg = self.state
         self.num_requests_running = Gauge(
             PREFIX + "num_requests_running", "Requests in the running batch.", registry=reg)
         self.num_requests_waiting = Gauge(
@@ -89,6 +99,15 @@ class Metrics:
             registry=reg)
         self.totals = TotalsCollector(TOTALS)
         reg.register(self.totals)
+        self.stream_length = Gauge(
+            PREFIX + "stream_length", "Entries in a stream.", ["stream"], registry=reg)
+        self.stream_pending = Gauge(
+            PREFIX + "stream_pending", "Entries delivered to a group and not acknowledged.",
+            ["stream", "group"], registry=reg)
+        self.stream_lag = Gauge(
+            PREFIX + "stream_lag", "Entries not yet delivered to a group.",
+            ["stream", "group"], registry=reg)
+        reg = self.observed
         self.request_success = Counter(
             PREFIX + "request_success", "Requests that finished, by finish reason.",
             ["finished_reason"], registry=reg)
@@ -106,14 +125,8 @@ class Metrics:
             "serving path, from the timestamps its messages carry (common/hops.py).",
             ["stage"], buckets=STAGE_BUCKETS, registry=reg)
         self.stages = {stage: stage_seconds.labels(stage) for stage in STAGES}
-        self.stream_length = Gauge(
-            PREFIX + "stream_length", "Entries in a stream.", ["stream"], registry=reg)
-        self.stream_pending = Gauge(
-            PREFIX + "stream_pending", "Entries delivered to a group and not acknowledged.",
-            ["stream", "group"], registry=reg)
-        self.stream_lag = Gauge(
-            PREFIX + "stream_lag", "Entries not yet delivered to a group.",
-            ["stream", "group"], registry=reg)
+        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        self._summed = ProcessFiles(Path(shared)) if shared else self.observed
 
     def set_scheduler_stats(self, stats: SchedulerStats) -> None:
         """Gauges and totals from the scheduler's latest `SchedulerStats`."""
@@ -139,4 +152,19 @@ class Metrics:
                     self.stream_lag.labels(stream.name, group.name).set(group.lag)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.state) + generate_latest(self._summed)
+
+
+class ProcessFiles:
+    """The counters and histograms that every process sharing `path` has written.
+
+    Gauges are left out: prometheus-client writes them there too in multiprocess mode,
+    but ours are set at scrape time from Redis, so this process's own are current."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def collect(self) -> Iterable[Metric]:
+        files = sorted(str(f) for kind in ("counter", "histogram")
+                       for f in self.path.glob(f"{kind}_*.db"))
+        return MultiProcessCollector.merge(files, accumulate=True)

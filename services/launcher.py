@@ -6,6 +6,7 @@ Ctrl-C or SIGTERM stops them all; each child also dies with this process if it i
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,15 +49,29 @@ class Child:
         log.info("started", child=self.label, pid=self.process.pid)
 
 
-def child_specs(engine: EngineConfig, server: ServerConfig, redis_url: str) -> list[Child]:
+def child_specs(engine: EngineConfig, server: ServerConfig, redis_url: str,
+                metrics_dir: Path) -> list[Child]:
+    """Every child's command line. The gateways share `metrics_dir`, where each writes its
+    counters and histograms so that a scrape of any of them sums all (common/metrics.py)."""
     flags = engine_args_to_cli(engine) + server_args_to_cli(server)
     env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+    gateway_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir.absolute())}
     layout = ([("worker", 0), ("scheduler", 0)]
               + [("tokenizer", i) for i in range(server.tokenizer_replicas)]
               + [("detokenizer", i) for i in range(server.detokenizer_replicas)]
               + [("gateway", i) for i in range(server.api_server_count)])
     return [Child(name, i, [sys.executable, "-m", "services.cli", name, *flags,
-                            "--replica", str(i)], env) for name, i in layout]
+                            "--replica", str(i)], gateway_env if name == "gateway" else env)
+            for name, i in layout]
+
+
+def fresh_metrics_dir(run_dir: Path) -> Path:
+    """An empty directory for the gateways' metric files: counts start at zero each serve,
+    and stay summed over a gateway's restarts within it."""
+    path = run_dir / "metrics"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir()
+    return path
 
 
 class Supervisor:
@@ -125,7 +140,7 @@ def main(argv: list[str]) -> int:
     run_dir = Path(server.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     redis_url, redis = redis_url_or_embedded(server.redis_url, run_dir)
-    supervisor = Supervisor(child_specs(engine, server, redis_url))
+    supervisor = Supervisor(child_specs(engine, server, redis_url, fresh_metrics_dir(run_dir)))
     signal.signal(signal.SIGTERM, supervisor.stop)
     signal.signal(signal.SIGINT, supervisor.stop)
     try:

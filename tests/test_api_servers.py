@@ -1,10 +1,13 @@
 """`headrace serve --api-server-count N` runs N gateway processes on one port; the kernel
-spreads connections over them and each answers through its own reply stream."""
+spreads connections over them and each answers through its own reply stream, and a scrape
+of /metrics, whichever process takes it, counts the requests all of them served."""
 
 from __future__ import annotations
 
 import json
 import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e_fixtures import start_server
 from tests.tiny_models import make_tiny_model
@@ -33,5 +36,22 @@ def test_gateway_replicas_share_one_port(tmp_path):
                        if r.get("service") == "gateway" and r.get("event") == "request finished"}
         # each connection lands on either process: all 40 on one has odds of 2**-39
         assert answered_by == {"0", "1"}, server.log_tail()
+        for _ in range(8):  # each scrape on a new connection, so on either process
+            counts = served_counts(server.url)
+            assert counts == {"success": REQUESTS, "e2e": REQUESTS,
+                              "step stages": counts["step stages"]}, counts
+            assert counts["step stages"] >= REQUESTS  # one step's stamps per reply at least
     finally:
         assert not server.stop(), "processes left behind"
+
+
+def served_counts(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    return {"success": samples["headrace:request_success_total",
+                               (("finished_reason", "length"),)],
+            "e2e": samples["headrace:e2e_request_latency_seconds_count", ()],
+            "step stages": samples["headrace:stage_seconds_count",
+                                   (("stage", "step"),)]}

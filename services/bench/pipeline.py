@@ -24,7 +24,7 @@ from common.config import EngineConfig, ServerConfig
 from common.messages import ErrorReply, GenerateRequest, ReplyBatch
 from common.redis_server import EmbeddedRedis, spawn_child
 from services.gateway.responses import Choice
-from services.launcher import child_specs
+from services.launcher import child_specs, fresh_metrics_dir
 
 CLIENT = "bench-client"
 
@@ -93,8 +93,8 @@ class LocalPipeline:
         self.http_url = f"http://{server.host}:{server.port}"
         self.redis = EmbeddedRedis(root / "run")
         self.redis.start()
-        self.children = {c.label: c for c in child_specs(engine, server, self.redis.url)
-                         if gateway or c.name != "gateway"}
+        specs = child_specs(engine, server, self.redis.url, fresh_metrics_dir(root / "run"))
+        self.children = {c.label: c for c in specs if gateway or c.name != "gateway"}
         for label in self.children:
             self.start(label)
 
