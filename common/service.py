@@ -20,6 +20,7 @@ from common.bus import UNAVAILABLE, Bus
 from common.config import (EngineConfig, ServerConfig, add_engine_args, add_server_args,
                            parse_configs)
 from common.log import configure_logging, get_logger
+from common.stalls import watch_collections, watch_loop
 
 HEARTBEAT_S = 1.0
 ALIVE_TTL_MS = 4000
@@ -66,6 +67,7 @@ def run_service(name: str, argv: list[str], body: Body, description: str = "") -
     replica = args.replica or f"{socket.gethostname()}-{os.getpid()}"
     configure_logging(name, replica)
     freeze_heap()
+    watch_collections()
     # A thread that wants the GIL waits up to this long for a busy one to yield it (5 ms
     # by default): the worker's step thread would wait that long behind its Redis loop.
     sys.setswitchinterval(GIL_SWITCH_S)
@@ -94,6 +96,7 @@ async def _serve(name: str, replica: str, engine: EngineConfig, server: ServerCo
         ctx = ServiceContext(name, replica, engine, server, bus, anyio.Event())
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, ctx.stop)
+            tg.start_soon(watch_loop)
             log.info("service starting", redis=bus.url)
             await body(ctx)
             tg.cancel_scope.cancel()

@@ -6,9 +6,12 @@
 #     breakdown) and the Redis errors in their logs, after the in-process decode step
 #   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh throughput
 #     the nano workload in-process and over HTTP in one command
+# API_SERVERS (default 4) sets --api-server-count. With PROFILE=1 and py-spy on the PATH,
+# the 1000-request run is also sampled for 15 s in one gateway, the scheduler and one
+# detokenizer (profile-*.txt: the functions with the most samples).
 set -uo pipefail
 M=.devkit/models
-R="$OUT/r"
+R="${R:-$OUT/r}"
 mkdir -p "$R"
 export HEADRACE_SHAPES=$M
 hr() { python -m services.cli "$@"; }
@@ -16,6 +19,7 @@ bench_serve() {  # NAME ARGS...: a timed run, after a warm-up on another seed's 
   local name=$1; shift
   timeout 200 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
     --seed 7 --disable-tqdm "$@" > "$R/warmup-$name.txt" 2>&1
+  [ "${PROFILE:-0}" = 1 ] && [ "$name" = serve-sharegpt-1000 ] && profile_stages &
   timeout 300 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
     --seed 1 --disable-tqdm --save-result "$R/$name.json" "$@" > "$R/$name.txt" 2>&1
 }
@@ -26,7 +30,7 @@ serve_checks() {
     --load-format dummy --context-len 62 --batch-size 1 --output-len 64 --iterations 3 \
     > "$R/latency-c62-b1.txt" 2>&1
   hr serve $M/qwen3-0.6b-shape --load-format dummy --tokenizer-replicas 2 \
-    --detokenizer-replicas 2 --port 8800 \
+    --detokenizer-replicas 2 --api-server-count "${API_SERVERS:-4}" --port 8800 \
     --run-dir /tmp/hr-serve --served-model-name qwen3 > "$R/serve.log" 2>&1 &
   local serve=$!
   python - <<'PY'
@@ -48,6 +52,19 @@ PY
     "$R/serve.log" /tmp/hr-serve/*.log > "$R/redis-errors.txt" 2>&1
   grep -hv '"event"' "$R/serve-chat-c1.txt" "$R/serve-sharegpt-1000.txt" \
     "$R/redis-errors.txt" "$R/latency-c62-b1.txt" | tail -n 90
+}
+
+profile_stages() {  # sample a gateway, the scheduler and a detokenizer for 15 s
+  sleep 3
+  for stage in gateway scheduler detokenizer; do
+    local pid; pid=$(pgrep -f "services.cli $stage .*--replica 0" | head -n 1)
+    py-spy record --nonblocking -d 15 -r 200 -f raw -o "$R/profile-$stage.raw" -p "$pid" \
+      > /dev/null 2>&1 &
+  done
+  sleep 17
+  for raw in "$R"/profile-*.raw; do
+    python benchmarks/gpu/top_frames.py "$raw" > "${raw%.raw}.txt" && rm "$raw"
+  done
 }
 
 throughput_checks() {

@@ -19,11 +19,15 @@ from collections import deque
 from collections.abc import Callable
 
 from common.bus import Entry
+from common.log import get_logger
 from common.messages import StepPlan, StepResult
 from common.timing import PhaseClock
 from services.worker.executor import Executor
 
 Post = Callable[[Entry | None, StepResult | BaseException | None], None]
+SLOW_STEP_S = 0.05  # far above any step of a small model's token budget on a GPU
+
+log = get_logger(__name__)
 DEVICE_DONE, STOP = object(), object()
 
 
@@ -111,6 +115,11 @@ class StepThread:
             # a step launched behind another starts when that one is done
             started = max(launched_at, self.last_done)
             self.last_done = done_at
+            if done_at - started > SLOW_STEP_S:
+                plan: StepPlan = entry.msg
+                log.warning("slow step", step=plan.step, ms=round(1000 * (done_at - started), 1),
+                            tokens=sum(plan.num_scheduled_tokens), requests=len(plan.req_ids),
+                            new_requests=len(plan.new))
             self.post(entry, dataclasses.replace(
                 result, epoch=self.epoch, stamps=[entry.msg.planned_at, started, done_at]))
 
