@@ -6,6 +6,7 @@ process paused or why."""
 from __future__ import annotations
 
 import gc
+import sys
 import time
 
 import anyio
@@ -29,8 +30,10 @@ def watch_collections(slow_s: float = SLOW_COLLECTION_S) -> None:
             return
         took = time.perf_counter() - started[0]
         if took > slow_s:
+            # modules imported after the heap was frozen are walked by every collection
             log.warning("slow garbage collection", ms=round(1000 * took, 1),
-                        generation=info["generation"], collected=info["collected"])
+                        generation=info["generation"], collected=info["collected"],
+                        frozen=gc.get_freeze_count(), modules=len(sys.modules))
     gc.callbacks.append(timed)
 
 

@@ -36,6 +36,7 @@ def test_gateway_replicas_share_one_port(tmp_path):
                        if r.get("service") == "gateway" and r.get("event") == "request finished"}
         # each connection lands on either process: all 40 on one has odds of 2**-39
         assert answered_by == {"0", "1"}, server.log_tail()
+        assert_heaps_frozen_after_loading(server.log_records())
         for _ in range(8):  # each scrape on a new connection, so on either process
             counts = served_counts(server.url)
             assert counts == {"success": REQUESTS, "e2e": REQUESTS,
@@ -55,3 +56,19 @@ def served_counts(url: str) -> dict[str, float]:
             "e2e": samples["headrace:e2e_request_latency_seconds_count", ()],
             "step stages": samples["headrace:stage_seconds_count",
                                    (("stage", "step"),)]}
+
+
+def assert_heaps_frozen_after_loading(records: list[dict]) -> None:
+    """Every process froze its heap twice: after its imports, and again once it had loaded
+    what it serves with (transformers and torch come in then), so that a collection while
+    serving walks neither."""
+    freezes: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r.get("event") == "heap frozen":
+            freezes.setdefault((r["service"], r["replica"]), []).append(r)
+    assert {service for service, _ in freezes} == {"worker", "scheduler", "tokenizer",
+                                                   "detokenizer", "gateway"}
+    for process, seen in freezes.items():
+        assert len(seen) == 2, (process, seen)
+        imports, loaded = seen
+        assert loaded["modules"] > imports["modules"] and loaded["frozen"] > imports["frozen"]

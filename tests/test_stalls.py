@@ -56,14 +56,15 @@ async def test_a_blocked_event_loop_is_logged_with_how_long():
     assert any(120 < ms < 1000 for ms in stalls), stalls
 
 
-class SlowDevice:
-    """An executor whose steps take `seconds` and finish in submit, as on the CPU."""
+class TimedDevice:
+    """An executor whose steps take the given seconds in turn and finish in submit, as on
+    the CPU."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: list[float]) -> None:
+        self.seconds = iter(seconds)
 
     def submit(self, plan: StepPlan) -> list[StepResult]:
-        time.sleep(self.seconds)
+        time.sleep(next(self.seconds))
         return [StepResult(plan.step, plan.req_ids, [1] * len(plan.req_ids),
                            stamps=[time.time()])]
 
@@ -80,23 +81,29 @@ class SlowDevice:
         pass
 
 
-@pytest.mark.parametrize("seconds, logged", [(step_thread.SLOW_STEP_S + 0.03, True),
-                                             (0.0, False)])
-def test_a_slow_step_is_logged_with_its_shape(seconds, logged):
+def slow_steps(seconds: list[float]) -> list[dict]:
+    """The "slow step" logs of a step thread that runs one plan per entry of `seconds`."""
     posted = []
-    thread = StepThread(SlowDevice(seconds), "e1", lambda entry, result: posted.append(result))
-    plan = StepPlan(4, ["a", "b"], [7, 1], [0, 9], epoch="e1")
+    thread = StepThread(TimedDevice(seconds), "e1", lambda entry, result: posted.append(result))
     with structlog.testing.capture_logs() as logs:
         thread.start()
-        thread.put(Entry("steps", b"1-0", {}, plan))
+        for step in range(len(seconds)):
+            thread.put(Entry("steps", b"1-0", {}, StepPlan(step, ["a", "b"], [7, 1], [0, 9],
+                                                            epoch="e1")))
         thread.stop()
         deadline = time.monotonic() + 10
-        while len(posted) < 2 and time.monotonic() < deadline:
+        while len(posted) <= len(seconds) and time.monotonic() < deadline:
             time.sleep(0.01)
-    assert posted[0].step == 4 and posted[1] is None
-    slow = [entry for entry in logs if entry["event"] == "slow step"]
-    if logged:
-        assert len(slow) == 1 and slow[0]["step"] == 4 and slow[0]["tokens"] == 8
-        assert slow[0]["requests"] == 2 and slow[0]["ms"] >= 1000 * step_thread.SLOW_STEP_S
-    else:
-        assert not slow
+    assert [r.step for r in posted[:-1]] == list(range(len(seconds))) and posted[-1] is None
+    return [entry for entry in logs if entry["event"] == "slow step"]
+
+
+def test_a_step_slower_than_usual_is_logged_with_its_shape():
+    slow = slow_steps([0.0] * 5 + [step_thread.SLOW_STEP_S + 0.03, 0.0])
+    assert len(slow) == 1 and slow[0]["step"] == 5 and slow[0]["tokens"] == 8
+    assert slow[0]["requests"] == 2 and slow[0]["ms"] >= 1000 * step_thread.SLOW_STEP_S
+
+
+def test_steps_that_are_all_slow_are_not_each_logged():
+    slow = slow_steps([step_thread.SLOW_STEP_S + 0.03] * 4)  # a CPU's steps
+    assert [entry["step"] for entry in slow] == [0]

@@ -24,7 +24,7 @@ from common.log import get_logger
 from common.messages import (Abort, AdmitRequest, ErrorReply, StepResult, TokenBatch,
                              WorkerReady)
 from common.model_info import resolve_engine
-from common.service import ServiceContext, heartbeat, run_service
+from common.service import ServiceContext, freeze_heap, heartbeat, run_service
 from common.timing import PhaseClock
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.scheduler.inflight import StepsInFlight
@@ -213,7 +213,9 @@ def _error(reply_to: str, rid: str, status: int, message: str,
 
 
 async def serve(ctx: ServiceContext) -> None:
-    await SchedulerShell(ctx, resolve_engine(ctx.engine).config).run()
+    config = resolve_engine(ctx.engine).config  # imports transformers, and torch with it
+    freeze_heap()
+    await SchedulerShell(ctx, config).run()
 
 
 def main(argv: list[str]) -> int:

@@ -25,7 +25,10 @@ from common.timing import PhaseClock
 from services.worker.executor import Executor
 
 Post = Callable[[Entry | None, StepResult | BaseException | None], None]
-SLOW_STEP_S = 0.05  # far above any step of a small model's token budget on a GPU
+# A step is logged as slow past both: far above any step of a small model's token budget
+# on a GPU, and well above this worker's usual step (a CPU's steps are all slow).
+SLOW_STEP_S = 0.05
+SLOW_STEP_FACTOR = 4.0
 
 log = get_logger(__name__)
 DEVICE_DONE, STOP = object(), object()
@@ -41,6 +44,7 @@ class StepThread:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.launched: deque[tuple[Entry, float]] = deque()  # with when each was launched
         self.last_done = 0.0  # when the latest step's result reached the host
+        self.usual_step_s = 0.0  # a moving average of the steps' device time
         self.clock = PhaseClock()
         self._arm: queue.SimpleQueue = queue.SimpleQueue()  # the waiter's orders
         self._waiting = False  # the waiter is watching the device for us
@@ -115,13 +119,20 @@ class StepThread:
             # a step launched behind another starts when that one is done
             started = max(launched_at, self.last_done)
             self.last_done = done_at
-            if done_at - started > SLOW_STEP_S:
-                plan: StepPlan = entry.msg
-                log.warning("slow step", step=plan.step, ms=round(1000 * (done_at - started), 1),
-                            tokens=sum(plan.num_scheduled_tokens), requests=len(plan.req_ids),
-                            new_requests=len(plan.new))
+            self._check_slow(entry.msg, done_at - started)
             self.post(entry, dataclasses.replace(
                 result, epoch=self.epoch, stamps=[entry.msg.planned_at, started, done_at]))
+
+    def _check_slow(self, plan: StepPlan, seconds: float) -> None:
+        if seconds > max(SLOW_STEP_S, SLOW_STEP_FACTOR * self.usual_step_s):
+            log.warning("slow step", step=plan.step, ms=round(1000 * seconds, 1),
+                        usual_ms=round(1000 * self.usual_step_s, 1),
+                        tokens=sum(plan.num_scheduled_tokens), requests=len(plan.req_ids),
+                        new_requests=len(plan.new))
+        if self.usual_step_s == 0.0:
+            self.usual_step_s = seconds
+        else:  # about the last 20 steps
+            self.usual_step_s += (seconds - self.usual_step_s) / 20
 
     def _wait_device(self) -> None:
         while self._arm.get() is not STOP:
