@@ -50,8 +50,12 @@ PY
   kill -TERM $serve; wait $serve
   grep -ciE 'too many connections|MaxConnectionsError|ConnectionError|cannot (read|write)' \
     "$R/serve.log" /tmp/hr-serve/*.log > "$R/redis-errors.txt" 2>&1
+  # the pauses each process logged (common/stalls.py), and the host they ran on: the
+  # host side of these figures differs by up to 1.5x between machine starts
+  grep -h '"slow \|"event loop stalled"' "$R/serve.log" > "$R/stalls.jsonl"
+  lscpu | grep -E '^(Model name|CPU\(s\)|CPU max MHz)' > "$R/host.txt"
   grep -hv '"event"' "$R/serve-chat-c1.txt" "$R/serve-sharegpt-1000.txt" \
-    "$R/redis-errors.txt" "$R/latency-c62-b1.txt" | tail -n 90
+    "$R/redis-errors.txt" "$R/latency-c62-b1.txt" "$R/host.txt" | tail -n 90
 }
 
 profile_stages() {  # sample a gateway, the scheduler and a detokenizer for 15 s
