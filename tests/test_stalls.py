@@ -18,29 +18,29 @@ from services.worker import step_thread
 from services.worker.step_thread import StepThread
 
 
-def test_a_slow_collection_is_logged_with_its_generation():
+def slow_collections(slow_s: float, generation: int) -> list[dict]:
+    """The "slow garbage collection" logs of one `gc.collect(generation)` watched with
+    `slow_s`; the watcher is removed again afterwards."""
     before = list(gc.callbacks)
-    garbage = [[i] for i in range(300_000)]  # tracked objects for a full collection to walk
     try:
         with structlog.testing.capture_logs() as logs:
-            watch_collections(slow_s=0.0)
-            gc.collect(2)
+            watch_collections(slow_s=slow_s)
+            gc.collect(generation)
     finally:
         gc.callbacks[:] = before
+    return [entry for entry in logs if entry["event"] == "slow garbage collection"]
+
+
+def test_a_slow_collection_is_logged_with_its_generation():
+    garbage = [[i] for i in range(300_000)]  # tracked objects for a full collection to walk
+    slow = slow_collections(0.0, 2)
     del garbage
-    slow = [entry for entry in logs if entry["event"] == "slow garbage collection"]
     assert slow and slow[-1]["generation"] == 2 and slow[-1]["ms"] > 0
+    assert slow[-1]["frozen"] >= 0 and slow[-1]["modules"] > 0
 
 
 def test_watch_collections_stays_quiet_below_its_threshold():
-    before = list(gc.callbacks)
-    try:
-        with structlog.testing.capture_logs() as logs:
-            watch_collections(slow_s=60.0)
-            gc.collect(0)
-    finally:
-        gc.callbacks[:] = before
-    assert not [entry for entry in logs if entry["event"] == "slow garbage collection"]
+    assert not slow_collections(60.0, 0)
 
 
 @pytest.mark.anyio
