@@ -385,11 +385,14 @@ def _record_codec(cls: type) -> tuple[Converter, Converter]:
     reader fills it back in."""
     hints = typing.get_type_hints(cls, include_extras=True)
     env: dict[str, Any] = {"cls": cls, "ABSENT": _ABSENT, "MessageError": MessageError}
-    put, take, args = [], [], []
+    put: list[str] = []
+    take: list[str] = []
+    args: list[str] = []
     for i, f in enumerate(dataclasses.fields(cls)):
         assert f.init and not f.kw_only, f"{cls.__name__}.{f.name} must be positional"
         to, frm = _codec(hints[f.name])
-        env[f"to{i}"], env[f"frm{i}"], args = to, frm, args + [f"v{i}"]
+        env[f"to{i}"], env[f"frm{i}"] = to, frm
+        args.append(f"v{i}")
         value = f"o.{f.name}" if to is _plain else f"to{i}(o.{f.name})"
         exact = _EXACT.get(hints[f.name])
         check = (f"if type(v{i}) is not {exact}: v{i} = frm{i}(v{i})" if exact

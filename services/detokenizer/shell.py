@@ -42,7 +42,8 @@ async def serve(ctx: ServiceContext) -> None:
     freeze_heap()
     await ctx.bus.consume(keys.DETOK, GROUP, ctx.consumer, handler(detokenizer),
                           count=READ_COUNT, stop=ctx.stop,
-                          min_idle_ms=ctx.server.reclaim_idle_ms, reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000))
+                          min_idle_ms=ctx.server.reclaim_idle_ms,
+                          reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000))
 
 
 def main(argv: list[str]) -> int:

@@ -29,9 +29,9 @@ Post = Callable[[Entry | None, StepResult | BaseException | None], None]
 # on a GPU, and well above this worker's usual step (a CPU's steps are all slow).
 SLOW_STEP_S = 0.05
 SLOW_STEP_FACTOR = 4.0
+DEVICE_DONE, STOP = object(), object()
 
 log = get_logger(__name__)
-DEVICE_DONE, STOP = object(), object()
 
 
 class StepThread:
