@@ -32,10 +32,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys, messages
 from common.log import get_logger
+from common.redis_lanes import Command, Lanes
 
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
 LAG_COUNT_LIMIT = 10_000
 MAX_CONNECTIONS = 16
+LANES = 4  # of MAX_CONNECTIONS, held for the hot calls (common/redis_lanes.py)
 
 Output = tuple[str, Any]
 Record = tuple[str, Mapping[str, str | bytes]]  # (stream, entry fields), ready for XADD
@@ -148,14 +150,18 @@ class Bus:
         self.socket_timeout_s = socket_timeout_s
         # Retries are ours (bounded in time, logged); redis-py's would hide an outage.
         tcp = {} if url.startswith("unix:") else {"socket_keepalive": True}
-        # A bounded pool that makes a caller wait for a free connection: however many
+        if max_connections <= LANES:
+            raise ValueError(f"max_connections must exceed the {LANES} lanes, "
+                             f"got {max_connections}")
+        # Bounded pools that make a caller wait for a free connection: however many
         # requests a process serves, it holds at most `max_connections` (named in CLIENT
         # LIST), and a busy pool slows callers down instead of failing them.
         pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=socket_timeout_s,
+            url, max_connections=max_connections - LANES, timeout=socket_timeout_s,
             decode_responses=False, retry=Retry(NoBackoff(), 0), client_name=name,
             socket_timeout=socket_timeout_s, socket_connect_timeout=5.0, **tcp)
         self.redis = aioredis.Redis.from_pool(pool)
+        self.lanes = Lanes(pool, LANES)
         self._count_after = self.redis.register_script(_COUNT_AFTER)
 
     async def __aenter__(self) -> Bus:
@@ -166,6 +172,7 @@ class Bus:
         await self.close()
 
     async def close(self) -> None:
+        await self.lanes.close()
         await self.redis.aclose()
 
     # --- writing ----------------------------------------------------------------------
@@ -198,14 +205,22 @@ class Bus:
         if not records and not done:
             return []
 
+        commands: list[Command] = [self._xadd(stream, fields) for stream, fields in records]
+        commands += [("XACK", stream, group, *ids)
+                     for (stream, group), ids in _ids_by_group(done).items()]
+        if len(commands) > 1:  # all or nothing: a crash never acks what it did not publish
+            commands = [("MULTI",), *commands, ("EXEC",)]
+
         async def attempt() -> list[bytes]:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                for stream, fields in records:
-                    pipe.xadd(stream, dict(fields), maxlen=self.maxlen, approximate=True)
-                for (stream, group), ids in _ids_by_group(done).items():
-                    pipe.xack(stream, group, *ids)
-                return (await pipe.execute())[:len(records)]
+            replies = await self.lanes.call(commands, self.socket_timeout_s)
+            return (replies[-1] if len(commands) > 1 else replies)[:len(records)]
         return await self._retrying("write", attempt)
+
+    def _xadd(self, stream: str, fields: Mapping[str, str | bytes]) -> Command:
+        command: list[str | bytes | int] = ["XADD", stream, "MAXLEN", "~", self.maxlen, "*"]
+        for name, value in fields.items():
+            command += (name, value)
+        return command
 
     async def _retrying(self, what: str, operation: Callable[[], Awaitable[Any]]) -> Any:
         deadline = time.monotonic() + self.retry_timeout_s
@@ -264,9 +279,9 @@ class Bus:
         """XREADGROUP over several streams: id ">" for new entries, "0" for this
         consumer's pending ones. Groups that went missing are created again; entries that
         do not decode go to hr:dead and are not returned."""
+        command = ("XREADGROUP", "GROUP", group, consumer)
         try:
-            reply = await self.redis.xreadgroup(group, consumer, dict(streams), count=count,
-                                                block=block_ms)
+            reply = await self._xread(command, streams, count, block_ms)
         except ResponseError as e:
             if not str(e).startswith("NOGROUP"):
                 raise
@@ -274,16 +289,23 @@ class Bus:
                         streams=list(streams))
             for stream in streams:
                 await self.ensure_group(stream, group)
-            reply = await self.redis.xreadgroup(group, consumer, dict(streams), count=count,
-                                                block=block_ms)
+            reply = await self._xread(command, streams, count, block_ms)
         return await self._decode_all(_flatten(reply), group)
 
     async def tail(self, streams: Mapping[str, str | bytes], *, count: int | None = None,
                    block_ms: int | None = None) -> list[Entry]:
         """XREAD without a group, for a stream only one process reads (a gateway's
         replies): pass the last id seen per stream, or "$" for what comes next."""
-        reply = await self.redis.xread(dict(streams), count=count, block=block_ms)
+        reply = await self._xread(("XREAD",), streams, count, block_ms)
         return await self._decode_all(_flatten(reply), None)
+
+    async def _xread(self, command: Command, streams: Mapping[str, str | bytes],
+                     count: int | None, block_ms: int | None) -> Any:
+        full = [*command, *(("COUNT", count) if count is not None else ()),
+                *(("BLOCK", block_ms) if block_ms is not None else ()),
+                "STREAMS", *streams.keys(), *streams.values()]
+        timeout_s = self.socket_timeout_s + (block_ms or 0) / 1000
+        return (await self.lanes.call([full], timeout_s))[0]
 
     async def claim_idle(self, stream: str, group: str, consumer: str, min_idle_ms: int,
                          count: int = 100, cursor: bytes | str = "0-0") -> Claim:
@@ -496,11 +518,11 @@ def decode_value(key: str, raw: bytes | None) -> Any | None:
 
 
 def _flatten(reply: Any) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
-    """XREAD(GROUP)'s [[stream, [(id, fields), ...]], ...] (or a dict of the same) as
-    (stream, id, fields) triples."""
+    """XREAD(GROUP)'s raw reply, [[stream, [[id, [field, value, ...]], ...]], ...] (a map
+    of the same in RESP3), as (stream, id, fields) triples; a trimmed entry has no fields."""
     pairs = reply.items() if isinstance(reply, dict) else (reply or [])
-    return [(_text(stream), entry_id, fields or {})
-            for stream, items in pairs for entry_id, fields in items]
+    return [(_text(stream), entry_id, dict(zip(flat[::2], flat[1::2])) if flat else {})
+            for stream, items in pairs for entry_id, flat in items]
 
 
 def _ids_by_group(done: Sequence[Entry]) -> dict[tuple[str, str], list[bytes]]:

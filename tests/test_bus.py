@@ -151,6 +151,49 @@ async def test_tail_follows_a_stream_without_a_group(redis_url):
         assert len(dead) == 1 and dead[0][1][b"group"] == b""
 
 
+def lane_connections(redis_url: str, name: str) -> int:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return sum(1 for c in client.client_list() if c.get("name") == name)
+    finally:
+        client.close()
+
+
+@pytest.mark.anyio
+async def test_a_lane_cut_off_mid_call_is_not_handed_out_with_a_stale_reply(redis_url):
+    """A blocked read cancelled, a call timed out, an error inside EXEC and one before
+    the last reply each cut a call short; the next calls on every lane must read their own
+    replies."""
+    async with Bus(redis_url, name="lanes", socket_timeout_s=0.3) as bus:
+        await bus.ensure_group(IN, "g")
+        with anyio.move_on_after(0.05):  # cancelled while Redis holds the read
+            await bus.read("g", "c", {IN: ">"}, block_ms=2000)
+        with pytest.raises(busmod.RedisTimeoutError):  # the call's own timer
+            await bus.lanes.call([("BLPOP", "hr:test:nothing", 5)], 0.1)
+        await bus.redis.set("hr:test:text", "x")
+        with pytest.raises(busmod.ResponseError, match="WRONGTYPE"):  # inside EXEC
+            await bus.lanes.call([("MULTI",), ("XACK", "hr:test:text", "g", "1-1"),
+                                  ("PING",), ("EXEC",)], 1.0)
+        with pytest.raises(busmod.ResponseError, match="wrong number"):  # replies unread
+            await bus.lanes.call([("PING",), ("XADD", IN), ("PING",), ("PING",)], 1.0)
+        for i in range(2 * busmod.LANES):  # every lane in turn
+            await bus.publish(IN, Abort(f"r{i}"))
+            got = await bus.read("g", "c", {IN: ">"}, block_ms=100)
+            assert [e.msg.rid for e in got] == [f"r{i}"]
+            assert await bus.lanes.call([("PING",)], 1.0) in ([b"PONG"], ["PONG"])
+        assert lane_connections(redis_url, "lanes") <= busmod.MAX_CONNECTIONS
+
+
+@pytest.mark.anyio
+async def test_lanes_make_callers_wait_instead_of_opening_more(redis_url):
+    async with Bus(redis_url, name="waiting") as bus:
+        async with anyio.create_task_group() as tasks:
+            for i in range(3 * busmod.LANES):  # more blocked reads than lanes
+                tasks.start_soon(lambda i=i: bus.tail({f"hr:test:{i}": "$"}, block_ms=200))
+            await anyio.sleep(0.1)
+            assert lane_connections(redis_url, "waiting") == busmod.LANES
+
+
 @pytest.mark.anyio
 async def test_poison_entries_go_to_dead_and_the_consumer_keeps_going(redis_url):
     handled = []

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from common.config import EngineConfig
-from common.detok_window import detok_params, make_context, stop_lookback
+from common.detok_window import make_context
 from common.hops import NUM_REQUEST_STAMPS
 from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
                              SchedulerStats, StepPlan, StepResult, TokenLogprobs)
@@ -323,14 +323,13 @@ class Scheduler:
                        priority=admit.priority, stamps=list(admit.stamps))
 
     def _detok_item(self, req: Request, new: list[int], lp: TokenLogprobs | None) -> DetokItem:
-        params = req.params
         seq = len(req.output_token_ids) - len(new)
         context, num_context_prompt = make_context(
-            KnownTokens(req), req.num_prompt_tokens, len(new), stop_lookback(params.stop))
+            KnownTokens(req), req.num_prompt_tokens, len(new), req.stop_lookback)
         return DetokItem(
             rid=req.rid, index=req.index, reply_to=req.reply_to, seq=seq, new_token_ids=new,
             context_ids=context, num_context_prompt=num_context_prompt,
-            params=detok_params(params), num_prompt_tokens=req.num_prompt_tokens,
+            params=req.detok_params, num_prompt_tokens=req.num_prompt_tokens,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             logprobs=[lp] if lp is not None else [],
             prompt_logprobs=req.prompt_logprobs if seq == 0 else [],

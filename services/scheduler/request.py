@@ -12,7 +12,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from common.messages import TokenLogprobs
+from common.detok_window import detok_params, stop_lookback
+from common.messages import DetokParams, TokenLogprobs
 from common.sampling_params import SamplingParams
 from common.tokens import slice_tokens
 
@@ -45,6 +46,13 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     stamps: list[float] = field(default_factory=list)  # its way in, see common/hops.py
+    # made once: every step's DetokItem of this request carries them
+    detok_params: DetokParams = field(init=False)
+    stop_lookback: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.detok_params = detok_params(self.params)
+        self.stop_lookback = stop_lookback(self.params.stop)
 
     @property
     def num_prompt_tokens(self) -> int:
