@@ -462,6 +462,18 @@ def test_stage_breakdown_of_prometheus_client_expositions():
                                                                "detokenize"]
 
 
+def test_the_gateways_ttft_follows_the_stages():
+    registry = CollectorRegistry()
+    ttft = Histogram("headrace:time_to_first_token_seconds", "Time to the first token.",
+                     registry=registry)  # listed before the stages, shown after them
+    stage_histogram(registry, "replica").labels("tokenizer", "0").observe(0.001)
+    for value in (0.008, 0.012):
+        ttft.observe(value)
+    rows = stage_breakdown(None, generate_latest(registry).decode())
+    assert [r.stage for r in rows] == ["tokenizer", "gateway_ttft"]
+    assert rows[1].count == 2 and rows[1].mean_ms == pytest.approx(10.0)
+
+
 def test_bucket_quantile_interpolates_as_prometheus_does():
     buckets = {0.1: 2.0, 0.2: 2.0, 0.4: 6.0, math.inf: 8.0}
     assert bucket_quantile(0.25, buckets) == pytest.approx(0.1)  # rank 2: the 1st bound

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The serving path on the GPU, as a user meets it. Every output under $OUT/r:
 #   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh serve
-#     one short chat at a time, then 1000 synthetic-sharegpt requests at once, through
+#     one short chat at a time, two at a time, then 1000 synthetic-sharegpt requests at once, through
 #     `headrace serve` over HTTP (client latencies beside the server's per-stage
 #     breakdown) and the Redis errors in their logs, after the in-process decode step
 #   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh throughput
@@ -45,6 +45,11 @@ for _ in range(300):
 PY
   bench_serve serve-chat-c1 --endpoint chat --num-prompts 64 --max-concurrency 1 \
     --dataset random --random-input-len 32 --random-output-len 64 --ignore-eos
+  # two at a time, of outputs 32 to 96 tokens long: requests arrive while another decodes,
+  # so TTFT shows how many queued steps a new prefill waits behind
+  bench_serve serve-chat-c2 --endpoint chat --num-prompts 64 --max-concurrency 2 \
+    --dataset random --random-input-len 32 --random-output-len 64 \
+    --random-range-ratio 0.5 --ignore-eos
   bench_serve serve-sharegpt-1000 --num-prompts 1000 --dataset synthetic-sharegpt \
     --ignore-eos
   kill -TERM $serve; wait $serve
@@ -54,7 +59,7 @@ PY
   # host side of these figures differs by up to 1.5x between machine starts
   grep -h '"slow \|"event loop stalled"' "$R/serve.log" > "$R/stalls.jsonl"
   lscpu | grep -E '^(Model name|CPU\(s\)|CPU max MHz)' > "$R/host.txt"
-  grep -hv '"event"' "$R/serve-chat-c1.txt" "$R/serve-sharegpt-1000.txt" \
+  grep -hv '"event"' "$R/serve-chat-c1.txt" "$R/serve-chat-c2.txt" "$R/serve-sharegpt-1000.txt" \
     "$R/redis-errors.txt" "$R/latency-c62-b1.txt" "$R/host.txt" | tail -n 90
 }
 

@@ -14,6 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 STAGE_HISTOGRAM = "headrace:stage_seconds"
 STAGE_LABEL = "stage"
+# Whole-request histograms shown beside the stages: what of the client's TTFT the gateway
+# saw (from the request's arrival to its first reply), the rest being HTTP and the client.
+ROWS_OF = {"headrace:time_to_first_token_seconds": "gateway_ttft"}
 
 
 @dataclass(slots=True)
@@ -42,16 +45,17 @@ class StageStats:
 
 
 def parse_stages(exposition: str) -> dict[str, StageSeries]:
-    """The stage histogram's series by stage, in the order the exposition lists them; empty
-    where it has no such histogram or is not Prometheus text at all."""
+    """The stage histogram's series by stage, in the order the exposition lists them, then
+    those of ROWS_OF; empty where it has none of them or is not Prometheus text at all."""
     stages: dict[str, StageSeries] = {}
     try:
         families = [f for f in text_string_to_metric_families(exposition)
-                    if f.name == STAGE_HISTOGRAM and f.type == "histogram"]
+                    if f.name in (STAGE_HISTOGRAM, *ROWS_OF) and f.type == "histogram"]
     except ValueError:  # a page that is not an exposition
         return {}
-    for sample in (s for f in families for s in f.samples):
-        stage = sample.labels.get(STAGE_LABEL)
+    families.sort(key=lambda f: f.name != STAGE_HISTOGRAM)
+    for family, sample in ((f, s) for f in families for s in f.samples):
+        stage = ROWS_OF.get(family.name) or sample.labels.get(STAGE_LABEL)
         if stage is None:
             continue
         series = stages.setdefault(stage, StageSeries())
