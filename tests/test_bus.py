@@ -465,6 +465,20 @@ def test_bench_bus_measures_round_trips_and_publish_rate(redis_url, tmp_path):
     assert not client.exists("bench:ping", "bench:pong", "bench:bulk")  # cleaned up
 
 
+def test_bench_bus_pauses_before_each_round_trip(redis_url, tmp_path):
+    out = tmp_path / "bus.json"
+    start = time.monotonic()
+    result = run_command("bench", "bus", "--redis-url", redis_url, "--iterations", "20",
+                         "--warmup", "0", "--idle-ms", "50", "--batch", "2", "--batches",
+                         "1", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - start >= 20 * 0.05
+    assert json.loads(out.read_text())["round_trip"]["idle_ms"] == 50
+    assert "each after 50 ms idle" in result.stdout
+    refused = run_command("bench", "bus", "--redis-url", redis_url, "--idle-ms", "-1")
+    assert refused.returncode == 2 and "--idle-ms" in refused.stderr
+
+
 def test_bench_dispatcher_names_unknown_and_missing_benchmarks(monkeypatch, capsys):
     from services import bench
     assert bench.main(["nope"]) == 2

@@ -3,11 +3,14 @@
 Round trip: this process publishes a request on bench:ping and waits for its echo on
 bench:pong; a child process consumes bench:ping through `Bus.consume` (one MULTI/EXEC of
 XADD + XACK per entry) and publishes the echo. So one round trip is two hops and the
-consume loop's commit, the path every stateless stage takes.
+consume loop's commit, the path every stateless stage takes. With --idle-ms, each round
+trip follows that long a pause, as a lone request finds the stages: on a VM, waking a
+process (and Redis) whose CPU went idle costs more than the hop's own work.
 Publish throughput: batches of step plans of 64 decoding requests, published in one
 transaction each, as the scheduler does.
 
-    headrace bench bus [--redis-url URL] [--iterations N] [--batch N] [--json FILE]
+    headrace bench bus [--redis-url URL] [--iterations N] [--idle-ms MS] [--batch N]
+                       [--json FILE]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 class RoundTrip:
     iterations: int
     warmup: int
+    idle_ms: float  # the pause before each round trip
     p50_ms: float
     p90_ms: float
     p99_ms: float
@@ -78,20 +82,22 @@ def decode_plan(rng: random.Random, step: int) -> StepPlan:
                     cached=[CachedRequest(rid, [rng.randrange(20000)]) for rid in req_ids[:4]])
 
 
-def percentiles(samples_s: list[float], warmup: int) -> RoundTrip:
+def percentiles(samples_s: list[float], warmup: int, idle_ms: float) -> RoundTrip:
     ms = np.asarray(samples_s) * 1000
     p50, p90, p99 = np.percentile(ms, [50, 90, 99])
-    return RoundTrip(len(ms), warmup, float(p50), float(p90), float(p99), float(ms.mean()),
-                     float(ms.max()))
+    return RoundTrip(len(ms), warmup, idle_ms, float(p50), float(p90), float(p99),
+                     float(ms.mean()), float(ms.max()))
 
 
 async def measure_round_trips(bus: Bus, echo: subprocess.Popen[bytes], iterations: int,
-                              warmup: int) -> RoundTrip:
+                              warmup: int, idle_ms: float = 0.0) -> RoundTrip:
     rng = random.Random(0)
     last_id: bytes | str = "0"
     samples = []
     for i in range(warmup + iterations):
         msg = ping_message(rng, i)
+        if idle_ms:
+            await anyio.sleep(idle_ms / 1000)
         start = time.perf_counter()
         await bus.publish(PING, msg)
         entries = await bus.tail({PONG: last_id}, count=1, block_ms=10_000)
@@ -103,7 +109,7 @@ async def measure_round_trips(bus: Bus, echo: subprocess.Popen[bytes], iteration
         last_id = entries[0].id
         if i >= warmup:
             samples.append(elapsed)
-    return percentiles(samples, warmup)
+    return percentiles(samples, warmup, idle_ms)
 
 
 async def measure_publish_rate(bus: Bus, batch: int, batches: int) -> PublishRate:
@@ -141,7 +147,8 @@ async def run_bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
         await bus.ensure_group(PING, GROUP)
         echo = start_echo(url)
         try:
-            round_trip = await measure_round_trips(bus, echo, args.iterations, args.warmup)
+            round_trip = await measure_round_trips(bus, echo, args.iterations, args.warmup,
+                                                   args.idle_ms)
         finally:
             stop_echo(echo)
         publish = await measure_publish_rate(bus, args.batch, args.batches)
@@ -198,7 +205,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"redis {m['redis_version']} over {m['redis_transport']}",
         "",
         f"round trip (publish -> consume -> publish -> read), {rt['iterations']} iterations "
-        f"after {rt['warmup']} warm-up:",
+        f"after {rt['warmup']} warm-up, each after {rt['idle_ms']:g} ms idle:",
         f"  p50   {rt['p50_ms']:8.3f} ms",
         f"  p90   {rt['p90_ms']:8.3f} ms",
         f"  p99   {rt['p99_ms']:8.3f} ms",
@@ -219,6 +226,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="Redis to measure (default: an embedded one on a unix socket)")
     parser.add_argument("--iterations", type=int, default=2000, help="timed round trips")
     parser.add_argument("--warmup", type=int, default=200, help="untimed round trips first")
+    parser.add_argument("--idle-ms", type=float, default=0.0,
+                        help="pause before each round trip, as a lone request finds the "
+                             "stages (default 0: back to back)")
     parser.add_argument("--batch", type=int, default=100, help="messages per publish")
     parser.add_argument("--batches", type=int, default=200, help="timed publishes")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
@@ -229,6 +239,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be non-negative, got {args.warmup}")
+    if not 0 <= args.idle_ms <= 10_000:
+        parser.error(f"--idle-ms must be in [0, 10000], got {args.idle_ms}")
     return args
 
 
