@@ -12,6 +12,7 @@ from typing import Any
 _GREEDY_EPS = 1e-5
 _INT64 = 2**63
 _INT32 = 2**31  # token ids travel as packed int32
+MAX_N = 128  # completions per request
 
 
 class SamplingError(ValueError):
@@ -60,7 +61,14 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, "n must be at least 1", "n", self.n)
+        # Every integer crosses the bus as MessagePack, which holds 64 bits.
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            _check(not _is_int(value) or -_INT64 <= value < _INT64,
+                   f"{name} must be a 64-bit integer", name, value)
+        # n completions cost n requests' state in every stage: OpenAI's own bound.
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]", "n",
+               self.n)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2]",
@@ -114,6 +122,8 @@ class SamplingParams:
                    f"{name} must be at most {max_logprobs} (--max-logprobs)", name, value)
 
 
+_INT_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                    if f.type in ("int", "int | None"))
 # Set by the tokenizer stage from the model, never by a client.
 INTERNAL_PARAMS = frozenset({"eos_token_ids"})
 # Every parameter a client may set, in field order: the one list the gateway, the tokenizer

@@ -482,3 +482,11 @@ def test_admission():
     stale = Backend(True, True, 0, now - STALE_S - 0.1)
     assert not stale.alive(now) and admission_error(stale, 4, now).status == 503
     assert not Backend().alive(now)
+
+
+@pytest.mark.parametrize("body", [{"priority": 2**63}, {"priority": -2**63 - 1},
+                                  {"n": 2**31 - 1}, {"top_k": 2**64}])
+def test_integers_the_bus_cannot_carry_or_unbounded_n_are_400(body):
+    with pytest.raises(ApiError) as caught:
+        parse_job({"prompt": "Hi", **body}, chat=False)
+    assert caught.value.status == 400 and caught.value.param == next(iter(body))

@@ -14,7 +14,10 @@ from common.messages import AdmitRequest, decode, encode
 from common.sampling_params import SamplingError, SamplingParams
 
 INVALID: list[tuple[str, Any]] = [
-    ("n", 0), ("n", -3), ("n", 1.5),
+    ("n", 0), ("n", -3), ("n", 1.5), ("n", 129), ("n", 2**31 - 1),
+    # past 64 bits, which the bus's MessagePack cannot carry
+    ("top_k", 2**63), ("max_tokens", 2**64), ("min_tokens", 10**30), ("logprobs", 2**63),
+    ("prompt_logprobs", 2**70), ("seed", -2**63 - 1),
     ("presence_penalty", 2.01), ("presence_penalty", -2.5), ("presence_penalty", float("nan")),
     ("frequency_penalty", 3.0), ("frequency_penalty", -2.001),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),

@@ -83,6 +83,9 @@ def parse_job(body: Any, chat: bool) -> Job:
     job.stream = _typed(body, "stream", bool, False)
     job.include_usage = _include_usage(body, job.stream)
     job.priority = _typed(body, "priority", int, 0)
+    if not -2**63 <= job.priority < 2**63:  # it crosses the bus as a MessagePack integer
+        raise ApiError(400, f"priority must be a 64-bit integer, got {job.priority}",
+                       "priority")
     try:
         SamplingParams(**job.params)
     except SamplingError as e:
