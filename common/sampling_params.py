@@ -64,7 +64,7 @@ class SamplingParams:
         # Every integer crosses the bus as MessagePack, which holds 64 bits.
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            _check(not _is_int(value) or -_INT64 <= value < _INT64,
+            _check(not _is_int(value) or fits_int64(value),
                    f"{name} must be a 64-bit integer", name, value)
         # n completions cost n requests' state in every stage: OpenAI's own bound.
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]", "n",
@@ -85,8 +85,8 @@ class SamplingParams:
                "top_k must be 0 or -1 (disabled) or a positive integer", "top_k", self.top_k)
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]",
                "min_p", self.min_p)
-        _check(self.seed is None or (_is_int(self.seed) and -_INT64 <= self.seed < _INT64),
-               "seed must be a 64-bit integer", "seed", self.seed)
+        _check(self.seed is None or _is_int(self.seed), "seed must be a 64-bit integer",
+               "seed", self.seed)
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens must be at least 1", "max_tokens", self.max_tokens)
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
@@ -153,6 +153,11 @@ def check_json_type(name: str, value: Any, kinds: tuple[type, ...]) -> None:
         wanted = " or ".join(_JSON_NAMES[k] for k in kinds)
         got = _JSON_NAMES.get(type(value), type(value).__name__)
         raise SamplingError(f"{name!r} must be {wanted}, got {got}", name)
+
+
+def fits_int64(value: int) -> bool:
+    """Whether MessagePack, and so the bus, can carry this integer."""
+    return -_INT64 <= value < _INT64
 
 
 def _is_int(value: Any) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 from common.chat import plain_conversation
 from common.errors import ApiError
 from common.sampling_params import (CLIENT_PARAMS, SamplingError, SamplingParams,
-                                    check_json_type, json_kinds)
+                                    check_json_type, fits_int64, json_kinds)
 
 MAX_TOKEN_ID = 2**31  # token ids travel as packed int32
 
@@ -83,7 +83,7 @@ def parse_job(body: Any, chat: bool) -> Job:
     job.stream = _typed(body, "stream", bool, False)
     job.include_usage = _include_usage(body, job.stream)
     job.priority = _typed(body, "priority", int, 0)
-    if not -2**63 <= job.priority < 2**63:  # it crosses the bus as a MessagePack integer
+    if not fits_int64(job.priority):
         raise ApiError(400, f"priority must be a 64-bit integer, got {job.priority}",
                        "priority")
     try:
