@@ -132,6 +132,7 @@ class StreamInfo:
     name: str
     length: int
     groups: list[GroupInfo] = field(default_factory=list)
+    last_id: str = "0-0"  # of the last entry ever added; its first part is when, in ms
 
 
 class Bus:
@@ -239,9 +240,10 @@ class Bus:
 
     # --- shared state ------------------------------------------------------------------
 
-    async def set_alive(self, key: str, token: str, ttl_ms: int) -> None:
-        """`key` holds `token` for `ttl_ms`: a heartbeat renews it, a crash lets it lapse."""
-        await self.redis.set(key, token, px=ttl_ms)
+    async def set_alive(self, key: str, token: str, ttl_ms: int) -> bytes | None:
+        """`key` holds `token` for `ttl_ms`: a heartbeat renews it, a crash lets it lapse.
+        Returns what the key held before (None: it had lapsed, or never was)."""
+        return await self.redis.set(key, token, px=ttl_ms, get=True)
 
     async def values(self, *names: str) -> list[bytes | None]:
         """The values of plain keys, None for a missing one (one round trip)."""
@@ -378,10 +380,10 @@ class Bus:
         return infos
 
     async def _stream_info(self, name: str) -> StreamInfo:
-        length = await self.redis.xlen(name)
+        stream = await self.redis.xinfo_stream(name)
         groups = [await self._group_info(name, row)
                   for row in await self.redis.xinfo_groups(name)]
-        return StreamInfo(name, length, groups)
+        return StreamInfo(name, stream["length"], groups, _text(stream["last-generated-id"]))
 
     async def _group_info(self, stream: str, row: dict[str, Any]) -> GroupInfo:
         group, last_id = _text(row["name"]), _text(row["last-delivered-id"])

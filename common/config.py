@@ -160,8 +160,24 @@ class ServerConfig:
     max_request_body: int = field(default=8 * 2**20, metadata=_help(
         "Largest request body in bytes (413 above it)."))
     reclaim_idle_ms: int = field(default=30_000, metadata=_help(
-        "A stateless stage takes over another replica's pending entries once they have "
-        "been idle this long (the replica died)."))
+        "A tokenizer takes over another replica's pending entries once they have been idle "
+        "this long (the replica died)."))
+    max_prompts_per_request: int = field(default=256, metadata=_help(
+        "Most prompts one completions call may batch (each is a request of its own)."))
+    max_stop_strings: int = field(default=64, metadata=_help(
+        "Most stop strings a request may give (each is matched on every step)."))
+    max_stop_length: int = field(default=1024, metadata=_help(
+        "Longest stop string, in characters."))
+    max_stop_token_ids: int = field(default=1024, metadata=_help(
+        "Most stop token ids a request may give."))
+    timeout_keep_alive: float = field(default=5.0, metadata=_help(
+        "Seconds a gateway connection may sit idle, or take to send a request's headers, "
+        "before the gateway closes it (a slow or half-open client holds nothing longer)."))
+    body_timeout: float = field(default=30.0, metadata=_help(
+        "Seconds a request's body may take to arrive (408 after that)."))
+    shutdown_timeout: float = field(default=30.0, metadata=_help(
+        "On SIGTERM a gateway stops admitting (503) and gives the requests in flight this "
+        "many seconds to finish, then ends the rest with an error."))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -171,8 +187,13 @@ class ServerConfig:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         for name in ("api_server_count", "tokenizer_replicas", "detokenizer_replicas",
                      "max_queue_len",
-                     "stream_maxlen", "max_request_body", "reclaim_idle_ms"):
+                     "stream_maxlen", "max_request_body", "reclaim_idle_ms",
+                     "max_prompts_per_request", "max_stop_strings", "max_stop_length",
+                     "max_stop_token_ids"):
             _positive(name, getattr(self, name))
+        _positive("shutdown_timeout", self.shutdown_timeout, allow_zero=True)
+        _positive("timeout_keep_alive", self.timeout_keep_alive)
+        _positive("body_timeout", self.body_timeout)
 
 
 def _flag(name: str) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 from common.messages import ErrorReply
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+               405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 RETRY_AFTER_S = 1
 

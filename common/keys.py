@@ -20,6 +20,11 @@ def replies(gateway_id: str) -> str:
     return f"hr:replies:{gateway_id}"
 
 
+def alive_gateway(gateway_id: str) -> str:
+    """A gateway's liveness: once it lapses, the schedulers end its requests."""
+    return f"hr:alive:gateway:{gateway_id}"
+
+
 def _shard(shard: int) -> str:
     if shard < 0:
         raise ValueError(f"a shard is a non-negative integer, got {shard}")

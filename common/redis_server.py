@@ -152,7 +152,9 @@ class EmbeddedRedis:
         if self.process is not None:
             raise RedisServerError(f"the embedded Redis at {self.socket_path} is running")
         self._check_socket_path()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # only this user may reach the socket (700 too) or read the append-only file
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.run_dir.chmod(0o700)
         with open(self.log_path, "ab") as log:
             self.process = spawn_child(
                 self._command(), cwd=self.run_dir, stdin=subprocess.DEVNULL, stdout=log,

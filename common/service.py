@@ -24,6 +24,7 @@ from common.stalls import watch_collections, watch_loop
 
 HEARTBEAT_S = 1.0
 ALIVE_TTL_MS = 4000
+TAKEN_FOR_DEAD_EXIT = 3
 GIL_SWITCH_S = 0.0005  # measured on the H100: one chat's ITL p50 1.76 ms at 5 ms, 1.63 at this
 
 
@@ -73,9 +74,15 @@ def run_service(name: str, argv: list[str], body: Body, description: str = "") -
     sys.setswitchinterval(GIL_SWITCH_S)
     # uvloop: every stage is a loop of small socket reads and writes, and the Redis hops'
     # share of each token's latency is mostly the event loop's own overhead
-    anyio.run(_serve, name, replica, engine, server, body,
-              backend_options={"use_uvloop": True})
-    return 0
+    code = 0
+    try:
+        anyio.run(_serve, name, replica, engine, server, body,
+                  backend_options={"use_uvloop": True})
+    except* TakenForDead as group:
+        get_logger("headrace.process").error("taken for dead by the other stages; exiting "
+                                             "to be restarted", reason=str(group.exceptions[0]))
+        code = TAKEN_FOR_DEAD_EXIT
+    return code
 
 
 def freeze_heap() -> None:
@@ -113,13 +120,27 @@ async def _stop_on_signal(stop: anyio.Event) -> None:
             return
 
 
+class TakenForDead(Exception):
+    """This process's liveness key lapsed while it lived (it was stopped or stalled, or
+    Redis lost the key), so the other stages ended its work."""
+
+
 async def heartbeat(bus: Bus, key: str, value: str, stop: anyio.Event) -> None:
-    """Keep `key` alive while this process is; it expires ALIVE_TTL_MS after a crash."""
+    """Keep `key` alive while this process is; it expires ALIVE_TTL_MS after a crash.
+
+    Finding the key lapsed or taken by another process raises TakenForDead: the process
+    exits to be restarted afresh, since what it holds (a KV cache, running requests) was
+    already written off by the others and cannot be trusted to match theirs."""
+    held = False
     while not stop.is_set():
         try:
-            await bus.set_alive(key, value, ALIVE_TTL_MS)
+            before = await bus.set_alive(key, value, ALIVE_TTL_MS)
         except UNAVAILABLE:
             pass  # Redis is restarting; the bus's own retries report it
+        else:
+            if held and before != value.encode():
+                raise TakenForDead(f"{key} was {before!r}, not this process's {value!r}")
+            held = True
         with anyio.move_on_after(HEARTBEAT_S):
             await stop.wait()
     try:

@@ -19,7 +19,7 @@ from common.config import (EngineConfig, ServerConfig, engine_args_to_cli, parse
                            server_args_to_cli)
 from common.log import configure_logging, get_logger
 from common.model_files import resolve_model
-from common.redis_server import redis_url_or_embedded, spawn_child
+from common.redis_server import EmbeddedRedis, redis_url_or_embedded, spawn_child
 from common.service import service_parser
 
 STOP_TIMEOUT_S = 15.0
@@ -75,8 +75,11 @@ def fresh_metrics_dir(run_dir: Path) -> Path:
 
 
 class Supervisor:
-    def __init__(self, children: list[Child]) -> None:
+    def __init__(self, children: list[Child], redis: EmbeddedRedis | None = None,
+                 drain_s: float = 0.0) -> None:
         self.children = children
+        self.redis = redis
+        self.drain_s = drain_s  # the gateways' --shutdown-timeout
         self.stopping = False
 
     def run(self, health_url: str) -> None:
@@ -84,6 +87,7 @@ class Supervisor:
             child.start()
         announced = False
         while not self.stopping:
+            self._restart_redis()
             self._restart_crashed()
             if not announced and _healthy(health_url):
                 log.info("serving", url=health_url.rsplit("/", 1)[0])
@@ -94,18 +98,24 @@ class Supervisor:
         self.stopping = True
 
     def shutdown(self) -> None:
-        """Stop the children one by one from the front (gateway) to the back (worker), so
-        that no stage takes a normal shutdown for the loss of the one behind it."""
+        """Stop the gateways together, each draining its calls while the stages behind
+        them still serve; then the other children one by one from the front to the back
+        (worker), so that no stage takes a normal shutdown for the loss of the one
+        behind it."""
+        gateways = [c for c in self.children if c.name == "gateway"]
+        _stop([c.process for c in gateways], self.drain_s + STOP_TIMEOUT_S)
         for child in reversed(self.children):
-            process = child.process
-            if process is None or process.poll() is not None:
-                continue
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            if child.name != "gateway":
+                _stop([child.process], STOP_TIMEOUT_S)
+
+    def _restart_redis(self) -> None:
+        """The embedded Redis died (its append-only file keeps the streams): start it
+        again at once; the services reconnect on their own."""
+        if self.redis is None or self.redis.process is None:
+            return
+        if (code := self.redis.process.poll()) is not None:
+            log.error("redis-server exited; restarting it", code=code)
+            self.redis.restart()
 
     def _restart_crashed(self) -> None:
         now = time.monotonic()
@@ -125,6 +135,20 @@ class Supervisor:
                 child.start()
 
 
+def _stop(processes: list[subprocess.Popen | None], timeout_s: float) -> None:
+    """SIGTERM to each running process, then wait for all; SIGKILL after `timeout_s`."""
+    running = [p for p in processes if p is not None and p.poll() is None]
+    for process in running:
+        process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for process in running:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=0.5) as response:
@@ -138,9 +162,10 @@ def main(argv: list[str]) -> int:
     configure_logging("launcher")
     resolve_model(engine.model, engine.load_format)  # a GGUF converts once, here
     run_dir = Path(server.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     redis_url, redis = redis_url_or_embedded(server.redis_url, run_dir)
-    supervisor = Supervisor(child_specs(engine, server, redis_url, fresh_metrics_dir(run_dir)))
+    supervisor = Supervisor(child_specs(engine, server, redis_url, fresh_metrics_dir(run_dir)),
+                            redis, server.shutdown_timeout)
     signal.signal(signal.SIGTERM, supervisor.stop)
     signal.signal(signal.SIGINT, supervisor.stop)
     try:

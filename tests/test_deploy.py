@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -13,10 +14,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
 import redis
 import yaml
 
+from common.config import ServerConfig
 from common.service import service_parser
 from services.bench.pipeline import free_port
 from services.cli import COMMANDS
@@ -125,3 +126,17 @@ def test_procfile_serves_under_honcho(redis_url, tmp_path):
     leftover = subprocess.run(["pgrep", "-f", f"headrace .* {model}"], capture_output=True,
                               text=True).stdout.split()
     assert not leftover, f"processes left behind: {leftover}"
+
+
+def test_deployments_give_the_gateway_its_drain():
+    """A gateway's SIGTERM drain (--shutdown-timeout) must end before the manager's
+    SIGKILL, or streams in flight are cut with neither an error nor [DONE]."""
+    drain_s = ServerConfig().shutdown_timeout
+    gateway = next(doc for doc in yaml.safe_load_all((DEPLOY / "k8s" / "headrace.yaml")
+                                                     .read_text())
+                   if doc["metadata"]["name"] == "headrace-gateway")
+    assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    assert int(compose["services"]["gateway"]["stop_grace_period"].rstrip("s")) > drain_s
+    unit = (DEPLOY / "systemd" / "headrace@.service").read_text()
+    assert int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M).group(1)) > drain_s

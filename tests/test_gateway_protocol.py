@@ -18,8 +18,9 @@ from common.errors import ApiError
 from common.messages import ErrorReply, SchedulerStats, TextDelta, TokenLogprobs
 from services.gateway import responses
 from services.gateway.core import (STALE_S, Backend, Call, Echo, admission_error,
+                                   dead_reply_streams,
                                    queue_depth, request_ids)
-from services.gateway.protocol import parse_detokenize, parse_job, parse_tokenize
+from services.gateway.protocol import Limits, parse_detokenize, parse_job, parse_tokenize
 from services.gateway.responses import Choice
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -482,6 +483,39 @@ def test_admission():
     stale = Backend(True, True, 0, now - STALE_S - 0.1)
     assert not stale.alive(now) and admission_error(stale, 4, now).status == 503
     assert not Backend().alive(now)
+
+
+@pytest.mark.parametrize("body,flag", [
+    ({"prompt": ["a"] * 4}, "--max-prompts-per-request 3"),
+    ({"stop": ["x"] * 3}, "--max-stop-strings 2"),
+    ({"stop": "y" * 6}, "--max-stop-length 5"),
+    ({"stop_token_ids": [1] * 5}, "--max-stop-token-ids 4")])
+def test_what_a_call_may_ask_for_is_bounded_and_the_error_names_the_bound(body, flag):
+    limits = Limits(max_prompts_per_request=3, max_stop_strings=2, max_stop_length=5,
+                    max_stop_token_ids=4)
+    with pytest.raises(ApiError) as caught:
+        parse_job(completion(**body), chat=False, limits=limits)
+    assert caught.value.status == 400 and flag in caught.value.message
+    at_bound = {"prompt": ["a"] * 3, "stop": ["y" * 5] * 2, "stop_token_ids": [1] * 4}
+    parse_job(completion(**at_bound), chat=False, limits=limits)
+
+
+def test_a_scheduler_that_came_back_under_a_new_epoch_counts_as_restarted():
+    before = Backend(True, True, 0, 1.0, b"epoch-a")
+    assert Backend(True, True, 0, 2.0, b"epoch-b").scheduler_restarted(before)
+    assert not Backend(True, True, 0, 2.0, b"epoch-a").scheduler_restarted(before)
+    # a lapse already ended the calls; a first sight has nothing to compare with
+    assert not Backend(False, True, 0, 2.0, None).scheduler_restarted(before)
+    assert not Backend(True, True, 0, 2.0, b"epoch-b").scheduler_restarted(Backend())
+
+
+def test_only_quiet_reply_streams_of_gateways_without_a_key_are_dead():
+    now_ms = 1_000_000
+    infos = [StreamInfo("hr:replies:live", 1, last_id="1-0"),
+             StreamInfo("hr:replies:dead", 1, last_id="1-0"),
+             StreamInfo("hr:replies:recent", 1, last_id=f"{now_ms - 5_000}-3")]
+    alive = [b"live", None, None]
+    assert dead_reply_streams(infos, alive, now_ms, idle_ms=60_000) == ["hr:replies:dead"]
 
 
 @pytest.mark.parametrize("body", [{"priority": 2**63}, {"priority": -2**63 - 1},

@@ -93,6 +93,16 @@ def test_start_and_clean_stop(tmp_path):
     assert "ready to exit" in (tmp_path / "redis.log").read_text()
 
 
+def test_only_this_user_reaches_it_and_only_by_its_socket(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o755)
+    with EmbeddedRedis(run_dir) as server:
+        assert run_dir.stat().st_mode & 0o777 == 0o700
+        assert server.socket_path.stat().st_mode & 0o777 == 0o700
+        with server.client() as client:
+            assert client.config_get("port")["port"] == "0"  # no TCP listener
+
+
 def test_stream_data_survive_a_restart(tmp_path):
     with EmbeddedRedis(tmp_path) as server:
         with server.client() as client:

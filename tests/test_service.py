@@ -8,7 +8,10 @@ import json
 import subprocess
 import sys
 
-from common.service import GIL_SWITCH_S
+import anyio
+
+from common.bus import Bus
+from common.service import GIL_SWITCH_S, HEARTBEAT_S, TakenForDead, heartbeat
 
 BODY = """
 import asyncio, gc, json, sys
@@ -33,3 +36,22 @@ def test_a_stage_serves_with_its_setup_heap_frozen_on_uvloop(redis_url):
     assert seen["frozen"] > 10_000 and seen["tracked"] < seen["frozen"] / 2
     assert seen["loop"].startswith("uvloop")
     assert seen["switch"] == GIL_SWITCH_S
+
+
+def test_a_heartbeat_that_finds_its_key_lapsed_takes_the_process_for_dead(redis_url):
+    """Another stage that saw the key lapse has ended this process's work: carrying on
+    would serve from state no one shares, so the heartbeat raises (the process exits)."""
+    async def scenario() -> list[BaseException]:
+        raised: list[BaseException] = []
+        async with Bus(redis_url) as bus:
+            try:
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(heartbeat, bus, "hr:test:alive", "me", anyio.Event())
+                    await anyio.sleep(0.1)
+                    assert (await bus.values("hr:test:alive")) == [b"me"]
+                    await bus.forget("hr:test:alive")  # as if it expired while we slept
+                    await anyio.sleep(HEARTBEAT_S * 2)
+            except* TakenForDead as group:
+                raised += group.exceptions
+        return raised
+    assert anyio.run(scenario), "the heartbeat went on"

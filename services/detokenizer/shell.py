@@ -18,6 +18,12 @@ GROUP = "detokenizer"
 # step of 256 requests takes a few ms: at the default 16 a reply waited up to 80 ms on the
 # H100 behind the steps read with it. Two keep the commit's cost shared.
 READ_COUNT = 2
+# A replica that stalls or dies leaves its steps pending; another takes them over once they
+# have waited this long. Short, because a live replica holds a step for milliseconds, and
+# safe, because a step handled twice is harmless: the gateway applies each choice's deltas
+# once, in order (services/gateway/responses.py).
+CLAIM_IDLE_MS = 500
+CLAIM_EVERY_S = 0.1
 
 
 def handler(detokenizer: Detokenizer):
@@ -42,8 +48,7 @@ async def serve(ctx: ServiceContext) -> None:
     freeze_heap()
     await ctx.bus.consume(keys.DETOK, GROUP, ctx.consumer, handler(detokenizer),
                           count=READ_COUNT, stop=ctx.stop,
-                          min_idle_ms=ctx.server.reclaim_idle_ms,
-                          reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000))
+                          min_idle_ms=CLAIM_IDLE_MS, reclaim_every_s=CLAIM_EVERY_S)
 
 
 def main(argv: list[str]) -> int:

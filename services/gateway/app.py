@@ -37,16 +37,17 @@ from common.model_info import ModelInfo
 from common.outbox import Outbox
 from common.token_text import TokenTexts
 from common.tokens import check_vocabulary
-from services.gateway.core import (Applied, Backend, Call, Echo, Observed, admission_error,
-                                   queue_depth)
-from services.gateway.protocol import (Job, TokenizeJob, parse_detokenize, parse_job,
-                                       parse_tokenize)
+from services.gateway.core import (SHUTTING_DOWN, Applied, Backend, Call, Echo, Observed,
+                                   admission_error, queue_depth, shutting_down)
+from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
+                                       parse_job, parse_tokenize)
 from services.gateway.replies import Inbox, Replies, next_replies
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REFRESH_TIMEOUT_S = 2.0
+ENDING_S = 5.0  # after --shutdown-timeout, the calls' handlers get this long to send errors
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -67,6 +68,9 @@ class Gateway:
         self.token_text = TokenTexts(info.tokenizer)  # spells echoed prompt tokens
         self.started_at = int(time.time())
         self.tasks: set[asyncio.Task[None]] = set()
+        self.draining = False
+        self.limits = Limits(server.max_prompts_per_request, server.max_stop_strings,
+                             server.max_stop_length, server.max_stop_token_ids)
         self.log = get_logger(__name__, gateway=gateway_id)
 
     def app(self) -> web.Application:
@@ -133,7 +137,8 @@ class Gateway:
         return await self.generate(request, chat=True)
 
     async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        job = parse_job(await read_json(request), chat)
+        job = parse_job(await read_json(request, self.server.body_timeout), chat,
+                        self.limits)
         model = self.served_name(job.model)
         self.admit(job)
         call = await self.new_call(job, model)
@@ -153,6 +158,8 @@ class Gateway:
         for prompt in job.prompts:
             if isinstance(prompt, list):
                 check_vocabulary(prompt, self.info.vocab_size, "prompt")
+        if self.draining:
+            raise SHUTTING_DOWN
         error = admission_error(self.backend, self.server.max_queue_len, time.monotonic())
         if error is not None:
             raise error
@@ -249,6 +256,21 @@ class Gateway:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting (503 with Retry-After, and on /health, so that a balancer stops
+        sending), let the calls in flight finish for up to `timeout_s`, then end the rest
+        with an error: on a stream, an error event and [DONE]."""
+        self.draining = True
+        self.log.info("draining", requests=len(self.replies.inboxes), timeout_s=timeout_s)
+        with anyio.move_on_after(timeout_s):
+            await self.replies.all_closed()
+        if self.replies.inboxes:
+            self.log.warning("ending the requests still open",
+                             requests=len(self.replies.inboxes))
+            self.replies.fail_all(shutting_down)
+            with anyio.move_on_after(ENDING_S):
+                await self.replies.all_closed()
+
     async def finish_tasks(self, timeout_s: float) -> None:
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=timeout_s)
@@ -276,7 +298,7 @@ class Gateway:
         Redis does not answer (it goes stale, see Backend.alive)."""
         with anyio.move_on_after(REFRESH_TIMEOUT_S):
             try:
-                scheduler, worker, raw_stats = await self.bus.values(
+                epoch, worker, raw_stats = await self.bus.values(
                     keys.alive_scheduler(), keys.alive_worker(), keys.scheduler_stats())
                 streams = [*await self.bus.stream_infos(keys.REQUESTS),
                            *await self.bus.stream_infos(keys.admit())]
@@ -284,8 +306,8 @@ class Gateway:
                 self.log.warning("cannot see the backend", error=str(e))
                 return
             depth = queue_depth(streams, scheduler_stats(raw_stats))
-            self.backend = Backend(scheduler is not None, worker is not None, depth,
-                                   time.monotonic())
+            self.backend = Backend(epoch is not None, worker is not None, depth,
+                                   time.monotonic(), epoch)
 
     # --- the other routes -------------------------------------------------------------
 
@@ -304,7 +326,7 @@ class Gateway:
         return web.json_response({"object": "list", "data": data})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        job = parse_tokenize(await read_json(request))
+        job = parse_tokenize(await read_json(request, self.server.body_timeout))
         self.served_name(job.model)
         ids = await anyio.to_thread.run_sync(self.token_ids, job)
         return web.json_response({"count": len(ids), "max_model_len": self.max_model_len,
@@ -319,13 +341,15 @@ class Gateway:
         return list(tokenizer.encode(text, add_special_tokens=job.add_special_tokens))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        name, tokens = parse_detokenize(await read_json(request))
+        name, tokens = parse_detokenize(await read_json(request, self.server.body_timeout))
         self.served_name(name)
         check_vocabulary(tokens, self.info.vocab_size, "tokens")
         text = await anyio.to_thread.run_sync(self.info.tokenizer.decode, tokens)
         return web.json_response({"prompt": text})
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            raise ApiError(503, "Shutting down.")
         alive = await self.bus.values(keys.alive_scheduler(), keys.alive_worker())
         missing = [name for name, up in zip(("scheduler", "worker"), alive) if up is None]
         if missing:
@@ -349,8 +373,13 @@ def scheduler_stats(raw: bytes | None) -> SchedulerStats | None:
     return stats if isinstance(stats, SchedulerStats) else None
 
 
-async def read_json(request: web.Request) -> Any:
-    raw = await request.read()  # 413 past client_max_size
+async def read_json(request: web.Request, timeout_s: float) -> Any:
+    try:
+        with anyio.fail_after(timeout_s):
+            raw = await request.read()  # 413 past client_max_size
+    except TimeoutError:
+        raise ApiError(408, f"The request body did not arrive within --body-timeout "
+                            f"{timeout_s:g} s.") from None
     try:
         return json.loads(raw)
     except ValueError as e:

@@ -250,9 +250,25 @@ class Backend:
     worker_alive: bool = False
     queue_depth: int = 0
     seen_at: float = -math.inf  # when Redis last answered, on the clock `alive` gets
+    scheduler_epoch: bytes | None = None  # a restarted scheduler has a new one
 
     def alive(self, now: float) -> bool:
         return self.scheduler_alive and now - self.seen_at <= STALE_S
+
+    def scheduler_restarted(self, before: Backend) -> bool:
+        """A new scheduler took over within its predecessor's liveness TTL, so the key
+        never lapsed: the requests the old one held are lost all the same."""
+        return None not in (before.scheduler_epoch, self.scheduler_epoch) and \
+            before.scheduler_epoch != self.scheduler_epoch
+
+
+def dead_reply_streams(infos: Iterable[StreamInfo], alive: Iterable[bytes | None],
+                       now_ms: float, idle_ms: float) -> list[str]:
+    """The reply streams (`infos`) of gateways that were killed: no liveness key
+    (`alive`, in the same order) and nothing added for `idle_ms`. A stopped gateway
+    deletes its own; these would otherwise stay for good."""
+    return [info.name for info, key in zip(infos, alive)
+            if key is None and now_ms - int(info.last_id.split("-")[0]) > idle_ms]
 
 
 def queue_depth(streams: Iterable[StreamInfo], stats: SchedulerStats | None) -> int:
@@ -268,6 +284,10 @@ def queue_depth(streams: Iterable[StreamInfo], stats: SchedulerStats | None) -> 
     return depth
 
 
+SHUTTING_DOWN = ApiError(503, "The server is shutting down; send the request again (to "
+                              "another replica).")
+
+
 def admission_error(backend: Backend, max_queue_len: int, now: float) -> ApiError | None:
     if not backend.alive(now):
         return ApiError(503, "The scheduler is not running; try again later.")
@@ -276,6 +296,16 @@ def admission_error(backend: Backend, max_queue_len: int, now: float) -> ApiErro
                              f"queued, more than --max-queue-len {max_queue_len}. Try again "
                              "later.")
     return None
+
+
+def shutting_down(rid: str) -> ErrorReply:
+    return ErrorReply(rid, 503, "The server is shutting down and its --shutdown-timeout "
+                                "ended before this request did.", "ServiceUnavailableError")
+
+
+def scheduler_restarted(rid: str) -> ErrorReply:
+    return ErrorReply(rid, 503, "The scheduler restarted and lost the request; send it "
+                                "again.", "ServiceUnavailableError")
 
 
 def scheduler_gone(rid: str) -> ErrorReply:

@@ -69,7 +69,34 @@ class TokenizeJob:
     add_generation_prompt: bool = True
 
 
-def parse_job(body: Any, chat: bool) -> Job:
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one call may ask for, beyond the body size: each bounds what the call makes
+    every stage hold (ServerConfig's flags of the same names)."""
+    max_prompts_per_request: int = 256
+    max_stop_strings: int = 64
+    max_stop_length: int = 1024
+    max_stop_token_ids: int = 1024
+
+    def check(self, job: Job) -> None:
+        stop, stop_ids = job.params.get("stop", []), job.params.get("stop_token_ids") or []
+        _within("prompt", len(job.prompts), self.max_prompts_per_request,
+                "prompts", "max-prompts-per-request")
+        _within("stop", len(stop), self.max_stop_strings, "strings", "max-stop-strings")
+        _within("stop", max(map(len, stop), default=0), self.max_stop_length,
+                "characters in a string", "max-stop-length")
+        if isinstance(stop_ids, list):  # a wrong type is SamplingParams' to name
+            _within("stop_token_ids", len(stop_ids), self.max_stop_token_ids, "ids",
+                    "max-stop-token-ids")
+
+
+def _within(param: str, count: int, bound: int, unit: str, flag: str) -> None:
+    if count > bound:
+        raise ApiError(400, f"'{param}' has {count} {unit}, more than --{flag} {bound}",
+                       param)
+
+
+def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
     body = _object(body)
     _check_names(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS)
     job = Job(chat=chat, model=_typed(body, "model", str))
@@ -86,6 +113,7 @@ def parse_job(body: Any, chat: bool) -> Job:
     if not fits_int64(job.priority):
         raise ApiError(400, f"priority must be a 64-bit integer, got {job.priority}",
                        "priority")
+    limits.check(job)
     try:
         SamplingParams(**job.params)
     except SamplingError as e:

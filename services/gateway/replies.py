@@ -35,6 +35,7 @@ class Replies:
         self.stream = keys.replies(gateway_id)
         self.inboxes: dict[str, Inbox] = {}
         self.last_id: bytes | str = "0-0"  # the stream is this gateway's: read it all
+        self.closed = asyncio.Event()  # set whenever a call closes its inbox
 
     def open(self, rids: Iterable[str]) -> Inbox:
         inbox: Inbox = asyncio.Queue()
@@ -45,6 +46,13 @@ class Replies:
     def close(self, rids: Iterable[str]) -> None:
         for rid in rids:
             self.inboxes.pop(rid, None)
+        self.closed.set()
+
+    async def all_closed(self) -> None:
+        """Return once no call waits for replies."""
+        while self.inboxes:
+            self.closed.clear()
+            await self.closed.wait()
 
     def fail_all(self, error_for: Callable[[str], ErrorReply]) -> None:
         """End every call in flight with the error `error_for(rid)`."""

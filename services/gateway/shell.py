@@ -14,15 +14,18 @@ import anyio
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from common import keys
+from common.bus import Bus
 from common.log import get_logger
 from common.model_info import load_model_info
-from common.service import ServiceContext, freeze_heap, run_service
+from common.service import ServiceContext, freeze_heap, heartbeat, run_service
 from services.gateway.app import Gateway
-from services.gateway.core import scheduler_gone
+from services.gateway.core import dead_reply_streams, scheduler_gone, scheduler_restarted
 
 WATCH_S = 0.25
 TRIM_EVERY_S = 5.0
-SHUTDOWN_S = 2.0  # in-flight calls get this long to finish on SIGTERM, then are aborted
+DEAD_REPLIES_IDLE_S = 60.0
+SHUTDOWN_S = 2.0  # after the drain, what aiohttp gives handlers still running
 
 log = get_logger(__name__)
 
@@ -31,17 +34,31 @@ async def watch_backend(gateway: Gateway) -> None:
     """Never raises: a background task that died would take every open stream with it."""
     next_trim = time.monotonic() + TRIM_EVERY_S
     while True:
+        before = gateway.backend
         await gateway.refresh_backend()
         now = time.monotonic()
         if not gateway.backend.alive(now):
             gateway.replies.fail_all(scheduler_gone)
+        elif gateway.backend.scheduler_restarted(before):
+            gateway.replies.fail_all(scheduler_restarted)
         if now >= next_trim:
             next_trim = now + TRIM_EVERY_S
             try:
                 await gateway.replies.trim()
-            except RedisError as e:  # trimmed next time
-                log.warning("cannot trim the reply stream", error=str(e))
+                await forget_dead_gateways(gateway.bus)
+            except RedisError as e:  # done next time
+                log.warning("cannot trim the reply streams", error=str(e))
         await anyio.sleep(WATCH_S)
+
+
+async def forget_dead_gateways(bus: Bus) -> None:
+    infos = await bus.stream_infos(keys.replies("*"))
+    ids = [info.name.removeprefix(keys.replies("")) for info in infos]
+    alive = await bus.values(*map(keys.alive_gateway, ids)) if ids else []
+    if dead := dead_reply_streams(infos, alive, time.time() * 1000,
+                                  DEAD_REPLIES_IDLE_S * 1000):
+        log.info("deleting the reply streams of gateways gone", streams=dead)
+        await bus.forget(*dead)
 
 
 async def serve(ctx: ServiceContext) -> None:
@@ -52,13 +69,19 @@ async def serve(ctx: ServiceContext) -> None:
     gateway = Gateway(ctx.bus, ctx.server, info, ctx.engine.model, gateway_id)
     await gateway.refresh_backend()
     freeze_heap()
+    # the keep-alive timer also runs from a connection's start until its first request's
+    # headers are complete: a client that trickles them (or sends none) is cut off
     runner = web.AppRunner(gateway.app(), handler_cancellation=True,
-                           shutdown_timeout=SHUTDOWN_S, access_log=None)
+                           shutdown_timeout=SHUTDOWN_S, access_log=None,
+                           keepalive_timeout=ctx.server.timeout_keep_alive)
     await runner.setup()
+    drained = anyio.Event()  # the liveness key outlives the drain: the calls still run
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(gateway.replies.run)
         tasks.start_soon(gateway.outbox.run)
         tasks.start_soon(watch_backend, gateway)
+        tasks.start_soon(heartbeat, ctx.bus, keys.alive_gateway(gateway_id), gateway_id,
+                         drained)
         try:
             # several gateways share one port only when asked to: otherwise a second
             # server started on a busy port fails instead of silently splitting its clients
@@ -67,11 +90,13 @@ async def serve(ctx: ServiceContext) -> None:
             log.info("gateway listening", url=f"http://{ctx.server.host}:{ctx.server.port}",
                      gateway=gateway_id, models=gateway.names)
             await ctx.stop.wait()
+            await gateway.drain(ctx.server.shutdown_timeout)
         finally:
             with anyio.CancelScope(shield=True):  # replies still flow while calls finish
                 await runner.cleanup()
                 await gateway.finish_tasks(SHUTDOWN_S)
                 await gateway.replies.delete()
+                drained.set()
             tasks.cancel_scope.cancel()
 
 

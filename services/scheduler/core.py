@@ -118,6 +118,13 @@ class Scheduler:
                 req.finish_reason, req.stop_reason = reason, stop_reason
                 self._finish(req)
 
+    def rids_by_gateway(self) -> dict[str, list[str]]:
+        """The running requests' ids, by the gateway that waits for their replies."""
+        by_gateway: dict[str, list[str]] = {}
+        for rid, reqs in self.by_rid.items():
+            by_gateway.setdefault(reqs[0].reply_to, []).append(rid)
+        return by_gateway
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

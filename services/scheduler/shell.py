@@ -32,6 +32,7 @@ from services.scheduler.inflight import StepsInFlight
 GROUP = "scheduler"
 READ_BLOCK_MS = 100
 CHECK_WORKER_EVERY_S = 0.5
+CHECK_GATEWAYS_EVERY_S = 1.0
 STATS_EVERY_S = 0.5
 WORKER_GRACE_S = 60.0  # admissions wait this long for a (new) worker, then get a 503
 
@@ -47,6 +48,8 @@ class SchedulerShell:
         self.steps = StepsInFlight()
         self.results: list[StepResult] = []  # taken this round, applied after planning
         self.next_worker_check = 0.0
+        self.next_gateway_check = 0.0
+        self.gateways_seen: set[str] = set()
         self.no_worker_since = time.monotonic()
         self.clock = PhaseClock()
 
@@ -84,6 +87,7 @@ class SchedulerShell:
                 clock.lap("commit")
                 if lost := await self._check_worker():
                     await self.bus.commit(lost)
+                await self._abort_orphans()
             tg.cancel_scope.cancel()
         log.info("scheduler loop times", **self.clock.summary())
 
@@ -191,6 +195,25 @@ class SchedulerShell:
         self.no_worker_since = now
         log.error("worker lost: waiting for a new one")
         return outputs
+
+    async def _abort_orphans(self) -> None:
+        """A killed gateway reads no more replies: once its liveness key, seen before, has
+        lapsed, its requests end and free their KV blocks. (A bus client that keeps no
+        key, like the benchmarks' driver, is never taken for gone.)"""
+        now = time.monotonic()
+        if self.core is None or now < self.next_gateway_check:
+            return
+        self.next_gateway_check = now + CHECK_GATEWAYS_EVERY_S
+        by_gateway = self.core.rids_by_gateway()
+        names = list(by_gateway)
+        alive = await self.bus.values(*map(keys.alive_gateway, names)) if names else []
+        live = {name for name, value in zip(names, alive) if value is not None}
+        for name in (self.gateways_seen & by_gateway.keys()) - live:
+            log.warning("gateway gone: ending its requests", gateway=name,
+                        requests=len(by_gateway[name]))
+            for rid in by_gateway[name]:
+                self.core.abort(rid)
+        self.gateways_seen = live
 
     async def _publish_stats(self) -> None:
         while not self.ctx.stop.is_set():
