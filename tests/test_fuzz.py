@@ -4,7 +4,9 @@ fields) and by hand (framing, methods, paths, raw bytes). Every answer must be a
 an OpenAI-style error, or a well-formed answer; never a 5xx, a hang or a dead process.
 
 HEADRACE_FUZZ_EXAMPLES sets how many bodies hypothesis makes per endpoint (CI's default
-below); the cases are derandomized, so a run is the same on every machine.
+below); the cases are derandomized, so a run is the same on every machine. With
+HEADRACE_FUZZ_TABLE set, the statuses each endpoint answered are written there as a
+markdown table (benchmarks/fuzz-cpu/run.sh, the long run).
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import platform
+import time
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -98,6 +104,30 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         assert not survivors, survivors
 
 
+@pytest.fixture(scope="module")
+def statuses() -> Iterator[Counter[tuple[str, int]]]:
+    """(endpoint, status) -> how many answers; written out when HEADRACE_FUZZ_TABLE is set."""
+    counts: Counter[tuple[str, int]] = Counter()
+    start = time.monotonic()
+    yield counts
+    if table := os.environ.get("HEADRACE_FUZZ_TABLE"):
+        Path(table).write_text(status_table(counts, time.monotonic() - start))
+
+
+def status_table(counts: Counter[tuple[str, int]], seconds: float) -> str:
+    codes = sorted({code for _, code in counts})
+    paths = sorted({path for path, _ in counts})
+    lines = [f"{EXAMPLES} hypothesis bodies per endpoint plus {len(FRAMING)} framing cases, "
+             f"{sum(counts.values())} requests in {seconds / 60:.1f} min on "
+             f"{platform.machine()} ({os.cpu_count()} CPUs), Python {platform.python_version()}.",
+             "", "| endpoint | " + " | ".join(map(str, codes)) + " | total |",
+             "|---|" + "---:|" * (len(codes) + 1)]
+    for path in paths:
+        row = [counts[path, code] for code in codes]
+        lines.append(f"| {path} | " + " | ".join(map(str, row)) + f" | {sum(row)} |")
+    return "\n".join(lines) + "\n"
+
+
 def post(server: ServerProcess, path: str, raw: bytes,
          headers: dict[str, str] | None = None, method: str = "POST") -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=ANSWER_TIMEOUT_S)
@@ -137,21 +167,23 @@ def gateway_rss(server: ServerProcess) -> int:
     return sum(c.memory_info().rss for c in children if service(c) == "gateway")
 
 
-def fuzz_endpoint(server: ServerProcess, path: str) -> None:
+def fuzz_endpoint(server: ServerProcess, path: str, statuses: Counter) -> None:
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(body=bodies(path))
     def one(body: Any) -> None:
         status, raw = post(server, path, json.dumps(body, allow_nan=True).encode())
+        statuses[path, status] += 1
         check_answer(path, body, status, raw)
     one()
 
 
 @pytest.mark.parametrize("path", list(BASES))
-def test_fuzzed_bodies_get_a_4xx_or_an_answer(fuzzed: ServerProcess, path: str):
+def test_fuzzed_bodies_get_a_4xx_or_an_answer(fuzzed: ServerProcess, path: str,
+                                              statuses: Counter):
     before = gateway_rss(fuzzed)
     assert before > 0
-    fuzz_endpoint(fuzzed, path)
+    fuzz_endpoint(fuzzed, path, statuses)
     assert fuzzed.status("/health") == 200, fuzzed.log_tail()
     assert gateway_rss(fuzzed) - before < RSS_GROWTH_LIMIT
 
@@ -182,8 +214,10 @@ FRAMING = [
 
 @pytest.mark.parametrize("method,path,raw,headers", FRAMING)
 def test_framing_methods_paths_and_bytes(fuzzed: ServerProcess, method: str, path: str,
-                                         raw: bytes, headers: dict[str, str]):
+                                         raw: bytes, headers: dict[str, str],
+                                         statuses: Counter):
     status, answer = post(fuzzed, path, raw, headers, method)
+    statuses["framing", status] += 1
     assert 400 <= status < 500 or status == 200, (status, answer[:300])
     if status >= 400 and answer.startswith(b"{"):
         assert json.loads(answer)["error"]["message"]
