@@ -236,6 +236,29 @@ async def test_an_unknown_model_is_404(url, rdb, api):
     assert rdb.xlen(keys.REQUESTS) == 0
 
 
+async def test_nothing_a_client_sends_names_a_redis_key(url, rdb):
+    """Request ids and reply streams are the server's own (a uuid, the gateway's id):
+    a client's header, model name or user field that spells another stream's name
+    reaches no key, and the one request it makes goes to hr:requests only."""
+    victim = "hr:replies:victim"
+    headers = {**AUTH, "X-Request-Id": victim, "X-Gateway": victim}
+    async with aiohttp.ClientSession() as session:
+        for model in (victim, f"{MODEL_NAME}\r\n{victim}"):
+            body = {"model": model, "prompt": "a", "max_tokens": 1}
+            async with session.post(url + "/v1/completions", json=body,
+                                    headers=headers) as response:
+                assert response.status == 404
+        body = {"model": MODEL_NAME, "prompt": "a", "max_tokens": 1, "user": victim,
+                "stream": True}
+        with anyio.move_on_after(1):  # no stages behind this gateway: nothing answers
+            await session.post(url + "/v1/completions", json=body, headers=headers)
+    assert not rdb.exists(victim)
+    (_, [(_, fields)]), = rdb.xread({keys.REQUESTS: "0"})
+    request = messages.decode(fields[b"body"])
+    assert request.rid.startswith("cmpl-") and victim not in request.rid
+    assert victim not in request.reply_to
+
+
 async def test_a_body_over_the_limit_is_413(url):
     body = {"model": MODEL_NAME, "prompt": "x" * MAX_REQUEST_BODY}
     async with aiohttp.ClientSession() as session:
