@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "detokenizer": ("services.detokenizer.shell", "run one detokenizer process"),
     "generate": ("services.offline.generate", "generate completions offline and print them"),
     "queues": ("services.queues", "show every hr:* stream: length, groups, pending, lag"),
-    "bench": ("services.bench", "benchmarks: bus, throughput, latency, serve"),
+    "bench": ("services.bench", "benchmarks: bus, throughput, latency, serve, soak"),
     "profile": ("services.profiler.run", "layerwise profile of prefill and decode steps"),
     "profile-table": ("services.profiler.table", "print a table from a saved profile JSON"),
     "profile-plot": ("services.profiler.plot", "plot a saved profile JSON as stacked bars"),

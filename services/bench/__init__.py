@@ -11,6 +11,8 @@ BENCHMARKS: dict[str, str] = {
     "throughput": "offline generation throughput (tokens/s) against the workload's floor",
     "latency": "latency of one batch: prefill and per-token decode times",
     "serve": "online serving through the gateway at one request rate: TTFT, ITL, TPOT, e2e",
+    "soak": ("hours of mixed traffic, aborts and restarts: RSS, Redis memory and stream "
+             "lengths per minute"),
 }
 
 
