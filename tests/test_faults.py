@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import aiohttp
 import anyio
@@ -115,6 +115,16 @@ def kill(server: ServerProcess, name: str, sig: int = signal.SIGKILL) -> list[in
     return [targets[0].pid]
 
 
+def killing(server: ServerProcess, name: str, sig: int = signal.SIGKILL
+            ) -> tuple[Callable[[], Awaitable[None]], list[int]]:
+    """A fault that sends `sig` to one `name` process, and the list of pids it hit."""
+    hit: list[int] = []
+
+    async def fault() -> None:
+        hit.extend(kill(server, name, sig))
+    return fault, hit
+
+
 def wait_restarted(server: ServerProcess, name: str, gone: list[int], count: int = 1) -> None:
     deadline = time.monotonic() + RECOVER_S
     while time.monotonic() < deadline:
@@ -187,10 +197,7 @@ def test_a_killed_tokenizer_loses_nothing(server, baseline):
 
 
 def test_a_killed_detokenizer_loses_nothing(server, baseline):
-    gone: list[int] = []
-
-    async def fault() -> None:
-        gone.extend(kill(server, "detokenizer"))
+    fault, gone = killing(server, "detokenizer")
 
     outcomes, fault_at = faulted(server, fault)
     assert_all_end(outcomes, fault_at, server)
@@ -200,10 +207,7 @@ def test_a_killed_detokenizer_loses_nothing(server, baseline):
 
 
 def test_a_stalled_detokenizer_hands_its_steps_over(server, baseline):
-    stalled: list[int] = []
-
-    async def stall() -> None:
-        stalled.extend(kill(server, "detokenizer", signal.SIGSTOP))
+    stall, stalled = killing(server, "detokenizer", signal.SIGSTOP)
 
     try:
         outcomes, stall_at = faulted(server, stall)
@@ -219,10 +223,7 @@ def test_a_stalled_detokenizer_hands_its_steps_over(server, baseline):
 
 @pytest.mark.parametrize("name", ["scheduler", "worker"])
 def test_a_killed_stateful_stage_ends_its_streams_with_an_error(server, baseline, name):
-    gone: list[int] = []
-
-    async def fault() -> None:
-        gone.extend(kill(server, name))
+    fault, gone = killing(server, name)
 
     outcomes, fault_at = faulted(server, fault)
     assert_all_end(outcomes, fault_at, server)
@@ -232,10 +233,7 @@ def test_a_killed_stateful_stage_ends_its_streams_with_an_error(server, baseline
 
 
 def test_a_killed_gateway_drops_its_connections_and_frees_its_requests(server, baseline):
-    gone: list[int] = []
-
-    async def fault() -> None:
-        gone.extend(kill(server, "gateway"))
+    fault, gone = killing(server, "gateway")
 
     outcomes, fault_at = faulted(server, fault)
     assert_all_end(outcomes, fault_at, server)
@@ -246,10 +244,7 @@ def test_a_killed_gateway_drops_its_connections_and_frees_its_requests(server, b
 
 
 def test_a_worker_stopped_for_20s_ends_its_streams_then_is_replaced(server, baseline):
-    stopped: list[int] = []
-
-    async def stop() -> None:
-        stopped.extend(kill(server, "worker", signal.SIGSTOP))
+    stop, stopped = killing(server, "worker", signal.SIGSTOP)
 
     try:
         outcomes, stop_at = faulted(server, stop)
@@ -265,10 +260,7 @@ def test_a_worker_stopped_for_20s_ends_its_streams_then_is_replaced(server, base
 
 
 def test_a_killed_redis_server_is_restarted_and_serves_again(server, baseline):
-    gone: list[int] = []
-
-    async def fault() -> None:
-        gone.extend(kill(server, "redis-server"))
+    fault, gone = killing(server, "redis-server")
 
     outcomes, fault_at = faulted(server, fault)
     assert_all_end(outcomes, fault_at, server)
