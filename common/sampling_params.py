@@ -58,6 +58,14 @@ class SamplingParams:
             object.__setattr__(self, name, tuple(value))
         if self.top_k == -1:  # vLLM's older spelling of "disabled"
             object.__setattr__(self, "top_k", 0)
+        for name in _FLOAT_FIELDS:  # JSON's 2 is a float here; the bus carries it as one
+            value = getattr(self, name)
+            if _is_int(value):
+                try:
+                    object.__setattr__(self, name, float(value))
+                except OverflowError:
+                    raise SamplingError(f"{name} is too large for a 64-bit float, got "
+                                        f"{value}", name) from None
         self._validate()
 
     def _validate(self) -> None:
@@ -124,6 +132,7 @@ class SamplingParams:
 
 _INT_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)
                     if f.type in ("int", "int | None"))
+_FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.type == "float")
 # Set by the tokenizer stage from the model, never by a client.
 INTERNAL_PARAMS = frozenset({"eos_token_ids"})
 # Every parameter a client may set, in field order: the one list the gateway, the tokenizer

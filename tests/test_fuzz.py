@@ -208,6 +208,11 @@ FRAMING = [
     ("POST", "/tokenize", b'{"prompt": [[1, 2]]}', {}),
     ("POST", "/tokenize", b'{"messages": "Hi"}', {}),
     ("POST", "/detokenize", b'{"tokens": [-1]}', {}),
+    # found by the long run (benchmarks/fuzz-cpu): both were 500s
+    ("POST", "/tokenize", b'{"prompt": "\\ud800"}', {}),
+    ("POST", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+         "temperature": 2**64}).encode(), {}),
     ("POST", "/detokenize", b'{"tokens": [99999999999]}', {}),
 ]
 

@@ -148,3 +148,11 @@ def test_valid_params_survive_an_admit_request(params: SamplingParams, prompt: l
     assert isinstance(decoded.params, SamplingParams)
     assert isinstance(decoded.params.stop, tuple)
     assert decoded.params.greedy == params.greedy
+
+
+def test_an_integer_for_a_float_parameter_becomes_a_float_the_bus_can_carry():
+    assert SamplingParams(temperature=2**64).temperature == float(2**64)
+    assert isinstance(SamplingParams(top_p=1).top_p, float)
+    with pytest.raises(SamplingError) as caught:
+        SamplingParams(temperature=10**400)
+    assert caught.value.param == "temperature"

@@ -381,9 +381,15 @@ async def read_json(request: web.Request, timeout_s: float) -> Any:
         raise ApiError(408, f"The request body did not arrive within --body-timeout "
                             f"{timeout_s:g} s.") from None
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
+        # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"The request body holds a lone UTF-16 surrogate "
+                            f"({e.object[e.start:e.end]!r}), which is not text.") from None
     except ValueError as e:
         raise ApiError(400, f"The request body is not valid JSON: {e}") from None
+    return body
 
 
 async def send(response: web.StreamResponse, events: list[dict[str, Any]]) -> None:
