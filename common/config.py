@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from common.sampling_params import MAX_N
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 POLICIES = ("fcfs", "priority")
@@ -162,6 +164,8 @@ class ServerConfig:
     reclaim_idle_ms: int = field(default=30_000, metadata=_help(
         "A tokenizer takes over another replica's pending entries once they have been idle "
         "this long (the replica died)."))
+    max_n: int = field(default=MAX_N, metadata=_help(
+        f"Most completions one request may ask for (n), at most {MAX_N}."))
     max_prompts_per_request: int = field(default=256, metadata=_help(
         "Most prompts one completions call may batch (each is a request of its own)."))
     max_stop_strings: int = field(default=64, metadata=_help(
@@ -192,6 +196,8 @@ class ServerConfig:
                      "max_stop_token_ids"):
             _positive(name, getattr(self, name))
         _positive("shutdown_timeout", self.shutdown_timeout, allow_zero=True)
+        if not 1 <= self.max_n <= MAX_N:
+            raise ConfigError(f"--max-n must be in [1, {MAX_N}], got {self.max_n}")
         _positive("timeout_keep_alive", self.timeout_keep_alive)
         _positive("body_timeout", self.body_timeout)
 

@@ -489,14 +489,15 @@ def test_admission():
     ({"prompt": ["a"] * 4}, "--max-prompts-per-request 3"),
     ({"stop": ["x"] * 3}, "--max-stop-strings 2"),
     ({"stop": "y" * 6}, "--max-stop-length 5"),
-    ({"stop_token_ids": [1] * 5}, "--max-stop-token-ids 4")])
+    ({"stop_token_ids": [1] * 5}, "--max-stop-token-ids 4"),
+    ({"n": 3}, "--max-n 2")])
 def test_what_a_call_may_ask_for_is_bounded_and_the_error_names_the_bound(body, flag):
     limits = Limits(max_prompts_per_request=3, max_stop_strings=2, max_stop_length=5,
-                    max_stop_token_ids=4)
+                    max_stop_token_ids=4, max_n=2)
     with pytest.raises(ApiError) as caught:
         parse_job(completion(**body), chat=False, limits=limits)
     assert caught.value.status == 400 and flag in caught.value.message
-    at_bound = {"prompt": ["a"] * 3, "stop": ["y" * 5] * 2, "stop_token_ids": [1] * 4}
+    at_bound = {"prompt": ["a"] * 3, "stop": ["y" * 5] * 2, "stop_token_ids": [1] * 4, "n": 2}
     parse_job(completion(**at_bound), chat=False, limits=limits)
 
 

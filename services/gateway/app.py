@@ -70,7 +70,8 @@ class Gateway:
         self.tasks: set[asyncio.Task[None]] = set()
         self.draining = False
         self.limits = Limits(server.max_prompts_per_request, server.max_stop_strings,
-                             server.max_stop_length, server.max_stop_token_ids)
+                             server.max_stop_length, server.max_stop_token_ids,
+                             server.max_n)
         self.log = get_logger(__name__, gateway=gateway_id)
 
     def app(self) -> web.Application:

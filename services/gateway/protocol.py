@@ -14,7 +14,7 @@ from typing import Any
 
 from common.chat import plain_conversation
 from common.errors import ApiError
-from common.sampling_params import (CLIENT_PARAMS, SamplingError, SamplingParams,
+from common.sampling_params import (CLIENT_PARAMS, MAX_N, SamplingError, SamplingParams,
                                     check_json_type, fits_int64, json_kinds)
 
 MAX_TOKEN_ID = 2**31  # token ids travel as packed int32
@@ -77,9 +77,13 @@ class Limits:
     max_stop_strings: int = 64
     max_stop_length: int = 1024
     max_stop_token_ids: int = 1024
+    max_n: int = MAX_N
 
     def check(self, job: Job) -> None:
         stop, stop_ids = job.params.get("stop", []), job.params.get("stop_token_ids") or []
+        n = job.params.get("n", 1)
+        if isinstance(n, int) and n > self.max_n:  # a wrong type is SamplingParams' to name
+            raise ApiError(400, f"'n' is {n}, more than --max-n {self.max_n}", "n")
         _within("prompt", len(job.prompts), self.max_prompts_per_request,
                 "prompts", "max-prompts-per-request")
         _within("stop", len(stop), self.max_stop_strings, "strings", "max-stop-strings")
