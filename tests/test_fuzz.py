@@ -95,6 +95,8 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("fuzz")
     args = serve_args(root / "run")
     args[args.index("--max-model-len") + 1] = str(MAX_MODEL_LEN)
+    # input, not load, is under test here: n=128 must not look like an overload
+    args[args.index("--max-queue-len") + 1] = "100000"
     server = start_server(args, root / "serve.log")
     try:
         server.wait_for("/health", (200,))

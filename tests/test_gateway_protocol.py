@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from common import keys
 from common.bus import GroupInfo, StreamInfo
 from common.errors import ApiError
-from common.messages import ErrorReply, SchedulerStats, TextDelta, TokenLogprobs
+from common.messages import (ErrorReply, GenerateRequest, SchedulerStats, TextDelta,
+                             TokenLogprobs, encode)
 from services.gateway import responses
 from services.gateway.core import (STALE_S, Backend, Call, Echo, admission_error,
                                    dead_reply_streams,
@@ -499,6 +500,13 @@ def test_what_a_call_may_ask_for_is_bounded_and_the_error_names_the_bound(body, 
     assert caught.value.status == 400 and flag in caught.value.message
     at_bound = {"prompt": ["a"] * 3, "stop": ["y" * 5] * 2, "stop_token_ids": [1] * 4, "n": 2}
     parse_job(completion(**at_bound), chat=False, limits=limits)
+
+
+def test_the_params_published_are_the_ones_checked():
+    job = parse_job(completion(temperature=2**64, top_p=1, stop="x"), chat=False)
+    assert job.params["temperature"] == float(2**64) and isinstance(job.params["top_p"], float)
+    assert job.params["stop"] == ["x"]
+    encode(GenerateRequest("r", "g", job.params, prompt="a"))  # the bus carries it
 
 
 def test_a_scheduler_that_came_back_under_a_new_epoch_counts_as_restarted():

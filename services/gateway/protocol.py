@@ -119,10 +119,17 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
                        "priority")
     limits.check(job)
     try:
-        SamplingParams(**job.params)
+        checked = SamplingParams(**job.params)
     except SamplingError as e:
         raise ApiError(400, str(e), e.param) from None
+    # the stages get the values checked: a JSON integer for a float parameter leaves as
+    # the float SamplingParams made of it (one past 64 bits cannot cross the bus)
+    job.params = {name: _plain(getattr(checked, name)) for name in job.params}
     return job
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 def parse_tokenize(body: Any) -> TokenizeJob:
