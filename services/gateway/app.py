@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import importlib.metadata
 import json
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -47,6 +48,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REFRESH_TIMEOUT_S = 2.0
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 ENDING_S = 5.0  # after --shutdown-timeout, the calls' handlers get this long to send errors
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -383,8 +385,10 @@ async def read_json(request: web.Request, timeout_s: float) -> Any:
                             f"{timeout_s:g} s.") from None
     try:
         body = json.loads(raw)
-        # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
-        json.dumps(body, ensure_ascii=False).encode()
+        # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes; only
+        # a body that has such an escape is encoded again to find out
+        if SURROGATE_ESCAPE.search(raw):
+            json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError as e:
         raise ApiError(400, f"The request body holds a lone UTF-16 surrogate "
                             f"({e.object[e.start:e.end]!r}), which is not text.") from None
