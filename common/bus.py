@@ -16,6 +16,7 @@ Two ways to consume:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -454,8 +455,14 @@ class _ConsumeLoop:
         with anyio.CancelScope() as self.read_scope:
             return await self.bus.read(self.group, self.consumer, {self.stream: ">"},
                                        count=self.count,
-                                       block_ms=None if backlog else self.block_ms)
+                                       block_ms=None if backlog else self._block_ms())
         return []  # stop was set while blocked
+
+    def _block_ms(self) -> int:
+        """Block no later than the next reclaim is due: on a quiet stream a read would
+        otherwise hold a dead consumer's entries back for the whole block."""
+        until_reclaim_ms = (self.next_reclaim - time.monotonic()) * 1000
+        return max(1, min(self.block_ms, math.ceil(until_reclaim_ms)))
 
     async def _reclaim(self) -> None:
         claim = await self.bus.claim_idle(self.stream, self.group, self.consumer,

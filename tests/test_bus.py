@@ -292,6 +292,32 @@ async def test_a_dead_consumers_backlog_is_claimed_page_by_page_without_waiting(
 
 
 @pytest.mark.anyio
+async def test_a_quiet_streams_blocked_read_does_not_delay_a_claim(redis_url):
+    """A stalled consumer's entry is claimed on the reclaim schedule, though nothing new
+    arrives to end the other consumer's long blocked read."""
+    handled = []
+
+    async def handler(msg):
+        handled.append(msg.rid)
+
+    async with Bus(redis_url, socket_timeout_s=30) as bus:
+        await bus.ensure_group(IN, "g")
+        await bus.publish(IN, Abort("stalled"))
+        await bus.redis.xreadgroup("g", "stalled", {IN: ">"})  # taken, never handled
+        start = time.monotonic()
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tasks:
+            # c1 reclaims on start, before the entry is idle enough, then blocks
+            tasks.start_soon(lambda: bus.consume(IN, "g", "c1", handler, stop=stop,
+                                                 block_ms=20_000, min_idle_ms=300,
+                                                 reclaim_every_s=0.1))
+            await wait_until(lambda: handled == ["stalled"], timeout=15)
+            elapsed = time.monotonic() - start
+            stop.set()
+    assert elapsed < 2.0, elapsed
+
+
+@pytest.mark.anyio
 async def test_a_deleted_group_is_created_again(redis_url):
     handled = []
 
