@@ -21,7 +21,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 POLICIES = ("fcfs", "priority")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-MAX_TENSOR_PARALLEL_SIZE = 1  # what services/worker/executor.py can run
 
 
 class ConfigError(ValueError):
@@ -114,14 +113,6 @@ class EngineConfig:
             raise ConfigError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
                 f"--max-num-seqs ({self.max_num_seqs}) so every running request can decode")
-
-    def check_runnable(self) -> None:
-        """What the engine cannot run yet, refused before anything starts (every command
-        line and the executor call this) rather than found deep in a kernel. The layers
-        themselves take any tensor-parallel size."""
-        if self.tensor_parallel_size > MAX_TENSOR_PARALLEL_SIZE:
-            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} is not "
-                              "supported yet: the worker's executor runs one rank; use 1")
 
     def resolved(self, model_max_len: int) -> EngineConfig:
         """A copy with the model-dependent defaults filled in."""
@@ -293,7 +284,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     config = config_from_args(EngineConfig, args)
     if not config.model:
         raise ConfigError("a model is required: give MODEL or --model")
-    config.check_runnable()
     return config
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
 from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
                                 max_model_len_of, resolve_model)
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
@@ -26,7 +26,34 @@ def resolve_engine(config: EngineConfig) -> ResolvedModel:
     """The one place an engine config meets its model's files."""
     model_dir = resolve_model(config.model, config.load_format)
     hf_config = load_hf_config(model_dir)
+    check_tensor_parallel(hf_config, config.tensor_parallel_size)
     return ResolvedModel(config.resolved(max_model_len_of(hf_config)), model_dir, hf_config)
+
+
+def check_tensor_parallel(hf_config: Any, size: int) -> None:
+    """Each rank takes an equal share of the attention heads and of the MLP; KV heads are
+    shared out, or replicated when there are more ranks than KV heads."""
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    mlp = hf_config.intermediate_size
+    kv_split = kv_heads % size == 0 if kv_heads >= size else size % kv_heads == 0
+    if heads % size or mlp % size or not kv_split:
+        raise ConfigError(
+            f"--tensor-parallel-size {size} does not split the model evenly: its {heads} "
+            f"attention heads and {mlp} MLP features must divide by {size}, and its "
+            f"{kv_heads} KV heads must divide by {size} or into it")
+
+
+def check_devices(config: EngineConfig) -> None:
+    """A tensor-parallel rank per GPU: refuse a size this machine cannot hold. Imports
+    torch, so only the processes that run (or start) the model call it."""
+    if config.tensor_parallel_size == 1 or config.device == "cpu":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if (config.device == "cuda" or gpus) and gpus < config.tensor_parallel_size:
+        raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size} needs as "
+                          f"many GPUs; this machine has {gpus}")
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from aiohttp.web import StreamResponse
 
-from services.bench.pipeline import free_port
+from common.net import free_port
 from services.demo import demo_model_path
 from tests.conftest import REPO, repo_env
 

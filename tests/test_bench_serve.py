@@ -33,7 +33,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from services.bench import serve
-from services.bench.pipeline import free_port
+from common.net import free_port
 from services.bench.serve import (RequestResult, SseDecoder, StreamTimer, arrival_offsets,
                                   plan_requests, random_lengths, sharegpt_lengths, summarize)
 from services.bench.server_stages import (STAGE_HISTOGRAM, bucket_quantile, parse_stages,

@@ -19,7 +19,7 @@ import yaml
 
 from common.config import ServerConfig
 from common.service import service_parser
-from services.bench.pipeline import free_port
+from common.net import free_port
 from services.cli import COMMANDS
 from tests.conftest import REPO, repo_env
 from tests.tiny_models import make_tiny_model

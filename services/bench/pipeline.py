@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -22,6 +21,7 @@ from common import keys
 from common.bus import Bus
 from common.config import EngineConfig, ServerConfig
 from common.messages import ErrorReply, GenerateRequest, ReplyBatch
+from common.net import free_port
 from common.redis_server import EmbeddedRedis, spawn_child
 from services.gateway.responses import Choice
 from services.launcher import child_specs, fresh_metrics_dir
@@ -174,8 +174,3 @@ async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
         return False
 
 
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -46,7 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
 
 from common.redis_server import SOCKET_NAME, spawn_child
-from services.bench.pipeline import free_port
+from common.net import free_port
 from services.bench.serve import WORDS, SseDecoder, metrics_url, redacted, scrape
 from services.bench.soak_report import (ABORTED, BACKLOG, BAD_ANSWER, CLIENT_ERROR,
                                         CONNECTION, INVALID, MIB, OK, SERVER_ERROR,

@@ -24,7 +24,6 @@ LOCAL_REPLY = "local"
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        config.check_runnable()  # before minutes of loading, not after
         self.info = load_model_info(config)
         self.config = self.info.config
         self.processor = InputProcessor.from_info(self.info)
@@ -45,6 +44,10 @@ class Engine:
     def runner(self) -> ModelRunner:
         """The rank in this process: benchmarks and the profiler inspect its model."""
         return self.executor.runner
+
+    def close(self) -> None:
+        """Let the tensor-parallel ranks go, so that another engine can start here."""
+        self.executor.close()
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)

@@ -1,11 +1,15 @@
 """Building a model on its device and filling its weights: from a Hugging Face directory's
 *.safetensors (a GGUF file arrives here already converted to one, see common/model_files),
-or random at the real shapes (`load_format="dummy"`)."""
+or random at the real shapes (`load_format="dummy"`). Either way each parameter's own
+weight_loader takes its tensor-parallel shard: from a safetensors file a rank reads only
+those rows, and dummy weights are drawn whole, so every tensor-parallel size holds the same
+model."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -15,6 +19,7 @@ from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.model_files import resolve_model
+from services.worker.layers.checkpoint import CheckpointSlice
 from services.worker.layers.norm import RMSNorm
 from services.worker.models import CausalLM, model_class
 
@@ -51,19 +56,23 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 @torch.no_grad()
 def init_dummy_weights(model: CausalLM, seed: int) -> None:
     """Normal(0, 0.02) everywhere except RMSNorm weights (1): activations stay finite at any
-    depth. Drawn on the parameters' device, so large models initialize in seconds."""
+    depth. Each checkpoint tensor is drawn whole on the parameters' device, from a
+    generator seeded by its name, and handed to its weight_loader like a loaded one."""
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    generators: dict[torch.device, torch.Generator] = {}
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if id(param) in norm_weights:
             param.fill_(1.0)
             continue
-        if param.device not in generators:
-            generators[param.device] = torch.Generator(param.device).manual_seed(seed)
-        param.normal_(0.0, DUMMY_STD, generator=generators[param.device])
+        module = model.get_submodule(name.rpartition(".")[0])
+        for shard_id, shape in module.checkpoint_shapes(param).items():
+            key = f"{name}[{shard_id}]".encode()
+            generator = torch.Generator(param.device).manual_seed(seed ^ zlib.crc32(key))
+            full = torch.empty(shape, dtype=param.dtype, device=param.device)
+            param.weight_loader(param, full.normal_(0.0, DUMMY_STD, generator=generator),
+                                shard_id)
 
 
-def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(directory: Path) -> Iterator[tuple[str, CheckpointSlice]]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}; use "
@@ -76,12 +85,13 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, CheckpointSlice(f.get_slice(name))
                     bar.update()
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: CausalLM,
+                 weights: Iterable[tuple[str, torch.Tensor | CheckpointSlice]]) -> None:
     """Routes each checkpoint tensor to its parameter's weight_loader (q/k/v and gate/up
     into their fused parameters) and checks that every parameter got all its shards."""
     params = dict(model.named_parameters())

@@ -21,6 +21,7 @@ from common.sampling_params import SamplingParams
 from common.tokens import slice_tokens
 from services.worker.cuda_graphs import StepGraphs
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
+from services.worker.layers.parallel import min_over_ranks
 from services.worker.loader import load_model
 from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
 from services.worker.models import kv_cache_shape
@@ -108,8 +109,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._pending: Launched | None = None
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.num_blocks = plan_num_blocks(config, self, kv_cache_bytes_per_block(
-            hf_config, config.block_size, self.dtype, config.tensor_parallel_size))
+        self.num_blocks = min_over_ranks(plan_num_blocks(config, self, kv_cache_bytes_per_block(
+            hf_config, config.block_size, self.dtype, config.tensor_parallel_size)),
+            self.device)
         shape = kv_cache_shape(hf_config, self.num_blocks, self.block_size,
                                config.tensor_parallel_size)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),

@@ -93,7 +93,10 @@ class WorkerShell:
 async def serve(ctx: ServiceContext) -> None:
     executor = await anyio.to_thread.run_sync(Executor, resolve_engine(ctx.engine))
     freeze_heap()
-    await WorkerShell(ctx, executor).run()
+    try:
+        await WorkerShell(ctx, executor).run()
+    finally:
+        executor.close()
 
 
 def main(argv: list[str]) -> int:

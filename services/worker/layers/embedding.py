@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.layers.linear import copy_checked, new_parameter
+from services.worker.layers.linear import Checkpoint, ShardShapes, copy_checked, new_parameter
 from services.worker.layers.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -26,15 +26,18 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = shared_weight if shared_weight is not None else new_parameter(
             self.rows_per_rank, hidden_size, loader=self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id=None) -> None:
         if loaded_weight.shape[0] != self.vocab_size:
             raise ValueError(f"{type(self).__name__}: checkpoint has {loaded_weight.shape[0]} "
                              f"vocabulary rows, config.json says {self.vocab_size}")
         rows = self.vocab_end - self.vocab_start
         param.data[rows:].zero_()
-        copy_checked(param.data[:rows], loaded_weight[self.vocab_start:self.vocab_end],
+        copy_checked(param.data[:rows], loaded_weight.narrow(0, self.vocab_start, rows),
                      type(self).__name__)
+
+    def checkpoint_shapes(self, param: nn.Parameter) -> ShardShapes:
+        return {None: (self.vocab_size, param.shape[1])}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -15,18 +15,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.layers.checkpoint import CheckpointSlice, read_whole
 from services.worker.layers.parallel import (all_reduce, divide, kv_heads_per_rank, tp_rank,
                                               tp_size)
 
+Checkpoint = torch.Tensor | CheckpointSlice
+ShardShapes = dict[str | int | None, tuple[int, ...]]
 
-def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+
+def copy_checked(dst: torch.Tensor, src: Checkpoint, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"{name}: checkpoint shard has shape {tuple(src.shape)}, the model "
                          f"expects {tuple(dst.shape)}; the weights do not match config.json")
-    dst.copy_(src)
+    dst.copy_(read_whole(src))
 
 
-def take_shard(loaded: torch.Tensor, dim: int, index: int, size: int, full: int,
+def take_shard(loaded: Checkpoint, dim: int, index: int, size: int, full: int,
                name: str) -> torch.Tensor:
     """Shard `index` of `size` rows along `dim` of a checkpoint tensor that must have
     `full` rows there."""
@@ -52,9 +56,13 @@ class LinearBase(nn.Module, abc.ABC):
         self.bias = new_parameter(output_size, loader=self.weight_loader) if bias else None
 
     @abc.abstractmethod
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id=None) -> None:
         """Copies this rank's shard of the full checkpoint tensor into param."""
+
+    @abc.abstractmethod
+    def checkpoint_shapes(self, param: nn.Parameter) -> ShardShapes:
+        """The full checkpoint tensor of each of param's shard ids, by its shape."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -66,11 +74,18 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, divide(output_size, tp_size(), "output size"), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id=None) -> None:
         size, name = param.shape[0], type(self).__name__
         copy_checked(param.data, take_shard(loaded_weight, 0, self.tp_rank, size,
                                             size * self.tp_size, name), name)
+
+    def checkpoint_shapes(self, param: nn.Parameter) -> ShardShapes:
+        return {shard: (rows, *param.shape[1:]) for shard, rows in self.rows().items()}
+
+    def rows(self) -> dict[str | int | None, int]:
+        """The full output features of each shard id."""
+        return {None: self.weight.shape[0] * self.tp_size}
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -80,7 +95,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id=None) -> None:
         if shard_id not in range(len(self.output_sizes)):
             raise ValueError(f"{type(self).__name__}: shard id {shard_id!r} is not one of "
@@ -91,6 +106,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         shard = take_shard(loaded_weight, 0, self.tp_rank, size, self.output_sizes[shard_id],
                            name)
         copy_checked(param.data.narrow(0, offset, size), shard, name)
+
+    def rows(self) -> dict[str | int | None, int]:
+        return dict(enumerate(self.output_sizes))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -108,7 +126,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id=None) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         kv_rank, kv_full = self.tp_rank // self.kv_replicas, self.total_num_kv_heads * self.head_dim
@@ -123,6 +141,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         shard = take_shard(loaded_weight, 0, index, size, full, name)
         copy_checked(param.data.narrow(0, offset, size), shard, name)
 
+    def rows(self) -> dict[str | int | None, int]:
+        kv = self.total_num_kv_heads * self.head_dim
+        return {"q": self.num_heads * self.head_dim * self.tp_size, "k": kv, "v": kv}
+
 
 class RowParallelLinear(LinearBase):
     """y = x W^T with W's columns (input features) split across ranks; the partial sums are
@@ -131,7 +153,7 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(divide(input_size, tp_size(), "input size"), output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id=None) -> None:
         if param.ndim == 1:  # the bias is whole on every rank
             copy_checked(param.data, loaded_weight, "RowParallelLinear bias")
@@ -140,6 +162,11 @@ class RowParallelLinear(LinearBase):
         copy_checked(param.data, take_shard(loaded_weight, 1, self.tp_rank, size,
                                             size * self.tp_size, "RowParallelLinear"),
                      "RowParallelLinear")
+
+    def checkpoint_shapes(self, param: nn.Parameter) -> ShardShapes:
+        if param.ndim == 1:
+            return {None: tuple(param.shape)}
+        return {None: (param.shape[0], param.shape[1] * self.tp_size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(F.linear(x, self.weight))

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kernels.norm import rms_norm
-from services.worker.layers.linear import copy_checked, new_parameter
+from services.worker.layers.linear import Checkpoint, ShardShapes, copy_checked, new_parameter
 
 
 class RMSNorm(nn.Module):
@@ -15,9 +15,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = new_parameter(hidden_size, loader=self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id=None) -> None:
         copy_checked(param.data, loaded_weight, "RMSNorm")
+
+    def checkpoint_shapes(self, param: nn.Parameter) -> ShardShapes:
+        return {None: tuple(param.shape)}
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

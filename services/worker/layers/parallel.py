@@ -33,6 +33,15 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest of every rank's `value` (a KV cache all ranks can hold)."""
+    if tp_size() == 1:
+        return value
+    tensor = torch.tensor([value], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by the tensor parallel "
