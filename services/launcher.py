@@ -15,10 +15,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import (EngineConfig, ServerConfig, engine_args_to_cli, parse_configs,
-                           server_args_to_cli)
+from common.config import (ConfigError, EngineConfig, ServerConfig, engine_args_to_cli,
+                           parse_configs, server_args_to_cli)
 from common.log import configure_logging, get_logger
-from common.model_files import resolve_model
+from common.model_info import check_devices, resolve_engine
 from common.redis_server import EmbeddedRedis, redis_url_or_embedded, spawn_child
 from common.service import service_parser
 
@@ -158,9 +158,14 @@ def _healthy(url: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    args, engine, server = parse_configs(service_parser("serve", __doc__ or ""), argv)
+    parser = service_parser("serve", __doc__ or "")
+    args, engine, server = parse_configs(parser, argv)
     configure_logging("launcher")
-    resolve_model(engine.model, engine.load_format)  # a GGUF converts once, here
+    try:  # a GGUF converts once, here; a shard the model or machine cannot hold is refused
+        resolve_engine(engine)
+        check_devices(engine)
+    except ConfigError as e:
+        parser.error(str(e))
     run_dir = Path(server.run_dir)
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     redis_url, redis = redis_url_or_embedded(server.redis_url, run_dir)

@@ -84,13 +84,14 @@ def tiny(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("bench"), "llama")
 
 
-def run_throughput(model: Path, tmp_path: Path, paths: str) -> tuple[str, dict]:
+def run_throughput(model: Path, tmp_path: Path, paths: str, *extra: str
+                   ) -> tuple[str, dict]:
     """`headrace bench throughput` of 6 fixed prompts over `paths`: (stdout, its --json)."""
     out = tmp_path / "throughput.json"
     result = run_command("bench", "throughput", "--model", str(model), "--workload", "fixed",
                          "--num-prompts", "6", "--prompt-len", "20", "--output-len", "12",
                          "--path", paths, "--num-gpu-blocks-override", "128",
-                         "--json", str(out), timeout=300)
+                         "--json", str(out), *extra, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout, json.loads(out.read_text())
 
@@ -109,6 +110,17 @@ def test_throughput_command_times_both_paths(tiny, tmp_path):
     assert pipeline["scheduler.loops"] >= 12 and pipeline["scheduler.update_s"] > 0
 
 
+def test_throughput_command_runs_two_ranks_on_both_paths(tiny, tmp_path):
+    """The in-process engine lets its ranks go before the pipeline's worker starts its
+    own; the floor is one rank's share."""
+    _, one = run_throughput(tiny, tmp_path, "inprocess")
+    _, data = run_throughput(tiny, tmp_path, "both", "--tensor-parallel-size", "2",
+                             "--device", "cpu")
+    assert [r["path"] for r in data["results"]] == ["inprocess", "pipeline"]
+    assert all(r["output_tokens"] == 6 * 12 for r in data["results"])
+    assert 0 < data["floor_seconds"] < one["floor_seconds"]
+
+
 def test_throughput_command_times_the_http_path(tiny, tmp_path):
     stdout, data = run_throughput(tiny, tmp_path, "inprocess,http")
     assert [r["path"] for r in data["results"]] == ["inprocess", "http"]
@@ -120,11 +132,13 @@ def test_throughput_command_times_the_http_path(tiny, tmp_path):
     assert http["phases"]["worker.loops"] >= 12 and http["phases"]["scheduler.loops"] >= 12
 
 
-def test_latency_command_reports_decode_time(tiny, tmp_path):
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_latency_command_reports_decode_time(tiny, tmp_path, tp):
     out = tmp_path / "latency.json"
     result = run_command("bench", "latency", "--model", str(tiny), "--context-len", "32",
                          "--output-len", "8", "--iterations", "1",
-                         "--num-gpu-blocks-override", "64", "--json", str(out), timeout=300)
+                         "--num-gpu-blocks-override", "64", "--json", str(out),
+                         "--tensor-parallel-size", tp, "--device", "cpu", timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["decode_ms_per_token_median"] > 0 and data["prefill_ms"] > 0

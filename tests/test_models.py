@@ -1,13 +1,10 @@
 """Our models against transformers on the same weights: whole prompts, chunked prefill
-through the paged cache, teacher-forced decodes, mixed varlen batches, tensor parallelism,
-and the demo SmolLM2 GGUF."""
+through the paged cache, teacher-forced decodes, mixed varlen batches, and the demo SmolLM2
+GGUF. Tensor parallelism is tests/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
-import multiprocessing
-import queue
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -195,73 +192,6 @@ def test_graph_ladders():
     assert decode_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert mixed_sizes(512) == [16, 32, 48, 64, 96, 144, 208, 304, 448, 512]
     assert mixed_sizes(8) == [8]
-
-
-# --- tensor parallelism: gloo ranks on the CPU against the single-rank model -------------
-
-def tp_rank_main(rank: int, world: int, init_file: str, model_dirs: list[str],
-                 ids: list[int], results) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        for model_dir in model_dirs:
-            hf_config = load_hf_config(model_dir)
-            model = load_model(EngineConfig(model=model_dir, tensor_parallel_size=world),
-                               hf_config, CPU, torch.float32)
-            paged = Paged(model, hf_config, block_size=4, tp_size=world)
-            (logits,) = paged.step([(paged.blocks(len(ids)), ids, 0)])
-            # numpy, not a tensor: torch would share the storage with a process about to exit
-            results.put((rank, model_dir, model.num_kv_heads, logits.numpy()))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_tp(world: int, model_dirs: list[Path], ids: list[int], tmp_path: Path) -> dict:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=tp_rank_main, args=(rank, world, str(tmp_path / "init"),
-                                                    [str(d) for d in model_dirs], ids,
-                                                    results))
-             for rank in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    deadline = time.monotonic() + 120
-    while len(out) < world * len(model_dirs):
-        assert time.monotonic() < deadline, "tensor-parallel ranks timed out"
-        try:
-            rank, model_dir, num_kv_heads, logits = results.get(timeout=1)
-        except queue.Empty:
-            assert all(p.exitcode in (None, 0) for p in procs), "a rank failed"
-            continue
-        out[(rank, model_dir)] = (num_kv_heads, torch.from_numpy(logits))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return out
-
-
-@pytest.mark.parametrize("world,archs,kv_heads", [(2, ["llama", "qwen2", "qwen3"], 1),
-                                                  (4, ["qwen3"], 1)])
-def test_tensor_parallel_ranks_match_transformers(world, archs, kv_heads, tmp_path):
-    """Every rank ends with the full logits; with 4 ranks and 2 KV heads each KV head is
-    replicated on two ranks."""
-    from transformers import AutoModelForCausalLM
-
-    dirs = [make_tiny_model(tmp_path / arch, arch) for arch in archs]
-    ids = token_ids(19, seed=8)
-    out = run_tp(world, dirs, ids, tmp_path)
-    for model_dir in dirs:
-        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        with torch.no_grad():
-            expected = ref(torch.tensor([ids])).logits[0]
-        for rank in range(world):
-            num_kv_heads, logits = out[(rank, str(model_dir))]
-            assert num_kv_heads == kv_heads
-            assert rel_err(logits, expected) < TOLERANCE, (model_dir.name, rank)
 
 
 # --- the demo model ----------------------------------------------------------------------

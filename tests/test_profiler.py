@@ -19,6 +19,7 @@ from services.profiler.layerwise import (PYTHON_ROW, REST_OF_STEP, STEP_RANGE, K
                                          phase_stats, profile_step)
 from services.profiler.run import (ProfileSettings, fit_error, kv_error, output_lengths,
                                    requests_per_step)
+from tests.conftest import run_command
 from tests.tiny_models import make_tiny_model
 
 # --- which requests run how long ---------------------------------------------------------------
@@ -268,6 +269,20 @@ def test_profile_writes_every_step(profiled, capsys):
         stats = PhaseStats.from_dict(data[phase])
         assert stats.cpu_time_us > 0 and stats.cuda_time_us == 0
         assert [r.path for r in stats.model] == ["", "lm_head", "sampler", REST_OF_STEP]
+
+
+def test_profile_of_two_ranks_profiles_rank_0(profiled, tmp_path):
+    _, model = profiled
+    result = run_command("profile", "--model", str(model), "--prompt-len", str(PROMPT),
+                         "--batch-size", "2", "--json", str(tmp_path / "tp2"),
+                         "--num-gpu-blocks-override", "64", "--device", "cpu",
+                         "--tensor-parallel-size", "2", "run_num_steps", "-n", "2",
+                         timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "tp2.json").read_text())
+    assert data["context"]["engine"]["tensor_parallel_size"] == 2
+    stats = PhaseStats.from_dict(data["decode_1"])
+    assert [r.path for r in stats.model] == ["", "lm_head", "sampler", REST_OF_STEP]
 
 
 def test_the_engines_model_table(profiled):

@@ -79,7 +79,8 @@ def main(argv: list[str]) -> int:
         prefill, steps = time_one_batch(engine, prompts, args.output_len)
         prefills.append(prefill)
         decodes += steps
-    shape = ModelShape.of(engine.runner.model, engine.runner.hf_config)
+    shape = ModelShape.of(engine.runner.model, engine.runner.hf_config,
+                          engine.config.tensor_parallel_size)
     ceilings = measure_ceilings(engine.runner.device)
     context = args.context_len + args.output_len / 2
     floor_s = (shape.weight_bytes + args.batch_size * context * shape.kv_bytes_per_token) \

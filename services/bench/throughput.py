@@ -307,7 +307,8 @@ def run_engine(args: argparse.Namespace, config: EngineConfig) -> EngineRuns:
     this call, so its device memory can be released when it returns."""
     engine = Engine(config)
     workload = make_workload(args, engine.runner.model.vocab_size)
-    shape = ModelShape.of(engine.runner.model, engine.runner.hf_config)
+    shape = ModelShape.of(engine.runner.model, engine.runner.hf_config,
+                          engine.config.tensor_parallel_size)
     ceilings = measure_ceilings(engine.runner.device)
     # the kernels of every step shape compile untimed, on prompts the timed run won't reuse
     run_inprocess(engine, warmup_twin(workload, WARMUP_SEED))
@@ -317,6 +318,7 @@ def run_engine(args: argparse.Namespace, config: EngineConfig) -> EngineRuns:
         subset = with_output_len(workload, args.compare_num_prompts, args.compare_output_len)
         results.append(run_transformers(engine, subset, args.transformers_attn))
         results.append(run_inprocess(engine, subset))
+    engine.close()  # the served paths' worker takes the GPUs and the ranks' group
     return EngineRuns(workload, results, trace, ceilings, engine.runner.device)
 
 
@@ -329,7 +331,11 @@ def release_device(device: torch.device) -> None:
 
 
 def main(argv: list[str]) -> int:
-    args, config, server = parse_configs(build_parser(), argv)
+    parser = build_parser()
+    args, config, server = parse_configs(parser, argv)
+    if args.compare and config.tensor_parallel_size > 1:
+        parser.error("--compare transformers copies one rank's weights: use "
+                     "--tensor-parallel-size 1")
     configure_logging("bench")
     runs = run_engine(args, config)
     release_device(runs.device)

@@ -89,12 +89,14 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @classmethod
-    def of(cls, model: torch.nn.Module, hf_config) -> ModelShape:
+    def of(cls, model: torch.nn.Module, hf_config, tp_size: int) -> ModelShape:
+        """What one GPU holds and computes: a tensor-parallel rank's share (its weights,
+        heads and KV heads), the floor of a shard whose ranks run side by side."""
         params = list(model.parameters())
         head_dim = getattr(hf_config, "head_dim", None) or (
             hf_config.hidden_size // hf_config.num_attention_heads)
-        return cls(hf_config.num_hidden_layers, hf_config.num_attention_heads,
-                   hf_config.num_key_value_heads, head_dim,
+        return cls(hf_config.num_hidden_layers, hf_config.num_attention_heads // tp_size,
+                   model.num_kv_heads, head_dim,
                    sum(p.numel() * p.element_size() for p in params),
                    sum(p.numel() for p in params), params[0].element_size())
 

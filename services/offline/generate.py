@@ -56,7 +56,10 @@ def main(argv: list[str]) -> int:
         parser.error(str(e))
     from services.offline.llm import LLM  # torch is imported only once the flags are valid
 
-    llm = LLM(**dataclasses.asdict(config))
+    try:
+        llm = LLM(**dataclasses.asdict(config))
+    except ConfigError as e:  # what the model's files show: a size that cannot split it
+        parser.error(str(e))
     try:
         params = llm.engine.info.defaults.params_for(overrides)
     except SamplingError as e:

@@ -1,0 +1,213 @@
+"""Tensor parallelism on the CPU, gloo ranks in real processes: each rank reads only its
+shard; every position's logits equal one rank's and transformers'; greedy tokens through
+the offline API equal one rank's. The Redis pipeline at two ranks is
+tests/test_tensor_parallel_serve.py."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import ConfigError, EngineConfig
+from common.model_files import load_hf_config
+from common.model_info import check_tensor_parallel
+from common.sampling_params import SamplingParams
+from services import LLM
+from services.worker.layers import embedding, linear
+from services.worker.layers.checkpoint import CheckpointSlice
+from services.worker.loader import load_model
+from tests.test_models import Paged, rel_err, token_ids
+from tests.tiny_models import make_tiny_model
+
+CPU = torch.device("cpu")
+TOLERANCE = 1e-4  # against transformers, as in tests/test_models.py
+SAME_AS_ONE_RANK = 1e-5  # the largest logit difference to the single-rank model
+
+
+# --- loading: rank 1 of 2, in this process ----------------------------------------------
+
+def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, size: int) -> None:
+    """The layers built next take rank `rank` of `size`, with no process group."""
+    for module in (linear, embedding):
+        monkeypatch.setattr(module, "tp_rank", lambda: rank)
+        monkeypatch.setattr(module, "tp_size", lambda: size)
+
+
+def count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Elements read from safetensors files, whole tensors and shards apart."""
+    read: Counter = Counter()
+    narrow, whole = CheckpointSlice.narrow, CheckpointSlice.read
+
+    def counted_narrow(self, dim, start, length):
+        out = narrow(self, dim, start, length)
+        read["shards"] += out.numel()
+        return out
+
+    def counted_read(self):
+        out = whole(self)
+        read["whole"] += out.numel()
+        return out
+    monkeypatch.setattr(CheckpointSlice, "narrow", counted_narrow)
+    monkeypatch.setattr(CheckpointSlice, "read", counted_read)
+    return read
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_rank_reads_only_its_shard_of_the_checkpoint(arch, tmp_path, monkeypatch):
+    """qwen2 has q/k/v biases and a tied LM head; llama an untied one. The tiny vocabulary
+    splits evenly, so a rank holds no padding rows."""
+    model_dir = make_tiny_model(tmp_path, arch)
+    hf_config = load_hf_config(model_dir)
+    config = EngineConfig(model=str(model_dir), dtype="float32")
+    read = count_reads(monkeypatch)
+    whole = load_model(config, hf_config, CPU, torch.float32)
+    assert read["shards"] + read["whole"] == sum(p.numel() for p in whole.parameters())
+
+    read.clear()
+    as_rank(monkeypatch, 1, 2)
+    shard = load_model(config, hf_config, CPU, torch.float32)
+    norms = sum(p.numel() for n, p in shard.named_parameters() if "norm" in n)
+    # the norms and the row-parallel biases are whole on every rank; nothing else is
+    assert read["whole"] == norms + sum(p.numel() for n, p in shard.named_parameters()
+                                        if "o_proj.bias" in n or "down_proj.bias" in n)
+    assert read["shards"] + read["whole"] == sum(p.numel() for p in shard.parameters())
+    assert read["shards"] + read["whole"] < 0.6 * sum(p.numel() for p in whole.parameters())
+
+
+def test_sizes_that_do_not_split_the_model_are_refused():
+    smollm = type("Config", (), dict(num_attention_heads=9, num_key_value_heads=3,
+                                     intermediate_size=1536))
+    check_tensor_parallel(smollm, 3)
+    for size in (2, 4, 6):
+        with pytest.raises(ConfigError, match=f"--tensor-parallel-size {size} does not split"):
+            check_tensor_parallel(smollm, size)
+    llama8b = type("Config", (), dict(num_attention_heads=32, num_key_value_heads=8,
+                                      intermediate_size=14336))
+    for size in (1, 2, 4, 8, 16):  # 16 ranks replicate each KV head twice
+        check_tensor_parallel(llama8b, size)
+    with pytest.raises(ConfigError, match="12 does not split"):
+        check_tensor_parallel(llama8b, 12)
+
+
+# --- logits: gloo ranks against one rank and transformers -------------------------------
+
+def rank_logits(rank: int, world: int, init_file: str, model_dirs: list[str],
+                load_format: str, ids: list[int], results) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        for model_dir in model_dirs:
+            results.put((rank, model_dir, *logits_of(model_dir, load_format, ids, world)))
+    finally:
+        dist.destroy_process_group()
+
+
+def logits_of(model_dir: str, load_format: str, ids: list[int], world: int = 1
+              ) -> tuple[int, object]:
+    """One prefill's logits at every position (numpy: a tensor would share its storage
+    with a process about to exit), and the KV heads the rank holds."""
+    hf_config = load_hf_config(model_dir)
+    config = EngineConfig(model=model_dir, tensor_parallel_size=world,
+                          load_format=load_format)
+    model = load_model(config, hf_config, CPU, torch.float32)
+    paged = Paged(model, hf_config, block_size=4, tp_size=world)
+    (logits,) = paged.step([(paged.blocks(len(ids)), ids, 0)])
+    return model.num_kv_heads, logits.numpy()
+
+
+def run_ranks(world: int, model_dirs: list[Path], load_format: str, ids: list[int],
+              tmp_path: Path) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=rank_logits, args=(rank, world, str(tmp_path / "init"),
+                                                   [str(d) for d in model_dirs],
+                                                   load_format, ids, results))
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    deadline = time.monotonic() + 120
+    while len(out) < world * len(model_dirs):
+        assert time.monotonic() < deadline, "tensor-parallel ranks timed out"
+        try:
+            rank, model_dir, num_kv_heads, logits = results.get(timeout=1)
+        except queue.Empty:
+            assert all(p.exitcode in (None, 0) for p in procs), "a rank failed"
+            continue
+        out[(rank, model_dir)] = (num_kv_heads, torch.from_numpy(logits))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return out
+
+
+@pytest.mark.parametrize("world,archs,kv_heads,load_format", [
+    (2, ["llama", "qwen2", "qwen3"], 1, "auto"),
+    (2, ["llama", "qwen3"], 1, "dummy"),
+    (4, ["qwen3"], 1, "auto")])
+def test_every_rank_has_the_logits_of_one_rank(world, archs, kv_heads, load_format,
+                                               tmp_path):
+    """At every position, to 1e-5; and transformers' from the checkpoint. Dummy weights are
+    the same model at any size. With 4 ranks and 2 KV heads each KV head is replicated on
+    two ranks."""
+    from transformers import AutoModelForCausalLM
+
+    dirs = [make_tiny_model(tmp_path / arch, arch) for arch in archs]
+    ids = token_ids(19, seed=8)
+    out = run_ranks(world, dirs, load_format, ids, tmp_path)
+    for model_dir in dirs:
+        _, one_rank = logits_of(str(model_dir), load_format, ids)
+        one_rank = torch.from_numpy(one_rank)
+        if load_format == "auto":
+            ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            with torch.no_grad():
+                assert rel_err(one_rank, ref(torch.tensor([ids])).logits[0]) < TOLERANCE
+        for rank in range(world):
+            num_kv_heads, logits = out[(rank, str(model_dir))]
+            assert num_kv_heads == kv_heads
+            difference = (logits - one_rank).abs().max().item()
+            assert difference <= SAME_AS_ONE_RANK, (model_dir.name, rank, difference)
+
+
+# --- the offline API --------------------------------------------------------------------
+
+PROMPTS = [token_ids(n, seed=n) for n in (5, 17, 3, 40)]
+
+
+def generate(model_dir: Path, size: int, params: SamplingParams) -> list[list[int]]:
+    llm = LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                               use_tqdm=False)
+    finally:
+        llm.engine.close()
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_offline_api_at_two_ranks_gives_one_ranks_tokens(arch, tmp_path):
+    """Greedy, and seeded sampling: the ranks draw alike, or their KV caches would part."""
+    model_dir = make_tiny_model(tmp_path, arch)
+    for params in (SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                   SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)):
+        assert generate(model_dir, 2, params) == generate(model_dir, 1, params), params
+
+
+def test_an_engine_of_another_size_waits_for_the_group_to_close(tmp_path):
+    model_dir = make_tiny_model(tmp_path, "llama")
+    llm = LLM(str(model_dir), tensor_parallel_size=2, device="cpu")
+    try:
+        with pytest.raises(RuntimeError, match="close its engine first"):
+            LLM(str(model_dir), device="cpu")
+    finally:
+        llm.engine.close()
+    LLM(str(model_dir), device="cpu")  # once closed, the group is gone
