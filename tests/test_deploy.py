@@ -115,14 +115,17 @@ def test_procfile_serves_under_honcho(redis_url, tmp_path):
                         {"model": str(model), "prompt": [5, 6, 7], "max_tokens": 5,
                          "ignore_eos": True})
             assert body["usage"]["completion_tokens"] == 5
+        # two gateway processes on the one port (the second may still be starting)
         client = redis.Redis.from_url(redis_url)
-        gateways = {c["name"] for c in client.client_list()
-                    if c["name"].startswith("gateway-")}
+        deadline = time.monotonic() + 60
+        while len(gateways := {c["name"] for c in client.client_list()
+                               if c["name"].startswith("gateway-")}) < 2:
+            assert time.monotonic() < deadline, gateways
+            time.sleep(0.5)
         client.close()
-        assert len(gateways) == 2, gateways  # two gateway processes on the one port
     finally:
         os.killpg(honcho.pid, signal.SIGTERM)
-        honcho.wait(30)
+        honcho.wait(60)
     leftover = subprocess.run(["pgrep", "-f", f"headrace .* {model}"], capture_output=True,
                               text=True).stdout.split()
     assert not leftover, f"processes left behind: {leftover}"
