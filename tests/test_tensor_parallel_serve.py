@@ -73,19 +73,26 @@ def test_two_ranks_serve_one_ranks_greedy_texts(server, model_dir):
     assert [o.text for o in outcomes] == one_rank_texts(model_dir)
 
 
-def test_a_killed_rank_ends_the_shards_streams_and_the_shard_comes_back(server, model_dir):
+@pytest.mark.parametrize("victim", ["rank 1", "rank 0"])
+def test_a_killed_rank_ends_the_shards_streams_and_the_shard_comes_back(server, model_dir,
+                                                                        victim):
+    """Rank 0 is the worker process: killed, it leaves its follower to notice and exit."""
     worker, (rank,) = worker_and_ranks(server)
     killed_at = [0.0]
 
-    async def kill_rank() -> None:
-        os.kill(rank.pid, signal.SIGKILL)
+    async def kill() -> None:
+        os.kill(rank.pid if victim == "rank 1" else worker.pid, signal.SIGKILL)
         killed_at[0] = time.monotonic()
 
-    outcomes = anyio.run(stream_all, server.url, PROMPTS, kill_rank)
+    outcomes = anyio.run(stream_all, server.url, PROMPTS, kill)
     for o in outcomes:
         assert o.done and o.error, o  # an error event, then [DONE]
         assert o.ended_at - killed_at[0] <= END_S, (o, server.log_tail())
-    assert "tp-rank-1 died" in server.log_path.read_text()
+    if victim == "rank 1":
+        assert "tp-rank-1 died" in server.log_path.read_text()
+    else:
+        psutil.wait_procs([rank], timeout=5)
+        assert not rank.is_running(), "rank 1 outlived its rank 0"
 
     deadline = time.monotonic() + RECOVER_S
     while time.monotonic() < deadline:
