@@ -7,6 +7,7 @@ stopped with SIGTERM, leaving no child process behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -115,6 +116,20 @@ def start_server(args: list[str], log_path: Path, **env: str) -> ServerProcess:
         stderr=subprocess.STDOUT)
     log.close()
     return ServerProcess(process, port, log_path)
+
+
+@contextlib.contextmanager
+def serving(args: list[str], log_path: Path, run_dir: Path | None = None
+            ) -> Iterator[ServerProcess]:
+    """`start_server`, healthy; stopped at the end, asserting that no child outlives it."""
+    server = start_server(args, log_path)
+    server.run_dir = run_dir
+    try:
+        server.wait_for("/health", (200,))
+        yield server
+    finally:
+        survivors = server.stop()
+        assert not survivors, f"children outlived the launcher: {survivors}"
 
 
 def serve_args(run_dir: Path) -> list[str]:

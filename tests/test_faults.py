@@ -25,7 +25,7 @@ import pytest
 import redis.asyncio
 
 from common import keys
-from tests.e2e_fixtures import ServerProcess, serve_args, start_server
+from tests.e2e_fixtures import ServerProcess, serve_args, serving
 from tests.sse_client import Streamed, stream_one
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -45,14 +45,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("faults")
     args = [*serve_args(root / "run"), "--tokenizer-replicas", "2",
             "--detokenizer-replicas", "2", "--max-queue-len", "64"]
-    served = start_server(args, root / "serve.log")
-    served.run_dir = root / "run"
-    try:
-        served.wait_for("/health", (200,))
+    with serving(args, root / "serve.log", root / "run") as served:
         yield served
-    finally:
-        survivors = served.stop()
-        assert not survivors, f"children outlived the launcher: {survivors}"
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serve_args, start_server
+from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serve_args, serving
 
 EXAMPLES = int(os.environ.get("HEADRACE_FUZZ_EXAMPLES", "500"))  # x4 endpoints
 ANSWER_TIMEOUT_S = 30.0
@@ -97,13 +97,8 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     args[args.index("--max-model-len") + 1] = str(MAX_MODEL_LEN)
     # input, not load, is under test here: n=128 must not look like an overload
     args[args.index("--max-queue-len") + 1] = "100000"
-    server = start_server(args, root / "serve.log")
-    try:
-        server.wait_for("/health", (200,))
+    with serving(args, root / "serve.log") as server:
         yield server
-    finally:
-        survivors = server.stop()
-        assert not survivors, survivors
 
 
 @pytest.fixture(scope="module")

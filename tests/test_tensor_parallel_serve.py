@@ -17,7 +17,7 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from services import LLM
-from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, start_server
+from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serving
 from tests.test_faults import MAX_TOKENS, stream_all
 from tests.tiny_models import make_tiny_model
 
@@ -42,13 +42,8 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     args = ["serve", str(model_dir), "--served-model-name", MODEL_NAME,
             "--run-dir", str(root / "run"), "--api-key", API_KEY, "--device", "cpu",
             "--tensor-parallel-size", "2", "--max-model-len", "256"]
-    served = start_server(args, root / "serve.log")
-    try:
-        served.wait_for("/health", (200,))
+    with serving(args, root / "serve.log") as served:
         yield served
-    finally:
-        survivors = served.stop()
-        assert not survivors, f"children outlived the launcher: {survivors}"
 
 
 def one_rank_texts(model_dir: Path) -> list[str]:

@@ -4,11 +4,7 @@
 # call each, inside the 10-minute limit):
 #   source .devkit/env.sh && bash benchmarks/gpu/engine_check.sh 1
 set -uo pipefail
-M=.devkit/models
-R="$OUT/r"
-mkdir -p "$R"
-export HEADRACE_SHAPES=$M
-bench() { timeout "$1" python -m services.cli bench "${@:2}"; }
+source benchmarks/gpu/common.sh
 case "$1" in
 1)
   timeout 330 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \

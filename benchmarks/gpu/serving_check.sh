@@ -10,10 +10,7 @@
 # the 1000-request run is also sampled for 15 s in one gateway, the scheduler and one
 # detokenizer (profile-*.txt: the functions with the most samples).
 set -uo pipefail
-M=.devkit/models
-R="${R:-$OUT/r}"
-mkdir -p "$R"
-export HEADRACE_SHAPES=$M
+source benchmarks/gpu/common.sh
 hr() { python -m services.cli "$@"; }
 bench_serve() {  # NAME ARGS...: a timed run, after a warm-up on another seed's prompts
   local name=$1; shift

@@ -5,11 +5,7 @@
 # Stage 2: the nano workload at 2 ranks, in-process and through the Redis pipeline.
 #   source .devkit/env.sh && bash benchmarks/gpu/tp_check.sh 1
 set -uo pipefail
-M=.devkit/models
-R="$OUT/r"
-mkdir -p "$R"
-export HEADRACE_SHAPES=$M
-bench() { timeout "$1" python -m services.cli bench "${@:2}"; }
+source benchmarks/gpu/common.sh
 case "$1" in
 1)
   timeout 240 python benchmarks/gpu/tp_tokens.py --model $M/llama-3.1-8b-shape \
