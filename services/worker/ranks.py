@@ -73,7 +73,7 @@ class Followers:
         self.closing = False
         spawn = multiprocessing.get_context("spawn")  # no CUDA state or threads inherited
         self.pipes: list[Connection] = []
-        self.processes = []
+        self.processes: list[multiprocessing.process.BaseProcess] = []
         for rank in range(1, world):
             inbox, pipe = spawn.Pipe(duplex=False)
             process = spawn.Process(target=follow, name=f"tp-rank-{rank}", daemon=True,
