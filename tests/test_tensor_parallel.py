@@ -107,6 +107,7 @@ def rank_logits(rank: int, world: int, init_file: str, model_dirs: list[str],
     try:
         for model_dir in model_dirs:
             results.put((rank, model_dir, *logits_of(model_dir, load_format, ids, world)))
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
