@@ -22,6 +22,7 @@ import aiohttp
 import anyio
 import psutil
 import pytest
+import redis
 import redis.asyncio
 
 from common import keys
@@ -130,6 +131,32 @@ def wait_restarted(server: ServerProcess, name: str, gone: list[int], count: int
     raise AssertionError(f"the launcher did not restart {name}:\n{server.log_tail()}")
 
 
+def replica_of(process: psutil.Process) -> str:
+    cmdline = process.cmdline()
+    return cmdline[cmdline.index("--replica") + 1]
+
+
+def wait_consuming(server: ServerProcess, name: str, stream: str) -> None:
+    """Every `name` replica takes entries of `stream` (a restarted one may still be
+    loading its tokenizer): requests run until each replica had one delivered during the
+    last of them."""
+    client = redis.Redis(unix_socket_path=str(server.run_dir / "redis.sock"))
+    deadline = time.monotonic() + RECOVER_S
+    try:
+        while time.monotonic() < deadline:
+            start = time.monotonic()
+            assert request_ok(server), server.log_tail()
+            took_ms = 1000 * (time.monotonic() - start)
+            idle = {row["name"].decode(): row["idle"]
+                    for row in client.xinfo_consumers(stream, name)}
+            if all(idle.get(f"{name}-{replica_of(p)}", took_ms + 1) <= took_ms
+                   for p in children(server, name)):
+                return
+    finally:
+        client.close()
+    raise AssertionError(f"not every {name} reads {stream}:\n{server.log_tail()}")
+
+
 def faulted(server: ServerProcess, fault, at_once: bool = False
             ) -> tuple[list[Streamed], float]:
     """Streams with `fault` run mid-way; the outcomes and when the fault was done."""
@@ -187,7 +214,7 @@ def stop_a_tokenizer_and_kill_it_if_it_holds_requests(
     and only those the other replica does not take first: if it took none, it is let go on
     and the streams are served by the other. The killed pid, if any, and the streams."""
     victim = children(server, "tokenizer")[0]
-    consumer = "tokenizer-" + victim.cmdline()[victim.cmdline().index("--replica") + 1]
+    consumer = "tokenizer-" + replica_of(victim)
     victim.send_signal(signal.SIGSTOP)
     killed: list[int] = []
 
@@ -219,6 +246,7 @@ def test_a_killed_detokenizer_loses_nothing(server, baseline):
 
 
 def test_a_stalled_detokenizer_hands_its_steps_over(server, baseline):
+    wait_consuming(server, "detokenizer", keys.DETOK)  # the other one must take over
     stall, stalled = killing(server, "detokenizer", signal.SIGSTOP)
 
     try:
