@@ -62,6 +62,9 @@ class EngineConfig:
         "Split long prompts across steps to fit the token budget."))
     tensor_parallel_size: int = field(default=1, metadata=_help(
         "Number of GPUs the model is split over."))
+    disable_custom_all_reduce: bool = field(default=False, metadata=_help(
+        "All-reduce every message through NCCL, even the small ones of decode steps that "
+        "otherwise take a one-shot all-reduce over the GPUs' peer memory."))
     seed: int = field(default=0, metadata=_help("Seed for weights of dummy models and "
                                                 "for unseeded sampling."))
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = field(

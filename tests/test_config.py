@@ -62,8 +62,9 @@ def test_a_model_is_required():
 def test_positional_and_flag_model_and_vllm_names():
     engine, server = parse(["org/model", "--max-model-len", "1024", "--block-size", "32",
                             "--enable-prefix-caching", "--served-model-name", "a", "b",
-                            "--tokenizer-replicas", "3"])
+                            "--tokenizer-replicas", "3", "--disable-custom-all-reduce"])
     assert engine.model == "org/model" and engine.max_model_len == 1024
+    assert engine.disable_custom_all_reduce
     assert engine.block_size == 32 and engine.enable_prefix_caching
     assert server.served_model_name == ["a", "b"] and server.tokenizer_replicas == 3
     assert parse(["--model", "m2"])[0].model == "m2"

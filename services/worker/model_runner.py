@@ -19,9 +19,9 @@ from common.config import EngineConfig
 from common.messages import PromptLogprobs, StepPlan, StepResult
 from common.sampling_params import SamplingParams
 from common.tokens import slice_tokens
-from services.worker.cuda_graphs import StepGraphs
+from services.worker.cuda_graphs import StepGraphs, graph_tokens
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
-from services.worker.layers.parallel import min_over_ranks
+from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_all_reduce
 from services.worker.loader import load_model
 from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
 from services.worker.models import kv_cache_shape
@@ -109,6 +109,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._pending: Launched | None = None
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._connect_peers()
         self.num_blocks = min_over_ranks(plan_num_blocks(config, self, kv_cache_bytes_per_block(
             hf_config, config.block_size, self.dtype, config.tensor_parallel_size)),
             self.device)
@@ -209,6 +210,16 @@ class ModelRunner:
             return graphs.run(key, inputs.input_ids, inputs.positions, attn)
         return self.model(inputs.input_ids, inputs.positions,
                           ForwardContext(attn, self.kv_caches))
+
+    def _connect_peers(self) -> None:
+        """Small all-reduces over peer memory: those of every step a graph replays."""
+        config = self.config
+        if self.device.type != "cuda" or tp_size() == 1 or config.disable_custom_all_reduce:
+            return
+        assert config.max_num_batched_tokens is not None
+        tokens = graph_tokens(config.max_num_seqs, config.max_num_batched_tokens)
+        if use_peer_all_reduce(tokens, self.hf_config.hidden_size, self.dtype, self.device):
+            log.info("all-reduces of up to %d tokens go over peer memory", tokens)
 
     def _capture_graphs(self) -> StepGraphs | None:
         config = self.config

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from common.messages import StepPlan, decode, encode
 from common.model_info import ResolvedModel
 from common.net import free_port
+from services.worker.layers.parallel import stop_peer_all_reduce
 from services.worker.model_runner import ModelRunner, resolve_device
 
 log = logging.getLogger("headrace.worker")
@@ -106,6 +107,7 @@ class Followers:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
+        stop_peer_all_reduce()
         dist.destroy_process_group()
 
     def _watch(self) -> None:

@@ -148,10 +148,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """y = x W^T with W's columns (input features) split across ranks; the partial sums are
-    all-reduced, then the (unsplit) bias is added."""
+    all-reduced, then the (unsplit) bias is added. Without a bias the reduction may be left
+    to the norm that takes y (`reduce_results=False`, RMSNorm's `sums_ranks`), which fuses
+    it with the residual add."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 reduce_results: bool = True) -> None:
         super().__init__(divide(input_size, tp_size(), "input size"), output_size, bias)
+        assert reduce_results or not bias, "the bias goes on the reduced sum"
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id=None) -> None:
@@ -169,5 +174,8 @@ class RowParallelLinear(LinearBase):
         return {None: (param.shape[0], param.shape[1] * self.tp_size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if not self.reduce_results:
+            return y
+        y = all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -1,4 +1,5 @@
-"""RMSNorm as a module; the fused residual add is the kernel's."""
+"""RMSNorm as a module; the fused residual add is the kernel's, and so, for a norm after a
+row-parallel projection that left its reduction to it, the all-reduce."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ from torch import nn
 
 from kernels.norm import rms_norm
 from services.worker.layers.linear import Checkpoint, ShardShapes, copy_checked, new_parameter
+from services.worker.layers.parallel import all_reduce_rms_norm
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, sums_ranks: bool = False) -> None:
+        """sums_ranks: an x that comes with a residual is each rank's partial sum."""
         super().__init__()
-        self.eps = eps
+        self.eps, self.sums_ranks = eps, sums_ranks
         self.weight = new_parameter(hidden_size, loader=self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
@@ -24,4 +27,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.sums_ranks and residual is not None:
+            return all_reduce_rms_norm(x, residual, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps, residual)

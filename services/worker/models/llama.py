@@ -41,7 +41,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(total_heads * head_dim, hidden_size, bias=flags.o_bias)
+        self.o_proj = RowParallelLinear(total_heads * head_dim, hidden_size, bias=flags.o_bias,
+                                        reduce_results=flags.o_bias)
         self.rotary_emb = rotary_emb
         self.q_norm = RMSNorm(head_dim, hf_config.rms_norm_eps) if flags.qk_norm else None
         self.k_norm = RMSNorm(head_dim, hf_config.rms_norm_eps) if flags.qk_norm else None
@@ -67,7 +68,8 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; only silu")
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate] * 2,
                                                        bias=flags.mlp_bias)
-        self.down_proj = RowParallelLinear(intermediate, hidden_size, bias=flags.mlp_bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden_size, bias=flags.mlp_bias,
+                                           reduce_results=flags.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,9 +81,11 @@ class LlamaDecoderLayer(nn.Module):
                  layer_idx: int) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        # a projection without a bias leaves its all-reduce to the norm after it
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, sums_ranks=not flags.mlp_bias)
         self.self_attn = LlamaAttention(hf_config, flags, rotary_emb, layer_idx)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps,
+                                                sums_ranks=not flags.o_bias)
         self.mlp = LlamaMLP(hf_config, flags)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
@@ -105,7 +109,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, flags, rotary_emb, i)
             for i in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps,
+                            sums_ranks=not flags.mlp_bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
