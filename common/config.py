@@ -20,6 +20,7 @@ from common.sampling_params import MAX_N
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 POLICIES = ("fcfs", "priority")
+ROUTINGS = ("prefix", "round_robin")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -62,6 +63,10 @@ class EngineConfig:
         "Split long prompts across steps to fit the token budget."))
     tensor_parallel_size: int = field(default=1, metadata=_help(
         "Number of GPUs the model is split over."))
+    data_parallel_size: int = field(default=1, metadata=_help(
+        "Number of GPU shards, each a scheduler and a worker (of --tensor-parallel-size "
+        "GPUs) with its own KV cache, behind the same gateways, tokenizers and "
+        "detokenizers."))
     disable_custom_all_reduce: bool = field(default=False, metadata=_help(
         "All-reduce every message through NCCL, even the small ones of decode steps that "
         "otherwise take a one-shot all-reduce over the GPUs' peer memory."))
@@ -91,6 +96,7 @@ class EngineConfig:
                               f"{self.block_size}")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
         _positive("max_logprobs", self.max_logprobs, allow_zero=True)
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory"):
@@ -146,6 +152,14 @@ class ServerConfig:
         "Gateway processes serving one port (SO_REUSEPORT), each with its own reply stream; "
         "`headrace serve` starts them, a lone `headrace gateway` then shares its port."))
     tokenizer_replicas: int = field(default=1, metadata=_help("Tokenizer processes."))
+    shard: int = field(default=0, metadata=_help(
+        "The data-parallel shard a scheduler or worker serves, 0 to --data-parallel-size "
+        "minus 1 (for shards started one by one; `headrace serve` numbers its own)."))
+    data_parallel_routing: Literal["prefix", "round_robin"] = field(
+        default="prefix", metadata=_help(
+            "How the tokenizers pick a request's shard: prefix sends requests whose first "
+            "KV blocks match to the same shard (where that prefix is cached) unless it is "
+            "much busier than the least loaded one; round_robin takes turns."))
     detokenizer_replicas: int = field(default=1, metadata=_help("Detokenizer processes."))
     max_queue_len: int = field(default=1024, metadata=_help(
         "Admission bound: the gateway answers 503 while more requests than this are queued."))
@@ -190,6 +204,8 @@ class ServerConfig:
                      "max_stop_token_ids"):
             _positive(name, getattr(self, name))
         _positive("shutdown_timeout", self.shutdown_timeout, allow_zero=True)
+        _positive("shard", self.shard, allow_zero=True)
+        _choice("data_parallel_routing", self.data_parallel_routing, ROUTINGS)
         if not 1 <= self.max_n <= MAX_N:
             raise ConfigError(f"--max-n must be in [1, {MAX_N}], got {self.max_n}")
         _positive("timeout_keep_alive", self.timeout_keep_alive)

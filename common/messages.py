@@ -189,6 +189,17 @@ class Abort:
     stop_reason: str | None = None
 
 
+@message("routed")
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """tokenizer -> gateway (hr:replies:<gateway>): the shard a request went to, so that
+    the gateway sends its abort there and ends it if that shard stops."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    rid: str
+    shard: int
+
+
 @message("error")
 @dataclass(frozen=True, slots=True)
 class ErrorReply:
@@ -258,6 +269,7 @@ class TokenBatch:
     step: int
     items: list[DetokItem]
     stamps: Times = field(default_factory=list)  # the step's, from its StepResult
+    shard: int = 0  # whose scheduler: a stop string's abort goes back to it
 
 
 @message("replies")
@@ -285,10 +297,11 @@ class SchedulerStats:
     prompt_tokens: int
     generation_tokens: int
     ts: float = 0.0
+    waiting_tokens: int = 0  # prompt tokens of the waiting requests not yet computed
 
 
-Message = (GenerateRequest | AdmitRequest | Abort | ErrorReply | StepPlan | StepResult
-           | WorkerReady | TokenBatch | ReplyBatch | SchedulerStats)
+Message = (GenerateRequest | AdmitRequest | Abort | Routed | ErrorReply | StepPlan
+           | StepResult | WorkerReady | TokenBatch | ReplyBatch | SchedulerStats)
 
 
 def plain_fields(msg: Any) -> dict[str, str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, EngineConfig
+from common.config import ConfigError, EngineConfig, ServerConfig
 from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
                                 max_model_len_of, resolve_model)
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
@@ -43,17 +43,31 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
             f"{kv_heads} KV heads must divide by {size} or into it")
 
 
-def check_devices(config: EngineConfig) -> None:
-    """A tensor-parallel rank per GPU: refuse a size this machine cannot hold. Imports
-    torch, so only the processes that run (or start) the model call it."""
-    if config.tensor_parallel_size == 1 or config.device == "cpu":
+def check_devices(config: EngineConfig, shards: int = 1) -> None:
+    """A tensor-parallel rank per GPU, for each of `shards` shards: refuse what this
+    machine cannot hold. Imports torch, so only the processes that run (or start) the
+    model call it."""
+    needed = config.tensor_parallel_size * shards
+    if needed == 1 or config.device == "cpu":
         return
     import torch
 
     gpus = torch.cuda.device_count()
-    if (config.device == "cuda" or gpus) and gpus < config.tensor_parallel_size:
-        raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size} needs as "
-                          f"many GPUs; this machine has {gpus}")
+    if (config.device == "cuda" or gpus) and gpus < needed:
+        raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size} x "
+                          f"{shards} shard(s) needs {needed} GPUs; this machine has {gpus}")
+
+
+def check_shard(engine: EngineConfig, server: ServerConfig) -> None:
+    if server.shard >= engine.data_parallel_size:
+        raise ConfigError(f"--shard {server.shard} is not below --data-parallel-size "
+                          f"{engine.data_parallel_size}")
+
+
+def shard_gpus(config: EngineConfig, shard: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a shard's worker: its own tensor-parallel-size GPUs."""
+    size = config.tensor_parallel_size
+    return ",".join(str(gpu) for gpu in range(shard * size, (shard + 1) * size))
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 from common.config import (ConfigError, EngineConfig, ServerConfig, engine_args_to_cli,
                            parse_configs, server_args_to_cli)
 from common.log import configure_logging, get_logger
-from common.model_info import check_devices, resolve_engine
+from common.model_info import check_devices, resolve_engine, shard_gpus
 from common.redis_server import EmbeddedRedis, redis_url_or_embedded, spawn_child
 from common.service import service_parser
 
@@ -51,18 +51,30 @@ class Child:
 
 def child_specs(engine: EngineConfig, server: ServerConfig, redis_url: str,
                 metrics_dir: Path) -> list[Child]:
-    """Every child's command line. The gateways share `metrics_dir`, where each writes its
-    counters and histograms so that a scrape of any of them sums all (common/metrics.py)."""
+    """Every child's command line: a worker and a scheduler per shard, each worker on its
+    shard's GPUs, then the shared stages. The gateways share `metrics_dir`, where each
+    writes its counters and histograms so that a scrape of any of them sums all
+    (common/metrics.py)."""
     flags = engine_args_to_cli(engine) + server_args_to_cli(server)
     env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
     gateway_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir.absolute())}
-    layout = ([("worker", 0), ("scheduler", 0)]
-              + [("tokenizer", i) for i in range(server.tokenizer_replicas)]
+
+    def child(name: str, replica: int, extra: list[str], child_env: dict[str, str]) -> Child:
+        return Child(name, replica, [sys.executable, "-m", "services.cli", name, *flags,
+                                     "--replica", str(replica), *extra], child_env)
+    children = []
+    for shard in range(engine.data_parallel_size):
+        on_shard = ["--shard", str(shard)]
+        worker_env = env
+        if engine.data_parallel_size > 1 and engine.device != "cpu":
+            worker_env = {**env, "CUDA_VISIBLE_DEVICES": shard_gpus(engine, shard)}
+        children += [child("worker", shard, on_shard, worker_env),
+                     child("scheduler", shard, on_shard, env)]
+    stages = ([("tokenizer", i) for i in range(server.tokenizer_replicas)]
               + [("detokenizer", i) for i in range(server.detokenizer_replicas)]
               + [("gateway", i) for i in range(server.api_server_count)])
-    return [Child(name, i, [sys.executable, "-m", "services.cli", name, *flags,
-                            "--replica", str(i)], gateway_env if name == "gateway" else env)
-            for name, i in layout]
+    return children + [child(name, i, [], gateway_env if name == "gateway" else env)
+                       for name, i in stages]
 
 
 def fresh_metrics_dir(run_dir: Path) -> Path:
@@ -163,7 +175,7 @@ def main(argv: list[str]) -> int:
     configure_logging("launcher")
     try:  # a GGUF converts once, here; a shard the model or machine cannot hold is refused
         resolve_engine(engine)
-        check_devices(engine)
+        check_devices(engine, engine.data_parallel_size)
     except ConfigError as e:
         parser.error(str(e))
     run_dir = Path(server.run_dir)

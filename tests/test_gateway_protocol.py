@@ -18,9 +18,9 @@ from common.errors import ApiError
 from common.messages import (ErrorReply, GenerateRequest, SchedulerStats, TextDelta,
                              TokenLogprobs, encode)
 from services.gateway import responses
-from services.gateway.core import (STALE_S, Backend, Call, Echo, admission_error,
-                                   dead_reply_streams,
-                                   queue_depth, request_ids)
+from services.gateway.core import (STALE_S, Backend, Call, Echo, Shard, admission_error,
+                                   dead_reply_streams, queue_depth, request_ids,
+                                   scheduler_gone, scheduler_restarted)
 from services.gateway.protocol import Limits, parse_detokenize, parse_job, parse_tokenize
 from services.gateway.responses import Choice
 
@@ -467,21 +467,29 @@ def stats(waiting: int) -> SchedulerStats:
 
 def test_queue_depth_adds_undelivered_entries_and_the_waiting_queue():
     streams = [stream(keys.REQUESTS, 50, 3), stream(keys.admit(), 40, 2, 5), stream("hr:detok", 9, 9)]
-    assert queue_depth(streams, stats(4)) == 3 + 5 + 4
-    assert queue_depth([stream(keys.REQUESTS, 7)], None) == 7  # no group yet: every entry waits
-    assert queue_depth([stream(keys.REQUESTS, 7, None)], None) == 0
-    assert queue_depth([], None) == 0
+    assert queue_depth(streams, [stats(4)]) == 3 + 5 + 4
+    # every shard's admissions and waiting queue count
+    assert queue_depth(streams + [stream(keys.admit(1), 6, 6)], [stats(4), None, stats(2)]) \
+        == 3 + 5 + 4 + 6 + 2
+    assert queue_depth([stream(keys.REQUESTS, 7)], [None]) == 7  # no group yet: every entry waits
+    assert queue_depth([stream(keys.REQUESTS, 7, None)], [None]) == 0
+    assert queue_depth([], []) == 0
+
+
+UP = Shard(b"epoch", True)
 
 
 def test_admission():
     now = 100.0
-    alive = Backend(scheduler_alive=True, worker_alive=True, queue_depth=4, seen_at=now - 1)
+    alive = Backend([UP], queue_depth=4, seen_at=now - 1)
     assert admission_error(alive, 4, now) is None
-    full = admission_error(Backend(True, True, 5, now), 4, now)
+    full = admission_error(Backend([UP], 5, now), 4, now)
     assert full.status == 503 and "5" in full.message and "4" in full.message
     assert full.headers() == {"Retry-After": "1"}
-    assert admission_error(Backend(False, True, 0, now), 4, now).status == 503
-    stale = Backend(True, True, 0, now - STALE_S - 0.1)
+    assert admission_error(Backend([Shard(None, True)], 0, now), 4, now).status == 503
+    # one shard of two with a scheduler is enough to admit
+    assert admission_error(Backend([Shard(None, False), UP], 0, now), 4, now) is None
+    stale = Backend([UP], 0, now - STALE_S - 0.1)
     assert not stale.alive(now) and admission_error(stale, 4, now).status == 503
     assert not Backend().alive(now)
 
@@ -509,13 +517,14 @@ def test_the_params_published_are_the_ones_checked():
     encode(GenerateRequest("r", "g", job.params, prompt="a"))  # the bus carries it
 
 
-def test_a_scheduler_that_came_back_under_a_new_epoch_counts_as_restarted():
-    before = Backend(True, True, 0, 1.0, b"epoch-a")
-    assert Backend(True, True, 0, 2.0, b"epoch-b").scheduler_restarted(before)
-    assert not Backend(True, True, 0, 2.0, b"epoch-a").scheduler_restarted(before)
-    # a lapse already ended the calls; a first sight has nothing to compare with
-    assert not Backend(False, True, 0, 2.0, None).scheduler_restarted(before)
-    assert not Backend(True, True, 0, 2.0, b"epoch-b").scheduler_restarted(Backend())
+def test_a_shard_whose_scheduler_lapsed_or_came_back_under_a_new_epoch_is_lost():
+    a, b = Shard(b"epoch-a", True), Shard(b"epoch-b", True)
+    before = Backend([a, a], 0, 1.0)
+    assert Backend([a, b], 0, 2.0).lost_shards(before) == [(1, scheduler_restarted)]
+    assert Backend([Shard(None, True), a], 0, 2.0).lost_shards(before) == [(0, scheduler_gone)]
+    assert Backend([a, a], 0, 2.0).lost_shards(before) == []
+    # a first sight has nothing to compare with
+    assert Backend([b, b], 0, 2.0).lost_shards(Backend([Shard(), Shard()])) == []
 
 
 def test_only_quiet_reply_streams_of_gateways_without_a_key_are_dead():

@@ -35,7 +35,7 @@ def handler(detokenizer: Detokenizer):
             delta, abort = detokenizer.process(item)
             by_gateway.setdefault(item.reply_to, []).append(delta)
             if abort is not None:
-                outputs.append((keys.control(), abort))
+                outputs.append((keys.control(batch.shard), abort))
         stamps = [*batch.stamps, received, time.time()] if batch.stamps else []
         return [(keys.replies(gateway), ReplyBatch(deltas, stamps))
                 for gateway, deltas in by_gateway.items()] + outputs

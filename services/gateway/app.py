@@ -39,7 +39,7 @@ from common.outbox import Outbox
 from common.token_text import TokenTexts
 from common.tokens import check_vocabulary
 from services.gateway.core import (SHUTTING_DOWN, Applied, Backend, Call, Echo, Observed,
-                                   admission_error, queue_depth, shutting_down)
+                                   Shard, admission_error, queue_depth, shutting_down)
 from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
                                        parse_job, parse_tokenize)
 from services.gateway.replies import Inbox, Replies, next_replies
@@ -154,8 +154,8 @@ class Gateway:
             log.info("client disconnected")
             raise
         finally:
-            self.replies.close(call.rids)
             self.abort(call.unfinished_rids())
+            self.replies.close(call.rids)
 
     def admit(self, job: Job) -> None:
         for prompt in job.prompts:
@@ -244,14 +244,21 @@ class Gateway:
         return response
 
     def abort(self, rids: list[str]) -> None:
-        if rids:
-            self.spawn(self.publish_aborts(rids))
+        """Abort each request at its shard (every shard for one not routed yet, since the
+        tokenizer may be routing it now); before the replies close, which forget shards."""
+        by_shard: dict[int, list[str]] = {}
+        for rid in rids:
+            for shard in self.replies.shards_of(rid, self.info.config.data_parallel_size):
+                by_shard.setdefault(shard, []).append(rid)
+        if by_shard:
+            self.spawn(self.publish_aborts(by_shard))
 
-    async def publish_aborts(self, rids: list[str]) -> None:
-        try:
-            await self.outbox.publish(keys.control(), *[Abort(rid) for rid in rids])
-        except RedisError as e:
-            self.log.error("could not publish aborts", rids=rids, error=str(e))
+    async def publish_aborts(self, by_shard: dict[int, list[str]]) -> None:
+        for shard, rids in by_shard.items():
+            try:
+                await self.outbox.publish(keys.control(shard), *[Abort(rid) for rid in rids])
+            except RedisError as e:
+                self.log.error("could not publish aborts", rids=rids, error=str(e))
 
     def spawn(self, coro: Awaitable[None]) -> None:
         """Run `coro` to its end even if the handler that started it is cancelled."""
@@ -297,20 +304,25 @@ class Gateway:
     # --- the backend ------------------------------------------------------------------
 
     async def refresh_backend(self) -> None:
-        """Liveness keys and queue depth, for admission; the state stays as it was while
-        Redis does not answer (it goes stale, see Backend.alive)."""
+        """Every shard's liveness keys, and the queue depth, for admission; the state stays
+        as it was while Redis does not answer (it goes stale, see Backend.alive)."""
+        shards = range(self.info.config.data_parallel_size)
         with anyio.move_on_after(REFRESH_TIMEOUT_S):
             try:
-                epoch, worker, raw_stats = await self.bus.values(
-                    keys.alive_scheduler(), keys.alive_worker(), keys.scheduler_stats())
-                streams = [*await self.bus.stream_infos(keys.REQUESTS),
-                           *await self.bus.stream_infos(keys.admit())]
+                values = await self.bus.values(*map(keys.alive_scheduler, shards),
+                                               *map(keys.alive_worker, shards),
+                                               *map(keys.scheduler_stats, shards))
+                streams = await self.bus.stream_infos(keys.REQUESTS)
+                for shard in shards:
+                    streams += await self.bus.stream_infos(keys.admit(shard))
             except RedisError as e:  # unreachable, or a key of an unexpected type
                 self.log.warning("cannot see the backend", error=str(e))
                 return
-            depth = queue_depth(streams, scheduler_stats(raw_stats))
-            self.backend = Backend(epoch is not None, worker is not None, depth,
-                                   time.monotonic(), epoch)
+            n = len(shards)
+            stats = [scheduler_stats(raw, s) for s, raw in enumerate(values[2 * n:])]
+            self.backend = Backend([Shard(values[s], values[n + s] is not None)
+                                    for s in shards],
+                                   queue_depth(streams, stats), time.monotonic())
 
     # --- the other routes -------------------------------------------------------------
 
@@ -351,28 +363,47 @@ class Gateway:
         return web.json_response({"prompt": text})
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while some shard has a scheduler and a worker; the body says which do."""
         if self.draining:
             raise ApiError(503, "Shutting down.")
-        alive = await self.bus.values(keys.alive_scheduler(), keys.alive_worker())
-        missing = [name for name, up in zip(("scheduler", "worker"), alive) if up is None]
-        if missing:
-            raise ApiError(503, f"Not ready: no live {' and no live '.join(missing)}.")
-        return web.json_response({"status": "ok"})
+        n = self.info.config.data_parallel_size
+        alive = await self.bus.values(*map(keys.alive_scheduler, range(n)),
+                                      *map(keys.alive_worker, range(n)))
+        up = [Shard(alive[s], alive[n + s] is not None) for s in range(n)]
+        shards = {str(i): "up" if s.up else "down" for i, s in enumerate(up)}
+        if "up" not in shards.values():
+            missing = [name for name, values in (("scheduler", alive[:n]),
+                                                 ("worker", alive[n:]))
+                       if all(v is None for v in values)]
+            raise ApiError(503, "Not ready: " + (f"no live {' and no live '.join(missing)}."
+                                                 if missing else "no shard is up."))
+        return web.json_response({"status": "ok", "shards": shards})
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": importlib.metadata.version("headrace")})
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        stats = scheduler_stats((await self.bus.values(keys.scheduler_stats()))[0])
-        if stats is not None:
-            self.metrics.set_scheduler_stats(stats)
+        shards = range(self.info.config.data_parallel_size)
+        raws = await self.bus.values(*map(keys.scheduler_stats, shards))
+        stats = [s for s in map(scheduler_stats, raws, shards) if s is not None]
+        if stats:  # the shards together, for now: per-shard series are to come
+            self.metrics.set_scheduler_stats(combined(stats))
         self.metrics.set_streams(await self.bus.stream_infos())
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
-def scheduler_stats(raw: bytes | None) -> SchedulerStats | None:
-    stats = decode_value(keys.scheduler_stats(), raw)
+def combined(stats: list[SchedulerStats]) -> SchedulerStats:
+    """Every shard's figures as one: counts and totals add up, KV usage is the mean."""
+    summed = {f: sum(getattr(s, f) for s in stats) for f in (
+        "num_running", "num_waiting", "num_preemptions", "prefix_cache_queries",
+        "prefix_cache_hits", "prompt_tokens", "generation_tokens", "waiting_tokens")}
+    usage = sum(s.kv_cache_usage for s in stats) / len(stats)
+    return SchedulerStats(**summed, kv_cache_usage=usage, ts=max(s.ts for s in stats))
+
+
+def scheduler_stats(raw: bytes | None, shard: int) -> SchedulerStats | None:
+    stats = decode_value(keys.scheduler_stats(shard), raw)
     return stats if isinstance(stats, SchedulerStats) else None
 
 

@@ -9,7 +9,7 @@ A completions call with several prompts publishes one request per prompt; choice
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,23 +243,42 @@ class Call:
 
 # --- admission ----------------------------------------------------------------------------
 
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One data-parallel shard as the gateway last saw it."""
+    scheduler_epoch: bytes | None = None  # None: no live scheduler; a restarted one has a new one
+    worker_alive: bool = False
+
+    @property
+    def up(self) -> bool:
+        return self.scheduler_epoch is not None and self.worker_alive
+
+
 @dataclass(slots=True)
 class Backend:
     """What the gateway last saw of the stages behind it."""
-    scheduler_alive: bool = False
-    worker_alive: bool = False
+    shards: list[Shard] = field(default_factory=list)
     queue_depth: int = 0
     seen_at: float = -math.inf  # when Redis last answered, on the clock `alive` gets
-    scheduler_epoch: bytes | None = None  # a restarted scheduler has a new one
 
     def alive(self, now: float) -> bool:
-        return self.scheduler_alive and now - self.seen_at <= STALE_S
+        """Some shard's scheduler runs, as of a recent look."""
+        return any(s.scheduler_epoch is not None for s in self.shards) and \
+            now - self.seen_at <= STALE_S
 
-    def scheduler_restarted(self, before: Backend) -> bool:
-        """A new scheduler took over within its predecessor's liveness TTL, so the key
-        never lapsed: the requests the old one held are lost all the same."""
-        return None not in (before.scheduler_epoch, self.scheduler_epoch) and \
-            before.scheduler_epoch != self.scheduler_epoch
+    def lost_shards(self, before: Backend) -> list[tuple[int, Callable[[str], ErrorReply]]]:
+        """Shards whose scheduler, there at the last look, is gone (its key lapsed) or was
+        replaced within its predecessor's TTL (a new epoch): the requests it held are lost
+        either way. Each with the error its requests end with."""
+        lost: list[tuple[int, Callable[[str], ErrorReply]]] = []
+        for shard, (was, now) in enumerate(zip(before.shards, self.shards)):
+            if was.scheduler_epoch is None:
+                continue
+            if now.scheduler_epoch is None:
+                lost.append((shard, scheduler_gone))
+            elif now.scheduler_epoch != was.scheduler_epoch:
+                lost.append((shard, scheduler_restarted))
+        return lost
 
 
 def dead_reply_streams(infos: Iterable[StreamInfo], alive: Iterable[bytes | None],
@@ -271,14 +290,17 @@ def dead_reply_streams(infos: Iterable[StreamInfo], alive: Iterable[bytes | None
             if key is None and now_ms - int(info.last_id.split("-")[0]) > idle_ms]
 
 
-def queue_depth(streams: Iterable[StreamInfo], stats: SchedulerStats | None) -> int:
+ADMIT_SUFFIX = ":admit"  # every shard's admissions (common/keys.py)
+
+
+def queue_depth(streams: Iterable[StreamInfo], stats: Iterable[SchedulerStats | None]) -> int:
     """Requests admitted to the pipeline that no stage has started on: entries the
-    tokenizers have not read, tokenized requests the scheduler has not read, and the
-    scheduler's waiting queue. A stream without a group counts whole: the group a stage
+    tokenizers have not read, tokenized requests the schedulers have not read, and the
+    schedulers' waiting queues. A stream without a group counts whole: the group a stage
     creates later starts from its first entry."""
-    depth = stats.num_waiting if stats is not None else 0
+    depth = sum(s.num_waiting for s in stats if s is not None)
     for stream in streams:
-        if stream.name in (keys.REQUESTS, keys.admit()):
+        if stream.name == keys.REQUESTS or stream.name.endswith(ADMIT_SUFFIX):
             lags = [g.lag for g in stream.groups if g.lag is not None]
             depth += max(lags, default=0) if stream.groups else stream.length
     return depth

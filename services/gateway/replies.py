@@ -1,6 +1,7 @@
 """The gateway's reply stream, hr:replies:<gateway id>: one XREAD loop (no group, only this
 gateway reads it) routes every text delta and error to the inbox of the call waiting for
-its request id, with when the detokenizer sent it. Replies for requests no call waits for
+its request id, with when the detokenizer sent it, and notes the shard each request was
+routed to. Replies for requests no call waits for
 any more (aborted, or tokens already in flight when a request finished) are dropped. The
 stages a reply's stamps tell (common/hops.py) are observed here, once per step batch."""
 
@@ -16,7 +17,7 @@ from common import keys
 from common.bus import Backoff, Bus
 from common.hops import request_stages, step_stages
 from common.log import get_logger
-from common.messages import ErrorReply, ReplyBatch, TextDelta
+from common.messages import ErrorReply, ReplyBatch, Routed, TextDelta
 from common.metrics import Metrics
 
 Reply = TextDelta | ErrorReply
@@ -34,6 +35,7 @@ class Replies:
         self.bus, self.metrics = bus, metrics
         self.stream = keys.replies(gateway_id)
         self.inboxes: dict[str, Inbox] = {}
+        self.shards: dict[str, int] = {}  # the shard of each open request routed so far
         self.last_id: bytes | str = "0-0"  # the stream is this gateway's: read it all
         self.closed = asyncio.Event()  # set whenever a call closes its inbox
 
@@ -46,6 +48,7 @@ class Replies:
     def close(self, rids: Iterable[str]) -> None:
         for rid in rids:
             self.inboxes.pop(rid, None)
+            self.shards.pop(rid, None)
         self.closed.set()
 
     async def all_closed(self) -> None:
@@ -59,6 +62,20 @@ class Replies:
         for rid, inbox in self.inboxes.items():
             inbox.put_nowait((error_for(rid), 0.0))
 
+    def shards_of(self, rid: str, num_shards: int) -> list[int]:
+        """Where a request may be: its shard, or any while it is not routed yet."""
+        if num_shards == 1:
+            return [0]
+        shard = self.shards.get(rid)
+        return list(range(num_shards)) if shard is None else [shard]
+
+    def fail_shard(self, shard: int, num_shards: int,
+                   error_for: Callable[[str], ErrorReply]) -> None:
+        """End every call in flight on `shard` with the error `error_for(rid)`."""
+        for rid, inbox in self.inboxes.items():
+            if self.shards.get(rid, 0 if num_shards == 1 else None) == shard:
+                inbox.put_nowait((error_for(rid), 0.0))
+
     def route(self, msg: object) -> None:
         if isinstance(msg, ReplyBatch):
             self.metrics.observe_stages(step_stages(msg.stamps))
@@ -69,6 +86,9 @@ class Replies:
                 self.deliver(delta, sent)
         elif isinstance(msg, ErrorReply):
             self.deliver(msg, 0.0)
+        elif isinstance(msg, Routed):
+            if msg.rid in self.inboxes:
+                self.shards[msg.rid] = msg.shard
         else:
             log.warning("unexpected message on the reply stream", type=getattr(msg, "TYPE", "?"))
 

@@ -1,7 +1,8 @@
 """The gateway process: the HTTP API in front of the pipeline. It loads the tokenizer (for
 /tokenize, /detokenize and echo), never the weights; publishes requests to hr:requests;
 reads its own reply stream; and watches the scheduler's liveness key and the queue depth
-a few times a second, for admission and so that no request outlives the scheduler."""
+a few times a second, for admission and so that no request outlives its shard's
+scheduler."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from common.log import get_logger
 from common.model_info import load_model_info
 from common.service import ServiceContext, freeze_heap, heartbeat, run_service
 from services.gateway.app import Gateway
-from services.gateway.core import dead_reply_streams, scheduler_gone, scheduler_restarted
+from services.gateway.core import dead_reply_streams, scheduler_gone
 
 WATCH_S = 0.25
 TRIM_EVERY_S = 5.0
@@ -39,8 +40,10 @@ async def watch_backend(gateway: Gateway) -> None:
         now = time.monotonic()
         if not gateway.backend.alive(now):
             gateway.replies.fail_all(scheduler_gone)
-        elif gateway.backend.scheduler_restarted(before):
-            gateway.replies.fail_all(scheduler_restarted)
+        else:
+            for shard, error_for in gateway.backend.lost_shards(before):
+                gateway.replies.fail_shard(shard, gateway.info.config.data_parallel_size,
+                                           error_for)
         if now >= next_trim:
             next_trim = now + TRIM_EVERY_S
             try:

@@ -76,6 +76,9 @@ class WaitingQueue:
     def forget(self, req: Request) -> None:
         self._order.pop(req.req_id, None)
 
+    def tokens_to_compute(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for _, r in self._heap)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
@@ -350,4 +353,4 @@ class Scheduler:
             kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-            ts=time.time())
+            ts=time.time(), waiting_tokens=self.waiting.tokens_to_compute())

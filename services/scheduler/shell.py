@@ -23,7 +23,7 @@ from common.config import EngineConfig
 from common.log import get_logger
 from common.messages import (Abort, AdmitRequest, ErrorReply, StepResult, TokenBatch,
                              WorkerReady)
-from common.model_info import resolve_engine
+from common.model_info import check_shard, resolve_engine
 from common.service import ServiceContext, freeze_heap, heartbeat, run_service
 from common.timing import PhaseClock
 from services.scheduler.core import Scheduler, SchedulerConfig
@@ -42,6 +42,7 @@ log = get_logger("headrace.scheduler")
 class SchedulerShell:
     def __init__(self, ctx: ServiceContext, config: EngineConfig) -> None:
         self.ctx, self.bus, self.config = ctx, ctx.bus, config
+        self.shard = ctx.server.shard
         self.epoch = uuid.uuid4().hex[:12]
         self.core: Scheduler | None = None
         self.worker_epoch = ""
@@ -54,22 +55,22 @@ class SchedulerShell:
         self.clock = PhaseClock()
 
     async def run(self) -> None:
-        for stream in (keys.admit(), keys.control(), keys.results()):
+        for stream in (keys.admit(self.shard), keys.control(self.shard), keys.results(self.shard)):
             await self.bus.ensure_group(stream, GROUP)
         await self._discard_stale_results()
-        ready = await self.bus.load(keys.worker_ready())
+        ready = await self.bus.load(keys.worker_ready(self.shard))
         if isinstance(ready, WorkerReady):  # a worker already runs: take it over afresh
             await self.bus.commit(self._worker_ready(ready))
         async with anyio.create_task_group() as tg:
-            tg.start_soon(heartbeat, self.bus, keys.alive_scheduler(), self.epoch,
+            tg.start_soon(heartbeat, self.bus, keys.alive_scheduler(self.shard), self.epoch,
                           self.ctx.stop)
             tg.start_soon(self._publish_stats)
             # what a previous incarnation left unread
-            pending = {keys.admit(): "0", keys.control(): "0"}
+            pending = {keys.admit(self.shard): "0", keys.control(self.shard): "0"}
             clock = self.clock
             while not self.ctx.stop.is_set():
                 clock.start()
-                streams = {keys.results(): ">", keys.control(): ">", **self._admissions(),
+                streams = {keys.results(self.shard): ">", keys.control(self.shard): ">", **self._admissions(),
                            **pending}
                 entries = await self.bus.read(GROUP, self.ctx.consumer, streams, count=512,
                                               block_ms=None if pending else READ_BLOCK_MS)
@@ -97,7 +98,7 @@ class SchedulerShell:
         """Read new requests while a worker serves; without one, let them wait in their
         stream for a while (a worker is starting or restarting), then reject them."""
         waiting = time.monotonic() - self.no_worker_since < WORKER_GRACE_S
-        return {} if self.core is None and waiting else {keys.admit(): ">"}
+        return {} if self.core is None and waiting else {keys.admit(self.shard): ">"}
 
     def _handle(self, entries: Iterable[Entry]) -> list[Output]:
         outputs: list[Output] = []
@@ -128,7 +129,8 @@ class SchedulerShell:
         for result in self.results:  # all of the current worker's: _worker_ready clears
             assert self.core is not None
             if items := self.core.update(result):
-                outputs.append((keys.DETOK, TokenBatch(result.step, items, result.stamps)))
+                outputs.append((keys.DETOK, TokenBatch(result.step, items, result.stamps,
+                                                        self.shard)))
         self.results = []
         return outputs
 
@@ -166,7 +168,7 @@ class SchedulerShell:
             if plan is None:
                 self.steps.idle()
                 break
-            outputs.append((keys.steps(), dataclasses.replace(
+            outputs.append((keys.steps(self.shard), dataclasses.replace(
                 plan, epoch=self.worker_epoch, scheduler_epoch=self.epoch)))
             self.steps.planned(plan.step)
         return outputs
@@ -187,7 +189,7 @@ class SchedulerShell:
         if self.core is None or now < self.next_worker_check:
             return []
         self.next_worker_check = now + CHECK_WORKER_EVERY_S
-        alive, = await self.bus.values(keys.alive_worker())
+        alive, = await self.bus.values(keys.alive_worker(self.shard))
         if alive is not None and alive.decode() == self.worker_epoch:
             return []
         outputs = self._fail_all("the GPU worker stopped; the request was aborted")
@@ -218,13 +220,13 @@ class SchedulerShell:
     async def _publish_stats(self) -> None:
         while not self.ctx.stop.is_set():
             if self.core is not None:
-                await self.bus.store(keys.scheduler_stats(), self.core.stats())
+                await self.bus.store(keys.scheduler_stats(self.shard), self.core.stats())
             await anyio.sleep(STATS_EVERY_S)
 
     async def _discard_stale_results(self) -> None:
         """Results and worker announcements a previous incarnation left unacknowledged
         refer to a state that is gone."""
-        stale = await self.bus.read(GROUP, self.ctx.consumer, {keys.results(): "0"},
+        stale = await self.bus.read(GROUP, self.ctx.consumer, {keys.results(self.shard): "0"},
                                     count=10_000)
         if stale:
             await self.bus.ack(stale)
@@ -236,6 +238,7 @@ def _error(reply_to: str, rid: str, status: int, message: str,
 
 
 async def serve(ctx: ServiceContext) -> None:
+    check_shard(ctx.engine, ctx.server)
     config = resolve_engine(ctx.engine).config  # imports transformers, and torch with it
     freeze_heap()
     await SchedulerShell(ctx, config).run()

@@ -1,24 +1,35 @@
-"""The tokenizer process: hr:requests -> the shard's admissions (or an error to the
-gateway). Stateless; any number of replicas share the consumer group, and a dead one's
-entries are reclaimed."""
+"""The tokenizer process: hr:requests -> a shard's admissions (or an error to the
+gateway). Stateless but for its view of the shards' load; any number of replicas share the
+consumer group, and a dead one's entries are reclaimed. With several data-parallel shards
+it picks each request's shard (services/tokenizer/routing.py) and tells the gateway which."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 
+import anyio
+from redis.exceptions import RedisError
+
 from common import keys
-from common.bus import Output
+from common.bus import Bus, Output, decode_value
 from common.errors import ApiError
-from common.messages import GenerateRequest
+from common.log import get_logger
+from common.messages import GenerateRequest, Routed
 from common.model_info import load_model_info
 from common.service import ServiceContext, freeze_heap, run_service
 from services.tokenizer.core import InputProcessor
+from services.tokenizer.routing import Router
 
 GROUP = "tokenizer"
+WATCH_S = 0.25
+
+log = get_logger("headrace.tokenizer")
 
 
-def handler(processor: InputProcessor):
+def handler(processor: InputProcessor, router: Router):
+    sharded = len(router.loads) > 1
+
     async def handle(req: GenerateRequest) -> list[Output]:
         received = time.time()
         try:
@@ -26,16 +37,51 @@ def handler(processor: InputProcessor):
         except ApiError as e:
             return [(keys.replies(req.reply_to), e.reply(req.rid))]
         stamps = [req.arrival_time, received, time.time()]
-        return [(keys.admit(), dataclasses.replace(admit, stamps=stamps))]
+        admit = dataclasses.replace(admit, stamps=stamps)
+        if not sharded:
+            return [(keys.admit(), admit)]
+        shard = router.route(admit.prompt_token_ids, time.monotonic())
+        return [(keys.admit(shard), admit),
+                (keys.replies(req.reply_to), Routed(req.rid, shard))]
     return handle
 
 
+async def watch_shards(bus: Bus, router: Router, stop: anyio.Event) -> None:
+    """Every shard's liveness keys (its scheduler's and its worker's) and figures, a few
+    times a second: a shard whose worker died gets nothing new from the moment its own
+    scheduler can tell."""
+    shards = range(len(router.loads))
+    n = len(shards)
+    stats_keys = [keys.scheduler_stats(s) for s in shards]
+    while not stop.is_set():
+        try:
+            values = await bus.values(*map(keys.alive_scheduler, shards),
+                                      *map(keys.alive_worker, shards), *stats_keys)
+        except RedisError as e:  # the figures go stale; routing goes on from them
+            log.warning("cannot read the shards' figures", error=str(e))
+        else:
+            now = time.monotonic()
+            for s in shards:
+                alive = values[s] is not None and values[n + s] is not None
+                router.observe(s, alive, decode_value(stats_keys[s], values[2 * n + s]), now)
+        await anyio.sleep(WATCH_S)
+
+
 async def serve(ctx: ServiceContext) -> None:
-    processor = InputProcessor.from_info(load_model_info(ctx.engine))
+    info = load_model_info(ctx.engine)
+    processor = InputProcessor.from_info(info)
+    config = info.config
+    assert config.max_num_batched_tokens is not None
+    router = Router(config.data_parallel_size, config.block_size,
+                    config.max_num_batched_tokens, ctx.server.data_parallel_routing)
     freeze_heap()
-    await ctx.bus.consume(keys.REQUESTS, GROUP, ctx.consumer, handler(processor),
-                          stop=ctx.stop, min_idle_ms=ctx.server.reclaim_idle_ms,
-                          reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000))
+    async with anyio.create_task_group() as tasks:
+        if config.data_parallel_size > 1:
+            tasks.start_soon(watch_shards, ctx.bus, router, ctx.stop)
+        await ctx.bus.consume(keys.REQUESTS, GROUP, ctx.consumer, handler(processor, router),
+                              stop=ctx.stop, min_idle_ms=ctx.server.reclaim_idle_ms,
+                              reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000))
+        tasks.cancel_scope.cancel()
 
 
 def main(argv: list[str]) -> int:

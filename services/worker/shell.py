@@ -19,7 +19,7 @@ from common import keys
 from common.bus import Entry
 from common.log import get_logger
 from common.messages import StepResult, WorkerReady
-from common.model_info import resolve_engine
+from common.model_info import check_shard, resolve_engine
 from common.service import ALIVE_TTL_MS, ServiceContext, freeze_heap, heartbeat, run_service
 from services.worker.executor import Executor
 from services.worker.step_thread import StepThread
@@ -33,11 +33,12 @@ log = get_logger("headrace.worker")
 class WorkerShell:
     def __init__(self, ctx: ServiceContext, executor: Executor) -> None:
         self.ctx, self.bus, self.executor = ctx, ctx.bus, executor
+        self.shard = ctx.server.shard
         self.epoch = uuid.uuid4().hex[:12]
 
     async def run(self) -> None:
-        await self.bus.ensure_group(keys.steps(), GROUP)
-        stale = await self.bus.read(GROUP, self.ctx.consumer, {keys.steps(): "0"},
+        await self.bus.ensure_group(keys.steps(self.shard), GROUP)
+        stale = await self.bus.read(GROUP, self.ctx.consumer, {keys.steps(self.shard): "0"},
                                     count=100_000)
         await self.bus.ack(stale)  # plans left by a previous worker of this name
         config = self.executor.config
@@ -45,9 +46,9 @@ class WorkerShell:
                             num_blocks=self.executor.num_blocks, block_size=config.block_size,
                             max_model_len=config.max_model_len or 0)
         # alive before announced: the scheduler checks liveness as soon as it hears of us
-        await self.bus.set_alive(keys.alive_worker(), self.epoch, ALIVE_TTL_MS)
-        await self.bus.store(keys.worker_ready(), ready)
-        await self.bus.publish(keys.results(), ready)
+        await self.bus.set_alive(keys.alive_worker(self.shard), self.epoch, ALIVE_TTL_MS)
+        await self.bus.store(keys.worker_ready(self.shard), ready)
+        await self.bus.publish(keys.results(self.shard), ready)
         log.info("worker ready", epoch=self.epoch, num_blocks=self.executor.num_blocks)
         results: asyncio.Queue[tuple[Entry | None, StepResult | BaseException | None]] = \
             asyncio.Queue()
@@ -56,7 +57,8 @@ class WorkerShell:
                            lambda *item: loop.call_soon_threadsafe(results.put_nowait, item))
         steps.start()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(heartbeat, self.bus, keys.alive_worker(), self.epoch, self.ctx.stop)
+            tg.start_soon(heartbeat, self.bus, keys.alive_worker(self.shard), self.epoch,
+                          self.ctx.stop)
             tg.start_soon(self._read, steps)
             await self._write(results)
             tg.cancel_scope.cancel()
@@ -66,7 +68,8 @@ class WorkerShell:
         try:
             while not self.ctx.stop.is_set():
                 for entry in await self.bus.read(GROUP, self.ctx.consumer,
-                                                 {keys.steps(): ">"}, count=PREFETCH,
+                                                 {keys.steps(self.shard): ">"},
+                                                 count=PREFETCH,
                                                  block_ms=200):
                     steps.put(entry)
         finally:
@@ -80,7 +83,7 @@ class WorkerShell:
             while not results.empty():
                 batch.append(results.get_nowait())
             done = [entry for entry, _ in batch if entry is not None]
-            outputs = [(keys.results(), result) for entry, result in batch
+            outputs = [(keys.results(self.shard), result) for entry, result in batch
                        if entry is not None and result is not None]
             await self.bus.commit(outputs, done=done)
             last, error = batch[-1]
@@ -91,6 +94,7 @@ class WorkerShell:
 
 
 async def serve(ctx: ServiceContext) -> None:
+    check_shard(ctx.engine, ctx.server)
     executor = await anyio.to_thread.run_sync(Executor, resolve_engine(ctx.engine))
     freeze_heap()
     try:
