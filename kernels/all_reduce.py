@@ -31,8 +31,7 @@ def all_reduce_rms_norm_ref(parts: list[torch.Tensor], residual: torch.Tensor,
     """The twin: every rank's part summed in float32, rounded to the activation dtype
     (as an all-reduce hands it over), then the fused add and norm."""
     summed = torch.stack([p.float() for p in parts]).sum(0).to(parts[0].dtype)
-    out, new_residual = rms_norm_ref(summed, weight, eps, residual)
-    return out, new_residual
+    return rms_norm_ref(summed, weight, eps, residual)
 
 
 def all_reduce_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

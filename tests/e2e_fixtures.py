@@ -132,6 +132,12 @@ def serving(args: list[str], log_path: Path, run_dir: Path | None = None
         assert not survivors, f"children outlived the launcher: {survivors}"
 
 
+def tiny_serve_args(model_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    """`headrace serve` of a tiny random model on the CPU (tests/tiny_models.py)."""
+    return ["serve", str(model_dir), "--served-model-name", MODEL_NAME,
+            "--run-dir", str(run_dir), "--api-key", API_KEY, "--device", "cpu", *extra]
+
+
 def serve_args(run_dir: Path) -> list[str]:
     return ["serve", demo_model_path(), "--served-model-name", MODEL_NAME,
             "--run-dir", str(run_dir), "--api-key", API_KEY,

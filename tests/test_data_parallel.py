@@ -23,7 +23,7 @@ from common.messages import SchedulerStats
 from common.sampling_params import SamplingParams
 from services import LLM
 from services.tokenizer.routing import PREFIX_BLOCKS, STALE_S, Router
-from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serving
+from tests.e2e_fixtures import ServerProcess, serving, tiny_serve_args
 from tests.test_faults import MAX_TOKENS, stream_all
 from tests.tiny_models import make_tiny_model
 
@@ -129,9 +129,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("dp-serve")
-    args = ["serve", str(model_dir), "--served-model-name", MODEL_NAME,
-            "--run-dir", str(root / "run"), "--api-key", API_KEY, "--device", "cpu",
-            "--data-parallel-size", "2", "--max-model-len", "512"]
+    args = tiny_serve_args(model_dir, root / "run", "--data-parallel-size", "2",
+                           "--max-model-len", "512")
     with serving(args, root / "serve.log", root / "run") as served:
         wait_both_up(served)
         yield served

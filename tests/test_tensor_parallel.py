@@ -224,9 +224,9 @@ def test_an_engine_of_another_size_waits_for_the_group_to_close(tmp_path):
 
 # --- peer-memory all-reduce: two GPUs only ----------------------------------------------
 
-def rank_peer_sums(rank: int, init_file: str, results) -> None:
-    """Sums of every message size through peer memory and through NCCL, eagerly and
-    replayed from a CUDA graph with new inputs each time."""
+def on_gpu_rank(rank: int, init_file: str, results, body) -> None:
+    """Rank `rank` of an NCCL group of two with peer-memory all-reduces set up for 512
+    rows of 4096: puts `body(device)`'s numpy arrays in `results`."""
     import torch.distributed as dist
 
     from services.worker.layers import parallel
@@ -235,46 +235,65 @@ def rank_peer_sums(rank: int, init_file: str, results) -> None:
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=2)
     device = torch.device("cuda", rank)
-
-    def nccl_sum(x: torch.Tensor) -> torch.Tensor:
-        x = x.clone()
-        dist.all_reduce(x)
-        return x
     try:
-        assert parallel.use_peer_all_reduce(512, 4096, torch.bfloat16, device)
-        generator = torch.Generator(device).manual_seed(rank)
-        out = []
-        for numel in (1, 4096, 7 * 4096, 512 * 4096):  # 1: too short, NCCL's
-            x = torch.randn(numel, generator=generator, device=device, dtype=torch.bfloat16)
-            out.append((parallel.all_reduce(x.clone()), nccl_sum(x)))
-        static = torch.zeros(4096, dtype=torch.bfloat16, device=device)
-        parallel.all_reduce(static.clone())  # warm-up outside capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            summed = parallel.all_reduce(static)
-        for _ in range(3):
-            static.copy_(torch.randn(4096, generator=generator, device=device,
-                                     dtype=torch.bfloat16))
-            graph.replay()
-            out.append((summed.clone(), nccl_sum(static)))
+        assert parallel.use_peer_all_reduce(512, HIDDEN, torch.bfloat16, device)
+        out = body(device)
         torch.cuda.synchronize()
-        results.put((rank, [(a.float().cpu().numpy(), b.float().cpu().numpy())
-                            for a, b in out]))
+        results.put((rank, [[t.float().cpu().numpy() for t in row] for row in out]))
         dist.barrier()
     finally:
         parallel.stop_peer_all_reduce()
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_the_peer_all_reduce_sums_like_nccl(tmp_path):
+def on_two_gpus(body, tmp_path: Path) -> dict[int, list]:
+    """Each rank's rows of tensors from `body(device)` (a module-level function)."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=rank_peer_sums, args=(rank, str(tmp_path / "init"), results))
+    procs = [ctx.Process(target=on_gpu_rank, args=(rank, str(tmp_path / "init"), results,
+                                                   body))
              for rank in range(2)]
     for p in procs:
         p.start()
-    sums = dict(collect(results, procs, 2))
+    return dict(collect(results, procs, 2))
+
+
+HIDDEN = 4096
+
+
+def nccl_sum(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+    x = x.clone()
+    dist.all_reduce(x)
+    return x
+
+
+def peer_sums(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sums of every message size through peer memory and through NCCL, eagerly and
+    replayed from a CUDA graph with new inputs each time."""
+    from services.worker.layers import parallel
+
+    generator = torch.Generator(device).manual_seed(device.index)
+    out = []
+    for numel in (1, HIDDEN, 7 * HIDDEN, 512 * HIDDEN):  # 1: too short, NCCL's
+        x = torch.randn(numel, generator=generator, device=device, dtype=torch.bfloat16)
+        out.append((parallel.all_reduce(x.clone()), nccl_sum(x)))
+    static = torch.zeros(HIDDEN, dtype=torch.bfloat16, device=device)
+    parallel.all_reduce(static.clone())  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        summed = parallel.all_reduce(static)
+    for _ in range(3):
+        static.copy_(torch.randn(HIDDEN, generator=generator, device=device,
+                                 dtype=torch.bfloat16))
+        graph.replay()
+        out.append((summed.clone(), nccl_sum(static)))
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_peer_all_reduce_sums_like_nccl(tmp_path):
+    sums = on_two_gpus(peer_sums, tmp_path)
     for rank in range(2):
         assert len(sums[rank]) == 7
         for peer, nccl in sums[rank]:
@@ -283,75 +302,56 @@ def test_the_peer_all_reduce_sums_like_nccl(tmp_path):
         assert all((a == b).all() for (a, _), (b, _) in zip(sums[0], sums[1]))
 
 
-def rank_fused_norms(rank: int, init_file: str, results) -> None:
+def fused_norms(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
     """The all-reduce fused with the residual add and RMSNorm, against its torch twin on
     every rank's parts (gathered through NCCL): eagerly for several row counts (more rows
     than programs among them), then replayed from a CUDA graph with new inputs, between
-    bare all-reduces."""
+    bare all-reduces. Rows of (normed, residual, twin's normed, twin's residual)."""
     import torch.distributed as dist
 
     from kernels.all_reduce import all_reduce_rms_norm_ref
     from kernels.norm import rms_norm_ref
     from services.worker.layers import parallel
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
-                            world_size=2)
-    device = torch.device("cuda", rank)
-    hidden, eps = 4096, 1e-5
-    try:
-        assert parallel.use_peer_all_reduce(512, hidden, torch.bfloat16, device)
-        shared = torch.Generator(device).manual_seed(7)  # the same on both ranks
-        own = torch.Generator(device).manual_seed(rank)
+    eps = 1e-5
+    shared = torch.Generator(device).manual_seed(7)  # the same on both ranks
+    own = torch.Generator(device).manual_seed(device.index)
 
-        def draw(rows: int, generator: torch.Generator) -> torch.Tensor:
-            return torch.randn(rows, hidden, generator=generator, device=device,
-                               dtype=torch.bfloat16)
+    def draw(rows: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(rows, HIDDEN, generator=generator, device=device,
+                           dtype=torch.bfloat16)
 
-        def twin(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            parts = [torch.empty_like(x) for _ in range(2)]
-            dist.all_gather(parts, x)
-            return all_reduce_rms_norm_ref(parts, residual, weight, eps)
-        weight = draw(1, shared)[0]
-        out = []
-        for rows in (1, 7, 64, 100, 512):
-            x, residual = draw(rows, own), draw(rows, shared)
-            out.append((parallel.all_reduce_rms_norm(x, residual, weight, eps),
-                        twin(x, residual)))
-        x, residual = draw(16, own), draw(16, shared)
-        parallel.all_reduce_rms_norm(x, residual, weight, eps)  # warm-up outside capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            first = parallel.all_reduce_rms_norm(x, residual, weight, eps)
-            bare = parallel.all_reduce(first[0])
-            second = parallel.all_reduce_rms_norm(bare, first[1], weight, eps)
-        for _ in range(3):
-            x.copy_(draw(16, own))
-            residual.copy_(draw(16, shared))
-            graph.replay()
-            out.append(((first[0].clone(), first[1].clone()), twin(x, residual)))
-            # both ranks hold the same normed rows: bare is twice them, its sum four times
-            out.append(((second[0].clone(), second[1].clone()),
-                        rms_norm_ref(first[0] * 4, weight, eps, first[1])))
-        torch.cuda.synchronize()
-        results.put((rank, [[t.float().cpu().numpy() for pair in o for t in pair]
-                            for o in out]))
-        dist.barrier()
-    finally:
-        parallel.stop_peer_all_reduce()
-        dist.destroy_process_group()
+    def twin(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        parts = [torch.empty_like(x) for _ in range(2)]
+        dist.all_gather(parts, x)
+        return all_reduce_rms_norm_ref(parts, residual, weight, eps)
+    weight = draw(1, shared)[0]
+    out = []
+    for rows in (1, 7, 64, 100, 512):
+        x, residual = draw(rows, own), draw(rows, shared)
+        out.append((*parallel.all_reduce_rms_norm(x, residual, weight, eps),
+                    *twin(x, residual)))
+    x, residual = draw(16, own), draw(16, shared)
+    parallel.all_reduce_rms_norm(x, residual, weight, eps)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first = parallel.all_reduce_rms_norm(x, residual, weight, eps)
+        bare = parallel.all_reduce(first[0])
+        second = parallel.all_reduce_rms_norm(bare, first[1], weight, eps)
+    for _ in range(3):
+        x.copy_(draw(16, own))
+        residual.copy_(draw(16, shared))
+        graph.replay()
+        out.append((first[0].clone(), first[1].clone(), *twin(x, residual)))
+        # both ranks hold the same normed rows: bare is twice them, its sum four times
+        out.append((second[0].clone(), second[1].clone(),
+                    *rms_norm_ref(first[0] * 4, weight, eps, first[1])))
+    return out
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_the_fused_all_reduce_and_norm_matches_its_twin(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_fused_norms, args=(rank, str(tmp_path / "init"),
-                                                        results))
-             for rank in range(2)]
-    for p in procs:
-        p.start()
-    outs = dict(collect(results, procs, 2))
+    outs = on_two_gpus(fused_norms, tmp_path)
     for rank in range(2):
         assert len(outs[rank]) == 5 + 2 * 3
         for normed, residual, want_normed, want_residual in outs[rank]:

@@ -17,7 +17,7 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from services import LLM
-from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serving
+from tests.e2e_fixtures import ServerProcess, serving, tiny_serve_args
 from tests.test_faults import MAX_TOKENS, stream_all
 from tests.tiny_models import make_tiny_model
 
@@ -39,9 +39,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("tp-serve")
-    args = ["serve", str(model_dir), "--served-model-name", MODEL_NAME,
-            "--run-dir", str(root / "run"), "--api-key", API_KEY, "--device", "cpu",
-            "--tensor-parallel-size", "2", "--max-model-len", "256"]
+    args = tiny_serve_args(model_dir, root / "run", "--tensor-parallel-size", "2",
+                           "--max-model-len", "256")
     with serving(args, root / "serve.log") as served:
         yield served
 

@@ -39,7 +39,8 @@ from common.outbox import Outbox
 from common.token_text import TokenTexts
 from common.tokens import check_vocabulary
 from services.gateway.core import (SHUTTING_DOWN, Applied, Backend, Call, Echo, Observed,
-                                   Shard, admission_error, queue_depth, shutting_down)
+                                   admission_error, queue_depth, shard_states,
+                                   shutting_down)
 from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
                                        parse_job, parse_tokenize)
 from services.gateway.replies import Inbox, Replies, next_replies
@@ -65,7 +66,8 @@ class Gateway:
         self.metrics = Metrics()
         self.backend = Backend()
         # one reader of this gateway's replies
-        self.replies = Replies(bus, gateway_id, self.metrics)
+        self.replies = Replies(bus, gateway_id, self.metrics,
+                               info.config.data_parallel_size)
         self.outbox = Outbox(bus)  # one writer of every call's requests and aborts
         self.token_text = TokenTexts(info.tokenizer)  # spells echoed prompt tokens
         self.started_at = int(time.time())
@@ -248,7 +250,7 @@ class Gateway:
         tokenizer may be routing it now); before the replies close, which forget shards."""
         by_shard: dict[int, list[str]] = {}
         for rid in rids:
-            for shard in self.replies.shards_of(rid, self.info.config.data_parallel_size):
+            for shard in self.replies.shards_of(rid):
                 by_shard.setdefault(shard, []).append(rid)
         if by_shard:
             self.spawn(self.publish_aborts(by_shard))
@@ -320,9 +322,8 @@ class Gateway:
                 return
             n = len(shards)
             stats = [scheduler_stats(raw, s) for s, raw in enumerate(values[2 * n:])]
-            self.backend = Backend([Shard(values[s], values[n + s] is not None)
-                                    for s in shards],
-                                   queue_depth(streams, stats), time.monotonic())
+            self.backend = Backend(shard_states(values[:2 * n]), queue_depth(streams, stats),
+                                   time.monotonic())
 
     # --- the other routes -------------------------------------------------------------
 
@@ -369,8 +370,7 @@ class Gateway:
         n = self.info.config.data_parallel_size
         alive = await self.bus.values(*map(keys.alive_scheduler, range(n)),
                                       *map(keys.alive_worker, range(n)))
-        up = [Shard(alive[s], alive[n + s] is not None) for s in range(n)]
-        shards = {str(i): "up" if s.up else "down" for i, s in enumerate(up)}
+        shards = {str(i): "up" if s.up else "down" for i, s in enumerate(shard_states(alive))}
         if "up" not in shards.values():
             missing = [name for name, values in (("scheduler", alive[:n]),
                                                  ("worker", alive[n:]))

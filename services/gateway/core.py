@@ -254,6 +254,13 @@ class Shard:
         return self.scheduler_epoch is not None and self.worker_alive
 
 
+def shard_states(alive: list[bytes | None]) -> list[Shard]:
+    """Shards from their liveness keys: every scheduler's (its epoch), then every
+    worker's."""
+    n = len(alive) // 2
+    return [Shard(alive[s], alive[n + s] is not None) for s in range(n)]
+
+
 @dataclass(slots=True)
 class Backend:
     """What the gateway last saw of the stages behind it."""

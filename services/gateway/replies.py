@@ -31,8 +31,9 @@ log = get_logger(__name__)
 
 
 class Replies:
-    def __init__(self, bus: Bus, gateway_id: str, metrics: Metrics) -> None:
-        self.bus, self.metrics = bus, metrics
+    def __init__(self, bus: Bus, gateway_id: str, metrics: Metrics, num_shards: int = 1
+                 ) -> None:
+        self.bus, self.metrics, self.num_shards = bus, metrics, num_shards
         self.stream = keys.replies(gateway_id)
         self.inboxes: dict[str, Inbox] = {}
         self.shards: dict[str, int] = {}  # the shard of each open request routed so far
@@ -62,18 +63,18 @@ class Replies:
         for rid, inbox in self.inboxes.items():
             inbox.put_nowait((error_for(rid), 0.0))
 
-    def shards_of(self, rid: str, num_shards: int) -> list[int]:
+    def shards_of(self, rid: str) -> list[int]:
         """Where a request may be: its shard, or any while it is not routed yet."""
-        if num_shards == 1:
-            return [0]
-        shard = self.shards.get(rid)
-        return list(range(num_shards)) if shard is None else [shard]
+        shard = self.shard_of(rid)
+        return list(range(self.num_shards)) if shard is None else [shard]
 
-    def fail_shard(self, shard: int, num_shards: int,
-                   error_for: Callable[[str], ErrorReply]) -> None:
+    def shard_of(self, rid: str) -> int | None:
+        return 0 if self.num_shards == 1 else self.shards.get(rid)
+
+    def fail_shard(self, shard: int, error_for: Callable[[str], ErrorReply]) -> None:
         """End every call in flight on `shard` with the error `error_for(rid)`."""
         for rid, inbox in self.inboxes.items():
-            if self.shards.get(rid, 0 if num_shards == 1 else None) == shard:
+            if self.shard_of(rid) == shard:
                 inbox.put_nowait((error_for(rid), 0.0))
 
     def route(self, msg: object) -> None:

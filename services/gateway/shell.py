@@ -42,8 +42,7 @@ async def watch_backend(gateway: Gateway) -> None:
             gateway.replies.fail_all(scheduler_gone)
         else:
             for shard, error_for in gateway.backend.lost_shards(before):
-                gateway.replies.fail_shard(shard, gateway.info.config.data_parallel_size,
-                                           error_for)
+                gateway.replies.fail_shard(shard, error_for)
         if now >= next_trim:
             next_trim = now + TRIM_EVERY_S
             try:
