@@ -9,6 +9,8 @@ shard's keys in one slot and spreads the shards over its nodes.
 
 from __future__ import annotations
 
+import re
+
 PATTERN = "hr:*"
 REQUESTS = "hr:requests"  # gateway -> tokenizers
 DETOK = "hr:detok"  # schedulers -> detokenizers
@@ -23,6 +25,15 @@ def replies(gateway_id: str) -> str:
 def alive_gateway(gateway_id: str) -> str:
     """A gateway's liveness: once it lapses, the schedulers end its requests."""
     return f"hr:alive:gateway:{gateway_id}"
+
+
+def shard_of(name: str) -> int | None:
+    """The shard a key belongs to, None for the keys every shard shares."""
+    found = _SHARD_KEY.match(name)
+    return int(found[1]) if found else None
+
+
+_SHARD_KEY = re.compile(r"hr:\{s(\d+)\}:")
 
 
 def _shard(shard: int) -> str:

@@ -4,6 +4,11 @@ Each `Metrics` owns its registries, so tests and several engines in one process 
 counters. Totals that another process keeps (the scheduler's token and cache counters,
 which it sends in `SchedulerStats`) are exposed as counters set to the latest absolute value.
 
+Each data-parallel shard's figures are their own series, labelled `shard` (as vLLM labels
+its engines): the scheduler's gauges and totals, and the request counters and latency
+histograms, which the gateway files under the shard it routed the request to. The stage
+histogram and the stream gauges are not labelled: stream names carry their shard already.
+
 Several gateway processes on one host (`--api-server-count N`) share one port, so a scrape
 lands on any of them. With PROMETHEUS_MULTIPROC_DIR set (the launcher sets it), each writes
 what it observes (request counters and latency histograms) to prometheus-client's files
@@ -30,6 +35,7 @@ if TYPE_CHECKING:
     from common.bus import StreamInfo
 
 PREFIX = "headrace:"
+SHARD_LABEL = "shard"  # the data-parallel shard (scheduler and worker) a series is about
 
 # vLLM's buckets: first tokens take milliseconds to minutes, the gaps between tokens
 # milliseconds to seconds; ITL starts lower, since a small model decodes in 2-10 ms.
@@ -53,36 +59,34 @@ TOTALS = {
 
 
 class TotalsCollector(Collector):
-    """Counters whose value is a running total: `set` takes the absolute total (a restarted
-    source starts again from zero, which Prometheus reads as a counter reset); `inc` adds."""
+    """Counters whose value is a running total kept by another process, one series per
+    shard: `set` takes the absolute total (a restarted source starts again from zero, which
+    Prometheus reads as a counter reset); `clear` drops every shard's series."""
 
     def __init__(self, docs: Mapping[str, str]) -> None:
         self._docs = dict(docs)
-        self._values = dict.fromkeys(docs, 0.0)
+        self._values: dict[str, dict[str, float]] = {name: {} for name in docs}
 
-    def set(self, name: str, total: float) -> None:
-        self._check(name)
+    def set(self, name: str, total: float, shard: int = 0) -> None:
+        if name not in self._docs:
+            raise KeyError(f"unknown counter {name!r}; known: {sorted(self._docs)}")
         if total < 0:
             raise ValueError(f"a counter total is never negative, got {name}={total}")
-        self._values[name] = float(total)
+        self._values[name][str(shard)] = float(total)
 
-    def inc(self, name: str, amount: float = 1.0) -> None:
-        self._check(name)
-        if amount < 0:
-            raise ValueError(f"counters only go up, got {name} += {amount}")
-        self._values[name] += amount
+    def value(self, name: str, shard: int = 0) -> float:
+        return self._values[name][str(shard)]
 
-    def value(self, name: str) -> float:
-        self._check(name)
-        return self._values[name]
+    def clear(self) -> None:
+        for series in self._values.values():
+            series.clear()
 
     def collect(self) -> Iterator[Metric]:
         for name, doc in self._docs.items():
-            yield CounterMetricFamily(PREFIX + name, doc, value=self._values[name])
-
-    def _check(self, name: str) -> None:
-        if name not in self._docs:
-            raise KeyError(f"unknown counter {name!r}; known: {sorted(self._docs)}")
+            family = CounterMetricFamily(PREFIX + name, doc, labels=[SHARD_LABEL])
+            for shard, total in sorted(self._values[name].items()):
+                family.add_metric([shard], total)
+            yield family
 
 
 class Metrics:
@@ -91,12 +95,14 @@ class Metrics:
         self.observed = CollectorRegistry()  # what this process saw, summed over processes
         reg = self.state
         self.num_requests_running = Gauge(
-            PREFIX + "num_requests_running", "Requests in the running batch.", registry=reg)
+            PREFIX + "num_requests_running", "Requests in the running batch.", [SHARD_LABEL],
+            registry=reg)
         self.num_requests_waiting = Gauge(
-            PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", registry=reg)
+            PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.",
+            [SHARD_LABEL], registry=reg)
         self.kv_cache_usage_perc = Gauge(
             PREFIX + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).",
-            registry=reg)
+            [SHARD_LABEL], registry=reg)
         self.totals = TotalsCollector(TOTALS)
         reg.register(self.totals)
         self.stream_length = Gauge(
@@ -110,16 +116,16 @@ class Metrics:
         reg = self.observed
         self.request_success = Counter(
             PREFIX + "request_success", "Requests that finished, by finish reason.",
-            ["finished_reason"], registry=reg)
+            ["finished_reason", SHARD_LABEL], registry=reg)
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds", "Time to the first token.",
-            buckets=TTFT_BUCKETS, registry=reg)
+            [SHARD_LABEL], buckets=TTFT_BUCKETS, registry=reg)
         self.inter_token_latency = Histogram(
             PREFIX + "inter_token_latency_seconds", "Time between consecutive tokens.",
-            buckets=ITL_BUCKETS, registry=reg)
+            [SHARD_LABEL], buckets=ITL_BUCKETS, registry=reg)
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
-            buckets=E2E_BUCKETS, registry=reg)
+            [SHARD_LABEL], buckets=E2E_BUCKETS, registry=reg)
         stage_seconds = Histogram(
             PREFIX + "stage_seconds", "Time a request or a step spent in one stage of the "
             "serving path, from the timestamps its messages carry (common/hops.py).",
@@ -128,13 +134,20 @@ class Metrics:
         shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         self._summed = ProcessFiles(Path(shared)) if shared else self.observed
 
-    def set_scheduler_stats(self, stats: SchedulerStats) -> None:
-        """Gauges and totals from the scheduler's latest `SchedulerStats`."""
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        for name in TOTALS:
-            self.totals.set(name, getattr(stats, name))
+    def set_scheduler_stats(self, stats: Mapping[int, SchedulerStats]) -> None:
+        """Gauges and totals from each shard's latest `SchedulerStats`; a shard without
+        figures has no series."""
+        gauges = (self.num_requests_running, self.num_requests_waiting,
+                  self.kv_cache_usage_perc)
+        for gauge in gauges:
+            gauge.clear()
+        self.totals.clear()
+        for shard, figures in stats.items():
+            self.num_requests_running.labels(shard).set(figures.num_running)
+            self.num_requests_waiting.labels(shard).set(figures.num_waiting)
+            self.kv_cache_usage_perc.labels(shard).set(figures.kv_cache_usage)
+            for name in TOTALS:
+                self.totals.set(name, getattr(figures, name), shard)
 
     def observe_stages(self, stages: Iterable[tuple[str, float]]) -> None:
         for stage, seconds in stages:

@@ -1,5 +1,6 @@
 """`headrace queues`: every hr:* stream with its length, consumer groups (pending, lag,
-last delivered id) and consumers (pending, idle time).
+last delivered id) and consumers (pending, idle time); the streams every shard shares come
+first (SHARD "-"), then each data-parallel shard's, shard by shard.
 
     headrace queues [--redis-url URL] [--run-dir DIR] [--watch [SECONDS]]
 """
@@ -15,11 +16,12 @@ from pathlib import Path
 
 import anyio
 
+from common import keys
 from common.bus import LAG_COUNT_LIMIT, UNAVAILABLE, Bus, StreamInfo
 from common.log import configure_logging
 from common.redis_server import SOCKET_NAME
 
-COLUMNS = ("STREAM", "LENGTH", "GROUP", "CONSUMER", "PENDING", "LAG", "IDLE", "LAST-DELIVERED")
+COLUMNS = ("SHARD", "STREAM", "LENGTH", "GROUP", "CONSUMER", "PENDING", "LAG", "IDLE", "LAST-DELIVERED")
 CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -37,18 +39,28 @@ async def take_snapshot(url: str) -> Snapshot:
 
 def format_table(snapshot: Snapshot) -> str:
     rows = [list(COLUMNS)]
-    for stream in snapshot.streams:
-        rows.append([stream.name, str(stream.length), "", "", "", "", "", ""])
+    for stream in sorted(snapshot.streams, key=_by_shard):
+        shard = keys.shard_of(stream.name)
+        rows.append(["-" if shard is None else str(shard), stream.name, str(stream.length),
+                     "", "", "", "", "", ""])
         for group in stream.groups:
-            rows.append(["", "", group.name, "", str(group.pending), _lag(group.lag), "",
+            rows.append(["", "", "", group.name, "", str(group.pending), _lag(group.lag), "",
                          group.last_delivered_id])
-            rows += [["", "", "", c.name, str(c.pending), "", f"{c.idle_ms / 1000:.1f}s", ""]
-                     for c in group.consumers]
+            rows += [["", "", "", "", c.name, str(c.pending), "", f"{c.idle_ms / 1000:.1f}s",
+                      ""] for c in group.consumers]
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.taken_at))
-    header = f"{snapshot.url}  {when}  {len(snapshot.streams)} streams"
+    shards = sorted({s for s in map(keys.shard_of, (s.name for s in snapshot.streams))
+                     if s is not None})
+    header = (f"{snapshot.url}  {when}  {len(snapshot.streams)} streams, "
+              f"{len(shards)} shards")
     if not snapshot.streams:
         return f"{header}\n(no hr:* streams yet)"
     return header + "\n" + _aligned(rows)
+
+
+def _by_shard(stream: StreamInfo) -> tuple[int, str]:
+    shard = keys.shard_of(stream.name)
+    return (-1 if shard is None else shard, stream.name)
 
 
 def _lag(lag: int | None) -> str:

@@ -52,8 +52,8 @@ def served_counts(url: str) -> dict[str, float]:
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
     return {"success": samples["headrace:request_success_total",
-                               (("finished_reason", "length"),)],
-            "e2e": samples["headrace:e2e_request_latency_seconds_count", ()],
+                               (("finished_reason", "length"), ("shard", "0"))],
+            "e2e": samples["headrace:e2e_request_latency_seconds_count", (("shard", "0"),)],
             "step stages": samples["headrace:stage_seconds_count",
                                    (("stage", "step"),)]}
 

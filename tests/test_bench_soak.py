@@ -51,12 +51,15 @@ def test_a_restarted_process_is_compared_with_itself_once_settled():
 
 def test_gauges_and_backlog_from_metrics():
     exposition = "\n".join([
-        "headrace:num_requests_running 2.0", "headrace:num_requests_waiting 1.0",
-        "headrace:kv_cache_usage_perc 0.25",
+        'headrace:num_requests_running{shard="0"} 2.0',
+        'headrace:num_requests_running{shard="1"} 1.0',
+        'headrace:num_requests_waiting{shard="0"} 1.0',
+        'headrace:kv_cache_usage_perc{shard="0"} 0.25',
+        'headrace:kv_cache_usage_perc{shard="1"} 0.5',
         'headrace:stream_pending{group="tokenizer",stream="hr:requests"} 3.0',
         'headrace:stream_lag{group="worker",stream="hr:{s0}:steps"} 4.0', ""])
-    assert metrics_gauges(exposition) == {"running": 2.0, "waiting": 1.0,
-                                          "kv_cache_usage": 0.25, "backlog": 7.0}
+    assert metrics_gauges(exposition) == {"running": 3.0, "waiting": 1.0,
+                                          "kv_cache_usage": 0.5, "backlog": 7.0}
     assert metrics_gauges(None) == {}
 
 

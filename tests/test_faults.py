@@ -319,8 +319,8 @@ async def idle_within(server: ServerProcess, timeout_s: float) -> bool:
             async with session.get(server.url + "/metrics") as response:
                 text = await response.text()
             values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                      if line.startswith(("headrace:num_requests_running ",
-                                          "headrace:num_requests_waiting "))}
+                      if line.startswith(("headrace:num_requests_running{",
+                                          "headrace:num_requests_waiting{"))}
             if values and not any(values.values()):
                 return True
             await anyio.sleep(0.5)

@@ -548,6 +548,9 @@ async def test_requests_end_with_503_when_the_scheduler_goes_away(url, rdb, redi
     assert json.loads(sse.events[-2])["error"]["code"] == 503
 
 
+SHARD_0 = (("shard", "0"),)
+
+
 async def test_metrics_carry_the_scheduler_stats_streams_and_latencies(url, rdb, redis_at,
                                                                         gateway, api):
     rdb.set(keys.scheduler_stats(), messages.encode(SchedulerStats(
@@ -562,14 +565,15 @@ async def test_metrics_carry_the_scheduler_stats_streams_and_latencies(url, rdb,
             text = await response.text()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
-    assert samples["headrace:num_requests_running", ()] == 3
-    assert samples["headrace:num_requests_waiting", ()] == 1
-    assert samples["headrace:kv_cache_usage_perc", ()] == 0.25
-    assert samples["headrace:num_preemptions_total", ()] == 2
-    assert samples["headrace:request_success_total", (("finished_reason", "length"),)] >= 1
+    assert samples["headrace:num_requests_running", SHARD_0] == 3
+    assert samples["headrace:num_requests_waiting", SHARD_0] == 1
+    assert samples["headrace:kv_cache_usage_perc", SHARD_0] == 0.25
+    assert samples["headrace:num_preemptions_total", SHARD_0] == 2
+    assert samples["headrace:request_success_total",
+                   (("finished_reason", "length"), ("shard", "0"))] >= 1
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds"):
-        assert samples[f"headrace:{name}_count", ()] >= 1
+        assert samples[f"headrace:{name}_count", SHARD_0] >= 1
     assert samples["headrace:stream_length", (("stream", keys.REQUESTS),)] >= 1
     assert (f"headrace:stream_lag", (("group", "tokenizer"), ("stream", keys.REQUESTS))) in samples
     finished = [r for r in gateway.log_records() if r.get("rid") == out.id]

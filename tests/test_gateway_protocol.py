@@ -443,15 +443,17 @@ def test_streamed_echo_and_logprob_offsets_continue_across_chunks():
     assert second["choices"][0]["logprobs"]["text_offset"] == [4]
 
 
-def test_observe_gives_ttft_then_itl_and_e2e_with_the_finish():
-    call = make_call(completion(n=2))
-    seen = call.observe(call.offer(delta(0, "a")), now=10.5)
-    assert (seen.ttft, seen.itl, seen.e2e) == ([0.5], [], [])
-    seen = call.observe(call.offer(delta(1, "b")) + call.offer(delta(2, "c", "stop")), now=11.0)
-    assert seen.ttft == [] and seen.itl == [0.5, 0.0]
-    assert (seen.e2e, seen.finish_reasons) == ([1.0], ["stop"])
-    seen = call.observe(call.offer(delta(0, "z", "length", index=1)), now=12.0)
-    assert (seen.ttft, seen.e2e, seen.finish_reasons) == ([2.0], [2.0], ["length"])
+def test_observe_gives_ttft_then_itl_and_e2e_with_the_finish_per_request():
+    call = make_call(completion(prompt=["p", "q"]))
+    seen = call.observe(call.offer(delta(0, "a", rid="cmpl-x-0")), now=10.5)
+    assert (seen.ttft, seen.itl, seen.e2e) == ([("cmpl-x-0", 0.5)], [], [])
+    seen = call.observe(call.offer(delta(1, "b", rid="cmpl-x-0"))
+                        + call.offer(delta(0, "c", "stop", rid="cmpl-x-1")), now=11.0)
+    assert seen.ttft == [("cmpl-x-1", 1.0)] and seen.itl == [("cmpl-x-0", 0.5)]
+    assert (seen.e2e, seen.finish_reasons) == ([("cmpl-x-1", 1.0)], [("cmpl-x-1", "stop")])
+    seen = call.observe(call.offer(delta(2, "z", "length", rid="cmpl-x-0")), now=12.0)
+    assert (seen.itl, seen.e2e, seen.finish_reasons) == (
+        [("cmpl-x-0", 1.0)], [("cmpl-x-0", 2.0)], [("cmpl-x-0", "length")])
 
 
 # --- admission ----------------------------------------------------------------------------

@@ -71,48 +71,59 @@ def families(metrics: Metrics) -> dict[str, dict[tuple, float]]:
     return out
 
 
-def test_render_parses_and_has_vllm_names():
+def random_stats(rng: random.Random) -> SchedulerStats:
+    return SchedulerStats(num_running=rng.randint(1, 50), num_waiting=rng.randint(0, 50),
+                          kv_cache_usage=rng.random(), num_preemptions=rng.randint(0, 9),
+                          prefix_cache_queries=1000, prefix_cache_hits=rng.randint(0, 1000),
+                          prompt_tokens=rng.randint(1, 10**6),
+                          generation_tokens=rng.randint(1, 10**6))
+
+
+def test_render_parses_has_vllm_names_and_a_series_per_shard():
     rng = random.Random(0)
     metrics = Metrics()
-    stats = SchedulerStats(num_running=rng.randint(1, 50), num_waiting=rng.randint(0, 50),
-                           kv_cache_usage=rng.random(), num_preemptions=rng.randint(0, 9),
-                           prefix_cache_queries=1000, prefix_cache_hits=rng.randint(0, 1000),
-                           prompt_tokens=rng.randint(1, 10**6),
-                           generation_tokens=rng.randint(1, 10**6))
+    stats = {0: random_stats(rng), 1: random_stats(rng)}
     metrics.set_scheduler_stats(stats)
-    metrics.request_success.labels("stop").inc(3)
+    metrics.request_success.labels("stop", "0").inc(3)
+    metrics.request_success.labels("length", "1").inc()
     ttfts = [rng.uniform(0.01, 2.0) for _ in range(20)]
     for ttft in ttfts:
-        metrics.time_to_first_token.observe(ttft)
-    metrics.inter_token_latency.observe(0.02)
-    metrics.e2e_request_latency.observe(4.0)
+        metrics.time_to_first_token.labels("1").observe(ttft)
+    metrics.inter_token_latency.labels("0").observe(0.02)
+    metrics.e2e_request_latency.labels("0").observe(4.0)
     seen = families(metrics)
-    value = {name: rows.get((), None) for name, rows in seen.items()}
-    assert value["headrace:num_requests_running"] == stats.num_running
-    assert value["headrace:num_requests_waiting"] == stats.num_waiting
-    assert value["headrace:kv_cache_usage_perc"] == pytest.approx(stats.kv_cache_usage)
-    assert value["headrace:num_preemptions_total"] == stats.num_preemptions
-    assert value["headrace:prompt_tokens_total"] == stats.prompt_tokens
-    assert value["headrace:generation_tokens_total"] == stats.generation_tokens
-    assert value["headrace:prefix_cache_queries_total"] == 1000
-    assert value["headrace:prefix_cache_hits_total"] == stats.prefix_cache_hits
-    assert seen["headrace:request_success_total"] == {(("finished_reason", "stop"),): 3}
-    assert value["headrace:time_to_first_token_seconds_count"] == 20
-    assert value["headrace:time_to_first_token_seconds_sum"] == pytest.approx(sum(ttfts))
-    assert value["headrace:inter_token_latency_seconds_count"] == 1
-    assert value["headrace:e2e_request_latency_seconds_count"] == 1
+    for shard, figures in stats.items():
+        value = {name: rows.get((("shard", str(shard)),)) for name, rows in seen.items()}
+        assert value["headrace:num_requests_running"] == figures.num_running
+        assert value["headrace:num_requests_waiting"] == figures.num_waiting
+        assert value["headrace:kv_cache_usage_perc"] == pytest.approx(figures.kv_cache_usage)
+        assert value["headrace:num_preemptions_total"] == figures.num_preemptions
+        assert value["headrace:prompt_tokens_total"] == figures.prompt_tokens
+        assert value["headrace:generation_tokens_total"] == figures.generation_tokens
+        assert value["headrace:prefix_cache_queries_total"] == 1000
+        assert value["headrace:prefix_cache_hits_total"] == figures.prefix_cache_hits
+    assert seen["headrace:request_success_total"] == {
+        (("finished_reason", "stop"), ("shard", "0")): 3,
+        (("finished_reason", "length"), ("shard", "1")): 1}
+    shard_1 = (("shard", "1"),)
+    assert seen["headrace:time_to_first_token_seconds_count"] == {shard_1: 20}
+    assert seen["headrace:time_to_first_token_seconds_sum"][shard_1] == pytest.approx(sum(ttfts))
+    assert seen["headrace:inter_token_latency_seconds_count"] == {(("shard", "0"),): 1}
+    assert seen["headrace:e2e_request_latency_seconds_count"] == {(("shard", "0"),): 1}
+    metrics.set_scheduler_stats({1: stats[1]})  # shard 0's figures are gone: so are its series
+    assert set(families(metrics)["headrace:prompt_tokens_total"]) == {shard_1}
+    assert set(families(metrics)["headrace:num_requests_running"]) == {shard_1}
 
 
 def test_totals_take_absolute_values_and_refuse_bad_ones():
     metrics = Metrics()
-    metrics.totals.set("prompt_tokens", 500)
-    metrics.totals.inc("prompt_tokens", 20)
+    metrics.totals.set("prompt_tokens", 520)
+    metrics.totals.set("prompt_tokens", 30, shard=1)
     metrics.totals.set("num_preemptions", 0)  # a restarted scheduler counts from zero again
-    assert families(metrics)["headrace:prompt_tokens_total"][()] == 520
+    assert families(metrics)["headrace:prompt_tokens_total"] == {
+        (("shard", "0"),): 520, (("shard", "1"),): 30}
     with pytest.raises(KeyError, match="unknown counter"):
         metrics.totals.set("tokens", 1)
-    with pytest.raises(ValueError):
-        metrics.totals.inc("prompt_tokens", -1)
     with pytest.raises(ValueError):
         metrics.totals.set("prompt_tokens", -5)
 

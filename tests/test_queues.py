@@ -8,6 +8,7 @@ import random
 import anyio
 import pytest
 
+from common import keys
 from common.bus import Bus
 from common.messages import Abort
 from services.queues import COLUMNS, Snapshot, format_table, take_snapshot
@@ -16,10 +17,12 @@ from tests.conftest import run_command
 
 async def fill_streams(url: str, rng: random.Random) -> dict[str, int]:
     """hr:requests: 30 entries; group tok read 12 of them (tok-0 acked 3 of its 7,
-    tok-1 holds 5); group audit read nothing. hr:steps: 4 entries, no group."""
+    tok-1 holds 5); group audit read nothing. Shard 10's steps: 4 entries, no group; shard
+    2's results: 2 entries."""
     async with Bus(url) as bus:
         await bus.publish("hr:requests", *[Abort(f"r{rng.randrange(10**6)}") for _ in range(30)])
-        await bus.publish("hr:steps", *[Abort(f"s{i}") for i in range(4)])
+        await bus.publish(keys.steps(10), *[Abort(f"s{i}") for i in range(4)])
+        await bus.publish(keys.results(2), *[Abort(f"t{i}") for i in range(2)])
         await bus.ensure_group("hr:requests", "tok")
         await bus.ensure_group("hr:requests", "audit")
         first = await bus.read("tok", "tok-0", {"hr:requests": ">"}, count=7)
@@ -31,7 +34,7 @@ async def fill_streams(url: str, rng: random.Random) -> dict[str, int]:
 
 def parse_table(text: str) -> list[dict[str, str]]:
     lines = text.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("STREAM"))
+    header = next(i for i, line in enumerate(lines) if line.startswith("SHARD"))
     starts = [lines[header].index(name) for name in COLUMNS] + [None]
     return [{name: line[starts[i]:starts[i + 1]].strip() for i, name in enumerate(COLUMNS)}
             for line in lines[header + 1:]]
@@ -42,9 +45,9 @@ async def test_snapshot_reports_length_pending_lag_and_consumers(redis_url):
     await fill_streams(redis_url, random.Random(0))
     snapshot = await take_snapshot(redis_url)
     streams = {s.name: s for s in snapshot.streams}
-    assert sorted(streams) == ["hr:requests", "hr:steps"]
+    assert sorted(streams) == sorted(["hr:requests", keys.steps(10), keys.results(2)])
     requests = streams["hr:requests"]
-    assert requests.length == 30 and streams["hr:steps"].groups == []
+    assert requests.length == 30 and streams[keys.steps(10)].groups == []
     groups = {g.name: g for g in requests.groups}
     assert (groups["tok"].pending, groups["tok"].lag) == (9, 18)
     assert (groups["audit"].pending, groups["audit"].lag) == (0, 30)
@@ -56,8 +59,12 @@ async def test_snapshot_reports_length_pending_lag_and_consumers(redis_url):
 def test_the_table_has_one_row_per_stream_group_and_consumer(redis_url):
     anyio.run(fill_streams, redis_url, random.Random(1))
     snapshot = anyio.run(take_snapshot, redis_url)
-    rows = parse_table(format_table(snapshot))
-    assert [r["STREAM"] for r in rows if r["STREAM"]] == ["hr:requests", "hr:steps"]
+    table = format_table(snapshot)
+    assert "3 streams, 2 shards" in table.splitlines()[0]
+    rows = parse_table(table)
+    # the shared streams, then shard by shard (2 before 10, which a name sort would swap)
+    assert [(r["SHARD"], r["STREAM"]) for r in rows if r["STREAM"]] == [
+        ("-", "hr:requests"), ("2", keys.results(2)), ("10", keys.steps(10))]
     assert [r["GROUP"] for r in rows if r["GROUP"]] == ["audit", "tok"]
     assert format_table(Snapshot("unix:///x", 0.0, [])).endswith("(no hr:* streams yet)")
 
@@ -69,7 +76,8 @@ def test_the_command_prints_groups_pending_lag_and_consumers(redis_url):
     rows = parse_table(result.stdout)
     stream_rows = {r["STREAM"]: r for r in rows if r["STREAM"]}
     assert stream_rows["hr:requests"]["LENGTH"] == "30"
-    assert stream_rows["hr:steps"]["LENGTH"] == "4"
+    assert stream_rows[keys.steps(10)]["LENGTH"] == "4"
+    assert stream_rows[keys.steps(10)]["SHARD"] == "10"
     tok = next(r for r in rows if r["GROUP"] == "tok")
     assert (tok["PENDING"], tok["LAG"]) == ("9", "18")
     assert tok["LAST-DELIVERED"].count("-") == 1

@@ -263,14 +263,17 @@ class Probe:
 
 
 def metrics_gauges(exposition: str | None) -> dict[str, float]:
-    """The scheduler's gauges and the groups' backlog (pending + lag) from /metrics."""
+    """The schedulers' gauges (requests summed over the shards, the fullest shard's KV
+    usage) and the groups' backlog (pending + lag) from /metrics."""
     if exposition is None:
         return {}
     gauges: dict[str, float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             if sample.name in GAUGE_NAMES:
-                gauges[GAUGE_NAMES[sample.name]] = sample.value
+                name = GAUGE_NAMES[sample.name]
+                merge = max if name == "kv_cache_usage" else sum
+                gauges[name] = merge((gauges.get(name, 0.0), sample.value))
             elif sample.name in BACKLOG_NAMES:
                 gauges[BACKLOG] = gauges.get(BACKLOG, 0.0) + sample.value
     if gauges:

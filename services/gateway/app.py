@@ -294,14 +294,19 @@ class Gateway:
             self.metrics.observe_stages([(DELIVERY_STAGE, max(0.0, time.time() - sent))])
 
     def record(self, seen: Observed) -> None:
-        for value in seen.ttft:
-            self.metrics.time_to_first_token.observe(value)
-        for value in seen.itl:
-            self.metrics.inter_token_latency.observe(value)
-        for value in seen.e2e:
-            self.metrics.e2e_request_latency.observe(value)
-        for reason in seen.finish_reasons:
-            self.metrics.request_success.labels(reason).inc()
+        for histogram, values in ((self.metrics.time_to_first_token, seen.ttft),
+                                  (self.metrics.inter_token_latency, seen.itl),
+                                  (self.metrics.e2e_request_latency, seen.e2e)):
+            for rid, value in values:
+                histogram.labels(self.shard_label(rid)).observe(value)
+        for rid, reason in seen.finish_reasons:
+            self.metrics.request_success.labels(reason, self.shard_label(rid)).inc()
+
+    def shard_label(self, rid: str) -> str:
+        """A request's tokens come after its Routed reply on the same stream, so its shard
+        is known; "" only if a cluster delivered them out of order."""
+        shard = self.replies.shard_of(rid)
+        return "" if shard is None else str(shard)
 
     # --- the backend ------------------------------------------------------------------
 
@@ -385,21 +390,12 @@ class Gateway:
     async def prometheus(self, request: web.Request) -> web.Response:
         shards = range(self.info.config.data_parallel_size)
         raws = await self.bus.values(*map(keys.scheduler_stats, shards))
-        stats = [s for s in map(scheduler_stats, raws, shards) if s is not None]
-        if stats:  # the shards together, for now: per-shard series are to come
-            self.metrics.set_scheduler_stats(combined(stats))
+        stats = {shard: s for shard, s in zip(shards, map(scheduler_stats, raws, shards))
+                 if s is not None}
+        self.metrics.set_scheduler_stats(stats)
         self.metrics.set_streams(await self.bus.stream_infos())
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
-
-
-def combined(stats: list[SchedulerStats]) -> SchedulerStats:
-    """Every shard's figures as one: counts and totals add up, KV usage is the mean."""
-    summed = {f: sum(getattr(s, f) for s in stats) for f in (
-        "num_running", "num_waiting", "num_preemptions", "prefix_cache_queries",
-        "prefix_cache_hits", "prompt_tokens", "generation_tokens", "waiting_tokens")}
-    usage = sum(s.kv_cache_usage for s in stats) / len(stats)
-    return SchedulerStats(**summed, kv_cache_usage=usage, ts=max(s.ts for s in stats))
 
 
 def scheduler_stats(raw: bytes | None, shard: int) -> SchedulerStats | None:

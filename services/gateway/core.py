@@ -43,11 +43,12 @@ class Prompt:
 
 @dataclass(slots=True)
 class Observed:
-    """Latencies and finishes that some applied deltas add to the metrics."""
-    ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
-    e2e: list[float] = field(default_factory=list)
-    finish_reasons: list[str] = field(default_factory=list)
+    """Latencies and finishes that some applied deltas add to the metrics, each with the
+    request id it is of (the metrics name the request's shard)."""
+    ttft: list[tuple[str, float]] = field(default_factory=list)
+    itl: list[tuple[str, float]] = field(default_factory=list)
+    e2e: list[tuple[str, float]] = field(default_factory=list)
+    finish_reasons: list[tuple[str, str]] = field(default_factory=list)
 
 
 Applied = tuple[Choice, TextDelta]
@@ -138,13 +139,13 @@ class Call:
         for choice, delta in applied:
             last = self.last_token_at.get(choice.index)
             if last is None:
-                seen.ttft.append(now - self.arrival)
+                seen.ttft.append((delta.rid, now - self.arrival))
             else:
-                seen.itl.append(now - last)
+                seen.itl.append((delta.rid, now - last))
             self.last_token_at[choice.index] = now
             if delta.finish_reason is not None:
-                seen.e2e.append(now - self.arrival)
-                seen.finish_reasons.append(delta.finish_reason)
+                seen.e2e.append((delta.rid, now - self.arrival))
+                seen.finish_reasons.append((delta.rid, delta.finish_reason))
         return seen
 
     # --- out: one response -------------------------------------------------------------
