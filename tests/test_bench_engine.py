@@ -132,6 +132,17 @@ def test_throughput_command_times_the_http_path(tiny, tmp_path):
     assert http["phases"]["worker.loops"] >= 12 and http["phases"]["scheduler.loops"] >= 12
 
 
+def test_throughput_command_compares_two_shards_with_one(tiny, tmp_path):
+    stdout, data = run_throughput(tiny, tmp_path, "pipeline", "--data-parallel-size", "2",
+                                  "--compare-data-parallel", "--device", "cpu")
+    runs = [(r["path"], r["data_parallel_size"]) for r in data["results"]]
+    assert runs == [("inprocess", 1), ("pipeline", 1), ("pipeline", 2)]
+    assert all(r["output_tokens"] == 6 * 12 for r in data["results"])
+    _, one, two = data["results"]
+    ratio = two["tokens_per_s"] / one["tokens_per_s"]
+    assert f"pipeline dp=2 / pipeline: {ratio:.2f}x" in stdout.splitlines()
+
+
 @pytest.mark.parametrize("tp", ["1", "2"])
 def test_latency_command_reports_decode_time(tiny, tmp_path, tp):
     out = tmp_path / "latency.json"

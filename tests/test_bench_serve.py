@@ -37,6 +37,7 @@ from common.net import free_port
 from services.bench.serve import (RequestResult, SseDecoder, StreamTimer, arrival_offsets,
                                   plan_requests, random_lengths, sharegpt_lengths, summarize)
 from services.bench.server_stages import (STAGE_HISTOGRAM, bucket_quantile, parse_stages,
+                                          prefix_cache_use, format_prefix_cache,
                                           stage_breakdown)
 from tests.conftest import REPO, repo_env
 from tests.e2e_fixtures import write_event
@@ -538,6 +539,45 @@ def test_token_id_prompts_and_their_limits():
         serve.check_args(parser, parser.parse_args(["--request-rate", "0"]))
 
 
+def test_prefix_repetition_shares_each_prefix_evenly_in_random_order():
+    parser = serve.build_parser()
+    args = parser.parse_args(["--dataset", "prefix_repetition", "--num-prompts", "12",
+                              "--prefix-repetition-num-prefixes", "3",
+                              "--prefix-repetition-prefix-len", "20",
+                              "--prefix-repetition-suffix-len", "5",
+                              "--prefix-repetition-output-len", "7",
+                              "--token-id-prompts", "1000"])
+    planned = plan_requests(args)
+    assert all(len(p.prompt) == p.prompt_len == 25 and p.output_len == 7 for p in planned)
+    prefixes = [tuple(p.prompt[:20]) for p in planned]
+    assert sorted(prefixes.count(x) for x in set(prefixes)) == [4, 4, 4]
+    assert len({tuple(p.prompt[20:]) for p in planned}) == 12  # a suffix of its own each
+    assert prefixes[:4] != [prefixes[0]] * 4 or prefixes[4:8] != [prefixes[4]] * 4
+    words = plan_requests(parser.parse_args(["--dataset", "prefix_repetition",
+                                             "--num-prompts", "4",
+                                             "--prefix-repetition-num-prefixes", "2"]))
+    assert all(len(p.prompt.split()) == p.prompt_len == 512 for p in words)
+    with pytest.raises(SystemExit):
+        serve.check_args(parser, parser.parse_args(["--prefix-repetition-num-prefixes", "0"]))
+
+
+def test_prefix_cache_use_is_each_shards_share_of_the_run():
+    registry = CollectorRegistry()
+    metrics = {kind: Counter(f"headrace:prefix_cache_{kind}", "Prefix cache tokens.",
+                             ["shard"], registry=registry) for kind in ("queries", "hits")}
+    metrics["queries"].labels("0").inc(500)  # before the run
+    before = generate_latest(registry).decode()
+    for shard, queries, hits in (("0", 1000, 900), ("1", 1000, 100), ("10", 0, 0)):
+        metrics["queries"].labels(shard).inc(queries)
+        metrics["hits"].labels(shard).inc(hits)
+    rows = prefix_cache_use(before, generate_latest(registry).decode())
+    assert [(r.shard, r.queries, r.hits) for r in rows] == [
+        ("0", 1000, 900), ("1", 1000, 100), ("10", 0, 0)]
+    assert format_prefix_cache(rows).startswith(
+        "Prefix cache hit rate: 50.0% of 2000 prompt tokens (shard 0: 90.0% of 1000, ")
+    assert prefix_cache_use(None, "<html>not found</html>") == []
+
+
 def test_summary_of_nothing_but_failures():
     failed = RequestResult(0, 4, 4, error="boom")
     summary = summarize([failed], duration_s=1.0)
@@ -599,6 +639,18 @@ def test_against_headrace_serve(tmp_path):
         assert summary["total_input_tokens"] == 8 * 12
         assert summary["total_output_tokens"] == 8 * 6  # ignore_eos held every length
         assert all(r["usage_reported"] and r["ttft"] > 0 for r in data["requests"])
+        # prompts sharing two-block prefixes, a few at a time: later ones hit the cache
+        code = serve.main(["--base-url", url, "--dataset", "prefix_repetition",
+                           "--num-prompts", "12", "--prefix-repetition-num-prefixes", "3",
+                           "--prefix-repetition-prefix-len", "32",
+                           "--prefix-repetition-suffix-len", "8",
+                           "--prefix-repetition-output-len", "4", "--token-id-prompts", "500",
+                           "--max-concurrency", "2", "--disable-tqdm",
+                           "--save-result", str(result)])
+        assert code == 0
+        [cache] = json.loads(result.read_text())["prefix_cache"]
+        assert cache["shard"] == "0" and cache["queries"] >= 12 * 32
+        assert cache["hits"] >= 9 * 32, cache  # all but each prefix's first
     finally:
         process.send_signal(signal.SIGTERM)
         try:

@@ -20,7 +20,7 @@ import anyio
 from common import keys
 from common.bus import Bus
 from common.config import EngineConfig, ServerConfig
-from common.messages import ErrorReply, GenerateRequest, ReplyBatch
+from common.messages import ErrorReply, GenerateRequest, ReplyBatch, Routed
 from common.net import free_port
 from common.redis_server import EmbeddedRedis, spawn_child
 from services.gateway.responses import Choice
@@ -44,10 +44,13 @@ During = Callable[[Bus, dict[str, Outcome]], Awaitable[None]]
 
 
 def absorb(outcomes: dict[str, Outcome], msg: object) -> None:
-    """Apply one reply; replies to other runs on the same stream are ignored."""
+    """Apply one reply; replies to other runs on the same stream, and the shard a request
+    was routed to (Routed), are ignored."""
     if isinstance(msg, ErrorReply):
         if msg.rid in outcomes:
             outcomes[msg.rid].error = msg
+        return
+    if isinstance(msg, Routed):
         return
     assert isinstance(msg, ReplyBatch)
     for delta in msg.items:
@@ -88,6 +91,7 @@ class LocalPipeline:
                  gateway: bool = False) -> None:
         self.root = root
         self.gateway = gateway
+        self.shards = engine.data_parallel_size
         if gateway:
             server = dataclasses.replace(server, host="127.0.0.1", port=free_port())
         self.http_url = f"http://{server.host}:{server.port}"
@@ -114,11 +118,13 @@ class LocalPipeline:
         process.wait()
 
     async def wait_ready(self, timeout: float = 600.0) -> None:
-        """Until the worker and scheduler are alive and, with the gateway, /health says 200
-        (which it does once the gateway sees them alive)."""
+        """Until every shard's worker and scheduler are alive and, with the gateway,
+        /health says 200 (which it does once the gateway sees a shard alive)."""
+        shards = range(self.shards)
+        alive = [*map(keys.alive_worker, shards), *map(keys.alive_scheduler, shards)]
         with anyio.fail_after(timeout):
             async with Bus(self.url) as bus:
-                while None in await bus.values(keys.alive_worker(), keys.alive_scheduler()):
+                while None in await bus.values(*alive):
                     self._check_alive()
                     await anyio.sleep(0.2)
             if self.gateway:

@@ -14,7 +14,13 @@ between later output chunks), TPOT ((e2e - TTFT) / (output tokens - 1)) and e2e 
 token counts are the server's usage numbers. A request succeeds by its tokens, not its
 text: the ids of a model with dummy weights often decode to nothing. Where the server's
 GET /metrics has headrace's `headrace:stage_seconds` histogram, the run's share of it (the
-difference of scrapes before and after) is printed beside the client's view.
+difference of scrapes before and after) is printed beside the client's view, and so is
+each shard's prefix-cache hit rate over the run.
+
+The prefix_repetition dataset (vLLM's) sends --num-prompts requests that share
+--prefix-repetition-num-prefixes prefixes (system prompts) evenly, each prefix followed by
+its own random suffix (the user turn), in random order: what prefix caching and
+data-parallel prefix routing are for.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ import numpy as np
 import uvloop
 from tqdm import tqdm
 
-from services.bench.server_stages import StageStats, format_stages, stage_breakdown
+from services.bench.server_stages import (PrefixCache, StageStats, format_prefix_cache,
+                                          format_stages, prefix_cache_use, stage_breakdown)
 
 # Common English words, each one token (with its leading space) in the Llama 3, Qwen2/3
 # and SmolLM2 vocabularies, so a prompt of N words is about N tokens in them; the
@@ -58,6 +65,7 @@ SHAREGPT_INPUT_MEAN, SHAREGPT_OUTPUT_MEAN, SHAREGPT_SIGMA = 161.0, 338.0, 1.0
 SHAREGPT_MIN_LEN, SHAREGPT_MAX_INPUT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
 PERCENTILES = (50, 90, 99)
 METRICS_TIMEOUT_S = 10.0
+COUNTERS_SETTLE_S = 1.0  # two of the schedulers' stats periods: the run's last counts arrive
 
 
 # --- the workload ------------------------------------------------------------------------
@@ -113,6 +121,8 @@ def make_prompt(rng: random.Random, length: int, token_id_limit: int | None) -> 
 
 def plan_requests(args: argparse.Namespace) -> list[PlannedRequest]:
     rng = random.Random(args.seed)
+    if args.dataset == "prefix_repetition":
+        return plan_prefix_repetition(args, rng)
     if args.dataset == "random":
         lengths = random_lengths(rng, args.num_prompts, args.random_input_len,
                                  args.random_output_len, args.random_range_ratio)
@@ -122,6 +132,25 @@ def plan_requests(args: argparse.Namespace) -> list[PlannedRequest]:
     offsets = arrival_offsets(rng, args.num_prompts, args.request_rate)
     return [PlannedRequest(make_prompt(rng, p, args.token_id_prompts), p, o, t)
             for (p, o), t in zip(lengths, offsets)]
+
+
+def plan_prefix_repetition(args: argparse.Namespace, rng: random.Random
+                           ) -> list[PlannedRequest]:
+    """--num-prompts requests over the prefixes in turn, each prefix plus a suffix of its
+    own, shuffled."""
+    limit = args.token_id_prompts
+    prefixes = [make_prompt(rng, args.prefix_repetition_prefix_len, limit)
+                for _ in range(args.prefix_repetition_num_prefixes)]
+    prompts = []
+    for i in range(args.num_prompts):
+        prefix = prefixes[i % len(prefixes)]
+        suffix = make_prompt(rng, args.prefix_repetition_suffix_len, limit)
+        prompts.append(prefix + suffix if limit is not None else f"{prefix} {suffix}")
+    rng.shuffle(prompts)
+    length = args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len
+    offsets = arrival_offsets(rng, args.num_prompts, args.request_rate)
+    return [PlannedRequest(prompt, length, args.prefix_repetition_output_len, t)
+            for prompt, t in zip(prompts, offsets)]
 
 
 def request_body(args: argparse.Namespace, model: str, planned: PlannedRequest
@@ -394,6 +423,7 @@ class BenchmarkRun:
     results: list[RequestResult]
     duration_s: float
     stages: list[StageStats]  # the server's breakdown (empty: it keeps none)
+    prefix_cache: list[PrefixCache]  # per shard (empty: the server keeps no such counters)
 
 
 async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
@@ -424,9 +454,12 @@ async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(planned)))
         duration = time.perf_counter() - origin
         bar.close()
+        if before is not None:  # the schedulers' counters come every half second
+            await asyncio.sleep(COUNTERS_SETTLE_S)
         after = await scrape(session, metrics_url(args.base_url))
     stages = stage_breakdown(before, after) if after is not None else []
-    return BenchmarkRun(model, list(results), duration, stages)
+    cache = prefix_cache_use(before, after) if after is not None else []
+    return BenchmarkRun(model, list(results), duration, stages, cache)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -486,6 +519,7 @@ def save_result(path: Path, args: argparse.Namespace, run: BenchmarkRun, summary
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": run.model, "settings": settings_of(args), "summary": asdict(summary),
         "server_stages": [asdict(s) for s in run.stages],
+        "prefix_cache": [asdict(c) | {"hit_rate": c.hit_rate} for c in run.prefix_cache],
         "requests": requests}, indent=1, default=str) + "\n")
 
 
@@ -508,12 +542,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests open at once; later arrivals wait for a slot "
                         "(default: no limit)")
-    p.add_argument("--dataset", choices=("random", "synthetic-sharegpt"), default="random",
+    p.add_argument("--dataset", choices=("random", "synthetic-sharegpt", "prefix_repetition"),
+                   default="random",
                    help="random: lengths uniform around --random-input-len/--random-output-"
                         "len; synthetic-sharegpt: log-normal lengths shaped like the "
                         "ShareGPT conversations (the real dataset cannot be downloaded "
-                        "here: there is no internet access). Prompts are random common "
-                        "words, each one token in Llama/Qwen/SmolLM2 vocabularies")
+                        "here: there is no internet access); prefix_repetition: prompts "
+                        "sharing a few prefixes (--prefix-repetition-*). Prompts are random "
+                        "common words, each one token in Llama/Qwen/SmolLM2 vocabularies")
     p.add_argument("--random-input-len", type=int, default=1024,
                    help="random dataset: mean prompt length in tokens (default 1024)")
     p.add_argument("--random-output-len", type=int, default=128,
@@ -532,6 +568,15 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {SHAREGPT_SIGMA:g}); lengths are then kept to prompts of "
                         f"{SHAREGPT_MIN_LEN}..{SHAREGPT_MAX_INPUT} tokens and outputs of at "
                         f"least {SHAREGPT_MIN_LEN}, {SHAREGPT_MAX_TOTAL} tokens in all")
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                   help="prefix_repetition: tokens of each shared prefix (default 256)")
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                   help="prefix_repetition: tokens of each request's own suffix (default 256)")
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                   help="prefix_repetition: how many prefixes the requests share evenly "
+                        "(default 10)")
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128,
+                   help="prefix_repetition: output tokens of each request (default 128)")
     p.add_argument("--token-id-prompts", type=int, metavar="VOCAB", default=None,
                    help="completions only: send prompts as random token ids below VOCAB "
                         "instead of words, so prompt lengths are exact (the server must "
@@ -554,7 +599,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("num_prompts", "random_input_len", "random_output_len"):
+    for name in ("num_prompts", "random_input_len", "random_output_len",
+                 "prefix_repetition_prefix_len", "prefix_repetition_suffix_len",
+                 "prefix_repetition_num_prefixes", "prefix_repetition_output_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not args.request_rate > 0:
@@ -585,6 +632,8 @@ def main(argv: list[str]) -> int:
     print(format_summary(summary))
     if run.stages:
         print(format_stages(run.stages))
+    if run.prefix_cache:
+        print(format_prefix_cache(run.prefix_cache))
     for failure in [r for r in run.results if not r.success][:5]:
         print(f"request {failure.index} failed: {failure.error}", file=sys.stderr)
     if args.save_result:

@@ -1,8 +1,10 @@
-"""The server's own account of where requests spent their time: the `headrace:stage_seconds`
-histogram of a Prometheus /metrics exposition (one series per `stage` label), scraped
-before and after a benchmark run. The difference of the two scrapes is the run's share, so
-whatever the server served before does not count; p50 and p90 are estimated from the
-buckets as Prometheus' histogram_quantile does.
+"""The server's own account of a benchmark run, from Prometheus /metrics expositions
+scraped before and after it: where requests spent their time (the `headrace:stage_seconds`
+histogram, one series per `stage` label) and how much of the prompts each shard's prefix
+cache held (the prefix_cache_queries/hits counters, one series per `shard` label). The
+difference of the two scrapes is the run's share, so whatever the server served before
+does not count; p50 and p90 are estimated from the buckets as Prometheus'
+histogram_quantile does.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ STAGE_LABEL = "stage"
 # Whole-request histograms shown beside the stages: what of the client's TTFT the gateway
 # saw (from the request's arrival to its first reply), the rest being HTTP and the client.
 ROWS_OF = {"headrace:time_to_first_token_seconds": "gateway_ttft"}
+CACHE_COUNTERS = {"headrace:prefix_cache_queries": "queries",
+                  "headrace:prefix_cache_hits": "hits"}
 
 
 @dataclass(slots=True)
@@ -108,3 +112,47 @@ def format_stages(rows: list[StageStats]) -> str:
               f"{r.p90_ms:>11.2f}" for r in rows]
     lines.append("=" * width)
     return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCache:
+    """Prompt tokens one shard looked up in its prefix cache during the run, and found."""
+    shard: str
+    queries: int
+    hits: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def parse_cache_counters(exposition: str) -> dict[tuple[str, str], float]:
+    """{(shard, "queries" | "hits"): total}; empty for a page that is not an exposition."""
+    totals: dict[tuple[str, str], float] = {}
+    try:
+        families = list(text_string_to_metric_families(exposition))
+    except ValueError:
+        return {}
+    for family in families:
+        if family.name in CACHE_COUNTERS:
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = (sample.labels.get("shard", ""), CACHE_COUNTERS[family.name])
+                    totals[key] = sample.value
+    return totals
+
+
+def prefix_cache_use(before: str | None, after: str) -> list[PrefixCache]:
+    """Each shard's prefix-cache queries and hits between the two scrapes."""
+    start = parse_cache_counters(before) if before is not None else {}
+    end = parse_cache_counters(after)
+    shards = sorted({shard for shard, _ in end}, key=lambda s: (len(s), s))
+    return [PrefixCache(shard, *(round(end.get((shard, k), 0.0) - start.get((shard, k), 0.0))
+                                 for k in ("queries", "hits"))) for shard in shards]
+
+
+def format_prefix_cache(rows: list[PrefixCache]) -> str:
+    total = PrefixCache("all", sum(r.queries for r in rows), sum(r.hits for r in rows))
+    shards = ", ".join(f"shard {r.shard}: {r.hit_rate:.1%} of {r.queries}" for r in rows)
+    return (f"Prefix cache hit rate: {total.hit_rate:.1%} of {total.queries} prompt tokens "
+            f"({shards})")

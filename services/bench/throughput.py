@@ -14,13 +14,17 @@ each path's throughput as a ratio of the in-process one (`both` means inprocess,
 Every path warms up first on other prompts of the same lengths, so that the timed prompts
 are not in the prefix cache. `--compare transformers` runs transformers' generate_batch on
 the same weights and prompts (a subset, at one fixed output length, since it cannot take a
-length per request) and the same for ours, and prints the ratio.
+length per request) and the same for ours, and prints the ratio. The served paths run
+`--data-parallel-size` shards (the in-process engine is always one); with
+`--compare-data-parallel` each served path also runs with one shard, in the same command,
+and the report gives the ratio of the shards' throughput to the one's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import platform
@@ -61,10 +65,16 @@ class RunResult:
     output_tokens: int
     seconds: float
     phases: dict[str, float | int] | None = None  # where the run's time went
+    data_parallel_size: int = 1
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
+
+    @property
+    def label(self) -> str:
+        return self.path + (f" dp={self.data_parallel_size}" if self.data_parallel_size > 1
+                            else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompts of the workload both engines run for the comparison")
     parser.add_argument("--compare-output-len", type=int, default=512,
                         help="fixed output length of the comparison run")
+    parser.add_argument("--compare-data-parallel", action="store_true",
+                        help="with --data-parallel-size N > 1, also run each served path "
+                             "with one shard and report N shards' throughput over one's")
     parser.add_argument("--json", default=None, help="write the results to this file")
     add_engine_args(parser)
     add_server_args(parser)  # the served paths' replicas (--detokenizer-replicas, ...)
@@ -153,7 +166,8 @@ def run_served(path: str, config: EngineConfig, server: ServerConfig, workload: 
         finally:
             pipeline.stop()
         phases = pipeline.loop_times()  # warm-up and timed run together
-    return RunResult(path, workload.name, len(workload.prompts), tokens, seconds, phases)
+    return RunResult(path, workload.name, len(workload.prompts), tokens, seconds, phases,
+                     config.data_parallel_size)
 
 
 async def drive_bus(redis_url: str, workload: Workload) -> tuple[int, float]:
@@ -258,7 +272,7 @@ def report(results: list[RunResult], floor_s: float, ceilings: Ceilings, waste: 
     lines.append(f"{'path':<26}{'workload':<28}{'requests':>9}{'tokens':>10}{'seconds':>9}"
                  f"{'tok/s':>10}")
     for r in results:
-        lines.append(f"{r.path:<26}{r.workload:<28}{r.requests:>9}{r.output_tokens:>10}"
+        lines.append(f"{r.label:<26}{r.workload:<28}{r.requests:>9}{r.output_tokens:>10}"
                      f"{r.seconds:>9.2f}{r.tokens_per_s:>10.0f}")
         if r.phases:
             lines.append("    " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else
@@ -280,10 +294,20 @@ def report(results: list[RunResult], floor_s: float, ceilings: Ceilings, waste: 
 
 
 def ratio_lines(results: list[RunResult]) -> list[str]:
-    """Each served path's tokens/s over the in-process run's on the same workload."""
+    """Each served path's tokens/s over the in-process run's on the same workload, and
+    over the same path's with one shard where both ran."""
     inprocess = {r.workload: r for r in results if r.path == "inprocess"}
-    return [f"{r.path} / inprocess: {r.tokens_per_s / inprocess[r.workload].tokens_per_s:.2f}x"
-            for r in results if r.path in SERVED_PATHS and r.workload in inprocess]
+    one_shard = {(r.path, r.workload): r for r in results
+                 if r.path in SERVED_PATHS and r.data_parallel_size == 1}
+    lines = []
+    for r in (r for r in results if r.path in SERVED_PATHS):
+        if r.workload in inprocess:
+            base = inprocess[r.workload]
+            lines.append(f"{r.label} / inprocess: {r.tokens_per_s / base.tokens_per_s:.2f}x")
+        one = one_shard.get((r.path, r.workload))
+        if r.data_parallel_size > 1 and one is not None:
+            lines.append(f"{r.label} / {one.label}: {r.tokens_per_s / one.tokens_per_s:.2f}x")
+    return lines
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -336,11 +360,17 @@ def main(argv: list[str]) -> int:
     if args.compare and config.tensor_parallel_size > 1:
         parser.error("--compare transformers copies one rank's weights: use "
                      "--tensor-parallel-size 1")
+    if args.compare_data_parallel and config.data_parallel_size == 1:
+        parser.error("--compare-data-parallel compares --data-parallel-size N > 1 with one")
     configure_logging("bench")
-    runs = run_engine(args, config)
+    runs = run_engine(args, dataclasses.replace(config, data_parallel_size=1))
     release_device(runs.device)
-    results = runs.results + [run_served(path, config, server, runs.workload)
-                              for path in args.path if path != "inprocess"]
+    sizes = [1, config.data_parallel_size] if args.compare_data_parallel else \
+        [config.data_parallel_size]
+    results = runs.results + [
+        run_served(path, dataclasses.replace(config, data_parallel_size=size), server,
+                   runs.workload)
+        for path in args.path if path != "inprocess" for size in sizes]
     ceilings, trace = runs.ceilings, runs.trace
     floor_s = trace.floor_seconds(ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s)
     machine = machine_info(runs.device)

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The device script for data parallelism, on nvidia-h200-x2 (every output under $OUT/r).
+#   source .devkit/env.sh && bash benchmarks/gpu/dp_check.sh nano
+#     the nano workload over HTTP with two shards and with one, in one command (Qwen3-0.6B
+#     shapes, dummy weights; the in-process engine on one GPU first, as always)
+#   source .devkit/env.sh && bash benchmarks/gpu/dp_check.sh prefix
+#     `headrace serve --data-parallel-size 2` with prefix routing, then round robin: 16
+#     system prompts of 1000 tokens x 32 user turns of 100 tokens, in random order, all at
+#     once, 128 output tokens each; a warm-up on other prompts (seed 7) before each timed
+#     run (seed 1); each shard's prefix-cache hit rate comes from /metrics
+set -uo pipefail
+source benchmarks/gpu/common.sh
+hr() { python -m services.cli "$@"; }
+
+nano_check() {
+  bench 570 throughput --model $M/qwen3-0.6b-shape --load-format dummy --workload nano \
+    --path http --data-parallel-size 2 --compare-data-parallel --tokenizer-replicas 2 \
+    --detokenizer-replicas 2 --api-server-count 4 \
+    --json "$R/throughput-nano-dp2.json" > "$R/throughput-nano-dp2.txt" 2>&1
+  grep -hv '"event"' "$R/throughput-nano-dp2.txt" | tail -n 30
+}
+
+prefix_run() {  # ROUTING: serve two shards, warm up, time the shared-prefix workload
+  local routing=$1
+  hr serve $M/qwen3-0.6b-shape --load-format dummy --data-parallel-size 2 \
+    --data-parallel-routing "$routing" --tokenizer-replicas 2 --detokenizer-replicas 2 \
+    --api-server-count 4 --port 8800 --run-dir "/tmp/hr-dp-$routing" \
+    --served-model-name qwen3 > "$R/serve-$routing.log" 2>&1 &
+  local serve=$!
+  python - <<'PY'
+import time, urllib.request
+for _ in range(300):
+    try:
+        if urllib.request.urlopen("http://127.0.0.1:8800/health", timeout=1).status == 200:
+            break
+    except OSError:
+        pass
+    time.sleep(1)
+PY
+  sleep 5  # /health says 200 once one shard is up: give the other its first stats
+  local workload=(--dataset prefix_repetition --num-prompts 512
+    --prefix-repetition-num-prefixes 16 --prefix-repetition-prefix-len 1000
+    --prefix-repetition-suffix-len 100 --prefix-repetition-output-len 128
+    --token-id-prompts 10000 --base-url http://127.0.0.1:8800 --disable-tqdm)
+  timeout 200 python -m services.cli bench serve "${workload[@]}" --seed 7 \
+    > "$R/warmup-prefix-$routing.txt" 2>&1
+  timeout 200 python -m services.cli bench serve "${workload[@]}" --seed 1 \
+    --save-result "$R/serve-prefix-$routing.json" > "$R/serve-prefix-$routing.txt" 2>&1
+  kill -TERM $serve; wait $serve
+  grep -hv '"event"' "$R/serve-prefix-$routing.txt" | tail -n 25
+}
+
+case "${1:-nano}" in
+  nano) nano_check ;;
+  prefix) prefix_run prefix; prefix_run round_robin ;;
+  *) echo "usage: $0 nano|prefix" >&2; exit 2 ;;
+esac
