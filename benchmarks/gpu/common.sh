@@ -5,3 +5,8 @@ R="${R:-$OUT/r}"
 mkdir -p "$R"
 export HEADRACE_SHAPES=$M
 bench() { timeout "$1" python -m services.cli bench "${@:2}"; }
+port_free() {  # PORT: fail loudly where a server from before still answers there
+  if python -c "import socket,sys; sys.exit(socket.socket().connect_ex(('127.0.0.1', $1)) != 0)"; then
+    echo "port $1 is taken: a server from before is still running" >&2; return 1
+  fi
+}

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The device script for data parallelism, on nvidia-h200-x2 (every output under $OUT/r).
-#   source .devkit/env.sh && bash benchmarks/gpu/dp_check.sh nano
-#     the nano workload over HTTP with two shards and with one, in one command (Qwen3-0.6B
-#     shapes, dummy weights; the in-process engine on one GPU first, as always)
+#   source .devkit/env.sh && bash benchmarks/gpu/dp_check.sh nano [NUM_PROMPTS]
+#     the nano workload (256 prompts, or NUM_PROMPTS of its lengths) over HTTP with two
+#     shards and with one, in one command (Qwen3-0.6B shapes, dummy weights; the
+#     in-process engine on one GPU first, as always)
 #   source .devkit/env.sh && bash benchmarks/gpu/dp_check.sh prefix
 #     `headrace serve --data-parallel-size 2` with prefix routing, then round robin: 16
 #     system prompts of 1000 tokens x 32 user turns of 100 tokens, in random order, all at
@@ -10,19 +11,22 @@
 #     run (seed 1); each shard's prefix-cache hit rate comes from /metrics
 set -uo pipefail
 source benchmarks/gpu/common.sh
-hr() { python -m services.cli "$@"; }
 
-nano_check() {
+nano_check() {  # [NUM_PROMPTS]
+  local n=${1:-256}
   bench 570 throughput --model $M/qwen3-0.6b-shape --load-format dummy --workload nano \
-    --path http --data-parallel-size 2 --compare-data-parallel --tokenizer-replicas 2 \
-    --detokenizer-replicas 2 --api-server-count 4 \
-    --json "$R/throughput-nano-dp2.json" > "$R/throughput-nano-dp2.txt" 2>&1
-  grep -hv '"event"' "$R/throughput-nano-dp2.txt" | tail -n 30
+    --num-prompts "$n" --path http --data-parallel-size 2 --compare-data-parallel \
+    --tokenizer-replicas 2 --detokenizer-replicas 2 --api-server-count 4 \
+    --json "$R/throughput-nano$n-dp2.json" > "$R/throughput-nano$n-dp2.txt" 2>&1
+  grep -hv '"event"' "$R/throughput-nano$n-dp2.txt" | tail -n 30
 }
 
 prefix_run() {  # ROUTING: serve two shards, warm up, time the shared-prefix workload
   local routing=$1
-  hr serve $M/qwen3-0.6b-shape --load-format dummy --data-parallel-size 2 \
+  port_free 8800 || return 1
+  # python itself in the background (not a shell function's subshell), so that
+  # the kill below reaches the launcher
+  python -m services.cli serve $M/qwen3-0.6b-shape --load-format dummy --data-parallel-size 2 \
     --data-parallel-routing "$routing" --tokenizer-replicas 2 --detokenizer-replicas 2 \
     --api-server-count 4 --port 8800 --run-dir "/tmp/hr-dp-$routing" \
     --served-model-name qwen3 > "$R/serve-$routing.log" 2>&1 &
@@ -51,7 +55,7 @@ PY
 }
 
 case "${1:-nano}" in
-  nano) nano_check ;;
+  nano) nano_check "${2:-256}" ;;
   prefix) prefix_run prefix; prefix_run round_robin ;;
   *) echo "usage: $0 nano|prefix" >&2; exit 2 ;;
 esac

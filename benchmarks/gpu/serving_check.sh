@@ -11,7 +11,6 @@
 # detokenizer (profile-*.txt: the functions with the most samples).
 set -uo pipefail
 source benchmarks/gpu/common.sh
-hr() { python -m services.cli "$@"; }
 bench_serve() {  # NAME ARGS...: a timed run, after a warm-up on another seed's prompts
   local name=$1; shift
   timeout 200 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
@@ -26,7 +25,10 @@ serve_checks() {
   timeout 200 python -m services.cli bench latency --model $M/qwen3-0.6b-shape \
     --load-format dummy --context-len 62 --batch-size 1 --output-len 64 --iterations 3 \
     > "$R/latency-c62-b1.txt" 2>&1
-  hr serve $M/qwen3-0.6b-shape --load-format dummy --tokenizer-replicas 2 \
+  port_free 8800 || return 1
+  # python itself in the background (not a shell function's subshell), so that
+  # the kill below reaches the launcher
+  python -m services.cli serve $M/qwen3-0.6b-shape --load-format dummy --tokenizer-replicas 2 \
     --detokenizer-replicas 2 --api-server-count "${API_SERVERS:-4}" --port 8800 \
     --run-dir /tmp/hr-serve --served-model-name qwen3 > "$R/serve.log" 2>&1 &
   local serve=$!
