@@ -9,6 +9,9 @@
 #     system prompts of 1000 tokens x 32 user turns of 100 tokens, in random order, all at
 #     once, 128 output tokens each; a warm-up on other prompts (seed 7) before each timed
 #     run (seed 1); each shard's prefix-cache hit rate comes from /metrics
+#   source .devkit/env.sh && bash benchmarks/gpu/dp_check.sh prefix-small-kv
+#     the same with 1024 KV blocks per shard (16,384 tokens), fewer than the 16 system
+#     prompts and the running requests need together: a shard must evict prefixes
 set -uo pipefail
 source benchmarks/gpu/common.sh
 
@@ -21,15 +24,16 @@ nano_check() {  # [NUM_PROMPTS]
   grep -hv '"event"' "$R/throughput-nano$n-dp2.txt" | tail -n 30
 }
 
-prefix_run() {  # ROUTING: serve two shards, warm up, time the shared-prefix workload
-  local routing=$1
+prefix_run() {  # ROUTING TAG [SERVE ARGS...]: serve two shards, warm up, time the
+  local routing=$1 tag=$2  # shared-prefix workload
+  shift 2
   port_free 8800 || return 1
   # python itself in the background (not a shell function's subshell), so that
   # the kill below reaches the launcher
   python -m services.cli serve $M/qwen3-0.6b-shape --load-format dummy --data-parallel-size 2 \
     --data-parallel-routing "$routing" --tokenizer-replicas 2 --detokenizer-replicas 2 \
     --api-server-count 4 --port 8800 --run-dir "/tmp/hr-dp-$routing" \
-    --served-model-name qwen3 > "$R/serve-$routing.log" 2>&1 &
+    --served-model-name qwen3 "$@" > "$R/serve-$tag-$routing.log" 2>&1 &
   local serve=$!
   python - <<'PY'
 import time, urllib.request
@@ -47,15 +51,19 @@ PY
     --prefix-repetition-suffix-len 100 --prefix-repetition-output-len 128
     --token-id-prompts 10000 --base-url http://127.0.0.1:8800 --disable-tqdm)
   timeout 200 python -m services.cli bench serve "${workload[@]}" --seed 7 \
-    > "$R/warmup-prefix-$routing.txt" 2>&1
+    > "$R/warmup-$tag-$routing.txt" 2>&1
   timeout 200 python -m services.cli bench serve "${workload[@]}" --seed 1 \
-    --save-result "$R/serve-prefix-$routing.json" > "$R/serve-prefix-$routing.txt" 2>&1
+    --save-result "$R/serve-$tag-$routing.json" > "$R/serve-$tag-$routing.txt" 2>&1
   kill -TERM $serve; wait $serve
-  grep -hv '"event"' "$R/serve-prefix-$routing.txt" | tail -n 25
+  grep -hv '"event"' "$R/serve-$tag-$routing.txt" | tail -n 25
 }
 
 case "${1:-nano}" in
   nano) nano_check "${2:-256}" ;;
-  prefix) prefix_run prefix; prefix_run round_robin ;;
-  *) echo "usage: $0 nano|prefix" >&2; exit 2 ;;
+  prefix) prefix_run prefix prefix; prefix_run round_robin prefix ;;
+  prefix-small-kv)
+    for routing in prefix round_robin; do
+      prefix_run $routing prefix-small-kv --num-gpu-blocks-override 1024
+    done ;;
+  *) echo "usage: $0 nano [NUM_PROMPTS]|prefix|prefix-small-kv" >&2; exit 2 ;;
 esac
