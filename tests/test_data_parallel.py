@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import anyio
 import psutil
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from common import keys
 from common.bus import decode_value
@@ -23,7 +25,7 @@ from common.messages import SchedulerStats
 from common.sampling_params import SamplingParams
 from services import LLM
 from services.tokenizer.routing import PREFIX_BLOCKS, STALE_S, Router
-from tests.e2e_fixtures import ServerProcess, serving, tiny_serve_args
+from tests.e2e_fixtures import API_KEY, ServerProcess, serving, tiny_serve_args
 from tests.test_faults import MAX_TOKENS, stream_all
 from tests.tiny_models import make_tiny_model
 
@@ -186,6 +188,23 @@ def test_two_shards_answer_every_request_once_with_one_shards_texts(server, mode
     after = shard_stats(server)
     served = [a.prompt_tokens - b.prompt_tokens for a, b in zip(after, before)]
     assert all(n > 0 for n in served), served  # both shards took some
+    # /metrics: a series per shard, the schedulers' totals and the gateway's latencies
+    samples = metric_samples(server)
+    for shard, figures in enumerate(after):
+        labels = (("shard", str(shard)),)
+        assert samples["headrace:prompt_tokens_total", labels] == figures.prompt_tokens
+        assert samples["headrace:time_to_first_token_seconds_count", labels] > 0
+    assert sum(v for (name, _), v in samples.items()
+               if name == "headrace:request_success_total") >= len(PROMPTS)
+
+
+def metric_samples(server: ServerProcess) -> dict[tuple[str, tuple], float]:
+    request = urllib.request.Request(server.url + "/metrics",
+                                      headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 @pytest.mark.slow
