@@ -10,3 +10,16 @@ port_free() {  # PORT: fail loudly where a server from before still answers ther
     echo "port $1 is taken: a server from before is still running" >&2; return 1
   fi
 }
+wait_healthy() {  # PORT: until the server there answers /health with 200 (at most 300 s)
+  python - "$1" <<'PY'
+import sys, time, urllib.request
+for _ in range(300):
+    try:
+        url = f"http://127.0.0.1:{sys.argv[1]}/health"
+        if urllib.request.urlopen(url, timeout=1).status == 200:
+            break
+    except OSError:
+        pass
+    time.sleep(1)
+PY
+}

@@ -35,16 +35,7 @@ prefix_run() {  # ROUTING TAG [SERVE ARGS...]: serve two shards, warm up, time t
     --api-server-count 4 --port 8800 --run-dir "/tmp/hr-dp-$routing" \
     --served-model-name qwen3 "$@" > "$R/serve-$tag-$routing.log" 2>&1 &
   local serve=$!
-  python - <<'PY'
-import time, urllib.request
-for _ in range(300):
-    try:
-        if urllib.request.urlopen("http://127.0.0.1:8800/health", timeout=1).status == 200:
-            break
-    except OSError:
-        pass
-    time.sleep(1)
-PY
+  wait_healthy 8800
   sleep 5  # /health says 200 once one shard is up: give the other its first stats
   local workload=(--dataset prefix_repetition --num-prompts 512
     --prefix-repetition-num-prefixes 16 --prefix-repetition-prefix-len 1000

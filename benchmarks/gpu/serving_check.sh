@@ -32,16 +32,7 @@ serve_checks() {
     --detokenizer-replicas 2 --api-server-count "${API_SERVERS:-4}" --port 8800 \
     --run-dir /tmp/hr-serve --served-model-name qwen3 > "$R/serve.log" 2>&1 &
   local serve=$!
-  python - <<'PY'
-import time, urllib.request
-for _ in range(300):
-    try:
-        if urllib.request.urlopen("http://127.0.0.1:8800/health", timeout=1).status == 200:
-            break
-    except OSError:
-        pass
-    time.sleep(1)
-PY
+  wait_healthy 8800
   bench_serve serve-chat-c1 --endpoint chat --num-prompts 64 --max-concurrency 1 \
     --dataset random --random-input-len 32 --random-output-len 64 --ignore-eos
   # two at a time, of outputs 32 to 96 tokens long: requests arrive while another decodes,
