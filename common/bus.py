@@ -33,6 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys, messages
 from common.log import get_logger
+from common.redis_cluster import ClusterLanes, RedisCluster, cluster_client, is_cluster_url
 from common.redis_lanes import Command, Lanes
 
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
@@ -155,15 +156,23 @@ class Bus:
         if max_connections <= LANES:
             raise ValueError(f"max_connections must exceed the {LANES} lanes, "
                              f"got {max_connections}")
-        # Bounded pools that make a caller wait for a free connection: however many
-        # requests a process serves, it holds at most `max_connections` (named in CLIENT
-        # LIST), and a busy pool slows callers down instead of failing them.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections - LANES, timeout=socket_timeout_s,
+        options: dict[str, Any] = dict(
             decode_responses=False, retry=Retry(NoBackoff(), 0), client_name=name,
             socket_timeout=socket_timeout_s, socket_connect_timeout=5.0, **tcp)
-        self.redis = aioredis.Redis.from_pool(pool)
-        self.lanes = Lanes(pool, LANES)
+        self.redis: aioredis.Redis | RedisCluster
+        self.lanes: Lanes | ClusterLanes
+        if is_cluster_url(url):
+            self.redis = cluster_client(url, max_connections - LANES, options)
+            self.lanes = ClusterLanes(self.redis, LANES)
+        else:
+            # Bounded pools that make a caller wait for a free connection: however many
+            # requests a process serves, it holds at most `max_connections` (named in
+            # CLIENT LIST), and a busy pool slows callers down instead of failing them.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections - LANES, timeout=socket_timeout_s,
+                **options)
+            self.redis = aioredis.Redis.from_pool(pool)
+            self.lanes = Lanes(pool.connection_class, pool.connection_kwargs, LANES)
         self._count_after = self.redis.register_script(_COUNT_AFTER)
 
     async def __aenter__(self) -> Bus:
@@ -210,12 +219,11 @@ class Bus:
         commands: list[Command] = [self._xadd(stream, fields) for stream, fields in records]
         commands += [("XACK", stream, group, *ids)
                      for (stream, group), ids in _ids_by_group(done).items()]
-        if len(commands) > 1:  # all or nothing: a crash never acks what it did not publish
-            commands = [("MULTI",), *commands, ("EXEC",)]
 
         async def attempt() -> list[bytes]:
-            replies = await self.lanes.call(commands, self.socket_timeout_s)
-            return (replies[-1] if len(commands) > 1 else replies)[:len(records)]
+            # all or nothing: a crash never acks what it did not publish
+            replies = await self.lanes.transact(commands, self.socket_timeout_s)
+            return replies[:len(records)]
         return await self._retrying("write", attempt)
 
     def _xadd(self, stream: str, fields: Mapping[str, str | bytes]) -> Command:

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection as Connection
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -30,9 +30,10 @@ class Lanes:
     """Up to `count` held connections made like the pool's; a caller waits for a free one,
     so a busy process slows down instead of opening more."""
 
-    def __init__(self, pool: aioredis.ConnectionPool, count: int) -> None:
-        kwargs = {**pool.connection_kwargs, "socket_timeout": None}  # our timer bounds calls
-        self._all = [pool.connection_class(**kwargs) for _ in range(count)]
+    def __init__(self, connection_class: type[Connection], connection_kwargs: dict[str, Any],
+                 count: int) -> None:
+        kwargs = {**connection_kwargs, "socket_timeout": None}  # our timer bounds calls
+        self._all = [connection_class(**kwargs) for _ in range(count)]
         self._free: asyncio.Queue[Any] = asyncio.Queue()
         for conn in self._all:
             self._free.put_nowait(conn)
@@ -58,6 +59,12 @@ class Lanes:
         for reply in replies:
             _raise_error(reply)
         return replies
+
+    async def transact(self, commands: Sequence[Command], timeout_s: float) -> list[Any]:
+        """Run `commands` all or nothing (one MULTI/EXEC) and return their replies."""
+        if len(commands) == 1:
+            return await self.call(commands, timeout_s)
+        return (await self.call([("MULTI",), *commands, ("EXEC",)], timeout_s))[-1]
 
     async def close(self) -> None:
         for conn in self._all:

@@ -1,7 +1,10 @@
-"""Shared fixtures: one real redis-server for the session, emptied before each test.
+"""Shared fixtures: one real redis-server and one 3-master Redis Cluster for the session,
+emptied before each test.
 
     def test_x(redis_url): ...                 # a clean Redis, "unix:///.../redis.sock"
     async def test_y(redis_url, restart_redis): # restart_redis(0.3): down 0.3 s, then up (AOF)
+    def test_z(cluster_url): ...               # a clean cluster, "redis+cluster://..."
+    def test_w(bus_url): ...                   # runs twice: on the server, on the cluster
     @pytest.mark.anyio                          # async tests run on asyncio
 """
 
@@ -17,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from common.redis_server import EmbeddedRedis
+from tests.redis_cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,6 +46,24 @@ def redis_url(embedded_redis: EmbeddedRedis) -> str:
     finally:
         client.close()
     return embedded_redis.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: LocalCluster) -> str:
+    redis_cluster.flush()
+    return redis_cluster.url
+
+
+@pytest.fixture(params=["server", "cluster"])
+def bus_url(request: pytest.FixtureRequest) -> str:
+    """A clean single Redis server, then a clean Redis Cluster."""
+    return request.getfixturevalue("redis_url" if request.param == "server" else "cluster_url")
 
 
 @pytest.fixture

@@ -23,13 +23,15 @@ import structlog.testing
 from common import bus as busmod
 from common import keys
 from common.bus import Bus, entry_fields
+from common.redis_cluster import ClusterLanes, startup_nodes
 from common.messages import (Abort, CachedRequest, ErrorReply, GenerateRequest,
                              NewRequest, StepPlan, decode)
 from common.sampling_params import SamplingParams
 from tests.conftest import repo_env, run_command
+from tests.redis_cluster import sync_client
 
 WORKER = Path(__file__).resolve().parent / "bus_worker.py"
-IN, OUT = "hr:test:in", "hr:test:out"
+IN, OUT = "hr:{test}:in", "hr:{test}:out"  # one hash slot: one transaction on a cluster
 
 
 async def wait_until(predicate: Callable[[], object], timeout: float = 20.0) -> None:
@@ -75,7 +77,7 @@ async def run_consumer(bus: Bus, handler, until: Callable[[], object], timeout: 
 
 
 @pytest.mark.anyio
-async def test_round_trip_of_real_messages_with_readable_fields(redis_url):
+async def test_round_trip_of_real_messages_with_readable_fields(bus_url):
     rng = random.Random(0)
     sent = [GenerateRequest(f"rid-{i}", "gw-1", {"temperature": 0.5},
                             prompt=f"prompt {rng.random()}") for i in range(5)]
@@ -86,7 +88,7 @@ async def test_round_trip_of_real_messages_with_readable_fields(redis_url):
         seen.append(msg)
         return [(keys.admit(), msg)]
 
-    async with Bus(redis_url) as bus:
+    async with Bus(bus_url) as bus:
         ids = await bus.publish(keys.REQUESTS, *sent)
         assert len(ids) == len(sent)
         await run_consumer(bus, handler, lambda: len(seen) == len(sent), stream=keys.REQUESTS)
@@ -102,14 +104,14 @@ async def test_round_trip_of_real_messages_with_readable_fields(redis_url):
 
 
 @pytest.mark.anyio
-async def test_consume_acks_every_handled_entry(redis_url):
+async def test_consume_acks_every_handled_entry(bus_url):
     handled = []
 
     async def handler(msg):
         handled.append(msg.rid)
         return None  # a sink: nothing to publish, the entry is still acknowledged
 
-    async with Bus(redis_url) as bus:
+    async with Bus(bus_url) as bus:
         await bus.publish(IN, *[Abort(f"r{i}") for i in range(20)])
         await run_consumer(bus, handler, lambda: len(handled) == 20)
         summary = await bus.redis.xpending(IN, "g")
@@ -118,8 +120,8 @@ async def test_consume_acks_every_handled_entry(redis_url):
 
 
 @pytest.mark.anyio
-async def test_read_several_streams_then_commit_outputs_and_acks_together(redis_url):
-    async with Bus(redis_url) as bus:
+async def test_read_several_streams_then_commit_outputs_and_acks_together(bus_url):
+    async with Bus(bus_url) as bus:
         for stream in (IN, OUT):
             await bus.ensure_group(stream, "sched")
         await bus.publish(IN, Abort("a1"), Abort("a2"))
@@ -138,8 +140,8 @@ async def test_read_several_streams_then_commit_outputs_and_acks_together(redis_
 
 
 @pytest.mark.anyio
-async def test_tail_follows_a_stream_without_a_group(redis_url):
-    async with Bus(redis_url) as bus:
+async def test_tail_follows_a_stream_without_a_group(bus_url):
+    async with Bus(bus_url) as bus:
         await bus.publish(OUT, Abort("x0"))
         first = await bus.tail({OUT: "0"})
         assert [e.msg.rid for e in first] == ["x0"] and first[0].group is None
@@ -195,14 +197,14 @@ async def test_lanes_make_callers_wait_instead_of_opening_more(redis_url):
 
 
 @pytest.mark.anyio
-async def test_poison_entries_go_to_dead_and_the_consumer_keeps_going(redis_url):
+async def test_poison_entries_go_to_dead_and_the_consumer_keeps_going(bus_url):
     handled = []
 
     async def handler(msg):
         handled.append(msg.rid)
         return [(OUT, msg)]
 
-    async with Bus(redis_url) as bus:
+    async with Bus(bus_url) as bus:
         await bus.redis.xadd(IN, {"type": "generate", "body": b"\xc1\x00garbage"})
         await bus.redis.xadd(IN, {"type": "mystery",
                                   "body": msgpack.packb({"t": "mystery", "v": 1})})
@@ -223,7 +225,7 @@ async def test_poison_entries_go_to_dead_and_the_consumer_keeps_going(redis_url)
 
 
 @pytest.mark.anyio
-async def test_a_handler_that_always_fails_sends_its_entry_to_dead(redis_url):
+async def test_a_handler_that_always_fails_sends_its_entry_to_dead(bus_url):
     calls = Counter()
 
     async def handler(msg):
@@ -232,7 +234,7 @@ async def test_a_handler_that_always_fails_sends_its_entry_to_dead(redis_url):
             raise RuntimeError("cannot tokenize this")
         return [(OUT, msg)]
 
-    async with Bus(redis_url) as bus:
+    async with Bus(bus_url) as bus:
         await bus.publish(IN, Abort("ok-1"), Abort("bad"), Abort("ok-2"))
         await run_consumer(bus, handler, lambda: calls["bad"] >= 3 and calls["ok-2"],
                            min_idle_ms=50, reclaim_every_s=0.05, max_deliveries=3)
@@ -248,13 +250,13 @@ async def test_a_handler_that_always_fails_sends_its_entry_to_dead(redis_url):
 
 
 @pytest.mark.anyio
-async def test_an_entry_whose_consumers_keep_dying_is_buried_when_claimed(redis_url):
+async def test_an_entry_whose_consumers_keep_dying_is_buried_when_claimed(bus_url):
     handled = []
 
     async def handler(msg):
         handled.append(msg)
 
-    async with Bus(redis_url) as bus:
+    async with Bus(bus_url) as bus:
         await bus.ensure_group(IN, "g")
         await bus.publish(IN, Abort("crasher"))
         await bus.redis.xreadgroup("g", "gone", {IN: ">"})
@@ -269,14 +271,14 @@ async def test_an_entry_whose_consumers_keep_dying_is_buried_when_claimed(redis_
 
 
 @pytest.mark.anyio
-async def test_a_dead_consumers_backlog_is_claimed_page_by_page_without_waiting(redis_url):
+async def test_a_dead_consumers_backlog_is_claimed_page_by_page_without_waiting(bus_url):
     handled = []
 
     async def handler(msg):
         handled.append(msg.rid)
         return [(OUT, msg)]
 
-    async with Bus(redis_url) as bus:
+    async with Bus(bus_url) as bus:
         await bus.ensure_group(IN, "g")
         await bus.publish(IN, *[Abort(f"r{i}") for i in range(50)])
         await bus.redis.xreadgroup("g", "dead", {IN: ">"})  # takes all 50, never acks
@@ -292,7 +294,7 @@ async def test_a_dead_consumers_backlog_is_claimed_page_by_page_without_waiting(
 
 
 @pytest.mark.anyio
-async def test_a_quiet_streams_blocked_read_does_not_delay_a_claim(redis_url):
+async def test_a_quiet_streams_blocked_read_does_not_delay_a_claim(bus_url):
     """A stalled consumer's entry is claimed on the reclaim schedule, though nothing new
     arrives to end the other consumer's long blocked read."""
     handled = []
@@ -300,7 +302,7 @@ async def test_a_quiet_streams_blocked_read_does_not_delay_a_claim(redis_url):
     async def handler(msg):
         handled.append(msg.rid)
 
-    async with Bus(redis_url, socket_timeout_s=30) as bus:
+    async with Bus(bus_url, socket_timeout_s=30) as bus:
         await bus.ensure_group(IN, "g")
         await bus.publish(IN, Abort("stalled"))
         await bus.redis.xreadgroup("g", "stalled", {IN: ">"})  # taken, never handled
@@ -318,13 +320,13 @@ async def test_a_quiet_streams_blocked_read_does_not_delay_a_claim(redis_url):
 
 
 @pytest.mark.anyio
-async def test_a_deleted_group_is_created_again(redis_url):
+async def test_a_deleted_group_is_created_again(bus_url):
     handled = []
 
     async def handler(msg):
         handled.append(msg.rid)
 
-    async with Bus(redis_url) as bus:
+    async with Bus(bus_url) as bus:
         stop = anyio.Event()
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(lambda: bus.consume(IN, "g", "c1", handler, stop=stop,
@@ -340,9 +342,9 @@ async def test_a_deleted_group_is_created_again(redis_url):
 
 
 @pytest.mark.anyio
-async def test_trimming_bounds_a_streams_length(redis_url):
+async def test_trimming_bounds_a_streams_length(bus_url):
     rng = random.Random(1)
-    async with Bus(redis_url, maxlen=100) as bus:
+    async with Bus(bus_url, maxlen=100) as bus:
         for batch in range(20):
             await bus.publish(IN, *[step_plan(rng, batch * 100 + i, n=4) for i in range(100)])
         length = await bus.redis.xlen(IN)
@@ -396,6 +398,55 @@ async def test_a_redis_restart_during_consume_and_publish_loses_nothing(redis_ur
     assert "redis unreachable, retrying" in events
 
 
+# --- on a Redis Cluster ------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_a_cluster_read_takes_streams_of_one_slot_only(cluster_url):
+    async with Bus(cluster_url) as bus:
+        shard = [keys.admit(1), keys.control(1), keys.results(1)]
+        for stream in shard:
+            await bus.ensure_group(stream, "sched")
+        await bus.publish_to([(stream, Abort(stream)) for stream in shard])
+        got = await bus.read("sched", "s", dict.fromkeys(shard, ">"), count=10)
+        assert sorted(e.msg.rid for e in got) == sorted(shard)
+        with pytest.raises(ValueError, match="hash slots"):
+            await bus.read("sched", "s", {keys.admit(0): ">", keys.admit(1): ">"})
+
+
+@pytest.mark.anyio
+async def test_a_cluster_commit_acks_after_every_output_in_other_slots(cluster_url,
+                                                                      monkeypatch):
+    """Outputs to two other slots and acks of a third: one transaction per slot, the
+    one with the acks last, so a crash in between leaves the inputs pending."""
+    async with Bus(cluster_url) as bus:
+        await bus.ensure_group(keys.REQUESTS, "tok")
+        await bus.publish(keys.REQUESTS, Abort("in-1"), Abort("in-2"))
+        taken = await bus.read("tok", "t", {keys.REQUESTS: ">"})
+        sent: list[list[str]] = []
+        send = ClusterLanes._send
+
+        async def recording(self, slot, commands, timeout_s, transact):
+            sent.append([f"{c[0]} {c[1]}" for c in commands])
+            return await send(self, slot, commands, timeout_s, transact)
+        monkeypatch.setattr(ClusterLanes, "_send", recording)
+        ids = await bus.commit([(keys.admit(0), Abort("a")), (keys.replies("gw"), Abort("r")),
+                                (keys.admit(0), Abort("b"))], done=taken)
+        assert [await bus.redis.xlen(s) for s in (keys.admit(0), keys.replies("gw"))] == [2, 1]
+        assert (await bus.redis.xpending(keys.REQUESTS, "tok"))["pending"] == 0
+    assert len(ids) == 3 and all(i.count(b"-") == 1 for i in ids)
+    assert sorted(sent[:2]) == sorted([[f"XADD {keys.admit(0)}"] * 2,
+                                       [f"XADD {keys.replies('gw')}"]])
+    assert sent[2] == [f"XACK {keys.REQUESTS}"]
+
+
+def test_cluster_urls_name_their_nodes():
+    nodes = startup_nodes("redis+cluster://10.0.0.1:7000,10.0.0.2:7001")
+    assert [(n.host, n.port) for n in nodes] == [("10.0.0.1", 7000), ("10.0.0.2", 7001)]
+    for bad in ("redis+cluster://10.0.0.1", "redis+cluster://h:1/0", "redis+cluster://:7000"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            startup_nodes(bad)
+
+
 # --- consumer processes ----------------------------------------------------------------
 
 def start_worker(url: str, name: str, **flags: float) -> subprocess.Popen[str]:
@@ -418,21 +469,21 @@ def stop_worker(proc: subprocess.Popen[str]) -> None:
             proc.wait()
 
 
-def outputs(client: redis.Redis) -> list[ErrorReply]:
+def outputs(client: redis.Redis | redis.RedisCluster) -> list[ErrorReply]:
     return [decode(fields[b"body"]) for _, fields in client.xrange(OUT)]
 
 
-def publish_sync(client: redis.Redis, rids: list[str]) -> None:
+def publish_sync(client: redis.Redis | redis.RedisCluster, rids: list[str]) -> None:
     pipe = client.pipeline()
     for rid in rids:
         pipe.xadd(IN, entry_fields(Abort(rid)))
     pipe.execute()
 
 
-def test_two_consumer_processes_share_the_work(redis_url):
-    client = redis.Redis.from_url(redis_url)
+def test_two_consumer_processes_share_the_work(bus_url):
+    client = sync_client(bus_url)
     rids = [f"r{i}" for i in range(80)]
-    workers = [start_worker(redis_url, name, delay_ms=5) for name in ("w1", "w2")]
+    workers = [start_worker(bus_url, name, delay_ms=5) for name in ("w1", "w2")]
     try:
         publish_sync(client, rids)
         sync_wait_until(lambda: client.xlen(OUT) >= len(rids))
@@ -447,11 +498,11 @@ def test_two_consumer_processes_share_the_work(redis_url):
     assert all(w.returncode == 0 for w in workers)  # SIGTERM stops the loop cleanly
 
 
-def test_kill_9_of_a_consumer_loses_and_duplicates_nothing(redis_url):
-    client = redis.Redis.from_url(redis_url)
+def test_kill_9_of_a_consumer_loses_and_duplicates_nothing(bus_url):
+    client = sync_client(bus_url)
     rids = [f"r{i}" for i in range(150)]
-    victim = start_worker(redis_url, "victim", delay_ms=15, min_idle_ms=400)
-    survivor = start_worker(redis_url, "survivor", delay_ms=15, min_idle_ms=400)
+    victim = start_worker(bus_url, "victim", delay_ms=15, min_idle_ms=400)
+    survivor = start_worker(bus_url, "survivor", delay_ms=15, min_idle_ms=400)
     try:
         publish_sync(client, rids)
 

@@ -17,6 +17,7 @@ import pytest
 
 from common.messages import AdmitRequest, StepPlan, StepResult
 from common.sampling_params import SamplingParams
+from services.scheduler import core
 from services.scheduler.core import Scheduler, SchedulerConfig
 
 EOS = 2
@@ -297,6 +298,22 @@ def test_invalid_admissions_are_rejected():
     sched, _ = make(max_len=10)
     with pytest.raises(ValueError, match="max_model_len"):
         admit(sched, "long", list(range(3, 13)))
-    admit(sched, "dup", [5])
-    with pytest.raises(ValueError, match="already"):
-        admit(sched, "dup", [5])
+    with pytest.raises(ValueError, match="max_model_len"):
+        admit(sched, "empty", [])
+
+
+def test_an_admission_delivered_again_is_dropped_running_or_finished(monkeypatch):
+    """At-least-once delivery (a tokenizer killed between its per-slot commits on a Redis
+    Cluster) repeats an admission; the request runs once."""
+    sched, worker = make()
+    first = AdmitRequest("dup", "gw", [5, 6, 7], SamplingParams(max_tokens=3, n=2))
+    assert sched.add_request(first) == ["dup#0", "dup#1"]
+    assert sched.add_request(first) == []  # while it runs
+    run = drive(sched, worker)
+    assert sorted(run.finish) == [("dup", 0), ("dup", 1)]
+    assert sched.add_request(first) == [] and not sched.has_unfinished()  # after it ended
+    monkeypatch.setattr(core, "REMEMBERED_RIDS", 2)
+    for rid in ("a", "b", "c"):
+        sched.add_request(AdmitRequest(rid, "gw", [5], SamplingParams(max_tokens=1)))
+    assert list(sched.admitted) == ["b", "c"]  # the memory is bounded, oldest out first
+    assert sched.add_request(first) == ["dup#0", "dup#1"]

@@ -83,28 +83,29 @@ async def drive(url: str, requests: list[GenerateRequest], timeout: float = 600.
 
 
 class LocalPipeline:
-    """An embedded Redis plus worker, scheduler, tokenizers and detokenizers as child
-    processes, logging into `root`; with `gateway`, also the gateways (every child
-    `headrace serve` runs), listening on a free port of 127.0.0.1 (`http_url`)."""
+    """Worker, scheduler, tokenizers and detokenizers as child processes, logging into
+    `root`, on the Redis at `redis_url` or else an embedded one; with `gateway`, also the
+    gateways (every child `headrace serve` runs), listening on a free port of 127.0.0.1
+    (`http_url`)."""
 
     def __init__(self, root: Path, engine: EngineConfig, server: ServerConfig,
-                 gateway: bool = False) -> None:
+                 gateway: bool = False, redis_url: str | None = None) -> None:
         self.root = root
         self.gateway = gateway
         self.shards = engine.data_parallel_size
         if gateway:
             server = dataclasses.replace(server, host="127.0.0.1", port=free_port())
         self.http_url = f"http://{server.host}:{server.port}"
-        self.redis = EmbeddedRedis(root / "run")
-        self.redis.start()
-        specs = child_specs(engine, server, self.redis.url, fresh_metrics_dir(root / "run"))
+        self.redis: EmbeddedRedis | None = None
+        if redis_url is None:
+            self.redis = EmbeddedRedis(root / "run")
+            self.redis.start()
+            redis_url = self.redis.url
+        self.url = redis_url
+        specs = child_specs(engine, server, self.url, fresh_metrics_dir(root / "run"))
         self.children = {c.label: c for c in specs if gateway or c.name != "gateway"}
         for label in self.children:
             self.start(label)
-
-    @property
-    def url(self) -> str:
-        return self.redis.url
 
     def start(self, label: str) -> None:
         child = self.children[label]
@@ -146,7 +147,8 @@ class LocalPipeline:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        self.redis.stop()
+        if self.redis is not None:
+            self.redis.stop()
 
     def loop_times(self) -> dict[str, float | int]:
         """The worker's and scheduler's loop clocks (common/timing.py), as each logged them

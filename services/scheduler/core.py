@@ -24,6 +24,7 @@ from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import KnownTokens, Request, Status
 
 log = logging.getLogger("headrace.scheduler")
+REMEMBERED_RIDS = 65_536  # far more than are admitted while a redelivery can be on its way
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,6 +88,7 @@ class Scheduler:
                                  config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.by_rid: dict[str, list[Request]] = {}
+        self.admitted: dict[str, None] = {}  # the latest request ids, oldest first
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.step = 0
@@ -98,13 +100,18 @@ class Scheduler:
     # --- requests ---------------------------------------------------------------------
 
     def add_request(self, admit: AdmitRequest) -> list[str]:
-        """Admit a tokenized request; n > 1 becomes n completions. Returns their ids."""
+        """Admit a tokenized request; n > 1 becomes n completions. Returns their ids, none
+        for a request id seen before: the gateways make each id unique, so that is the
+        same admission delivered again (on a Redis Cluster, see common/redis_cluster.py)."""
+        if admit.rid in self.admitted:
+            return []
         num_prompt = len(admit.prompt_token_ids)
         if not 0 < num_prompt < self.config.max_model_len:
             raise ValueError(f"prompt of {num_prompt} tokens does not fit max_model_len "
                              f"{self.config.max_model_len}")
-        if admit.rid in self.by_rid:
-            raise ValueError(f"request id {admit.rid!r} is already running")
+        self.admitted[admit.rid] = None
+        if len(self.admitted) > REMEMBERED_RIDS:
+            del self.admitted[next(iter(self.admitted))]
         children = [self._child(admit, i) for i in range(admit.params.n)]
         for req in children:
             self.requests[req.req_id] = req

@@ -139,9 +139,12 @@ class SchedulerShell:
             return [_error(req.reply_to, req.rid, 503, "no GPU worker is running; retry later",
                            "ServiceUnavailableError")]
         try:
-            self.core.add_request(req)
+            admitted = self.core.add_request(req)
         except ValueError as e:
             return [_error(req.reply_to, req.rid, 400, str(e))]
+        if not admitted:
+            log.info("dropped a repeated admission", rid=req.rid)
+            return []
         log.debug("admitted", rid=req.rid, prompt_tokens=len(req.prompt_token_ids))
         return []
 

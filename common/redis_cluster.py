@@ -1,0 +1,148 @@
+"""The bus on a Redis Cluster: `--redis-url redis+cluster://HOST:PORT[,HOST:PORT...]`.
+
+Any of the listed nodes is enough to start; the client learns the others from it. A key
+lives in one hash slot, served by one master, and a transaction may only touch keys of one
+slot. The names in common/keys.py put all of one shard's keys in one slot (`hr:{s0}:...`),
+so a scheduler reads its admissions, control messages and results in one XREADGROUP, and a
+worker commits its results with their acknowledgements atomically.
+
+A stage whose outputs go to other slots than its inputs (a tokenizer: `hr:requests` in,
+`hr:{s0}:admit` out) cannot commit both in one transaction. Its write becomes one
+transaction per slot, the acknowledgements last: a crash between them leaves the inputs
+pending, and they are handled again. The bus is at-least-once there instead of exactly once,
+and the receivers drop what they have seen: the scheduler a request id it already runs, the
+gateway a text delta whose `seq` it has passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import AskError, ClusterDownError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from common.redis_lanes import Command, Lanes
+
+SCHEME = "redis+cluster"
+_REDIRECTED = (AskError, ClusterDownError, TryAgainError)  # MovedError is an AskError
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(f"{SCHEME}://")
+
+
+def startup_nodes(url: str) -> list[ClusterNode]:
+    """The nodes named by `redis+cluster://HOST:PORT[,HOST:PORT...]`."""
+    parts = urlsplit(url)
+    if parts.scheme != SCHEME or parts.path.strip("/") or parts.query:
+        raise ValueError(f"a cluster URL is {SCHEME}://HOST:PORT[,HOST:PORT...], got {url!r}")
+    nodes = []
+    for address in parts.netloc.split(","):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"cluster node {address!r} in {url!r} is not HOST:PORT")
+        nodes.append(ClusterNode(host, int(port)))
+    return nodes
+
+
+def cluster_client(url: str, max_connections: int, options: dict[str, Any]) -> RedisCluster:
+    """A redis-py cluster client for the bus's less frequent calls; `max_connections` is
+    per node."""
+    return RedisCluster(startup_nodes=startup_nodes(url), max_connections=max_connections,
+                        **options)
+
+
+def command_keys(command: Command) -> Sequence[str | bytes | int]:
+    """The keys of the bus's raw commands: XADD, XACK (the first argument) and
+    XREAD / XREADGROUP (the first half of what follows STREAMS)."""
+    name = str(command[0]).upper()
+    if name in ("XREAD", "XREADGROUP"):
+        streams = list(command[[str(a).upper() for a in command].index("STREAMS") + 1:])
+        return streams[:len(streams) // 2]
+    return command[1:2]
+
+
+def slot_of(command: Command) -> int:
+    slots = {key_slot(_bytes(key)) for key in command_keys(command)}
+    if len(slots) != 1:
+        raise ValueError(f"{command[0]} over keys of {len(slots)} hash slots; on a Redis "
+                         "Cluster one read takes streams of one slot (one shard's {sN} tag)")
+    return slots.pop()
+
+
+class ClusterLanes:
+    """`Lanes` to each master, picked by the hash slot of a call's keys. Like `Lanes`,
+    `call` sends its commands in one write and `transact` runs them all or nothing, but
+    only within one slot: see the module's note."""
+
+    def __init__(self, client: RedisCluster, per_node: int) -> None:
+        self.client = client
+        self.per_node = per_node
+        self._lanes: dict[str, Lanes] = {}
+        self._refresh = False
+
+    async def call(self, commands: Sequence[Command], timeout_s: float) -> list[Any]:
+        slots = {slot_of(command) for command in commands}
+        if len(slots) != 1:
+            raise ValueError(f"one call over {len(slots)} hash slots")
+        return await self._on_slot(slots.pop(), commands, timeout_s, transact=False)
+
+    async def transact(self, commands: Sequence[Command], timeout_s: float) -> list[Any]:
+        by_slot: dict[int, list[int]] = {}
+        for i, command in enumerate(commands):
+            by_slot.setdefault(slot_of(command), []).append(i)
+        # acknowledgements last: an entry is acked only once its outputs are all in
+        order = sorted(by_slot.items(),
+                       key=lambda item: any(commands[i][0] == "XACK" for i in item[1]))
+        replies: list[Any] = [None] * len(commands)
+        for slot, indices in order:
+            done = await self._on_slot(slot, [commands[i] for i in indices], timeout_s,
+                                       transact=True)
+            for i, reply in zip(indices, done):
+                replies[i] = reply
+        return replies
+
+    async def close(self) -> None:
+        for lanes in self._lanes.values():
+            await lanes.close()
+
+    async def _on_slot(self, slot: int, commands: Sequence[Command], timeout_s: float, *,
+                       transact: bool) -> list[Any]:
+        """Send to the slot's master; after a redirection (a slot moved, a failover) read
+        the slot map again and retry once."""
+        try:
+            return await self._send(slot, commands, timeout_s, transact)
+        except _REDIRECTED:
+            self._refresh = True
+            return await self._send(slot, commands, timeout_s, transact)
+
+    async def _send(self, slot: int, commands: Sequence[Command], timeout_s: float,
+                    transact: bool) -> list[Any]:
+        lanes = await self._lanes_of(slot)
+        try:
+            if transact:
+                return await lanes.transact(commands, timeout_s)
+            return await lanes.call(commands, timeout_s)
+        except (RedisConnectionError, RedisTimeoutError):
+            self._refresh = True  # the node may be gone; the bus's retry comes back here
+            raise
+
+    async def _lanes_of(self, slot: int) -> Lanes:
+        await self.client.initialize()  # reads the slot map once
+        if self._refresh:
+            await self.client.nodes_manager.initialize()
+            self._refresh = False
+        node = self.client.nodes_manager.get_node_from_slot(slot)
+        if node.name not in self._lanes:
+            self._lanes[node.name] = Lanes(node.connection_class, node.connection_kwargs,
+                                           self.per_node)
+        return self._lanes[node.name]
+
+
+def _bytes(key: str | bytes | int) -> bytes:
+    return key if isinstance(key, bytes) else str(key).encode()

@@ -1,0 +1,124 @@
+"""A local Redis Cluster for the tests: three masters of the same redis-server binary on
+free TCP ports of 127.0.0.1, joined with `redis-cli --cluster create`."""
+
+from __future__ import annotations
+
+import random
+import socket
+import subprocess
+import time
+from pathlib import Path
+from collections.abc import Callable
+from types import TracebackType
+
+import redis
+import redis.cluster
+
+from common.redis_cluster import is_cluster_url, startup_nodes
+from common.redis_server import RedisServerError, find_redis_binary, spawn_child
+
+
+class LocalCluster:
+    def __init__(self, run_dir: Path, masters: int = 3, start_timeout_s: float = 20.0) -> None:
+        self.run_dir = run_dir
+        self.ports = [_free_cluster_port() for _ in range(masters)]
+        self.start_timeout_s = start_timeout_s
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports)
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        for port in self.ports:
+            node_dir = self.run_dir / str(port)
+            node_dir.mkdir(parents=True, exist_ok=True)
+            with open(node_dir / "redis.log", "ab") as log:
+                self.processes.append(spawn_child(
+                    [find_redis_binary("redis-server"), "--port", str(port),
+                     "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                     "--cluster-config-file", str(node_dir / "nodes.conf"),
+                     "--dir", str(node_dir), "--appendonly", "no", "--save", "",
+                     "--daemonize", "no"],
+                    cwd=node_dir, stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True))
+        for port in self.ports:
+            self._wait(lambda client: bool(client.ping()), port)
+        subprocess.run([find_redis_binary("redis-cli"), "--cluster", "create",
+                        *(f"127.0.0.1:{port}" for port in self.ports),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=self.start_timeout_s)
+        for port in self.ports:
+            self._wait(lambda client: client.cluster("info")["cluster_state"] == "ok", port)
+
+    def flush(self) -> None:
+        for port in self.ports:
+            with self.client(port) as client:
+                client.flushall()
+
+    def client(self, port: int) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5.0)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes = []
+
+    def _wait(self, ready: Callable[[redis.Redis], bool], port: int) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if any(process.poll() is not None for process in self.processes):
+                raise RedisServerError(f"a cluster node exited; see {self.run_dir}/*/redis.log")
+            try:
+                with self.client(port) as client:
+                    if ready(client):
+                        return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RedisServerError(f"cluster node on port {port} not ready in "
+                                       f"{self.start_timeout_s}s")
+            time.sleep(0.05)
+
+
+def _free_cluster_port() -> int:
+    """A port that is free along with its cluster bus port (+10000), so at most 55535."""
+    while True:
+        port = random.randint(20_000, 55_535)
+        if _free(port) and _free(port + 10_000):
+            return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def sync_client(url: str) -> redis.Redis | redis.cluster.RedisCluster:
+    """A blocking client of a single server or of a cluster, for the tests' checks."""
+    if not is_cluster_url(url):
+        return redis.Redis.from_url(url)
+    return redis.cluster.RedisCluster(startup_nodes=[
+        redis.cluster.ClusterNode(node.host, node.port) for node in startup_nodes(url)])
