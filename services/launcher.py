@@ -82,7 +82,7 @@ def fresh_metrics_dir(run_dir: Path) -> Path:
     and stay summed over a gateway's restarts within it."""
     path = run_dir / "metrics"
     shutil.rmtree(path, ignore_errors=True)
-    path.mkdir()
+    path.mkdir(parents=True)
     return path
 
 

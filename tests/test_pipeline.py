@@ -1,5 +1,5 @@
-"""The four backend services as real processes linked by a real Redis, driven from the bus
-the way a gateway drives them: outputs equal the in-process engine's, errors, aborts and
+"""The four backend services as real processes linked by a real Redis (a single server, then
+a 3-master Redis Cluster), driven from the bus the way a gateway drives them: outputs equal the in-process engine's, errors, aborts and
 stop strings come back, replicas killed with SIGKILL lose nothing, and a dead worker ends
 its requests with an error while a restarted one serves new requests."""
 
@@ -21,6 +21,7 @@ from common.messages import Abort, ErrorReply, GenerateRequest
 from common.sampling_params import SamplingParams
 from services.bench.pipeline import CLIENT, LocalPipeline, Outcome, drive
 from services.offline.llm import LLM
+from tests.redis_cluster import LocalCluster
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.anyio
@@ -28,10 +29,23 @@ BLOCKS = 128
 
 
 class Pipeline(LocalPipeline):
-    def __init__(self, root: Path, model: Path, tokenizers: int = 1, detokenizers: int = 1):
+    """On an embedded single Redis (`where="server"`) or on a 3-master Redis Cluster of its
+    own (`"cluster"`)."""
+
+    def __init__(self, root: Path, model: Path, where: str, tokenizers: int = 1,
+                 detokenizers: int = 1):
+        self.cluster = LocalCluster(root / "cluster") if where == "cluster" else None
+        if self.cluster is not None:
+            self.cluster.start()
         super().__init__(root, EngineConfig(model=str(model), num_gpu_blocks_override=BLOCKS),
                          ServerConfig(tokenizer_replicas=tokenizers,
-                                      detokenizer_replicas=detokenizers, reclaim_idle_ms=1000))
+                                      detokenizer_replicas=detokenizers, reclaim_idle_ms=1000),
+                         redis_url=self.cluster.url if self.cluster else None)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.cluster is not None:
+            self.cluster.stop()
 
     async def run(self, requests: list[GenerateRequest], timeout: float = 120.0,
                   during=None) -> dict[str, Outcome]:
@@ -62,9 +76,14 @@ def offline(model: Path) -> LLM:
     return LLM(str(model), num_gpu_blocks_override=BLOCKS)
 
 
+@pytest.fixture(scope="module", params=["server", "cluster"])
+def where(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def pipeline(model: Path, tmp_path_factory) -> Iterator[Pipeline]:
-    pipe = Pipeline(tmp_path_factory.mktemp("pipeline"), model)
+def pipeline(model: Path, where: str, tmp_path_factory) -> Iterator[Pipeline]:
+    pipe = Pipeline(tmp_path_factory.mktemp("pipeline"), model, where)
     yield pipe
     pipe.stop()
 
@@ -120,8 +139,10 @@ async def test_abort_and_stop_strings_free_the_kv_cache(pipeline):
             await anyio.sleep(0.2)
 
 
-async def test_replicas_killed_mid_run_lose_nothing(model, offline, tmp_path):
-    pipe = Pipeline(tmp_path, model, tokenizers=3, detokenizers=3)
+async def test_replicas_killed_mid_run_lose_nothing(model, offline, where, tmp_path):
+    """On a cluster a replica killed between its per-slot commits repeats outputs; the
+    scheduler and the reply's `seq` order drop them (common/redis_cluster.py)."""
+    pipe = Pipeline(tmp_path, model, where, tokenizers=3, detokenizers=3)
     try:
         batch = prompts(200, seed=1)
         params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
@@ -143,8 +164,8 @@ async def test_replicas_killed_mid_run_lose_nothing(model, offline, tmp_path):
         pipe.stop()
 
 
-async def test_a_dead_worker_ends_its_requests_and_a_new_one_serves(model, tmp_path):
-    pipe = Pipeline(tmp_path, model)
+async def test_a_dead_worker_ends_its_requests_and_a_new_one_serves(model, where, tmp_path):
+    pipe = Pipeline(tmp_path, model, where)
     killed_at: list[float] = []
     try:
         async def kill_worker(bus: Bus, outcomes: dict[str, Outcome]) -> None:
