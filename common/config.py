@@ -146,8 +146,10 @@ class ServerConfig:
     api_key: str | None = field(default=None, metadata=_help(
         "Require this bearer token on /v1 requests."))
     redis_url: str | None = field(default=None, metadata=_help(
-        "Redis to link the services through; without it an embedded redis-server is "
-        "started on a unix socket.", env="REDIS_URL"))
+        "Redis to link the services through (redis://, rediss://, unix://), or a Redis "
+        "Cluster as redis+cluster://HOST:PORT[,HOST:PORT...] (any of its masters; each "
+        "data-parallel shard's keys share one hash slot); without it an embedded "
+        "redis-server is started on a unix socket.", env="REDIS_URL"))
     api_server_count: int = field(default=1, metadata=_help(
         "Gateway processes serving one port (SO_REUSEPORT), each with its own reply stream; "
         "`headrace serve` starts them, a lone `headrace gateway` then shares its port."))

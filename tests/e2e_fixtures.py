@@ -44,6 +44,7 @@ class ServerProcess:
     port: int
     log_path: Path
     run_dir: Path | None = None  # `headrace serve`'s: its embedded Redis's socket is there
+    redis_url: str | None = None  # the Redis it was given, None for its embedded one
 
     @property
     def url(self) -> str:

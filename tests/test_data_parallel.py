@@ -1,10 +1,11 @@
 """Data-parallel shards: the router's choices, then `headrace serve --data-parallel-size 2`
-on the CPU with a tiny model: every request answered once with the single shard's greedy
+on the CPU with a tiny model, on a single Redis and on a 3-master Redis Cluster: every request answered once with the single shard's greedy
 text, a shared prefix served by one shard (its prefix-cache counters), and a killed worker
 taking down only its own shard's requests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -16,7 +17,6 @@ from pathlib import Path
 import anyio
 import psutil
 import pytest
-import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import keys
@@ -26,6 +26,7 @@ from common.sampling_params import SamplingParams
 from services import LLM
 from services.tokenizer.routing import PREFIX_BLOCKS, STALE_S, Router
 from tests.e2e_fixtures import API_KEY, ServerProcess, serving, tiny_serve_args
+from tests.redis_cluster import LocalCluster, sync_client
 from tests.test_faults import MAX_TOKENS, stream_all
 from tests.tiny_models import make_tiny_model
 
@@ -127,13 +128,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("dp"), "llama", vocab_size=151936)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=["server", "cluster"])
+def server(request: pytest.FixtureRequest, model_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """`headrace serve --data-parallel-size 2` on its embedded Redis, then on a 3-master
+    Redis Cluster of its own."""
     root = tmp_path_factory.mktemp("dp-serve")
     args = tiny_serve_args(model_dir, root / "run", "--data-parallel-size", "2",
                            "--max-model-len", "512")
-    with serving(args, root / "serve.log", root / "run") as served:
+    redis_url = None
+    with contextlib.ExitStack() as stack:
+        if request.param == "cluster":
+            redis_url = stack.enter_context(LocalCluster(root / "cluster")).url
+            args += ["--redis-url", redis_url]
+        served = stack.enter_context(serving(args, root / "serve.log", root / "run"))
+        served.redis_url = redis_url
         wait_both_up(served)
         yield served
 
@@ -153,11 +162,11 @@ def shard_stats(server: ServerProcess, settle_s: float = 1.0) -> list[SchedulerS
     `settle_s` for the schedulers to publish what they did last (every 0.5 s)."""
     assert server.run_dir is not None
     time.sleep(settle_s)
-    client = redis.Redis(unix_socket_path=str(server.run_dir / "redis.sock"))
+    client = sync_client(server.redis_url or f"unix://{server.run_dir / 'redis.sock'}")
     try:
         # a shard publishes while it has a worker: a lapsed worker leaves the last figures
-        alive = client.mget([keys.alive_worker(s) for s in (0, 1)])
-        raws = client.mget([keys.scheduler_stats(s) for s in (0, 1)])
+        alive = [client.get(keys.alive_worker(s)) for s in (0, 1)]
+        raws = [client.get(keys.scheduler_stats(s)) for s in (0, 1)]
         return [decode_value(keys.scheduler_stats(s), raw) if up is not None else None
                 for s, (up, raw) in enumerate(zip(alive, raws))]
     finally:
