@@ -1,5 +1,5 @@
 """`headrace queues`: the snapshot of streams, groups and consumers, and the real command's
-table."""
+table, on a single Redis and on a Redis Cluster (whose streams are spread over its masters)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def parse_table(text: str) -> list[dict[str, str]]:
 
 
 @pytest.mark.anyio
-async def test_snapshot_reports_length_pending_lag_and_consumers(redis_url):
-    await fill_streams(redis_url, random.Random(0))
-    snapshot = await take_snapshot(redis_url)
+async def test_snapshot_reports_length_pending_lag_and_consumers(bus_url):
+    await fill_streams(bus_url, random.Random(0))
+    snapshot = await take_snapshot(bus_url)
     streams = {s.name: s for s in snapshot.streams}
     assert sorted(streams) == sorted(["hr:requests", keys.steps(10), keys.results(2)])
     requests = streams["hr:requests"]
@@ -56,9 +56,9 @@ async def test_snapshot_reports_length_pending_lag_and_consumers(redis_url):
     assert all(c.idle_ms >= 0 for c in groups["tok"].consumers)
 
 
-def test_the_table_has_one_row_per_stream_group_and_consumer(redis_url):
-    anyio.run(fill_streams, redis_url, random.Random(1))
-    snapshot = anyio.run(take_snapshot, redis_url)
+def test_the_table_has_one_row_per_stream_group_and_consumer(bus_url):
+    anyio.run(fill_streams, bus_url, random.Random(1))
+    snapshot = anyio.run(take_snapshot, bus_url)
     table = format_table(snapshot)
     assert "3 streams, 2 shards" in table.splitlines()[0]
     rows = parse_table(table)
@@ -69,9 +69,9 @@ def test_the_table_has_one_row_per_stream_group_and_consumer(redis_url):
     assert format_table(Snapshot("unix:///x", 0.0, [])).endswith("(no hr:* streams yet)")
 
 
-def test_the_command_prints_groups_pending_lag_and_consumers(redis_url):
-    pending = anyio.run(fill_streams, redis_url, random.Random(2))
-    result = run_command("queues", REDIS_URL=redis_url)
+def test_the_command_prints_groups_pending_lag_and_consumers(bus_url):
+    pending = anyio.run(fill_streams, bus_url, random.Random(2))
+    result = run_command("queues", REDIS_URL=bus_url)
     assert result.returncode == 0, result.stderr
     rows = parse_table(result.stdout)
     stream_rows = {r["STREAM"]: r for r in rows if r["STREAM"]}
