@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, TryAgainError
@@ -55,6 +56,21 @@ def cluster_client(url: str, max_connections: int, options: dict[str, Any]) -> R
     per node."""
     return RedisCluster(startup_nodes=startup_nodes(url), max_connections=max_connections,
                         **options)
+
+
+def plain_client(url: str) -> aioredis.Redis | RedisCluster:
+    """A redis-py client of a server or of a cluster, for tools that inspect it."""
+    if is_cluster_url(url):
+        return RedisCluster(startup_nodes=startup_nodes(url))
+    return aioredis.from_url(url)
+
+
+async def used_memory(client: aioredis.Redis | RedisCluster) -> int:
+    """The bytes Redis holds: on a cluster, the sum over its masters."""
+    if isinstance(client, RedisCluster):
+        infos = await client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        return sum(int(info["used_memory"]) for info in infos.values())
+    return int((await client.info("memory"))["used_memory"])
 
 
 def command_keys(command: Command) -> Sequence[str | bytes | int]:

@@ -9,12 +9,32 @@ quickly on a 2-core machine; about 70 s in all when the machine is otherwise idl
 
 from __future__ import annotations
 
-from services.bench.soak import metrics_gauges, process_label, restart_target
+import pytest
+
+from common import keys
+from common.bus import Bus
+from common.messages import Abort
+from common.redis_cluster import plain_client
+from services.bench.soak import metrics_gauges, process_label, redis_state, restart_target
 from services.bench.soak_report import (MIB, Growth, Limits, Restart, Sample, Tally,
                                         rss_checks, verdicts)
 from tests.conftest import run_command
 
 SOAK_TIMEOUT_S = 300
+
+
+@pytest.mark.anyio
+async def test_the_probe_reads_memory_and_every_streams_length(bus_url):
+    async with Bus(bus_url) as bus:
+        await bus.publish(keys.REQUESTS, Abort("a"), Abort("b"))
+        await bus.publish(keys.steps(1), Abort("c"))
+    client = plain_client(bus_url)
+    try:
+        used, streams = await redis_state(client)
+    finally:
+        await client.aclose()
+    assert used is not None and used > 0
+    assert streams == {keys.REQUESTS: 2, keys.steps(1): 1}
 
 
 def test_restarts_go_through_the_services_and_their_replicas_in_turn():

@@ -45,6 +45,7 @@ import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
 
+from common.redis_cluster import RedisCluster, plain_client, used_memory
 from common.redis_server import SOCKET_NAME, spawn_child
 from common.net import free_port
 from services.bench.serve import WORDS, SseDecoder, metrics_url, redacted, scrape
@@ -254,7 +255,7 @@ class Probe:
     """Where the samples come from."""
     session: aiohttp.ClientSession
     base_url: str
-    redis: aioredis.Redis | None
+    redis: aioredis.Redis | RedisCluster | None
     launcher: psutil.Process | None
     started: float = field(default_factory=time.monotonic)
 
@@ -292,12 +293,13 @@ def memory_of(processes: dict[str, psutil.Process]) -> tuple[dict[str, int], dic
     return rss, pids
 
 
-async def redis_state(client: aioredis.Redis | None) -> tuple[int | None, dict[str, int]]:
+async def redis_state(client: aioredis.Redis | RedisCluster | None
+                      ) -> tuple[int | None, dict[str, int]]:
     """used_memory and the XLEN of every hr:* stream; (None, {}) when Redis is away."""
     if client is None:
         return None, {}
     try:
-        used = int((await client.info("memory"))["used_memory"])
+        used = await used_memory(client)
         names = sorted({n.decode() async for n in client.scan_iter(match="hr:*",
                                                                    _type="stream")})
         async with client.pipeline(transaction=False) as pipe:
@@ -456,7 +458,7 @@ async def drive(args: argparse.Namespace, base_url: str, redis_url: str | None,
     run = SoakRun()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
-    client_redis = aioredis.from_url(redis_url) if redis_url else None
+    client_redis = plain_client(redis_url) if redis_url else None
     async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
         target = await learn_target(session, base_url, args.max_tokens)
         probe = Probe(session, base_url, client_redis, launcher)
