@@ -15,12 +15,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from common.redis_cluster import cluster_addresses, is_cluster_url
 from common.sampling_params import MAX_N
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 POLICIES = ("fcfs", "priority")
 ROUTINGS = ("prefix", "round_robin")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -212,6 +214,20 @@ class ServerConfig:
             raise ConfigError(f"--max-n must be in [1, {MAX_N}], got {self.max_n}")
         _positive("timeout_keep_alive", self.timeout_keep_alive)
         _positive("body_timeout", self.body_timeout)
+        if self.redis_url is not None:
+            _check_redis_url(self.redis_url)
+
+
+def _check_redis_url(url: str) -> None:
+    scheme = url.partition("://")[0]
+    if scheme not in REDIS_SCHEMES:
+        raise ConfigError(f"--redis-url must start with one of "
+                          f"{', '.join(s + '://' for s in REDIS_SCHEMES)}; got {url!r}")
+    if is_cluster_url(url):
+        try:
+            cluster_addresses(url)
+        except ValueError as e:
+            raise ConfigError(f"--redis-url: {e}") from e
 
 
 def _flag(name: str) -> str:

@@ -37,18 +37,22 @@ def is_cluster_url(url: str) -> bool:
     return url.startswith(f"{SCHEME}://")
 
 
-def startup_nodes(url: str) -> list[ClusterNode]:
-    """The nodes named by `redis+cluster://HOST:PORT[,HOST:PORT...]`."""
+def cluster_addresses(url: str) -> list[tuple[str, int]]:
+    """The (host, port) of each node named by `redis+cluster://HOST:PORT[,HOST:PORT...]`."""
     parts = urlsplit(url)
     if parts.scheme != SCHEME or parts.path.strip("/") or parts.query:
         raise ValueError(f"a cluster URL is {SCHEME}://HOST:PORT[,HOST:PORT...], got {url!r}")
-    nodes = []
+    addresses = []
     for address in parts.netloc.split(","):
         host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"cluster node {address!r} in {url!r} is not HOST:PORT")
-        nodes.append(ClusterNode(host, int(port)))
-    return nodes
+        addresses.append((host, int(port)))
+    return addresses
+
+
+def startup_nodes(url: str) -> list[ClusterNode]:
+    return [ClusterNode(host, port) for host, port in cluster_addresses(url)]
 
 
 def cluster_client(url: str, max_connections: int, options: dict[str, Any]) -> RedisCluster:

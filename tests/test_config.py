@@ -38,6 +38,8 @@ def parse(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
       "--no-enable-chunked-prefill"], ["512", "2048", "chunked prefill"]),
     (["--port", "70000"], ["--port", "70000"]),
     (["--detokenizer-replicas", "0"], ["detokenizer-replicas", "0"]),
+    (["--redis-url", "localhost:6379"], ["--redis-url", "localhost:6379", "redis+cluster://"]),
+    (["--redis-url", "redis+cluster://h1:7000,h2"], ["--redis-url", "'h2'", "HOST:PORT"]),
 ])
 def test_every_invalid_value_names_the_flag_and_the_value(argv, words):
     with pytest.raises(ConfigError) as info:
