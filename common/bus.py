@@ -6,7 +6,8 @@ hr:requests - + COUNT 5` is readable (common/keys.py names every stream and key)
 Two ways to consume:
 * `consume(...)`: the loop for stateless stages. The handler maps one message to its
   outputs; a read batch's outputs and the XACKs of its inputs go in one MULTI/EXEC, so a
-  stage killed between the two neither loses nor duplicates anything. Failures are retried, then
+  stage killed between the two neither loses nor duplicates anything (on a Redis Cluster,
+  one per hash slot: common/redis_cluster.py says what that changes). Failures are retried, then
   moved to `hr:dead`; entries left pending by a dead consumer are claimed (XAUTOCLAIM).
 * `read(...)` / `tail(...)` + `commit(...)`: for stateful consumers (scheduler, worker,
   gateway) that read several streams and batch their work.

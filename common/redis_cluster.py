@@ -10,8 +10,8 @@ A stage whose outputs go to other slots than its inputs (a tokenizer: `hr:reques
 `hr:{s0}:admit` out) cannot commit both in one transaction. Its write becomes one
 transaction per slot, the acknowledgements last: a crash between them leaves the inputs
 pending, and they are handled again. The bus is at-least-once there instead of exactly once,
-and the receivers drop what they have seen: the scheduler a request id it already runs, the
-gateway a text delta whose `seq` it has passed.
+and the receivers drop what they have seen: the scheduler a request id it has admitted
+lately, the gateway a text delta whose `seq` it has passed.
 """
 
 from __future__ import annotations
