@@ -275,8 +275,8 @@ async def test_a_body_over_the_limit_is_413(url):
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "top_p": "x"}, "top_p"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": []}, "prompt"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": [1, 10**8], "echo": True}, "prompt"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_new_tokens": 3},
-     "max_new_tokens"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "a",
+                         "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user"}],
                               "tools": [{"type": "function"}]}, "tools"),
@@ -385,6 +385,39 @@ async def test_choices_are_assembled_once_and_in_order(redis_at, api):
     assert len({r.rid for r in seen}) == 2 and all(r.rid.startswith(out.id) for r in seen)
     assert all(r.params == {"n": 2, "max_tokens": 3, "temperature": 0.5, "seed": 4}
                and r.reply_to == seen[0].reply_to and r.arrival_time > 0 for r in seen)
+
+
+async def test_vllm_style_requests_work_unchanged_through_the_openai_client(
+        url, redis_at, api, gateway):
+    """Fields nobody defines are ignored with a warning naming them; a text
+    response_format is plain generation; completions default to 16 tokens; the responses
+    carry the fields clients read; /ping answers as /health does."""
+    async with fake_stages(redis_at, in_order(["Hel", "lo"])) as seen:
+        text = await api.completions.create(
+            model=MODEL_NAME, prompt="hi", extra_body={"max_new_tokens": 3, "zeta": [1]})
+        chat = await api.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "text"}, max_completion_tokens=2)
+        with pytest.raises(openai.BadRequestError) as info:  # fcfs: no priority
+            await api.completions.create(model=MODEL_NAME, prompt="hi",
+                                         extra_body={"priority": 3})
+        assert info.value.body["param"] == "priority"
+        with pytest.raises(openai.BadRequestError) as info:
+            await api.completions.create(model=MODEL_NAME, prompt="hi", stream=True,
+                                         extra_body={"prompt_logprobs": 1})
+        assert info.value.body["param"] == "prompt_logprobs"
+    assert [r.params for r in seen] == [{"max_tokens": 16}, {"max_tokens": 2}]
+    assert text.choices[0].text == "Hel0lo0"
+    assert "ignored unknown request fields" in gateway.log_tail(200)
+    assert "max_new_tokens" in gateway.log_tail(200)
+    message = chat.choices[0].message
+    assert (message.content, message.refusal, message.tool_calls) == ("Hel0lo0", None, [])
+    assert chat.system_fingerprint == text.system_fingerprint
+    assert chat.system_fingerprint.startswith("headrace-")
+    async with aiohttp.ClientSession() as session:
+        for method in (session.get, session.post):
+            async with method(url + "/ping") as response:
+                assert response.status == 200
 
 
 async def test_chat_messages_and_token_prompts_reach_the_stages(redis_at, api):

@@ -45,7 +45,7 @@ def refused(body, is_chat: bool = False) -> ApiError:
 # --- parsing ----------------------------------------------------------------------------
 
 def test_params_hold_only_what_the_client_set():
-    job = parse_job(completion(), chat=False)
+    job = parse_job(chat(), chat=True)
     assert job.params == {} and job.n == 1 and not job.stream and not job.echo
     job = parse_job(completion(temperature=0, top_p=0.5, top_k=5, min_p=0.1, seed=7, n=2,
                                presence_penalty=0.5, frequency_penalty=-0.5,
@@ -63,7 +63,7 @@ def test_params_hold_only_what_the_client_set():
 def test_nulls_count_as_not_set():
     job = parse_job(completion(temperature=None, stop=None, logit_bias=None, tools=None,
                                stream_options=None, whatever=None), chat=False)
-    assert job.params == {} and not job.include_usage
+    assert job.params == {"max_tokens": 16} and not job.include_usage
 
 
 @pytest.mark.parametrize("prompt, expected", [
@@ -110,17 +110,39 @@ def test_temperature_nan_and_inf_are_refused():
 
 
 @pytest.mark.parametrize("name", ["suffix", "logit_bias", "best_of", "tools",
-                                  "response_format"])
-def test_unsupported_features_are_refused_by_name(name):
+                                  "response_format", "allowed_token_ids"])
+def test_features_this_server_lacks_are_refused_by_name(name):
     error = refused(chat(**{name: {"x": 1}}), is_chat=True)
     assert error.param == name and "not supported" in error.message
 
 
-def test_unknown_fields_are_refused():
-    assert refused(completion(max_new_tokens=5)).param == "max_new_tokens"
-    assert refused(completion(messages=USER)).param == "messages"
-    assert refused(chat(prompt="x"), is_chat=True).param == "prompt"
-    assert refused(chat(echo=True), is_chat=True).param == "echo"
+def test_unknown_fields_are_ignored_and_named():
+    job = parse_job(completion(max_new_tokens=5, messages=USER, zeta=None), chat=False)
+    assert job.ignored == ["max_new_tokens", "messages"] and "max_new_tokens" not in job.params
+    job = parse_job(chat(prompt="x", echo=True), chat=True)
+    assert job.ignored == ["echo", "prompt"] and not job.echo
+    assert parse_job(chat(), chat=True).ignored == []
+    assert parse_tokenize({"prompt": "Hi", "truncate": 3}).ignored == ["truncate"]
+
+
+def test_a_text_response_format_is_plain_generation():
+    job = parse_job(chat(response_format={"type": "text"}), chat=True)
+    assert "response_format" not in job.params
+    error = refused(chat(response_format={"type": "json_object"}), is_chat=True)
+    assert error.param == "response_format" and "json_object" in error.message
+
+
+def test_completions_default_to_16_tokens_as_openai_and_vllm():
+    assert parse_job(completion(), chat=False).params["max_tokens"] == 16
+    assert parse_job(completion(max_tokens=3), chat=False).params["max_tokens"] == 3
+    assert "max_tokens" not in parse_job(chat(), chat=True).params  # the context's limit
+
+
+def test_prompt_logprobs_cannot_stream():
+    error = refused(completion(stream=True, prompt_logprobs=1))
+    assert error.param == "prompt_logprobs" and "stream" in error.message
+    job = parse_job(completion(stream=True, echo=True, logprobs=1), chat=False)
+    assert job.params["prompt_logprobs"] == 1  # echo's own prompt logprobs still stream
 
 
 def test_the_body_must_be_an_object():
@@ -149,9 +171,11 @@ def test_chat_max_completion_tokens_wins_over_max_tokens():
 
 
 def test_logprobs():
-    assert parse_job(completion(logprobs=3), chat=False).params == {"logprobs": 3}
-    job = parse_job(completion(logprobs=2, echo=True), chat=False)
-    assert job.params == {"logprobs": 2, "prompt_logprobs": 2} and job.echo and job.logprobs
+    assert parse_job(completion(logprobs=3, max_tokens=5), chat=False).params == {
+        "logprobs": 3, "max_tokens": 5}
+    job = parse_job(completion(logprobs=2, echo=True, max_tokens=5), chat=False)
+    assert job.params == {"logprobs": 2, "prompt_logprobs": 2, "max_tokens": 5}
+    assert job.echo and job.logprobs
     job = parse_job(completion(logprobs=2, echo=True, prompt_logprobs=4), chat=False)
     assert job.params["prompt_logprobs"] == 4
     assert parse_job(chat(logprobs=True), chat=True).params == {"logprobs": 0}
@@ -181,8 +205,7 @@ def test_tokenize_and_detokenize_bodies():
     assert (job.prompt, job.messages, job.add_special_tokens) == ("Hi", None, True)
     job = parse_tokenize({"messages": USER, "add_generation_prompt": False})
     assert job.messages == USER and not job.add_special_tokens and not job.add_generation_prompt
-    for body in ({}, {"prompt": "a", "messages": USER}, {"prompt": 3}, {"prompt": "a", "x": 1},
-                 {"messages": "a"}, []):
+    for body in ({}, {"prompt": "a", "messages": USER}, {"prompt": 3}, {"messages": "a"}, []):
         with pytest.raises(ApiError) as info:
             parse_tokenize(body)
         assert info.value.status == 400
@@ -306,10 +329,12 @@ def test_prompt_logprobs_rows():
 def test_envelopes():
     body = responses.envelope("id", True, 5, "m", [], stream=False, usage_counts={"x": 1})
     assert body == {"id": "id", "object": "chat.completion", "created": 5, "model": "m",
-                    "choices": [], "usage": {"x": 1}}
+                    "system_fingerprint": responses.SYSTEM_FINGERPRINT, "choices": [],
+                    "usage": {"x": 1}}
+    assert responses.SYSTEM_FINGERPRINT.startswith("headrace-")
     chunk = responses.envelope("id", True, 5, "m", [], stream=True)
-    assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk
-    chunk = responses.envelope("id", False, 5, "m", [], stream=True, with_usage=True)
+    assert chunk["object"] == "chat.completion.chunk" and chunk["usage"] is None
+    chunk = responses.envelope("id", False, 5, "m", [], stream=True)
     assert chunk["object"] == "text_completion" and chunk["usage"] is None
     assert responses.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4,
                                      "total_tokens": 7}
@@ -379,7 +404,8 @@ def test_chat_response_and_logprobs():
     body = call.response()
     assert body["object"] == "chat.completion" and body["id"] == "cmpl-x"
     choice, = body["choices"]
-    assert choice["message"] == {"role": "assistant", "content": "Hi!"}
+    assert choice["message"] == {"role": "assistant", "content": "Hi!", "refusal": None,
+                                 "tool_calls": [], "reasoning_content": None}
     assert [c["token"] for c in choice["logprobs"]["content"]] == ["Hi", "!"]
     assert choice["finish_reason"] == "stop"
 
@@ -429,7 +455,7 @@ def test_a_step_makes_a_chunk_even_when_its_text_is_held_back():
     chunk, = call.chunks(call.offer(delta(1, "", "length")))
     assert chunk["choices"][0] == {"index": 0, "text": "", "logprobs": None,
                                    "finish_reason": "length", "stop_reason": None}
-    assert "usage" not in chunk
+    assert chunk["usage"] is None  # null until the usage chunk, as vLLM sends it
 
 
 def test_streamed_echo_and_logprob_offsets_continue_across_chunks():

@@ -40,6 +40,7 @@ from common.token_text import TokenTexts
 
 _BYTE_LEVEL_CHARS = {char: byte for byte, char in bytes_to_unicode().items()}
 _BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not a character
 
 
 @dataclass(slots=True)
@@ -173,7 +174,10 @@ class Detokenizer:
         finishing = item.finish_reason is not None
         prompt_end = len(self._text(context[:num_prompt], params, True)) if num_prompt else 0
         seen_end = len(self._text(context, params, False))
-        text = self._text(context + _text_ids(item), params, finishing)
+        ids = context + _text_ids(item)
+        text = self._text(ids, params, finishing)
+        if finishing and self.bytes.num_unfinished(ids, params.skip_special_tokens):
+            text = text.rstrip(REPLACEMENT)  # a character cut at the end: drop its bytes
         lookback = stop_lookback(params.stop)
         hold = 0 if params.include_stop_str_in_output else lookback
         start = max(prompt_end, seen_end - hold)

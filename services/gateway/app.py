@@ -87,6 +87,8 @@ class Gateway:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
+        for ping in (app.router.add_get, app.router.add_post):
+            ping("/ping", self.health)  # vLLM's name for it (SageMaker asks there)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.prometheus)
         return app
@@ -149,6 +151,8 @@ class Gateway:
         call = await self.new_call(job, model)
         request["rid"] = call.id  # for the error middleware's log line
         log = self.log.bind(rid=call.id)
+        if job.ignored:
+            log.warning("ignored unknown request fields", fields=job.ignored)
         inbox = self.replies.open(call.rids)
         try:
             return await self.answer(request, call, inbox, log)
@@ -163,6 +167,9 @@ class Gateway:
         for prompt in job.prompts:
             if isinstance(prompt, list):
                 check_vocabulary(prompt, self.info.vocab_size, "prompt")
+        if job.priority and self.info.config.scheduling_policy != "priority":
+            raise ApiError(400, "'priority' needs --scheduling-policy priority; this server "
+                                "schedules first come, first served", "priority")
         if self.draining:
             raise SHUTTING_DOWN
         error = admission_error(self.backend, self.server.max_queue_len, time.monotonic())
@@ -349,6 +356,8 @@ class Gateway:
     async def tokenize(self, request: web.Request) -> web.Response:
         job = parse_tokenize(await read_json(request, self.server.body_timeout))
         self.served_name(job.model)
+        if job.ignored:
+            self.log.warning("ignored unknown request fields", fields=job.ignored)
         ids = await anyio.to_thread.run_sync(self.token_ids, job)
         return web.json_response({"count": len(ids), "max_model_len": self.max_model_len,
                                   "tokens": ids})

@@ -212,7 +212,7 @@ class Call:
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return shapes.envelope(self.id, self.job.chat, self.created, self.model, choices,
-                               stream=True, with_usage=self.job.include_usage)
+                               stream=True)
 
     def _chunk_choice(self, choice: Choice, deltas: list[TextDelta]) -> dict[str, Any] | None:
         text = "".join(d.text for d in deltas)

@@ -2,9 +2,10 @@
 
 Only names, shapes and JSON types are checked here; value ranges are checked by building a
 SamplingParams (the validation the tokenizer stage applies again with the model's
-defaults), so a bad value is a 400 before anything is queued. Fields this server does not
-implement are refused by name rather than ignored, so a client never silently gets
-something other than what it asked for.
+defaults), so a bad value is a 400 before anything is queued. Fields nobody defines are
+ignored and named in a warning, as vLLM does, so that clients written for other servers
+work; OpenAI and vLLM features this server does not have yet are refused by name, so a
+client never silently gets something other than what it asked for.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ MAX_TOKEN_ID = 2**31  # token ids travel as packed int32
 _READ_APART = {"max_tokens", "logprobs", "stop"}
 _SAMPLING_FIELDS = {name: json_kinds(name) for name in CLIENT_PARAMS if name not in _READ_APART}
 _COMMON_FIELDS = {*_SAMPLING_FIELDS, "model", "stream", "stream_options", "max_tokens",
-                  "stop", "logprobs", "priority", "user"}
+                  "stop", "logprobs", "priority", "user", "response_format"}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
                                  "add_generation_prompt"}
 # Known OpenAI fields whose features this server does not have.
 _UNSUPPORTED = {"suffix", "best_of", "logit_bias", "tools", "tool_choice", "functions",
-                "function_call", "parallel_tool_calls", "response_format", "audio",
-                "modalities", "prediction", "reasoning_effort", "web_search_options",
-                "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+                "function_call", "parallel_tool_calls", "audio", "modalities",
+                "prediction", "reasoning_effort", "web_search_options", "guided_json",
+                "guided_regex", "guided_choice", "guided_grammar", "allowed_token_ids",
+                "truncate_prompt_tokens", "chat_template_kwargs", "include_reasoning"}
+COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 
 @dataclass(slots=True)
@@ -50,6 +53,7 @@ class Job:
     echo: bool = False
     add_generation_prompt: bool = True
     priority: int = 0
+    ignored: list[str] = field(default_factory=list)  # unknown fields, for the warning
 
     @property
     def n(self) -> int:
@@ -67,6 +71,7 @@ class TokenizeJob:
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    ignored: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +107,9 @@ def _within(param: str, count: int, bound: int, unit: str, flag: str) -> None:
 
 def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
     body = _object(body)
-    _check_names(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS)
-    job = Job(chat=chat, model=_typed(body, "model", str))
+    job = Job(chat=chat, model=_typed(body, "model", str),
+              ignored=_unknown_names(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS))
+    _check_response_format(body)
     if chat:
         job.messages = _messages(body)
         job.add_generation_prompt = _typed(body, "add_generation_prompt", bool, True)
@@ -112,6 +118,9 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
         job.echo = _typed(body, "echo", bool, False)
     job.params = _sampling_overrides(body, chat, job.echo)
     job.stream = _typed(body, "stream", bool, False)
+    if job.stream and _typed(body, "prompt_logprobs", int) is not None:
+        raise ApiError(400, "'prompt_logprobs' is not available with 'stream' set to true",
+                       "prompt_logprobs")
     job.include_usage = _include_usage(body, job.stream)
     job.priority = _typed(body, "priority", int, 0)
     if not fits_int64(job.priority):
@@ -134,9 +143,8 @@ def _plain(value: Any) -> Any:
 
 def parse_tokenize(body: Any) -> TokenizeJob:
     body = _object(body)
-    _check_names(body, {"model", "prompt", "messages", "add_special_tokens",
-                        "add_generation_prompt"})
-    job = TokenizeJob(_typed(body, "model", str))
+    job = TokenizeJob(_typed(body, "model", str), ignored=_unknown_names(
+        body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}))
     if ("prompt" in body) == ("messages" in body):
         raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
     if "messages" in body:
@@ -153,7 +161,7 @@ def parse_tokenize(body: Any) -> TokenizeJob:
 
 def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
     body = _object(body)
-    _check_names(body, {"model", "tokens"})
+    _unknown_names(body, {"model", "tokens"})
     tokens = body.get("tokens")
     if not (isinstance(tokens, list) and all(_is_token_id(t) for t in tokens)):
         raise ApiError(400, f"'tokens' must be a list of token ids (integers in [0, "
@@ -169,14 +177,25 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _check_names(body: dict[str, Any], known: set[str]) -> None:
+def _unknown_names(body: dict[str, Any], known: set[str]) -> list[str]:
+    """The fields of `body` this endpoint does not know (sorted), to be ignored; a feature
+    it lacks is refused instead."""
+    unknown = []
     for name, value in body.items():
         if value is None:
             continue  # clients send null for "not set"
         if name in _UNSUPPORTED:
             raise ApiError(400, f"{name!r} is not supported by this server", name)
         if name not in known:
-            raise ApiError(400, f"unknown field {name!r}", name)
+            unknown.append(name)
+    return sorted(unknown)
+
+
+def _check_response_format(body: dict[str, Any]) -> None:
+    response_format = _typed(body, "response_format", dict)
+    if response_format is not None and response_format.get("type") != "text":
+        raise ApiError(400, f"'response_format' of type {response_format.get('type')!r} is "
+                            "not supported by this server (only 'text')", "response_format")
 
 
 def _sampling_overrides(body: dict[str, Any], chat: bool, echo: bool) -> dict[str, Any]:
@@ -185,6 +204,8 @@ def _sampling_overrides(body: dict[str, Any], chat: bool, echo: bool) -> dict[st
     max_tokens = _typed(body, "max_completion_tokens", int) if chat else None
     if max_tokens is None:
         max_tokens = _typed(body, "max_tokens", int)
+    if max_tokens is None and not chat:
+        max_tokens = COMPLETION_MAX_TOKENS
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
     stop = _stop(body)

@@ -8,12 +8,15 @@ string ended the completion).
 
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.messages import TextDelta, TokenLogprobs
 
 MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
+# What OpenAI's clients log to tell backends apart: this server's build.
+SYSTEM_FINGERPRINT = f"headrace-{importlib.metadata.version('headrace')}"
 
 
 @dataclass(slots=True)
@@ -150,8 +153,10 @@ def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
 
 def chat_choice(index: int, text: str, logprobs: dict[str, Any] | None,
                 finish_reason: str | None, stop_reason: str | int | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+    message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": [],
+               "reasoning_content": None}  # the fields OpenAI's and vLLM's clients read
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def chat_delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
@@ -162,16 +167,12 @@ def chat_delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | Non
 
 
 def envelope(rid: str, chat: bool, created: int, model: str, choices: list[dict[str, Any]],
-             stream: bool, usage_counts: dict[str, int] | None = None,
-             with_usage: bool = False) -> dict[str, Any]:
-    """A response (stream False) or a chunk; `with_usage` adds the usage field even when
-    it is null, as chunks do when the client asked for usage."""
+             stream: bool, usage_counts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A response (stream False) or a chunk, whose usage is null but in the last."""
     if chat:
         kind = "chat.completion.chunk" if stream else "chat.completion"
     else:
         kind = "text_completion"
-    body: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model,
-                            "choices": choices}
-    if usage_counts is not None or with_usage:
-        body["usage"] = usage_counts
-    return body
+    return {"id": rid, "object": kind, "created": created, "model": model,
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
+            "usage": usage_counts}
