@@ -160,6 +160,11 @@ async def test_echo_returns_the_prompt_and_its_logprobs(api):
     assert choice.logprobs.token_logprobs[0] is None
     assert all(lp is not None for lp in choice.logprobs.token_logprobs[1:])
     assert "".join(choice.logprobs.tokens[:num_prompt]) == PROMPTS[0]
+    one = await api.completions.create(model=MODEL_NAME, prompt=[9690], echo=True,
+                                       temperature=0, max_tokens=2, logprobs=0)
+    logprobs = one.choices[0].logprobs  # a one-token prompt's token is there, unscored
+    assert len(logprobs.tokens) == 3 and logprobs.token_logprobs[0] is None
+    assert one.choices[0].text.startswith(logprobs.tokens[0]) and logprobs.tokens[0]
 
 
 async def test_stop_strings_end_the_text_before_them(api):

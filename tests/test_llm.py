@@ -176,6 +176,8 @@ def test_logprobs_match_transformers(llm, demo):
         entry = out.prompt_logprobs[pos]
         assert entry[token].logprob == pytest.approx(ref[pos - 1, token].item(), abs=1e-4)
         assert entry[token].rank == 1 + int((ref[pos - 1] > ref[pos - 1, token]).sum())
+    one = llm.generate([[ids[0]]], params, use_tqdm=False)[0]
+    assert one.prompt_logprobs == [None]  # a one-token prompt: its token, unscored
 
 
 def test_stop_strings_and_lengths(llm):

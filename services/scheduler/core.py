@@ -156,8 +156,6 @@ class Scheduler:
             req = self.requests.get(chunk.req_id)
             if req is None:
                 continue
-            if not req.prompt_logprobs:
-                req.prompt_logprobs.append(None)  # the first prompt token has no logprob
             if chunk.start == len(req.prompt_logprobs):  # not a recompute after preemption
                 req.prompt_logprobs.extend(chunk.rows())
         items = []
@@ -337,7 +335,9 @@ class Scheduler:
         return Request(req_id=f"{admit.rid}#{index}", rid=admit.rid, index=index,
                        reply_to=admit.reply_to, prompt_token_ids=list(admit.prompt_token_ids),
                        params=params, arrival_time=admit.arrival_time or time.time(),
-                       priority=admit.priority, stamps=list(admit.stamps))
+                       priority=admit.priority, stamps=list(admit.stamps),
+                       # the first prompt token has no logprob; the worker scores the rest
+                       prompt_logprobs=[] if params.prompt_logprobs is None else [None])
 
     def _detok_item(self, req: Request, new: list[int], lp: TokenLogprobs | None) -> DetokItem:
         seq = len(req.output_token_ids) - len(new)
