@@ -124,6 +124,7 @@ class DetokItem:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     request_stamps: Times = field(default_factory=list)  # the request's way in; seq 0 only
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache had; seq 0 only
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,7 @@ class TextDelta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     request_stamps: Times = field(default_factory=list)  # the request's way in; seq 0 only
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache had; seq 0 only
 
 
 # --- messages ------------------------------------------------------------------------------
@@ -394,8 +396,8 @@ def _record_codec(cls: type) -> tuple[Converter, Converter]:
     Steps carry hundreds of records, and a loop over (name, converter) pairs per record was
     40% of a gateway's time at 1000 streams (py-spy, issue 11). The written functions keep
     every check of that loop: each field's type, required fields present, packed arrays
-    whole. A field at its empty default (None, an empty list) stays off the wire; the
-    reader fills it back in."""
+    whole. A field at its empty default (None, an empty list, the integer 0) stays off the
+    wire; the reader fills it back in."""
     hints = typing.get_type_hints(cls, include_extras=True)
     env: dict[str, Any] = {"cls": cls, "ABSENT": _ABSENT, "MessageError": MessageError}
     put: list[str] = []
@@ -421,7 +423,9 @@ def _record_codec(cls: type) -> tuple[Converter, Converter]:
         else:
             env[f"default{i}"], fill = f.default_factory, f"default{i}()"
         empty = (f"len(o.{f.name})" if f.default_factory is list
-                 else f"o.{f.name} is not None" if f.default is None else None)
+                 else f"o.{f.name} is not None" if f.default is None
+                 else f"o.{f.name} != 0" if type(f.default) is int and f.default == 0
+                 else None)
         put.append(f"    if {empty}: w[{f.name!r}] = {value}" if empty
                    else f"    w[{f.name!r}] = {value}")
         take += [f"    if v{i} is ABSENT: v{i} = {fill}", "    else:", f"        {check}"]

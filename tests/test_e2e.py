@@ -167,6 +167,17 @@ async def test_echo_returns_the_prompt_and_its_logprobs(api):
     assert one.choices[0].text.startswith(logprobs.tokens[0]) and logprobs.tokens[0]
 
 
+async def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(api):
+    prompt = "Cached tokens: " + " ".join(["the quick brown fox jumps over the lazy dog"] * 8)
+    first, again = [await api.completions.create(model=MODEL_NAME, prompt=prompt,
+                                                 temperature=0, max_tokens=1)
+                    for _ in range(2)]
+    num_prompt = first.usage.prompt_tokens
+    assert num_prompt > 64 and first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert num_prompt - 16 <= cached < num_prompt  # every full block but the last token's
+
+
 async def test_stop_strings_end_the_text_before_them(api):
     whole = await api.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], temperature=0,
                                          max_tokens=20)

@@ -336,8 +336,9 @@ def test_envelopes():
     assert chunk["object"] == "chat.completion.chunk" and chunk["usage"] is None
     chunk = responses.envelope("id", False, 5, "m", [], stream=True)
     assert chunk["object"] == "text_completion" and chunk["usage"] is None
-    assert responses.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4,
-                                     "total_tokens": 7}
+    assert responses.usage(3, 4, 2) == {"prompt_tokens": 3, "completion_tokens": 4,
+                                        "total_tokens": 7,
+                                        "prompt_tokens_details": {"cached_tokens": 2}}
 
 
 # --- calls --------------------------------------------------------------------------------
@@ -365,11 +366,13 @@ def test_choice_index_is_prompt_index_times_n_plus_i():
     call = make_call(completion(prompt=["a", "b"], n=2))
     for k, rid in enumerate(call.rids):
         for i in range(2):
-            call.offer(delta(0, f"{rid}/{i}", "length", rid=rid, index=i))
+            call.offer(delta(0, f"{rid}/{i}", "length", rid=rid, index=i,
+                             num_cached_tokens=2 * k))
     body = call.response()
     assert [(c["index"], c["text"]) for c in body["choices"]] == [
         (0, "cmpl-x-0/0"), (1, "cmpl-x-0/1"), (2, "cmpl-x-1/0"), (3, "cmpl-x-1/1")]
-    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12}
+    assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12,
+                             "prompt_tokens_details": {"cached_tokens": 2}}
     assert body["object"] == "text_completion" and body["model"] == "served"
 
 

@@ -171,6 +171,10 @@ def test_fields_at_their_empty_default_stay_off_the_wire():
     finished = dataclasses.replace(delta, finish_reason="stop", stop_reason=0)
     body = msgpack.unpackb(messages.encode(ReplyBatch([finished])), raw=False)
     assert body["items"][0]["finish_reason"] == "stop" and body["items"][0]["stop_reason"] == 0
+    cached = dataclasses.replace(delta, num_cached_tokens=16)  # an integer off its 0
+    body = msgpack.unpackb(messages.encode(ReplyBatch([cached])), raw=False)
+    assert body["items"][0]["num_cached_tokens"] == 16
+    assert messages.decode(messages.encode(ReplyBatch([cached]))).items == [cached]
 
 
 def test_packed_fields_take_numpy_arrays_and_tuples():

@@ -197,7 +197,7 @@ class Detokenizer:
             logprobs=[self._with_texts(lp) for lp in item.logprobs],
             prompt_logprobs=[None if lp is None else self._with_texts(lp)
                              for lp in item.prompt_logprobs],
-            request_stamps=item.request_stamps)
+            request_stamps=item.request_stamps, num_cached_tokens=item.num_cached_tokens)
         return delta, abort
 
     def _resync(self, item: DetokItem) -> tuple[list[int], int]:

@@ -150,11 +150,14 @@ class Call:
 
     # --- out: one response -------------------------------------------------------------
 
-    def usage(self) -> dict[str, int]:
-        prompt_tokens = sum(max(self.choices[p.rid, i].num_prompt_tokens
-                                for i in range(self.job.n)) for p in self.prompts)
+    def usage(self) -> dict[str, Any]:
+        """A prompt's counts come from one of its completions that answered: the n
+        siblings share the prompt."""
+        firsts = [max((self.choices[p.rid, i] for i in range(self.job.n)),
+                      key=lambda c: c.num_prompt_tokens) for p in self.prompts]
         completion_tokens = sum(len(c.token_ids) for c in self.choices.values())
-        return shapes.usage(prompt_tokens, completion_tokens)
+        return shapes.usage(sum(c.num_prompt_tokens for c in firsts), completion_tokens,
+                            sum(c.num_cached_tokens for c in firsts))
 
     def response(self) -> dict[str, Any]:
         choices = [self._final_choice(c) for c in self._sorted_choices()]

@@ -27,6 +27,7 @@ class Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     early: dict[int, TextDelta] = field(default_factory=dict)  # by seq, not yet applicable
@@ -62,13 +63,17 @@ class Choice:
         self.num_prompt_tokens = delta.num_prompt_tokens
         if delta.prompt_logprobs:
             self.prompt_logprobs = list(delta.prompt_logprobs)
+        if delta.seq == 0:
+            self.num_cached_tokens = delta.num_cached_tokens
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+          ) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 # --- logprobs -------------------------------------------------------------------------

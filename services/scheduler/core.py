@@ -350,7 +350,8 @@ class Scheduler:
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             logprobs=[lp] if lp is not None else [],
             prompt_logprobs=req.prompt_logprobs if seq == 0 else [],
-            request_stamps=req.stamps if seq == 0 else [])
+            request_stamps=req.stamps if seq == 0 else [],
+            num_cached_tokens=req.num_cached_tokens if seq == 0 else 0)
 
     # --- introspection ------------------------------------------------------------------
 
