@@ -57,6 +57,15 @@ def test_a_body_that_never_arrives_is_408(impatient):
     assert b"--body-timeout" in answer
 
 
+def closed_by_peer(sock: socket.socket) -> bool:
+    """The peer closed: an orderly end (FIN), or a reset, which a close with bytes in
+    flight sends instead (a CI run saw one)."""
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+
+
 def test_half_open_connections_do_not_starve_a_request(impatient):
     crowd = [connect(impatient) for _ in range(HALF_OPEN)]
     try:
@@ -69,8 +78,8 @@ def test_half_open_connections_do_not_starve_a_request(impatient):
         time.sleep(TIMEOUT_S + 1)
         closed = 0
         for sock in crowd:
-            sock.settimeout(3)
-            closed += sock.recv(1024) == b""
+            sock.settimeout(3)  # one still held open fails here, timing out
+            closed += closed_by_peer(sock)
         assert closed == HALF_OPEN  # every one of them let go
     finally:
         for sock in crowd:
