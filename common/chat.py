@@ -32,13 +32,14 @@ def plain_message(message: Any, i: int) -> dict[str, Any]:
 
 
 def render_chat(tokenizer: Any, messages: Any, add_generation_prompt: bool,
-                tokenize: bool) -> Any:
-    """The conversation through the chat template: token ids, or the prompt text."""
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The conversation through the chat template, as the prompt text. `template_kwargs`
+    are the client's chat_template_kwargs: variables the template reads (enable_thinking)."""
     conversation = plain_conversation(messages)
     try:
         return tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=tokenize,
-            return_dict=False)
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+            **(template_kwargs or {}))
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
         raise ApiError(400, f"The chat template failed on these messages: {e}",
                        "messages") from None

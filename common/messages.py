@@ -162,6 +162,9 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     priority: int = 0
     arrival_time: float = 0.0
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for a chat
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: fit
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. enable_thinking
 
 
 @message("admit")

@@ -276,7 +276,7 @@ async def test_a_body_over_the_limit_is_413(url):
     ("/v1/completions", {"model": MODEL_NAME, "prompt": []}, "prompt"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": [1, 10**8], "echo": True}, "prompt"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "a",
-                         "response_format": {"type": "json_object"}}, "response_format"),
+                         "response_format": {"type": "yaml"}}, "response_format"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user"}],
                               "tools": [{"type": "function"}]}, "tools"),
@@ -418,6 +418,45 @@ async def test_vllm_style_requests_work_unchanged_through_the_openai_client(
         for method in (session.get, session.post):
             async with method(url + "/ping") as response:
                 assert response.status == 200
+
+
+async def test_vllm_request_options_reach_the_stages_and_usage_can_stream_continuously(
+        url, redis_at, api):
+    async with fake_stages(redis_at, in_order(["a", "b", "c"])) as seen:
+        await api.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+            extra_body={"chat_template_kwargs": {"enable_thinking": False},
+                        "add_special_tokens": True, "truncate_prompt_tokens": 5})
+        stream = await api.completions.create(
+            model=MODEL_NAME, prompt="p", stream=True,
+            extra_body={"stream_options": {"include_usage": True,
+                                           "continuous_usage_stats": True}})
+        chunks = [chunk async for chunk in stream]
+    assert seen[0].chat_template_kwargs == {"enable_thinking": False}
+    assert (seen[0].add_special_tokens, seen[0].truncate_prompt_tokens) == (True, 5)
+    assert (seen[1].add_special_tokens, seen[1].truncate_prompt_tokens) == (None, None)
+    counts = [c.usage.completion_tokens for c in chunks]  # every chunk has usage
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-2:] == [3, 3]
+    assert not chunks[-1].choices and all(c.choices for c in chunks[:-1])
+
+
+async def test_openapi_documents_the_bodies_the_gateway_takes_and_sends(url, redis_at, api):
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/openapi.json") as response:
+            assert response.status == 200
+            doc = await response.json()
+    schemas = doc["components"]["schemas"]
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    body_ref = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    fields = schemas[body_ref.rsplit("/", 1)[1]]["properties"]
+    assert {"messages", "temperature", "top_k", "guided_json", "response_format",
+            "max_completion_tokens"} <= set(fields)
+    assert "text/event-stream" in chat["responses"]["200"]["content"]
+    async with fake_stages(redis_at, in_order(["a"])):
+        out = await api.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}])
+    documented = set(schemas["ChatCompletionResponse"]["properties"])
+    assert set(out.model_dump(exclude_unset=True)) <= documented
 
 
 async def test_chat_messages_and_token_prompts_reach_the_stages(redis_at, api):

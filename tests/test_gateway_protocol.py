@@ -22,6 +22,7 @@ from services.gateway.core import (STALE_S, Backend, Call, Echo, Shard, admissio
                                    dead_reply_streams, queue_depth, request_ids,
                                    scheduler_gone, scheduler_restarted)
 from services.gateway.protocol import Limits, parse_detokenize, parse_job, parse_tokenize
+from services.gateway.response_bodies import to_dict
 from services.gateway.responses import Choice
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -110,7 +111,7 @@ def test_temperature_nan_and_inf_are_refused():
 
 
 @pytest.mark.parametrize("name", ["suffix", "logit_bias", "best_of", "tools",
-                                  "response_format", "allowed_token_ids"])
+                                  "allowed_token_ids"])
 def test_features_this_server_lacks_are_refused_by_name(name):
     error = refused(chat(**{name: {"x": 1}}), is_chat=True)
     assert error.param == name and "not supported" in error.message
@@ -125,11 +126,27 @@ def test_unknown_fields_are_ignored_and_named():
     assert parse_tokenize({"prompt": "Hi", "truncate": 3}).ignored == ["truncate"]
 
 
-def test_a_text_response_format_is_plain_generation():
+def test_response_format_and_guided_fields_become_structured_outputs():
     job = parse_job(chat(response_format={"type": "text"}), chat=True)
-    assert "response_format" not in job.params
-    error = refused(chat(response_format={"type": "json_object"}), is_chat=True)
-    assert error.param == "response_format" and "json_object" in error.message
+    assert "response_format" not in job.params and "structured_outputs" not in job.params
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for body, expected in [
+            ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+            ({"response_format": {"type": "json_schema",
+                                  "json_schema": {"name": "x", "schema": schema}}},
+             {"json": schema}),
+            ({"guided_json": schema}, {"json": schema}),
+            ({"guided_regex": "[ab]+"}, {"regex": "[ab]+"}),
+            ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+            ({"guided_grammar": 'root ::= "x"'}, {"grammar": 'root ::= "x"'}),
+            ({"structured_outputs": {"regex": "a"}}, {"regex": "a"})]:
+        assert parse_job(chat(**body), chat=True).params["structured_outputs"] == expected
+    error = refused(chat(response_format={"type": "json_schema"}), is_chat=True)
+    assert error.param == "response_format" and "json_schema.schema" in error.message
+    error = refused(chat(response_format={"type": "xml"}), is_chat=True)
+    assert error.param == "response_format"
+    error = refused(completion(guided_regex="a", guided_choice=["a"]))
+    assert "one way" in error.message
 
 
 def test_completions_default_to_16_tokens_as_openai_and_vllm():
@@ -193,7 +210,10 @@ def test_stream_options():
     assert refused(completion(stream_options={"include_usage": True})).param == "stream_options"
     assert refused(completion(stream=True, stream_options={"x": 1})).param == "stream_options"
     error = refused(completion(stream=True, stream_options={"include_usage": 1}))
-    assert error.param == "include_usage"
+    assert error.param == "stream_options" and "stream_options.include_usage" in error.message
+    job = parse_job(completion(stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}), False)
+    assert job.include_usage and job.continuous_usage
 
 
 def test_model_is_optional():
@@ -299,16 +319,17 @@ def lp(texts: list[str], logprobs: list[float], rank: int = 1) -> TokenLogprobs:
 
 def test_completion_logprobs_with_an_unscored_first_token():
     entries = [None, lp([" b", " x"], [-1.0, -0.5], 2), lp(["cd", "cd"], [-float("inf"), -2.0])]
-    out = responses.completion_logprobs(entries, 10, unscored_text="A")
+    logprobs = responses.completion_logprobs(entries, 10, unscored_text="A")
+    out = to_dict(logprobs)
     assert out == {"tokens": ["A", " b", "cd"], "token_logprobs": [None, -1.0, -9999.0],
                    "top_logprobs": [None, {" b": -1.0, " x": -0.5}, {"cd": -9999.0}],
                    "text_offset": [10, 11, 13]}
-    assert responses.logprobs_text_length(out) == 5
+    assert responses.logprobs_text_length(logprobs) == 5
     json.dumps(out, allow_nan=False)
 
 
 def test_chat_logprobs_list_the_top_k_apart_from_the_chosen_token():
-    out = responses.chat_logprobs([lp(["é", "a", "b"], [-0.1, -0.05, -3.0], 2)])
+    out = to_dict(responses.chat_logprobs([lp(["é", "a", "b"], [-0.1, -0.05, -3.0], 2)]))
     assert out == {"content": [{"token": "é", "logprob": -0.1, "bytes": [195, 169],
                                 "top_logprobs": [
                                     {"token": "a", "logprob": -0.05, "bytes": [97]},
@@ -317,26 +338,28 @@ def test_chat_logprobs_list_the_top_k_apart_from_the_chosen_token():
 
 def test_logprobs_without_texts_name_the_token_ids():
     entry = TokenLogprobs([7, 8], [-1.0, -2.0], 1)
-    assert responses.chat_logprobs([entry])["content"][0]["token"] == "token_id:7"
+    assert responses.chat_logprobs([entry]).content[0].token == "token_id:7"
 
 
 def test_prompt_logprobs_rows():
     rows = responses.prompt_logprobs([None, lp(["a", "b"], [-2.0, -1.0], 3)])
-    assert rows == [None, {"0": {"logprob": -2.0, "rank": 3, "decoded_token": "a"},
+    assert [row and {k: to_dict(v) for k, v in row.items()} for row in rows] == [None, {"0": {"logprob": -2.0, "rank": 3, "decoded_token": "a"},
                            "1": {"logprob": -1.0, "rank": 1, "decoded_token": "b"}}]
 
 
 def test_envelopes():
-    body = responses.envelope("id", True, 5, "m", [], stream=False, usage_counts={"x": 1})
+    counts = responses.usage(1, 2)
+    body = to_dict(responses.envelope("id", True, 5, "m", [], stream=False,
+                                      usage_counts=counts))
     assert body == {"id": "id", "object": "chat.completion", "created": 5, "model": "m",
                     "system_fingerprint": responses.SYSTEM_FINGERPRINT, "choices": [],
-                    "usage": {"x": 1}}
+                    "usage": to_dict(counts)}
     assert responses.SYSTEM_FINGERPRINT.startswith("headrace-")
-    chunk = responses.envelope("id", True, 5, "m", [], stream=True)
+    chunk = to_dict(responses.envelope("id", True, 5, "m", [], stream=True))
     assert chunk["object"] == "chat.completion.chunk" and chunk["usage"] is None
-    chunk = responses.envelope("id", False, 5, "m", [], stream=True)
+    chunk = to_dict(responses.envelope("id", False, 5, "m", [], stream=True))
     assert chunk["object"] == "text_completion" and chunk["usage"] is None
-    assert responses.usage(3, 4, 2) == {"prompt_tokens": 3, "completion_tokens": 4,
+    assert to_dict(responses.usage(3, 4, 2)) == {"prompt_tokens": 3, "completion_tokens": 4,
                                         "total_tokens": 7,
                                         "prompt_tokens_details": {"cached_tokens": 2}}
 
@@ -368,7 +391,7 @@ def test_choice_index_is_prompt_index_times_n_plus_i():
         for i in range(2):
             call.offer(delta(0, f"{rid}/{i}", "length", rid=rid, index=i,
                              num_cached_tokens=2 * k))
-    body = call.response()
+    body = to_dict(call.response())
     assert [(c["index"], c["text"]) for c in body["choices"]] == [
         (0, "cmpl-x-0/0"), (1, "cmpl-x-0/1"), (2, "cmpl-x-1/0"), (3, "cmpl-x-1/1")]
     assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12,
@@ -404,7 +427,7 @@ def test_chat_response_and_logprobs():
     call = make_call(chat(logprobs=True, top_logprobs=1), is_chat=True)
     call.offer(delta(0, "Hi", logprobs=[lp(["Hi", "Yo"], [-0.5, -1.0])]))
     call.offer(delta(1, "!", "stop", logprobs=[lp(["!", "."], [-0.1, -2.0])]))
-    body = call.response()
+    body = to_dict(call.response())
     assert body["object"] == "chat.completion" and body["id"] == "cmpl-x"
     choice, = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": "Hi!", "refusal": None,
@@ -419,7 +442,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
                      echoes=[Echo("Hello world", "Hello")])
     call.offer(delta(0, "!", "length", prompt_logprobs=rows,
                      logprobs=[lp(["!", "?"], [-0.2, -2.0])]))
-    choice, = call.response()["choices"]
+    choice, = to_dict(call.response())["choices"]
     assert choice["text"] == "Hello world!"
     assert choice["logprobs"]["tokens"] == ["Hello", " world", "!"]
     assert choice["logprobs"]["token_logprobs"] == [None, -3.0, -0.2]
@@ -429,33 +452,33 @@ def test_echo_puts_the_prompt_and_its_logprobs_first():
 def test_prompt_logprobs_without_echo_are_vllm_rows():
     call = make_call(completion(prompt_logprobs=1))
     call.offer(delta(0, "x", "length", prompt_logprobs=[None, lp(["a"], [-1.0])]))
-    assert call.response()["choices"][0]["prompt_logprobs"] == [
+    assert to_dict(call.response())["choices"][0]["prompt_logprobs"] == [
         None, {"0": {"logprob": -1.0, "rank": 1, "decoded_token": "a"}}]
 
 
 def test_chat_chunks_start_with_the_role_and_coalesce_per_choice():
     call = make_call(chat(n=2, stream=True, stream_options={"include_usage": True}),
                      is_chat=True)
-    opening = call.opening_chunks()
+    opening = list(map(to_dict, call.opening_chunks()))
     assert [c["choices"][0]["delta"] for c in opening] == [
         {"role": "assistant", "content": ""}] * 2
     assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in opening)
     applied = (call.offer(delta(0, "a")) + call.offer(delta(0, "x", index=1))
                + call.offer(delta(1, "b", "stop", stop_reason=7)))
-    chunks = call.chunks(applied)
+    chunks = list(map(to_dict, call.chunks(applied)))
     assert [(c["choices"][0]["index"], c["choices"][0]["delta"], c["choices"][0]["finish_reason"],
              c["choices"][0]["stop_reason"]) for c in chunks] == [
         (0, {"content": "ab"}, "stop", 7), (1, {"content": "x"}, None, None)]
-    usage = call.usage_chunk()
+    usage = to_dict(call.usage_chunk())
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
 
 
 def test_a_step_makes_a_chunk_even_when_its_text_is_held_back():
     """As vLLM: a client sees every step's tokens arrive, also before their text is out."""
     call = make_call(completion(stream=True))
-    held, = call.chunks(call.offer(delta(0, "")))
+    held, = map(to_dict, call.chunks(call.offer(delta(0, ""))))
     assert held["choices"][0]["text"] == "" and held["choices"][0]["finish_reason"] is None
-    chunk, = call.chunks(call.offer(delta(1, "", "length")))
+    chunk, = map(to_dict, call.chunks(call.offer(delta(1, "", "length"))))
     assert chunk["choices"][0] == {"index": 0, "text": "", "logprobs": None,
                                    "finish_reason": "length", "stop_reason": None}
     assert chunk["usage"] is None  # null until the usage chunk, as vLLM sends it
@@ -464,9 +487,10 @@ def test_a_step_makes_a_chunk_even_when_its_text_is_held_back():
 def test_streamed_echo_and_logprob_offsets_continue_across_chunks():
     call = make_call(completion(prompt="Hi", echo=True, logprobs=0, stream=True),
                      echoes=[Echo("Hi", "Hi")])
-    first, = call.chunks(call.offer(delta(0, " a", prompt_logprobs=[None],
-                                          logprobs=[lp([" a"], [-1.0])])))
-    second, = call.chunks(call.offer(delta(1, " b", "length", logprobs=[lp([" b"], [-2.0])])))
+    first, = map(to_dict, call.chunks(call.offer(delta(0, " a", prompt_logprobs=[None],
+                                          logprobs=[lp([" a"], [-1.0])]))))
+    second, = map(to_dict, call.chunks(call.offer(delta(1, " b", "length",
+                                                        logprobs=[lp([" b"], [-2.0])]))))
     assert first["choices"][0]["text"] == "Hi a" and second["choices"][0]["text"] == " b"
     assert first["choices"][0]["logprobs"]["text_offset"] == [0, 2]
     assert second["choices"][0]["logprobs"]["text_offset"] == [4]

@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "online serving through the gateway at one request rate: TTFT, ITL, TPOT, e2e",
     "soak": ("hours of mixed traffic, aborts and restarts: RSS, Redis memory and stream "
              "lengths per minute"),
+    "validation": "what the gateway's request and response models cost per request",
 }
 
 

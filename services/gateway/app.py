@@ -1,5 +1,5 @@
 """The gateway's HTTP API (aiohttp): OpenAI's completions, chat completions and models, plus
-/tokenize, /detokenize, /health, /version and /metrics.
+/tokenize, /detokenize, /health (/ping), /version, /metrics and /openapi.json.
 
 A generation call publishes one GenerateRequest per prompt and waits for every request's
 first reply before it answers: that reply decides the HTTP status, also for a stream (a
@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 from aiohttp import web
+from pydantic import BaseModel
 from redis.exceptions import RedisError
 from structlog.stdlib import BoundLogger
 
@@ -43,7 +44,10 @@ from services.gateway.core import (SHUTTING_DOWN, Applied, Backend, Call, Echo, 
                                    shutting_down)
 from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
                                        parse_job, parse_tokenize)
+from services.gateway.openapi import openapi_document
 from services.gateway.replies import Inbox, Replies, next_replies
+from services.gateway.response_bodies import (DetokenizeResponse, ErrorResponse, ModelCard,
+                                              ModelList, TokenizeResponse, to_dict, to_json)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -51,6 +55,8 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REFRESH_TIMEOUT_S = 2.0
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 ENDING_S = 5.0  # after --shutdown-timeout, the calls' handlers get this long to send errors
+VERSION = importlib.metadata.version("headrace")
+OPENAPI = openapi_document(VERSION)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -91,6 +97,7 @@ class Gateway:
             ping("/ping", self.health)  # vLLM's name for it (SageMaker asks there)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     # --- middlewares ------------------------------------------------------------------
@@ -194,8 +201,8 @@ class Gateway:
             await self.receive(call, inbox)
         if call.error is not None:
             raise call.error
-        log.info("request finished", **call.usage())
-        return web.json_response(call.response())
+        log.info("request finished", **to_dict(call.usage()))
+        return json_body(call.response())
 
     async def new_call(self, job: Job, model: str) -> Call:
         call_id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
@@ -241,9 +248,9 @@ class Gateway:
             if call.error is not None:
                 log.warning("request failed while streaming", status=call.error.status,
                             error=call.error.message)
-                await send(response, [call.error.body()])
+                await send(response, [ErrorResponse.model_validate(call.error.body())])
             else:
-                log.info("request finished", **call.usage())
+                log.info("request finished", **to_dict(call.usage()))
                 if call.job.include_usage:
                     await send(response, [call.usage_chunk()])
             await response.write(b"data: [DONE]\n\n")
@@ -348,10 +355,10 @@ class Gateway:
         return self.names[0]
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": name, "object": "model", "created": self.started_at,
-                 "owned_by": "headrace", "root": self.model_path, "parent": None,
-                 "max_model_len": self.max_model_len} for name in self.names]
-        return web.json_response({"object": "list", "data": data})
+        return json_body(ModelList(data=[
+            ModelCard(id=name, created=self.started_at, owned_by="headrace",
+                      root=self.model_path, max_model_len=self.max_model_len)
+            for name in self.names]))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         job = parse_tokenize(await read_json(request, self.server.body_timeout))
@@ -359,15 +366,15 @@ class Gateway:
         if job.ignored:
             self.log.warning("ignored unknown request fields", fields=job.ignored)
         ids = await anyio.to_thread.run_sync(self.token_ids, job)
-        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len,
-                                  "tokens": ids})
+        return json_body(TokenizeResponse(count=len(ids), max_model_len=self.max_model_len,
+                                          tokens=ids))
 
     def token_ids(self, job: TokenizeJob) -> list[int]:
         tokenizer = self.info.tokenizer
         text = job.prompt
         if job.messages is not None:
             text = render_chat(tokenizer, job.messages, job.add_generation_prompt,
-                               tokenize=False)
+                               job.chat_template_kwargs)
         return list(tokenizer.encode(text, add_special_tokens=job.add_special_tokens))
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -375,7 +382,7 @@ class Gateway:
         self.served_name(name)
         check_vocabulary(tokens, self.info.vocab_size, "tokens")
         text = await anyio.to_thread.run_sync(self.info.tokenizer.decode, tokens)
-        return web.json_response({"prompt": text})
+        return json_body(DetokenizeResponse(prompt=text))
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while some shard has a scheduler and a worker; the body says which do."""
@@ -394,7 +401,10 @@ class Gateway:
         return web.json_response({"status": "ok", "shards": shards})
 
     async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": importlib.metadata.version("headrace")})
+        return web.json_response({"version": VERSION})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(OPENAPI)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         shards = range(self.info.config.data_parallel_size)
@@ -433,7 +443,10 @@ async def read_json(request: web.Request, timeout_s: float) -> Any:
     return body
 
 
-async def send(response: web.StreamResponse, events: list[dict[str, Any]]) -> None:
+async def send(response: web.StreamResponse, events: list[BaseModel]) -> None:
     if events:
-        await response.write(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n"
-                                      for e in events))
+        await response.write(b"".join(b"data: " + to_json(e) + b"\n\n" for e in events))
+
+
+def json_body(body: BaseModel) -> web.Response:
+    return web.Response(body=to_json(body), content_type="application/json")

@@ -19,6 +19,8 @@ from common.errors import ApiError
 from common.messages import ErrorReply, GenerateRequest, SchedulerStats, TextDelta
 from services.gateway import responses as shapes
 from services.gateway.protocol import Job
+from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice, CompletionChoice,
+                                              DeltaMessage, Usage)
 from services.gateway.responses import Choice
 
 # How long the scheduler may go unseen (Redis unreachable) before in-flight requests end;
@@ -110,10 +112,12 @@ class Call:
     def requests(self, reply_to: str, arrival_time: float) -> list[GenerateRequest]:
         job = self.job
         common = dict(reply_to=reply_to, params=job.params, priority=job.priority,
-                      arrival_time=arrival_time)
+                      arrival_time=arrival_time, add_special_tokens=job.add_special_tokens,
+                      truncate_prompt_tokens=job.truncate_prompt_tokens)
         if job.chat:
             return [GenerateRequest(self.id, messages=job.messages,
-                                    add_generation_prompt=job.add_generation_prompt, **common)]
+                                    add_generation_prompt=job.add_generation_prompt,
+                                    chat_template_kwargs=job.chat_template_kwargs, **common)]
         return [GenerateRequest(p.rid, prompt=p.source, **common) if isinstance(p.source, str)
                 else GenerateRequest(p.rid, prompt_token_ids=p.source, **common)
                 for p in self.prompts]
@@ -150,7 +154,7 @@ class Call:
 
     # --- out: one response -------------------------------------------------------------
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> Usage:
         """A prompt's counts come from one of its completions that answered: the n
         siblings share the prompt."""
         firsts = [max((self.choices[p.rid, i] for i in range(self.job.n)),
@@ -159,16 +163,16 @@ class Call:
         return shapes.usage(sum(c.num_prompt_tokens for c in firsts), completion_tokens,
                             sum(c.num_cached_tokens for c in firsts))
 
-    def response(self) -> dict[str, Any]:
+    def response(self) -> shapes.Body:
         choices = [self._final_choice(c) for c in self._sorted_choices()]
         body = shapes.envelope(self.id, self.job.chat, self.created, self.model, choices,
                                stream=False, usage_counts=self.usage())
         if self.job.chat and "prompt_logprobs" in self.job.params:
             first = self._sorted_choices()[0]  # every choice shares the prompt
-            body["prompt_logprobs"] = shapes.prompt_logprobs(first.prompt_logprobs)
+            body.prompt_logprobs = shapes.prompt_logprobs(first.prompt_logprobs)
         return body
 
-    def _final_choice(self, choice: Choice) -> dict[str, Any]:
+    def _final_choice(self, choice: Choice) -> ChatChoice | CompletionChoice:
         if self.job.chat:
             logprobs = shapes.chat_logprobs(choice.logprobs) if self.job.logprobs else None
             return shapes.chat_choice(choice.index, choice.text, logprobs,
@@ -179,25 +183,26 @@ class Call:
             entries = [*(choice.prompt_logprobs if echo else []), *choice.logprobs]
             logprobs = shapes.completion_logprobs(entries, 0, echo.first_token if echo else "")
         text = (echo.text if echo else "") + choice.text
-        body = shapes.completion_choice(choice.index, text, logprobs, choice.finish_reason,
-                                        choice.stop_reason)
+        rows = None
         if "prompt_logprobs" in self.job.params and not self.job.echo:
-            body["prompt_logprobs"] = shapes.prompt_logprobs(choice.prompt_logprobs)
-        return body
+            rows = shapes.prompt_logprobs(choice.prompt_logprobs)
+        return shapes.completion_choice(choice.index, text, logprobs, choice.finish_reason,
+                                        choice.stop_reason, rows)
 
     def _echo(self, choice: Choice) -> Echo | None:
         return self.prompts[choice.index // self.job.n].echo if self.job.echo else None
 
     # --- out: chunks ---------------------------------------------------------------------
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
+    def opening_chunks(self) -> list[shapes.Body]:
         """Chat streams start with each choice's role."""
         if not self.job.chat:
             return []
-        return [self._chunk([shapes.chat_delta(c.index, {"role": "assistant", "content": ""})])
+        role = DeltaMessage.model_construct(role="assistant", content="")
+        return [self._chunk([shapes.chat_delta(c.index, role)])
                 for c in self._sorted_choices()]
 
-    def chunks(self, applied: list[Applied]) -> list[dict[str, Any]]:
+    def chunks(self, applied: list[Applied]) -> list[shapes.Body]:
         """One chunk per choice that moved, in the order the choices moved."""
         by_choice: dict[int, tuple[Choice, list[TextDelta]]] = {}
         for choice, delta in applied:
@@ -209,15 +214,18 @@ class Call:
                 chunks.append(self._chunk([chunk_choice]))
         return chunks
 
-    def usage_chunk(self) -> dict[str, Any]:
+    def usage_chunk(self) -> shapes.Body:
         return shapes.envelope(self.id, self.job.chat, self.created, self.model, [],
                                stream=True, usage_counts=self.usage())
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def _chunk(self, choices: list[Any]) -> shapes.Body:
+        """usage is null, or the counts so far with vLLM's continuous_usage_stats."""
+        counts = self.usage() if self.job.continuous_usage else None
         return shapes.envelope(self.id, self.job.chat, self.created, self.model, choices,
-                               stream=True)
+                               stream=True, usage_counts=counts)
 
-    def _chunk_choice(self, choice: Choice, deltas: list[TextDelta]) -> dict[str, Any] | None:
+    def _chunk_choice(self, choice: Choice, deltas: list[TextDelta]
+                      ) -> ChatChunkChoice | CompletionChoice | None:
         text = "".join(d.text for d in deltas)
         entries: list = [lp for d in deltas for lp in d.logprobs]
         finish = deltas[-1].finish_reason
@@ -235,8 +243,8 @@ class Call:
         self.opened.add(choice.index)
         if self.job.chat:
             logprobs = shapes.chat_logprobs(entries) if self.job.logprobs else None
-            return shapes.chat_delta(choice.index, {"content": text}, logprobs, finish,
-                                     stop_reason)
+            return shapes.chat_delta(choice.index, DeltaMessage.model_construct(content=text),
+                                     logprobs, finish, stop_reason)
         logprobs = None
         if self.job.logprobs:
             offset = self.offsets.get(choice.index, 0)

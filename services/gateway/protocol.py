@@ -1,11 +1,11 @@
 """OpenAI request bodies -> what the gateway publishes (errors: common/errors.py).
 
-Only names, shapes and JSON types are checked here; value ranges are checked by building a
-SamplingParams (the validation the tokenizer stage applies again with the model's
-defaults), so a bad value is a 400 before anything is queued. Fields nobody defines are
-ignored and named in a warning, as vLLM does, so that clients written for other servers
-work; OpenAI and vLLM features this server does not have yet are refused by name, so a
-client never silently gets something other than what it asked for.
+The bodies' names, shapes and JSON types are the pydantic models' (request_bodies.py) to
+check; value ranges are checked by building a SamplingParams (the validation the tokenizer
+stage applies again with the model's defaults), so a bad value is a 400 before anything is
+queued. Fields nobody defines are ignored and named in a warning, as vLLM does, so that
+clients written for other servers work; OpenAI features this server does not have are
+refused by name, so a client never silently gets something other than what it asked for.
 """
 
 from __future__ import annotations
@@ -13,30 +13,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from common.chat import plain_conversation
 from common.errors import ApiError
-from common.sampling_params import (CLIENT_PARAMS, MAX_N, SamplingError, SamplingParams,
-                                    check_json_type, fits_int64, json_kinds)
+from common.sampling_params import MAX_N, SamplingError, SamplingParams, fits_int64
+from services.gateway.request_bodies import (ChatCompletionRequest, CompletionRequest,
+                                             DetokenizeRequest, SamplingFields,
+                                             TokenizeRequest, validate)
 
-MAX_TOKEN_ID = 2**31  # token ids travel as packed int32
-
-
-# Sampling parameters whose request field has their name and meaning, with their JSON
-# types; the others are spelled differently by OpenAI's API (max_tokens beside chat's
-# max_completion_tokens, logprobs, a stop string or list) and are read below.
-_READ_APART = {"max_tokens", "logprobs", "stop"}
-_SAMPLING_FIELDS = {name: json_kinds(name) for name in CLIENT_PARAMS if name not in _READ_APART}
-_COMMON_FIELDS = {*_SAMPLING_FIELDS, "model", "stream", "stream_options", "max_tokens",
-                  "stop", "logprobs", "priority", "user", "response_format"}
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
-                                 "add_generation_prompt"}
 # Known OpenAI fields whose features this server does not have.
 _UNSUPPORTED = {"suffix", "best_of", "logit_bias", "tools", "tool_choice", "functions",
                 "function_call", "parallel_tool_calls", "audio", "modalities",
-                "prediction", "reasoning_effort", "web_search_options", "guided_json",
-                "guided_regex", "guided_choice", "guided_grammar", "allowed_token_ids",
-                "truncate_prompt_tokens", "chat_template_kwargs", "include_reasoning"}
+                "prediction", "reasoning_effort", "web_search_options", "allowed_token_ids",
+                "include_reasoning"}
+_SAMPLING_FIELDS = tuple(SamplingFields.model_fields)
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}  # vLLM's older names -> structured_outputs' keys
 COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 
@@ -50,8 +43,12 @@ class Job:
     params: dict[str, Any] = field(default_factory=dict)  # only what the client set
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage in every chunk, not only the last
     echo: bool = False
     add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # None: the endpoint's default
+    truncate_prompt_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     priority: int = 0
     ignored: list[str] = field(default_factory=list)  # unknown fields, for the warning
 
@@ -71,6 +68,7 @@ class TokenizeJob:
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     ignored: list[str] = field(default_factory=list)
 
 
@@ -106,23 +104,26 @@ def _within(param: str, count: int, bound: int, unit: str, flag: str) -> None:
 
 
 def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
-    body = _object(body)
-    job = Job(chat=chat, model=_typed(body, "model", str),
-              ignored=_unknown_names(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS))
-    _check_response_format(body)
+    _refuse_unsupported(body)
     if chat:
-        job.messages = _messages(body)
-        job.add_generation_prompt = _typed(body, "add_generation_prompt", bool, True)
+        req = validate(ChatCompletionRequest, body)
+        job = Job(chat=True, model=req.model, messages=_messages(body),
+                  add_generation_prompt=_given(req.add_generation_prompt, True),
+                  chat_template_kwargs=req.chat_template_kwargs)
     else:
-        job.prompts = _prompts(body)
-        job.echo = _typed(body, "echo", bool, False)
-    job.params = _sampling_overrides(body, chat, job.echo)
-    job.stream = _typed(body, "stream", bool, False)
-    if job.stream and _typed(body, "prompt_logprobs", int) is not None:
+        req = validate(CompletionRequest, body)
+        job = Job(chat=False, model=req.model, prompts=_prompts(req.prompt),
+                  echo=_given(req.echo, False))
+    job.ignored = _unknown_names(req)
+    job.add_special_tokens = req.add_special_tokens
+    job.truncate_prompt_tokens = req.truncate_prompt_tokens
+    job.params = _sampling_overrides(req, chat, job.echo)
+    job.stream = _given(req.stream, False)
+    if job.stream and req.prompt_logprobs is not None:
         raise ApiError(400, "'prompt_logprobs' is not available with 'stream' set to true",
                        "prompt_logprobs")
-    job.include_usage = _include_usage(body, job.stream)
-    job.priority = _typed(body, "priority", int, 0)
+    job.include_usage, job.continuous_usage = _usage_options(req, job.stream)
+    job.priority = _given(req.priority, 0)
     if not fits_int64(job.priority):
         raise ApiError(400, f"priority must be a 64-bit integer, got {job.priority}",
                        "priority")
@@ -141,95 +142,91 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 def parse_tokenize(body: Any) -> TokenizeJob:
-    body = _object(body)
-    job = TokenizeJob(_typed(body, "model", str), ignored=_unknown_names(
-        body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}))
-    if ("prompt" in body) == ("messages" in body):
+    req = validate(TokenizeRequest, body)
+    job = TokenizeJob(req.model, ignored=_unknown_names(req),
+                      chat_template_kwargs=req.chat_template_kwargs)
+    if (req.prompt is None) == (req.messages is None):
         raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
-    if "messages" in body:
+    if req.messages is not None:
         job.messages = _messages(body)
-        job.add_generation_prompt = _typed(body, "add_generation_prompt", bool, True)
-        job.add_special_tokens = _typed(body, "add_special_tokens", bool, False)
+        job.add_generation_prompt = _given(req.add_generation_prompt, True)
+        job.add_special_tokens = _given(req.add_special_tokens, False)
     else:
-        job.prompt = _typed(body, "prompt", str)
-        if job.prompt is None:
-            raise ApiError(400, "'prompt' must be a string", "prompt")
-        job.add_special_tokens = _typed(body, "add_special_tokens", bool, True)
+        job.prompt = req.prompt
+        job.add_special_tokens = _given(req.add_special_tokens, True)
     return job
 
 
 def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
-    body = _object(body)
-    _unknown_names(body, {"model", "tokens"})
-    tokens = body.get("tokens")
-    if not (isinstance(tokens, list) and all(_is_token_id(t) for t in tokens)):
-        raise ApiError(400, f"'tokens' must be a list of token ids (integers in [0, "
-                            f"{MAX_TOKEN_ID}))", "tokens")
-    return _typed(body, "model", str), tokens
+    req = validate(DetokenizeRequest, body)
+    return req.model, req.tokens
 
 
 # --- fields ---------------------------------------------------------------------------
 
-def _object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
-
-
-def _unknown_names(body: dict[str, Any], known: set[str]) -> list[str]:
-    """The fields of `body` this endpoint does not know (sorted), to be ignored; a feature
-    it lacks is refused instead."""
-    unknown = []
-    for name, value in body.items():
-        if value is None:
-            continue  # clients send null for "not set"
-        if name in _UNSUPPORTED:
+def _refuse_unsupported(body: Any) -> None:
+    for name in _UNSUPPORTED.intersection(body) if isinstance(body, dict) else ():
+        if body[name] is not None:  # clients send null for "not set"
             raise ApiError(400, f"{name!r} is not supported by this server", name)
-        if name not in known:
-            unknown.append(name)
-    return sorted(unknown)
 
 
-def _check_response_format(body: dict[str, Any]) -> None:
-    response_format = _typed(body, "response_format", dict)
-    if response_format is not None and response_format.get("type") != "text":
-        raise ApiError(400, f"'response_format' of type {response_format.get('type')!r} is "
-                            "not supported by this server (only 'text')", "response_format")
+def _unknown_names(req: BaseModel) -> list[str]:
+    """The fields no model defines (sorted), to be ignored."""
+    return sorted(name for name, value in (req.model_extra or {}).items()
+                  if value is not None)
 
 
-def _sampling_overrides(body: dict[str, Any], chat: bool, echo: bool) -> dict[str, Any]:
-    params = {name: body[name] for name, kinds in _SAMPLING_FIELDS.items()
-              if _typed(body, name, kinds) is not None}
-    max_tokens = _typed(body, "max_completion_tokens", int) if chat else None
+def _sampling_overrides(req: Any, chat: bool, echo: bool) -> dict[str, Any]:
+    params = {name: value for name in _SAMPLING_FIELDS
+              if (value := getattr(req, name)) is not None}
+    max_tokens = req.max_completion_tokens if chat else None
     if max_tokens is None:
-        max_tokens = _typed(body, "max_tokens", int)
+        max_tokens = req.max_tokens
     if max_tokens is None and not chat:
         max_tokens = COMPLETION_MAX_TOKENS
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
-    stop = _stop(body)
-    if stop:
-        params["stop"] = stop
-    logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body, echo)
+    if req.stop:
+        params["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    logprobs = _chat_logprobs(req) if chat else _completion_logprobs(req.logprobs, echo)
     for name, value in logprobs.items():
         params.setdefault(name, value)  # an explicit prompt_logprobs wins over echo's
+    structured = _structured_outputs(req)
+    if structured is not None:
+        params["structured_outputs"] = structured
     return params
 
 
-def _stop(body: dict[str, Any]) -> list[str]:
-    stop = _typed(body, "stop", (str, list))
-    if stop is None:
-        return []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in stop):
-        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
-    return stop
+def _structured_outputs(req: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format and vLLM's guided_* fields, as SamplingParams'
+    structured_outputs; at most one way of asking."""
+    asked: dict[str, dict[str, Any]] = {}
+    if getattr(req, "structured_outputs", None) is not None:  # TODO(helper): field lands
+        asked["structured_outputs"] = req.structured_outputs
+    for name, key in _GUIDED.items():
+        if getattr(req, name) is not None:
+            asked[name] = {key: getattr(req, name)}
+    form = req.response_format
+    if form is not None and form.type == "json_object":
+        asked["response_format"] = {"json_object": True}
+    elif form is not None and form.type == "json_schema":
+        if form.json_schema is None or form.json_schema.schema_ is None:
+            raise ApiError(400, "'response_format' of type 'json_schema' needs "
+                                "'json_schema.schema'", "response_format")
+        asked["response_format"] = {"json": form.json_schema.schema_}
+    if len(asked) > 1:
+        raise ApiError(400, f"give one way of structuring the output, not "
+                            f"{' and '.join(map(repr, asked))}", next(iter(asked)))
+    return next(iter(asked.values()), None)
 
 
-def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
-    wanted = _typed(body, "logprobs", bool, False)
-    top = _typed(body, "top_logprobs", int)
+def _chat_logprobs(req: ChatCompletionRequest) -> dict[str, Any]:
+    wanted, top = _given(req.logprobs, False), req.top_logprobs
     if top is not None and not wanted:
         raise ApiError(400, "'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
     if top is not None and top < 0:
@@ -237,8 +234,7 @@ def _chat_logprobs(body: dict[str, Any]) -> dict[str, Any]:
     return {"logprobs": top or 0} if wanted else {}
 
 
-def _completion_logprobs(body: dict[str, Any], echo: bool) -> dict[str, Any]:
-    count = _typed(body, "logprobs", int)
+def _completion_logprobs(count: int | None, echo: bool) -> dict[str, Any]:
     if count is None:
         return {}
     if echo:  # echoed prompt tokens carry their logprobs too
@@ -246,57 +242,32 @@ def _completion_logprobs(body: dict[str, Any], echo: bool) -> dict[str, Any]:
     return {"logprobs": count}
 
 
-def _include_usage(body: dict[str, Any], stream: bool) -> bool:
-    options = _typed(body, "stream_options", dict)
+def _usage_options(req: Any, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats)."""
+    options = req.stream_options
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise ApiError(400, "'stream_options' is only allowed with 'stream' set to true",
                        "stream_options")
-    unknown = set(options) - {"include_usage"}
-    if unknown:
-        raise ApiError(400, f"unknown stream option {sorted(unknown)[0]!r}", "stream_options")
-    return _typed(options, "include_usage", bool, False)
+    include = _given(options.include_usage, False)
+    return include, include and _given(options.continuous_usage_stats, False)
 
 
-def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
-    prompt = body.get("prompt")
+def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
-        if _is_token_list(prompt):
-            return [list(prompt)]
-        if all(_is_token_list(p) for p in prompt):
-            return [list(p) for p in prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [prompt]
+    if prompt and all(prompt):  # no empty string or token list
+        return prompt
     raise ApiError(400, "'prompt' must be a string, a non-empty list of strings, a list of "
-                        f"token ids or a list of token-id lists (token ids are integers in "
-                        f"[0, {MAX_TOKEN_ID}))", "prompt")
+                        "token ids or a list of token-id lists, none of them empty", "prompt")
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
+    """The conversation as the client sent it (the tokenizer stage renders it); the
+    models checked its shape."""
+    messages = body["messages"]
     plain_conversation(messages)  # the tokenizer stage's rules: both agree on a message
     return messages
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_TOKEN_ID
-
-
-def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_token_id(t) for t in value)
-
-
-def _typed(body: dict[str, Any], name: str, kinds: type | tuple[type, ...],
-           default: Any = None) -> Any:
-    """body[name] if it has one of the JSON types `kinds`; `default` if absent or null."""
-    value = body.get(name)
-    if value is None:
-        return default
-    try:
-        check_json_type(name, value, kinds if isinstance(kinds, tuple) else (kinds,))
-    except SamplingError as e:
-        raise ApiError(400, str(e), name) from None
-    return value

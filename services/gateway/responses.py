@@ -13,6 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.messages import TextDelta, TokenLogprobs
+from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice,
+                                              ChatCompletionChunk, ChatCompletionResponse,
+                                              ChatLogprobs, ChatMessage, CompletionChoice,
+                                              CompletionLogprobs, CompletionResponse,
+                                              DeltaMessage, PromptLogprob, PromptLogprobs,
+                                              PromptTokensDetails, TokenLogprob, TopLogprob,
+                                              Usage)
+
+Body = CompletionResponse | ChatCompletionResponse | ChatCompletionChunk
 
 MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
 # What OpenAI's clients log to tell backends apart: this server's build.
@@ -69,17 +78,17 @@ class Choice:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-          ) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    return Usage.model_construct(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails.model_construct(cached_tokens=cached_tokens))
 
 
 # --- logprobs -------------------------------------------------------------------------
 
 def completion_logprobs(entries: list[TokenLogprobs | None], offset: int,
-                        unscored_text: str = "") -> dict[str, Any]:
+                        unscored_text: str = "") -> CompletionLogprobs:
     """The completions API's logprobs object for tokens whose text starts at `offset`. A
     None entry is the first prompt token, which has no logprob: it reads `unscored_text`
     with null logprobs, as an echoed prompt's first token does."""
@@ -102,39 +111,40 @@ def completion_logprobs(entries: list[TokenLogprobs | None], offset: int,
                 row.setdefault(text, finite(lp))
             top.append(row)
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-            "text_offset": offsets}
+    return CompletionLogprobs.model_construct(tokens=tokens, token_logprobs=token_logprobs,
+                                              top_logprobs=top, text_offset=offsets)
 
 
-def logprobs_text_length(logprobs: dict[str, Any]) -> int:
+def logprobs_text_length(logprobs: CompletionLogprobs) -> int:
     """How far a completions logprobs object moves the text offset."""
-    return sum(map(len, logprobs["tokens"]))
+    return sum(map(len, logprobs.tokens))
 
 
-def chat_logprobs(entries: list[TokenLogprobs]) -> dict[str, Any]:
+def chat_logprobs(entries: list[TokenLogprobs]) -> ChatLogprobs:
     content = []
     for entry in entries:
         texts = token_texts(entry)
-        top = [{"token": t, "logprob": finite(lp), "bytes": list(t.encode())}
+        top = [TopLogprob.model_construct(token=t, logprob=finite(lp), bytes=list(t.encode()))
                for t, lp in zip(texts[1:], entry.logprobs[1:])]
-        content.append({"token": texts[0], "logprob": finite(entry.logprobs[0]),
-                        "bytes": list(texts[0].encode()), "top_logprobs": top})
-    return {"content": content}
+        content.append(TokenLogprob.model_construct(
+            token=texts[0], logprob=finite(entry.logprobs[0]),
+            bytes=list(texts[0].encode()), top_logprobs=top))
+    return ChatLogprobs.model_construct(content=content)
 
 
-def prompt_logprobs(entries: list[TokenLogprobs | None]) -> list[dict[str, Any] | None]:
+def prompt_logprobs(entries: list[TokenLogprobs | None]) -> PromptLogprobs:
     """vLLM's prompt_logprobs: per prompt position, token id -> logprob, rank, text."""
-    rows: list[dict[str, Any] | None] = []
+    rows: PromptLogprobs = []
     for entry in entries:
         if entry is None:
             rows.append(None)
             continue
         ranks = [entry.rank, *range(1, len(entry.token_ids))]
-        row: dict[str, Any] = {}
+        row: dict[str, PromptLogprob] = {}
         for token_id, lp, rank, text in zip(entry.token_ids, entry.logprobs, ranks,
                                             token_texts(entry)):
-            row.setdefault(str(token_id), {"logprob": finite(lp), "rank": rank,
-                                           "decoded_token": text})
+            row.setdefault(str(token_id), PromptLogprob.model_construct(
+                logprob=finite(lp), rank=rank, decoded_token=text))
         rows.append(row)
     return rows
 
@@ -149,35 +159,36 @@ def finite(value: float) -> float:
 
 # --- shapes ---------------------------------------------------------------------------
 
-def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
-                      finish_reason: str | None, stop_reason: str | int | None
-                      ) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": stop_reason}
+def completion_choice(index: int, text: str, logprobs: CompletionLogprobs | None,
+                      finish_reason: str | None, stop_reason: str | int | None,
+                      prompt_rows: PromptLogprobs | None = None) -> CompletionChoice:
+    return CompletionChoice.model_construct(
+        index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+        stop_reason=stop_reason, prompt_logprobs=prompt_rows)
 
 
-def chat_choice(index: int, text: str, logprobs: dict[str, Any] | None,
-                finish_reason: str | None, stop_reason: str | int | None) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": [],
-               "reasoning_content": None}  # the fields OpenAI's and vLLM's clients read
-    return {"index": index, "message": message, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": stop_reason}
+def chat_choice(index: int, text: str, logprobs: ChatLogprobs | None,
+                finish_reason: str | None, stop_reason: str | int | None) -> ChatChoice:
+    message = ChatMessage.model_construct(content=text)
+    return ChatChoice.model_construct(index=index, message=message, logprobs=logprobs,
+                                      finish_reason=finish_reason, stop_reason=stop_reason)
 
 
-def chat_delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
+def chat_delta(index: int, delta: DeltaMessage, logprobs: ChatLogprobs | None = None,
                finish_reason: str | None = None, stop_reason: str | int | None = None
-               ) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": stop_reason}
+               ) -> ChatChunkChoice:
+    return ChatChunkChoice.model_construct(index=index, delta=delta, logprobs=logprobs,
+                                           finish_reason=finish_reason,
+                                           stop_reason=stop_reason)
 
 
-def envelope(rid: str, chat: bool, created: int, model: str, choices: list[dict[str, Any]],
-             stream: bool, usage_counts: dict[str, Any] | None = None) -> dict[str, Any]:
+def envelope(rid: str, chat: bool, created: int, model: str, choices: list[Any],
+             stream: bool, usage_counts: Usage | None = None) -> Body:
     """A response (stream False) or a chunk, whose usage is null but in the last."""
-    if chat:
-        kind = "chat.completion.chunk" if stream else "chat.completion"
+    if not chat:
+        kind: type[Body] = CompletionResponse
     else:
-        kind = "text_completion"
-    return {"id": rid, "object": kind, "created": created, "model": model,
-            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
-            "usage": usage_counts}
+        kind = ChatCompletionChunk if stream else ChatCompletionResponse
+    return kind.model_construct(id=rid, created=created, model=model,
+                                system_fingerprint=SYSTEM_FINGERPRINT, choices=choices,
+                                usage=usage_counts)

@@ -40,7 +40,8 @@ class InputProcessor:
     def process(self, req: GenerateRequest) -> AdmitRequest:
         check_client_params(req.params)
         ids = self.prompt_ids(req.prompt, req.prompt_token_ids, req.messages,
-                              req.add_generation_prompt)
+                              req.add_generation_prompt, req.add_special_tokens,
+                              req.chat_template_kwargs, req.truncate_prompt_tokens)
         with sampling_checks():
             params = self.defaults.params_for(req.params)
         requested = req.params.get("max_tokens")
@@ -61,8 +62,13 @@ class InputProcessor:
         return self._admit(rid, reply_to, ids, params, arrival_time, priority)
 
     def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                   messages: list[dict] | None, add_generation_prompt: bool = True
-                   ) -> list[int]:
+                   messages: list[dict] | None, add_generation_prompt: bool = True,
+                   add_special_tokens: bool | None = None,
+                   template_kwargs: dict[str, Any] | None = None,
+                   truncate: int | None = None) -> list[int]:
+        """The prompt's token ids. `add_special_tokens` (BOS and the like) defaults to
+        True for a text prompt and False for a chat, whose template writes its own;
+        `truncate` is vLLM's truncate_prompt_tokens."""
         given = [name for name, value in (("prompt", prompt),
                                           ("prompt_token_ids", prompt_token_ids),
                                           ("messages", messages)) if value is not None]
@@ -71,22 +77,35 @@ class InputProcessor:
                                 f"got {', '.join(given) or 'none'}.",
                            given[-1] if given else "prompt")
         if messages is not None:
-            ids = list(render_chat(self.tokenizer, messages, add_generation_prompt,
-                                   tokenize=True))
+            text = render_chat(self.tokenizer, messages, add_generation_prompt,
+                               template_kwargs)
+            ids = self._text_ids(text, bool(add_special_tokens))
         elif prompt is not None:
-            ids = self._text_ids(prompt)
+            ids = self._text_ids(prompt, add_special_tokens is not False)
         else:
             ids = list(prompt_token_ids or [])
+        ids = self._truncated(ids, truncate)
         self._check_token_ids(ids)
         return ids
 
     # --- prompts ----------------------------------------------------------------------
 
-    def _text_ids(self, prompt: str) -> list[int]:
+    def _text_ids(self, prompt: str, add_special_tokens: bool) -> list[int]:
         if not isinstance(prompt, str):
             raise ApiError(400, f"prompt must be a string, got {type(prompt).__name__}",
                            "prompt")
-        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last `keep` tokens; -1 keeps what fits."""
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.max_model_len - 1  # one token of room to generate
+        if keep < 1:
+            raise ApiError(400, f"truncate_prompt_tokens must be -1 or at least 1, got "
+                                f"{keep}", "truncate_prompt_tokens")
+        return ids[-keep:]
 
     def _check_token_ids(self, ids: list[int]) -> None:
         if not ids:

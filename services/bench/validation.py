@@ -1,0 +1,98 @@
+"""`headrace bench validation`: what the gateway's pydantic models cost a request.
+
+Times `parse_job` (the request models, then SamplingParams' range checks) on bodies a
+client sends, and the serialization of a response chunk, in this process: the per-request
+work the models add to the gateway. The target (issue 15) is under 50 microseconds.
+
+    headrace bench validation [--iterations N] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common.messages import TextDelta, TokenLogprobs
+from services.gateway.core import Call
+from services.gateway.protocol import parse_job
+from services.gateway.response_bodies import to_json
+
+TARGET_US = 50.0
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+TURNS = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 80}
+         for i in range(20)]
+BODIES: dict[str, tuple[bool, dict[str, Any]]] = {
+    "completion, prompt only": (False, {"model": "m", "prompt": "Hello"}),
+    "chat, 2 messages, 8 sampling fields, stream": (True, {
+        "model": "m", "messages": TURNS[:2], "temperature": 0.7, "top_p": 0.9, "top_k": 40,
+        "max_tokens": 128, "seed": 1, "stop": ["\n\n"], "presence_penalty": 0.1,
+        "frequency_penalty": 0.1, "stream": True, "stream_options": {"include_usage": True}}),
+    "chat, 20 messages of 80 words": (True, {"model": "m", "messages": TURNS}),
+    "chat, json_schema response_format": (True, {
+        "model": "m", "messages": TURNS[:1],
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "person", "schema": SCHEMA}}}),
+}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="headrace bench validation", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=20_000)
+    parser.add_argument("--json", help="write the figures to this file")
+    args = parser.parse_args(argv)
+    rows = {name: timed(lambda c=chat, b=body: parse_job(b, c), args.iterations)
+            for name, (chat, body) in BODIES.items()}
+    rows.update(chunk_rows(args.iterations))
+    for name, row in rows.items():
+        print(f"{name:<48} p50 {row['p50_us']:7.2f} us  mean {row['mean_us']:7.2f} us")
+    result = {"iterations": args.iterations, "target_us": TARGET_US, "rows": rows,
+              "machine": platform.processor() or platform.machine(),
+              "python": platform.python_version()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    over = [name for name, row in rows.items() if row["p50_us"] > TARGET_US]
+    print("PASS" if not over else f"OVER {TARGET_US:g} us: {', '.join(over)}")
+    return 0 if not over else 1
+
+
+def chunk_rows(iterations: int) -> dict[str, dict[str, float]]:
+    """One streamed chat chunk: built from a text delta and serialized, plain and with
+    top-5 logprobs."""
+    rows = {}
+    for name, body, logprobs in (("chat chunk, serialized", {}, []),
+                                 ("chat chunk with top-5 logprobs, serialized",
+                                  {"logprobs": True, "top_logprobs": 5},
+                                  [TokenLogprobs(list(range(6)), [-0.5] * 6, 1,
+                                                 ["tok"] * 6)])):
+        job = parse_job({"messages": TURNS[:1], "stream": True, **body}, chat=True)
+        call = Call(job, "chatcmpl-x", "m", 0, 0.0)
+        seq = iter(range(10**9))
+
+        def chunk() -> None:
+            applied = call.offer(TextDelta("chatcmpl-x", 0, next(seq), " word", [5], 4,
+                                           logprobs=logprobs))
+            for body in call.chunks(applied):
+                to_json(body)
+        rows[name] = timed(chunk, iterations)
+    return rows
+
+
+def timed(work: Callable[[], Any], iterations: int) -> dict[str, float]:
+    for _ in range(min(1000, iterations)):  # warm-up: caches, lazily built validators
+        work()
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter_ns()
+        work()
+        samples.append((time.perf_counter_ns() - start) / 1000)
+    return {"p50_us": statistics.median(samples), "mean_us": statistics.fmean(samples),
+            "p99_us": statistics.quantiles(samples, n=100)[98]}

@@ -1,0 +1,59 @@
+"""The OpenAPI document served at /openapi.json, built from the request and response
+models the gateway validates and sends, so it cannot drift from them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from services.gateway import request_bodies as req
+from services.gateway import response_bodies as resp
+
+REF = "#/components/schemas/{model}"
+# path -> (method, summary, request body model, response model, streamed chunk model)
+ROUTES: dict[str, tuple[str, str, type[BaseModel] | None, type[BaseModel],
+                        type[BaseModel] | None]] = {
+    "/v1/completions": ("post", "Completions", req.CompletionRequest,
+                        resp.CompletionResponse, resp.CompletionResponse),
+    "/v1/chat/completions": ("post", "Chat completions", req.ChatCompletionRequest,
+                             resp.ChatCompletionResponse, resp.ChatCompletionChunk),
+    "/v1/models": ("get", "The served models", None, resp.ModelList, None),
+    "/tokenize": ("post", "Token ids of a prompt or a conversation", req.TokenizeRequest,
+                  resp.TokenizeResponse, None),
+    "/detokenize": ("post", "Text of token ids", req.DetokenizeRequest,
+                    resp.DetokenizeResponse, None),
+}
+
+
+def openapi_document(version: str) -> dict[str, Any]:
+    models: list[type[BaseModel]] = [resp.ErrorResponse]
+    for _, _, body, answer, chunk in ROUTES.values():
+        models += [m for m in (body, answer, chunk) if m is not None]
+    inputs = [(m, "validation" if m.__module__ == req.__name__ else "serialization")
+              for m in dict.fromkeys(models)]
+    refs, schemas = models_json_schema(inputs, ref_template=REF)
+    paths = {path: {method: _operation(summary, body, answer, chunk, refs)}
+             for path, (method, summary, body, answer, chunk) in ROUTES.items()}
+    return {"openapi": "3.1.0", "info": {"title": "headrace", "version": version},
+            "paths": paths, "components": {"schemas": schemas["$defs"]}}
+
+
+def _operation(summary: str, body: type[BaseModel] | None, answer: type[BaseModel],
+               chunk: type[BaseModel] | None, refs: dict[Any, Any]) -> dict[str, Any]:
+    def ref(model: type[BaseModel]) -> dict[str, Any]:
+        mode = "validation" if model.__module__ == req.__name__ else "serialization"
+        return refs[model, mode]
+
+    content: dict[str, Any] = {"application/json": {"schema": ref(answer)}}
+    if chunk is not None:  # with "stream": true, server-sent events of these
+        content["text/event-stream"] = {"schema": ref(chunk)}
+    error = {"description": "An OpenAI-style error",
+             "content": {"application/json": {"schema": ref(resp.ErrorResponse)}}}
+    operation: dict[str, Any] = {"summary": summary, "responses": {
+        "200": {"description": "OK", "content": content}, "400": error, "default": error}}
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": ref(body)}}}
+    return operation

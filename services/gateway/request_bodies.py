@@ -1,0 +1,221 @@
+"""The OpenAI and vLLM request bodies as pydantic models: what the gateway validates and
+what /openapi.json documents.
+
+Bodies are validated strictly as JSON: "2" or 1.5 where an integer is wanted, or true where
+a number is, is a 400 naming the field, since clients send JSON types as written. Value
+ranges are SamplingParams' to check (protocol.py builds one), so one rule holds for the
+HTTP API, the tokenizer stage and the offline API. Fields no model defines stay in
+`model_extra`, for the gateway's warning; null means "not set" throughout.
+
+The sampling fields are derived from SamplingParams' own fields (the one list of sampling
+parameters); the others are OpenAI's spellings (max_tokens beside chat's
+max_completion_tokens, completions' integer logprobs, chat's boolean one).
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, create_model
+from pydantic_core import PydanticCustomError
+
+from common.errors import ApiError
+from common.sampling_params import CLIENT_PARAMS, SamplingParams
+
+MAX_TOKEN_ID = 2**31  # token ids travel as packed int32
+STRICT = ConfigDict(strict=True, extra="allow")
+EXPLAINED = "explained"  # the type of an error whose message is ours, whole
+
+
+def explained(message: str) -> WrapValidator:
+    """A field whose wrong value gets `message`, not pydantic's list of every way a union
+    failed."""
+    def validate(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError(EXPLAINED, message) from None
+    return WrapValidator(validate)
+
+
+TokenId = Annotated[int, Field(ge=0, lt=MAX_TOKEN_ID)]
+Prompt = Annotated[
+    str | list[str] | list[TokenId] | list[list[TokenId]],
+    explained("'prompt' must be a string, a non-empty list of strings, a list of token ids "
+              f"or a list of token-id lists (token ids are integers in [0, {MAX_TOKEN_ID}))")]
+Stop = Annotated[str | list[str], explained("'stop' must be a string or a list of strings")]
+
+
+# --- sampling ---------------------------------------------------------------------------
+
+_READ_APART = {"max_tokens", "logprobs", "stop"}  # spelled per endpoint, below
+_JSON_TYPES: dict[Any, Any] = {int: int, float: float, bool: bool, str: str,
+                               tuple: list, dict: dict}
+
+
+def _json_type(hint: Any) -> Any:
+    """The JSON type a client sends for a SamplingParams field of type `hint`: a tuple
+    arrives as a list."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    origin = typing.get_origin(hint)
+    if origin is None:
+        return _JSON_TYPES[hint]
+    return _JSON_TYPES[origin][typing.get_args(hint)[0]]
+
+
+_HINTS = typing.get_type_hints(SamplingParams)
+SamplingFields: type[BaseModel] = create_model(  # type: ignore[call-overload]
+    "SamplingFields", __config__=STRICT,
+    **{name: (_json_type(_HINTS[name]) | None, None)
+       for name in CLIENT_PARAMS if name not in _READ_APART})
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Generation(SamplingFields):  # type: ignore[misc, valid-type]
+    """What both generation endpoints take."""
+    model: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    stop: Stop | None = None
+    priority: int | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    # vLLM's older spellings of structured output (`structured_outputs` is the field)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+
+class CompletionRequest(_Generation):
+    prompt: Prompt
+    echo: bool | None = None
+    logprobs: int | None = None
+
+
+# --- chat -------------------------------------------------------------------------------
+
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
+class RequestFunctionCall(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON string; some clients an object
+
+
+class RequestToolCall(BaseModel):
+    model_config = STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: RequestFunctionCall
+
+
+Content = Annotated[str | list[TextPart], explained(
+    "a message's content must be a string or a list of text parts (this server takes "
+    "text only)")]
+
+
+class RequestMessage(BaseModel):
+    model_config = STRICT
+    role: str
+    content: Content | None = None
+    name: str | None = None
+    tool_calls: list[RequestToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatCompletionRequest(_Generation):
+    messages: Annotated[list[RequestMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# --- the other endpoints ------------------------------------------------------------------
+
+class TokenizeRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[RequestMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    tokens: Annotated[list[TokenId], explained(
+        f"'tokens' must be a list of token ids (integers in [0, {MAX_TOKEN_ID}))")]
+
+
+# --- errors -------------------------------------------------------------------------------
+
+_KINDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+          "string_type": "a string", "list_type": "a list", "dict_type": "an object",
+          "model_type": "an object", "model_attributes_type": "an object"}
+_JSON_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+               list: "a list", dict: "an object", type(None): "null"}
+
+
+def validate(model: type[BaseModel], body: Any) -> Any:
+    """`body` as `model`, or a 400 naming the first field that is wrong (its top-level
+    name is OpenAI's `param`)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise api_error(e) from None
+
+
+def api_error(error: ValidationError) -> ApiError:
+    first = error.errors(include_url=False)[0]
+    loc = first["loc"]
+    if not loc:
+        return ApiError(400, "the request body must be a JSON object")
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
+                    for part in loc).lstrip(".")
+    if first["type"] == EXPLAINED:
+        message = first["msg"]
+    elif first["type"] == "missing":
+        message = f"'{where}' is required"
+    elif first["type"] in _KINDS:
+        got = _JSON_NAMES.get(type(first["input"]), type(first["input"]).__name__)
+        message = f"'{where}' must be {_KINDS[first['type']]}, got {got}"
+    else:
+        message = f"'{where}': {first['msg']}"
+    return ApiError(400, message, str(loc[0]))
