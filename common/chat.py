@@ -3,6 +3,7 @@ conversation becomes a prompt through the model's chat template."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jinja2
@@ -21,6 +22,9 @@ def plain_conversation(messages: Any) -> list[dict[str, Any]]:
 def plain_message(message: Any, i: int) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ApiError(400, f"messages[{i}] must be an object with a string role.", "messages")
+    if message.get("tool_calls"):
+        calls = [_call_for_template(c) for c in message["tool_calls"]]
+        message = {**message, "tool_calls": calls}
     content = message.get("content")
     if content is None or isinstance(content, str):
         return message
@@ -31,15 +35,31 @@ def plain_message(message: Any, i: int) -> dict[str, Any]:
                         "(this server takes text only).", "messages")
 
 
+def _call_for_template(call: Any) -> Any:
+    """OpenAI sends a call's arguments as JSON text; templates (Qwen's, Llama's) write
+    them with `tojson`, so they get the object, or the text would be quoted twice."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call  # the template gets what the client sent
+    return {**call, "function": {**function, "arguments": parsed}}
+
+
 def render_chat(tokenizer: Any, messages: Any, add_generation_prompt: bool,
-                template_kwargs: dict[str, Any] | None = None) -> str:
+                template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> str:
     """The conversation through the chat template, as the prompt text. `template_kwargs`
-    are the client's chat_template_kwargs: variables the template reads (enable_thinking)."""
+    are the client's chat_template_kwargs: variables the template reads (enable_thinking);
+    `tools` OpenAI's tool definitions, which templates that know tools write out."""
     conversation = plain_conversation(messages)
     try:
         return tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
-            **(template_kwargs or {}))
+            conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+            tokenize=False, **(template_kwargs or {}))
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
         raise ApiError(400, f"The chat template failed on these messages: {e}",
                        "messages") from None

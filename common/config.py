@@ -24,6 +24,8 @@ POLICIES = ("fcfs", "priority")
 ROUTINGS = ("prefix", "round_robin")
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 class ConfigError(ValueError):
@@ -88,6 +90,13 @@ class EngineConfig:
         "Most logprobs or prompt_logprobs a request may ask for."))
     device: Literal["auto", "cuda", "cpu"] = field(default="auto", metadata=_help(
         "Where the model runs; auto takes CUDA when there is one."))
+    chat_template: str | None = field(default=None, metadata=_help(
+        "A Jinja chat template, or a file holding one, used instead of the tokenizer's."))
+    trust_remote_code: bool = field(default=False, metadata=_help(
+        "Let transformers run a model repository's own tokenizer code. The model itself "
+        "always runs headrace's implementation of its architecture."))
+    kv_cache_dtype: Literal["auto"] = field(default="auto", metadata=_help(
+        "Data type of the KV cache; auto is the model's dtype."))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -194,6 +203,18 @@ class ServerConfig:
     shutdown_timeout: float = field(default=30.0, metadata=_help(
         "On SIGTERM a gateway stops admitting (503) and gives the requests in flight this "
         "many seconds to finish, then ends the rest with an error."))
+    enable_auto_tool_choice: bool = field(default=False, metadata=_help(
+        "Let the model decide when to call tools (tool_choice \"auto\", the default when a "
+        "request has tools); needs --tool-call-parser."))
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = field(
+        default=None, metadata=_help(
+            "How tool calls are read from the model's output: hermes (Hermes, Qwen2.5, "
+            "Qwen3: <tool_call> JSON blocks) or llama3_json (Llama 3.1 and 3.2: JSON "
+            "objects with name and parameters)."))
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = field(
+        default=None, metadata=_help(
+            "Send a <think> model's reasoning as reasoning_content apart from the "
+            "content: deepseek_r1 (the prompt opens <think>) or qwen3 (the output does)."))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -216,6 +237,13 @@ class ServerConfig:
         _positive("body_timeout", self.body_timeout)
         if self.redis_url is not None:
             _check_redis_url(self.redis_url)
+        if self.tool_call_parser is not None:
+            _choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        if self.reasoning_parser is not None:
+            _choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                              f"{list(TOOL_CALL_PARSERS)})")
 
 
 def _check_redis_url(url: str) -> None:

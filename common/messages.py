@@ -165,6 +165,7 @@ class GenerateRequest:
     add_special_tokens: bool | None = None  # None: True for a prompt, False for a chat
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: fit
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. enable_thinking
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, for the template
 
 
 @message("admit")

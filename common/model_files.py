@@ -148,12 +148,21 @@ def load_hf_config(path: str | os.PathLike):
     return AutoConfig.from_pretrained(path)
 
 
-def load_tokenizer(path: str | os.PathLike, tokenizer: str | None = None):
+def load_tokenizer(path: str | os.PathLike, tokenizer: str | None = None,
+                   trust_remote_code: bool = False):
     """The model's tokenizer, or the one `tokenizer` names (a directory, .gguf or hub id)."""
     from transformers import AutoTokenizer
 
     source = _resolve(tokenizer, "auto", weights=False) if tokenizer else Path(path)
-    return AutoTokenizer.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+
+
+def read_chat_template(template: str) -> str:
+    """--chat-template: a file's text, or the template itself (vLLM takes both)."""
+    file = Path(template)
+    if "{" not in template and not file.is_file():
+        raise ValueError(f"--chat-template {template!r} is neither a file nor a template")
+    return file.read_text() if "{" not in template else template
 
 
 def load_generation_config(path: str | os.PathLike) -> dict[str, Any] | None:

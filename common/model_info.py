@@ -11,6 +11,7 @@ from typing import Any
 
 from common.config import ConfigError, EngineConfig, ServerConfig
 from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
+                                read_chat_template,
                                 max_model_len_of, resolve_model)
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
 
@@ -95,7 +96,9 @@ class ModelInfo:
 
 def load_model_info(config: EngineConfig) -> ModelInfo:
     model = resolve_engine(config)
-    tokenizer = load_tokenizer(model.model_dir, config.tokenizer)
+    tokenizer = load_tokenizer(model.model_dir, config.tokenizer, config.trust_remote_code)
+    if config.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
     generation_config = load_generation_config(model.model_dir)
     return ModelInfo(
         config=model.config, model_dir=model.model_dir, hf_config=model.hf_config,

@@ -10,8 +10,10 @@ import sys
 import pytest
 
 from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_args,
+                           config_from_args,
                            add_server_args, engine_args_to_cli, engine_config_from_args,
                            server_args_to_cli, server_config_from_args)
+from common.model_files import read_chat_template
 from services.demo import demo_model_path
 from tests.conftest import REPO, repo_env
 
@@ -122,3 +124,26 @@ def test_the_offline_engine_refuses_it_too():
     from services import LLM
     with pytest.raises(ConfigError, match="--tensor-parallel-size 2 does not split"):
         LLM(demo_model_path(), tensor_parallel_size=2)
+
+
+def test_tool_and_reasoning_parsers_are_checked():
+    assert ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with pytest.raises(ConfigError, match="--tool-call-parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ConfigError, match="--reasoning-parser"):
+        ServerConfig(reasoning_parser="o1")
+
+
+def test_vllm_model_flags_parse(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0].content }}")
+    args = parser.parse_args(["--chat-template", str(template), "--trust-remote-code",
+                              "--kv-cache-dtype", "auto"])
+    config = config_from_args(EngineConfig, args)
+    assert config.trust_remote_code and config.kv_cache_dtype == "auto"
+    assert read_chat_template(config.chat_template) == "{{ messages[0].content }}"
+    assert read_chat_template("{{ 'inline' }}") == "{{ 'inline' }}"
+    with pytest.raises(ValueError, match="neither a file nor a template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))

@@ -51,7 +51,9 @@ def gateway(embedded_redis: EmbeddedRedis, tmp_path_factory) -> Iterator[ServerP
     server = start_server(["gateway", demo_model_path(), "--redis-url", embedded_redis.url,
                            "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
                            "--max-queue-len", str(MAX_QUEUE_LEN),
-                           "--max-request-body", str(MAX_REQUEST_BODY)],
+                           "--max-request-body", str(MAX_REQUEST_BODY),
+                           "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                           "--reasoning-parser", "qwen3"],
                           root / "gateway.log")
     try:
         server.wait_for("/version", (200,), timeout_s=120)
@@ -109,6 +111,14 @@ def deltas(req: GenerateRequest, texts: list[str], n: int = 1,
 
 def in_order(texts: list[str], n: int = 1) -> Script:
     return lambda req: [ReplyBatch(deltas(req, texts, n))]
+
+
+def exact(texts: list[str], finish: str = "stop") -> Script:
+    """One completion whose deltas are exactly `texts`, one token each."""
+    return lambda req: [ReplyBatch([
+        TextDelta(req.rid, 0, seq, text, [10 + seq], 3,
+                  finish if seq == len(texts) - 1 else None)
+        for seq, text in enumerate(texts)])]
 
 
 def shuffled_twice(texts: list[str], n: int, seed: int = 0) -> Script:
@@ -457,6 +467,88 @@ async def test_openapi_documents_the_bodies_the_gateway_takes_and_sends(url, red
             model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}])
     documented = set(schemas["ChatCompletionResponse"]["properties"])
     assert set(out.model_dump(exclude_unset=True)) <= documented
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+CALLING = ["<think>Paris", " needs a look</think>", "Let me look.", "<tool_",
+           'call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}\n</tool_call>']
+
+
+def streamed_message(chunks) -> dict:
+    """What a client assembles from chat chunks: content, reasoning, calls by index."""
+    out = {"content": "", "reasoning": "", "calls": {}, "finish": None}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.delta
+            out["content"] += delta.content or ""
+            out["reasoning"] += getattr(delta, "reasoning_content", None) or ""
+            for call in delta.tool_calls or []:
+                entry = out["calls"].setdefault(call.index, {"id": None, "name": "",
+                                                             "arguments": ""})
+                entry["id"] = entry["id"] or call.id
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            out["finish"] = choice.finish_reason or out["finish"]
+    return out
+
+
+async def test_tool_calls_and_reasoning_through_the_openai_client(redis_at, api):
+    """--tool-call-parser hermes and --reasoning-parser qwen3: the reply's text becomes
+    reasoning_content, content and tool_calls, whole and streamed."""
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "call_1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+               {"role": "user", "content": "And Paris?"}]
+    async with fake_stages(redis_at, exact(CALLING)) as seen:
+        out = await api.chat.completions.create(model=MODEL_NAME, messages=history,
+                                                tools=TOOLS)
+        stream = await api.chat.completions.create(model=MODEL_NAME, messages=history,
+                                                   tools=TOOLS, stream=True)
+        chunks = [chunk async for chunk in stream]
+    assert seen[0].tools == TOOLS and seen[0].messages == history
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look."
+    assert choice.message.reasoning_content == "Paris needs a look"
+    call, = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    got = streamed_message(chunks)
+    assert (got["content"], got["reasoning"], got["finish"]) == (
+        "Let me look.", "Paris needs a look", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in got["calls"].values()] == [
+        ("get_weather", {"city": "Paris"})]
+
+
+async def test_a_named_tool_choice_makes_the_output_the_call_arguments(redis_at, api):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    async with fake_stages(redis_at, exact(['{"city": ', '"Oslo"}'])) as seen:
+        out = await api.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], tools=TOOLS,
+            tool_choice=named)
+        stream = await api.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], tools=TOOLS,
+            tool_choice=named, stream=True)
+        chunks = [chunk async for chunk in stream]
+        with pytest.raises(openai.BadRequestError) as info:
+            await api.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], tools=TOOLS,
+                tool_choice={"type": "function", "function": {"name": "other"}})
+    assert info.value.body["param"] == "tool_choice"
+    schema = TOOLS[0]["function"]["parameters"]
+    assert seen[0].params["structured_outputs"] == {"json": schema}
+    message = out.choices[0].message
+    assert message.content is None and message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    got = streamed_message(chunks)
+    assert got["calls"][0]["name"] == "get_weather" and got["calls"][0]["id"]
+    assert json.loads(got["calls"][0]["arguments"]) == {"city": "Oslo"}
+    assert got["content"] == ""
 
 
 async def test_chat_messages_and_token_prompts_reach_the_stages(redis_at, api):

@@ -110,7 +110,7 @@ def test_temperature_nan_and_inf_are_refused():
         assert refused(completion(temperature=value)).param == "temperature"
 
 
-@pytest.mark.parametrize("name", ["suffix", "logit_bias", "best_of", "tools",
+@pytest.mark.parametrize("name", ["suffix", "logit_bias", "best_of", "functions",
                                   "allowed_token_ids"])
 def test_features_this_server_lacks_are_refused_by_name(name):
     error = refused(chat(**{name: {"x": 1}}), is_chat=True)
@@ -597,3 +597,32 @@ def test_integers_the_bus_cannot_carry_or_unbounded_n_are_400(body):
     with pytest.raises(ApiError) as caught:
         parse_job({"prompt": "Hi", **body}, chat=False)
     assert caught.value.status == 400 and caught.value.param == next(iter(body))
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}}}}
+
+
+def test_tool_choice_defaults_and_forced_calls():
+    assert parse_job(chat(), chat=True).tool_choice == "none"
+    job = parse_job(chat(tools=[TOOL]), chat=True)
+    assert (job.tool_choice, job.tools) == ("auto", [TOOL])
+    assert "structured_outputs" not in job.params
+    job = parse_job(chat(tools=[TOOL], tool_choice="none"), chat=True)
+    assert job.tool_choice == "none" and job.tools == [TOOL]  # still in the prompt
+    job = parse_job(chat(tools=[TOOL], tool_choice="required"), chat=True)
+    schema = job.params["structured_outputs"]["json"]
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["f"]
+    job = parse_job(chat(tools=[TOOL], tool_choice={"type": "function",
+                                                    "function": {"name": "f"}}), chat=True)
+    assert (job.tool_choice, job.tool_name) == ("function", "f")
+    assert job.params["structured_outputs"] == {"json": TOOL["function"]["parameters"]}
+    assert refused(chat(tool_choice="required"), is_chat=True).param == "tool_choice"
+    assert refused(chat(tools=[TOOL], tool_choice={"type": "function", "function": {
+        "name": "g"}}), is_chat=True).param == "tool_choice"
+    assert refused(chat(tools=[{"type": "function"}]), is_chat=True).param == "tools"
+    error = refused(chat(tools=[TOOL], tool_choice="required",
+                         response_format={"type": "json_object"}), is_chat=True)
+    assert "one way" in error.message
+    assert not parse_job(chat(include_reasoning=False), chat=True).include_reasoning

@@ -236,3 +236,56 @@ def test_admit_resolves_an_already_built_params(tok):
 def test_admit_rejects_what_process_rejects(tok, ids, params, message):
     with pytest.raises(ApiError, match=message):
         processor(tok).admit("r", "local", ids, params)
+
+
+# --- vLLM's request options and tools ---------------------------------------------------
+
+TOOL_TEMPLATE = (
+    "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}{% endfor %}\n{% endfor %}"
+    "{% if flavour is defined %}FLAVOUR {{ flavour }}\n{% endif %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather",
+                                           "parameters": {"type": "object"}}}]
+
+
+def test_tools_and_tool_turns_reach_the_template(tok):
+    tok = smollm2_tokenizer()  # a copy of its own: the template is changed below
+    tok.chat_template = TOOL_TEMPLATE
+    conversation = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    admit = processor(tok).process(GenerateRequest(
+        "r", "gw", {}, messages=conversation, tools=TOOLS,
+        chat_template_kwargs={"flavour": "x"}))
+    text = tok.decode(admit.prompt_token_ids)
+    assert text.startswith('TOOLS [{"type": "function", "function": {"name": "get_weather"')
+    # arguments reach the template as the object, not as JSON text quoted again
+    assert 'assistant: CALL get_weather {"city": "Paris"}' in text
+    assert "tool: sunny" in text and "FLAVOUR x" in text and text.endswith("assistant:")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tok):
+    ids = tok.encode("one two three four five six seven")
+    admit = processor(tok).process(request(prompt_token_ids=ids, truncate_prompt_tokens=3))
+    assert admit.prompt_token_ids == ids[-3:]
+    long = list(range(1, 400))
+    admit = processor(tok).process(request(prompt_token_ids=long, truncate_prompt_tokens=-1))
+    assert admit.prompt_token_ids == long[-(MAX_LEN - 1):]
+
+
+def test_add_special_tokens_defaults_to_true_for_prompts_and_false_for_chats(tok):
+    proc = processor(tok)
+    assert proc.process(request(prompt="Hi", add_special_tokens=False)).prompt_token_ids \
+        == tok.encode("Hi", add_special_tokens=False)
+    chat = [{"role": "user", "content": "Hi"}]
+    plain = proc.process(request(messages=chat)).prompt_token_ids
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert plain == tok.encode(text, add_special_tokens=False)
+    assert proc.process(request(messages=chat, add_special_tokens=True)).prompt_token_ids \
+        == tok.encode(text, add_special_tokens=True)

@@ -40,6 +40,7 @@ from common.outbox import Outbox
 from common.token_text import TokenTexts
 from common.tokens import check_vocabulary
 from services.gateway.core import (SHUTTING_DOWN, Applied, Backend, Call, Echo, Observed,
+                                   Parsers,
                                    admission_error, queue_depth, shard_states,
                                    shutting_down)
 from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
@@ -82,6 +83,7 @@ class Gateway:
         self.limits = Limits(server.max_prompts_per_request, server.max_stop_strings,
                              server.max_stop_length, server.max_stop_token_ids,
                              server.max_n)
+        self.parsers = Parsers(server.tool_call_parser, server.reasoning_parser)
         self.log = get_logger(__name__, gateway=gateway_id)
 
     def app(self) -> web.Application:
@@ -174,6 +176,11 @@ class Gateway:
         for prompt in job.prompts:
             if isinstance(prompt, list):
                 check_vocabulary(prompt, self.info.vocab_size, "prompt")
+        if job.tool_choice == "auto" and not self.server.enable_auto_tool_choice:
+            raise ApiError(400, '"auto" tool choice needs the server flags '
+                                "--enable-auto-tool-choice and --tool-call-parser; give "
+                                "tool_choice \"none\", \"required\" or a function",
+                           "tool_choice")
         if job.priority and self.info.config.scheduling_policy != "priority":
             raise ApiError(400, "'priority' needs --scheduling-policy priority; this server "
                                 "schedules first come, first served", "priority")
@@ -207,7 +214,8 @@ class Gateway:
     async def new_call(self, job: Job, model: str) -> Call:
         call_id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
         echoes = await anyio.to_thread.run_sync(self.echoes, job) if job.echo else None
-        return Call(job, call_id, model, int(time.time()), time.monotonic(), echoes)
+        return Call(job, call_id, model, int(time.time()), time.monotonic(), echoes,
+                    self.parsers)
 
     def echoes(self, job: Job) -> list[Echo]:
         tokenizer = self.info.tokenizer

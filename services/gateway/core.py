@@ -19,8 +19,10 @@ from common.errors import ApiError
 from common.messages import ErrorReply, GenerateRequest, SchedulerStats, TextDelta
 from services.gateway import responses as shapes
 from services.gateway.protocol import Job
-from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice, CompletionChoice,
-                                              DeltaMessage, Usage)
+from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice, ChatMessage,
+                                              CompletionChoice, DeltaMessage,
+                                              FunctionCallDelta, ToolCallDelta, Usage)
+from services.gateway.tool_calls import OutputSplitter, ParsedCall, Piece
 from services.gateway.responses import Choice
 
 # How long the scheduler may go unseen (Redis unreachable) before in-flight requests end;
@@ -62,9 +64,16 @@ def request_ids(call_id: str, num_prompts: int) -> list[str]:
     return [f"{call_id}-{i}" for i in range(num_prompts)]
 
 
+@dataclass(frozen=True, slots=True)
+class Parsers:
+    """The server's --tool-call-parser and --reasoning-parser."""
+    tool_call: str | None = None
+    reasoning: str | None = None
+
+
 class Call:
     def __init__(self, job: Job, call_id: str, model: str, created: int, arrival: float,
-                 echoes: list[Echo] | None = None) -> None:
+                 echoes: list[Echo] | None = None, parsers: Parsers = Parsers()) -> None:
         self.job, self.id, self.model, self.created = job, call_id, model, created
         self.arrival = arrival  # on the clock `observe` gets
         sources: list[str | list[int] | None] = [None] if job.chat else list(job.prompts)
@@ -78,6 +87,24 @@ class Call:
         self.last_token_at: dict[int, float] = {}  # by choice index
         self.opened: set[int] = set()  # choices that sent a chunk
         self.offsets: dict[int, int] = {}  # by choice: where its next logprob text starts
+        self.parsers = parsers
+        self.splitters = {i: self._splitter() for i in self.opened_indices()}
+        self.calls_sent: dict[int, int] = {}  # by choice: tool calls streamed so far
+
+    def opened_indices(self) -> list[int]:
+        """The choices whose text goes through a splitter (tools or reasoning)."""
+        if self._splitter() is None:
+            return []
+        return [c.index for c in self.choices.values()]
+
+    def _splitter(self) -> OutputSplitter | None:
+        job, parsers = self.job, self.parsers
+        if job.tool_choice == "auto":
+            return OutputSplitter(parsers.tool_call, parsers.reasoning)
+        if job.tool_choice in ("required", "function"):
+            return OutputSplitter(forced="required" if job.tool_choice == "required"
+                                  else job.tool_name)
+        return OutputSplitter(None, parsers.reasoning) if parsers.reasoning else None
 
     # --- state --------------------------------------------------------------------------
 
@@ -117,7 +144,8 @@ class Call:
         if job.chat:
             return [GenerateRequest(self.id, messages=job.messages,
                                     add_generation_prompt=job.add_generation_prompt,
-                                    chat_template_kwargs=job.chat_template_kwargs, **common)]
+                                    chat_template_kwargs=job.chat_template_kwargs,
+                                    tools=job.tools, **common)]
         return [GenerateRequest(p.rid, prompt=p.source, **common) if isinstance(p.source, str)
                 else GenerateRequest(p.rid, prompt_token_ids=p.source, **common)
                 for p in self.prompts]
@@ -175,8 +203,21 @@ class Call:
     def _final_choice(self, choice: Choice) -> ChatChoice | CompletionChoice:
         if self.job.chat:
             logprobs = shapes.chat_logprobs(choice.logprobs) if self.job.logprobs else None
-            return shapes.chat_choice(choice.index, choice.text, logprobs,
-                                      choice.finish_reason, choice.stop_reason)
+            splitter = self._splitter()
+            if splitter is None:
+                return shapes.chat_choice(choice.index, choice.text, logprobs,
+                                          choice.finish_reason, choice.stop_reason)
+            piece = splitter.feed(choice.text, finished=True)
+            calls = piece.tool_calls + ([ParsedCall(piece.opened.name, piece.arguments,
+                                                    piece.opened.id)] if piece.opened else [])
+            message = ChatMessage.model_construct(
+                content=piece.content or (None if calls else ""),
+                reasoning_content=self._reasoning(piece),
+                tool_calls=[shapes.tool_call(c) for c in calls])
+            return ChatChoice.model_construct(
+                index=choice.index, message=message, logprobs=logprobs,
+                finish_reason=self._finish(choice.finish_reason, bool(piece.tool_calls)),
+                stop_reason=choice.stop_reason)
         echo = self._echo(choice)
         logprobs = None
         if self.job.logprobs:
@@ -243,14 +284,48 @@ class Call:
         self.opened.add(choice.index)
         if self.job.chat:
             logprobs = shapes.chat_logprobs(entries) if self.job.logprobs else None
-            return shapes.chat_delta(choice.index, DeltaMessage.model_construct(content=text),
-                                     logprobs, finish, stop_reason)
+            delta, called = self._delta(choice.index, text, finish is not None)
+            return shapes.chat_delta(choice.index, delta, logprobs,
+                                     self._finish(finish, called), stop_reason)
         logprobs = None
         if self.job.logprobs:
             offset = self.offsets.get(choice.index, 0)
             logprobs = shapes.completion_logprobs(entries, offset, first_token)
             self.offsets[choice.index] = offset + shapes.logprobs_text_length(logprobs)
         return shapes.completion_choice(choice.index, text, logprobs, finish, stop_reason)
+
+
+    # --- out: tool calls and reasoning ----------------------------------------------
+
+    def _delta(self, index: int, text: str, finished: bool) -> tuple[DeltaMessage, bool]:
+        """A chat chunk's delta, and whether this choice has called tools so far."""
+        splitter = self.splitters.get(index)
+        if splitter is None:
+            return DeltaMessage.model_construct(content=text), False
+        piece = splitter.feed(text, finished)
+        calls = []
+        if piece.opened is not None:
+            calls.append(shapes.tool_call_delta(0, piece.opened, piece.arguments))
+        elif piece.arguments:
+            calls.append(ToolCallDelta.model_construct(
+                index=0, function=FunctionCallDelta.model_construct(arguments=piece.arguments)))
+        sent = self.calls_sent.get(index, 0)
+        for i, call in enumerate(piece.tool_calls, start=sent):
+            calls.append(shapes.tool_call_delta(i, call, call.arguments))
+        self.calls_sent[index] = sent + len(piece.tool_calls)
+        reasoning = self._reasoning(piece)
+        content = piece.content if piece.content or not (calls or reasoning) else None
+        return DeltaMessage.model_construct(content=content, reasoning_content=reasoning,
+                                            tool_calls=calls or None), \
+            self.calls_sent[index] > 0
+
+    def _reasoning(self, piece: Piece) -> str | None:
+        return piece.reasoning or None if self.job.include_reasoning else None
+
+    def _finish(self, finish: str | None, called: bool) -> str | None:
+        """A choice that ended by calling tools (not a named function's arguments, which
+        stop) finishes with "tool_calls", as OpenAI's and vLLM's do."""
+        return "tool_calls" if finish == "stop" and called else finish
 
 
 # --- admission ----------------------------------------------------------------------------

@@ -19,14 +19,14 @@ from common.chat import plain_conversation
 from common.errors import ApiError
 from common.sampling_params import MAX_N, SamplingError, SamplingParams, fits_int64
 from services.gateway.request_bodies import (ChatCompletionRequest, CompletionRequest,
-                                             DetokenizeRequest, SamplingFields,
-                                             TokenizeRequest, validate)
+                                             DetokenizeRequest, NamedToolChoice,
+                                             SamplingFields, TokenizeRequest, validate)
+from services.gateway.tool_calls import required_schema
 
 # Known OpenAI fields whose features this server does not have.
-_UNSUPPORTED = {"suffix", "best_of", "logit_bias", "tools", "tool_choice", "functions",
-                "function_call", "parallel_tool_calls", "audio", "modalities",
-                "prediction", "reasoning_effort", "web_search_options", "allowed_token_ids",
-                "include_reasoning"}
+_UNSUPPORTED = {"suffix", "best_of", "logit_bias", "functions", "function_call", "audio",
+                "modalities", "prediction", "reasoning_effort", "web_search_options",
+                "allowed_token_ids"}
 _SAMPLING_FIELDS = tuple(SamplingFields.model_fields)
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}  # vLLM's older names -> structured_outputs' keys
@@ -49,6 +49,10 @@ class Job:
     add_special_tokens: bool | None = None  # None: the endpoint's default
     truncate_prompt_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # for the chat template
+    tool_choice: str = "none"  # "none", "auto", "required" or "function" (named)
+    tool_name: str | None = None  # the function a named tool_choice calls
+    include_reasoning: bool = True
     priority: int = 0
     ignored: list[str] = field(default_factory=list)  # unknown fields, for the warning
 
@@ -109,7 +113,9 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
         req = validate(ChatCompletionRequest, body)
         job = Job(chat=True, model=req.model, messages=_messages(body),
                   add_generation_prompt=_given(req.add_generation_prompt, True),
-                  chat_template_kwargs=req.chat_template_kwargs)
+                  chat_template_kwargs=req.chat_template_kwargs,
+                  include_reasoning=_given(req.include_reasoning, True))
+        _tool_choice(req, job)
     else:
         req = validate(CompletionRequest, body)
         job = Job(chat=False, model=req.model, prompts=_prompts(req.prompt),
@@ -196,16 +202,48 @@ def _sampling_overrides(req: Any, chat: bool, echo: bool) -> dict[str, Any]:
     logprobs = _chat_logprobs(req) if chat else _completion_logprobs(req.logprobs, echo)
     for name, value in logprobs.items():
         params.setdefault(name, value)  # an explicit prompt_logprobs wins over echo's
-    structured = _structured_outputs(req)
+    structured = _structured_outputs(req, _forced_calls_schema(req) if chat else None)
     if structured is not None:
         params["structured_outputs"] = structured
     return params
 
 
-def _structured_outputs(req: Any) -> dict[str, Any] | None:
-    """OpenAI's response_format and vLLM's guided_* fields, as SamplingParams'
-    structured_outputs; at most one way of asking."""
+def _tool_choice(req: ChatCompletionRequest, job: Job) -> None:
+    """OpenAI's default: "auto" with tools, "none" without. "required" and a named
+    function constrain the output to calls (structured output, below)."""
+    tools = [tool.model_dump(exclude_none=True) for tool in req.tools or []]
+    choice = req.tool_choice or ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise ApiError(400, "'tool_choice' needs 'tools'", "tool_choice")
+    job.tools = tools or None
+    if isinstance(choice, str):
+        job.tool_choice = choice
+        return
+    names = [tool["function"]["name"] for tool in tools]
+    if choice.function.name not in names:
+        raise ApiError(400, f"'tool_choice' names {choice.function.name!r}, which is not "
+                            f"among the tools ({', '.join(map(repr, names))})", "tool_choice")
+    job.tool_choice, job.tool_name = "function", choice.function.name
+
+
+def _forced_calls_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The schema a tool_choice of "required" or of one function puts on the output."""
+    choice, tools = req.tool_choice, [t.model_dump() for t in req.tools or []]
+    if choice == "required" and tools:
+        return required_schema(tools)
+    if isinstance(choice, NamedToolChoice):
+        named = [t for t in tools if t["function"]["name"] == choice.function.name]
+        return named[0]["function"]["parameters"] or {"type": "object"} if named else None
+    return None
+
+
+def _structured_outputs(req: Any, calls_schema: dict[str, Any] | None
+                        ) -> dict[str, Any] | None:
+    """OpenAI's response_format, vLLM's guided_* fields and a tool_choice that forces
+    calls, as SamplingParams' structured_outputs; at most one way of asking."""
     asked: dict[str, dict[str, Any]] = {}
+    if calls_schema is not None:
+        asked["tool_choice"] = {"json": calls_schema}
     if getattr(req, "structured_outputs", None) is not None:  # TODO(helper): field lands
         asked["structured_outputs"] = req.structured_outputs
     for name, key in _GUIDED.items():

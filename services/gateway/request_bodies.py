@@ -156,8 +156,37 @@ class RequestMessage(BaseModel):
     reasoning_content: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Generation):
     messages: Annotated[list[RequestMessage], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    include_reasoning: bool | None = None  # vLLM's: false drops reasoning_content
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None

@@ -18,8 +18,10 @@ from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice,
                                               ChatLogprobs, ChatMessage, CompletionChoice,
                                               CompletionLogprobs, CompletionResponse,
                                               DeltaMessage, PromptLogprob, PromptLogprobs,
-                                              PromptTokensDetails, TokenLogprob, TopLogprob,
-                                              Usage)
+                                              FunctionCall, FunctionCallDelta,
+                                              PromptTokensDetails, TokenLogprob, ToolCall,
+                                              ToolCallDelta, TopLogprob, Usage)
+from services.gateway.tool_calls import ParsedCall
 
 Body = CompletionResponse | ChatCompletionResponse | ChatCompletionChunk
 
@@ -172,6 +174,18 @@ def chat_choice(index: int, text: str, logprobs: ChatLogprobs | None,
     message = ChatMessage.model_construct(content=text)
     return ChatChoice.model_construct(index=index, message=message, logprobs=logprobs,
                                       finish_reason=finish_reason, stop_reason=stop_reason)
+
+
+def tool_call(call: ParsedCall) -> ToolCall:
+    return ToolCall.model_construct(id=call.id, function=FunctionCall.model_construct(
+        name=call.name, arguments=call.arguments))
+
+
+def tool_call_delta(index: int, call: ParsedCall, arguments: str) -> ToolCallDelta:
+    """A call's first streamed delta: its id, type, name and the arguments so far."""
+    return ToolCallDelta.model_construct(
+        index=index, id=call.id, type="function",
+        function=FunctionCallDelta.model_construct(name=call.name, arguments=arguments))
 
 
 def chat_delta(index: int, delta: DeltaMessage, logprobs: ChatLogprobs | None = None,

@@ -41,7 +41,7 @@ class InputProcessor:
         check_client_params(req.params)
         ids = self.prompt_ids(req.prompt, req.prompt_token_ids, req.messages,
                               req.add_generation_prompt, req.add_special_tokens,
-                              req.chat_template_kwargs, req.truncate_prompt_tokens)
+                              req.chat_template_kwargs, req.truncate_prompt_tokens, req.tools)
         with sampling_checks():
             params = self.defaults.params_for(req.params)
         requested = req.params.get("max_tokens")
@@ -65,7 +65,8 @@ class InputProcessor:
                    messages: list[dict] | None, add_generation_prompt: bool = True,
                    add_special_tokens: bool | None = None,
                    template_kwargs: dict[str, Any] | None = None,
-                   truncate: int | None = None) -> list[int]:
+                   truncate: int | None = None,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The prompt's token ids. `add_special_tokens` (BOS and the like) defaults to
         True for a text prompt and False for a chat, whose template writes its own;
         `truncate` is vLLM's truncate_prompt_tokens."""
@@ -78,7 +79,7 @@ class InputProcessor:
                            given[-1] if given else "prompt")
         if messages is not None:
             text = render_chat(self.tokenizer, messages, add_generation_prompt,
-                               template_kwargs)
+                               template_kwargs, tools)
             ids = self._text_ids(text, bool(add_special_tokens))
         elif prompt is not None:
             ids = self._text_ids(prompt, add_special_tokens is not False)
