@@ -141,9 +141,9 @@ class RequestToolCall(BaseModel):
     function: RequestFunctionCall
 
 
-Content = Annotated[str | list[TextPart], explained(
-    "a message's content must be a string or a list of text parts (this server takes "
-    "text only)")]
+# Not `explained`: that costs a Python call per message; api_error words its failures.
+Content = str | list[TextPart]
+CONTENT_ERROR = "must be a string or a list of text parts (this server takes text only)"
 
 
 class RequestMessage(BaseModel):
@@ -240,6 +240,8 @@ def api_error(error: ValidationError) -> ApiError:
                     for part in loc).lstrip(".")
     if first["type"] == EXPLAINED:
         message = first["msg"]
+    elif len(loc) > 3 and loc[0] == "messages" and loc[2] == "content":
+        message = f"'messages[{loc[1]}].content' {CONTENT_ERROR}"
     elif first["type"] == "missing":
         message = f"'{where}' is required"
     elif first["type"] in _KINDS:
