@@ -244,7 +244,7 @@ def _structured_outputs(req: Any, calls_schema: dict[str, Any] | None
     asked: dict[str, dict[str, Any]] = {}
     if calls_schema is not None:
         asked["tool_choice"] = {"json": calls_schema}
-    if getattr(req, "structured_outputs", None) is not None:  # TODO(helper): field lands
+    if req.structured_outputs is not None:
         asked["structured_outputs"] = req.structured_outputs
     for name, key in _GUIDED.items():
         if getattr(req, name) is not None:
