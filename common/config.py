@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from common.redis_cluster import cluster_addresses, is_cluster_url
 from common.sampling_params import MAX_N
+from common.structured_outputs import BACKENDS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -90,6 +91,10 @@ class EngineConfig:
         "Most logprobs or prompt_logprobs a request may ask for."))
     device: Literal["auto", "cuda", "cpu"] = field(default="auto", metadata=_help(
         "Where the model runs; auto takes CUDA when there is one."))
+    guided_decoding_backend: Literal["auto", "xgrammar"] = field(default="auto", metadata=_help(
+        "What enforces structured outputs (vLLM's flag; also spelled "
+        "--structured-outputs-config.backend): xgrammar, which auto picks.",
+        aliases=("--structured-outputs-config.backend",)))
     chat_template: str | None = field(default=None, metadata=_help(
         "A Jinja chat template, or a file holding one, used instead of the tokenizer's."))
     trust_remote_code: bool = field(default=False, metadata=_help(
@@ -121,6 +126,7 @@ class EngineConfig:
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("scheduling_policy", self.scheduling_policy, POLICIES)
         _choice("device", self.device, ("auto", "cuda", "cpu"))
+        _choice("guided_decoding_backend", self.guided_decoding_backend, BACKENDS)
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and not self.enable_chunked_prefill
                 and self.max_num_batched_tokens < self.max_model_len):
@@ -313,7 +319,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type,
             except ValueError as e:
                 raise ConfigError(f"environment {env_name}={os.environ[env_name]!r}: {e}")
         help_text = f.metadata.get("help", "") + f" [env {env_name}]"
-        flags = [_flag(f.name)]
+        flags = [_flag(f.name), *f.metadata.get("aliases", ())]
         if f.name == positional:
             group.add_argument(f.name + "_pos", nargs="?", metavar=f.name.upper(),
                                default=None, help=f"same as {_flag(f.name)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -13,6 +14,8 @@ _GREEDY_EPS = 1e-5
 _INT64 = 2**63
 _INT32 = 2**31  # token ids travel as packed int32
 MAX_N = 128  # completions per request
+# vLLM's structured_outputs keys, one per request (common/structured_outputs.py compiles them)
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class SamplingError(ValueError):
@@ -47,6 +50,11 @@ class SamplingParams:
     # Set by the tokenizer stage from the model, not by users: EOS ids end a request
     # unless ignore_eos.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # vLLM's: exactly one of {"json": schema, "json_object": true, "regex": str,
+    # "choice": [str, ...], "grammar": EBNF}. Plain `dict`, not dict[str, Any]: the gateway's
+    # and the tokenizer's JSON types derive from the annotation. Left out of the hash, which
+    # a dict has none of.
+    structured_outputs: dict | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids", "eos_token_ids"):
@@ -66,6 +74,9 @@ class SamplingParams:
                 except OverflowError:
                     raise SamplingError(f"{name} is too large for a 64-bit float, got "
                                         f"{value}", name) from None
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs",
+                               _plain_structured_outputs(self.structured_outputs))
         self._validate()
 
     def _validate(self) -> None:
@@ -115,6 +126,8 @@ class SamplingParams:
                      "include_stop_str_in_output"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be a boolean", name,
                    getattr(self, name))
+        if self.structured_outputs is not None:
+            _check_structured_outputs(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -141,7 +154,7 @@ CLIENT_PARAMS = tuple(f.name for f in dataclasses.fields(SamplingParams)
                       if f.name not in INTERNAL_PARAMS)
 _HINTS = typing.get_type_hints(SamplingParams)
 _JSON_KINDS: dict[type, tuple[type, ...]] = {int: (int,), float: (int, float), bool: (bool,),
-                                             str: (str,), tuple: (list,)}
+                                             str: (str,), tuple: (list,), dict: (dict,)}
 _JSON_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
                list: "a list", dict: "an object"}
 
@@ -180,3 +193,67 @@ def _is_number(value: Any) -> bool:
 def _check(ok: bool, message: str, param: str, value: Any) -> None:
     if not ok:
         raise SamplingError(f"{message}, got {value!r}", param)
+
+
+def _plain_structured_outputs(spec: Any) -> Any:
+    """A private copy of plain JSON, as the bus carries it: keys set to None dropped (a
+    serialized vLLM StructuredOutputsParams has them all) and a schema given as a JSON
+    string parsed. What does not fit is left for _check_structured_outputs to name."""
+    if not isinstance(spec, dict):
+        return spec
+    spec = {key: value for key, value in spec.items() if value is not None}
+    if isinstance(spec.get("json"), str):
+        try:
+            spec["json"] = json.loads(spec["json"])
+        except ValueError:
+            return spec
+    try:
+        return json.loads(json.dumps(spec))
+    except (TypeError, ValueError, RecursionError):  # no JSON form, or absurdly deep
+        return spec
+
+
+def _check_structured_outputs(spec: Any) -> None:
+    """The shape of each kind; whether xgrammar takes the schema, regex or grammar is the
+    tokenizer stage's check (common/structured_outputs.py)."""
+    name = "structured_outputs"
+    kinds = ", ".join(STRUCTURED_KINDS)
+    _check(isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in STRUCTURED_KINDS,
+           f"{name} must be an object with exactly one of the keys {kinds}", name, spec)
+    _check(_bus_safe(spec), f"{name} must hold JSON values only, nested at most "
+           f"{_MAX_JSON_DEPTH} deep, with integers of 64 bits", name, spec)
+    kind, value = next(iter(spec.items()))
+    if kind == "json" and isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError as e:
+            raise SamplingError(f"{name}.json is not valid JSON: {e}", name) from None
+    _check(_STRUCTURED_SHAPES[kind][0](value), f"{name}.{kind} must be "
+           f"{_STRUCTURED_SHAPES[kind][1]}", name, value)
+
+
+_MAX_JSON_DEPTH = 64  # far past any real schema; deeper ones would only strain the stages
+
+
+def _bus_safe(value: Any, depth: int = 0) -> bool:
+    """Plain JSON that MessagePack carries: string keys, integers that fit 64 bits."""
+    if depth > _MAX_JSON_DEPTH:
+        return False
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _bus_safe(v, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_bus_safe(v, depth + 1) for v in value)
+    if _is_int(value):
+        return fits_int64(value)
+    return value is None or isinstance(value, (str, float, bool))
+
+
+_STRUCTURED_SHAPES: dict[str, tuple[Any, str]] = {
+    "json": (lambda v: isinstance(v, dict), "a JSON schema (an object, or a string holding one)"),
+    "json_object": (lambda v: v is True, "true"),
+    "regex": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "choice": (lambda v: isinstance(v, list) and v != [] and all(isinstance(c, str) for c in v),
+               "a non-empty list of strings"),
+    "grammar": (lambda v: isinstance(v, str) and v.strip() != "",
+                "a non-empty string (an EBNF grammar with a root rule)"),
+}

@@ -8,6 +8,7 @@ import json
 import sys
 
 from common.config import ConfigError, add_engine_args, engine_config_from_args
+from common.errors import ApiError
 from common.sampling_params import CLIENT_PARAMS, SamplingError, SamplingParams, json_kinds
 
 # --seed is the engine's (weights of dummy models, unseeded sampling), as in vLLM
@@ -40,9 +41,22 @@ def add_sampling_args(group: argparse._ArgumentGroup) -> None:
             item = str if name == "stop" else int
             group.add_argument(flag, dest=dest, action="append", type=item, default=None,
                                help=text + " (repeat the flag for several)")
+        elif kinds == (dict,):
+            group.add_argument(flag, dest=dest, type=_json_object, default=None,
+                               help=text + ", as a JSON object")
         else:
             group.add_argument(flag, dest=dest, type=float if float in kinds else int,
                                default=None, help=text)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return value
 
 
 def main(argv: list[str]) -> int:
@@ -64,11 +78,14 @@ def main(argv: list[str]) -> int:
         params = llm.engine.info.defaults.params_for(overrides)
     except SamplingError as e:
         parser.error(str(e))
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
-                           use_tqdm=False)
-    else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    try:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
+                               use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    except ApiError as e:  # a request the engine refuses: a prompt too long, a bad grammar
+        parser.error(e.message)
     for prompt, output in zip(args.prompt, outputs):
         for completion in output.outputs:
             if args.json:

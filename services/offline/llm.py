@@ -97,11 +97,16 @@ class LLM:
         params_list = _per_prompt(sampling_params or self.get_default_sampling_params(),
                                   len(encoded))
         outputs: dict[str, RequestOutput] = {}
-        for i, ((text, ids), params) in enumerate(zip(encoded, params_list)):
-            rid = str(next(self._ids))
-            outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(j)
-                                                          for j in range(params.n)])
-            self.engine.add_request(rid, ids, params, priority[i] if priority else 0)
+        try:
+            for i, ((text, ids), params) in enumerate(zip(encoded, params_list)):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, ids, params, priority[i] if priority else 0)
+                outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(j)
+                                                              for j in range(params.n)])
+        except BaseException:  # a request refused (a bad grammar): none of the call runs
+            for rid in outputs:
+                self.engine.abort(rid)
+            raise
         bar = tqdm(total=len(encoded), desc="Processed prompts", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for delta in self.engine.step():

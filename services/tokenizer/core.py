@@ -1,9 +1,10 @@
 """The tokenizer core: a client request in, a validated, tokenized AdmitRequest out.
 
 It applies the chat template, tokenizes, checks lengths against max_model_len, resolves
-sampling values (client over generation config over SamplingParams defaults) and fills in
-the EOS ids. Anything wrong with the request raises ApiError, which the shell turns into
-an ErrorReply; nothing invalid reaches the scheduler.
+sampling values (client over generation config over SamplingParams defaults), fills in
+the EOS ids and has xgrammar parse a structured-output spec. Anything wrong with the
+request raises ApiError, which the shell turns into an ErrorReply; nothing invalid reaches
+the scheduler.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from common.model_info import ModelInfo
 from common.sampling_defaults import SamplingDefaults
 from common.sampling_params import (CLIENT_PARAMS, SamplingError, SamplingParams,
                                     check_json_type, json_kinds)
+from common.structured_outputs import to_grammar
 from common.tokens import check_vocabulary
 
 
@@ -135,6 +137,8 @@ class InputProcessor:
         with sampling_checks():
             params = params.replace(max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
             params.check_logprobs(self.max_logprobs)
+            if params.structured_outputs is not None:
+                to_grammar(params.structured_outputs)  # a bad one stops here, not in a worker
         return AdmitRequest(rid=rid, reply_to=reply_to, prompt_token_ids=ids, params=params,
                             arrival_time=arrival_time, priority=priority)
 

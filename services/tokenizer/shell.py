@@ -18,6 +18,7 @@ from common.log import get_logger
 from common.messages import GenerateRequest, Routed
 from common.model_info import load_model_info
 from common.service import ServiceContext, freeze_heap, run_service
+from common.structured_outputs import xgrammar_loaded
 from services.tokenizer.core import InputProcessor
 from services.tokenizer.routing import Router
 
@@ -32,10 +33,14 @@ def handler(processor: InputProcessor, router: Router):
 
     async def handle(req: GenerateRequest) -> list[Output]:
         received = time.time()
+        light = not xgrammar_loaded()
         try:
             admit = processor.process(req)
         except ApiError as e:
             return [(keys.replies(req.reply_to), e.reply(req.rid))]
+        finally:
+            if light and xgrammar_loaded():  # the first structured request brought it in
+                freeze_heap()
         stamps = [req.arrival_time, received, time.time()]
         admit = dataclasses.replace(admit, stamps=stamps)
         if not sharded:
