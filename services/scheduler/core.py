@@ -301,11 +301,15 @@ class Scheduler:
 
     def _check_finish(self, req: Request, token: int) -> None:
         params = req.params
-        if len(req.output_token_ids) >= params.min_tokens:
-            if not params.ignore_eos and token in params.eos_token_ids:
-                req.finish_reason, req.stop_reason = "stop", None
-            elif token in params.stop_token_ids:
-                req.finish_reason, req.stop_reason = "stop", token
+        reached_min = len(req.output_token_ids) >= params.min_tokens
+        # A grammar admits EOS only where it is complete, and then nothing else is left for
+        # it to admit: its end ends the request (services/worker/grammar.py).
+        eos_ends = params.structured_outputs is not None or (reached_min
+                                                             and not params.ignore_eos)
+        if eos_ends and token in params.eos_token_ids:
+            req.finish_reason, req.stop_reason = "stop", None
+        elif reached_min and token in params.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", token
         if req.finish_reason is None:
             max_tokens = params.max_tokens
             if ((max_tokens is not None and len(req.output_token_ids) >= max_tokens)

@@ -3,7 +3,8 @@
 The worker knows every request's tokens itself (it sampled them), so a plan only says
 which requests compute how many tokens from which position; the worker appends what it
 samples before the scheduler hears of it. A step is: apply the plan's deltas, prepare the
-flattened inputs, run the model, sample.
+flattened inputs, run the model, sample. Structured outputs' grammar state lives here too
+(services/worker/grammar.py says why).
 """
 
 from __future__ import annotations
@@ -11,21 +12,25 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from common.config import EngineConfig
 from common.messages import PromptLogprobs, StepPlan, StepResult
+from common.model_files import load_tokenizer
 from common.sampling_params import SamplingParams
 from common.tokens import slice_tokens
 from services.worker.cuda_graphs import StepGraphs, graph_tokens
+from services.worker.grammar import Grammars, MaskRow, accept
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
 from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_all_reduce
 from services.worker.loader import load_model
 from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
 from services.worker.models import kv_cache_shape
-from services.worker.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
+from services.worker.sampler import (GrammarMask, Sampler, SamplingRow, make_generator,
+                                     prompt_logprobs)
 
 log = logging.getLogger("headrace.worker")
 
@@ -40,6 +45,8 @@ class RequestState:
     generator: torch.Generator | None
     pending: int = 0  # tokens sampled by launched steps, not yet copied back to the host
     sample_row: int = 0  # this request's row in the last launched step's samples
+    structured: bool = False  # has a grammar (cleared if it fails to compile)
+    matcher: Any = None  # its xgrammar GrammarMatcher, made at its first sampling step
 
     @property
     def num_tokens(self) -> int:
@@ -47,10 +54,17 @@ class RequestState:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def needs_history(self) -> bool:
-        """Penalties and min_tokens read the output so far."""
+        """Penalties, min_tokens and grammars read the output so far."""
         p = self.params
-        return (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        return (self.structured or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                 or p.repetition_penalty != 1.0 or p.min_tokens > len(self.output_ids))
+
+    def held_back(self) -> tuple[int, ...]:
+        """The ids min_tokens keeps a structured request from sampling yet."""
+        p = self.params
+        if len(self.output_ids) >= p.min_tokens:
+            return ()
+        return (*p.eos_token_ids, *p.stop_token_ids)
 
     def tokens(self, start: int, end: int) -> list[int]:
         return slice_tokens(self.prompt_ids, self.output_ids, start, end)
@@ -106,6 +120,8 @@ class ModelRunner:
         self.model = load_model(config, hf_config, self.device, self.dtype, model_dir)
         self.block_size = config.block_size
         self.sampler = Sampler(self.device, config.seed)
+        self.grammars = Grammars(lambda: load_tokenizer(model_dir, config.tokenizer),
+                                 self.model.vocab_size, self.device)
         self.requests: dict[str, RequestState] = {}
         self._pending: Launched | None = None
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -132,11 +148,17 @@ class ModelRunner:
         self._apply_plan(plan)
         # On a synchronous device (the CPU) the last step is computed already: its tokens
         # go out now rather than after this step's compute.
-        if self._pending is not None and (self._pending.done is None or any(
-                self.requests[r].pending and self.requests[r].needs_history()
-                for r in plan.req_ids)):
+        if self._pending is not None and self._pending.done is None:
             done.append(self._complete())
-        launched = self._launch(plan)
+        started = time.perf_counter()
+        inputs = self._prepare(plan)
+        hidden = self._forward(inputs)
+        # Penalties, min_tokens and grammars need the last step's tokens to sample: wait
+        # for them now, while the device runs this step's forward pass.
+        if self._pending is not None and any(s.pending and s.needs_history()
+                                             for s in inputs.sampling):
+            done.append(self._complete())
+        launched = self._sample(plan.step, inputs, hidden, started)
         if self._pending is not None:
             done.append(self._complete())
         self._pending = launched
@@ -158,24 +180,38 @@ class ModelRunner:
         if pending is not None and pending.done is not None:
             pending.done.synchronize()
 
-    def _launch(self, plan: StepPlan) -> Launched:
-        started = time.perf_counter()
-        inputs = self._prepare(plan)
-        hidden = self._forward(inputs)
+    def _sample(self, step: int, inputs: StepInputs, hidden: torch.Tensor, started: float
+                ) -> Launched:
         chunks = [self._prompt_logprobs(hidden, *row) for row in inputs.prompt_logprob_rows]
         if not inputs.sampling:
-            return Launched(plan.step, [], torch.empty(0, dtype=torch.int64), None, [], chunks,
+            return Launched(step, [], torch.empty(0, dtype=torch.int64), None, [], chunks,
                             started)
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        out = self.sampler.sample(logits, [s.sampling_row() for s in inputs.sampling])
+        out = self.sampler.sample(logits, [s.sampling_row() for s in inputs.sampling],
+                                  self._grammar_mask(inputs.sampling))
         self._last_tokens = out.token_ids
         for row, state in enumerate(inputs.sampling):
             state.pending += 1
             state.sample_row = row
         host, done = self._copy_to_host(out.token_ids)
         logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
-        return Launched(plan.step, inputs.sampling, host, done, logprobs, chunks, started,
+        return Launched(step, inputs.sampling, host, done, logprobs, chunks, started,
                         time.time() if done is None else 0.0)
+
+    def _grammar_mask(self, sampling: list[RequestState]) -> GrammarMask | None:
+        """The mask of this step's structured rows, None when it has none. Their tokens
+        so far are on the host (submit waited for them)."""
+        rows: list[MaskRow] = []
+        for i, state in enumerate(sampling):
+            if not state.structured:
+                continue
+            if state.matcher is None:
+                state.matcher = self.grammars.matcher(state.req_id, state.params,
+                                                      state.output_ids)
+                state.structured = state.matcher is not None
+            if state.structured and not state.matcher.is_terminated():
+                rows.append((i, state.matcher, state.held_back()))
+        return self.grammars.mask(rows) if rows else None
 
     def _complete(self) -> StepResult:
         launched, self._pending = self._pending, None
@@ -188,6 +224,8 @@ class ModelRunner:
         for state, token in zip(launched.sampling, token_ids):
             state.output_ids.append(token)
             state.pending -= 1
+            if state.matcher is not None:
+                accept(state.matcher, token, state.req_id)
         return StepResult(step=launched.step, req_ids=[s.req_id for s in launched.sampling],
                           token_ids=token_ids, logprobs=launched.logprobs,
                           prompt_logprobs=launched.prompt_logprobs,
@@ -249,7 +287,7 @@ class ModelRunner:
             self.requests[new.req_id] = RequestState(
                 new.req_id, list(new.token_ids[:new.num_prompt_tokens]),
                 list(new.token_ids[new.num_prompt_tokens:]), list(new.block_ids), params,
-                generator)
+                generator, structured=params.structured_outputs is not None)
         for cached in plan.cached:
             self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
 

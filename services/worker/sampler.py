@@ -1,7 +1,10 @@
 """Turns one step's logits into tokens (and logprobs), the way vLLM v1 does.
 
-Order: raw logprobs -> penalties -> min_tokens -> greedy argmax, or temperature -> top-k ->
-top-p -> min-p -> exponential race. The device work is batched over rows with tensors, but
+Order: grammar mask -> raw logprobs -> penalties -> min_tokens -> greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> exponential race. The grammar mask (structured
+outputs, services/worker/grammar.py) comes first, as in vLLM, whose model runner masks the
+logits before its sampler sees them: logprobs are those of the masked distribution, and
+a structured row's min_tokens is in its mask rather than applied here. The device work is batched over rows with tensors, but
 for one step: each seeded request draws its noise from its own generator, so its token
 depends on its own logits and seed alone, never on the rest of the batch. On CUDA, a step
 whose rows ask for temperature alone (no top-k/p, min-p, penalties, logprobs or seeds)
@@ -20,6 +23,7 @@ import torch
 
 from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
+from kernels.grammar_mask import apply_token_bitmask
 from kernels.sampling import gumbel_argmax_triton
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are uint64; any Python int maps into that range
@@ -32,6 +36,13 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens sampled so far (before this step)
     generator: torch.Generator | None  # per-request, from params.seed; None if unseeded
+
+
+@dataclass(slots=True)
+class GrammarMask:
+    """The allowed tokens of a step's structured rows, on the logits' device."""
+    bitmask: torch.Tensor  # int32 [k, ceil(vocab / 32)], xgrammar's packing
+    rows: torch.Tensor  # int64 [k]: the batch row of each bitmask row
 
 
 @dataclass(slots=True)
@@ -52,7 +63,11 @@ class Sampler:
         self.generator = make_generator(seed, device)
         self._kernel_seeds = random.Random(seed)  # one Philox key per fused step
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               mask: GrammarMask | None = None) -> SamplerOutput:
+        """`logits` float32 [N, vocab], this step's own (the grammar mask writes into it)."""
+        if mask is not None:
+            apply_token_bitmask(logits, mask.bitmask, mask.rows)
         if all(_plain_greedy(row) for row in rows):
             return SamplerOutput(logits.argmax(dim=-1), [None] * len(rows))
         if logits.is_cuda and all(_plain_random(row) for row in rows):
@@ -165,9 +180,10 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
 def block_early_stops(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """-inf on the EOS and stop token ids of rows still short of min_tokens (whatever
-    ignore_eos says, as vLLM does). Returns `logits` itself when nothing is blocked."""
+    ignore_eos says, as vLLM does), but structured ones, whose grammar mask holds them
+    back. Returns `logits` itself when nothing is blocked."""
     vocab_size = logits.shape[1]
-    flat = [i * vocab_size + t for i, row in enumerate(rows) if _before_min_tokens(row)
+    flat = [i * vocab_size + t for i, row in enumerate(rows) if _blocks_early_stops(row)
             for t in (*row.params.eos_token_ids, *row.params.stop_token_ids)
             if t < vocab_size]  # an id past the vocabulary can never be sampled anyway
     if not flat:
@@ -260,19 +276,20 @@ def _has_penalty(params: SamplingParams) -> bool:
             or params.presence_penalty != 0.0)
 
 
-def _before_min_tokens(row: SamplingRow) -> bool:
-    return len(row.output_token_ids) < row.params.min_tokens
+def _blocks_early_stops(row: SamplingRow) -> bool:
+    params = row.params
+    return len(row.output_token_ids) < params.min_tokens and params.structured_outputs is None
 
 
 def _plain_random(row: SamplingRow) -> bool:
     """Temperature alone shapes the draw, from the engine's noise: one fused kernel does it."""
     params = row.params
     return (not params.greedy and params.logprobs is None and not _has_penalty(params)
-            and not _before_min_tokens(row) and params.top_k == 0 and params.top_p == 1.0
+            and not _blocks_early_stops(row) and params.top_k == 0 and params.top_p == 1.0
             and params.min_p == 0.0 and row.generator is None)
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
     params = row.params
     return (params.greedy and params.logprobs is None and not _has_penalty(params)
-            and not _before_min_tokens(row))
+            and not _blocks_early_stops(row))
