@@ -26,7 +26,8 @@ from services.demo import demo_model_path
 from tests.tiny_models import make_tiny_model
 
 # A bounded string by pattern, not maxLength: xgrammar 0.2.8 lets raw control characters
-# into a string with a length bound, which JSON forbids (random weights do sample them).
+# into a string with a length bound, which JSON forbids (mlc-ai/xgrammar issue 800, open);
+# random weights do sample them.
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
           "properties": {"name": {"type": "string", "pattern": "^[A-Za-z ]{1,8}$"},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
