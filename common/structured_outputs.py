@@ -6,6 +6,8 @@ and enforces it: services/worker/grammar.py) share.
 - json: the schema, in xgrammar's strict mode (properties the schema does not name are
   refused) and without free whitespace (vLLM's disable_any_whitespace): the output is
   compact JSON, and a small model cannot wander into endless blanks between tokens.
+  xgrammar (0.2.8) gets one thing wrong: a string with minLength or maxLength admits raw
+  control characters and no escapes (mlc-ai/xgrammar issue 800); a pattern does not.
 - json_object: any JSON object, compact in the same way.
 - regex, grammar: as xgrammar reads them (its regex dialect; EBNF/GBNF with a root rule).
 - choice: a grammar whose root is one of the strings, literally.
