@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import importlib.metadata
 import json
 import re
 import time
@@ -38,6 +37,7 @@ from common.metrics import Metrics
 from common.model_info import ModelInfo
 from common.outbox import Outbox
 from common.token_text import TokenTexts
+from common.version import VERSION
 from common.tokens import check_vocabulary
 from services.gateway.core import (SHUTTING_DOWN, Applied, Backend, Call, Echo, Observed,
                                    Parsers,
@@ -56,7 +56,6 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REFRESH_TIMEOUT_S = 2.0
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 ENDING_S = 5.0  # after --shutdown-timeout, the calls' handlers get this long to send errors
-VERSION = importlib.metadata.version("headrace")
 OPENAPI = openapi_document(VERSION)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

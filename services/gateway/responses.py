@@ -8,11 +8,11 @@ string ended the completion).
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.messages import TextDelta, TokenLogprobs
+from common.version import VERSION
 from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice,
                                               ChatCompletionChunk, ChatCompletionResponse,
                                               ChatLogprobs, ChatMessage, CompletionChoice,
@@ -27,7 +27,7 @@ Body = CompletionResponse | ChatCompletionResponse | ChatCompletionChunk
 
 MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
 # What OpenAI's clients log to tell backends apart: this server's build.
-SYSTEM_FINGERPRINT = f"headrace-{importlib.metadata.version('headrace')}"
+SYSTEM_FINGERPRINT = f"headrace-{VERSION}"
 
 
 @dataclass(slots=True)
