@@ -66,6 +66,8 @@ def check_triton(device: str, cases: list[tuple[int, int, list[int]]]) -> None:
             assert torch.equal(out, expected), (vocab, dtype)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the compiled kernel is checked on "
+                    "CUDA; the GPU image's Triton 3.6 interpreter has no bfloat16")
 def test_under_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
