@@ -5,6 +5,7 @@ scheduler, tokenizer, detokenizer and gateway as processes), driven by the offic
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -79,6 +80,35 @@ async def test_chat_knows_the_capital_of_france(api):
     assert "Paris" in choice.message.content and choice.message.role == "assistant"
     assert choice.finish_reason in ("stop", "length") and out.model == MODEL_NAME
     assert out.usage.prompt_tokens > 10 and out.usage.completion_tokens >= 1
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["city", "age"],
+          "properties": {"city": {"enum": ["Paris", "Rome"]},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+async def test_structured_output_and_forced_tool_calls_through_the_openai_client(api):
+    """response_format json_schema, guided_choice and a named tool through the real
+    engine: the demo model's outputs follow them, greedy and sampled."""
+    ask = [{"role": "user", "content": "Where does Ana live, and how old is she?"}]
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        out = await api.chat.completions.create(
+            model=MODEL_NAME, messages=ask, max_tokens=40, **sampling,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": PERSON}})
+        person = json.loads(out.choices[0].message.content)
+        assert set(person) == {"city", "age"} and person["city"] in ("Paris", "Rome")
+        out = await api.chat.completions.create(
+            model=MODEL_NAME, messages=ask, max_tokens=5, **sampling,
+            extra_body={"guided_choice": ["yes", "no"]})
+        assert out.choices[0].message.content in ("yes", "no")
+        out = await api.chat.completions.create(
+            model=MODEL_NAME, messages=ask, max_tokens=40, **sampling,
+            tools=[{"type": "function", "function": {"name": "save", "parameters": PERSON}}],
+            tool_choice={"type": "function", "function": {"name": "save"}})
+        call, = out.choices[0].message.tool_calls
+        assert call.function.name == "save"
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
 
 
 async def test_greedy_outputs_equal_the_offline_llm(api):
