@@ -385,6 +385,10 @@ def _build_codec(hint: Any) -> tuple[Converter, Converter]:
     if origin in (list, tuple):
         to, frm = _codec(args[0])
         return (lambda v: [to(x) for x in v], lambda w: [frm(x) for x in _typed(w, list)])
+    if origin is dict and args[0] is int:  # as pairs: decode takes only string map keys
+        key, (to, frm) = _codec(int)[1], _codec(args[1])
+        return (lambda v: [[k, to(x)] for k, x in v.items()],
+                lambda w: {key(k): frm(x) for k, x in _typed(w, list)})
     if origin is dict or hint is dict:
         return (lambda v: dict(v), lambda w: _typed(w, dict))
     if dataclasses.is_dataclass(hint):

@@ -55,6 +55,10 @@ class SamplingParams:
     # and the tokenizer's JSON types derive from the annotation. Left out of the hash, which
     # a dict has none of.
     structured_outputs: dict | None = field(default=None, hash=False)
+    # OpenAI's: added to a token's logit before sampling, clamped to [-100, 100] as vLLM
+    # does; JSON's string keys ("50256") become ids.
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: sample only among these
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids", "eos_token_ids"):
@@ -77,6 +81,10 @@ class SamplingParams:
         if self.structured_outputs is not None:
             object.__setattr__(self, "structured_outputs",
                                _plain_structured_outputs(self.structured_outputs))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if isinstance(self.allowed_token_ids, list):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self._validate()
 
     def _validate(self) -> None:
@@ -128,6 +136,11 @@ class SamplingParams:
                    getattr(self, name))
         if self.structured_outputs is not None:
             _check_structured_outputs(self.structured_outputs)
+        _check(self.allowed_token_ids is None or (
+            isinstance(self.allowed_token_ids, tuple) and self.allowed_token_ids != ()
+            and all(_is_int(t) and 0 <= t < _INT32 for t in self.allowed_token_ids)),
+            "allowed_token_ids must be a non-empty list of token ids (integers in "
+            "[0, 2**31))", "allowed_token_ids", self.allowed_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -211,6 +224,25 @@ def _plain_structured_outputs(spec: Any) -> Any:
         return json.loads(json.dumps(spec))
     except (TypeError, ValueError, RecursionError):  # no JSON form, or absurdly deep
         return spec
+
+
+_MAX_BIAS = 100.0  # OpenAI's range; vLLM clamps what lies outside it
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """{token id: bias} from a dict keyed by ids or by their decimal strings (JSON's)."""
+    name = "logit_bias"
+    _check(isinstance(bias, dict), f"{name} must be an object mapping token ids to numbers",
+           name, bias)
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        _check(_is_int(token) and 0 <= token < _INT32, f"{name} keys must be token ids "
+               "(integers in [0, 2**31))", name, bias)
+        _check(_is_number(value) and math.isfinite(value),
+               f"{name} values must be finite numbers", name, bias)
+        out[token] = max(-_MAX_BIAS, min(_MAX_BIAS, float(value)))
+    return out
 
 
 def _check_structured_outputs(spec: Any) -> None:

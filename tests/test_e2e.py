@@ -111,6 +111,31 @@ async def test_structured_output_and_forced_tool_calls_through_the_openai_client
         assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
 
 
+async def token_id(served: ServerProcess, text: str) -> int:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(served.url + "/tokenize",
+                                json={"prompt": text, "add_special_tokens": False}) as response:
+            token, = (await response.json())["tokens"]
+    return token
+
+
+async def test_logit_bias_and_allowed_token_ids_steer_the_tokens(api, served):
+    berlin, rome, madrid = [await token_id(served, city) for city in (" Berlin", " Rome",
+                                                                       " Madrid")]
+    out = await api.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=3,
+                                       temperature=0, logit_bias={str(berlin): 100})
+    assert out.choices[0].text == " Berlin" * 3
+    out = await api.chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=6, temperature=1.0, seed=3, logprobs=True,
+        extra_body={"allowed_token_ids": [rome, madrid], "ignore_eos": True})
+    tokens = [entry.token for entry in out.choices[0].logprobs.content]
+    assert len(tokens) == 6 and set(tokens) <= {" Rome", " Madrid"}
+    with pytest.raises(openai.BadRequestError) as info:
+        await api.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2,
+                                     logit_bias={"10000000": 5})
+    assert "out of vocabulary" in info.value.message
+
+
 async def test_greedy_outputs_equal_the_offline_llm(api):
     replies = await asyncio.gather(*[
         api.completions.create(model=MODEL_NAME, prompt=p, temperature=0, max_tokens=16,

@@ -110,11 +110,23 @@ def test_temperature_nan_and_inf_are_refused():
         assert refused(completion(temperature=value)).param == "temperature"
 
 
-@pytest.mark.parametrize("name", ["suffix", "logit_bias", "best_of", "functions",
-                                  "allowed_token_ids"])
+@pytest.mark.parametrize("name", ["suffix", "best_of", "functions"])
 def test_features_this_server_lacks_are_refused_by_name(name):
     error = refused(chat(**{name: {"x": 1}}), is_chat=True)
     assert error.param == name and "not supported" in error.message
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_params_as_json():
+    job = parse_job(chat(logit_bias={"50": -200, "7": 3}, allowed_token_ids=[7, 9]),
+                    chat=True)
+    assert job.params["logit_bias"] == {"50": -100.0, "7": 3.0}  # clamped, keys as sent
+    assert job.params["allowed_token_ids"] == [7, 9]
+    for body, param in ((chat(logit_bias={"x": 1}), "logit_bias"),
+                        (chat(logit_bias={"5": "high"}), "logit_bias"),
+                        (chat(logit_bias=[5]), "logit_bias"),
+                        (completion(allowed_token_ids=[]), "allowed_token_ids"),
+                        (completion(allowed_token_ids=["5"]), "allowed_token_ids")):
+        assert refused(body, is_chat="messages" in body).param == param
 
 
 def test_unknown_fields_are_ignored_and_named():

@@ -298,6 +298,59 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached(device: torch.device) 
             assert bool(blocked.any()) == (done >= 4) and bool(blocked.all()) == (done >= 4)
 
 
+# --- logit_bias and allowed_token_ids ----------------------------------------------------------
+
+def test_allowed_token_ids_and_logit_bias_shape_greedy_choices(device: torch.device) -> None:
+    vocab = 50
+    logits = seeded_logits(14, 5, vocab).to(device)
+    best = logits.argmax(dim=-1).tolist()
+    others = [[t for t in range(vocab) if t != b] for b in best]
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=others[0][:7]),
+              SamplingParams(temperature=0.0, logit_bias={others[1][3]: 100}),
+              SamplingParams(temperature=0.0, logit_bias={best[2]: -100}),
+              SamplingParams(temperature=0.0, allowed_token_ids=[others[3][9]],
+                             logit_bias={others[3][9]: -100, best[3]: 100}),
+              SamplingParams(temperature=0.0)]
+    rows = [make_row(p, device) for p in params]
+    tokens = Sampler(device, 0).sample(logits.clone(), rows).token_ids.tolist()
+    restricted = logits[0, others[0][:7]]
+    assert tokens[0] == others[0][int(restricted.argmax())]
+    assert tokens[1] == others[1][3]
+    assert tokens[2] == int(logits[2].clone().index_fill_(0, torch.tensor(best[2], device=device),
+                                                          float("-inf")).argmax())
+    assert tokens[3] == others[3][9]  # only one token is allowed, whatever its bias
+    assert tokens[4] == best[4]  # a row without either is untouched by its neighbours'
+
+
+def test_biased_and_restricted_frequencies_match_softmax(device: torch.device) -> None:
+    vocab, draws, allowed = 8, 40_000, [1, 4, 6]
+    logits = seeded_logits(15, 1, vocab, scale=1.0)
+    bias = {0: 2.0, 5: -1.5, 6: 0.5}
+    for params, expected_logits in (
+            (SamplingParams(temperature=1.0, logit_bias=bias),
+             logits[0] + torch.tensor([bias.get(t, 0.0) for t in range(vocab)])),
+            (SamplingParams(temperature=0.8, allowed_token_ids=allowed, logit_bias=bias),
+             torch.where(torch.isin(torch.arange(vocab), torch.tensor(allowed)),
+                         (logits[0] + torch.tensor([bias.get(t, 0.0) for t in range(vocab)]))
+                         / 0.8, float("-inf")))):
+        rows = [make_row(params, device)] * draws
+        out = Sampler(device, 16).sample(logits.expand(draws, vocab).to(device), rows)
+        expected = torch.softmax(expected_logits.double(), dim=-1)
+        assert within_sigmas(frequencies(out.token_ids, vocab), expected, draws)
+
+
+def test_logprobs_stay_raw_under_bias_and_restriction(device: torch.device) -> None:
+    logits = seeded_logits(16, 1, 30).to(device)
+    params = SamplingParams(temperature=0.0, logprobs=2, allowed_token_ids=[3, 4],
+                            logit_bias={3: 50.0})
+    out = Sampler(device, 0).sample(logits.clone(), [make_row(params, device)])
+    entry = out.logprobs[0]
+    raw = torch.log_softmax(logits[0].float(), dim=-1)
+    assert out.token_ids.tolist() == [3] and entry.token_ids[0] == 3
+    assert entry.logprobs[0] == pytest.approx(float(raw[3]), abs=1e-5)
+    assert entry.token_ids[1:] == raw.topk(2).indices.tolist()
+
+
 # --- seeds -------------------------------------------------------------------------------------
 
 TARGET_VOCAB = 500
@@ -401,17 +454,19 @@ def test_prompt_logprobs_shapes_values_and_ranks(device: torch.device, k: int) -
 # --- the GPU path ----------------------------------------------------------------------------------
 
 def test_mixed_batch_samples_without_a_device_sync(device: torch.device) -> None:
-    logits = seeded_logits(17, 6, 128).to(device)
+    logits = seeded_logits(17, 7, 128).to(device)
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.2),
               SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=3),
               SamplingParams(temperature=1.0, min_p=0.2, min_tokens=3, eos_token_ids=(2,)),
               SamplingParams(temperature=0.5, presence_penalty=0.5, frequency_penalty=0.3),
               SamplingParams(temperature=0.0),
-              SamplingParams(temperature=1.1, top_p=0.5)]
+              SamplingParams(temperature=1.1, top_p=0.5),
+              SamplingParams(temperature=0.7, allowed_token_ids=[3, 9, 40],
+                             logit_bias={9: 3.0})]
     rows = [make_row(p, device, [5, 6, 7], [8, 9]) for p in params]
     sampler = Sampler(device, 0)
     with forbid_syncs(device):
         out = sampler.sample(logits, rows)
     tokens = out.token_ids.tolist()
     assert tokens[4] == int(logits[4].argmax())
-    assert tokens[2] != 2
+    assert tokens[2] != 2 and tokens[6] in (3, 9, 40)

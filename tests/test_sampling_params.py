@@ -33,6 +33,11 @@ INVALID: list[tuple[str, Any]] = [
     ("prompt_logprobs", -2), ("prompt_logprobs", 0.5),
     ("stop", ""), ("stop", ("ok", "")), ("stop", ("ok", 3)),
     ("stop_token_ids", (-1,)), ("stop_token_ids", (5, 2.0)), ("stop_token_ids", ("x",)),
+    ("logit_bias", [1, 2]), ("logit_bias", {"x": 1.0}), ("logit_bias", {"-3": 1.0}),
+    ("logit_bias", {-3: 1.0}), ("logit_bias", {2**31: 1.0}), ("logit_bias", {5: "1"}),
+    ("logit_bias", {5: float("inf")}), ("logit_bias", {5: True}),
+    ("allowed_token_ids", ()), ("allowed_token_ids", (-1,)), ("allowed_token_ids", ("7",)),
+    ("allowed_token_ids", "7"), ("allowed_token_ids", 7),
 ]
 
 
@@ -90,6 +95,13 @@ def test_token_id_lists_normalise_to_tuples(name: str, given_value: Any,
     assert getattr(SamplingParams(**{name: given_value}), name) == stored
 
 
+def test_logit_bias_takes_json_keys_and_clamps_as_vllm_does() -> None:
+    params = SamplingParams(logit_bias={"50256": -200, 7: 2.5, "8": 1000.0})
+    assert params.logit_bias == {50256: -100.0, 7: 2.5, 8: 100.0}
+    assert SamplingParams(allowed_token_ids=[4, 4, 2]).allowed_token_ids == (4, 4, 2)
+    assert hash(params) == hash(SamplingParams(logit_bias={1: 1.0}))  # the dict is unhashed
+
+
 def test_top_k_minus_one_means_disabled() -> None:
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
@@ -136,6 +148,9 @@ def sampling_params(draw: st.DrawFn) -> SamplingParams:
         spaces_between_special_tokens=draw(st.booleans()),
         include_stop_str_in_output=draw(st.booleans()),
         eos_token_ids=draw(token_ids),
+        logit_bias=draw(st.none() | st.dictionaries(st.integers(0, 2**31 - 1),
+                                                    unit_floats(-100.0, 100.0), max_size=3)),
+        allowed_token_ids=draw(st.none() | token_ids.filter(bool)),
     )
 
 

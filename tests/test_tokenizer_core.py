@@ -289,3 +289,16 @@ def test_add_special_tokens_defaults_to_true_for_prompts_and_false_for_chats(tok
     assert plain == tok.encode(text, add_special_tokens=False)
     assert proc.process(request(messages=chat, add_special_tokens=True)).prompt_token_ids \
         == tok.encode(text, add_special_tokens=True)
+
+
+def test_logit_bias_and_allowed_token_ids_are_checked_against_the_vocabulary(tok):
+    proc = processor(tok)
+    admit = proc.process(request({"logit_bias": {"5": 2}, "allowed_token_ids": [5, 9]},
+                                 prompt="Hello"))
+    assert admit.params.logit_bias == {5: 2.0} and admit.params.allowed_token_ids == (5, 9)
+    assert decode(encode(admit)) == admit
+    for params in ({"logit_bias": {str(VOCAB): 1.0}}, {"allowed_token_ids": [1, VOCAB + 3]}):
+        error = rejected(proc, request(params, prompt="Hello"))
+        assert error.param == next(iter(params)) and "out of vocabulary" in error.message
+    with pytest.raises(ApiError, match="out of vocabulary"):
+        proc.admit("r", "gw", [1, 2], SamplingParams(allowed_token_ids=[VOCAB]))

@@ -24,9 +24,8 @@ from services.gateway.request_bodies import (ChatCompletionRequest, CompletionRe
 from services.gateway.tool_calls import required_schema
 
 # Known OpenAI fields whose features this server does not have.
-_UNSUPPORTED = {"suffix", "best_of", "logit_bias", "functions", "function_call", "audio",
-                "modalities", "prediction", "reasoning_effort", "web_search_options",
-                "allowed_token_ids"}
+_UNSUPPORTED = {"suffix", "best_of", "functions", "function_call", "audio", "modalities",
+                "prediction", "reasoning_effort", "web_search_options"}
 _SAMPLING_FIELDS = tuple(SamplingFields.model_fields)
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}  # vLLM's older names -> structured_outputs' keys
@@ -145,6 +144,9 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
 
 
 def _plain(value: Any) -> Any:
+    """JSON's form: a list for a tuple, string keys (logit_bias' ids) for a dict."""
+    if isinstance(value, dict):
+        return {str(key): item for key, item in value.items()}
     return list(value) if isinstance(value, tuple) else value
 
 

@@ -57,13 +57,15 @@ _JSON_TYPES: dict[Any, Any] = {int: int, float: float, bool: bool, str: str,
 
 def _json_type(hint: Any) -> Any:
     """The JSON type a client sends for a SamplingParams field of type `hint`: a tuple
-    arrives as a list."""
+    arrives as a list, a dict keyed by token ids as an object keyed by their strings."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    origin = typing.get_origin(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is None:
         return _JSON_TYPES[hint]
-    return _JSON_TYPES[origin][typing.get_args(hint)[0]]
+    if origin is dict:  # a JSON object's keys are strings
+        return dict[str, args[1]]  # type: ignore[valid-type]
+    return _JSON_TYPES[origin][args[0]]
 
 
 _HINTS = typing.get_type_hints(SamplingParams)

@@ -130,6 +130,13 @@ class InputProcessor:
                 f"the input, {max_tokens} in max_tokens). Please reduce the length of the "
                 "input or max_tokens.", "max_tokens")
 
+    def _check_sampling_ids(self, params: SamplingParams) -> None:
+        """vLLM refuses ids past the vocabulary in logit_bias and allowed_token_ids."""
+        if params.logit_bias:
+            check_vocabulary(list(params.logit_bias), self.vocab_size, "logit_bias")
+        if params.allowed_token_ids:
+            check_vocabulary(params.allowed_token_ids, self.vocab_size, "allowed_token_ids")
+
     def _admit(self, rid: str, reply_to: str, ids: list[int], params: SamplingParams,
                arrival_time: float, priority: int) -> AdmitRequest:
         room = self.max_model_len - len(ids)
@@ -139,6 +146,7 @@ class InputProcessor:
             params.check_logprobs(self.max_logprobs)
             if params.structured_outputs is not None:
                 to_grammar(params.structured_outputs)  # a bad one stops here, not in a worker
+        self._check_sampling_ids(params)
         return AdmitRequest(rid=rid, reply_to=reply_to, prompt_token_ids=ids, params=params,
                             arrival_time=arrival_time, priority=priority)
 

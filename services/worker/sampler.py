@@ -1,10 +1,11 @@
 """Turns one step's logits into tokens (and logprobs), the way vLLM v1 does.
 
-Order: grammar mask -> raw logprobs -> penalties -> min_tokens -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> exponential race. The grammar mask (structured
-outputs, services/worker/grammar.py) comes first, as in vLLM, whose model runner masks the
-logits before its sampler sees them: logprobs are those of the masked distribution, and
-a structured row's min_tokens is in its mask rather than applied here. The device work is batched over rows with tensors, but
+Order: grammar mask -> raw logprobs -> allowed_token_ids -> logit_bias -> penalties ->
+min_tokens -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> exponential
+race. The grammar mask (structured outputs, services/worker/grammar.py) comes first, as
+in vLLM, whose model runner masks the logits before its sampler sees them: logprobs are
+those of the masked distribution, and a structured row's min_tokens is in its mask rather
+than applied here. The device work is batched over rows with tensors, but
 for one step: each seeded request draws its noise from its own generator, so its token
 depends on its own logits and seed alone, never on the rest of the batch. On CUDA, a step
 whose rows ask for temperature alone (no top-k/p, min-p, penalties, logprobs or seeds)
@@ -80,7 +81,8 @@ class Sampler:
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         # Taken before any processing: logprobs describe the model's raw distribution.
         raw = self._rows(logits, wanted, len(rows)) if wanted else None
-        processed = block_early_stops(apply_penalties(logits, rows), rows)
+        processed = apply_logit_bias(apply_allowed_token_ids(logits, rows), rows)
+        processed = block_early_stops(apply_penalties(processed, rows), rows)
         token_ids = self._choose(processed, rows)
         if raw is None:
             return SamplerOutput(token_ids, [None] * len(rows))
@@ -156,6 +158,41 @@ class Sampler:
 
     def _column(self, values: Sequence[float]) -> torch.Tensor:
         return _column(values, self.device)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]
+                            ) -> torch.Tensor:
+    """-inf on every token outside a row's allowed_token_ids. Returns `logits` itself when
+    no row restricts its tokens."""
+    limited = [i for i, row in enumerate(rows) if row.params.allowed_token_ids]
+    if not limited:
+        return logits
+    vocab_size = logits.shape[1]
+    flat = [j * vocab_size + t for j, i in enumerate(limited)
+            for t in rows[i].params.allowed_token_ids if t < vocab_size]
+    forbidden = torch.ones(len(limited) * vocab_size, dtype=torch.bool)
+    forbidden[flat] = False  # built on the host: one copy to the device, not one per row
+    index = _to_device(limited, torch.int64, logits.device)
+    out = logits.clone()
+    out[index] = logits[index].masked_fill(
+        forbidden.view(len(limited), vocab_size).to(logits.device, non_blocking=True),
+        float("-inf"))
+    return out
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Each row's logit_bias added to its logits. Returns `logits` itself when no row has
+    one."""
+    vocab_size = logits.shape[1]
+    pairs = [(i * vocab_size + t, bias) for i, row in enumerate(rows)
+             for t, bias in (row.params.logit_bias or {}).items() if t < vocab_size]
+    if not pairs:
+        return logits
+    flat, biases = zip(*pairs)
+    out = logits.clone()
+    out.view(-1).index_add_(0, _to_device(flat, torch.int64, logits.device),
+                            _to_device(biases, logits.dtype, logits.device))
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -284,12 +321,17 @@ def _blocks_early_stops(row: SamplingRow) -> bool:
 def _plain_random(row: SamplingRow) -> bool:
     """Temperature alone shapes the draw, from the engine's noise: one fused kernel does it."""
     params = row.params
-    return (not params.greedy and params.logprobs is None and not _has_penalty(params)
-            and not _blocks_early_stops(row) and params.top_k == 0 and params.top_p == 1.0
-            and params.min_p == 0.0 and row.generator is None)
+    return (not params.greedy and _raw_logits(row) and params.top_k == 0
+            and params.top_p == 1.0 and params.min_p == 0.0 and row.generator is None)
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
+    return row.params.greedy and _raw_logits(row)
+
+
+def _raw_logits(row: SamplingRow) -> bool:
+    """Nothing changes the row's logits before the choice, nor asks for their logprobs."""
     params = row.params
-    return (params.greedy and params.logprobs is None and not _has_penalty(params)
-            and not _blocks_early_stops(row))
+    return (params.logprobs is None and not _has_penalty(params)
+            and not _blocks_early_stops(row) and not params.logit_bias
+            and not params.allowed_token_ids)
