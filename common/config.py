@@ -66,6 +66,14 @@ class EngineConfig:
         "Most requests in one engine step."))
     enable_chunked_prefill: bool = field(default=True, metadata=_help(
         "Split long prompts across steps to fit the token budget."))
+    max_num_partial_prefills: int = field(default=1, metadata=_help(
+        "Most prompts whose prefill may be underway, split across steps, at once."))
+    max_long_partial_prefills: int = field(default=1, metadata=_help(
+        "Most of those that are long (over --long-prefill-token-threshold): below "
+        "--max-num-partial-prefills, short prompts start ahead of long ones."))
+    long_prefill_token_threshold: int = field(default=0, metadata=_help(
+        "Prompts longer than this are long, and take at most this many tokens a step; 0 "
+        "is none, or 4%% of --max-model-len with --max-num-partial-prefills above 1."))
     tensor_parallel_size: int = field(default=1, metadata=_help(
         "Number of GPUs the model is split over."))
     data_parallel_size: int = field(default=1, metadata=_help(
@@ -114,6 +122,7 @@ class EngineConfig:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
         _positive("max_logprobs", self.max_logprobs, allow_zero=True)
+        self._validate_partial_prefills()
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory"):
             value = getattr(self, name)
@@ -140,6 +149,20 @@ class EngineConfig:
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
                 f"--max-num-seqs ({self.max_num_seqs}) so every running request can decode")
 
+    def _validate_partial_prefills(self) -> None:
+        _positive("max_num_partial_prefills", self.max_num_partial_prefills)
+        _positive("max_long_partial_prefills", self.max_long_partial_prefills)
+        _positive("long_prefill_token_threshold", self.long_prefill_token_threshold,
+                  allow_zero=True)
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ConfigError(
+                f"--max-long-partial-prefills ({self.max_long_partial_prefills}) must not "
+                f"exceed --max-num-partial-prefills ({self.max_num_partial_prefills})")
+        if not self.enable_chunked_prefill and (self.max_num_partial_prefills > 1
+                                                or self.long_prefill_token_threshold):
+            raise ConfigError("--max-num-partial-prefills above 1 and "
+                              "--long-prefill-token-threshold need chunked prefill")
+
     def resolved(self, model_max_len: int) -> EngineConfig:
         """A copy with the model-dependent defaults filled in."""
         if self.max_model_len is not None and self.max_model_len > model_max_len:
@@ -150,8 +173,12 @@ class EngineConfig:
         if budget is None:  # every running request must fit a decode in one step
             floor = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
             budget = max(floor, self.max_num_seqs)
+        threshold = self.long_prefill_token_threshold
+        if threshold == 0 and self.max_num_partial_prefills > 1:
+            threshold = max(1, max_model_len * 4 // 100)  # vLLM's default
         return dataclasses.replace(self, max_model_len=max_model_len,
-                                   max_num_batched_tokens=budget)
+                                   max_num_batched_tokens=budget,
+                                   long_prefill_token_threshold=threshold)
 
 
 @dataclass(slots=True)

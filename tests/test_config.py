@@ -42,6 +42,12 @@ def parse(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
     (["--detokenizer-replicas", "0"], ["detokenizer-replicas", "0"]),
     (["--redis-url", "localhost:6379"], ["--redis-url", "localhost:6379", "redis+cluster://"]),
     (["--redis-url", "redis+cluster://h1:7000,h2"], ["--redis-url", "'h2'", "HOST:PORT"]),
+    (["--max-num-partial-prefills", "0"], ["--max-num-partial-prefills", "0"]),
+    (["--max-long-partial-prefills", "3", "--max-num-partial-prefills", "2"],
+     ["--max-long-partial-prefills (3)", "--max-num-partial-prefills (2)"]),
+    (["--long-prefill-token-threshold", "-5"], ["--long-prefill-token-threshold", "-5"]),
+    (["--long-prefill-token-threshold", "64", "--no-enable-chunked-prefill"],
+     ["--long-prefill-token-threshold", "chunked prefill"]),
 ])
 def test_every_invalid_value_names_the_flag_and_the_value(argv, words):
     with pytest.raises(ConfigError) as info:
@@ -97,6 +103,14 @@ def test_resolved_fills_model_defaults_and_refuses_a_longer_max_model_len():
     with pytest.raises(ConfigError, match="--max-model-len 8192 is longer than the model's "
                                           "4096 positions"):
         EngineConfig(model="m", max_model_len=8192).resolved(4096)
+
+
+def test_partial_prefills_take_vllms_default_threshold():
+    config = EngineConfig(model="m", max_num_partial_prefills=4).resolved(4096)
+    assert config.long_prefill_token_threshold == 163  # 4% of the context
+    assert EngineConfig(model="m").resolved(4096).long_prefill_token_threshold == 0
+    given = EngineConfig(model="m", max_num_partial_prefills=2, long_prefill_token_threshold=9)
+    assert given.resolved(4096).long_prefill_token_threshold == 9
 
 
 def test_configs_travel_to_child_processes_as_flags():

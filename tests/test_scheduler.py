@@ -126,9 +126,9 @@ def drive(sched: Scheduler, worker: SimWorker, lag: int = 0, max_steps: int = 10
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_seqs=16, max_len=256, caching=True,
-         chunked=True, policy="fcfs") -> tuple[Scheduler, SimWorker]:
+         chunked=True, policy="fcfs", partial=(1, 1, 0)) -> tuple[Scheduler, SimWorker]:
     config = SchedulerConfig(max_seqs, budget, max_len, block_size, num_blocks, caching,
-                             chunked, policy)
+                             chunked, policy, *partial)
     return Scheduler(config), SimWorker(num_blocks, block_size)
 
 
@@ -185,6 +185,44 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
     run = drive(sched, worker)
     assert run.plans[0].req_ids == ["a#0"]  # b (20 tokens) does not fit next to a (30)
     assert run.outputs[("b", 0)] == reference(list(range(5, 25)), 3)
+
+
+def chunks(run: Run, req_id: str) -> list[tuple[int, int]]:
+    """(step, tokens) of each step that scheduled `req_id`."""
+    return [(pl.step, n) for pl in run.plans
+            for r, n in zip(pl.req_ids, pl.num_scheduled_tokens) if r == req_id]
+
+
+def test_one_partial_prefill_at_a_time_by_default():
+    sched, worker = make(budget=16, caching=False)
+    long_a, long_b = list(range(3, 43)), list(range(50, 90))
+    admit(sched, "a", long_a, max_tokens=2)
+    admit(sched, "b", long_b, max_tokens=2)
+    run = drive(sched, worker)
+    a_prefill_done = chunks(run, "a#0")[2][0]  # 40 tokens in chunks of 16, 16, 8
+    assert chunks(run, "b#0")[0][0] == a_prefill_done  # b starts in a's last chunk's step
+    assert run.outputs[("b", 0)] == reference(long_b, 2)
+
+
+def test_partial_prefills_share_the_budget_and_short_prompts_pass_long_ones():
+    long_a, long_b, short = list(range(3, 43)), list(range(50, 90)), [7, 8, 9, 10, 11]
+    sched, worker = make(budget=24, caching=False, partial=(2, 1, 10))
+    for rid, prompt in (("a", long_a), ("b", long_b), ("c", short)):
+        admit(sched, rid, prompt, max_tokens=2)
+    run = drive(sched, worker)
+    first = run.plans[0]
+    # a's chunk is capped at the threshold; b, long too, waits (one long prefill at a time);
+    # c, short, starts beside a
+    assert first.req_ids == ["a#0", "c#0"] and first.num_scheduled_tokens == [10, 5]
+    assert all(n <= 10 for _, n in chunks(run, "a#0") + chunks(run, "b#0"))
+    b_start, a_last = chunks(run, "b#0")[0][0], chunks(run, "a#0")[3][0]
+    assert b_start == a_last  # b starts once a's prefill ends
+    for rid, prompt in (("a", long_a), ("b", long_b), ("c", short)):
+        assert run.outputs[(rid, 0)] == reference(prompt, 2)
+    sched, worker = make(budget=24, caching=False, partial=(2, 2, 10))
+    admit(sched, "a", long_a, max_tokens=2)
+    admit(sched, "b", long_b, max_tokens=2)
+    assert drive(sched, worker).plans[0].num_scheduled_tokens == [10, 10]
 
 
 def test_prefix_cache_hit_skips_computed_tokens():

@@ -37,6 +37,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0  # 0: no prompt is long, no chunk is capped
 
     @classmethod
     def from_engine(cls, config: EngineConfig, num_blocks: int) -> SchedulerConfig:
@@ -46,7 +49,10 @@ class SchedulerConfig:
                    max_model_len=config.max_model_len, block_size=config.block_size,
                    num_blocks=num_blocks, enable_prefix_caching=config.enable_prefix_caching,
                    enable_chunked_prefill=config.enable_chunked_prefill,
-                   policy=config.scheduling_policy)
+                   policy=config.scheduling_policy,
+                   max_num_partial_prefills=config.max_num_partial_prefills,
+                   max_long_partial_prefills=config.max_long_partial_prefills,
+                   long_prefill_token_threshold=config.long_prefill_token_threshold)
 
 
 class WaitingQueue:
@@ -79,6 +85,40 @@ class WaitingQueue:
 
     def tokens_to_compute(self) -> int:
         return sum(r.num_tokens - r.num_computed_tokens for _, r in self._heap)
+
+
+class PartialPrefills:
+    """The prompts whose prefill this step leaves unfinished. A waiting request may start
+    one only while fewer than --max-num-partial-prefills are, and fewer than
+    --max-long-partial-prefills of the long ones (prompts over
+    --long-prefill-token-threshold) if it is long, as in vLLM: short prompts pass long
+    ones."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.count = self.long = 0
+
+    @classmethod
+    def after(cls, batch: list[tuple[Request, int, list]], config: SchedulerConfig
+              ) -> PartialPrefills:
+        partial = cls(config)
+        for req, n, _ in batch:
+            partial.add(req, req.num_computed_tokens + n < req.num_tokens)
+        return partial
+
+    def is_long(self, req: Request) -> bool:
+        threshold = self.config.long_prefill_token_threshold
+        return 0 < threshold < req.num_prompt_tokens
+
+    def admits(self, req: Request) -> bool:
+        config = self.config
+        return self.count < config.max_num_partial_prefills and (
+            not self.is_long(req) or self.long < config.max_long_partial_prefills)
+
+    def add(self, req: Request, unfinished: bool) -> None:
+        if unfinished:
+            self.count += 1
+            self.long += self.is_long(req)
 
 
 class Scheduler:
@@ -145,7 +185,7 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         batch, budget = self._schedule_running(budget)
         if self.num_preemptions == preemptions_before:  # no room to spare for new ones
-            batch += self._schedule_waiting(budget)
+            batch += self._schedule_waiting(budget, PartialPrefills.after(batch, self.config))
         if not batch:
             return None
         return self._make_plan(batch)
@@ -192,7 +232,8 @@ class Scheduler:
             i += 1
         return batch, budget
 
-    def _schedule_waiting(self, budget: int) -> list[tuple[Request, int, list]]:
+    def _schedule_waiting(self, budget: int, partial: PartialPrefills
+                          ) -> list[tuple[Request, int, list]]:
         batch: list[tuple[Request, int, list]] = []
         deferred: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -203,7 +244,10 @@ class Scheduler:
             computed = self.kv.computed_blocks(req)
             num_cached = len(computed) * self.config.block_size
             remaining = req.num_tokens - num_cached
-            n = min(remaining, budget)
+            n = min(remaining, budget, self._chunk_cap(remaining))
+            if n < remaining and not partial.admits(req):
+                deferred.append(req)  # a shorter prompt behind it may still start
+                continue
             new_blocks = None
             if n == remaining or self.config.enable_chunked_prefill:
                 new_blocks = self.kv.allocate(req, n, computed)
@@ -217,6 +261,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             batch.append((req, n, computed + new_blocks))
+            partial.add(req, n < remaining)
             budget -= n
         for req in deferred:
             self.waiting.push(req)
@@ -226,10 +271,16 @@ class Scheduler:
         remaining = req.num_tokens - req.num_computed_tokens
         if remaining <= 0 or not self._may_sample(req):
             return 0
-        n = min(remaining, budget)
+        n = min(remaining, budget, self._chunk_cap(remaining))
         if n < remaining and not self.config.enable_chunked_prefill:
             return 0
         return n
+
+    def _chunk_cap(self, remaining: int) -> int:
+        """--long-prefill-token-threshold also bounds each step's chunk of a long prompt,
+        as in vLLM v1, so that several prefills share a step's budget."""
+        threshold = self.config.long_prefill_token_threshold
+        return threshold if 0 < threshold < remaining else remaining
 
     def _may_sample(self, req: Request) -> bool:
         """False once the tokens already sampled (known or in flight) reach a length limit:
