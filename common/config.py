@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import logging
 import os
 import types
 import typing
@@ -18,6 +20,7 @@ from typing import Any, Literal
 from common.redis_cluster import cluster_addresses, is_cluster_url
 from common.sampling_params import MAX_N
 from common.structured_outputs import BACKENDS
+from common.vllm_flags import add_foreign_args, foreign_findings
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -91,6 +94,9 @@ class EngineConfig:
     generation_config: str = field(default="auto", metadata=_help(
         "Sampling defaults: 'auto' reads the model's generation_config.json, 'vllm' uses "
         "built-in defaults, a directory reads that directory's."))
+    override_generation_config: str | None = field(default=None, metadata=_help(
+        "Sampling defaults as a JSON object, e.g. '{\"temperature\": 0.5}', over those "
+        "--generation-config gives."))
     enforce_eager: bool = field(default=False, metadata=_help(
         "Never capture or replay CUDA graphs."))
     scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=_help(
@@ -136,6 +142,8 @@ class EngineConfig:
         _choice("scheduling_policy", self.scheduling_policy, POLICIES)
         _choice("device", self.device, ("auto", "cuda", "cpu"))
         _choice("guided_decoding_backend", self.guided_decoding_backend, BACKENDS)
+        if self.override_generation_config is not None:
+            self.generation_overrides()
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and not self.enable_chunked_prefill
                 and self.max_num_batched_tokens < self.max_model_len):
@@ -148,6 +156,18 @@ class EngineConfig:
             raise ConfigError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
                 f"--max-num-seqs ({self.max_num_seqs}) so every running request can decode")
+
+    def generation_overrides(self) -> dict[str, Any]:
+        """--override-generation-config's object ({} without it)."""
+        text = self.override_generation_config
+        try:
+            value = json.loads(text) if text is not None else {}
+        except ValueError as e:
+            raise ConfigError(f"--override-generation-config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"--override-generation-config must be a JSON object, got "
+                              f"{text}")
+        return value
 
     def _validate_partial_prefills(self) -> None:
         _positive("max_num_partial_prefills", self.max_num_partial_prefills)
@@ -363,6 +383,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type,
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
     add_dataclass_args(parser, EngineConfig, positional="model" if positional_model else None)
+    add_foreign_args(parser)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -379,9 +400,16 @@ def config_from_args(cls: type, args: argparse.Namespace) -> Any:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine flags' config; vLLM's flags that have no setting here are refused or
+    warned about (common/vllm_flags.py)."""
+    warnings, refusal = foreign_findings(args)
+    if refusal is not None:
+        raise ConfigError(refusal)
     config = config_from_args(EngineConfig, args)
     if not config.model:
         raise ConfigError("a model is required: give MODEL or --model")
+    for warning in warnings:
+        logging.getLogger("headrace.config").warning(warning)
     return config
 
 

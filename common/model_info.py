@@ -103,5 +103,6 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
     return ModelInfo(
         config=model.config, model_dir=model.model_dir, hf_config=model.hf_config,
         tokenizer=tokenizer,
-        defaults=sampling_defaults(config.generation_config, generation_config),
+        defaults=sampling_defaults(config.generation_config, generation_config,
+                                   config.generation_overrides()),
         eos_token_ids=eos_token_ids(tokenizer, generation_config))

@@ -46,14 +46,20 @@ class SamplingDefaults:
 
 
 def sampling_defaults(generation_config: str,
-                      model_generation_config: dict[str, Any] | None) -> SamplingDefaults:
-    """'auto': the model's generation config; 'vllm': none; else a directory holding one."""
+                      model_generation_config: dict[str, Any] | None,
+                      overrides: dict[str, Any] | None = None) -> SamplingDefaults:
+    """'auto': the model's generation config; 'vllm': none; else a directory holding one.
+    `overrides` (--override-generation-config) go over it."""
     if generation_config == "vllm":
-        return SamplingDefaults()
-    if generation_config == "auto":
-        return defaults_from(model_generation_config or {}, "the model's generation config")
-    path = Path(generation_config) / GENERATION_CONFIG_FILE
-    return defaults_from(read_generation_config(path), str(path))
+        config, source = {}, "--override-generation-config"
+    elif generation_config == "auto":
+        config, source = model_generation_config or {}, "the model's generation config"
+    else:
+        path = Path(generation_config) / GENERATION_CONFIG_FILE
+        config, source = read_generation_config(path), str(path)
+    if overrides:
+        config, source = {**config, **overrides}, f"{source} with --override-generation-config"
+    return defaults_from(config, source)
 
 
 def read_generation_config(path: Path) -> dict[str, Any]:

@@ -94,3 +94,13 @@ def test_eos_ids_are_the_union_of_tokenizer_and_config(config, expected):
 
 def test_eos_ids_without_a_tokenizer_eos():
     assert eos_token_ids(SimpleNamespace(eos_token_id=None), {"eos_token_id": [5]}) == (5,)
+
+
+def test_overrides_go_over_the_chosen_config():
+    overrides = {"temperature": 0.2, "max_new_tokens": 7}
+    defaults = sampling_defaults("auto", MODEL_CONFIG, overrides)
+    assert defaults.values == {"temperature": 0.2, "top_p": 0.95, "top_k": 20}
+    assert defaults.max_new_tokens == 7
+    assert sampling_defaults("vllm", MODEL_CONFIG, overrides).values == {"temperature": 0.2}
+    with pytest.raises(ValueError, match="--override-generation-config.*temperature"):
+        sampling_defaults("vllm", None, {"temperature": -1})
