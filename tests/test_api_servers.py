@@ -38,7 +38,7 @@ def test_gateway_replicas_share_one_port(tmp_path):
         assert answered_by == {"0", "1"}, server.log_tail()
         assert_heaps_frozen_after_loading(server.log_records())
         for _ in range(8):  # each scrape on a new connection, so on either process
-            counts = served_counts(server.url)
+            counts = served_counts(server.url, model)
             assert counts == {"success": REQUESTS, "e2e": REQUESTS,
                               "step stages": counts["step stages"]}, counts
             assert counts["step stages"] >= REQUESTS  # one step's stamps per reply at least
@@ -46,16 +46,19 @@ def test_gateway_replicas_share_one_port(tmp_path):
         assert not server.stop(), "processes left behind"
 
 
-def served_counts(url: str) -> dict[str, float]:
+def served_counts(url: str, model: str) -> dict[str, float]:
+    """What every gateway process counted (the series are labelled with the served name:
+    the model's path here)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
         text = response.read().decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
+    shard_0 = (("model_name", model), ("shard", "0"))
     return {"success": samples["headrace:request_success_total",
-                               (("finished_reason", "length"), ("shard", "0"))],
-            "e2e": samples["headrace:e2e_request_latency_seconds_count", (("shard", "0"),)],
+                               (("finished_reason", "length"), *shard_0)],
+            "e2e": samples["headrace:e2e_request_latency_seconds_count", shard_0],
             "step stages": samples["headrace:stage_seconds_count",
-                                   (("stage", "step"),)]}
+                                   (("model_name", model), ("stage", "step"))]}
 
 
 def assert_heaps_frozen_after_loading(records: list[dict]) -> None:

@@ -25,7 +25,7 @@ from common.messages import SchedulerStats
 from common.sampling_params import SamplingParams
 from services import LLM
 from services.tokenizer.routing import PREFIX_BLOCKS, STALE_S, Router
-from tests.e2e_fixtures import API_KEY, ServerProcess, serving, tiny_serve_args
+from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serving, tiny_serve_args
 from tests.redis_cluster import LocalCluster, sync_client
 from tests.test_faults import MAX_TOKENS, stream_all
 from tests.tiny_models import make_tiny_model
@@ -200,7 +200,7 @@ def test_two_shards_answer_every_request_once_with_one_shards_texts(server, mode
     # /metrics: a series per shard, the schedulers' totals and the gateway's latencies
     samples = metric_samples(server)
     for shard, figures in enumerate(after):
-        labels = (("shard", str(shard)),)
+        labels = (("model_name", MODEL_NAME), ("shard", str(shard)))
         assert samples["headrace:prompt_tokens_total", labels] == figures.prompt_tokens
         assert samples["headrace:time_to_first_token_seconds_count", labels] > 0
     assert sum(v for (name, _), v in samples.items()

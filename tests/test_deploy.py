@@ -1,5 +1,6 @@
 """The deployment files run the services the CLI knows, with flags it accepts; the Procfile
-serves real requests under honcho."""
+serves real requests under honcho; the Grafana dashboard asks for series a served gateway
+has."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from pathlib import Path
 
 import redis
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.config import ServerConfig
 from common.service import service_parser
 from common.net import free_port
 from services.cli import COMMANDS
 from tests.conftest import REPO, repo_env
+from tests.e2e_fixtures import API_KEY, MODEL_NAME, serving, tiny_serve_args
 from tests.tiny_models import make_tiny_model
 
 SERVICES = {"gateway", "tokenizer", "scheduler", "worker", "detokenizer"}
@@ -143,3 +146,58 @@ def test_deployments_give_the_gateway_its_drain():
     assert int(compose["services"]["gateway"]["stop_grace_period"].rstrip("s")) > drain_s
     unit = (DEPLOY / "systemd" / "headrace@.service").read_text()
     assert int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M).group(1)) > drain_s
+
+
+# --- the Grafana dashboard ----------------------------------------------------------------
+
+DASHBOARD = DEPLOY / "grafana" / "headrace.json"
+METRIC_NAME = re.compile(r"headrace:[a-zA-Z0-9_:]+")
+SUFFIXES = ("", "_total", "_bucket", "_sum", "_count")
+
+
+def dashboard_exprs() -> list[str]:
+    """The PromQL of every panel's queries, checking the dashboard's frame on the way:
+    an importable datasource input and the model_name variable every query selects on."""
+    board = json.loads(DASHBOARD.read_text())
+    assert board["schemaVersion"] >= 36 and board["__inputs"][0]["name"] == "DS_PROMETHEUS"
+    variable, = board["templating"]["list"]
+    assert variable["name"] == "model_name" and variable["definition"] == \
+        "label_values(headrace:num_requests_running, model_name)"
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+    exprs = []
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}" and panel["targets"], panel
+        exprs += [target["expr"] for target in panel["targets"]]
+    for expr in exprs:
+        selectors = expr.count("headrace:")
+        assert expr.count('{model_name="$model_name"}') == selectors, expr
+    return exprs
+
+
+def served_samples(url: str) -> set[str]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples
+            if s.labels.get("model_name") == MODEL_NAME}
+
+
+def test_grafana_dashboard_asks_only_for_metrics_a_served_gateway_has(tmp_path):
+    """Every headrace: series the dashboard's queries name is in /metrics of a real
+    `headrace serve` (a tiny model on the CPU) once it has answered a request."""
+    names = {name for expr in dashboard_exprs() for name in METRIC_NAME.findall(expr)}
+    model = make_tiny_model(tmp_path, "llama")
+    with serving(tiny_serve_args(model, tmp_path / "run"), tmp_path / "serve.log") as server:
+        request = urllib.request.Request(
+            server.url + "/v1/completions",
+            json.dumps({"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 4,
+                        "ignore_eos": True}).encode(),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 4
+        served = served_samples(server.url)
+    missing = {name for name in names if not any(name + s in served for s in SUFFIXES)}
+    assert not missing, f"the dashboard asks for series /metrics lacks: {sorted(missing)}"
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "stage_seconds", "num_requests_running"):
+        assert any(f"headrace:{name}" in n for n in names), name

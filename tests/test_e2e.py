@@ -38,6 +38,12 @@ DESIGN_METRICS = ["num_requests_running", "num_requests_waiting", "kv_cache_usag
                   "e2e_request_latency_seconds", "prefix_cache_queries_total",
                   "prefix_cache_hits_total", "stream_length", "stream_lag", "stream_pending",
                   "request_success_total"]
+# vLLM's per-request histograms: a series each, with _bucket, _sum and _count samples
+REQUEST_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds",
+                      "request_decode_time_seconds", "request_inference_time_seconds",
+                      "request_time_per_output_token_seconds", "request_prompt_tokens",
+                      "request_generation_tokens", "request_params_n",
+                      "request_params_max_tokens"]
 
 
 @pytest.fixture
@@ -47,7 +53,7 @@ async def api(served: ServerProcess, anyio_backend: str) -> AsyncIterator[openai
         yield api
 
 
-SHARD_0 = (("shard", "0"),)  # one shard: every per-shard series is shard 0's
+SHARD_0 = (("model_name", MODEL_NAME), ("shard", "0"))  # one shard: every series is shard 0's
 
 
 async def metrics(url: str) -> dict[tuple[str, tuple], float]:
@@ -60,7 +66,7 @@ async def metrics(url: str) -> dict[tuple[str, tuple], float]:
 
 async def until_idle(url: str, timeout_s: float = 15.0) -> dict[tuple[str, tuple], float]:
     """The metrics once nothing runs, waits or holds KV blocks (the scheduler publishes
-    its stats every half second)."""
+    its stats every half second, and at once when a step ended requests)."""
     with anyio.fail_after(timeout_s):
         while True:
             samples = await metrics(url)
@@ -347,14 +353,46 @@ async def test_streaming_clients_that_leave_free_the_kv_cache(api, served):
 # --- operations ---------------------------------------------------------------------------
 
 async def test_metrics_carry_the_design_names(api, served):
-    await api.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2)
-    names = {name for name, _ in await metrics(served.url)}
+    """vLLM's names under headrace:, every series labelled with the served model name; a
+    request's phases observed once per completion, its n and max_tokens once."""
+    before = await until_idle(served.url)
+    await api.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2,
+                                 extra_body={"ignore_eos": True})
+    await api.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3, n=2,
+                                 extra_body={"ignore_eos": True})
+    samples = await metrics(served.url)
+    names = {name for name, _ in samples}
     for metric in DESIGN_METRICS:
         assert any(name.startswith("headrace:" + metric) for name in names), metric
-    samples = await until_idle(served.url)  # the scheduler's totals come every 0.5 s
+    assert all(dict(labels)["model_name"] == MODEL_NAME for name, labels in samples
+               if name.startswith("headrace:"))
+    added = {name: samples.get((f"headrace:{name}", SHARD_0), 0.0)
+             - before.get((f"headrace:{name}", SHARD_0), 0.0)
+             for metric in REQUEST_HISTOGRAMS for name in (metric + "_count", metric + "_sum")}
+    for phase in ("queue", "prefill", "decode", "inference"):  # three completions
+        assert added[f"request_{phase}_time_seconds_count"] == 3, phase
+        assert added[f"request_{phase}_time_seconds_sum"] >= 0, phase
+    assert added["request_time_per_output_token_seconds_count"] == 3
+    assert added["request_generation_tokens_sum"] == 2 + 2 * 3
+    assert (added["request_params_n_count"], added["request_params_n_sum"]) == (2, 3)
+    assert added["request_params_max_tokens_sum"] == 2 + 3
+    assert added["request_prompt_tokens_count"] == 3
+    samples = await until_idle(served.url)
     assert samples["headrace:prompt_tokens_total", SHARD_0] > 0
     assert sum(value for (name, _), value in samples.items()
                if name == "headrace:request_success_total") >= 1
+
+
+async def test_metrics_running_and_waiting_read_zero_as_soon_as_requests_end(api, served):
+    """The scheduler publishes its figures at once after a step that ended requests (not
+    only every half second): the scrape right after the last answer counts none running."""
+    await until_idle(served.url)
+    for _ in range(3):
+        await asyncio.gather(*(api.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True})
+            for prompt in PROMPTS))
+        samples = await until_idle(served.url, timeout_s=0.3)  # publishing lags 0.5 s
+        assert samples["headrace:num_requests_running", SHARD_0] == 0
 
 
 def stage_totals(samples: dict[tuple[str, tuple], float]) -> dict[str, tuple[float, float]]:

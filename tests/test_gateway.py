@@ -712,7 +712,7 @@ async def test_requests_end_with_503_when_the_scheduler_goes_away(url, rdb, redi
     assert json.loads(sse.events[-2])["error"]["code"] == 503
 
 
-SHARD_0 = (("shard", "0"),)
+SHARD_0 = (("model_name", MODEL_NAME), ("shard", "0"))
 
 
 async def test_metrics_carry_the_scheduler_stats_streams_and_latencies(url, rdb, redis_at,
@@ -734,12 +734,17 @@ async def test_metrics_carry_the_scheduler_stats_streams_and_latencies(url, rdb,
     assert samples["headrace:kv_cache_usage_perc", SHARD_0] == 0.25
     assert samples["headrace:num_preemptions_total", SHARD_0] == 2
     assert samples["headrace:request_success_total",
-                   (("finished_reason", "length"), ("shard", "0"))] >= 1
+                   (("finished_reason", "length"), *SHARD_0)] >= 1
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                 "e2e_request_latency_seconds"):
+                 "e2e_request_latency_seconds", "request_prompt_tokens",
+                 "request_generation_tokens", "request_params_n", "request_params_max_tokens"):
         assert samples[f"headrace:{name}_count", SHARD_0] >= 1
-    assert samples["headrace:stream_length", (("stream", keys.REQUESTS),)] >= 1
-    assert (f"headrace:stream_lag", (("group", "tokenizer"), ("stream", keys.REQUESTS))) in samples
+    # the fake stages do not stamp their replies: no phase is timed
+    assert not any(name.startswith("headrace:request_queue_time") for name, _ in samples)
+    model = ("model_name", MODEL_NAME)
+    assert samples["headrace:stream_length", (model, ("stream", keys.REQUESTS))] >= 1
+    assert ("headrace:stream_lag",
+            (("group", "tokenizer"), model, ("stream", keys.REQUESTS))) in samples
     finished = [r for r in gateway.log_records() if r.get("rid") == out.id]
     assert [r["event"] for r in finished] == ["request queued", "request finished"]
     assert finished[-1]["completion_tokens"] == 2 and finished[-1]["service"] == "gateway"

@@ -178,6 +178,8 @@ async def test_a_dead_worker_ends_its_requests_and_a_new_one_serves(model, where
         assert outcome.error is not None and outcome.error.status == 503
         assert "worker stopped" in outcome.error.message
         assert time.monotonic() - killed_at[0] < 10
+        stats = await pipe.stats()  # its requests ended with it: the gauges read 0
+        assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0)
         pipe.start("worker-0")
         with anyio.fail_after(60):
             while True:  # the restarted worker announces itself; then requests run again

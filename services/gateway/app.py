@@ -69,7 +69,7 @@ class Gateway:
         self.model_path = model
         self.names = list(server.served_model_name) or [model]
         self.max_model_len = info.max_model_len
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.names[0], info.max_model_len)
         self.backend = Backend()
         # one reader of this gateway's replies
         self.replies = Replies(bus, gateway_id, self.metrics,
@@ -233,11 +233,11 @@ class Gateway:
         oldest of them (0 when unknown)."""
         applied: list[Applied] = []
         sent_at: list[float] = []
-        for reply, sent in await next_replies(inbox):
-            applied += call.offer(reply)
-            if sent:
-                sent_at.append(sent)
-        self.record(call.observe(applied, time.monotonic()))
+        for reply, stamps in await next_replies(inbox):
+            applied += call.offer(reply, stamps)
+            if stamps and stamps[-1]:
+                sent_at.append(stamps[-1])
+        self.record(call, call.observe(applied, time.monotonic()))
         return applied, min(sent_at, default=0.0)
 
     async def stream(self, request: web.Request, call: Call, inbox: Inbox,
@@ -314,14 +314,28 @@ class Gateway:
         if sent:
             self.metrics.observe_stages([(DELIVERY_STAGE, max(0.0, time.time() - sent))])
 
-    def record(self, seen: Observed) -> None:
-        for histogram, values in ((self.metrics.time_to_first_token, seen.ttft),
-                                  (self.metrics.inter_token_latency, seen.itl),
-                                  (self.metrics.e2e_request_latency, seen.e2e)):
+    def record(self, call: Call, seen: Observed) -> None:
+        metrics = self.metrics
+        for histogram, values in ((metrics.time_to_first_token, seen.ttft),
+                                  (metrics.inter_token_latency, seen.itl),
+                                  (metrics.e2e_request_latency, seen.e2e)):
             for rid, value in values:
-                histogram.labels(self.shard_label(rid)).observe(value)
+                metrics.observe(histogram, self.shard_label(rid), value)
         for rid, reason in seen.finish_reasons:
-            self.metrics.request_success.labels(reason, self.shard_label(rid)).inc()
+            metrics.count_success(self.shard_label(rid), reason)
+        for done in seen.finished:
+            metrics.observe_finished(self.shard_label(done.rid), done.prompt_tokens,
+                                     done.generation_tokens, done.times)
+        for rid, prompt_tokens in seen.requests:
+            metrics.observe_params(self.shard_label(rid), call.job.n,
+                                   self.max_tokens(call.job, prompt_tokens))
+
+    def max_tokens(self, job: Job, prompt_tokens: int) -> int:
+        """The max_tokens a request ran with, as the tokenizer resolved it: the client's
+        (or the generation config's cap), at most the room left in the context."""
+        room = self.max_model_len - prompt_tokens
+        asked = self.info.defaults.cap(job.params.get("max_tokens"))
+        return room if asked is None else min(asked, room)
 
     def shard_label(self, rid: str) -> str:
         """A request's tokens come after its Routed reply on the same stream, so its shard

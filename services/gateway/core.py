@@ -9,13 +9,14 @@ A completions call with several prompts publishes one request per prompt; choice
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from common import keys
 from common.bus import StreamInfo
 from common.errors import ApiError
+from common.hops import RequestTimes, request_times, step_done
 from common.messages import ErrorReply, GenerateRequest, SchedulerStats, TextDelta
 from services.gateway import responses as shapes
 from services.gateway.protocol import Job
@@ -46,6 +47,32 @@ class Prompt:
 
 
 @dataclass(slots=True)
+class Timeline:
+    """What a completion's stamps tell (wall clock, 0: not stamped): its request's way in,
+    and when the steps of its first and last tokens were done on the host."""
+    request_stamps: Sequence[float] = ()
+    first_done: float = 0.0
+    last_done: float = 0.0
+
+    def note(self, delta: TextDelta, step_stamps: Sequence[float]) -> None:
+        if delta.request_stamps:
+            self.request_stamps = delta.request_stamps
+        if delta.seq == 0:
+            self.first_done = step_done(step_stamps)
+        if delta.finish_reason is not None:
+            self.last_done = step_done(step_stamps)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A completion that finished: what vLLM's per-request histograms take from it."""
+    rid: str
+    prompt_tokens: int
+    generation_tokens: int
+    times: RequestTimes | None  # None: its messages were not stamped
+
+
+@dataclass(slots=True)
 class Observed:
     """Latencies and finishes that some applied deltas add to the metrics, each with the
     request id it is of (the metrics name the request's shard)."""
@@ -53,6 +80,8 @@ class Observed:
     itl: list[tuple[str, float]] = field(default_factory=list)
     e2e: list[tuple[str, float]] = field(default_factory=list)
     finish_reasons: list[tuple[str, str]] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)  # per completion
+    requests: list[tuple[str, int]] = field(default_factory=list)  # all n done: prompt tokens
 
 
 Applied = tuple[Choice, TextDelta]
@@ -85,6 +114,8 @@ class Call:
                         for k, p in enumerate(self.prompts) for i in range(job.n)}
         self.error: ApiError | None = None
         self.last_token_at: dict[int, float] = {}  # by choice index
+        self.timelines = {c.index: Timeline() for c in self.choices.values()}
+        self.observed_rids: set[str] = set()  # requests whose every completion finished
         self.opened: set[int] = set()  # choices that sent a chunk
         self.offsets: dict[int, int] = {}  # by choice: where its next logprob text starts
         self.parsers = parsers
@@ -150,9 +181,11 @@ class Call:
                 else GenerateRequest(p.rid, prompt_token_ids=p.source, **common)
                 for p in self.prompts]
 
-    def offer(self, msg: TextDelta | ErrorReply) -> list[Applied]:
-        """Apply one reply; returns the deltas that became applicable. The first error of a
-        request that still runs ends the whole call."""
+    def offer(self, msg: TextDelta | ErrorReply, stamps: Sequence[float] = ()
+              ) -> list[Applied]:
+        """Apply one reply, with the stamps of the step that made it (common/hops.py);
+        returns the deltas that became applicable. The first error of a request that still
+        runs ends the whole call."""
         prompt = self.by_rid.get(msg.rid)
         if prompt is None:
             return []
@@ -164,6 +197,8 @@ class Call:
         if choice is None:
             return []
         prompt.started = True
+        if not choice.finished:
+            self.timelines[choice.index].note(msg, stamps)
         return [(choice, delta) for delta in choice.offer(msg)]
 
     def observe(self, applied: Iterable[Applied], now: float) -> Observed:
@@ -178,7 +213,18 @@ class Call:
             if delta.finish_reason is not None:
                 seen.e2e.append((delta.rid, now - self.arrival))
                 seen.finish_reasons.append((delta.rid, delta.finish_reason))
+                seen.finished.append(self._finished(choice, delta.rid))
+                if delta.rid not in self.observed_rids and self._rid_finished(delta.rid):
+                    self.observed_rids.add(delta.rid)
+                    seen.requests.append((delta.rid, choice.num_prompt_tokens))
         return seen
+
+    def _finished(self, choice: Choice, rid: str) -> Finished:
+        timeline = self.timelines[choice.index]
+        tokens = len(choice.token_ids)
+        times = request_times(timeline.request_stamps, timeline.first_done,
+                              timeline.last_done, tokens)
+        return Finished(rid, choice.num_prompt_tokens, tokens, times)
 
     # --- out: one response -------------------------------------------------------------
 

@@ -1,14 +1,14 @@
 """The gateway's reply stream, hr:replies:<gateway id>: one XREAD loop (no group, only this
 gateway reads it) routes every text delta and error to the inbox of the call waiting for
-its request id, with when the detokenizer sent it, and notes the shard each request was
-routed to. Replies for requests no call waits for
-any more (aborted, or tokens already in flight when a request finished) are dropped. The
+its request id, with the stamps of the step that made it (the last: when the detokenizer
+sent it), and notes the shard each request was routed to. Replies for requests no call waits
+for any more (aborted, or tokens already in flight when a request finished) are dropped. The
 stages a reply's stamps tell (common/hops.py) are observed here, once per step batch."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import anyio
 from redis.exceptions import RedisError
@@ -21,7 +21,7 @@ from common.messages import ErrorReply, ReplyBatch, Routed, TextDelta
 from common.metrics import Metrics
 
 Reply = TextDelta | ErrorReply
-Delivery = tuple[Reply, float]  # a reply, and when the detokenizer sent it (0: unknown)
+Delivery = tuple[Reply, Sequence[float]]  # a reply, and its step's stamps (none: unknown)
 Inbox = asyncio.Queue[Delivery]
 
 READ_COUNT = 256
@@ -61,7 +61,7 @@ class Replies:
     def fail_all(self, error_for: Callable[[str], ErrorReply]) -> None:
         """End every call in flight with the error `error_for(rid)`."""
         for rid, inbox in self.inboxes.items():
-            inbox.put_nowait((error_for(rid), 0.0))
+            inbox.put_nowait((error_for(rid), ()))
 
     def shards_of(self, rid: str) -> list[int]:
         """Where a request may be: its shard, or any while it is not routed yet."""
@@ -75,28 +75,27 @@ class Replies:
         """End every call in flight on `shard` with the error `error_for(rid)`."""
         for rid, inbox in self.inboxes.items():
             if self.shard_of(rid) == shard:
-                inbox.put_nowait((error_for(rid), 0.0))
+                inbox.put_nowait((error_for(rid), ()))
 
     def route(self, msg: object) -> None:
         if isinstance(msg, ReplyBatch):
             self.metrics.observe_stages(step_stages(msg.stamps))
-            sent = msg.stamps[-1] if msg.stamps else 0.0
             for delta in msg.items:
                 if delta.request_stamps:
                     self.metrics.observe_stages(request_stages(delta.request_stamps))
-                self.deliver(delta, sent)
+                self.deliver(delta, msg.stamps)
         elif isinstance(msg, ErrorReply):
-            self.deliver(msg, 0.0)
+            self.deliver(msg, ())
         elif isinstance(msg, Routed):
             if msg.rid in self.inboxes:
                 self.shards[msg.rid] = msg.shard
         else:
             log.warning("unexpected message on the reply stream", type=getattr(msg, "TYPE", "?"))
 
-    def deliver(self, reply: Reply, sent: float) -> None:
+    def deliver(self, reply: Reply, stamps: Sequence[float]) -> None:
         inbox = self.inboxes.get(reply.rid)
         if inbox is not None:
-            inbox.put_nowait((reply, sent))
+            inbox.put_nowait((reply, stamps))
 
     async def run(self) -> None:
         backoff = Backoff()

@@ -53,6 +53,7 @@ class SchedulerShell:
         self.gateways_seen: set[str] = set()
         self.no_worker_since = time.monotonic()
         self.clock = PhaseClock()
+        self.stats_due = anyio.Event()  # set when a round ended requests: publish at once
 
     async def run(self) -> None:
         for stream in (keys.admit(self.shard), keys.control(self.shard), keys.results(self.shard)):
@@ -70,6 +71,7 @@ class SchedulerShell:
             clock = self.clock
             while not self.ctx.stop.is_set():
                 clock.start()
+                unfinished = self._num_unfinished()
                 streams = {keys.results(self.shard): ">", keys.control(self.shard): ">", **self._admissions(),
                            **pending}
                 entries = await self.bus.read(GROUP, self.ctx.consumer, streams, count=512,
@@ -86,6 +88,8 @@ class SchedulerShell:
                 if outputs or plans or entries:
                     await self.bus.commit(outputs + plans, done=entries)
                 clock.lap("commit")
+                if self._num_unfinished() < unfinished:
+                    self.stats_due.set()
                 if lost := await self._check_worker():
                     await self.bus.commit(lost)
                 await self._abort_orphans()
@@ -196,6 +200,9 @@ class SchedulerShell:
         if alive is not None and alive.decode() == self.worker_epoch:
             return []
         outputs = self._fail_all("the GPU worker stopped; the request was aborted")
+        for rid in list(self.core.by_rid):  # they end with it: the gauges say so
+            self.core.abort(rid)
+        await self._store_stats()
         self.core, self.worker_epoch, self.steps = None, "", StepsInFlight()
         self.no_worker_since = now
         log.error("worker lost: waiting for a new one")
@@ -220,11 +227,21 @@ class SchedulerShell:
                 self.core.abort(rid)
         self.gateways_seen = live
 
+    def _num_unfinished(self) -> int:
+        return 0 if self.core is None else len(self.core.requests)
+
     async def _publish_stats(self) -> None:
+        """Every STATS_EVERY_S, and at once after a round that ended requests, so that the
+        gauges read 0 as soon as the last request has ended."""
         while not self.ctx.stop.is_set():
-            if self.core is not None:
-                await self.bus.store(keys.scheduler_stats(self.shard), self.core.stats())
-            await anyio.sleep(STATS_EVERY_S)
+            await self._store_stats()
+            with anyio.move_on_after(STATS_EVERY_S):
+                await self.stats_due.wait()
+            self.stats_due = anyio.Event()
+
+    async def _store_stats(self) -> None:
+        if self.core is not None:
+            await self.bus.store(keys.scheduler_stats(self.shard), self.core.stats())
 
     async def _discard_stale_results(self) -> None:
         """Results and worker announcements a previous incarnation left unacknowledged
