@@ -30,6 +30,8 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+POOLING_TYPES = ("LAST", "MEAN")
+POOLER_KEYS = ("pooling_type", "normalize")  # of vLLM's PoolerConfig, those honoured here
 
 
 class ConfigError(ValueError):
@@ -116,6 +118,13 @@ class EngineConfig:
         "always runs headrace's implementation of its architecture."))
     kv_cache_dtype: Literal["auto"] = field(default="auto", metadata=_help(
         "Data type of the KV cache; auto is the model's dtype."))
+    pooling_type: Literal["LAST", "MEAN"] = field(default="LAST", metadata=_help(
+        "How /v1/embeddings pools a prompt's final hidden states (after the model's final "
+        "norm): LAST takes the last token's, MEAN averages every token's."))
+    override_pooler_config: str | None = field(default=None, metadata=_help(
+        "vLLM's pooler settings as a JSON object, e.g. '{\"pooling_type\": \"MEAN\", "
+        "\"normalize\": false}': pooling_type over --pooling-type, and normalize (default "
+        "true: embeddings are L2-normalized).", aliases=("--pooler-config",)))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -144,6 +153,7 @@ class EngineConfig:
         _choice("guided_decoding_backend", self.guided_decoding_backend, BACKENDS)
         if self.override_generation_config is not None:
             self.generation_overrides()
+        self.pooling()
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and not self.enable_chunked_prefill
                 and self.max_num_batched_tokens < self.max_model_len):
@@ -168,6 +178,27 @@ class EngineConfig:
             raise ConfigError(f"--override-generation-config must be a JSON object, got "
                               f"{text}")
         return value
+
+    def pooling(self) -> tuple[str, bool]:
+        """(pooling type, normalize): --pooling-type, under --override-pooler-config's."""
+        text = self.override_pooler_config
+        try:
+            value = json.loads(text) if text is not None else {}
+        except ValueError as e:
+            raise ConfigError(f"--override-pooler-config is not JSON: {e}") from None
+        if not isinstance(value, dict) or set(value) - set(POOLER_KEYS):
+            raise ConfigError(f"--override-pooler-config must be a JSON object with the keys "
+                              f"{', '.join(POOLER_KEYS)} (the others of vLLM's PoolerConfig "
+                              f"have no effect here), got {text}")
+        kind = value.get("pooling_type", self.pooling_type)
+        normalize = value.get("normalize", True)
+        if not isinstance(kind, str) or kind.upper() not in POOLING_TYPES:
+            raise ConfigError(f"--pooling-type (or --override-pooler-config's pooling_type) "
+                              f"must be one of {list(POOLING_TYPES)}, got {kind!r}")
+        if not isinstance(normalize, bool):
+            raise ConfigError(f"--override-pooler-config's normalize must be true or false, "
+                              f"got {normalize!r}")
+        return kind.upper(), normalize
 
     def _validate_partial_prefills(self) -> None:
         _positive("max_num_partial_prefills", self.max_num_partial_prefills)

@@ -9,7 +9,8 @@ Reading this module tells the whole protocol:
 Records are frozen dataclasses. Fields are only ever appended (with defaults), so an older
 reader ignores what it does not know and a newer reader fills in what an older writer did
 not send. Token ids and floats travel as packed little-endian int32 / float32 bytes, the
-timestamps of the hops a message passed (common/hops.py) as float64.
+timestamps of the hops a message passed (common/hops.py) as float64. An embedding travels
+as the bytes of its little-endian float32 vector, from the worker to the gateway.
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ class NewRequest:
     num_prompt_tokens: int
     block_ids: Tokens
     params: SamplingParams
+    embed: bool = False  # an embedding request: pool its prompt, sample nothing
+
+
+@dataclass(frozen=True, slots=True)
+class PooledOutput:
+    """The embedding of one request whose prompt a step finished computing."""
+    req_id: str
+    data: bytes  # little-endian float32, hidden_size of them
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +134,7 @@ class DetokItem:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     request_stamps: Times = field(default_factory=list)  # the request's way in; seq 0 only
     num_cached_tokens: int = 0  # prompt tokens the prefix cache had; seq 0 only
+    embedding: bytes | None = None  # an embedding request's answer (PooledOutput.data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +152,7 @@ class TextDelta:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     request_stamps: Times = field(default_factory=list)  # the request's way in; seq 0 only
     num_cached_tokens: int = 0  # prompt tokens the prefix cache had; seq 0 only
+    embedding: bytes | None = None  # an embedding request's answer (PooledOutput.data)
 
 
 # --- messages ------------------------------------------------------------------------------
@@ -166,6 +177,7 @@ class GenerateRequest:
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: fit
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. enable_thinking
     tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, for the template
+    embed: bool = False  # /v1/embeddings: the prompt's embedding, no completion
 
 
 @message("admit")
@@ -181,6 +193,7 @@ class AdmitRequest:
     arrival_time: float = 0.0
     priority: int = 0
     stamps: Times = field(default_factory=list)  # arrival, tokenizer in, tokenizer out
+    embed: bool = False  # an embedding request: its params are never read
 
 
 @message("abort")
@@ -251,6 +264,7 @@ class StepResult:
     epoch: str = ""
     execute_ms: float = 0.0
     stamps: Times = field(default_factory=list)  # planned, started, tokens on the host
+    embeddings: list[PooledOutput] = field(default_factory=list)  # of embedding requests
 
 
 @message("worker_ready")

@@ -31,6 +31,10 @@ _MULTIMODAL = "only text models are supported"
 _PLUGINS = "headrace's classes are not pluggable"
 
 FOREIGN_FLAGS = (
+    ForeignFlag("task", str, "refused",
+                "every model serves completions and /v1/embeddings (see --pooling-type); "
+                "classification, scoring, reward and transcription are not supported",
+                default="auto", accepted=("generate", "embed", "embedding")),
     ForeignFlag("swap-space", float, "ignored", _RECOMPUTE),
     ForeignFlag("preemption-mode", str, "refused", _RECOMPUTE, accepted=("recompute",)),
     ForeignFlag("use-v2-block-manager", bool, "ignored", "there is one block manager"),

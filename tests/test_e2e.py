@@ -14,10 +14,12 @@ import aiohttp
 import anyio
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import keys
 from common.hops import STAGES
+from common.model_files import resolve_model
 from common.redis_server import find_redis_binary
 from common.sampling_params import SamplingParams
 from services.demo import demo_model_path
@@ -251,6 +253,63 @@ async def test_stop_strings_end_the_text_before_them(api):
     assert out.usage.completion_tokens < 20
 
 
+# --- embeddings ---------------------------------------------------------------------------
+
+def transformers_embeddings(texts: list[str]) -> tuple[list[list[int]], torch.Tensor]:
+    """The prompts' ids and their last tokens' final hidden states (after the final norm),
+    L2-normalized: the server's default pooling, by transformers on the same weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model(demo_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = [tokenizer(text)["input_ids"] for text in texts]
+    with torch.no_grad():
+        last = [hf(torch.tensor([i]), output_hidden_states=True).hidden_states[-1][0, -1]
+                for i in ids]
+    return ids, torch.nn.functional.normalize(torch.stack(last), dim=-1)
+
+
+async def test_embeddings_through_the_openai_client_equal_transformers(api):
+    texts = PROMPTS[:3]
+    ids, expected = await anyio.to_thread.run_sync(transformers_embeddings, texts)
+    greedy = dict(model=MODEL_NAME, prompt=PROMPTS[3], temperature=0, max_tokens=8,
+                  extra_body={"ignore_eos": True})
+    alone = await api.completions.create(**greedy)
+    # beside a completion in the batch; the client asks for base64 unless told otherwise
+    packed, floats, by_ids, mixed = await asyncio.gather(
+        api.embeddings.create(model=MODEL_NAME, input=texts),
+        api.embeddings.create(model=MODEL_NAME, input=texts, encoding_format="float"),
+        api.embeddings.create(model=MODEL_NAME, input=ids),
+        api.completions.create(**greedy))
+    assert mixed.choices[0].text == alone.choices[0].text
+    # the same numbers (up to the batch they were computed in), whichever the encoding
+    torch.testing.assert_close(torch.tensor([d.embedding for d in packed.data]),
+                               torch.tensor([d.embedding for d in floats.data]),
+                               atol=1e-5, rtol=1e-5)
+    for out in (floats, by_ids):
+        assert out.object == "list" and out.model == MODEL_NAME and out.id.startswith("embd-")
+        assert [d.index for d in out.data] == [0, 1, 2]
+        assert out.usage.prompt_tokens == out.usage.total_tokens == sum(map(len, ids))
+        got = torch.tensor([d.embedding for d in out.data])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    one = await api.embeddings.create(model=MODEL_NAME, input=texts[0], dimensions=576)
+    assert len(one.data) == 1 and len(one.data[0].embedding) == 576
+
+
+async def test_embedding_requests_that_cannot_be_answered_are_400s(api):
+    cases = [({"input": ""}, "input", "'input' must be a non-empty string"),
+             ({"input": ["Hi", ""]}, "input", "none of them empty"),
+             ({"input": "Hi", "dimensions": 64}, "dimensions",
+              "'dimensions' is 64, but this model's embeddings have 576 dimensions"),
+             ({"input": "hello " * (MAX_MODEL_LEN + 50)}, "input",
+              f"maximum context length is {MAX_MODEL_LEN} tokens")]
+    for body, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            await api.embeddings.create(model=MODEL_NAME, **body)
+        assert info.value.body["param"] == param and words in info.value.message, body
+
+
 # --- errors through the pipeline ---------------------------------------------------------
 
 async def test_a_prompt_longer_than_the_model_is_400_naming_both_numbers(api, served):
@@ -444,5 +503,6 @@ def test_operators_see_the_consumer_groups(served):
 def test_the_gateway_logs_each_request_with_its_rid(served):
     records = [r for r in served.log_records() if r.get("service") == "gateway"]
     finished = [r for r in records if r.get("event") == "request finished"]
-    assert finished and all(r["rid"].startswith(("cmpl-", "chatcmpl-")) for r in finished)
+    assert finished and all(r["rid"].startswith(("cmpl-", "chatcmpl-", "embd-"))
+                            for r in finished)
     assert any(r.get("event") == "client disconnected" for r in records)

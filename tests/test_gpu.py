@@ -46,6 +46,45 @@ def test_tiny_models_on_gpu_match_transformers(arch, tmp_path):
         assert ours == ref[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("pooling", ["LAST", "MEAN"])
+def test_embeddings_on_gpu_match_transformers_beside_generation(pooling, tmp_path):
+    """Pooled on the device over chunks, in steps that replay mixed graphs beside decodes,
+    and copied back with the steps' tokens; the generation beside them is unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model_dir = make_tiny_model(tmp_path, "llama")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    llm = LLM(str(model_dir), dtype="float32", block_size=16, num_gpu_blocks_override=256,
+              max_num_batched_tokens=32, max_num_seqs=8, pooling_type=pooling)
+    assert llm.engine.runner.graphs is not None
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 40, 77, 1)]
+    alone = greedy(llm, prompts, 16)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"g{i}", prompt, params)
+        engine.add_embedding(f"e{i}", prompt)
+    tokens: dict[str, list[int]] = {}
+    embeddings: dict[str, torch.Tensor] = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens.setdefault(delta.rid, []).extend(delta.token_ids)
+            if delta.embedding is not None:
+                embeddings[delta.rid] = torch.frombuffer(bytearray(delta.embedding),
+                                                         dtype=torch.float32)
+    assert [tokens[f"g{i}"] for i in range(len(prompts))] == alone
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            hidden = hf(torch.tensor([prompt], device="cuda"),
+                        output_hidden_states=True).hidden_states[-1][0].cpu()
+        expected = hidden[-1] if pooling == "LAST" else hidden.mean(0)
+        torch.testing.assert_close(embeddings[f"e{i}"],
+                                   torch.nn.functional.normalize(expected, dim=-1),
+                                   atol=1e-4, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def real_model(tmp_path_factory) -> str:
     """The demo model where its package is installed; else random weights at Qwen3-0.6B's

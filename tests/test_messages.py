@@ -54,7 +54,7 @@ def strategy(hint: Any) -> st.SearchStrategy:
                                   for f in dataclasses.fields(hint)})
     return {type(None): st.none(), bool: st.booleans(), str: TEXT,
             int: st.integers(-2**63, 2**63 - 1), float: st.floats(allow_nan=False),
-            Any: JSON_SCALAR}[hint]
+            bytes: st.binary(max_size=16), Any: JSON_SCALAR}[hint]
 
 
 ANY_MESSAGE = st.one_of(*(strategy(cls) for cls in _REGISTRY.values()))

@@ -13,9 +13,10 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
-from common.messages import AdmitRequest, StepPlan, StepResult
+from common.messages import AdmitRequest, PooledOutput, StepPlan, StepResult
 from common.sampling_params import SamplingParams
 from services.scheduler import core
 from services.scheduler.core import Scheduler, SchedulerConfig
@@ -51,6 +52,7 @@ class SimWorker:
     cache: list[int | None] = field(default_factory=list)
     reqs: dict[str, SimRequest] = field(default_factory=dict)
     overrides: dict[str, int] = field(default_factory=dict)  # req_id -> forced next token
+    embeds: set[str] = field(default_factory=set)  # embedding requests: pooled, not sampled
 
     def __post_init__(self) -> None:
         self.cache = [None] * (self.num_blocks * self.block_size)
@@ -64,6 +66,8 @@ class SimWorker:
         for new in plan.new:
             assert new.req_id not in self.reqs
             self.reqs[new.req_id] = SimRequest(list(new.token_ids), list(new.block_ids))
+            if new.embed:
+                self.embeds.add(new.req_id)
         for cached in plan.cached:
             self.reqs[cached.req_id].blocks += cached.new_block_ids
         steps = list(zip(plan.req_ids, plan.num_scheduled_tokens, plan.num_computed_tokens))
@@ -74,17 +78,24 @@ class SimWorker:
             assert (start + n - 1) // self.block_size < len(req.blocks), "no block for a token"
             for pos in range(start, start + n):
                 self.cache[self.slot(req, pos)] = req.tokens[pos]
-        out_ids, out_tokens = [], []
+        out_ids, out_tokens, pooled = [], [], []
         for req_id, n, start in steps:
             req = self.reqs[req_id]
             if start + n < len(req.tokens):
                 continue  # a prefill chunk that does not reach the end samples nothing
             context = [self.cache[self.slot(req, pos)] for pos in range(start + n)]
+            if req_id in self.embeds:  # "pooled": the whole prompt as the cache holds it
+                pooled.append(PooledOutput(req_id, embedding_of(context)))
+                continue
             token = self.overrides.get(req_id, next_token(context))
             req.tokens.append(token)
             out_ids.append(req_id)
             out_tokens.append(token)
-        return StepResult(plan.step, out_ids, out_tokens)
+        return StepResult(plan.step, out_ids, out_tokens, embeddings=pooled)
+
+
+def embedding_of(context: list[int]) -> bytes:
+    return np.asarray(context, "<f4").tobytes()
 
 
 @dataclass
@@ -92,6 +103,7 @@ class Run:
     outputs: dict[tuple[str, int], list[int]]
     finish: dict[tuple[str, int], str]
     plans: list[StepPlan]
+    embeddings: dict[str, bytes] = field(default_factory=dict)
 
 
 def drive(sched: Scheduler, worker: SimWorker, lag: int = 0, max_steps: int = 10_000,
@@ -99,6 +111,7 @@ def drive(sched: Scheduler, worker: SimWorker, lag: int = 0, max_steps: int = 10
     """Run to completion with `lag` plans in flight beyond the one executing."""
     outputs: dict[tuple[str, int], list[int]] = {}
     finish: dict[tuple[str, int], str] = {}
+    embeddings: dict[str, bytes] = {}
     inflight: deque[StepPlan] = deque()
     plans = []
     for _ in range(max_steps):
@@ -116,13 +129,15 @@ def drive(sched: Scheduler, worker: SimWorker, lag: int = 0, max_steps: int = 10
                 assert item.seq == len(outputs[key]) - len(item.new_token_ids)
                 if item.finish_reason:
                     finish[key] = item.finish_reason
+                if item.embedding is not None:
+                    embeddings[item.rid] = item.embedding
         elif plan is None:
             raise AssertionError("scheduler is stuck: work left but nothing scheduled")
         if on_step:
             on_step(sched)
     else:
         raise AssertionError("did not finish")
-    return Run(outputs, finish, plans)
+    return Run(outputs, finish, plans, embeddings)
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_seqs=16, max_len=256, caching=True,
@@ -137,6 +152,11 @@ def admit(sched: Scheduler, rid: str, prompt: list[int], priority: int = 0,
     params.setdefault("eos_token_ids", (EOS,))
     sched.add_request(AdmitRequest(rid, "gw", prompt, SamplingParams(**params), arrival,
                                    priority))
+
+
+def admit_embedding(sched: Scheduler, rid: str, prompt: list[int]) -> None:
+    sched.add_request(AdmitRequest(rid, "gw", prompt, SamplingParams(max_tokens=1),
+                                   embed=True))
 
 
 def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 30) -> list[list[int]]:
@@ -355,3 +375,57 @@ def test_an_admission_delivered_again_is_dropped_running_or_finished(monkeypatch
         sched.add_request(AdmitRequest(rid, "gw", [5], SamplingParams(max_tokens=1)))
     assert list(sched.admitted) == ["b", "c"]  # the memory is bounded, oldest out first
     assert sched.add_request(first) == ["dup#0", "dup#1"]
+
+
+# --- embedding requests ------------------------------------------------------------------
+
+def scheduled(run: Run, req_id: str) -> list[tuple[int, int]]:
+    """(first position, count) of each chunk `req_id` was planned."""
+    return [(start, n) for plan in run.plans for r, n, start in
+            zip(plan.req_ids, plan.num_scheduled_tokens, plan.num_computed_tokens)
+            if r == req_id]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_embeddings_compute_every_prompt_token_and_end_after_their_last_chunk(lag):
+    sched, worker = make(block_size=4, budget=8)
+    shared = list(range(3, 23))  # 5 full blocks, cached by the first request
+    admit(sched, "gen", shared + [30], max_tokens=3)
+    drive(sched, worker, lag=lag)
+    admit_embedding(sched, "emb", shared + [40])
+    ps = prompts(3, seed=8)
+    for i, p in enumerate(ps):  # generation beside it is unchanged
+        admit(sched, f"r{i}", p, max_tokens=4)
+    run = drive(sched, worker, lag=lag)
+    # no prefix-cache hit: every token computed, in chunks of the budget, nothing sampled
+    assert scheduled(run, "emb#0") == [(0, 8), (8, 8), (16, 5)]
+    assert run.embeddings == {"emb": embedding_of(shared + [40])}
+    assert run.outputs[("emb", 0)] == [] and run.finish[("emb", 0)] == "stop"
+    for i, p in enumerate(ps):
+        assert run.outputs[(f"r{i}", 0)] == reference(p, 4)
+    assert sched.kv.usage == 0.0 and not sched.running and not sched.has_unfinished()
+    assert sched.stats().generation_tokens == 3 + 3 * 4
+
+
+def test_an_embedding_may_fill_the_context():
+    sched, worker = make(max_len=20, budget=8)
+    admit_embedding(sched, "full", list(range(3, 23)))
+    run = drive(sched, worker, lag=1)
+    assert run.embeddings == {"full": embedding_of(list(range(3, 23)))}
+    with pytest.raises(ValueError, match="max_model_len"):
+        admit_embedding(sched, "over", list(range(3, 24)))
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_preempted_embedding_is_recomputed_whole(lag, caplog):
+    sched, worker = make(num_blocks=10, block_size=4, budget=8)
+    admit(sched, "r0", list(range(3, 9)), max_tokens=20)
+    admit(sched, "r1", list(range(9, 15)), max_tokens=20)
+    admit_embedding(sched, "e", list(range(20, 40)))  # the last admitted: the victim
+    run = drive(sched, worker, lag=lag)
+    starts = [start for start, _ in scheduled(run, "e#0")]
+    assert starts.count(0) > 1 and "e#0 is preempted" in caplog.text
+    assert run.embeddings == {"e": embedding_of(list(range(20, 40)))}
+    for rid, prompt in (("r0", list(range(3, 9))), ("r1", list(range(9, 15)))):
+        assert run.outputs[(rid, 0)] == reference(prompt, 20)
+    assert sched.kv.usage == 0.0

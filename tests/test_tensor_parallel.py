@@ -217,6 +217,23 @@ def test_the_offline_api_at_two_ranks_gives_one_ranks_tokens(arch, tmp_path):
         assert generate(model_dir, 2, params) == generate(model_dir, 1, params), params
 
 
+def embed(model_dir: Path, size: int) -> torch.Tensor:
+    llm = LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3,
+              pooling_type="MEAN", max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        outputs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    finally:
+        llm.engine.close()
+    return torch.tensor([o.outputs.embedding for o in outputs])
+
+
+def test_embeddings_at_two_ranks_are_one_ranks(tmp_path):
+    """The final norm's output is whole on every rank: rank 0 pools it alone, over chunks."""
+    model_dir = make_tiny_model(tmp_path, "llama")
+    torch.testing.assert_close(embed(model_dir, 2), embed(model_dir, 1),
+                               atol=SAME_AS_ONE_RANK, rtol=0)
+
+
 def test_an_engine_of_another_size_waits_for_the_group_to_close(tmp_path):
     model_dir = make_tiny_model(tmp_path, "llama")
     llm = LLM(str(model_dir), tensor_parallel_size=2, device="cpu")

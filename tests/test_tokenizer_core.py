@@ -302,3 +302,19 @@ def test_logit_bias_and_allowed_token_ids_are_checked_against_the_vocabulary(tok
         assert error.param == next(iter(params)) and "out of vocabulary" in error.message
     with pytest.raises(ApiError, match="out of vocabulary"):
         proc.admit("r", "gw", [1, 2], SamplingParams(allowed_token_ids=[VOCAB]))
+
+
+def test_an_embedding_request_is_tokenized_and_may_fill_the_context(tok):
+    proc = processor(tok)
+    admit = proc.process(request(prompt="Hello world", embed=True))
+    assert admit.embed and admit.prompt_token_ids == tok.encode("Hello world")
+    full = proc.process(request(prompt_token_ids=[5] * MAX_LEN, embed=True))
+    assert len(full.prompt_token_ids) == MAX_LEN and decode(encode(full)) == full
+    error = rejected(proc, request(prompt_token_ids=[5] * (MAX_LEN + 1), embed=True))
+    assert error.param == "input" and error.message == (
+        f"This model's maximum context length is {MAX_LEN} tokens. However, you requested "
+        f"{MAX_LEN + 1} tokens in the input for embedding generation. Please reduce the "
+        "length of the input.")
+    kept = proc.process(request(prompt_token_ids=list(range(3, MAX_LEN + 13)), embed=True,
+                                truncate_prompt_tokens=-1))
+    assert kept.prompt_token_ids == list(range(13, MAX_LEN + 13))  # every position

@@ -31,6 +31,7 @@ max-prompt-adapter-token max-prompt-adapters max-seq-len-to-capture mm-processor
 model model-impl model-loader-extra-config multi-step-stream-outputs ngram-prompt-lookup-max
 ngram-prompt-lookup-min num-gpu-blocks-override num-lookahead-slots num-scheduler-steps
 num-speculative-tokens otlp-traces-endpoint override-generation-config override-neuron-config
+override-pooler-config task
 pipeline-parallel-size preemption-mode qlora-adapter-name-or-path quantization
 ray-workers-use-nsight reasoning-parser revision rope-scaling rope-theta scheduler-cls
 scheduler-delay-factor scheduling-policy seed served-model-name show-hidden-metrics-for-version
@@ -87,7 +88,7 @@ def test_ignored_flags_warn_and_refused_ones_say_why(flag, caplog):
 @pytest.mark.parametrize("argv", [["--preemption-mode", "recompute"], ["--revision", "main"],
                                   ["--pipeline-parallel-size", "1"], ["--no-enable-lora"],
                                   ["--distributed-executor-backend", "mp"],
-                                  ["--tokenizer-mode", "auto"]])
+                                  ["--tokenizer-mode", "auto"], ["--task", "embed"]])
 def test_refused_flags_pass_at_the_values_headrace_honours(argv):
     assert engine_config_from_args(parser().parse_args(["m", *argv])).model == "m"
 
@@ -99,3 +100,25 @@ def test_override_generation_config_is_checked():
     for text in ("{temperature", "[1]"):
         with pytest.raises(ConfigError, match="--override-generation-config"):
             EngineConfig(model="m", override_generation_config=text)
+
+
+def test_pooler_flags_choose_the_embeddings_pooling():
+    def pooling(*argv: str) -> tuple[str, bool]:
+        return engine_config_from_args(parser().parse_args(["m", *argv])).pooling()
+
+    assert pooling() == ("LAST", True)
+    assert pooling("--pooling-type", "MEAN") == ("MEAN", True)
+    assert pooling("--override-pooler-config", '{"pooling_type": "MEAN", "normalize": true}'
+                   ) == ("MEAN", True)
+    assert pooling("--pooling-type", "MEAN", "--pooler-config", '{"normalize": false}'
+                   ) == ("MEAN", False)
+    assert pooling("--pooler-config", '{"pooling_type": "LAST"}', "--pooling-type", "MEAN"
+                   ) == ("LAST", True)  # the JSON object wins, as vLLM's override does
+    for text, words in (("{x", "not JSON"), ('{"softmax": true}', "pooling_type, normalize"),
+                        ('{"pooling_type": "CLS"}', "['LAST', 'MEAN']"),
+                        ('{"normalize": 1}', "true or false")):
+        with pytest.raises(ConfigError, match="pool") as info:
+            EngineConfig(model="m", override_pooler_config=text)
+        assert words in str(info.value)
+    with pytest.raises(ConfigError, match="--task classify is not supported"):
+        engine_config_from_args(parser().parse_args(["m", "--task", "classify"]))

@@ -169,6 +169,12 @@ class Detokenizer:
         self.token_text = TokenTexts(tokenizer)
 
     def process(self, item: DetokItem) -> tuple[TextDelta, Abort | None]:
+        if item.embedding is not None:  # an embedding request's answer: no text
+            return TextDelta(rid=item.rid, index=item.index, seq=item.seq, text="",
+                             token_ids=[], num_prompt_tokens=item.num_prompt_tokens,
+                             finish_reason=item.finish_reason,
+                             request_stamps=item.request_stamps,
+                             embedding=item.embedding), None
         params = item.params
         context, num_prompt = self._resync(item)
         finishing = item.finish_reason is not None

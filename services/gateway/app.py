@@ -1,5 +1,5 @@
-"""The gateway's HTTP API (aiohttp): OpenAI's completions, chat completions and models, plus
-/tokenize, /detokenize, /health (/ping), /version, /metrics and /openapi.json.
+"""The gateway's HTTP API (aiohttp): OpenAI's completions, chat completions, embeddings and
+models, plus /tokenize, /detokenize, /health (/ping), /version, /metrics and /openapi.json.
 
 A generation call publishes one GenerateRequest per prompt and waits for every request's
 first reply before it answers: that reply decides the HTTP status, also for a stream (a
@@ -43,8 +43,9 @@ from services.gateway.core import (SHUTTING_DOWN, Applied, Backend, Call, Echo, 
                                    Parsers,
                                    admission_error, queue_depth, shard_states,
                                    shutting_down)
+from services.gateway.embeddings import EmbeddingCall, check_dimensions
 from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
-                                       parse_job, parse_tokenize)
+                                       parse_embedding, parse_job, parse_tokenize)
 from services.gateway.openapi import openapi_document
 from services.gateway.replies import Inbox, Replies, next_replies
 from services.gateway.response_bodies import (DetokenizeResponse, ErrorResponse, ModelCard,
@@ -91,6 +92,7 @@ class Gateway:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -183,6 +185,9 @@ class Gateway:
         if job.priority and self.info.config.scheduling_policy != "priority":
             raise ApiError(400, "'priority' needs --scheduling-policy priority; this server "
                                 "schedules first come, first served", "priority")
+        self.check_admission()
+
+    def check_admission(self) -> None:
         if self.draining:
             raise SHUTTING_DOWN
         error = admission_error(self.backend, self.server.max_queue_len, time.monotonic())
@@ -342,6 +347,49 @@ class Gateway:
         is known; "" only if a cluster delivered them out of order."""
         shard = self.replies.shard_of(rid)
         return "" if shard is None else str(shard)
+
+    # --- embeddings -------------------------------------------------------------------
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """One request per input, each answered by its embedding; the first error ends the
+        call, as a generation call's does."""
+        job = parse_embedding(await read_json(request, self.server.body_timeout), self.limits)
+        model = self.served_name(job.model)
+        check_dimensions(job.dimensions, self.info.hf_config.hidden_size)
+        for given in job.inputs:
+            if isinstance(given, list):
+                check_vocabulary(given, self.info.vocab_size, "input")
+        self.check_admission()
+        call = EmbeddingCall(job, "embd-" + uuid.uuid4().hex, model, int(time.time()))
+        request["rid"] = call.id
+        log = self.log.bind(rid=call.id)
+        if job.ignored:
+            log.warning("ignored unknown request fields", fields=job.ignored)
+        inbox = self.replies.open(call.rids)
+        arrival = time.monotonic()
+        try:
+            await self.outbox.publish(keys.REQUESTS, *call.requests(self.id, time.time()))
+            log.info("request queued", prompts=len(call.rids), embeddings=True)
+            while not call.done:
+                for reply, _ in await next_replies(inbox):
+                    if (answer := call.offer(reply)) is not None:
+                        self.record_embedding(answer.rid, time.monotonic() - arrival)
+            if call.error is not None:
+                raise call.error
+            log.info("request finished", prompt_tokens=call.prompt_tokens())
+            return json_body(call.response())
+        except asyncio.CancelledError:
+            log.info("client disconnected")
+            raise
+        finally:
+            self.abort(call.unfinished_rids())
+            self.replies.close(call.rids)
+
+    def record_embedding(self, rid: str, seconds: float) -> None:
+        """An embedding request ends with its answer: vLLM counts it a success "stop"."""
+        shard = self.shard_label(rid)
+        self.metrics.observe(self.metrics.e2e_request_latency, shard, seconds)
+        self.metrics.count_success(shard, "stop")
 
     # --- the backend ------------------------------------------------------------------
 

@@ -19,8 +19,9 @@ from common.chat import plain_conversation
 from common.errors import ApiError
 from common.sampling_params import MAX_N, SamplingError, SamplingParams, fits_int64
 from services.gateway.request_bodies import (ChatCompletionRequest, CompletionRequest,
-                                             DetokenizeRequest, NamedToolChoice,
-                                             SamplingFields, TokenizeRequest, validate)
+                                             DetokenizeRequest, EmbeddingRequest,
+                                             NamedToolChoice, SamplingFields,
+                                             TokenizeRequest, validate)
 from services.gateway.tool_calls import required_schema
 
 # Known OpenAI fields whose features this server does not have.
@@ -72,6 +73,18 @@ class TokenizeJob:
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    ignored: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EmbeddingJob:
+    """One /v1/embeddings call: a request per input."""
+    model: str | None
+    inputs: list[str | list[int]]
+    encoding_format: str = "float"  # or "base64"
+    dimensions: int | None = None
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
     ignored: list[str] = field(default_factory=list)
 
 
@@ -167,6 +180,18 @@ def parse_tokenize(body: Any) -> TokenizeJob:
     else:
         job.prompt = req.prompt
         job.add_special_tokens = _given(req.add_special_tokens, True)
+    return job
+
+
+def parse_embedding(body: Any, limits: Limits = Limits()) -> EmbeddingJob:
+    req = validate(EmbeddingRequest, body)
+    job = EmbeddingJob(req.model, _inputs(req.input),
+                       encoding_format=_given(req.encoding_format, "float"),
+                       dimensions=req.dimensions, add_special_tokens=req.add_special_tokens,
+                       truncate_prompt_tokens=req.truncate_prompt_tokens,
+                       ignored=_unknown_names(req))
+    _within("input", len(job.inputs), limits.max_prompts_per_request, "inputs",
+            "max-prompts-per-request")
     return job
 
 
@@ -303,6 +328,16 @@ def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
         return prompt
     raise ApiError(400, "'prompt' must be a string, a non-empty list of strings, a list of "
                         "token ids or a list of token-id lists, none of them empty", "prompt")
+
+
+def _inputs(given: str | list[Any]) -> list[str | list[int]]:
+    """One input for a string or a list of token ids, one each for a list of them."""
+    single = isinstance(given, str) or (given and isinstance(given[0], int))
+    inputs = [given] if single else given
+    if inputs and all(inputs):
+        return inputs
+    raise ApiError(400, "'input' must be a non-empty string, a list of token ids, or a "
+                        "non-empty list of either, none of them empty", "input")
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -46,6 +46,10 @@ Prompt = Annotated[
     explained("'prompt' must be a string, a non-empty list of strings, a list of token ids "
               f"or a list of token-id lists (token ids are integers in [0, {MAX_TOKEN_ID}))")]
 Stop = Annotated[str | list[str], explained("'stop' must be a string or a list of strings")]
+EmbeddingInput = Annotated[
+    str | list[str] | list[TokenId] | list[list[TokenId]],
+    explained("'input' must be a string, a list of strings, a list of token ids or a list "
+              f"of token-id lists (token ids are integers in [0, {MAX_TOKEN_ID}))")]
 
 
 # --- sampling ---------------------------------------------------------------------------
@@ -206,6 +210,19 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings body, with vLLM's truncate_prompt_tokens and
+    add_special_tokens."""
+    model_config = STRICT
+    model: str | None = None
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None  # only the model's own size: none is matryoshka-trained
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    add_special_tokens: bool | None = None
 
 
 class DetokenizeRequest(BaseModel):

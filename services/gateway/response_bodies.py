@@ -182,6 +182,26 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # "base64": the little-endian float32 bytes, as OpenAI's
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

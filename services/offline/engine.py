@@ -40,6 +40,11 @@ class Engine:
                                      priority=priority)
         self.scheduler.add_request(admit)
 
+    def add_embedding(self, rid: str, prompt_token_ids: list[int], priority: int = 0) -> None:
+        """An embedding request: its one TextDelta carries the embedding."""
+        self.scheduler.add_request(self.processor.admit_embedding(
+            rid, LOCAL_REPLY, prompt_token_ids, priority=priority))
+
     @property
     def runner(self) -> ModelRunner:
         """The rank in this process: benchmarks and the profiler inspect its model."""

@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))` and
+`LLM(model=...).embed(prompts)`, as in vLLM."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from common.config import EngineConfig
@@ -54,6 +56,19 @@ class RequestOutput:
         return all(c.finished() for c in self.outputs)
 
 
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = False
+
+
 class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.engine = Engine(EngineConfig(model=model, **engine_args))
@@ -82,14 +97,37 @@ class LLM:
                    for conv in conversations]
         return self._run(encoded, sampling_params, use_tqdm, None)
 
-    def _encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    def embed(self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, pooled as --pooling-type and --override-pooler-config
+        say (the last token's final hidden state, L2-normalized, by default)."""
+        encoded = [self._encode(p, truncate=truncate_prompt_tokens, room=0)[1]
+                   for p in _as_list(prompts)]
+        outputs: dict[str, EmbeddingRequestOutput] = {}
+        for ids in encoded:
+            rid = str(next(self._ids))
+            self.engine.add_embedding(rid, ids)
+            outputs[rid] = EmbeddingRequestOutput(rid, ids, EmbeddingOutput([]))
+        bar = tqdm(total=len(encoded), desc="Processed prompts", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                out = outputs[delta.rid]
+                assert delta.embedding is not None, "an embedding request answers once"
+                out.outputs.embedding = np.frombuffer(delta.embedding, "<f4").tolist()
+                out.finished = True
+                bar.update(1)
+        bar.close()
+        return list(outputs.values())
+
+    def _encode(self, prompt: PromptInput, **options: Any) -> tuple[str | None, list[int]]:
+        """`options` go to InputProcessor.prompt_ids (truncation, room)."""
         if isinstance(prompt, dict):
             text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         elif isinstance(prompt, str):
             text, ids = prompt, None
         else:
             text, ids = None, list(prompt)
-        return text, self.engine.processor.prompt_ids(text, ids, None)
+        return text, self.engine.processor.prompt_ids(text, ids, None, **options)
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,

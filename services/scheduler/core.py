@@ -4,7 +4,8 @@ There is no prefill phase and no decode phase: each step shares one token budget
 requests first, and every request's `num_computed_tokens` catches up with its
 `num_tokens`. The scheduler plans ahead of the worker (see request.py), so `schedule` may be
 called again before the previous step's `update`; results for requests that finished or
-were aborted meanwhile are dropped.
+were aborted meanwhile are dropped. An embedding request is a prompt that is computed and
+never sampled: it ends, freeing its blocks, when its embedding comes back.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from common.config import EngineConfig
 from common.detok_window import make_context
 from common.hops import NUM_REQUEST_STAMPS
 from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
-                             SchedulerStats, StepPlan, StepResult, TokenLogprobs)
+                             PooledOutput, SchedulerStats, StepPlan, StepResult,
+                             TokenLogprobs)
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import KnownTokens, Request, Status
 
@@ -146,7 +148,9 @@ class Scheduler:
         if admit.rid in self.admitted:
             return []
         num_prompt = len(admit.prompt_token_ids)
-        if not 0 < num_prompt < self.config.max_model_len:
+        # a completion needs a position to sample into; an embedding may fill the context
+        limit = self.config.max_model_len + (1 if admit.embed else 0)
+        if not 0 < num_prompt < limit:
             raise ValueError(f"prompt of {num_prompt} tokens does not fit max_model_len "
                              f"{self.config.max_model_len}")
         self.admitted[admit.rid] = None
@@ -211,6 +215,9 @@ class Scheduler:
             items.append(self._detok_item(req, [token], lp))
             if req.finish_reason is not None:
                 self._finish(req)
+        for pooled in result.embeddings:
+            if (req := self.requests.get(pooled.req_id)) is not None:
+                items.append(self._embedding_item(req, pooled))
         return items
 
     # --- scheduling -----------------------------------------------------------------------
@@ -285,6 +292,8 @@ class Scheduler:
     def _may_sample(self, req: Request) -> bool:
         """False once the tokens already sampled (known or in flight) reach a length limit:
         scheduling another step would only compute a token that is thrown away."""
+        if req.embed:  # it only computes its prompt
+            return True
         max_tokens = req.params.max_tokens
         if max_tokens is not None and req.num_output_tokens >= max_tokens:
             return False
@@ -328,7 +337,7 @@ class Scheduler:
                 new.append(NewRequest(req_id=req.req_id, token_ids=req.known_token_ids(),
                                       num_prompt_tokens=req.num_prompt_tokens,
                                       block_ids=self.kv.block_ids(req.req_id),
-                                      params=req.params))
+                                      params=req.params, embed=req.embed))
                 req.on_worker = True
                 if len(req.stamps) == NUM_REQUEST_STAMPS - 1:  # its first plan
                     req.stamps.append(now)
@@ -339,7 +348,7 @@ class Scheduler:
             num_scheduled.append(n)
             num_computed.append(req.num_computed_tokens)
             req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
+            if req.num_computed_tokens == req.num_tokens and not req.embed:
                 req.num_pending += 1  # this step samples the request's next token
         self.step += 1
         plan = StepPlan(step=self.step, req_ids=req_ids, num_scheduled_tokens=num_scheduled,
@@ -390,7 +399,7 @@ class Scheduler:
         return Request(req_id=f"{admit.rid}#{index}", rid=admit.rid, index=index,
                        reply_to=admit.reply_to, prompt_token_ids=list(admit.prompt_token_ids),
                        params=params, arrival_time=admit.arrival_time or time.time(),
-                       priority=admit.priority, stamps=list(admit.stamps),
+                       priority=admit.priority, stamps=list(admit.stamps), embed=admit.embed,
                        # the first prompt token has no logprob; the worker scores the rest
                        prompt_logprobs=[] if params.prompt_logprobs is None else [None])
 
@@ -407,6 +416,17 @@ class Scheduler:
             prompt_logprobs=req.prompt_logprobs if seq == 0 else [],
             request_stamps=req.stamps if seq == 0 else [],
             num_cached_tokens=req.num_cached_tokens if seq == 0 else 0)
+
+    def _embedding_item(self, req: Request, pooled: PooledOutput) -> DetokItem:
+        """The embedding request's answer; it ends here. Its embedding counts even when it
+        was preempted after its last chunk was planned: that step computed it whole."""
+        req.finish_reason = "stop"  # as vLLM ends a pooling request
+        self._finish(req)
+        return DetokItem(
+            rid=req.rid, index=req.index, reply_to=req.reply_to, seq=0, new_token_ids=[],
+            context_ids=[], num_context_prompt=0, params=req.detok_params,
+            num_prompt_tokens=req.num_prompt_tokens, finish_reason=req.finish_reason,
+            request_stamps=req.stamps, embedding=pooled.data)
 
     # --- introspection ------------------------------------------------------------------
 

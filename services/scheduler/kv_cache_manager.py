@@ -40,8 +40,8 @@ class KVCacheManager:
     def computed_blocks(self, req: Request) -> list[Block]:
         """The longest cached prefix of the request's known tokens, in whole blocks, leaving
         at least the last token to compute (its logits are needed to sample)."""
-        if not self.enable_caching or req.params.prompt_logprobs is not None:
-            return []  # prompt logprobs need every position computed
+        if not self.enable_caching or req.params.prompt_logprobs is not None or req.embed:
+            return []  # prompt logprobs and mean pooling need every position computed
         self._extend_hashes(req)
         max_blocks = (req.num_known_tokens - 1) // self.block_size
         hits: list[Block] = []

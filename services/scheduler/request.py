@@ -3,7 +3,9 @@
 The scheduler plans ahead of the worker: a request's `num_computed_tokens` advances when a
 step is *scheduled*, and a token the worker will sample in that step is counted in
 `num_pending` until the step's result arrives. `num_tokens` counts those pending
-placeholders, so a decode step can be planned before the previous token is known.
+placeholders, so a decode step can be planned before the previous token is known. An
+embedding request samples nothing: it has no pending token, and ends when the worker
+returns its embedding after the step that computed its last prompt token.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     stamps: list[float] = field(default_factory=list)  # its way in, see common/hops.py
+    embed: bool = False  # an embedding request (see the module doc)
     # made once: every step's DetokItem of this request carries them
     detok_params: DetokParams = field(init=False)
     stop_lookback: int = field(init=False)

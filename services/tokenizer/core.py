@@ -4,7 +4,8 @@ It applies the chat template, tokenizes, checks lengths against max_model_len, r
 sampling values (client over generation config over SamplingParams defaults), fills in
 the EOS ids and has xgrammar parse a structured-output spec. Anything wrong with the
 request raises ApiError, which the shell turns into an ErrorReply; nothing invalid reaches
-the scheduler.
+the scheduler. An embedding request is only tokenized: it samples nothing, so its prompt
+may fill the whole context.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from common.sampling_params import (CLIENT_PARAMS, SamplingError, SamplingParams
 from common.structured_outputs import to_grammar
 from common.tokens import check_vocabulary
 
+# What an embedding request's AdmitRequest carries: nothing is sampled, so nothing reads it.
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
+
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, defaults: SamplingDefaults,
@@ -40,6 +44,12 @@ class InputProcessor:
                    info.vocab_size, info.eos_token_ids)
 
     def process(self, req: GenerateRequest) -> AdmitRequest:
+        if req.embed:
+            ids = self.prompt_ids(req.prompt, req.prompt_token_ids, None,
+                                  add_special_tokens=req.add_special_tokens,
+                                  truncate=req.truncate_prompt_tokens, room=0)
+            return self.admit_embedding(req.rid, req.reply_to, ids, req.arrival_time,
+                                        req.priority)
         check_client_params(req.params)
         ids = self.prompt_ids(req.prompt, req.prompt_token_ids, req.messages,
                               req.add_generation_prompt, req.add_special_tokens,
@@ -63,15 +73,25 @@ class InputProcessor:
             params = params.replace(max_tokens=self.defaults.cap(params.max_tokens))
         return self._admit(rid, reply_to, ids, params, arrival_time, priority)
 
+    def admit_embedding(self, rid: str, reply_to: str, prompt_token_ids: list[int],
+                        arrival_time: float = 0.0, priority: int = 0) -> AdmitRequest:
+        """An embedding request of checked ids (as `admit`, for the offline API too)."""
+        ids = list(prompt_token_ids)
+        self._check_token_ids(ids, room=0)
+        return AdmitRequest(rid=rid, reply_to=reply_to, prompt_token_ids=ids,
+                            params=EMBEDDING_PARAMS, arrival_time=arrival_time,
+                            priority=priority, embed=True)
+
     def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
                    messages: list[dict] | None, add_generation_prompt: bool = True,
                    add_special_tokens: bool | None = None,
                    template_kwargs: dict[str, Any] | None = None,
                    truncate: int | None = None,
-                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+                   tools: list[dict[str, Any]] | None = None, room: int = 1) -> list[int]:
         """The prompt's token ids. `add_special_tokens` (BOS and the like) defaults to
         True for a text prompt and False for a chat, whose template writes its own;
-        `truncate` is vLLM's truncate_prompt_tokens."""
+        `truncate` is vLLM's truncate_prompt_tokens; `room` the tokens the context must
+        keep free past the prompt (0 for an embedding, which generates nothing)."""
         given = [name for name, value in (("prompt", prompt),
                                           ("prompt_token_ids", prompt_token_ids),
                                           ("messages", messages)) if value is not None]
@@ -87,8 +107,8 @@ class InputProcessor:
             ids = self._text_ids(prompt, add_special_tokens is not False)
         else:
             ids = list(prompt_token_ids or [])
-        ids = self._truncated(ids, truncate)
-        self._check_token_ids(ids)
+        ids = self._truncated(ids, truncate, room)
+        self._check_token_ids(ids, room)
         return ids
 
     # --- prompts ----------------------------------------------------------------------
@@ -99,22 +119,27 @@ class InputProcessor:
                            "prompt")
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
-    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+    def _truncated(self, ids: list[int], keep: int | None, room: int) -> list[int]:
         """vLLM's truncate_prompt_tokens: the last `keep` tokens; -1 keeps what fits."""
         if keep is None:
             return ids
         if keep == -1:
-            keep = self.max_model_len - 1  # one token of room to generate
+            keep = self.max_model_len - room
         if keep < 1:
             raise ApiError(400, f"truncate_prompt_tokens must be -1 or at least 1, got "
                                 f"{keep}", "truncate_prompt_tokens")
         return ids[-keep:]
 
-    def _check_token_ids(self, ids: list[int]) -> None:
+    def _check_token_ids(self, ids: list[int], room: int = 1) -> None:
         if not ids:
             raise ApiError(400, "The prompt cannot be empty.", "prompt")
         check_vocabulary(ids, self.vocab_size, "prompt_token_ids")
-        if len(ids) >= self.max_model_len:  # not one token of room left to generate
+        if room == 0 and len(ids) > self.max_model_len:  # vLLM's words for an embedding
+            raise ApiError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {len(ids)} tokens in the input for embedding "
+                "generation. Please reduce the length of the input.", "input")
+        if room and len(ids) >= self.max_model_len:  # not one token of room left to generate
             raise ApiError(
                 400, f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, your request has {len(ids)} input tokens, which leaves no room "

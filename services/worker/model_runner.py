@@ -4,7 +4,9 @@ The worker knows every request's tokens itself (it sampled them), so a plan only
 which requests compute how many tokens from which position; the worker appends what it
 samples before the scheduler hears of it. A step is: apply the plan's deltas, prepare the
 flattened inputs, run the model, sample. Structured outputs' grammar state lives here too
-(services/worker/grammar.py says why).
+(services/worker/grammar.py says why), and so do embedding requests' running sums: an
+embedding request samples nothing; the step that computes its prompt's last token pools
+the hidden states into its embedding instead (services/worker/pooler.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig
-from common.messages import PromptLogprobs, StepPlan, StepResult
+from common.messages import PooledOutput, PromptLogprobs, StepPlan, StepResult
 from common.model_files import load_tokenizer
 from common.sampling_params import SamplingParams
 from common.tokens import slice_tokens
@@ -29,6 +31,7 @@ from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_al
 from services.worker.loader import load_model
 from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
 from services.worker.models import kv_cache_shape
+from services.worker.pooler import Pooler
 from services.worker.sampler import (GrammarMask, Sampler, SamplingRow, make_generator,
                                      prompt_logprobs)
 
@@ -47,6 +50,8 @@ class RequestState:
     sample_row: int = 0  # this request's row in the last launched step's samples
     structured: bool = False  # has a grammar (cleared if it fails to compile)
     matcher: Any = None  # its xgrammar GrammarMatcher, made at its first sampling step
+    embed: bool = False  # an embedding request: pooled, never sampled
+    pooled: torch.Tensor | None = None  # its pooling's running state (Pooler.add_chunk)
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +90,8 @@ class Launched:
     prompt_logprobs: list[PromptLogprobs]
     started: float
     on_host_at: float = 0.0  # wall clock; set at launch on a synchronous device (the CPU)
+    pooled_states: list[RequestState] = field(default_factory=list)
+    pooled: torch.Tensor | None = None  # their embeddings, a row each, on the host when done
 
 
 @dataclass(slots=True)
@@ -96,6 +103,8 @@ class StepInputs:
     sampling: list[RequestState] = field(default_factory=list)
     prompt_logprob_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
     # (state, first token index in the batch, first position, count) per prompt-logprob chunk
+    pooling_rows: list[tuple[RequestState, int, int, bool]] = field(default_factory=list)
+    # (state, first token index in the batch, count, its prompt's last chunk) per embedding
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -120,6 +129,7 @@ class ModelRunner:
         self.model = load_model(config, hf_config, self.device, self.dtype, model_dir)
         self.block_size = config.block_size
         self.sampler = Sampler(self.device, config.seed)
+        self.pooler = Pooler(*config.pooling())
         self.grammars = Grammars(lambda: load_tokenizer(model_dir, config.tokenizer),
                                  self.model.vocab_size, self.device)
         self.requests: dict[str, RequestState] = {}
@@ -159,6 +169,7 @@ class ModelRunner:
                                              for s in inputs.sampling):
             done.append(self._complete())
         launched = self._sample(plan.step, inputs, hidden, started)
+        self._pool(launched, inputs.pooling_rows, hidden)
         if self._pending is not None:
             done.append(self._complete())
         self._pending = launched
@@ -198,6 +209,24 @@ class ModelRunner:
         return Launched(step, inputs.sampling, host, done, logprobs, chunks, started,
                         time.time() if done is None else 0.0)
 
+    def _pool(self, launched: Launched, rows: list[tuple[RequestState, int, int, bool]],
+              hidden: torch.Tensor) -> None:
+        """Pool this step's embedding chunks; the requests whose prompt it finished get
+        their embeddings copied to the host with the step's tokens."""
+        states, vectors = [], []
+        for state, first, count, last_chunk in rows:
+            state.pooled = self.pooler.add_chunk(hidden, first, count, state.pooled)
+            if last_chunk:
+                states.append(state)
+                vectors.append(self.pooler.finish(hidden, first + count - 1, state.pooled,
+                                                  len(state.prompt_ids)))
+        if not vectors:
+            return
+        host, done = self._copy_to_host(self.pooler.normalized(torch.stack(vectors)))
+        launched.pooled_states, launched.pooled = states, host
+        if done is not None:  # recorded after the tokens' copy, so it stands for both
+            launched.done = done
+
     def _grammar_mask(self, sampling: list[RequestState]) -> GrammarMask | None:
         """The mask of this step's structured rows, None when it has none. Their tokens
         so far are on the host (submit waited for them)."""
@@ -230,7 +259,7 @@ class ModelRunner:
                           token_ids=token_ids, logprobs=launched.logprobs,
                           prompt_logprobs=launched.prompt_logprobs,
                           execute_ms=1000 * (time.perf_counter() - launched.started),
-                          stamps=[on_host])
+                          stamps=[on_host], embeddings=_embeddings(launched))
 
     def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if tokens.device.type != "cuda":
@@ -287,7 +316,7 @@ class ModelRunner:
             self.requests[new.req_id] = RequestState(
                 new.req_id, list(new.token_ids[:new.num_prompt_tokens]),
                 list(new.token_ids[new.num_prompt_tokens:]), list(new.block_ids), params,
-                generator, structured=params.structured_outputs is not None)
+                generator, structured=params.structured_outputs is not None, embed=new.embed)
         for cached in plan.cached:
             self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
 
@@ -315,7 +344,8 @@ class ModelRunner:
         slots = (block_table[req_of_token, positions // self.block_size].astype(np.int64)
                  * self.block_size + positions % self.block_size)
         seq_lens = starts + num_scheduled
-        samples = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens + s.pending]
+        samples = [i for i, s in enumerate(states)
+                   if seq_lens[i] == s.num_tokens + s.pending and not s.embed]
         attn = AttentionMetadata(
             slot_mapping=self._tensor(slots), block_tables=self._tensor(block_table),
             query_start_loc=self._tensor(cu.astype(np.int32)),
@@ -332,7 +362,10 @@ class ModelRunner:
             attn=attn,
             sample_indices=self._tensor(cu[1:][samples] - 1),
             sampling=[states[i] for i in samples],
-            prompt_logprob_rows=self._prompt_logprob_rows(states, starts, num_scheduled, cu))
+            prompt_logprob_rows=self._prompt_logprob_rows(states, starts, num_scheduled, cu),
+            pooling_rows=[(state, int(cu[i]), int(num_scheduled[i]),
+                           bool(seq_lens[i] == state.num_tokens))
+                          for i, state in enumerate(states) if state.embed])
 
     def _prompt_logprob_rows(self, states, starts, num_scheduled, cu) -> list:
         rows = []
@@ -387,3 +420,12 @@ class ModelRunner:
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+def _embeddings(launched: Launched) -> list[PooledOutput]:
+    """A completed step's embeddings, each as its little-endian float32 bytes."""
+    if launched.pooled is None:
+        return []
+    vectors = launched.pooled.numpy().astype("<f4", copy=False)
+    return [PooledOutput(state.req_id, vector.tobytes())
+            for state, vector in zip(launched.pooled_states, vectors)]
