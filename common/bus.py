@@ -262,8 +262,10 @@ class Bus:
                 pipe.get(name)
             return list(await pipe.execute())
 
-    async def store(self, key: str, msg: Any) -> None:
-        await self.redis.set(key, messages.encode(msg))
+    async def store(self, key: str, msg: Any, ttl_s: float | None = None) -> None:
+        """Set `key` to `msg`; with `ttl_s`, Redis drops it unless stored again by then."""
+        await self.redis.set(key, messages.encode(msg),
+                             px=None if ttl_s is None else int(ttl_s * 1000))
 
     async def load(self, key: str) -> Any | None:
         """The message stored at `key`; None if there is none or it does not decode."""

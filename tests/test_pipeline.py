@@ -6,6 +6,7 @@ its requests with an error while a restarted one serves new requests."""
 from __future__ import annotations
 
 import random
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from common.messages import Abort, ErrorReply, GenerateRequest
 from common.sampling_params import SamplingParams
 from services.bench.pipeline import CLIENT, LocalPipeline, Outcome, drive
 from services.offline.llm import LLM
+from services.scheduler.shell import STATS_TTL_S
 from tests.redis_cluster import LocalCluster
 from tests.tiny_models import make_tiny_model
 
@@ -191,5 +193,34 @@ async def test_a_dead_worker_ends_its_requests_and_a_new_one_serves(model, where
                     break
                 assert result.error.status == 503
                 await anyio.sleep(0.5)
+    finally:
+        pipe.stop()
+
+
+async def test_a_stopped_schedulers_figures_go_with_it(model, tmp_path):
+    """A killed scheduler's figures expire (its gauges vanish rather than read their last
+    value forever); one stopped by SIGTERM removes them as it exits."""
+    pipe = Pipeline(tmp_path, model, "server")
+    key = keys.scheduler_stats()
+    try:
+        await pipe.wait_ready()
+        async with Bus(pipe.url) as bus:
+            for stop in ("kill", "terminate"):
+                with anyio.fail_after(60):
+                    while await bus.redis.get(key) is None:
+                        await anyio.sleep(0.1)
+                assert 0 < await bus.redis.pttl(key) <= STATS_TTL_S * 1000
+                process = pipe.children["scheduler-0"].process
+                if stop == "kill":
+                    pipe.kill("scheduler-0")
+                    limit = STATS_TTL_S + 2
+                else:
+                    process.send_signal(signal.SIGTERM)
+                    process.wait(30)
+                    limit = 0.5  # gone already: the scheduler forgot them as it stopped
+                with anyio.fail_after(limit):
+                    while await bus.redis.exists(key):
+                        await anyio.sleep(0.1)
+                pipe.start("scheduler-0")
     finally:
         pipe.stop()

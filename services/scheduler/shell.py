@@ -21,8 +21,8 @@ from common import keys
 from common.bus import Entry, Output
 from common.config import EngineConfig
 from common.log import get_logger
-from common.messages import (Abort, AdmitRequest, ErrorReply, StepResult, TokenBatch,
-                             WorkerReady)
+from common.messages import (Abort, AdmitRequest, ErrorReply, SchedulerStats, StepResult,
+                             TokenBatch, WorkerReady)
 from common.model_info import check_shard, resolve_engine
 from common.service import ServiceContext, freeze_heap, heartbeat, run_service
 from common.timing import PhaseClock
@@ -34,6 +34,9 @@ READ_BLOCK_MS = 100
 CHECK_WORKER_EVERY_S = 0.5
 CHECK_GATEWAYS_EVERY_S = 1.0
 STATS_EVERY_S = 0.5
+# The figures outlive a scheduler killed without a word only this long: its shard's
+# gauges then vanish from /metrics instead of reading their last value forever.
+STATS_TTL_S = 20 * STATS_EVERY_S
 WORKER_GRACE_S = 60.0  # admissions wait this long for a (new) worker, then get a 503
 
 log = get_logger("headrace.scheduler")
@@ -54,6 +57,7 @@ class SchedulerShell:
         self.no_worker_since = time.monotonic()
         self.clock = PhaseClock()
         self.stats_due = anyio.Event()  # set when a round ended requests: publish at once
+        self.last_stats: SchedulerStats | None = None
 
     async def run(self) -> None:
         for stream in (keys.admit(self.shard), keys.control(self.shard), keys.results(self.shard)):
@@ -94,6 +98,7 @@ class SchedulerShell:
                     await self.bus.commit(lost)
                 await self._abort_orphans()
             tg.cancel_scope.cancel()
+        await self.bus.forget(keys.scheduler_stats(self.shard))  # stopped: no figures
         log.info("scheduler loop times", **self.clock.summary())
 
     # --- inputs ---------------------------------------------------------------------------
@@ -240,8 +245,13 @@ class SchedulerShell:
             self.stats_due = anyio.Event()
 
     async def _store_stats(self) -> None:
+        """The core's figures; between workers (no core), the last ones, which read 0
+        running (the lost worker's requests ended)."""
         if self.core is not None:
-            await self.bus.store(keys.scheduler_stats(self.shard), self.core.stats())
+            self.last_stats = self.core.stats()
+        if self.last_stats is not None:
+            await self.bus.store(keys.scheduler_stats(self.shard), self.last_stats,
+                                 ttl_s=STATS_TTL_S)
 
     async def _discard_stale_results(self) -> None:
         """Results and worker announcements a previous incarnation left unacknowledged
