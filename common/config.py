@@ -116,6 +116,13 @@ class EngineConfig:
     trust_remote_code: bool = field(default=False, metadata=_help(
         "Let transformers run a model repository's own tokenizer code. The model itself "
         "always runs headrace's implementation of its architecture."))
+    hf_overrides: str | None = field(default=None, metadata=_help(
+        "A JSON object over the model's config.json, e.g. '{\"max_position_embeddings\": "
+        "4096}'; where both values are objects, the given keys update the config's."))
+    rope_scaling: str | None = field(default=None, metadata=_help(
+        "The config's rope_scaling as a JSON object (an override, as --hf-overrides)."))
+    rope_theta: float | None = field(default=None, metadata=_help(
+        "The config's rope_theta (an override, as --hf-overrides)."))
     kv_cache_dtype: Literal["auto"] = field(default="auto", metadata=_help(
         "Data type of the KV cache; auto is the model's dtype."))
     pooling_type: Literal["LAST", "MEAN"] = field(default="LAST", metadata=_help(
@@ -151,8 +158,8 @@ class EngineConfig:
         _choice("scheduling_policy", self.scheduling_policy, POLICIES)
         _choice("device", self.device, ("auto", "cuda", "cpu"))
         _choice("guided_decoding_backend", self.guided_decoding_backend, BACKENDS)
-        if self.override_generation_config is not None:
-            self.generation_overrides()
+        self.generation_overrides()
+        self.hf_config_overrides()
         self.pooling()
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and not self.enable_chunked_prefill
@@ -169,24 +176,23 @@ class EngineConfig:
 
     def generation_overrides(self) -> dict[str, Any]:
         """--override-generation-config's object ({} without it)."""
-        text = self.override_generation_config
-        try:
-            value = json.loads(text) if text is not None else {}
-        except ValueError as e:
-            raise ConfigError(f"--override-generation-config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"--override-generation-config must be a JSON object, got "
-                              f"{text}")
-        return value
+        return _json_object("--override-generation-config", self.override_generation_config)
+
+    def hf_config_overrides(self) -> dict[str, Any]:
+        """What replaces the model config's values: --hf-overrides, then --rope-scaling and
+        --rope-theta over it."""
+        overrides = _json_object("--hf-overrides", self.hf_overrides)
+        if self.rope_scaling is not None:
+            overrides["rope_scaling"] = _json_object("--rope-scaling", self.rope_scaling)
+        if self.rope_theta is not None:
+            overrides["rope_theta"] = self.rope_theta
+        return overrides
 
     def pooling(self) -> tuple[str, bool]:
         """(pooling type, normalize): --pooling-type, under --override-pooler-config's."""
         text = self.override_pooler_config
-        try:
-            value = json.loads(text) if text is not None else {}
-        except ValueError as e:
-            raise ConfigError(f"--override-pooler-config is not JSON: {e}") from None
-        if not isinstance(value, dict) or set(value) - set(POOLER_KEYS):
+        value = _json_object("--override-pooler-config", text)
+        if set(value) - set(POOLER_KEYS):
             raise ConfigError(f"--override-pooler-config must be a JSON object with the keys "
                               f"{', '.join(POOLER_KEYS)} (the others of vLLM's PoolerConfig "
                               f"have no effect here), got {text}")
@@ -344,6 +350,17 @@ def _check_redis_url(url: str) -> None:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _json_object(flag: str, text: str | None) -> dict[str, Any]:
+    """A flag's JSON object ({} when the flag is not given)."""
+    try:
+        value = json.loads(text) if text is not None else {}
+    except ValueError as e:
+        raise ConfigError(f"{flag} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {text}")
+    return value
 
 
 def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:

@@ -26,9 +26,25 @@ class ResolvedModel:
 def resolve_engine(config: EngineConfig) -> ResolvedModel:
     """The one place an engine config meets its model's files."""
     model_dir = resolve_model(config.model, config.load_format)
-    hf_config = load_hf_config(model_dir)
+    hf_config = override(load_hf_config(model_dir), config.hf_config_overrides())
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     return ResolvedModel(config.resolved(max_model_len_of(hf_config)), model_dir, hf_config)
+
+
+def override(hf_config: Any, overrides: dict[str, Any]) -> Any:
+    """The config with --hf-overrides applied: a value replaces the config's, except that
+    an object given for an object updates its keys (as vLLM merges them)."""
+    for key, value in overrides.items():
+        current = getattr(hf_config, key, None)
+        if isinstance(value, dict) and isinstance(current, dict):
+            value = {**current, **value}
+        setattr(hf_config, key, value)
+    rope = getattr(hf_config, "rope_parameters", None)
+    if isinstance(rope, dict):  # transformers 5 reads both from here, not the old names
+        rope.update(overrides.get("rope_scaling") or {})
+        if "rope_theta" in overrides:
+            rope["rope_theta"] = overrides["rope_theta"]
+    return hf_config
 
 
 def check_tensor_parallel(hf_config: Any, size: int) -> None:

@@ -218,6 +218,31 @@ def test_tiny_models_greedy_match_transformers(arch, tmp_path):
         assert output.outputs[0].token_ids == ref[0, len(prompt):].tolist()
 
 
+def test_hf_overrides_reach_the_model_as_transformers_reads_them(tmp_path):
+    """--hf-overrides (an object merged into an object), --rope-theta: the engine runs the
+    config transformers runs with the same changes, and sizes the context from it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = make_tiny_model(tmp_path, "llama")
+    config = AutoConfig.from_pretrained(model_dir)
+    config.rope_parameters.update(factor=2.0, rope_theta=500.0)
+    config.max_position_embeddings = 96
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, config=config,
+                                              dtype=torch.float32).eval()
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, num_gpu_blocks_override=64,
+              hf_overrides='{"rope_scaling": {"factor": 2.0}, "max_position_embeddings": 96}',
+              rope_theta=500.0)
+    assert llm.engine.scheduler.config.max_model_len == 96
+    assert llm.engine.runner.hf_config.rope_parameters["rope_type"] == "llama3"  # kept
+    prompt = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12,
+                                                ignore_eos=True), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+
+
 def test_generation_config_gives_defaults_and_caps(tmp_path):
     model_dir = make_tiny_model(tmp_path, "llama",
                                 generation={"temperature": 0.3, "top_k": 5,

@@ -102,6 +102,20 @@ def test_override_generation_config_is_checked():
             EngineConfig(model="m", override_generation_config=text)
 
 
+def test_config_overrides_merge_and_are_checked():
+    config = engine_config_from_args(parser().parse_args(
+        ["m", "--hf-overrides", '{"rope_theta": 1.0, "max_position_embeddings": 64}',
+         "--rope-scaling", '{"rope_type": "linear", "factor": 2.0}', "--rope-theta", "5e5"]))
+    assert config.hf_config_overrides() == {
+        "rope_theta": 5e5, "max_position_embeddings": 64,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    for field, text in (("hf_overrides", "{x"), ("hf_overrides", "[]"),
+                        ("rope_scaling", '"linear"')):
+        flag = "--" + field.replace("_", "-")
+        with pytest.raises(ConfigError, match=flag):
+            EngineConfig(model="m", **{field: text})
+
+
 def test_pooler_flags_choose_the_embeddings_pooling():
     def pooling(*argv: str) -> tuple[str, bool]:
         return engine_config_from_args(parser().parse_args(["m", *argv])).pooling()
