@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from common.config import ConfigError
 from common.lora import AdapterError, read_adapter_config
@@ -128,3 +130,28 @@ def test_adapters_are_checked(tiny, tmp_path):
     clash = LoRARequest("other", adapters[0].lora_int_id, adapters[1].lora_path)
     with pytest.raises(ValueError, match="each adapter needs its own lora_int_id"):
         llm.generate([[5, 6], [7, 8]], use_tqdm=False, lora_request=[adapters[0], clash])
+
+
+def test_slots_and_host_cache_are_least_recently_used(tiny):
+    model_dir, (a, b, c) = tiny
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=2,
+              num_gpu_blocks_override=16)
+    lora = llm.engine.runner.lora
+    lora.prepare([a, None, b], np.array([2, 1, 3]))
+    slots = lora.batch.token_slots
+    assert slots[:6].tolist() == [0, 0, -1, 1, 1, 1] and (slots[6:] == -1).all()
+    lora.prepare([c, b], np.array([1, 1]))  # a is the least recently used: c takes its slot
+    assert dict(lora.slot_of) == {b.lora_int_id: 1, c.lora_int_id: 0}
+    assert list(lora.loaded) == [b.lora_int_id, c.lora_int_id]  # two in host memory
+    assert (slots[2:] == -1).all()
+    lora.prepare([b], np.array([1]))
+    # c is now the least recently used, but this step needs it: b's slot goes to a
+    lora.prepare([a, c], np.array([1, 1]))
+    assert dict(lora.slot_of) == {c.lora_int_id: 0, a.lora_int_id: 1}
+    # the slot holds a's weights, rank 8 zero-padded to 16, and its scaling
+    saved = load_file(f"{a.lora_path}/adapter_model.safetensors")
+    q_a = next(t for name, t in saved.items() if "layers.1.self_attn.q_proj.lora_A" in name)
+    module = lora.layers[1][0]  # layer 1's qkv_proj
+    assert torch.equal(module.lora_a["q_proj"][1, :8], q_a)
+    assert not module.lora_a["q_proj"][1, 8:].any()
+    assert lora.batch.scaling[1].item() == 16 / 8
