@@ -17,6 +17,7 @@ from common.lora import AdapterError, read_adapter_config
 from common.messages import LoRARequest
 from common.sampling_params import SamplingParams
 from services import LLM
+from services.worker.lora import load_adapter
 from tests.tiny_models import make_tiny_model
 
 MAX_TOKENS = 8
@@ -155,3 +156,18 @@ def test_slots_and_host_cache_are_least_recently_used(tiny):
     assert torch.equal(module.lora_a["q_proj"][1, :8], q_a)
     assert not module.lora_a["q_proj"][1, 8:].any()
     assert lora.batch.scaling[1].item() == 16 / 8
+
+
+def test_adapter_weights_are_checked_against_the_model(tiny):
+    model_dir, (a, _, _) = tiny
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, num_gpu_blocks_override=16)
+    shapes = llm.engine.runner.lora.shapes
+    cpu = torch.device("cpu")
+    wider = {key: (out + 1, inp) for key, (out, inp) in shapes.items()}
+    with pytest.raises(AdapterError, match="is it this model's adapter"):
+        load_adapter(a, 16, wider, cpu, torch.float32)
+    one_layer = {key: shape for key, shape in shapes.items() if key[0] == 0}
+    with pytest.raises(AdapterError, match="names layer 1, the model has 1"):
+        load_adapter(a, 16, one_layer, cpu, torch.float32)
+    adapter = load_adapter(a, 16, shapes, cpu, torch.float32)
+    assert len(adapter.weights) == 2 * len(ALL_MODULES) and adapter.scaling == 2.0
