@@ -132,6 +132,18 @@ class EngineConfig:
         "vLLM's pooler settings as a JSON object, e.g. '{\"pooling_type\": \"MEAN\", "
         "\"normalize\": false}': pooling_type over --pooling-type, and normalize (default "
         "true: embeddings are L2-normalized).", aliases=("--pooler-config",)))
+    enable_lora: bool = field(default=False, metadata=_help(
+        "Serve requests under LoRA adapters (PEFT directories, loaded on first use), "
+        "several adapters and the base model mixed in one step. Not with "
+        "--tensor-parallel-size above 1."))
+    max_loras: int = field(default=1, metadata=_help(
+        "Most distinct LoRA adapters in one step (the GPU slots each LoRA layer holds); "
+        "requests under others wait."))
+    max_lora_rank: int = field(default=16, metadata=_help(
+        "Highest LoRA rank an adapter may have (the slots' rank)."))
+    max_cpu_loras: int | None = field(default=None, metadata=_help(
+        "Most LoRA adapters kept loaded in host memory, least recently used evicted; "
+        "defaults to --max-loras."))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -161,6 +173,7 @@ class EngineConfig:
         self.generation_overrides()
         self.hf_config_overrides()
         self.pooling()
+        self._validate_lora()
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and not self.enable_chunked_prefill
                 and self.max_num_batched_tokens < self.max_model_len):
@@ -219,6 +232,21 @@ class EngineConfig:
                                                 or self.long_prefill_token_threshold):
             raise ConfigError("--max-num-partial-prefills above 1 and "
                               "--long-prefill-token-threshold need chunked prefill")
+
+    def _validate_lora(self) -> None:
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
+                              f"--max-loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ConfigError("--enable-lora is not supported with --tensor-parallel-size "
+                              f"above 1 (got {self.tensor_parallel_size}): the LoRA layers "
+                              "do not shard adapters across ranks yet")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def resolved(self, model_max_len: int) -> EngineConfig:
         """A copy with the model-dependent defaults filled in."""

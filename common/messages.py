@@ -84,6 +84,15 @@ class PromptLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """A LoRA adapter to generate under, as vLLM's: a PEFT directory, named for clients,
+    with an id unique to its path (the worker's slots and the prefix cache key on it)."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+@dataclass(frozen=True, slots=True)
 class NewRequest:
     """A request the worker has not seen (or sees again after preemption)."""
     req_id: str
@@ -92,6 +101,7 @@ class NewRequest:
     block_ids: Tokens
     params: SamplingParams
     embed: bool = False  # an embedding request: pool its prompt, sample nothing
+    lora: LoRARequest | None = None  # its adapter; the worker loads it on first use
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +204,7 @@ class AdmitRequest:
     priority: int = 0
     stamps: Times = field(default_factory=list)  # arrival, tokenizer in, tokenizer out
     embed: bool = False  # an embedding request: its params are never read
+    lora: LoRARequest | None = None  # generate under this adapter, None: the base model
 
 
 @message("abort")

@@ -25,7 +25,8 @@ _AHEAD = "the scheduler always plans the next step while the worker runs this on
 _TOKENIZERS = "tokenizers are processes of their own: use --tokenizer-replicas"
 _PINNED = ("download that revision (`hf download MODEL --revision R`) and pass its "
            "directory")
-_LORA = "LoRA adapters are not supported yet"
+_LORA = ("headrace's LoRA (--enable-lora) takes PEFT adapters of q/k/v/o and gate/up/down "
+         "projections, without bias or extra vocabulary, in the model's dtype")
 _SPEC = "speculative decoding is not supported yet"
 _MULTIMODAL = "only text models are supported"
 _PLUGINS = "headrace's classes are not pluggable"
@@ -78,10 +79,6 @@ FOREIGN_FLAGS = (
     ForeignFlag("calculate-kv-scales", bool, "refused", "the KV cache is not quantized"),
     ForeignFlag("enable-sleep-mode", bool, "refused", "the worker cannot release its memory"),
     ForeignFlag("enable-expert-parallel", bool, "refused", "no mixture-of-experts models"),
-    ForeignFlag("enable-lora", bool, "refused", _LORA),
-    ForeignFlag("max-loras", int, "refused", _LORA),
-    ForeignFlag("max-lora-rank", int, "refused", _LORA),
-    ForeignFlag("max-cpu-loras", int, "refused", _LORA),
     ForeignFlag("lora-dtype", str, "refused", _LORA, default="auto"),
     ForeignFlag("lora-extra-vocab-size", int, "refused", _LORA),
     ForeignFlag("long-lora-scaling-factors", str, "refused", _LORA),

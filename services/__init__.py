@@ -1,14 +1,15 @@
 """The five services of the pipeline, the launcher, the CLI and the offline API.
 
-`from services import LLM, SamplingParams` works without importing torch until `LLM` is
+`from services import LLM, LoRARequest, SamplingParams` works without importing torch until `LLM` is
 touched, so light commands stay light.
 """
 
 from typing import Any
 
+from common.messages import LoRARequest
 from common.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -161,3 +161,18 @@ def test_vllm_model_flags_parse(tmp_path):
     assert read_chat_template("{{ 'inline' }}") == "{{ 'inline' }}"
     with pytest.raises(ValueError, match="neither a file nor a template"):
         read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_lora_settings_are_checked():
+    config = EngineConfig(model="m", enable_lora=True, max_loras=3, max_lora_rank=8)
+    assert (config.max_loras, config.max_lora_rank, config.cpu_loras) == (3, 8, 3)
+    assert EngineConfig(model="m", max_loras=2, max_cpu_loras=5).cpu_loras == 5
+    with pytest.raises(ConfigError, match="--max-cpu-loras .2. must be at least --max-loras"):
+        EngineConfig(model="m", max_loras=3, max_cpu_loras=2)
+    for name in ("max_loras", "max_lora_rank"):
+        with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be"):
+            EngineConfig(model="m", **{name: 0})
+    with pytest.raises(ConfigError, match="--enable-lora is not supported with "
+                                          "--tensor-parallel-size above 1"):
+        EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)
+    assert EngineConfig(model="m", tensor_parallel_size=2).tensor_parallel_size == 2

@@ -29,6 +29,7 @@ import torch
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention import paged_attention, paged_attention_ref
 from kernels.cache import write_kv, write_kv_ref, write_kv_triton
+from kernels.lora import lora_delta_ref, lora_delta_triton
 from kernels.norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
 from kernels.sampling import (BLOCK_VOCAB, gumbel_argmax_ref, gumbel_argmax_triton,
@@ -199,6 +200,25 @@ def check_silu_and_mul(num_tokens: int, d: int, dtype: torch.dtype, device: str)
     assert_close(out, silu_and_mul_ref(x), f"silu_and_mul {dtype}", seed)
 
 
+def check_lora(num_tokens: int, in_features: int, out_features: int, slots: int, rank: int,
+               dtype: torch.dtype, device: str) -> None:
+    """Tokens of `slots` adapters and base rows (-1) interleaved; slot 0 holds a smaller
+    adapter padded with zeros to `rank`, as the worker's slots hold one."""
+    g, seed = fresh_generator()
+    x = rand(g, num_tokens, in_features, dtype=dtype, device=device)
+    a = rand(g, slots, rank, in_features, dtype=dtype, device=device, scale=0.1)
+    b = rand(g, slots, out_features, rank, dtype=dtype, device=device, scale=0.1)
+    a[0, rank // 2:], b[0, :, rank // 2:] = 0, 0
+    scaling = (torch.rand(slots, generator=g) + 0.5).to(device)
+    index = torch.randint(-1, slots, (num_tokens,), generator=g)
+    index[:slots + 1] = torch.arange(-1, slots)  # every slot and the base model present
+    index = index.to(device=device, dtype=torch.int32)
+    out = lora_delta_triton(x, a, b, scaling, index)
+    ref = lora_delta_ref(x, a, b, scaling, index)
+    assert_close(out, ref, f"lora {dtype} {num_tokens}x{in_features}->{out_features}", seed)
+    assert (out[index < 0] == 0).all(), f"base rows got a LoRA delta (seed {seed})"
+
+
 def check_gumbel_argmax(rows: int, vocab: int, dtype: torch.dtype, device: str) -> None:
     """Token for token against the twin fed the kernel's own uniforms (a fresh seed)."""
     g, seed = fresh_generator()
@@ -267,6 +287,14 @@ def small_kernels() -> None:
         check_rms_norm((4, 3, 64), dtype, "cpu", with_residual=False)
         check_rotary(6, 3, 1, 64, dtype, "cpu")
         check_silu_and_mul(3, 1500, dtype, "cpu")
+
+
+@interpreter_check
+def lora_kernels() -> None:
+    """Feature counts off the block sizes; rank 8 and 16; fp32, fp16 and bf16."""
+    check_lora(9, 96, 300, 3, 8, torch.float32, "cpu")
+    check_lora(7, 600, 40, 2, 16, torch.float16, "cpu")
+    check_lora(6, 64, 200, 4, 16, torch.bfloat16, "cpu")
 
 
 @interpreter_check
@@ -417,6 +445,18 @@ def test_sampling_kernel_cuda() -> None:
         check_gumbel_argmax(rows, 151936, torch.bfloat16, "cuda")
         check_gumbel_argmax(rows, 128256, torch.float32, "cuda")
     check_gumbel_distribution("cuda", draws=20000)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lora_kernels_cuda(dtype: torch.dtype) -> None:
+    """Llama-3.1-8B's projections at rank 16: 32 tokens of 4 adapters and base rows
+    (a decode batch), and a prefill-sized batch."""
+    _, _, _, hidden, intermediate = MODELS["llama-3.1-8b"]
+    for num_tokens in (32, 2048):
+        check_lora(num_tokens, hidden, hidden, 4, 16, dtype, "cuda")
+        check_lora(num_tokens, hidden, 2 * intermediate, 4, 16, dtype, "cuda")
+        check_lora(num_tokens, intermediate, hidden, 4, 16, dtype, "cuda")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ reference continuation computed from the plain token sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from common.messages import AdmitRequest, PooledOutput, StepPlan, StepResult
+from common.messages import AdmitRequest, LoRARequest, PooledOutput, StepPlan, StepResult
 from common.sampling_params import SamplingParams
 from services.scheduler import core
 from services.scheduler.core import Scheduler, SchedulerConfig
@@ -148,10 +149,14 @@ def make(num_blocks=64, block_size=4, budget=64, max_seqs=16, max_len=256, cachi
 
 
 def admit(sched: Scheduler, rid: str, prompt: list[int], priority: int = 0,
-          arrival: float = 0.0, **params) -> None:
+          arrival: float = 0.0, lora: LoRARequest | None = None, **params) -> None:
     params.setdefault("eos_token_ids", (EOS,))
     sched.add_request(AdmitRequest(rid, "gw", prompt, SamplingParams(**params), arrival,
-                                   priority))
+                                   priority, lora=lora))
+
+
+def adapter(lora_id: int) -> LoRARequest:
+    return LoRARequest(f"adapter{lora_id}", lora_id, f"/adapters/{lora_id}")
 
 
 def admit_embedding(sched: Scheduler, rid: str, prompt: list[int]) -> None:
@@ -429,3 +434,35 @@ def test_a_preempted_embedding_is_recomputed_whole(lag, caplog):
     for rid, prompt in (("r0", list(range(3, 9))), ("r1", list(range(9, 15)))):
         assert run.outputs[(rid, 0)] == reference(prompt, 20)
     assert sched.kv.usage == 0.0
+
+
+def test_max_loras_bounds_the_adapters_of_a_step_and_the_base_model_never_waits():
+    sched, worker = make(budget=256)
+    sched.config = dataclasses.replace(sched.config, max_loras=2)
+    ps = prompts(8, seed=3)
+    lora_of = {}
+    for i, p in enumerate(ps):
+        lora_id = i % 4 or None  # 1, 2, 3 and the base model, twice each
+        admit(sched, f"r{i}", p, max_tokens=6, lora=adapter(lora_id) if lora_id else None)
+        lora_of[f"r{i}#0"] = lora_id
+    run = drive(sched, worker, lag=1)
+    for plan in run.plans:
+        assert len({lora_of[r] for r in plan.req_ids} - {None}) <= 2
+    assert {"r0#0", "r4#0"} <= set(run.plans[0].req_ids)  # base requests start at once
+    assert {lora_of[r] for r in run.plans[0].req_ids} == {None, 1, 2}
+    for i, p in enumerate(ps):
+        assert run.outputs[(f"r{i}", 0)] == reference(p, 6)
+    new = {n.req_id: n.lora for plan in run.plans for n in plan.new}
+    assert new["r3#0"] == adapter(3) and new["r4#0"] is None
+
+
+def test_prefix_cache_keys_on_the_adapter():
+    sched, worker = make(block_size=4)
+    shared = list(range(3, 23))  # 20 tokens = 5 blocks
+    admit(sched, "a", shared + [30], max_tokens=2, lora=adapter(1))
+    drive(sched, worker)
+    hits = {}
+    for rid, lora in [("other", adapter(2)), ("base", None), ("same", adapter(1))]:
+        admit(sched, rid, shared + [40], max_tokens=2, lora=lora)
+        hits[rid] = drive(sched, worker).plans[0].num_computed_tokens
+    assert hits == {"other": [0], "base": [0], "same": [20]}

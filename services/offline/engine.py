@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.config import EngineConfig
-from common.messages import DetokItem, StepPlan, TextDelta
+from common.config import ConfigError, EngineConfig
+from common.lora import read_adapter_config
+from common.messages import DetokItem, LoRARequest, StepPlan, TextDelta
 from common.model_info import load_model_info
 from common.sampling_params import SamplingParams
 from common.timing import PhaseClock
@@ -33,12 +34,28 @@ class Engine:
         self.detokenizer = Detokenizer(self.info.tokenizer)
         self.on_plan: Callable[[StepPlan], None] | None = None  # benchmarks trace steps
         self.clock = PhaseClock()  # where the steps' time goes (benchmarks print it)
+        self._adapters: dict[int, str] = {}  # LoRA id -> the path checked under it
 
     def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora: LoRARequest | None = None) -> None:
+        if lora is not None:
+            self._check_adapter(lora)
         admit = self.processor.admit(rid, LOCAL_REPLY, prompt_token_ids, params,
-                                     priority=priority)
+                                     priority=priority, lora=lora)
         self.scheduler.add_request(admit)
+
+    def _check_adapter(self, lora: LoRARequest) -> None:
+        """Refuse an adapter here, with its reason, rather than in the worker's step."""
+        if not self.config.enable_lora:
+            raise ConfigError(f"LoRA adapter {lora.lora_name!r} given, but LoRA is off "
+                              "(enable_lora=True, --enable-lora)")
+        known = self._adapters.get(lora.lora_int_id)
+        if known is None:
+            read_adapter_config(lora.lora_path, self.config.max_lora_rank)
+            self._adapters[lora.lora_int_id] = lora.lora_path
+        elif known != lora.lora_path:
+            raise ValueError(f"LoRA id {lora.lora_int_id} is {known}, not {lora.lora_path}: "
+                             "each adapter needs its own lora_int_id")
 
     def add_embedding(self, rid: str, prompt_token_ids: list[int], priority: int = 0) -> None:
         """An embedding request: its one TextDelta carries the embedding."""

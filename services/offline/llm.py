@@ -12,7 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from common.config import EngineConfig
-from common.messages import TextDelta, TokenLogprobs
+from common.messages import LoRARequest, TextDelta, TokenLogprobs
 from common.sampling_params import SamplingParams
 from services.offline.engine import Engine
 
@@ -82,10 +82,13 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
-                 ) -> list[RequestOutput]:
-        return self._run([self._encode(p) for p in _as_list(prompts)], sampling_params,
-                         use_tqdm, priority)
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or one (or None) per prompt."""
+        encoded = [self._encode(p) for p in _as_list(prompts)]
+        return self._run(encoded, sampling_params, use_tqdm, priority,
+                         _per_prompt_lora(lora_request, len(encoded)))
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -131,14 +134,16 @@ class LLM:
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool, priority: Sequence[int] | None) -> list[RequestOutput]:
+             use_tqdm: bool, priority: Sequence[int] | None,
+             loras: Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         params_list = _per_prompt(sampling_params or self.get_default_sampling_params(),
                                   len(encoded))
         outputs: dict[str, RequestOutput] = {}
         try:
             for i, ((text, ids), params) in enumerate(zip(encoded, params_list)):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, params, priority[i] if priority else 0)
+                self.engine.add_request(rid, ids, params, priority[i] if priority else 0,
+                                        loras[i] if loras else None)
                 outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(j)
                                                               for j in range(params.n)])
         except BaseException:  # a request refused (a bad grammar): none of the call runs
@@ -199,3 +204,12 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams], n: int
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts")
     return list(params)
+
+
+def _per_prompt_lora(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+                     ) -> list[LoRARequest | None] | None:
+    if lora is None or isinstance(lora, LoRARequest):
+        return None if lora is None else [lora] * n
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} LoRA requests for {n} prompts")
+    return list(lora)

@@ -42,6 +42,7 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: no prompt is long, no chunk is capped
+    max_loras: int = 1  # distinct LoRA adapters in one step
 
     @classmethod
     def from_engine(cls, config: EngineConfig, num_blocks: int) -> SchedulerConfig:
@@ -54,7 +55,8 @@ class SchedulerConfig:
                    policy=config.scheduling_policy,
                    max_num_partial_prefills=config.max_num_partial_prefills,
                    max_long_partial_prefills=config.max_long_partial_prefills,
-                   long_prefill_token_threshold=config.long_prefill_token_threshold)
+                   long_prefill_token_threshold=config.long_prefill_token_threshold,
+                   max_loras=config.max_loras)
 
 
 class WaitingQueue:
@@ -123,6 +125,23 @@ class PartialPrefills:
             self.long += self.is_long(req)
 
 
+class StepAdapters:
+    """The LoRA adapters of the step being planned: a request under another adapter waits
+    once --max-loras are in it; the base model's never do."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.ids: set[int] = set()
+
+    def admits(self, req: Request) -> bool:
+        lora_id = req.lora_id
+        return lora_id is None or lora_id in self.ids or len(self.ids) < self.max_loras
+
+    def add(self, req: Request) -> None:
+        if req.lora_id is not None:
+            self.ids.add(req.lora_id)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -187,9 +206,11 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
-        batch, budget = self._schedule_running(budget)
+        adapters = StepAdapters(self.config.max_loras)
+        batch, budget = self._schedule_running(budget, adapters)
         if self.num_preemptions == preemptions_before:  # no room to spare for new ones
-            batch += self._schedule_waiting(budget, PartialPrefills.after(batch, self.config))
+            batch += self._schedule_waiting(budget, PartialPrefills.after(batch, self.config),
+                                            adapters)
         if not batch:
             return None
         return self._make_plan(batch)
@@ -222,30 +243,33 @@ class Scheduler:
 
     # --- scheduling -----------------------------------------------------------------------
 
-    def _schedule_running(self, budget: int) -> tuple[list[tuple[Request, int, list]], int]:
+    def _schedule_running(self, budget: int, adapters: StepAdapters
+                          ) -> tuple[list[tuple[Request, int, list]], int]:
         batch: list[tuple[Request, int, list]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_to_schedule(req, budget)
-            if n == 0:
+            if n == 0 or not adapters.admits(req):
                 i += 1
                 continue
             new_blocks = self._allocate_or_preempt(req, n, i)
             if new_blocks is None:
                 break  # req itself and every request after it were preempted
             batch.append((req, n, new_blocks))
+            adapters.add(req)
             budget -= n
             i += 1
         return batch, budget
 
-    def _schedule_waiting(self, budget: int, partial: PartialPrefills
+    def _schedule_waiting(self, budget: int, partial: PartialPrefills, adapters: StepAdapters
                           ) -> list[tuple[Request, int, list]]:
         batch: list[tuple[Request, int, list]] = []
         deferred: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.pop()
-            if req.num_pending:  # preempted with a sampled token still on its way
+            if req.num_pending or not adapters.admits(req):
+                # preempted with a sampled token still on its way, or its adapter must wait
                 deferred.append(req)
                 continue
             computed = self.kv.computed_blocks(req)
@@ -269,6 +293,7 @@ class Scheduler:
             self.running.append(req)
             batch.append((req, n, computed + new_blocks))
             partial.add(req, n < remaining)
+            adapters.add(req)
             budget -= n
         for req in deferred:
             self.waiting.push(req)
@@ -337,7 +362,7 @@ class Scheduler:
                 new.append(NewRequest(req_id=req.req_id, token_ids=req.known_token_ids(),
                                       num_prompt_tokens=req.num_prompt_tokens,
                                       block_ids=self.kv.block_ids(req.req_id),
-                                      params=req.params, embed=req.embed))
+                                      params=req.params, embed=req.embed, lora=req.lora))
                 req.on_worker = True
                 if len(req.stamps) == NUM_REQUEST_STAMPS - 1:  # its first plan
                     req.stamps.append(now)
@@ -400,6 +425,7 @@ class Scheduler:
                        reply_to=admit.reply_to, prompt_token_ids=list(admit.prompt_token_ids),
                        params=params, arrival_time=admit.arrival_time or time.time(),
                        priority=admit.priority, stamps=list(admit.stamps), embed=admit.embed,
+                       lora=admit.lora,
                        # the first prompt token has no logprob; the worker scores the rest
                        prompt_logprobs=[] if params.prompt_logprobs is None else [None])
 

@@ -96,8 +96,14 @@ class KVCacheManager:
 
     def _extend_hashes(self, req: Request) -> None:
         for i in range(len(req.block_hashes), req.num_known_tokens // self.block_size):
-            parent = req.block_hashes[i - 1] if i else _ROOT_HASH
+            parent = req.block_hashes[i - 1] if i else _root_hash(req)
             req.block_hashes.append(hash((parent, self._block_tokens(req, i))))
 
     def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
         return tuple(req.token_slice(i * self.block_size, (i + 1) * self.block_size))
+
+
+def _root_hash(req: Request) -> int:
+    """The chain of a request under an adapter starts elsewhere: its KV differs from the
+    base model's (and every other adapter's) for the same tokens."""
+    return _ROOT_HASH if req.lora is None else hash((_ROOT_HASH, req.lora.lora_int_id))

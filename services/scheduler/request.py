@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.detok_window import detok_params, stop_lookback
-from common.messages import DetokParams, TokenLogprobs
+from common.messages import DetokParams, LoRARequest, TokenLogprobs
 from common.sampling_params import SamplingParams
 from common.tokens import slice_tokens
 
@@ -49,6 +49,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     stamps: list[float] = field(default_factory=list)  # its way in, see common/hops.py
     embed: bool = False  # an embedding request (see the module doc)
+    lora: LoRARequest | None = None  # its adapter, None: the base model
     # made once: every step's DetokItem of this request carries them
     detok_params: DetokParams = field(init=False)
     stop_lookback: int = field(init=False)
@@ -80,6 +81,10 @@ class Request:
     def token_slice(self, start: int, end: int) -> list[int]:
         """Known tokens [start, end) without copying the whole sequence."""
         return slice_tokens(self.prompt_token_ids, self.output_token_ids, start, end)
+
+    @property
+    def lora_id(self) -> int | None:
+        return None if self.lora is None else self.lora.lora_int_id
 
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)

@@ -10,13 +10,14 @@ may fill the whole context.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from common.chat import render_chat
 from common.errors import ApiError
-from common.messages import AdmitRequest, GenerateRequest
+from common.messages import AdmitRequest, GenerateRequest, LoRARequest
 from common.model_info import ModelInfo
 from common.sampling_defaults import SamplingDefaults
 from common.sampling_params import (CLIENT_PARAMS, SamplingError, SamplingParams,
@@ -62,8 +63,8 @@ class InputProcessor:
         return self._admit(req.rid, req.reply_to, ids, params, req.arrival_time, req.priority)
 
     def admit(self, rid: str, reply_to: str, prompt_token_ids: list[int],
-              params: SamplingParams, arrival_time: float = 0.0, priority: int = 0
-              ) -> AdmitRequest:
+              params: SamplingParams, arrival_time: float = 0.0, priority: int = 0,
+              lora: LoRARequest | None = None) -> AdmitRequest:
         """Checks and resolves an already-built SamplingParams (the offline API path)."""
         ids = list(prompt_token_ids)
         self._check_token_ids(ids)
@@ -71,7 +72,8 @@ class InputProcessor:
             self._check_fits(len(ids), params.max_tokens)
         with sampling_checks():
             params = params.replace(max_tokens=self.defaults.cap(params.max_tokens))
-        return self._admit(rid, reply_to, ids, params, arrival_time, priority)
+        admit = self._admit(rid, reply_to, ids, params, arrival_time, priority)
+        return admit if lora is None else dataclasses.replace(admit, lora=lora)
 
     def admit_embedding(self, rid: str, reply_to: str, prompt_token_ids: list[int],
                         arrival_time: float = 0.0, priority: int = 0) -> AdmitRequest:

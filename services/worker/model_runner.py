@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig
-from common.messages import PooledOutput, PromptLogprobs, StepPlan, StepResult
+from common.messages import LoRARequest, PooledOutput, PromptLogprobs, StepPlan, StepResult
 from common.model_files import load_tokenizer
 from common.sampling_params import SamplingParams
 from common.tokens import slice_tokens
@@ -29,6 +29,7 @@ from services.worker.grammar import Grammars, MaskRow, accept
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
 from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_all_reduce
 from services.worker.loader import load_model
+from services.worker.lora import LoRAManager
 from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
 from services.worker.models import kv_cache_shape
 from services.worker.pooler import Pooler
@@ -52,6 +53,7 @@ class RequestState:
     matcher: Any = None  # its xgrammar GrammarMatcher, made at its first sampling step
     embed: bool = False  # an embedding request: pooled, never sampled
     pooled: torch.Tensor | None = None  # its pooling's running state (Pooler.add_chunk)
+    lora: LoRARequest | None = None  # the adapter it runs under, None: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +129,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, self.device)
         torch.manual_seed(config.seed)
         self.model = load_model(config, hf_config, self.device, self.dtype, model_dir)
+        # before the memory plan and the graphs: its slots take memory, its layers are
+        # captured
+        self.lora = LoRAManager(self.model, config, self.device, self.dtype,
+                                config.max_num_batched_tokens) if config.enable_lora else None
         self.block_size = config.block_size
         self.sampler = Sampler(self.device, config.seed)
         self.pooler = Pooler(*config.pooling())
@@ -316,7 +322,8 @@ class ModelRunner:
             self.requests[new.req_id] = RequestState(
                 new.req_id, list(new.token_ids[:new.num_prompt_tokens]),
                 list(new.token_ids[new.num_prompt_tokens:]), list(new.block_ids), params,
-                generator, structured=params.structured_outputs is not None, embed=new.embed)
+                generator, structured=params.structured_outputs is not None, embed=new.embed,
+                lora=new.lora)
         for cached in plan.cached:
             self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
 
@@ -344,6 +351,8 @@ class ModelRunner:
         slots = (block_table[req_of_token, positions // self.block_size].astype(np.int64)
                  * self.block_size + positions % self.block_size)
         seq_lens = starts + num_scheduled
+        if self.lora is not None:
+            self.lora.prepare([state.lora for state in states], num_scheduled)
         samples = [i for i, s in enumerate(states)
                    if seq_lens[i] == s.num_tokens + s.pending and not s.embed]
         attn = AttentionMetadata(

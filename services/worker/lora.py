@@ -1,0 +1,217 @@
+"""LoRA adapters in the worker: every step mixes requests of several adapters and the base
+model.
+
+Each LoRA-wrapped projection keeps `max_loras` GPU slots of stacked A and B weights (rank
+padded with zeros to --max-lora-rank), one pair per PEFT module it fuses (q/k/v, gate/up).
+`LoRAManager` maps adapters to slots, least recently used first out, and keeps up to
+--max-cpu-loras adapters loaded in host memory; a request names its adapter's path, so an
+adapter is loaded on first use with nothing broadcast beforehand. Each step the manager
+writes every token's slot (-1: the base model) into one static buffer that all layers read
+on the device: a CUDA graph replays it like any other input, and slot weights are written
+in place, in stream order after the steps still using the old ones.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from common.config import EngineConfig
+from common.lora import TARGET_MODULES, WEIGHTS_FILE, AdapterError, read_adapter_config
+from common.messages import LoRARequest
+from kernels.lora import lora_delta
+
+_WEIGHT_NAME = re.compile(r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+ModuleKey = tuple[int, str]  # (decoder layer, PEFT module name)
+
+
+@dataclass(slots=True)
+class LoRAAdapter:
+    lora_int_id: int
+    scaling: float
+    weights: dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]  # A [r, in], B [out, r]
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """What every LoRA layer reads in a step, on the device, in buffers that never move."""
+    token_slots: torch.Tensor  # [max tokens] int32: each token's slot, -1 for the base model
+    scaling: torch.Tensor  # [max_loras] float32: each slot's adapter's scaling
+
+
+class LoRALinear(nn.Module):
+    """A projection plus each token's adapter on each of its output slices: the PEFT modules
+    it fuses, by name, with their (offset, size) in its output."""
+
+    def __init__(self, base: nn.Module, slices: dict[str, tuple[int, int]], batch: LoRABatch,
+                 max_loras: int, max_rank: int) -> None:
+        super().__init__()
+        self.base, self.slices, self.batch = base, slices, batch
+        weight = base.weight
+        self.in_features = weight.shape[1]
+        self.lora_a = nn.ParameterDict()
+        self.lora_b = nn.ParameterDict()
+        for name, (_, size) in slices.items():
+            self.lora_a[name] = _zeros(weight, max_loras, max_rank, self.in_features)
+            self.lora_b[name] = _zeros(weight, max_loras, size, max_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        rows, out = x.reshape(-1, self.in_features), y.view(-1, y.shape[-1])
+        slots = self.batch.token_slots[:rows.shape[0]]
+        for name, (offset, size) in self.slices.items():
+            out[:, offset:offset + size] += lora_delta(rows, self.lora_a[name],
+                                                       self.lora_b[name], self.batch.scaling,
+                                                       slots)
+        return y
+
+    def write_slot(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
+        """Slot `slot` takes the adapter's weights of this layer's modules (zeros where it
+        has none)."""
+        for name in self.slices:
+            a, b = self.lora_a[name][slot], self.lora_b[name][slot]
+            a.zero_()
+            b.zero_()
+            pair = adapter.weights.get((layer, name))
+            if pair is not None:
+                rank = pair[0].shape[0]
+                a[:rank].copy_(pair[0])
+                b[:, :rank].copy_(pair[1])
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each PEFT module's full weight."""
+        return {name: (size, self.in_features) for name, (_, size) in self.slices.items()}
+
+
+def _zeros(like: torch.Tensor, *shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=like.dtype, device=like.device),
+                        requires_grad=False)
+
+
+def wrap_model(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int
+               ) -> list[LoRALinear]:
+    """Replace every decoder layer's projections by LoRA-wrapped ones; a list by layer of
+    its wrapped modules is returned (layer i's at index i)."""
+    layers = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        q, kv = attn.q_size, attn.kv_size
+        inter = mlp.gate_up_proj.weight.shape[0] // 2
+        wrapped = {
+            (attn, "qkv_proj"): {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)},
+            (attn, "o_proj"): {"o_proj": (0, attn.o_proj.weight.shape[0])},
+            (mlp, "gate_up_proj"): {"gate_proj": (0, inter), "up_proj": (inter, inter)},
+            (mlp, "down_proj"): {"down_proj": (0, mlp.down_proj.weight.shape[0])}}
+        modules = []
+        for (parent, attr), slices in wrapped.items():
+            module = LoRALinear(getattr(parent, attr), slices, batch, max_loras, max_rank)
+            setattr(parent, attr, module)
+            modules.append(module)
+        layers.append(modules)
+    return layers
+
+
+def load_adapter(lora: LoRARequest, max_rank: int, shapes: dict[ModuleKey, tuple[int, int]],
+                 device: torch.device, dtype: torch.dtype) -> LoRAAdapter:
+    """The adapter's weights, checked: known modules of existing layers, A and B in pairs
+    at the model's shapes and the adapter's rank."""
+    config = read_adapter_config(lora.lora_path, max_rank)
+    path = lora.lora_path
+    found: dict[ModuleKey, dict[str, torch.Tensor]] = {}
+    for name, tensor in load_file(f"{path}/{WEIGHTS_FILE}").items():
+        match = _WEIGHT_NAME.search(name)
+        if match is None or match[2] not in TARGET_MODULES:
+            raise AdapterError(f"LoRA adapter {path}: weight {name!r} is not a LoRA A/B "
+                               f"of {', '.join(TARGET_MODULES)}")
+        key = (int(match[1]), match[2])
+        if key not in shapes:
+            raise AdapterError(f"LoRA adapter {path}: {name!r} names layer {key[0]}, the "
+                               f"model has {1 + max(k[0] for k in shapes)}")
+        found.setdefault(key, {})[match[3]] = tensor
+    weights = {key: _checked_pair(path, key, pair, shapes[key], config.rank)
+               for key, pair in found.items()}
+    return LoRAAdapter(lora.lora_int_id, config.scaling,
+                       {key: (a.to(device, dtype), b.to(device, dtype))
+                        for key, (a, b) in weights.items()})
+
+
+def _checked_pair(path: str, key: ModuleKey, pair: dict[str, torch.Tensor],
+                  shape: tuple[int, int], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if set(pair) != {"A", "B"}:
+        raise AdapterError(f"LoRA adapter {path}: layer {key[0]} {key[1]} has lora_"
+                           f"{''.join(pair)} without its pair")
+    a, b = pair["A"], pair["B"]
+    (out, inp) = shape
+    if a.shape != (rank, inp) or b.shape != (out, rank):
+        raise AdapterError(f"LoRA adapter {path}: layer {key[0]} {key[1]} has A "
+                           f"{tuple(a.shape)} and B {tuple(b.shape)}, the model needs "
+                           f"{(rank, inp)} and {(out, rank)} (is it this model's adapter?)")
+    return a, b
+
+
+class LoRAManager:
+    """Slots on the device, adapters in host memory, and each step's token slots."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig, device: torch.device,
+                 dtype: torch.dtype, max_tokens: int) -> None:
+        self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank
+        self.max_cpu_loras = config.cpu_loras
+        self.dtype = dtype
+        self.batch = LoRABatch(
+            token_slots=torch.full((max_tokens,), -1, dtype=torch.int32, device=device),
+            scaling=torch.zeros(self.max_loras, dtype=torch.float32, device=device))
+        self.layers = wrap_model(model, self.batch, self.max_loras, self.max_rank)
+        self.shapes = {(i, name): shape for i, modules in enumerate(self.layers)
+                       for module in modules for name, shape in module.shapes().items()}
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
+        self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # host copies, LRU first
+
+    def prepare(self, loras: Sequence[LoRARequest | None], num_scheduled: np.ndarray) -> None:
+        """Put this step's adapters in slots and write each token's slot. The scheduler
+        plans at most max_loras distinct adapters a step."""
+        needed = {lora.lora_int_id for lora in loras if lora is not None}
+        assert len(needed) <= self.max_loras, "the scheduler bounds adapters per step"
+        slots = np.asarray([-1 if lora is None else self._slot(lora, needed)
+                            for lora in loras], dtype=np.int32)
+        token_slots = np.repeat(slots, num_scheduled)
+        buffer = self.batch.token_slots
+        buffer[:len(token_slots)].copy_(torch.from_numpy(token_slots), non_blocking=True)
+        buffer[len(token_slots):].fill_(-1)  # rows a CUDA graph pads the batch with
+
+    def _slot(self, lora: LoRARequest, needed: set[int]) -> int:
+        slot = self.slot_of.get(lora.lora_int_id)
+        if slot is not None:
+            self.slot_of.move_to_end(lora.lora_int_id)
+            return slot
+        taken = set(self.slot_of.values())
+        free = [s for s in range(self.max_loras) if s not in taken]
+        if free:
+            slot = free[0]
+        else:  # the least recently used adapter that this step does not need
+            victim = next(i for i in self.slot_of if i not in needed)
+            slot = self.slot_of.pop(victim)
+        adapter = self._adapter(lora)
+        for i, modules in enumerate(self.layers):
+            for module in modules:
+                module.write_slot(slot, adapter, i)
+        self.batch.scaling[slot] = adapter.scaling
+        self.slot_of[lora.lora_int_id] = slot
+        return slot
+
+    def _adapter(self, lora: LoRARequest) -> LoRAAdapter:
+        adapter = self.loaded.get(lora.lora_int_id)
+        if adapter is None:
+            adapter = load_adapter(lora, self.max_rank, self.shapes, torch.device("cpu"),
+                                   self.dtype)
+            self.loaded[lora.lora_int_id] = adapter
+            if len(self.loaded) > self.max_cpu_loras:
+                self.loaded.popitem(last=False)
+        self.loaded.move_to_end(lora.lora_int_id)
+        return adapter

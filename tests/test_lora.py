@@ -1,0 +1,173 @@
+"""LoRA adapters end to end on CPU: PEFT's own adapters on a tiny model, several adapters
+and the base model mixed in one batch, against transformers with each adapter merged by
+PEFT (`merge_and_unload`); adapter checks; the worker's slots and host cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.config import ConfigError
+from common.lora import AdapterError, read_adapter_config
+from common.messages import LoRARequest
+from common.sampling_params import SamplingParams
+from services import LLM
+from services.worker.lora import load_adapter
+from tests.tiny_models import make_tiny_model
+
+MAX_TOKENS = 8
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (rank, alpha, target modules, use_rslora): every module, attention only with rsLoRA, MLP
+ADAPTERS = [(8, 16, ALL_MODULES, False), (4, 8, ["q_proj", "v_proj"], True),
+            (16, 32, ["o_proj", "gate_proj", "up_proj", "down_proj"], False)]
+
+
+def make_adapter(model_dir, out, seed: int, rank: int, alpha: int, modules: list[str],
+                 rslora: bool) -> str:
+    """A PEFT adapter with random A and B (init_lora_weights=False), saved by PEFT."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, use_rslora=rslora,
+                        init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(out)
+    return str(out)
+
+
+def merged_greedy(model_dir, adapter: str | None, prompt: list[int]) -> list[int]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    with torch.no_grad():
+        out = model.eval().generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    model_dir = make_tiny_model(root, request.param)
+    adapters = [LoRARequest(f"a{i}", i + 1, make_adapter(model_dir, root / f"a{i}", i, *spec))
+                for i, spec in enumerate(ADAPTERS)]
+    return model_dir, adapters
+
+
+def mixed_batch(adapters: list[LoRARequest]) -> tuple[list[list[int]], list]:
+    """Each adapter and the base model on two prompts, interleaved."""
+    g = torch.Generator().manual_seed(0)
+    loras = [*adapters, None] * 2
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist()
+               for n in (5, 13, 9, 3, 17, 6, 11, 4)]
+    return prompts, loras
+
+
+@pytest.mark.parametrize("max_loras, max_cpu_loras", [(3, 3), (1, 1)])
+def test_mixed_adapters_match_peft_merged_weights(tiny, max_loras, max_cpu_loras):
+    """max_loras 3: every adapter and the base model in the same steps; 1: adapters take
+    turns through one slot, each reloaded from disk as the host cache holds one."""
+    model_dir, adapters = tiny
+    prompts, loras = mixed_batch(adapters)
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=max_loras,
+              max_cpu_loras=max_cpu_loras, max_lora_rank=16, num_gpu_blocks_override=64,
+              block_size=4)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True),
+                           use_tqdm=False, lora_request=loras)
+    got = [out.outputs[0].token_ids for out in outputs]
+    want = [merged_greedy(model_dir, None if lora is None else lora.lora_path, prompt)
+            for prompt, lora in zip(prompts, loras)]
+    assert got == want
+    base = [merged_greedy(model_dir, None, prompt) for prompt in prompts]
+    # the adapters change the model, so the comparison above tells them apart
+    assert sum(g != b for g, b in zip(got, base)) >= len(adapters)
+
+
+def test_one_adapter_for_every_prompt_and_the_prefix_cache(tiny):
+    model_dir, adapters = tiny
+    prompt = list(range(3, 40))
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, num_gpu_blocks_override=64,
+              block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False, lora_request=adapters[0])
+    # the same prompt again, under another adapter: nothing of the first's KV is reused
+    second = llm.generate([prompt], params, use_tqdm=False, lora_request=adapters[1])
+    assert first[0].outputs[0].token_ids == merged_greedy(model_dir, adapters[0].lora_path,
+                                                          prompt)
+    assert second[0].outputs[0].token_ids == merged_greedy(model_dir, adapters[1].lora_path,
+                                                           prompt)
+
+
+def test_adapters_are_checked(tiny, tmp_path):
+    model_dir, adapters = tiny
+    with pytest.raises(AdapterError, match="rank 16 is above --max-lora-rank 8"):
+        read_adapter_config(adapters[2].lora_path, 8)
+    with pytest.raises(AdapterError, match="cannot read adapter_config.json"):
+        read_adapter_config(str(tmp_path), 16)
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    config = json.loads((Path(adapters[0].lora_path) / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    (dora / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(AdapterError, match="use_dora not supported"):
+        read_adapter_config(str(dora), 16)
+    plain = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16)
+    with pytest.raises(ConfigError, match="LoRA is off"):
+        plain.generate([[5, 6]], use_tqdm=False, lora_request=adapters[0])
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_lora_rank=8,
+              num_gpu_blocks_override=16)
+    with pytest.raises(AdapterError, match="above --max-lora-rank 8"):
+        llm.generate([[5, 6]], use_tqdm=False, lora_request=adapters[2])
+    clash = LoRARequest("other", adapters[0].lora_int_id, adapters[1].lora_path)
+    with pytest.raises(ValueError, match="each adapter needs its own lora_int_id"):
+        llm.generate([[5, 6], [7, 8]], use_tqdm=False, lora_request=[adapters[0], clash])
+
+
+def test_slots_and_host_cache_are_least_recently_used(tiny):
+    model_dir, (a, b, c) = tiny
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=2,
+              num_gpu_blocks_override=16)
+    lora = llm.engine.runner.lora
+    lora.prepare([a, None, b], np.array([2, 1, 3]))
+    slots = lora.batch.token_slots
+    assert slots[:6].tolist() == [0, 0, -1, 1, 1, 1] and (slots[6:] == -1).all()
+    lora.prepare([c, b], np.array([1, 1]))  # a is the least recently used: c takes its slot
+    assert dict(lora.slot_of) == {b.lora_int_id: 1, c.lora_int_id: 0}
+    assert list(lora.loaded) == [b.lora_int_id, c.lora_int_id]  # two in host memory
+    assert (slots[2:] == -1).all()
+    lora.prepare([b], np.array([1]))
+    # c is now the least recently used, but this step needs it: b's slot goes to a
+    lora.prepare([a, c], np.array([1, 1]))
+    assert dict(lora.slot_of) == {c.lora_int_id: 0, a.lora_int_id: 1}
+    # the slot holds a's weights, rank 8 zero-padded to 16, and its scaling
+    saved = load_file(f"{a.lora_path}/adapter_model.safetensors")
+    q_a = next(t for name, t in saved.items() if "layers.1.self_attn.q_proj.lora_A" in name)
+    module = lora.layers[1][0]  # layer 1's qkv_proj
+    assert torch.equal(module.lora_a["q_proj"][1, :8], q_a)
+    assert not module.lora_a["q_proj"][1, 8:].any()
+    assert lora.batch.scaling[1].item() == 16 / 8
+
+
+def test_adapter_weights_are_checked_against_the_model(tiny):
+    model_dir, (a, _, _) = tiny
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, num_gpu_blocks_override=16)
+    shapes = llm.engine.runner.lora.shapes
+    cpu = torch.device("cpu")
+    wider = {key: (out + 1, inp) for key, (out, inp) in shapes.items()}
+    with pytest.raises(AdapterError, match="is it this model's adapter"):
+        load_adapter(a, 16, wider, cpu, torch.float32)
+    one_layer = {key: shape for key, shape in shapes.items() if key[0] == 0}
+    with pytest.raises(AdapterError, match="names layer 1, the model has 1"):
+        load_adapter(a, 16, one_layer, cpu, torch.float32)
+    adapter = load_adapter(a, 16, shapes, cpu, torch.float32)
+    assert len(adapter.weights) == 2 * len(ALL_MODULES) and adapter.scaling == 2.0
