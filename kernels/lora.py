@@ -66,18 +66,22 @@ def lora_delta_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 def _lora_shrink_kernel(x_ptr, a_ptr, scaling_ptr, slots_ptr, shrunk_ptr, in_features, rank,
                         x_stride, BLOCK_IN: tl.constexpr, BLOCK_RANK: tl.constexpr):
     token = tl.program_id(0)
+    # base-model rows (slot -1) read nothing: their bounds are 0 (masks rather than a
+    # data-dependent branch, which older Triton interpreters cannot evaluate)
     slot = tl.load(slots_ptr + token)
+    active = slot >= 0
+    width = tl.where(active, in_features, 0)
     ranks = tl.arange(0, BLOCK_RANK)
     acc = tl.zeros((BLOCK_RANK,), dtype=tl.float32)
-    if slot >= 0:
-        a_rows = a_ptr + slot.to(tl.int64) * rank * in_features + ranks[:, None] * in_features
-        for start in range(0, in_features, BLOCK_IN):
-            cols = start + tl.arange(0, BLOCK_IN)
-            x = tl.load(x_ptr + token * x_stride + cols, mask=cols < in_features, other=0.0)
-            a = tl.load(a_rows + cols[None, :],
-                        mask=(ranks[:, None] < rank) & (cols[None, :] < in_features), other=0.0)
-            acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        acc *= tl.load(scaling_ptr + slot).to(tl.float32)
+    a_rows = (a_ptr + tl.maximum(slot, 0).to(tl.int64) * rank * in_features
+              + ranks[:, None] * in_features)
+    for start in range(0, in_features, BLOCK_IN):
+        cols = start + tl.arange(0, BLOCK_IN)
+        x = tl.load(x_ptr + token * x_stride + cols, mask=cols < width, other=0.0)
+        a = tl.load(a_rows + cols[None, :],
+                    mask=(ranks[:, None] < rank) & (cols[None, :] < width), other=0.0)
+        acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    acc *= tl.where(active, tl.load(scaling_ptr + tl.maximum(slot, 0)).to(tl.float32), 0.0)
     tl.store(shrunk_ptr + token * rank + ranks, acc, mask=ranks < rank)
 
 
@@ -86,14 +90,14 @@ def _lora_expand_kernel(shrunk_ptr, b_ptr, slots_ptr, out_ptr, out_features, ran
                         BLOCK_OUT: tl.constexpr, BLOCK_RANK: tl.constexpr):
     token, block = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots_ptr + token)
+    depth = tl.where(slot >= 0, rank, 0)  # base rows read nothing: see the shrink kernel
     rows = block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     ranks = tl.arange(0, BLOCK_RANK)
-    acc = tl.zeros((BLOCK_OUT,), dtype=tl.float32)
-    if slot >= 0:
-        h = tl.load(shrunk_ptr + token * rank + ranks, mask=ranks < rank, other=0.0)
-        b = tl.load(b_ptr + slot.to(tl.int64) * out_features * rank + rows[:, None] * rank
-                    + ranks[None, :],
-                    mask=(rows[:, None] < out_features) & (ranks[None, :] < rank), other=0.0)
-        acc = tl.sum(b.to(tl.float32) * h[None, :], axis=1)
+    h = tl.load(shrunk_ptr + token * rank + ranks, mask=ranks < depth, other=0.0)
+    b = tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64) * out_features * rank
+                + rows[:, None] * rank + ranks[None, :],
+                mask=(rows[:, None] < out_features) & (ranks[None, :] < depth),
+                other=0.0)
+    acc = tl.sum(b.to(tl.float32) * h[None, :], axis=1)
     tl.store(out_ptr + token * out_features + rows, acc.to(out_ptr.dtype.element_ty),
              mask=rows < out_features)
