@@ -15,12 +15,13 @@ import openai
 import pytest
 
 from common.bus import Bus
-from common.config import ConfigError, EngineConfig
+from common.config import ConfigError, EngineConfig, ServerConfig
 from common.errors import ApiError
 from common.lora import LoRAModule, parse_lora_module
 from common.messages import GenerateRequest, LoRARequest
 from common.sampling_params import SamplingParams
 from services import LLM
+from services.launcher import check_lora_modules
 from services.gateway.adapters import Adapter, Adapters, check_new_name, named
 from services.tokenizer.core import InputProcessor
 from common.sampling_defaults import SamplingDefaults
@@ -105,6 +106,20 @@ async def test_the_registry_gives_each_load_its_own_id(redis_url, tiny):
         assert every["b"].lora.lora_int_id > first.lora_int_id + 1  # never reused
         with pytest.raises(ApiError, match="cannot read adapter_config.json"):
             await adapters.load("c", "/no/such/adapter")
+
+
+def test_serve_refuses_a_bad_adapter_before_starting_anything(tiny):
+    model_dir, (path_a, _) = tiny
+
+    def check(modules: list[str], served: list[str]) -> None:
+        check_lora_modules(EngineConfig(model=str(model_dir), enable_lora=True,
+                                        lora_modules=modules),
+                           ServerConfig(served_model_name=served))
+    check([f"a={path_a}"], [])
+    with pytest.raises(ConfigError, match="cannot read adapter_config.json"):
+        check(["a=/no/such/adapter"], [])
+    with pytest.raises(ConfigError, match="base model's name"):
+        check([f"m={path_a}"], ["m"])
 
 
 # --- the tokenizer --------------------------------------------------------------------
