@@ -271,6 +271,27 @@ class Bus:
         """The message stored at `key`; None if there is none or it does not decode."""
         return decode_value(key, (await self.values(key))[0])
 
+    async def hash_items(self, key: str) -> dict[str, bytes]:
+        return {field.decode(): value
+                for field, value in (await self.redis.hgetall(key)).items()}
+
+    async def hash_value(self, key: str, field: str) -> bytes | None:
+        return await self.redis.hget(key, field)
+
+    async def hash_set(self, key: str, field: str, value: str, only_new: bool = False) -> bool:
+        """Set a hash field; with `only_new`, only where it is missing. True if it was set."""
+        if only_new:
+            return bool(await self.redis.hsetnx(key, field, value))
+        await self.redis.hset(key, field, value)
+        return True
+
+    async def hash_delete(self, key: str, field: str) -> bool:
+        """True if the field was there."""
+        return bool(await self.redis.hdel(key, field))
+
+    async def increment(self, key: str) -> int:
+        return int(await self.redis.incr(key))
+
     async def forget(self, *names: str) -> None:
         """Delete keys or streams."""
         await self.redis.delete(*names)

@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from common.lora import LoRAModule, parse_lora_module
 from common.redis_cluster import cluster_addresses, is_cluster_url
 from common.sampling_params import MAX_N
 from common.structured_outputs import BACKENDS
@@ -144,6 +145,10 @@ class EngineConfig:
     max_cpu_loras: int | None = field(default=None, metadata=_help(
         "Most LoRA adapters kept loaded in host memory, least recently used evicted; "
         "defaults to --max-loras."))
+    lora_modules: list[str] = field(default_factory=list, metadata=_help(
+        "LoRA adapters the server serves from its start, each name=path or a JSON object "
+        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model "
+        "names one. Needs --enable-lora."))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -243,6 +248,18 @@ class EngineConfig:
             raise ConfigError("--enable-lora is not supported with --tensor-parallel-size "
                               f"above 1 (got {self.tensor_parallel_size}): the LoRA layers "
                               "do not shard adapters across ranks yet")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        names = [module.name for module in self.loras()]
+        if len(names) != len(set(names)):
+            raise ConfigError(f"--lora-modules names an adapter twice: {names}")
+
+    def loras(self) -> list[LoRAModule]:
+        """--lora-modules, parsed."""
+        try:
+            return [parse_lora_module(text) for text in self.lora_modules]
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @property
     def cpu_loras(self) -> int:

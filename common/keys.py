@@ -15,6 +15,8 @@ PATTERN = "hr:*"
 REQUESTS = "hr:requests"  # gateway -> tokenizers
 DETOK = "hr:detok"  # schedulers -> detokenizers
 DEAD = "hr:dead"  # entries no stage could decode or handle, with the reason
+LORA_ADAPTERS = "hr:lora:adapters"  # hash: every gateway's LoRA adapters, name -> JSON
+LORA_IDS = "hr:lora:ids"  # counter: the last lora_int_id given to an adapter
 
 
 def replies(gateway_id: str) -> str:

@@ -22,6 +22,35 @@ class AdapterError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAModule:
+    """An adapter the server serves under a model name (vLLM's --lora-modules item)."""
+    name: str
+    path: str
+    base_model_name: str | None = None  # the parent /v1/models names; None: the base's
+
+
+def parse_lora_module(text: str) -> LoRAModule:
+    """vLLM's two spellings: `name=path`, or a JSON object with name, path and optionally
+    base_model_name."""
+    if text.lstrip().startswith("{"):
+        try:
+            item = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules item {text!r} is not JSON: {e}") from None
+        fields = {"name", "path", "base_model_name"}
+        if (not isinstance(item, dict) or set(item) - fields
+                or not {"name", "path"} <= set(item)
+                or not all(isinstance(v, str) and v for v in item.values())):
+            raise ValueError(f"--lora-modules item {text!r} must be a JSON object of the "
+                             "strings name, path and optionally base_model_name")
+        return LoRAModule(item["name"], item["path"], item.get("base_model_name"))
+    name, equals, path = text.partition("=")
+    if not equals or not name or not path:
+        raise ValueError(f"--lora-modules item {text!r} must be name=path or a JSON object")
+    return LoRAModule(name, path)
+
+
+@dataclass(frozen=True, slots=True)
 class AdapterConfig:
     rank: int
     scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora

@@ -188,6 +188,7 @@ class GenerateRequest:
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. enable_thinking
     tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, for the template
     embed: bool = False  # /v1/embeddings: the prompt's embedding, no completion
+    lora: LoRARequest | None = None  # the adapter the request's model names
 
 
 @message("admit")

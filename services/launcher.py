@@ -17,6 +17,7 @@ from pathlib import Path
 
 from common.config import (ConfigError, EngineConfig, ServerConfig, engine_args_to_cli,
                            parse_configs, server_args_to_cli)
+from common.lora import AdapterError, read_adapter_config
 from common.log import configure_logging, get_logger
 from common.model_info import check_devices, resolve_engine, shard_gpus
 from common.redis_server import EmbeddedRedis, redis_url_or_embedded, spawn_child
@@ -169,6 +170,19 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def check_lora_modules(engine: EngineConfig, server: ServerConfig) -> None:
+    """A bad --lora-modules adapter stops serve here, before a gateway that cannot start
+    is restarted again and again."""
+    base_names = server.served_model_name or [engine.model]
+    for module in engine.loras():
+        if module.name in base_names:
+            raise ConfigError(f"--lora-modules: {module.name!r} is the base model's name")
+        try:
+            read_adapter_config(module.path, engine.max_lora_rank)
+        except AdapterError as e:
+            raise ConfigError(f"--lora-modules: {e}") from None
+
+
 def main(argv: list[str]) -> int:
     parser = service_parser("serve", __doc__ or "")
     args, engine, server = parse_configs(parser, argv)
@@ -176,6 +190,7 @@ def main(argv: list[str]) -> int:
     try:  # a GGUF converts once, here; a shard the model or machine cannot hold is refused
         resolve_engine(engine)
         check_devices(engine, engine.data_parallel_size)
+        check_lora_modules(engine, server)
     except ConfigError as e:
         parser.error(str(e))
     run_dir = Path(server.run_dir)

@@ -468,6 +468,21 @@ async def test_openapi_documents_the_bodies_the_gateway_takes_and_sends(url, red
     documented = set(schemas["ChatCompletionResponse"]["properties"])
     assert set(out.model_dump(exclude_unset=True)) <= documented
 
+    lora = doc["paths"]["/v1/load_lora_adapter"]["post"]
+    assert "text/plain" in lora["responses"]["200"]["content"]
+
+
+async def test_without_enable_lora_adapters_cannot_be_loaded(url, api):
+    async with aiohttp.ClientSession(headers=AUTH) as session:
+        for path, body in (("load_lora_adapter", {"lora_name": "a", "lora_path": "/a"}),
+                           ("unload_lora_adapter", {"lora_name": "a"})):
+            async with session.post(f"{url}/v1/{path}", json=body) as response:
+                assert response.status == 400
+                assert "--enable-lora" in (await response.json())["error"]["message"]
+    with pytest.raises(openai.NotFoundError):  # an adapter's name is an unknown model
+        await api.completions.create(model="a", prompt="p")
+    assert [m.id for m in (await api.models.list()).data] == [MODEL_NAME]
+
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

@@ -32,13 +32,14 @@ from common.config import ServerConfig
 from common.errors import ApiError
 from common.hops import DELIVERY_STAGE
 from common.log import get_logger
-from common.messages import Abort, SchedulerStats
+from common.messages import Abort, LoRARequest, SchedulerStats
 from common.metrics import Metrics
 from common.model_info import ModelInfo
 from common.outbox import Outbox
 from common.token_text import TokenTexts
 from common.version import VERSION
 from common.tokens import check_vocabulary
+from services.gateway.adapters import Adapters, check_new_name
 from services.gateway.core import (SHUTTING_DOWN, Applied, Backend, Call, Echo, Observed,
                                    Parsers,
                                    admission_error, queue_depth, shard_states,
@@ -47,6 +48,8 @@ from services.gateway.embeddings import EmbeddingCall, check_dimensions
 from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
                                        parse_embedding, parse_job, parse_tokenize)
 from services.gateway.openapi import openapi_document
+from services.gateway.request_bodies import (LoadLoRAAdapterRequest,
+                                             UnloadLoRAAdapterRequest, validate)
 from services.gateway.replies import Inbox, Replies, next_replies
 from services.gateway.response_bodies import (DetokenizeResponse, ErrorResponse, ModelCard,
                                               ModelList, TokenizeResponse, to_dict, to_json)
@@ -84,6 +87,9 @@ class Gateway:
                              server.max_stop_length, server.max_stop_token_ids,
                              server.max_n)
         self.parsers = Parsers(server.tool_call_parser, server.reasoning_parser)
+        config = info.config
+        self.adapters = (Adapters(bus, self.names[0], config.max_lora_rank)
+                         if config.enable_lora else None)  # None: LoRA is off
         self.log = get_logger(__name__, gateway=gateway_id)
 
     def app(self) -> web.Application:
@@ -101,6 +107,8 @@ class Gateway:
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         return app
 
     # --- middlewares ------------------------------------------------------------------
@@ -156,9 +164,9 @@ class Gateway:
     async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         job = parse_job(await read_json(request, self.server.body_timeout), chat,
                         self.limits)
-        model = self.served_name(job.model)
+        model, lora = await self.generation_model(job.model)
         self.admit(job)
-        call = await self.new_call(job, model)
+        call = await self.new_call(job, model, lora)
         request["rid"] = call.id  # for the error middleware's log line
         log = self.log.bind(rid=call.id)
         if job.ignored:
@@ -215,11 +223,11 @@ class Gateway:
         log.info("request finished", **to_dict(call.usage()))
         return json_body(call.response())
 
-    async def new_call(self, job: Job, model: str) -> Call:
+    async def new_call(self, job: Job, model: str, lora: LoRARequest | None) -> Call:
         call_id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
         echoes = await anyio.to_thread.run_sync(self.echoes, job) if job.echo else None
         return Call(job, call_id, model, int(time.time()), time.monotonic(), echoes,
-                    self.parsers)
+                    self.parsers, lora)
 
     def echoes(self, job: Job) -> list[Echo]:
         tokenizer = self.info.tokenizer
@@ -423,11 +431,50 @@ class Gateway:
                                 f"{', '.join(map(repr, self.names))}.", "model")
         return self.names[0]
 
+    async def generation_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """The name responses report and the adapter to generate under: a LoRA adapter's
+        own name, or the base model's served one."""
+        if self.adapters is not None and name is not None and name not in self.names:
+            adapter = await self.adapters.get(name)
+            if adapter is not None:
+                return name, adapter.lora
+        return self.served_name(name), None
+
     async def models(self, request: web.Request) -> web.Response:
-        return json_body(ModelList(data=[
-            ModelCard(id=name, created=self.started_at, owned_by="headrace",
-                      root=self.model_path, max_model_len=self.max_model_len)
-            for name in self.names]))
+        cards = [ModelCard(id=name, created=self.started_at, owned_by="headrace",
+                           root=self.model_path, max_model_len=self.max_model_len)
+                 for name in self.names]
+        adapters = await self.adapters.all() if self.adapters is not None else {}
+        cards += [ModelCard(id=name, created=self.started_at, owned_by="headrace",
+                            root=adapter.lora.lora_path, parent=adapter.parent,
+                            max_model_len=self.max_model_len)
+                  for name, adapter in sorted(adapters.items())]
+        return json_body(ModelList(data=cards))
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = validate(LoadLoRAAdapterRequest,
+                        await read_json(request, self.server.body_timeout))
+        check_new_name(body.lora_name, self.names)
+        if not await self.lora_adapters().load(body.lora_name, body.lora_path):
+            raise ApiError(400, f"The LoRA adapter {body.lora_name!r} is already loaded; "
+                                "unload it first.", "lora_name")
+        self.log.info("loaded a LoRA adapter", name=body.lora_name, path=body.lora_path)
+        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added "
+                                 "successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = validate(UnloadLoRAAdapterRequest,
+                        await read_json(request, self.server.body_timeout))
+        adapter = await self.lora_adapters().unload(body.lora_name, body.lora_int_id)
+        name = adapter.lora.lora_name
+        self.log.info("unloaded a LoRA adapter", name=name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def lora_adapters(self) -> Adapters:
+        if self.adapters is None:
+            raise ApiError(400, "LoRA adapters are off on this server: start it with "
+                                "--enable-lora to load them.")
+        return self.adapters
 
     async def tokenize(self, request: web.Request) -> web.Response:
         job = parse_tokenize(await read_json(request, self.server.body_timeout))

@@ -17,7 +17,8 @@ from common import keys
 from common.bus import StreamInfo
 from common.errors import ApiError
 from common.hops import RequestTimes, request_times, step_done
-from common.messages import ErrorReply, GenerateRequest, SchedulerStats, TextDelta
+from common.messages import (ErrorReply, GenerateRequest, LoRARequest, SchedulerStats,
+                             TextDelta)
 from services.gateway import responses as shapes
 from services.gateway.protocol import Job
 from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice, ChatMessage,
@@ -102,8 +103,10 @@ class Parsers:
 
 class Call:
     def __init__(self, job: Job, call_id: str, model: str, created: int, arrival: float,
-                 echoes: list[Echo] | None = None, parsers: Parsers = Parsers()) -> None:
+                 echoes: list[Echo] | None = None, parsers: Parsers = Parsers(),
+                 lora: LoRARequest | None = None) -> None:
         self.job, self.id, self.model, self.created = job, call_id, model, created
+        self.lora = lora  # the adapter `model` names, None: the base model
         self.arrival = arrival  # on the clock `observe` gets
         sources: list[str | list[int] | None] = [None] if job.chat else list(job.prompts)
         echoes = echoes or [None] * len(sources)  # type: ignore[list-item]
@@ -171,7 +174,7 @@ class Call:
         job = self.job
         common = dict(reply_to=reply_to, params=job.params, priority=job.priority,
                       arrival_time=arrival_time, add_special_tokens=job.add_special_tokens,
-                      truncate_prompt_tokens=job.truncate_prompt_tokens)
+                      truncate_prompt_tokens=job.truncate_prompt_tokens, lora=self.lora)
         if job.chat:
             return [GenerateRequest(self.id, messages=job.messages,
                                     add_generation_prompt=job.add_generation_prompt,

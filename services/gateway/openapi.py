@@ -12,8 +12,9 @@ from services.gateway import request_bodies as req
 from services.gateway import response_bodies as resp
 
 REF = "#/components/schemas/{model}"
-# path -> (method, summary, request body model, response model, streamed chunk model)
-ROUTES: dict[str, tuple[str, str, type[BaseModel] | None, type[BaseModel],
+# path -> (method, summary, request body model, response model (None: plain text),
+# streamed chunk model)
+ROUTES: dict[str, tuple[str, str, type[BaseModel] | None, type[BaseModel] | None,
                         type[BaseModel] | None]] = {
     "/v1/completions": ("post", "Completions", req.CompletionRequest,
                         resp.CompletionResponse, resp.CompletionResponse),
@@ -26,7 +27,12 @@ ROUTES: dict[str, tuple[str, str, type[BaseModel] | None, type[BaseModel],
                   resp.TokenizeResponse, None),
     "/detokenize": ("post", "Text of token ids", req.DetokenizeRequest,
                     resp.DetokenizeResponse, None),
+    "/v1/load_lora_adapter": ("post", "Serve a LoRA adapter under a model name "
+                              "(--enable-lora)", req.LoadLoRAAdapterRequest, None, None),
+    "/v1/unload_lora_adapter": ("post", "Stop serving a LoRA adapter (--enable-lora)",
+                                req.UnloadLoRAAdapterRequest, None, None),
 }
+PLAIN_TEXT = {"text/plain": {"schema": {"type": "string"}}}
 
 
 def openapi_document(version: str) -> dict[str, Any]:
@@ -42,13 +48,14 @@ def openapi_document(version: str) -> dict[str, Any]:
             "paths": paths, "components": {"schemas": schemas["$defs"]}}
 
 
-def _operation(summary: str, body: type[BaseModel] | None, answer: type[BaseModel],
+def _operation(summary: str, body: type[BaseModel] | None, answer: type[BaseModel] | None,
                chunk: type[BaseModel] | None, refs: dict[Any, Any]) -> dict[str, Any]:
     def ref(model: type[BaseModel]) -> dict[str, Any]:
         mode = "validation" if model.__module__ == req.__name__ else "serialization"
         return refs[model, mode]
 
-    content: dict[str, Any] = {"application/json": {"schema": ref(answer)}}
+    content: dict[str, Any] = (PLAIN_TEXT if answer is None
+                               else {"application/json": {"schema": ref(answer)}})
     if chunk is not None:  # with "stream": true, server-sent events of these
         content["text/event-stream"] = {"schema": ref(chunk)}
     error = {"description": "An OpenAI-style error",

@@ -232,6 +232,20 @@ class DetokenizeRequest(BaseModel):
         f"'tokens' must be a list of token ids (integers in [0, {MAX_TOKEN_ID}))")]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body: a PEFT directory served under a model name."""
+    model_config = STRICT
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter body: the adapter's name, or its id."""
+    model_config = STRICT
+    lora_name: Annotated[str, Field(min_length=1)] | None = None
+    lora_int_id: int | None = None
+
+
 # --- errors -------------------------------------------------------------------------------
 
 _KINDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",

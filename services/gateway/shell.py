@@ -69,6 +69,8 @@ async def serve(ctx: ServiceContext) -> None:
     # predecessor's replies
     gateway_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
     gateway = Gateway(ctx.bus, ctx.server, info, ctx.engine.model, gateway_id)
+    if gateway.adapters is not None:
+        await gateway.adapters.register(ctx.engine.loras(), gateway.names)
     await gateway.refresh_backend()
     freeze_heap()
     # the keep-alive timer also runs from a connection's start until its first request's

@@ -17,6 +17,7 @@ from typing import Any
 
 from common.chat import render_chat
 from common.errors import ApiError
+from common.lora import AdapterError, read_adapter_config
 from common.messages import AdmitRequest, GenerateRequest, LoRARequest
 from common.model_info import ModelInfo
 from common.sampling_defaults import SamplingDefaults
@@ -31,18 +32,23 @@ EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, defaults: SamplingDefaults,
-                 max_logprobs: int, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+                 max_logprobs: int, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 max_lora_rank: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.defaults = defaults
         self.max_logprobs = max_logprobs
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.max_lora_rank = max_lora_rank  # None: LoRA is off
+        self.adapters: set[int] = set()  # lora_int_ids whose config was read and is valid
 
     @classmethod
     def from_info(cls, info: ModelInfo) -> InputProcessor:
-        return cls(info.tokenizer, info.max_model_len, info.defaults, info.config.max_logprobs,
-                   info.vocab_size, info.eos_token_ids)
+        config = info.config
+        return cls(info.tokenizer, info.max_model_len, info.defaults, config.max_logprobs,
+                   info.vocab_size, info.eos_token_ids,
+                   config.max_lora_rank if config.enable_lora else None)
 
     def process(self, req: GenerateRequest) -> AdmitRequest:
         if req.embed:
@@ -60,7 +66,26 @@ class InputProcessor:
         requested = req.params.get("max_tokens")
         if requested is not None:
             self._check_fits(len(ids), requested)
-        return self._admit(req.rid, req.reply_to, ids, params, req.arrival_time, req.priority)
+        admit = self._admit(req.rid, req.reply_to, ids, params, req.arrival_time,
+                            req.priority)
+        if req.lora is None:
+            return admit
+        self.check_adapter(req.lora)
+        return dataclasses.replace(admit, lora=req.lora)
+
+    def check_adapter(self, lora: LoRARequest) -> None:
+        """A 400 naming the adapter, here rather than in the worker's step. Ids are never
+        reused for another path, so an adapter's config is read once."""
+        if self.max_lora_rank is None:
+            raise ApiError(400, f"LoRA adapter {lora.lora_name!r} asked for, but this "
+                                "server runs without --enable-lora", "model")
+        if lora.lora_int_id in self.adapters:
+            return
+        try:
+            read_adapter_config(lora.lora_path, self.max_lora_rank)
+        except AdapterError as e:
+            raise ApiError(400, f"Model {lora.lora_name!r}: {e}", "model") from None
+        self.adapters.add(lora.lora_int_id)
 
     def admit(self, rid: str, reply_to: str, prompt_token_ids: list[int],
               params: SamplingParams, arrival_time: float = 0.0, priority: int = 0,
