@@ -26,7 +26,7 @@ _TOKENIZERS = "tokenizers are processes of their own: use --tokenizer-replicas"
 _PINNED = ("download that revision (`hf download MODEL --revision R`) and pass its "
            "directory")
 _LORA = "LoRA adapters are not supported yet"
-_SPEC = "speculative decoding is not supported yet"
+_SPEC = "speculative decoding has the ngram method only (--speculative-config)"
 _MULTIMODAL = "only text models are supported"
 _PLUGINS = "headrace's classes are not pluggable"
 
@@ -93,15 +93,11 @@ FOREIGN_FLAGS = (
     ForeignFlag("max-prompt-adapter-token", int, "refused",
                 "prompt adapters are not supported"),
     ForeignFlag("speculative-model", str, "refused", _SPEC),
-    ForeignFlag("speculative-config", str, "refused", _SPEC),
-    ForeignFlag("num-speculative-tokens", int, "refused", _SPEC),
     ForeignFlag("speculative-max-model-len", int, "refused", _SPEC),
     ForeignFlag("speculative-draft-tensor-parallel-size", int, "refused", _SPEC),
     ForeignFlag("speculative-model-quantization", str, "refused", _SPEC),
     ForeignFlag("speculative-disable-by-batch-size", int, "refused", _SPEC),
     ForeignFlag("speculative-disable-mqa-scorer", bool, "refused", _SPEC),
-    ForeignFlag("ngram-prompt-lookup-max", int, "refused", _SPEC),
-    ForeignFlag("ngram-prompt-lookup-min", int, "refused", _SPEC),
     ForeignFlag("spec-decoding-acceptance-method", str, "refused", _SPEC),
     ForeignFlag("typical-acceptance-sampler-posterior-threshold", float, "refused", _SPEC),
     ForeignFlag("typical-acceptance-sampler-posterior-alpha", float, "refused", _SPEC),
