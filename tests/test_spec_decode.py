@@ -1,0 +1,68 @@
+"""ngram speculative decoding end to end on tiny random-weight models (CPU): the same
+tokens as without it for greedy requests, the same distribution for random ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from services import LLM
+from tests.tiny_models import make_tiny_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+
+
+def repetitive_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    motifs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 5, 7, 4)]
+    return [motif * reps for motif, reps in zip(motifs, (6, 4, 3, 5))]
+
+
+def engine(model_dir, **extra) -> LLM:
+    args = dict(dtype="float32", max_num_batched_tokens=32, max_num_seqs=4, block_size=4,
+                num_gpu_blocks_override=128)
+    return LLM(str(model_dir), **{**args, **extra})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_outputs_equal_without_speculation(tmp_path, arch):
+    model_dir = make_tiny_model(tmp_path, arch)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = repetitive_prompts()
+    plain = engine(model_dir).generate(prompts, params, use_tqdm=False)
+    spec = engine(model_dir, speculative_config=NGRAM)
+    outputs = spec.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(plain, outputs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    stats = spec.engine.scheduler.spec
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+
+
+def test_random_sampling_distribution_equals_without_speculation(tmp_path):
+    """The second token of a continuation (the first that can come from a verified
+    draft), over many seeds, with and without speculation: the two histograms agree within
+    a bound that a correct sampler exceeds with negligible probability."""
+    model_dir = make_tiny_model(tmp_path, "llama")
+    prompt = repetitive_prompts()[0]
+    n = 600
+    params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=s)
+              for s in range(n)]
+
+    def second_tokens(llm: LLM) -> torch.Tensor:
+        outs = llm.generate([prompt] * n, params, use_tqdm=False)
+        return torch.tensor([o.outputs[0].token_ids[1] for o in outs])
+
+    large = dict(max_num_seqs=64, max_num_batched_tokens=2048, num_gpu_blocks_override=2048)
+    base = second_tokens(engine(model_dir, **large))
+    spec_llm = engine(model_dir, **large, speculative_config=NGRAM)
+    spec = second_tokens(spec_llm)
+    assert spec_llm.engine.scheduler.spec.num_accepted_tokens > 0
+    vocab = int(max(base.max(), spec.max())) + 1
+    f0 = torch.bincount(base, minlength=vocab).double() / n
+    f1 = torch.bincount(spec, minlength=vocab).double() / n
+    pooled = (f0 + f1) / 2
+    # each frequency difference has variance at most 2 p (1 - p) / n; six deviations each
+    bound = 0.5 * float((6 * (2 * pooled * (1 - pooled) / n).sqrt()).sum())
+    assert 0.5 * float((f0 - f1).abs().sum()) < bound
