@@ -325,6 +325,10 @@ class SchedulerStats:
     generation_tokens: int
     ts: float = 0.0
     waiting_tokens: int = 0  # prompt tokens of the waiting requests not yet computed
+    # speculative decoding, vLLM v1's counters (services/scheduler/core.py SpecDecodingStats)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 Message = (GenerateRequest | AdmitRequest | Abort | Routed | ErrorReply | StepPlan

@@ -80,6 +80,9 @@ TOTALS = {
     "generation_tokens": "Number of generation tokens processed.",
     "prefix_cache_queries": "Prefix cache queries, in tokens.",
     "prefix_cache_hits": "Prefix cache hits, in tokens.",
+    "spec_decode_num_drafts": "Number of spec decoding drafts (a request's step with drafts).",
+    "spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
 }
 
 

@@ -489,6 +489,10 @@ def test_speculation_reproduces_the_reference(lag, budget):
     assert num_drafts > 0 and sched.spec.num_drafts == num_drafts
     assert sched.spec.num_draft_tokens == num_draft_tokens
     assert 0 < sched.spec.num_accepted_tokens < num_draft_tokens
+    stats = sched.stats()
+    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens) == (num_drafts, num_draft_tokens,
+                                                       sched.spec.num_accepted_tokens)
     assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
 
 

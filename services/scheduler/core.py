@@ -519,4 +519,7 @@ class Scheduler:
             kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-            ts=time.time(), waiting_tokens=self.waiting.tokens_to_compute())
+            ts=time.time(), waiting_tokens=self.waiting.tokens_to_compute(),
+            spec_decode_num_drafts=self.spec.num_drafts,
+            spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens)
