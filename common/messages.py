@@ -329,6 +329,7 @@ class SchedulerStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 Message = (GenerateRequest | AdmitRequest | Abort | Routed | ErrorReply | StepPlan

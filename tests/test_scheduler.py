@@ -493,6 +493,8 @@ def test_speculation_reproduces_the_reference(lag, budget):
     assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
             stats.spec_decode_num_accepted_tokens) == (num_drafts, num_draft_tokens,
                                                        sched.spec.num_accepted_tokens)
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    assert sum(per_pos) == stats.spec_decode_num_accepted_tokens and per_pos[0] >= per_pos[-1]
     assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
 
 

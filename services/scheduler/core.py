@@ -24,7 +24,7 @@ import heapq
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.config import EngineConfig
 from common.detok_window import make_context
@@ -76,11 +76,16 @@ class SpecDecodingStats:
     num_drafts: int = 0  # steps of a request that carried drafts
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # drafts accepted at 0, 1, ...
 
     def add(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_accepted:
+            self.accepted_per_pos += [0] * (num_accepted - len(self.accepted_per_pos))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
 
 
 class WaitingQueue:
@@ -522,4 +527,5 @@ class Scheduler:
             ts=time.time(), waiting_tokens=self.waiting.tokens_to_compute(),
             spec_decode_num_drafts=self.spec.num_drafts,
             spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
-            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens)
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec.accepted_per_pos))
