@@ -20,6 +20,7 @@ from typing import Any, Literal
 from common.lora import LoRAModule, parse_lora_module
 from common.redis_cluster import cluster_addresses, is_cluster_url
 from common.sampling_params import MAX_N
+from common.speculative import SpeculativeConfig, SpeculativeConfigError
 from common.structured_outputs import BACKENDS
 from common.vllm_flags import add_foreign_args, foreign_findings
 
@@ -149,6 +150,16 @@ class EngineConfig:
         "LoRA adapters the server serves from its start, each name=path or a JSON object "
         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model "
         "names one. Needs --enable-lora."))
+    speculative_config: str | None = field(default=None, metadata=_help(
+        "Speculative decoding as vLLM's JSON object; ngram (prompt lookup) only, e.g. "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}'."))
+    num_speculative_tokens: int | None = field(default=None, metadata=_help(
+        "vLLM's older flag: --speculative-config's num_speculative_tokens (ngram)."))
+    ngram_prompt_lookup_max: int | None = field(default=None, metadata=_help(
+        "vLLM's older flag: --speculative-config's prompt_lookup_max."))
+    ngram_prompt_lookup_min: int | None = field(default=None, metadata=_help(
+        "vLLM's older flag: --speculative-config's prompt_lookup_min."))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -179,6 +190,7 @@ class EngineConfig:
         self.hf_config_overrides()
         self.pooling()
         self._validate_lora()
+        self.speculative()
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and not self.enable_chunked_prefill
                 and self.max_num_batched_tokens < self.max_model_len):
@@ -223,6 +235,31 @@ class EngineConfig:
             raise ConfigError(f"--override-pooler-config's normalize must be true or false, "
                               f"got {normalize!r}")
         return kind.upper(), normalize
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """--speculative-config, with the older flags filling in what it leaves out."""
+        value: dict[str, Any] = {}
+        if self.speculative_config is not None:
+            try:
+                value = json.loads(self.speculative_config)
+            except ValueError as e:
+                raise ConfigError(f"--speculative-config is not JSON: {e}") from None
+            if not isinstance(value, dict):
+                raise ConfigError(f"--speculative-config must be a JSON object, got "
+                                  f"{self.speculative_config}")
+        older = {"num_speculative_tokens": self.num_speculative_tokens,
+                 "prompt_lookup_max": self.ngram_prompt_lookup_max,
+                 "prompt_lookup_min": self.ngram_prompt_lookup_min}
+        for key, given in older.items():
+            if given is not None:
+                value.setdefault(key, given)
+        if not value:
+            return None
+        value.setdefault("method", "ngram")
+        try:
+            return SpeculativeConfig.from_dict(value)
+        except SpeculativeConfigError as e:
+            raise ConfigError(f"--speculative-config: {e}") from None
 
     def _validate_partial_prefills(self) -> None:
         _positive("max_num_partial_prefills", self.max_num_partial_prefills)

@@ -260,6 +260,10 @@ class StepPlan:
     epoch: str = ""  # the worker this plan is for; a restarted worker skips older plans
     scheduler_epoch: str = ""  # a new value means a restarted scheduler: drop all state
     planned_at: float = 0.0
+    # ngram drafts (speculative decoding): per request of req_ids, how many of its scheduled
+    # tokens are drafts after its last token, and those drafts, flattened; empty: none
+    num_draft_tokens: Tokens = field(default_factory=list)
+    draft_token_ids: Tokens = field(default_factory=list)
 
 
 @message("result")
@@ -277,6 +281,9 @@ class StepResult:
     execute_ms: float = 0.0
     stamps: Times = field(default_factory=list)  # planned, started, tokens on the host
     embeddings: list[PooledOutput] = field(default_factory=list)  # of embedding requests
+    # tokens per request of req_ids (token_ids is then their concatenation): 1 + accepted
+    # drafts for a speculating request; empty when every request sampled one token
+    num_tokens: Tokens = field(default_factory=list)
 
 
 @message("worker_ready")
@@ -330,6 +337,11 @@ class SchedulerStats:
     generation_tokens: int
     ts: float = 0.0
     waiting_tokens: int = 0  # prompt tokens of the waiting requests not yet computed
+    # speculative decoding, vLLM v1's counters (services/scheduler/core.py SpecDecodingStats)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 Message = (GenerateRequest | AdmitRequest | Abort | Routed | ErrorReply | StepPlan

@@ -80,6 +80,9 @@ TOTALS = {
     "generation_tokens": "Number of generation tokens processed.",
     "prefix_cache_queries": "Prefix cache queries, in tokens.",
     "prefix_cache_hits": "Prefix cache hits, in tokens.",
+    "spec_decode_num_drafts": "Number of spec decoding drafts (a request's step with drafts).",
+    "spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
 }
 
 
@@ -114,6 +117,24 @@ class TotalsCollector(Collector):
             yield family
 
 
+class AcceptedPerPosition(Collector):
+    """vLLM's spec_decode_num_accepted_tokens_per_pos: drafts accepted at each position of
+    a step's drafts, a running total per shard and position kept by the scheduler."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.totals: dict[str, list[int]] = {}  # shard -> per position
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens at each draft position.",
+                                     labels=[*REQUEST_LABELS, "position"])
+        for shard, totals in sorted(self.totals.items()):
+            for pos, total in enumerate(totals):
+                family.add_metric([self.model_name, shard, str(pos)], total)
+        yield family
+
+
 class Metrics:
     def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
         self.model_name = model_name
@@ -137,6 +158,8 @@ class Metrics:
             REQUEST_LABELS, registry=reg)
         self.totals = TotalsCollector(TOTALS, self.model_name)
         reg.register(self.totals)
+        self.accepted_per_pos = AcceptedPerPosition(self.model_name)
+        reg.register(self.accepted_per_pos)
         self.stream_length = Gauge(
             PREFIX + "stream_length", "Entries in a stream.", [MODEL_LABEL, "stream"],
             registry=reg)
@@ -238,6 +261,9 @@ class Metrics:
         for gauge in gauges:
             gauge.clear()
         self.totals.clear()
+        self.accepted_per_pos.totals = {
+            str(shard): list(figures.spec_decode_num_accepted_tokens_per_pos)
+            for shard, figures in stats.items()}
         for shard, figures in stats.items():
             labels = (self.model_name, str(shard))
             self.num_requests_running.labels(*labels).set(figures.num_running)

@@ -27,7 +27,7 @@ _PINNED = ("download that revision (`hf download MODEL --revision R`) and pass i
            "directory")
 _LORA = ("headrace's LoRA (--enable-lora) takes PEFT adapters of q/k/v/o and gate/up/down "
          "projections, without bias or extra vocabulary, in the model's dtype")
-_SPEC = "speculative decoding is not supported yet"
+_SPEC = "speculative decoding has the ngram method only (--speculative-config)"
 _MULTIMODAL = "only text models are supported"
 _PLUGINS = "headrace's classes are not pluggable"
 
@@ -90,15 +90,11 @@ FOREIGN_FLAGS = (
     ForeignFlag("max-prompt-adapter-token", int, "refused",
                 "prompt adapters are not supported"),
     ForeignFlag("speculative-model", str, "refused", _SPEC),
-    ForeignFlag("speculative-config", str, "refused", _SPEC),
-    ForeignFlag("num-speculative-tokens", int, "refused", _SPEC),
     ForeignFlag("speculative-max-model-len", int, "refused", _SPEC),
     ForeignFlag("speculative-draft-tensor-parallel-size", int, "refused", _SPEC),
     ForeignFlag("speculative-model-quantization", str, "refused", _SPEC),
     ForeignFlag("speculative-disable-by-batch-size", int, "refused", _SPEC),
     ForeignFlag("speculative-disable-mqa-scorer", bool, "refused", _SPEC),
-    ForeignFlag("ngram-prompt-lookup-max", int, "refused", _SPEC),
-    ForeignFlag("ngram-prompt-lookup-min", int, "refused", _SPEC),
     ForeignFlag("spec-decoding-acceptance-method", str, "refused", _SPEC),
     ForeignFlag("typical-acceptance-sampler-posterior-threshold", float, "refused", _SPEC),
     ForeignFlag("typical-acceptance-sampler-posterior-alpha", float, "refused", _SPEC),

@@ -249,3 +249,17 @@ def test_replies_without_stamps_observe_no_times():
     for phase in ("queue", "prefill", "decode", "inference"):  # only the stamped one
         assert histogram(seen, f"request_{phase}_time_seconds")[0] == 1
     assert histogram(seen, "request_time_per_output_token_seconds") is None
+
+
+def test_spec_decode_counters_come_from_the_scheduler_stats():
+    metrics = Metrics(MODEL)
+    stats = SchedulerStats(1, 0, 0.5, 0, 0, 0, 10, 20, spec_decode_num_drafts=4,
+                           spec_decode_num_draft_tokens=12, spec_decode_num_accepted_tokens=7,
+                           spec_decode_num_accepted_tokens_per_pos=[4, 2, 1])
+    metrics.set_scheduler_stats({0: stats})
+    seen = families(metrics)
+    assert seen["headrace:spec_decode_num_drafts_total"] == {labels(0): 4}
+    assert seen["headrace:spec_decode_num_draft_tokens_total"] == {labels(0): 12}
+    assert seen["headrace:spec_decode_num_accepted_tokens_total"] == {labels(0): 7}
+    assert seen["headrace:spec_decode_num_accepted_tokens_per_pos_total"] == {
+        labels(0, position=str(pos)): total for pos, total in enumerate([4, 2, 1])}

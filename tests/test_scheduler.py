@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 
 from common.messages import AdmitRequest, LoRARequest, PooledOutput, StepPlan, StepResult
 from common.sampling_params import SamplingParams
+from common.speculative import SpeculativeConfig
 from services.scheduler import core
 from services.scheduler.core import Scheduler, SchedulerConfig
 
@@ -33,10 +35,10 @@ def next_token(context: list[int]) -> int:
     return 3 + value % (VOCAB - 3)  # never EOS, so lengths are controlled by the tests
 
 
-def reference(prompt: list[int], max_tokens: int) -> list[int]:
+def reference(prompt: list[int], max_tokens: int, model=next_token) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(next_token(tokens))
+        tokens.append(model(tokens))
     return tokens[len(prompt):]
 
 
@@ -54,6 +56,7 @@ class SimWorker:
     reqs: dict[str, SimRequest] = field(default_factory=dict)
     overrides: dict[str, int] = field(default_factory=dict)  # req_id -> forced next token
     embeds: set[str] = field(default_factory=set)  # embedding requests: pooled, not sampled
+    model: Callable[[list[int]], int] = next_token
 
     def __post_init__(self) -> None:
         self.cache = [None] * (self.num_blocks * self.block_size)
@@ -71,28 +74,48 @@ class SimWorker:
                 self.embeds.add(new.req_id)
         for cached in plan.cached:
             self.reqs[cached.req_id].blocks += cached.new_block_ids
-        steps = list(zip(plan.req_ids, plan.num_scheduled_tokens, plan.num_computed_tokens))
+        num_drafts = plan.num_draft_tokens or [0] * len(plan.req_ids)
+        ends = np.cumsum(num_drafts, dtype=int)
+        drafts = [plan.draft_token_ids[end - d:end] for d, end in zip(num_drafts, ends)]
+        steps = list(zip(plan.req_ids, plan.num_scheduled_tokens, plan.num_computed_tokens,
+                         drafts))
         assert len(set(plan.req_ids)) == len(plan.req_ids)
-        for req_id, n, start in steps:  # every write of the step precedes every read
+        for req_id, n, start, draft in steps:  # every write of the step precedes every read
             req = self.reqs[req_id]
-            assert start + n <= len(req.tokens), "scheduled a token the worker does not know"
+            tokens = req.tokens + draft
+            assert not draft or start + n == len(tokens), "drafts follow the last token"
+            assert start + n <= len(tokens), "scheduled a token the worker does not know"
             assert (start + n - 1) // self.block_size < len(req.blocks), "no block for a token"
             for pos in range(start, start + n):
-                self.cache[self.slot(req, pos)] = req.tokens[pos]
-        out_ids, out_tokens, pooled = [], [], []
-        for req_id, n, start in steps:
+                self.cache[self.slot(req, pos)] = tokens[pos]
+        out_ids, out_tokens, counts, pooled = [], [], [], []
+        for req_id, n, start, draft in steps:
             req = self.reqs[req_id]
-            if start + n < len(req.tokens):
+            end = start + n - len(draft)
+            if end < len(req.tokens):
                 continue  # a prefill chunk that does not reach the end samples nothing
             context = [self.cache[self.slot(req, pos)] for pos in range(start + n)]
             if req_id in self.embeds:  # "pooled": the whole prompt as the cache holds it
                 pooled.append(PooledOutput(req_id, embedding_of(context)))
                 continue
-            token = self.overrides.get(req_id, next_token(context))
-            req.tokens.append(token)
+            sampled = self.verify(req_id, context, end, draft)
+            req.tokens += sampled
             out_ids.append(req_id)
-            out_tokens.append(token)
-        return StepResult(plan.step, out_ids, out_tokens, embeddings=pooled)
+            out_tokens += sampled
+            counts.append(len(sampled))
+        return StepResult(plan.step, out_ids, out_tokens, embeddings=pooled,
+                          num_tokens=counts if plan.num_draft_tokens else [])
+
+    def verify(self, req_id: str, context: list[int], end: int, draft: list[int]
+               ) -> list[int]:
+        """Greedy verification: drafts are kept while they equal the model's next token
+        at their position (read through the cache), then the model's own token follows."""
+        sampled: list[int] = []
+        for i in range(len(draft) + 1):
+            sampled.append(self.overrides.get(req_id, self.model(context[:end + i])))
+            if i == len(draft) or sampled[-1] != draft[i]:
+                break
+        return sampled
 
 
 def embedding_of(context: list[int]) -> bytes:
@@ -142,10 +165,11 @@ def drive(sched: Scheduler, worker: SimWorker, lag: int = 0, max_steps: int = 10
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_seqs=16, max_len=256, caching=True,
-         chunked=True, policy="fcfs", partial=(1, 1, 0)) -> tuple[Scheduler, SimWorker]:
+         chunked=True, policy="fcfs", partial=(1, 1, 0), speculative=None,
+         model=next_token) -> tuple[Scheduler, SimWorker]:
     config = SchedulerConfig(max_seqs, budget, max_len, block_size, num_blocks, caching,
-                             chunked, policy, *partial)
-    return Scheduler(config), SimWorker(num_blocks, block_size)
+                             chunked, policy, *partial, speculative=speculative)
+    return Scheduler(config), SimWorker(num_blocks, block_size, model=model)
 
 
 def admit(sched: Scheduler, rid: str, prompt: list[int], priority: int = 0,
@@ -466,3 +490,102 @@ def test_prefix_cache_keys_on_the_adapter():
         admit(sched, rid, shared + [40], max_tokens=2, lora=lora)
         hits[rid] = drive(sched, worker).plans[0].num_computed_tokens
     assert hits == {"other": [0], "base": [0], "same": [20]}
+
+
+# --- speculative decoding (ngram) --------------------------------------------------------
+
+SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+def repetitive(context: list[int]) -> int:
+    """Mostly repeats the context from 5 tokens back (ngram drafts get accepted), but
+    every 7th position departs from it (some drafts get rejected)."""
+    if len(context) % 7 == 0 or len(context) < 5:
+        return next_token(context)
+    return context[-5]
+
+
+def drafts_of(run: Run) -> tuple[int, int]:
+    """(steps of a request with drafts, draft tokens) over a run's plans."""
+    counts = [d for plan in run.plans for d in plan.num_draft_tokens if d]
+    return len(counts), sum(counts)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+@pytest.mark.parametrize("budget", [64, 10])
+def test_speculation_reproduces_the_reference(lag, budget):
+    sched, worker = make(budget=budget, speculative=SPEC, model=repetitive)
+    batch = prompts(6, seed=3)
+    for i, prompt in enumerate(batch):
+        admit(sched, f"r{i}", prompt, max_tokens=40)
+    run = drive(sched, worker, lag=lag)
+    for i, prompt in enumerate(batch):
+        assert run.outputs[(f"r{i}", 0)] == reference(prompt, 40, repetitive)
+    assert all(sum(plan.num_scheduled_tokens) <= budget for plan in run.plans)
+    num_drafts, num_draft_tokens = drafts_of(run)
+    assert num_drafts > 0 and sched.spec.num_drafts == num_drafts
+    assert sched.spec.num_draft_tokens == num_draft_tokens
+    assert 0 < sched.spec.num_accepted_tokens < num_draft_tokens
+    stats = sched.stats()
+    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens) == (num_drafts, num_draft_tokens,
+                                                       sched.spec.num_accepted_tokens)
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    assert sum(per_pos) == stats.spec_decode_num_accepted_tokens and per_pos[0] >= per_pos[-1]
+    assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_speculation_with_preemption_keeps_outputs_exact(lag, caplog):
+    sched, worker = make(num_blocks=14, block_size=4, budget=32, speculative=SPEC,
+                         model=repetitive)
+    batch = prompts(5, seed=4, lo=5, hi=12)
+    for i, prompt in enumerate(batch):
+        admit(sched, f"r{i}", prompt, max_tokens=24)
+    run = drive(sched, worker, lag=lag)
+    assert sched.num_preemptions > 0
+    assert drafts_of(run)[0] > 0
+    for i, prompt in enumerate(batch):
+        assert run.outputs[(f"r{i}", 0)] == reference(prompt, 24, repetitive)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_stops_among_accepted_drafts_end_the_request_there(lag):
+    prompt = [10, 11, 12, 13, 14, 10, 11, 12, 13]
+    full = reference(prompt, 30, repetitive)
+    stop = full[12]
+    first_stop = full.index(stop)
+    sched, worker = make(speculative=SPEC, model=repetitive)
+    admit(sched, "stop", prompt, max_tokens=30, stop_token_ids=(stop,))
+    for max_tokens in (1, 2, 9, 10, 11):
+        admit(sched, f"len{max_tokens}", prompt, max_tokens=max_tokens)
+    run = drive(sched, worker, lag=lag)
+    assert run.outputs[("stop", 0)] == full[:first_stop + 1]
+    assert run.finish[("stop", 0)] == "stop"
+    for max_tokens in (1, 2, 9, 10, 11):
+        assert run.outputs[(f"len{max_tokens}", 0)] == full[:max_tokens]
+        assert run.finish[(f"len{max_tokens}", 0)] == "length"
+    assert sched.spec.num_accepted_tokens > 0
+
+
+def test_speculation_stops_at_max_model_len():
+    prompt = [10, 11, 12, 13, 14, 10, 11, 12]
+    sched, worker = make(max_len=20, speculative=SPEC, model=repetitive)
+    admit(sched, "r", prompt, max_tokens=100)
+    run = drive(sched, worker)
+    assert run.outputs[("r", 0)] == reference(prompt, 12, repetitive)
+    assert run.finish[("r", 0)] == "length"
+
+
+def test_requests_with_per_token_state_are_not_speculated():
+    sched, worker = make(speculative=SPEC, model=repetitive)
+    prompt = [10, 11, 12, 13, 14, 10, 11, 12]
+    admit(sched, "pen", prompt, max_tokens=12, presence_penalty=0.5)
+    admit(sched, "lp", prompt, max_tokens=12, logprobs=1)
+    admit(sched, "min", prompt, max_tokens=12, min_tokens=4)
+    run = drive(sched, worker, lag=1)
+    drafted = {rid for plan in run.plans
+               for rid, d in zip(plan.req_ids, plan.num_draft_tokens or []) if d}
+    assert drafted == {"min#0"}  # only once its min_tokens are out
+    for rid in ("pen", "lp", "min"):
+        assert run.outputs[(rid, 0)] == reference(prompt, 12, repetitive)

@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
     parser.add_argument("--output-len", type=int, default=128, help="tokens decoded")
     parser.add_argument("--iterations", type=int, default=3, help="timed repetitions")
+    parser.add_argument("--prompt-period", type=int, default=0,
+                        help="each prompt repeats its first N tokens (0: no repetition), "
+                             "so that ngram speculative decoding finds drafts; with "
+                             "speculation, compare the mean decode time per token")
     parser.add_argument("--json", default=None, help="write the results to this file")
     add_engine_args(parser)
     return parser
@@ -62,6 +66,10 @@ def time_one_batch(engine: Engine, prompts: list[list[int]], output_len: int
     return arrivals[0] - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
 
 
+def repeated(motif: list[int], length: int) -> list[int]:
+    return (motif * -(-length // len(motif)))[:length]
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -73,6 +81,8 @@ def main(argv: list[str]) -> int:
     engine = Engine(config)
     prompts = fixed_workload("latency", args.batch_size, args.context_len, 1,
                              vocab_size=engine.runner.model.vocab_size).prompts
+    if args.prompt_period > 0:
+        prompts = [repeated(p[:args.prompt_period], args.context_len) for p in prompts]
     time_one_batch(engine, prompts, 4)  # warm-up: kernels compile, graphs are ready
     prefills, decodes = [], []
     for _ in range(args.iterations):

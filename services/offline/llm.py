@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,8 @@ class EmbeddingRequestOutput:
 
 class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
+        if isinstance(engine_args.get("speculative_config"), dict):  # vLLM takes a dict
+            engine_args["speculative_config"] = json.dumps(engine_args["speculative_config"])
         self.engine = Engine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 

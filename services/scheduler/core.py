@@ -6,6 +6,16 @@ requests first, and every request's `num_computed_tokens` catches up with its
 called again before the previous step's `update`; results for requests that finished or
 were aborted meanwhile are dropped. An embedding request is a prompt that is computed and
 never sampled: it ends, freeing its blocks, when its embedding comes back.
+
+Speculative decoding (ngram): a decoding request whose tokens are all known gets drafts
+from its own earlier tokens (common/speculative.py) and is scheduled 1 + len(drafts) tokens
+in one step. How many drafts the worker accepts is only known when the result comes back,
+so a request that may speculate is never planned while one of its steps is in flight: it
+loses the plan-ahead, the other requests of the batch keep it. On the result its accepted
+tokens are appended one by one (a stop condition among them ends it there) and
+`num_computed_tokens` moves back over the rejected drafts, whose KV slots the next steps
+simply overwrite. Requests that need per-token state on the worker (grammars, penalties,
+min_tokens, logprobs, logit_bias, allowed ids) decode one token at a time, as without it.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ import heapq
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.config import EngineConfig
 from common.detok_window import make_context
@@ -22,6 +32,7 @@ from common.hops import NUM_REQUEST_STAMPS
 from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
                              PooledOutput, SchedulerStats, StepPlan, StepResult,
                              TokenLogprobs)
+from common.speculative import SpeculativeConfig, propose_ngram
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import KnownTokens, Request, Status
 
@@ -43,6 +54,7 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: no prompt is long, no chunk is capped
     max_loras: int = 1  # distinct LoRA adapters in one step
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def from_engine(cls, config: EngineConfig, num_blocks: int) -> SchedulerConfig:
@@ -56,7 +68,26 @@ class SchedulerConfig:
                    max_num_partial_prefills=config.max_num_partial_prefills,
                    max_long_partial_prefills=config.max_long_partial_prefills,
                    long_prefill_token_threshold=config.long_prefill_token_threshold,
-                   max_loras=config.max_loras)
+                   max_loras=config.max_loras,
+                   speculative=config.speculative())
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    """vLLM v1's speculative decoding counters, over the scheduler's life."""
+    num_drafts: int = 0  # steps of a request that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # drafts accepted at 0, 1, ...
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_accepted:
+            self.accepted_per_pos += [0] * (num_accepted - len(self.accepted_per_pos))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
 
 
 class WaitingQueue:
@@ -157,6 +188,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.spec = SpecDecodingStats()
 
     # --- requests ---------------------------------------------------------------------
 
@@ -225,21 +257,39 @@ class Scheduler:
                 req.prompt_logprobs.extend(chunk.rows())
         items = []
         logprobs = result.logprobs or [None] * len(result.req_ids)
-        for req_id, token, lp in zip(result.req_ids, result.token_ids, logprobs):
+        counts = result.num_tokens or [1] * len(result.req_ids)
+        ends = itertools.accumulate(counts)
+        for req_id, end, count, lp in zip(result.req_ids, ends, counts, logprobs):
             req = self.requests.get(req_id)
             if req is None:
                 continue  # finished or aborted after this step was planned
             req.num_pending -= 1
-            req.output_token_ids.append(token)
-            self.generation_tokens += 1
-            self._check_finish(req, token)
-            items.append(self._detok_item(req, [token], lp))
+            kept = self._append_tokens(req, result.token_ids[end - count:end])
+            items.append(self._detok_item(req, kept, lp))
             if req.finish_reason is not None:
                 self._finish(req)
         for pooled in result.embeddings:
             if (req := self.requests.get(pooled.req_id)) is not None:
                 items.append(self._embedding_item(req, pooled))
         return items
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> list[int]:
+        """Append a step's tokens up to the first that ends the request; a speculating
+        request's computed tokens move back over its rejected drafts."""
+        known_before = req.num_known_tokens
+        if req.num_drafts_in_flight:
+            self.spec.add(req.num_drafts_in_flight, len(tokens) - 1)
+            # its last token is sampled, not computed; a preemption may have reset it to 0
+            req.num_computed_tokens = min(req.num_computed_tokens,
+                                          known_before + len(tokens) - 1)
+            req.num_drafts_in_flight = 0
+        for token in tokens:
+            req.output_token_ids.append(token)
+            self.generation_tokens += 1
+            self._check_finish(req, token)
+            if req.finish_reason is not None:
+                break
+        return req.output_token_ids[known_before - req.num_prompt_tokens:]
 
     # --- scheduling -----------------------------------------------------------------------
 
@@ -303,10 +353,40 @@ class Scheduler:
         remaining = req.num_tokens - req.num_computed_tokens
         if remaining <= 0 or not self._may_sample(req):
             return 0
+        if self._speculates(req):
+            if req.num_pending:  # its drafts must follow the token still in flight
+                return 0
+            if remaining == 1:
+                req.draft_token_ids = self._propose(req, budget - 1)
+                return 1 + len(req.draft_token_ids)
         n = min(remaining, budget, self._chunk_cap(remaining))
         if n < remaining and not self.config.enable_chunked_prefill:
             return 0
         return n
+
+    def _speculates(self, req: Request) -> bool:
+        """Whether the request may get drafts: it needs no per-token state on the worker."""
+        p = req.params
+        return (self.config.speculative is not None and not req.embed
+                and p.structured_outputs is None and p.logprobs is None
+                and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+                and p.repetition_penalty == 1.0 and p.min_tokens <= len(req.output_token_ids)
+                and p.logit_bias is None and p.allowed_token_ids is None)
+
+    def _propose(self, req: Request, room: int) -> list[int]:
+        """Drafts after the request's known tokens, no more than the budget's `room` or
+        than the tokens its max_tokens and max_model_len still allow after the next."""
+        spec = self.config.speculative
+        assert spec is not None
+        k = min(spec.num_speculative_tokens, room,
+                self.config.max_model_len - req.num_known_tokens - 1)
+        max_tokens = req.params.max_tokens
+        if max_tokens is not None:
+            k = min(k, max_tokens - len(req.output_token_ids) - 1)
+        if k <= 0:
+            return []
+        return propose_ngram(req.known_token_ids(), k, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max)
 
     def _chunk_cap(self, remaining: int) -> int:
         """--long-prefill-token-threshold also bounds each step's chunk of a long prompt,
@@ -341,6 +421,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []  # proposed this round for a step it will not run
         req.status = Status.PREEMPTED
         if req.on_worker:
             req.on_worker = False
@@ -357,6 +438,8 @@ class Scheduler:
         now = time.time()
         new, cached = [], []
         req_ids, num_scheduled, num_computed = [], [], []
+        num_drafts: list[int] = []
+        drafts: list[int] = []
         for req, n, new_blocks in batch:
             if not req.on_worker:
                 new.append(NewRequest(req_id=req.req_id, token_ids=req.known_token_ids(),
@@ -373,12 +456,17 @@ class Scheduler:
             num_scheduled.append(n)
             num_computed.append(req.num_computed_tokens)
             req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens and not req.embed:
+            num_drafts.append(len(req.draft_token_ids))
+            drafts += req.draft_token_ids
+            req.num_drafts_in_flight, req.draft_token_ids = len(req.draft_token_ids), []
+            if req.num_computed_tokens - num_drafts[-1] == req.num_tokens and not req.embed:
                 req.num_pending += 1  # this step samples the request's next token
         self.step += 1
         plan = StepPlan(step=self.step, req_ids=req_ids, num_scheduled_tokens=num_scheduled,
                         num_computed_tokens=num_computed, new=new, cached=cached,
-                        finished=self._dropped, planned_at=now)
+                        finished=self._dropped, planned_at=now,
+                        num_draft_tokens=num_drafts if drafts else [],
+                        draft_token_ids=drafts)
         self._dropped = []
         return plan
 
@@ -462,4 +550,8 @@ class Scheduler:
             kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-            ts=time.time(), waiting_tokens=self.waiting.tokens_to_compute())
+            ts=time.time(), waiting_tokens=self.waiting.tokens_to_compute(),
+            spec_decode_num_drafts=self.spec.num_drafts,
+            spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec.accepted_per_pos))

@@ -3,7 +3,8 @@
 The scheduler plans ahead of the worker: a request's `num_computed_tokens` advances when a
 step is *scheduled*, and a token the worker will sample in that step is counted in
 `num_pending` until the step's result arrives. `num_tokens` counts those pending
-placeholders, so a decode step can be planned before the previous token is known. An
+placeholders, so a decode step can be planned before the previous token is known. A
+speculating request's drafts are computed but not counted in `num_tokens` (see core.py). An
 embedding request samples nothing: it has no pending token, and ends when the worker
 returns its embedding after the step that computed its last prompt token.
 """
@@ -50,6 +51,8 @@ class Request:
     stamps: list[float] = field(default_factory=list)  # its way in, see common/hops.py
     embed: bool = False  # an embedding request (see the module doc)
     lora: LoRARequest | None = None  # its adapter, None: the base model
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next plan
+    num_drafts_in_flight: int = 0  # drafts of the step whose result has not come back
     # made once: every step's DetokItem of this request carries them
     detok_params: DetokParams = field(init=False)
     stop_lookback: int = field(init=False)

@@ -6,11 +6,17 @@ samples before the scheduler hears of it. A step is: apply the plan's deltas, pr
 flattened inputs, run the model, sample. Structured outputs' grammar state lives here too
 (services/worker/grammar.py says why), and so do embedding requests' running sums: an
 embedding request samples nothing; the step that computes its prompt's last token pools
-the hidden states into its embedding instead (services/worker/pooler.py).
+the hidden states into its embedding instead (services/worker/pooler.py). A speculating
+request's step carries the scheduler's drafts after its last token: the logits at those
+1 + k positions are verified by rejection sampling (Sampler.verify), and it returns 1 to
+k + 1 tokens; the scheduler never plans it while that step is in flight. Such steps have
+queries longer than one token, so they replay the mixed CUDA graphs (or run eagerly past
+their largest size), never the decode ones.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -94,6 +100,8 @@ class Launched:
     on_host_at: float = 0.0  # wall clock; set at launch on a synchronous device (the CPU)
     pooled_states: list[RequestState] = field(default_factory=list)
     pooled: torch.Tensor | None = None  # their embeddings, a row each, on the host when done
+    spec: list[RequestState] = field(default_factory=list)  # verified drafts' requests
+    spec_host: torch.Tensor | None = None  # Sampler.verify's rows for them
 
 
 @dataclass(slots=True)
@@ -107,6 +115,8 @@ class StepInputs:
     # (state, first token index in the batch, first position, count) per prompt-logprob chunk
     pooling_rows: list[tuple[RequestState, int, int, bool]] = field(default_factory=list)
     # (state, first token index in the batch, count, its prompt's last chunk) per embedding
+    spec: list[tuple[RequestState, list[int]]] = field(default_factory=list)  # with drafts
+    spec_indices: torch.Tensor | None = None  # their 1 + k token indices each, in order
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -200,20 +210,40 @@ class ModelRunner:
     def _sample(self, step: int, inputs: StepInputs, hidden: torch.Tensor, started: float
                 ) -> Launched:
         chunks = [self._prompt_logprobs(hidden, *row) for row in inputs.prompt_logprob_rows]
-        if not inputs.sampling:
+        if not inputs.sampling and not inputs.spec:
             return Launched(step, [], torch.empty(0, dtype=torch.int64), None, [], chunks,
                             started)
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        out = self.sampler.sample(logits, [s.sampling_row() for s in inputs.sampling],
-                                  self._grammar_mask(inputs.sampling))
-        self._last_tokens = out.token_ids
-        for row, state in enumerate(inputs.sampling):
+        host, done, logprobs = torch.empty(0, dtype=torch.int64), None, []
+        if inputs.sampling:
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            out = self.sampler.sample(logits, [s.sampling_row() for s in inputs.sampling],
+                                      self._grammar_mask(inputs.sampling))
+            self._last_tokens = out.token_ids
+            for row, state in enumerate(inputs.sampling):
+                state.pending += 1
+                state.sample_row = row
+            host, done = self._copy_to_host(out.token_ids)
+            logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
+        launched = Launched(step, inputs.sampling, host, done, logprobs, chunks, started)
+        if inputs.spec:
+            self._verify(launched, inputs, hidden)
+        launched.on_host_at = time.time() if launched.done is None else 0.0
+        return launched
+
+    def _verify(self, launched: Launched, inputs: StepInputs, hidden: torch.Tensor) -> None:
+        """Rejection-sample the drafts of this step's speculating requests; their tokens
+        are copied to the host with the step's others."""
+        assert inputs.spec_indices is not None
+        logits = self.model.compute_logits(hidden[inputs.spec_indices])
+        states = [state for state, _ in inputs.spec]
+        out = self.sampler.verify(logits, [s.sampling_row() for s in states],
+                                  [draft for _, draft in inputs.spec])
+        for state in states:
             state.pending += 1
-            state.sample_row = row
-        host, done = self._copy_to_host(out.token_ids)
-        logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
-        return Launched(step, inputs.sampling, host, done, logprobs, chunks, started,
-                        time.time() if done is None else 0.0)
+        launched.spec = states
+        launched.spec_host, done = self._copy_to_host(out)
+        if done is not None:  # recorded after the other tokens' copy: it stands for both
+            launched.done = done
 
     def _pool(self, launched: Launched, rows: list[tuple[RequestState, int, int, bool]],
               hidden: torch.Tensor) -> None:
@@ -261,11 +291,24 @@ class ModelRunner:
             state.pending -= 1
             if state.matcher is not None:
                 accept(state.matcher, token, state.req_id)
-        return StepResult(step=launched.step, req_ids=[s.req_id for s in launched.sampling],
-                          token_ids=token_ids, logprobs=launched.logprobs,
+        req_ids = [s.req_id for s in launched.sampling]
+        logprobs, num_tokens = launched.logprobs, []
+        if launched.spec_host is not None:  # then 1 + accepted tokens per speculating row
+            num_tokens = [1] * len(token_ids)
+            for state, row in zip(launched.spec, launched.spec_host.tolist()):
+                emitted = row[1:1 + row[0]]
+                state.output_ids += emitted
+                state.pending -= 1
+                req_ids.append(state.req_id)
+                token_ids += emitted
+                num_tokens.append(len(emitted))
+            logprobs = logprobs and logprobs + [None] * len(launched.spec)
+        return StepResult(step=launched.step, req_ids=req_ids,
+                          token_ids=token_ids, logprobs=logprobs,
                           prompt_logprobs=launched.prompt_logprobs,
                           execute_ms=1000 * (time.perf_counter() - launched.started),
-                          stamps=[on_host], embeddings=_embeddings(launched))
+                          stamps=[on_host], embeddings=_embeddings(launched),
+                          num_tokens=num_tokens)
 
     def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if tokens.device.type != "cuda":
@@ -334,15 +377,20 @@ class ModelRunner:
         cu = np.zeros(len(states) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=cu[1:])
         positions = np.arange(cu[-1]) + np.repeat(starts - cu[:-1], num_scheduled)
+        drafts = _drafts(plan)
+        num_drafts = np.asarray([len(d) for d in drafts], dtype=np.int64)
         token_ids: list[int] = []
         gathers: list[tuple[int, int]] = []  # (input index, row of the previous samples)
-        for state, start, n in zip(states, starts.tolist(), num_scheduled.tolist()):
-            known = min(start + n, state.num_tokens)
+        for state, start, n, draft in zip(states, starts.tolist(), num_scheduled.tolist(),
+                                          drafts):
+            end = start + n - len(draft)
+            known = min(end, state.num_tokens)
             token_ids += state.tokens(start, known)
-            if known < start + n:  # the token sampled by the step still in flight
-                assert state.pending == 1 and known + 1 == start + n, "one token ahead at most"
+            if known < end:  # the token sampled by the step still in flight
+                assert state.pending == 1 and known + 1 == end, "one token ahead at most"
                 gathers.append((len(token_ids), state.sample_row))
                 token_ids.append(0)
+            token_ids += draft
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
         for i, state in enumerate(states):
@@ -354,7 +402,9 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare([state.lora for state in states], num_scheduled)
         samples = [i for i, s in enumerate(states)
-                   if seq_lens[i] == s.num_tokens + s.pending and not s.embed]
+                   if seq_lens[i] - num_drafts[i] == s.num_tokens + s.pending and not s.embed]
+        spec = [i for i in samples if num_drafts[i]]
+        samples = [i for i in samples if not num_drafts[i]]
         attn = AttentionMetadata(
             slot_mapping=self._tensor(slots), block_tables=self._tensor(block_table),
             query_start_loc=self._tensor(cu.astype(np.int32)),
@@ -374,7 +424,11 @@ class ModelRunner:
             prompt_logprob_rows=self._prompt_logprob_rows(states, starts, num_scheduled, cu),
             pooling_rows=[(state, int(cu[i]), int(num_scheduled[i]),
                            bool(seq_lens[i] == state.num_tokens))
-                          for i, state in enumerate(states) if state.embed])
+                          for i, state in enumerate(states) if state.embed],
+            spec=[(states[i], drafts[i]) for i in spec],
+            spec_indices=self._tensor(np.concatenate(
+                [np.arange(cu[i + 1] - 1 - num_drafts[i], cu[i + 1]) for i in spec]))
+            if spec else None)
 
     def _prompt_logprob_rows(self, states, starts, num_scheduled, cu) -> list:
         rows = []
@@ -429,6 +483,15 @@ class ModelRunner:
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+def _drafts(plan: StepPlan) -> list[list[int]]:
+    """Each planned request's drafts (none without speculative decoding)."""
+    if not plan.num_draft_tokens:
+        return [[] for _ in plan.req_ids]
+    ends = itertools.accumulate(plan.num_draft_tokens)
+    return [list(plan.draft_token_ids[end - n:end])
+            for n, end in zip(plan.num_draft_tokens, ends)]
 
 
 def _embeddings(launched: Launched) -> list[PooledOutput]:

@@ -104,6 +104,12 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
                        ) -> torch.Tensor:
+        probs = self._probs(logits, rows)
+        return probs.div_(self._exponential_noise(probs, rows)).argmax(dim=-1)
+
+    def _probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The distribution each random row draws from: temperature, top-k, top-p, min-p
+        (unnormalized: top-p and min-p zero entries without rescaling the rest)."""
         logits = logits / self._column([row.params.temperature for row in rows])
         params = [row.params for row in rows]
         max_k = min(max(p.top_k for p in params), logits.shape[1])
@@ -120,7 +126,71 @@ class Sampler:
                                 ordered)
         if any(p.min_p > 0.0 for p in params):
             probs = apply_min_p(probs, self._column([p.min_p for p in params]))
-        return probs.div_(self._exponential_noise(probs, rows)).argmax(dim=-1)
+        return probs
+
+    # --- speculative decoding --------------------------------------------------------------
+
+    def verify(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               drafts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Rejection sampling of deterministic (ngram) drafts that keeps each row's own
+        distribution p exactly: draft d is accepted with probability p(d) (greedy: when it
+        is p's argmax); the first rejected one is replaced by a draw from p without d,
+        renormalized (greedy: the argmax); when every draft is accepted a bonus token is
+        drawn at the last position. `logits` holds 1 + len(drafts[i]) positions of each
+        row, in order; rows need raw logits (no penalties, bias, min_tokens, logprobs).
+        Returns int64 [rows, 1 + max drafts + 1]: the number of tokens each row emits, then
+        its tokens: the accepted drafts and the replacement or bonus token."""
+        counts = [1 + len(d) for d in drafts]
+        width = max(counts)
+        # each row's positions in `logits`, padded by repeating its last one
+        position = [[start + min(j, n - 1) for j in range(width)]
+                    for start, n in zip(itertools.accumulate([0] + counts), counts)]
+        padded = [list(d) + [-1] * (width - len(d)) for d in drafts]  # -1 never matches
+        draft = self._tensor(padded, torch.int64)
+        position_rows = [row for row, n in zip(rows, counts) for _ in range(n)]
+        # position j of a row checks its draft j; its last position has none (-1)
+        targets = self._targets(logits, position_rows, self._tensor(
+            [t for d, n in zip(padded, counts) for t in d[:n]], torch.int64))
+        flat = self._tensor(position, torch.int64)
+        accepted, replacement = (t[flat] for t in targets)
+        tokens = torch.where(accepted, draft, replacement)
+        emitted = accepted.long().cumprod(dim=1).sum(dim=1, keepdim=True) + 1
+        return torch.cat([emitted, tokens], dim=1)
+
+    def _targets(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per position (one row each, its draft or -1): whether the draft is accepted,
+        and the token that replaces it if not (the draw from p without the draft)."""
+        greedy = logits.argmax(dim=-1)
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        accepted = greedy == drafts
+        if not random_rows:
+            return accepted, greedy
+        index = self._tensor(random_rows, torch.int64)
+        sub = [rows[i] for i in random_rows]
+        probs = self._probs(logits.float()[index], sub)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        draft = drafts[index]
+        has_draft = draft >= 0
+        p_draft = probs.gather(1, draft.clamp_min(0).unsqueeze(1)).squeeze(1)
+        uniform = self._uniform(probs.shape[0], sub, probs.device)
+        accepted.index_copy_(0, index, has_draft & (uniform < p_draft))
+        # p - onehot(d), floored at 0, is p with d's entry zeroed: draw from that
+        residual = probs.scatter(1, draft.clamp_min(0).unsqueeze(1),
+                                 torch.where(has_draft, 0.0, p_draft).unsqueeze(1))
+        drawn = residual.div_(self._exponential_noise(residual, sub)).argmax(dim=-1)
+        return accepted, greedy.index_copy(0, index, drawn)
+
+    def _uniform(self, n: int, rows: Sequence[SamplingRow], device: torch.device
+                 ) -> torch.Tensor:
+        """U[0, 1) per position, a seeded row's from its own generator."""
+        uniform = torch.empty(n, device=device)
+        if any(row.generator is None for row in rows):
+            uniform.uniform_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                uniform[i:i + 1].uniform_(generator=row.generator)
+        return uniform
 
     def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]
                            ) -> torch.Tensor:
