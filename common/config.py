@@ -25,6 +25,7 @@ from common.structured_outputs import BACKENDS
 from common.vllm_flags import add_foreign_args, foreign_findings
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 POLICIES = ("fcfs", "priority")
 ROUTINGS = ("prefix", "round_robin")
@@ -125,8 +126,15 @@ class EngineConfig:
         "The config's rope_scaling as a JSON object (an override, as --hf-overrides)."))
     rope_theta: float | None = field(default=None, metadata=_help(
         "The config's rope_theta (an override, as --hf-overrides)."))
-    kv_cache_dtype: Literal["auto"] = field(default="auto", metadata=_help(
-        "Data type of the KV cache; auto is the model's dtype."))
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = field(
+        default="auto", metadata=_help(
+            "Data type of the KV cache: auto is the model's dtype; fp8 (= fp8_e4m3) and "
+            "fp8_e5m2 store one byte per value, twice the blocks in the same memory, with a "
+            "per-layer scale for K and for V (the checkpoint's k_scale/v_scale, else 1.0)."))
+    calculate_kv_scales: bool = field(default=False, metadata=_help(
+        "With an fp8 KV cache, set each layer's K and V scales from the first real forward "
+        "pass (amax / the format's max) instead of the checkpoint's or 1.0; no effect with "
+        "auto."))
     pooling_type: Literal["LAST", "MEAN"] = field(default="LAST", metadata=_help(
         "How /v1/embeddings pools a prompt's final hidden states (after the model's final "
         "norm): LAST takes the last token's, MEAN averages every token's."))
@@ -186,6 +194,7 @@ class EngineConfig:
         _choice("scheduling_policy", self.scheduling_policy, POLICIES)
         _choice("device", self.device, ("auto", "cuda", "cpu"))
         _choice("guided_decoding_backend", self.guided_decoding_backend, BACKENDS)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         self.generation_overrides()
         self.hf_config_overrides()
         self.pooling()

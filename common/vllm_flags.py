@@ -76,7 +76,6 @@ FOREIGN_FLAGS = (
     ForeignFlag("quantization", str, "refused",
                 "quantized checkpoints are not supported (GGUF files are dequantized)"),
     ForeignFlag("cpu-offload-gb", float, "refused", "weights stay on the GPU", default=0.0),
-    ForeignFlag("calculate-kv-scales", bool, "refused", "the KV cache is not quantized"),
     ForeignFlag("enable-sleep-mode", bool, "refused", "the worker cannot release its memory"),
     ForeignFlag("enable-expert-parallel", bool, "refused", "no mixture-of-experts models"),
     ForeignFlag("lora-dtype", str, "refused", _LORA, default="auto"),

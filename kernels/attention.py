@@ -10,27 +10,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cache import dequantize
 from kernels.triton_attention import paged_attention_triton
+
+Scale = torch.Tensor | None  # float32 [1] per fp8 cache (kernels.cache), None otherwise
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
-                    max_seq_len: int | None = None) -> torch.Tensor:
-    """q: [T, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
-    returns [T, num_heads, head_dim] in q's dtype. max_query_len and max_seq_len are host
+                    max_seq_len: int | None = None, k_scale: Scale = None,
+                    v_scale: Scale = None) -> torch.Tensor:
+    """q: [T, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim],
+    fp8 ones with their k_scale/v_scale; returns [T, num_heads, head_dim] in q's dtype.
+    max_query_len and max_seq_len are host
     upper bounds that size the GPU launch (no device read). The one dispatch point for this
     op: CUDA tensors take the Triton kernel, others the batched torch path."""
     if q.is_cuda:
         return paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc,
-                                      seq_lens, scale, max_query_len, max_seq_len)
+                                      seq_lens, scale, max_query_len, max_seq_len,
+                                      k_scale=k_scale, v_scale=v_scale)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                 scale)
+                                 scale, k_scale, v_scale)
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                          seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                          seq_lens: torch.Tensor, scale: float, k_scale: Scale = None,
+                          v_scale: Scale = None) -> torch.Tensor:
     """The CPU path: every decode (one query) of the batch in one padded attention call,
     prefill chunks one request at a time (padding them together would cost
     requests x chunk x context memory)."""
@@ -40,12 +47,12 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if decodes.numel():
         rows = query_start_loc[decodes].long()
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[decodes],
-                                      seq_lens[decodes], scale)
+                                      seq_lens[decodes], scale, k_scale, v_scale)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for r in (q_lens > 1).nonzero().flatten().tolist():
         begin, end = starts[r], starts[r + 1]
-        k = gather_context(k_cache, block_tables[r], lens[r])
-        v = gather_context(v_cache, block_tables[r], lens[r])
+        k = dequantize(gather_context(k_cache, block_tables[r], lens[r]), q.dtype, k_scale)
+        v = dequantize(gather_context(v_cache, block_tables[r], lens[r]), q.dtype, v_scale)
         # query i sits at position seq_len - q_len + i and sees keys 0..that position
         visible = (torch.arange(lens[r], device=q.device)[None, :]
                    <= torch.arange(lens[r] - (end - begin), lens[r], device=q.device)[:, None])
@@ -55,11 +62,12 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, k_scale: Scale, v_scale: Scale) -> torch.Tensor:
     block_size, max_len = k_cache.shape[1], int(seq_lens.max())
     blocks = block_tables[:, :-(-max_len // block_size)].long()
-    k = k_cache[blocks].flatten(1, 2)[:, :max_len]  # [R, S, kv_heads, head_dim]
-    v = v_cache[blocks].flatten(1, 2)[:, :max_len]
+    # [R, S, kv_heads, head_dim]
+    k = dequantize(k_cache[blocks].flatten(1, 2)[:, :max_len], q.dtype, k_scale)
+    v = dequantize(v_cache[blocks].flatten(1, 2)[:, :max_len], q.dtype, v_scale)
     visible = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
     return _sdpa(q[:, None], k, v, visible[:, None], scale)[:, 0]
 
@@ -83,7 +91,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        seq_lens: torch.Tensor, scale: float, k_scale: Scale = None,
+                        v_scale: Scale = None) -> torch.Tensor:
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     group = num_heads // num_kv_heads
@@ -94,8 +103,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if end == begin:
             continue
         q_len = end - begin
-        k = gather_context(k_cache, block_tables[r], seq_len).repeat_interleave(group, dim=1)
-        v = gather_context(v_cache, block_tables[r], seq_len).repeat_interleave(group, dim=1)
+        k = dequantize(gather_context(k_cache, block_tables[r], seq_len), torch.float32,
+                       k_scale).repeat_interleave(group, dim=1)
+        v = dequantize(gather_context(v_cache, block_tables[r], seq_len), torch.float32,
+                       v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[begin:end].float(), k.float()) * scale
         # query i sits at position seq_len - q_len + i and sees keys 0..that position
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)

@@ -29,6 +29,9 @@ parts (of the actual length, in whole BLOCK_Ns); each part stores its normalised
 and log-sum-exp, and a second kernel merges them. The split count comes from host ints
 only (the batch shape, the SM count, max_seq_len), so a captured graph replays with any
 lengths up to max_seq_len.
+
+An fp8 cache's K and V are cast to q's dtype as they load; their per-tensor scales are
+applied outside the loop: k_scale to the score scale, v_scale to the normalised output.
 """
 
 from __future__ import annotations
@@ -87,10 +90,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            seq_lens: torch.Tensor, scale: float,
                            max_query_len: int | None = None, max_seq_len: int | None = None,
                            config: AttentionConfig | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as kernels.attention.paged_attention. max_query_len and max_seq_len
     are host upper bounds (the shapes' bounds when None); nothing here reads the device.
     out: a contiguous buffer to write into (a static buffer, a poisoned one in tests).
+    k_scale, v_scale: float32 [1] device tensors, needed by fp8 caches.
 
     A batch that may hold requests longer than a decode tile runs two launches of the
     kernel: decode tiles for the short requests, prefill tiles for the long ones."""
@@ -101,6 +107,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert block_size & (block_size - 1) == 0, "block_size: a power of two"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
     group = num_heads // num_kv_heads
+    scaled = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert not scaled or (k_scale is not None and v_scale is not None), "fp8 needs scales"
     max_query_len = num_tokens if max_query_len is None else max_query_len
     max_seq_len = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     config = config or default_config(q)
@@ -129,14 +137,15 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         grid = (num_tiles, num_kv_heads, num_splits)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_out, part_lse, block_tables, query_start_loc,
-            seq_lens, num_tokens, num_reqs, num_splits, q_len_above, q_len_upto,
+            seq_lens, k_scale if scaled else q, v_scale if scaled else q, num_tokens,
+            num_reqs, num_splits, q_len_above, q_len_upto,
             scale * LOG2_E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), block_tables.stride(0),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
             BLOCK_M=max(16, triton.next_power_of_2(block_q * group)), BLOCK_N=tile.block_n,
             ONE_TILE_EACH=one_tile_each,
             SEARCH_BLOCK=1 if one_tile_each else search_block(num_reqs),
-            SPLIT=num_splits > 1, EXACT_DOT=q.dtype == torch.float32,
+            SPLIT=num_splits > 1, EXACT_DOT=q.dtype == torch.float32, SCALED=scaled,
             num_warps=tile.num_warps, num_stages=tile.num_stages)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
@@ -179,13 +188,13 @@ def _request_of_tile(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr,
                                "q_len_upto"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
         num_tokens, num_reqs, num_splits, q_len_above, q_len_upto, qk_scale,
         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         ONE_TILE_EACH: tl.constexpr, SEARCH_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-        EXACT_DOT: tl.constexpr):
+        EXACT_DOT: tl.constexpr, SCALED: tl.constexpr):
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if ONE_TILE_EACH:
         # the decode launch: each request of its class fits one tile, so tile r is request
@@ -217,6 +226,8 @@ def _paged_attention_kernel(
     token = q_begin + query
     q_offsets = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None], other=0.0)
+    if SCALED:  # q.k * k_scale == q.(k_fp8 * k_scale): one multiply per score
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     # the keys this tile can see, and this split's share of them
     kv_end = tl.maximum(seq_len - q_len + tl.minimum(first_query + BLOCK_Q, q_len), 0)
@@ -244,6 +255,8 @@ def _paged_attention_kernel(
     # l_i == 0: the row saw no key (padding, or a split past its causal edge)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if SCALED:
+        out = out * tl.load(v_scale_ptr)
     out_rows = token * tl.num_programs(1) * GROUP + head
     if SPLIT:
         part_rows = split * num_tokens * tl.num_programs(1) * GROUP + out_rows
@@ -277,6 +290,7 @@ def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, q
             k = tl.load(k_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
         else:
             k = tl.load(k_ptr + kv_offsets)
+        k = k.to(q.dtype)  # an fp8 cache's values, unscaled; a no-op otherwise
         if EXACT_DOT:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         else:
@@ -291,6 +305,7 @@ def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, q
             v = tl.load(v_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
         else:
             v = tl.load(v_ptr + kv_offsets)
+        v = v.to(q.dtype)
         if EXACT_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:

@@ -17,6 +17,9 @@ from common.sampling_params import SamplingParams
 from services import LLM
 from services.demo import demo_model_path
 from tests.test_lora import ADAPTERS, make_adapter, merged_greedy, mixed_batch
+from services.worker.layers.attention import Attention
+from tests.test_kernels_triton import (MIXED_REQUESTS, AttentionShape, check_attention,
+                                       check_write_kv)
 from tests.tiny_models import TOKENIZER_DIR, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -241,3 +244,50 @@ def test_ngram_speculation_with_cuda_graphs_gives_the_plain_greedy_tokens(arch, 
     assert spec.engine.runner.graphs is not None
     assert greedy(spec, prompts, 48) == plain
     assert spec.engine.scheduler.spec.num_accepted_tokens > 0
+
+
+# --- fp8 KV cache ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_kernels_at_llama_8b_shape(cache_dtype):
+    """32 query heads, 8 KV heads, head_dim 128, block 16: the fp8 write byte-equal to
+    torch's, the attention over the fp8 cache (mixed prefill and decode batch with padding,
+    then split-K decodes) against the torch twin reading the same cache and scales."""
+    shape = AttentionShape(32, 8, 128, 16)
+    check_write_kv(500, 8, 128, 16, torch.bfloat16, "cuda", cache_dtype)
+    check_attention(shape, MIXED_REQUESTS, torch.bfloat16, "cuda", padding=2,
+                    cache_dtype=cache_dtype)
+    check_attention(shape, [(3000, 1), (17, 1), (900, 1)], torch.bfloat16, "cuda",
+                    cache_dtype=cache_dtype, max_seq_len=8192)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_cache_with_cuda_graphs_gives_the_eager_tokens(kv_cache_dtype, tmp_path):
+    """The graphs read the cache and its scales as eager steps do (same tokens); against
+    the bf16 cache the first greedy token agrees (later ones may part at near-ties, see
+    tests/test_fp8_kv_cache.py)."""
+    model_dir = str(make_tiny_model(tmp_path, "llama"))
+    kwargs = dict(num_gpu_blocks_override=256, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
+    graphs = LLM(model_dir, **kwargs)
+    assert graphs.engine.runner.graphs is not None
+    assert graphs.engine.runner.kv_caches[0][0].element_size() == 1
+    prompts = PROMPTS * 2
+    ours = greedy(graphs, prompts)
+    assert ours == greedy(LLM(model_dir, enforce_eager=True, **kwargs), prompts)
+    auto = greedy(LLM(model_dir, num_gpu_blocks_override=256, max_num_seqs=8), prompts)
+    assert [t[0] for t in ours] == [t[0] for t in auto]
+
+
+def test_fp8_calculate_kv_scales_then_graphs(tmp_path):
+    """The first real step runs eagerly and sets every layer's scales; later steps replay
+    graphs that read them: the tokens equal an eager engine's with the same calculation."""
+    model_dir = str(make_tiny_model(tmp_path, "llama"))
+    kwargs = dict(num_gpu_blocks_override=256, max_num_seqs=8, kv_cache_dtype="fp8",
+                  calculate_kv_scales=True)
+    graphs = LLM(model_dir, **kwargs)
+    ours = greedy(graphs, PROMPTS)
+    assert not graphs.engine.runner.scales_pending
+    scales = [m.k_scale.item() for m in graphs.engine.runner.model.modules()
+              if isinstance(m, Attention)]
+    assert scales and all(0 < s != 1.0 for s in scales)
+    assert ours == greedy(LLM(model_dir, enforce_eager=True, **kwargs), PROMPTS)

@@ -7,6 +7,11 @@ this process, so each interpreter check runs in a fresh `python -m tests.test_ke
 <check>` with TRITON_INTERPRET=1. On CUDA the same checks run in this process at real model
 shapes (benchmarks/gpu/kernels_check.py runs them on the device machine).
 
+fp8 caches (e4m3, e5m2): the attention runs in the interpreter against the torch twin
+reading the same fp8 cache with the same scales. The fp8 write is checked on CUDA only: the
+interpreter's float32 -> fp8 cast drops the rounding carry into the exponent (31.7 stores
+as 16, triton 3.9), where the GPU's conversion rounds to nearest as torch does.
+
 The interpreter multiplies bf16 matrices as their raw 16-bit patterns (triton 3.9), so the
 attention checks use fp16 there for the low-precision path; bf16 attention is checked on
 the GPU.
@@ -28,7 +33,7 @@ import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention import paged_attention, paged_attention_ref
-from kernels.cache import write_kv, write_kv_ref, write_kv_triton
+from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
 from kernels.lora import lora_delta_ref, lora_delta_triton
 from kernels.norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
@@ -38,6 +43,7 @@ from kernels.triton_attention import AttentionConfig, TileConfig, paged_attentio
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -107,18 +113,31 @@ def attention_inputs(shape: AttentionShape, requests: list[tuple[int, int]], pad
         seq_lens=seq_lens.to(device=device, dtype=torch.int32))
 
 
+def quantize_caches(inputs: dict, cache_dtype: torch.dtype, g: torch.Generator) -> None:
+    """The caches in fp8 with random per-tensor scales (values up to about 4 / scale, well
+    inside both formats' range, so saturation is not what is measured here)."""
+    for name in ("k", "v"):
+        scale = (torch.rand(1, generator=g) * 0.05 + 0.01).to(inputs["q"].device)
+        inputs[f"{name}_cache"] = quantize(inputs[f"{name}_cache"], cache_dtype, scale)
+        inputs[f"{name}_scale"] = scale
+
+
 def check_attention(shape: AttentionShape, requests: list[tuple[int, int]], dtype: torch.dtype,
                     device: str, padding: int = 0, config: AttentionConfig | None = None,
-                    max_seq_len: int | None = None) -> None:
+                    max_seq_len: int | None = None,
+                    cache_dtype: torch.dtype | None = None) -> None:
+    """cache_dtype: an fp8 cache (with scales) instead of one of q's dtype."""
     g, seed = fresh_generator()
     inputs = attention_inputs(shape, requests, padding, dtype, device, g)
+    if cache_dtype is not None:
+        quantize_caches(inputs, cache_dtype, g)
     scale = shape.head_dim ** -0.5
     out = poisoned(inputs["q"].shape, dtype, device)
     paged_attention_triton(**inputs, scale=scale, max_query_len=max(q for _, q in requests),
                            max_seq_len=max_seq_len, config=config, out=out)
     ref = paged_attention_ref(**inputs, scale=scale)
     real = sum(q for _, q in requests)
-    assert_close(out[:real], ref[:real], f"attention {shape} {dtype}", seed)
+    assert_close(out[:real], ref[:real], f"attention {shape} {dtype} {cache_dtype}", seed)
     assert out[real:].isfinite().all(), f"padding rows not finite (seed {seed})"
 
 
@@ -134,26 +153,35 @@ def tiny_config(decode_block_n: int, prefill_block_m: int, prefill_block_n: int,
 # --- the small kernels -------------------------------------------------------------------
 
 def check_write_kv(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   dtype: torch.dtype, device: str) -> None:
+                   dtype: torch.dtype, device: str, cache_dtype: torch.dtype | None = None) -> None:
     """Into a NaN cache through a fused qkv view; skipped slots and every slot no token
-    names must stay NaN."""
+    names must stay NaN. cache_dtype: an fp8 cache, with scales small enough that some
+    values saturate; its bytes must equal the reference's."""
     g, seed = fresh_generator()
+    cache_dtype = cache_dtype or dtype
+    scales = {}
+    if cache_dtype in FP8:  # 10 / 448 saturates e4m3 at about 4.5 sigma, e5m2 never
+        scales = {"k_scale": torch.tensor([0.01], device=device),
+                  "v_scale": torch.tensor([0.03], device=device)}
     num_blocks = 2 * math.ceil(num_tokens / block_size) + 1
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
     slots[torch.rand(num_tokens, generator=g) < 0.25] = -1
     qkv = rand(g, num_tokens, 3 * num_kv_heads, head_dim, dtype=dtype, device=device)
     k, v = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = poisoned(cache_shape, dtype, device), poisoned(cache_shape, dtype, device)
+    k_cache = poisoned(cache_shape, cache_dtype, device)
+    v_cache = poisoned(cache_shape, cache_dtype, device)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     slots = slots.to(device)
-    write_kv_triton(k, v, k_cache, v_cache, slots)
-    write_kv_ref(k, v, expected_k, expected_v, slots)
-    assert torch.equal(k_cache.isnan(), expected_k.isnan()), f"write_kv K slots (seed {seed})"
-    assert torch.equal(v_cache.isnan(), expected_v.isnan()), f"write_kv V slots (seed {seed})"
-    written = ~expected_k.isnan()
-    assert torch.equal(k_cache[written], expected_k[written]), f"write_kv K (seed {seed})"
-    assert torch.equal(v_cache[written], expected_v[written]), f"write_kv V (seed {seed})"
+    write_kv_triton(k, v, k_cache, v_cache, slots, **scales)
+    write_kv_ref(k, v, expected_k, expected_v, slots, **scales)
+    # compared as bytes: the untouched NaN slots then compare equal, and torch.equal has
+    # no fp8 kernels on CPU
+    for name, out, ref in (("K", k_cache, expected_k), ("V", v_cache, expected_v)):
+        assert torch.equal(out.float().isnan(), ref.float().isnan()), \
+            f"write_kv {name} slots (seed {seed})"
+        assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), \
+            f"write_kv {name} (seed {seed})"
 
 
 def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: str,
@@ -279,6 +307,18 @@ def attention_padded_decode_batch() -> None:
 
 
 @interpreter_check
+def fp8_cache_kernels() -> None:
+    """The attention (mixed batch with padding, split-K on and off) over e4m3 and e5m2
+    caches, fp32 and fp16 queries."""
+    for cache_dtype in FP8:
+        check_attention(AttentionShape(4, 2, 64, 16), TINY_REQUESTS, torch.float32, "cpu",
+                        padding=2, config=tiny_config(16, 32, 16, True), cache_dtype=cache_dtype)
+        check_attention(AttentionShape(6, 2, 128, 16), TINY_REQUESTS, torch.float16, "cpu",
+                        padding=2, config=tiny_config(16, 64, 32, False),
+                        cache_dtype=cache_dtype)
+
+
+@interpreter_check
 def small_kernels() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         check_write_kv(13, 2, 64, 4, dtype, "cpu")
@@ -341,6 +381,21 @@ def test_attention_cuda(model: str, block_size: int, dtype: torch.dtype) -> None
     check_attention(shape, decode_requests(3, decodes), dtype, "cuda")
     check_attention(shape, decode_requests(30, decodes), dtype, "cuda", padding=2,
                     max_seq_len=131072)
+
+
+@needs_cuda
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_fp8_cache_kernels_cuda(model: str, cache_dtype: torch.dtype) -> None:
+    """The fp8 write (bytes equal to torch's, saturation included) and the attention over
+    an fp8 cache at real shapes: a mixed batch, and decodes with split-K."""
+    heads, kv_heads, head_dim = MODELS[model][:3]
+    check_write_kv(300, kv_heads, head_dim, 16, torch.bfloat16, "cuda", cache_dtype)
+    shape = AttentionShape(heads, kv_heads, head_dim, 16)
+    check_attention(shape, MIXED_REQUESTS, torch.bfloat16, "cuda", padding=2,
+                    cache_dtype=cache_dtype)
+    check_attention(shape, decode_requests(3, random.Random()), torch.bfloat16, "cuda",
+                    cache_dtype=cache_dtype)
 
 
 @needs_cuda

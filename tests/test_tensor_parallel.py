@@ -198,8 +198,9 @@ def test_every_rank_has_the_logits_of_one_rank(world, archs, kv_heads, load_form
 PROMPTS = [token_ids(n, seed=n) for n in (5, 17, 3, 40)]
 
 
-def generate(model_dir: Path, size: int, params: SamplingParams) -> list[list[int]]:
-    llm = LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3)
+def generate(model_dir: Path, size: int, params: SamplingParams,
+             **engine_args) -> list[list[int]]:
+    llm = LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3, **engine_args)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                                use_tqdm=False)
@@ -215,6 +216,14 @@ def test_the_offline_api_at_two_ranks_gives_one_ranks_tokens(arch, tmp_path):
     for params in (SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                    SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)):
         assert generate(model_dir, 2, params) == generate(model_dir, 1, params), params
+
+
+def test_an_fp8_kv_cache_at_two_ranks_gives_one_ranks_tokens(tmp_path):
+    """Each rank's cache holds its heads in fp8 with the same per-layer scales."""
+    model_dir = make_tiny_model(tmp_path, "llama")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert generate(model_dir, 2, params, kv_cache_dtype="fp8") == \
+        generate(model_dir, 1, params, kv_cache_dtype="fp8")
 
 
 def embed(model_dir: Path, size: int) -> torch.Tensor:

@@ -19,12 +19,13 @@ from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.model_files import resolve_model
-from services.worker.layers.checkpoint import CheckpointSlice
+from services.worker.layers.checkpoint import CheckpointSlice, read_whole
 from services.worker.layers.norm import RMSNorm
 from services.worker.models import CausalLM, model_class
 
 DUMMY_STD = 0.02
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 
 
 def load_model(config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype,
@@ -95,10 +96,14 @@ def load_weights(model: CausalLM,
     """Routes each checkpoint tensor to its parameter's weight_loader (q/k/v and gate/up
     into their fused parameters) and checks that every parameter got all its shards."""
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
     loaded: set[tuple[str, str | int | None]] = set()
     for name, tensor in weights:
         if name.endswith(IGNORED_SUFFIXES) or (
                 model.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if name.endswith(KV_SCALE_SUFFIXES):
+            load_kv_scale(buffers, name, tensor)
             continue
         target, shard_id = route(name, model)
         if target not in params:
@@ -112,6 +117,17 @@ def load_weights(model: CausalLM,
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights of "
                          f"{type(model).__name__}, e.g. {', '.join(missing[:5])}")
+
+
+def load_kv_scale(buffers: dict[str, torch.Tensor], name: str,
+                  tensor: torch.Tensor | CheckpointSlice) -> None:
+    """An fp8 checkpoint's per-tensor KV cache scale (vLLM and llm-compressor write
+    self_attn.k_scale or self_attn.attn.k_scale) into its Attention's buffer. Every
+    tensor-parallel rank takes the whole scale: it covers all heads."""
+    target = name if ".attn." in name else name.replace(".self_attn.", ".self_attn.attn.")
+    if target not in buffers:
+        raise ValueError(f"checkpoint tensor {name!r} has no KV cache scale to load into")
+    buffers[target].copy_(read_whole(tensor).float().reshape(1))
 
 
 def route(name: str, model: CausalLM) -> tuple[str, str | int | None]:

@@ -31,6 +31,8 @@ def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype,
 
 
 def plan_num_blocks(config: EngineConfig, runner: Profilable, bytes_per_block: int) -> int:
+    """bytes_per_block: kv_cache_bytes_per_block of the cache's dtype, so an fp8 cache gets
+    twice the blocks of a 16-bit one in the same budget."""
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
     elif config.kv_cache_memory is not None:
@@ -45,9 +47,9 @@ def plan_num_blocks(config: EngineConfig, runner: Profilable, bytes_per_block: i
             "--kv-cache-memory, or lower --max-num-batched-tokens / --max-num-seqs")
     assert config.max_model_len is not None
     per_request = -(-config.max_model_len // config.block_size)
-    log.info("KV cache: %d blocks of %d tokens (%.2f GiB); maximum concurrency for "
-             "%d tokens per request: %.2fx", num_blocks, config.block_size,
-             num_blocks * bytes_per_block / 2**30, config.max_model_len,
+    log.info("KV cache (%s): %d blocks of %d tokens (%.2f GiB); maximum concurrency for "
+             "%d tokens per request: %.2fx", config.kv_cache_dtype, num_blocks,
+             config.block_size, num_blocks * bytes_per_block / 2**30, config.max_model_len,
              num_blocks / per_request)
     return num_blocks
 

@@ -32,7 +32,7 @@ from common.sampling_params import SamplingParams
 from common.tokens import slice_tokens
 from services.worker.cuda_graphs import StepGraphs, graph_tokens
 from services.worker.grammar import Grammars, MaskRow, accept
-from services.worker.layers.attention import AttentionMetadata, ForwardContext
+from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
 from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_all_reduce
 from services.worker.loader import load_model
 from services.worker.lora import LoRAManager
@@ -131,12 +131,22 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, config.dtype)
 
 
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                    "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's dtype for auto (vLLM's meaning)."""
+    return FP8_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_dir) -> None:
         self.config = config
         self.hf_config = hf_config
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
         torch.manual_seed(config.seed)
         self.model = load_model(config, hf_config, self.device, self.dtype, model_dir)
         # before the memory plan and the graphs: its slots take memory, its layers are
@@ -153,14 +163,24 @@ class ModelRunner:
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._connect_peers()
         self.num_blocks = min_over_ranks(plan_num_blocks(config, self, kv_cache_bytes_per_block(
-            hf_config, config.block_size, self.dtype, config.tensor_parallel_size)),
+            hf_config, config.block_size, self.kv_cache_dtype, config.tensor_parallel_size)),
             self.device)
-        shape = kv_cache_shape(hf_config, self.num_blocks, self.block_size,
-                               config.tensor_parallel_size)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(self.model.num_layers)]
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.graphs = self._capture_graphs()
+        # after the capture: the graphs hold no scale calculation, and _forward runs the
+        # steps eagerly until the first real one has set the scales
+        self.scales_pending: list[Attention] = []
+        if config.calculate_kv_scales and config.kv_cache_dtype != "auto":
+            self.scales_pending = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for attn in self.scales_pending:
+            attn.calculate_scales = True
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = kv_cache_shape(self.hf_config, num_blocks, self.block_size,
+                               self.config.tensor_parallel_size)
+        return [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
+                for _ in range(self.model.num_layers)]
 
     # --- one step -----------------------------------------------------------------------
 
@@ -321,6 +341,9 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         graphs, attn = self.graphs, inputs.attn
+        self.scales_pending = [m for m in self.scales_pending if m.calculate_scales]
+        if self.scales_pending:
+            graphs = None
         key = None if graphs is None else graphs.key(attn, inputs.input_ids.shape[0])
         if key is not None:
             return graphs.run(key, inputs.input_ids, inputs.positions, attn)
@@ -461,11 +484,7 @@ class ModelRunner:
         q_lens[: num_tokens % num_reqs] += 1
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
-        shape = kv_cache_shape(self.hf_config, 1, self.block_size,
-                               self.config.tensor_parallel_size)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.dtype, device=self.device))
-                  for _ in range(self.model.num_layers)]
+        caches = self._allocate_kv_caches(1)
         max_blocks = -(-int(q_lens.max()) // self.block_size)
         attn = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),

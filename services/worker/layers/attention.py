@@ -34,13 +34,32 @@ class ForwardContext:
 
 class Attention(nn.Module):
     """q: [T, num_heads * head_dim], k and v: [T, num_kv_heads * head_dim] (this rank's
-    heads) -> [T, num_heads * head_dim]."""
+    heads) -> [T, num_heads * head_dim].
+
+    k_scale and v_scale are the fp8 cache's per-layer scales (unused by other caches):
+    buffers, so a checkpoint's self_attn.attn.k_scale loads into them and CUDA graphs read
+    their current value. calculate_scales: set them from the first forward pass that
+    writes real tokens (amax / the format's max), as vLLM's --calculate-kv-scales does."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  layer_idx: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads, self.layer_idx = num_kv_heads, layer_idx
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32))
+        self.calculate_scales = False
+
+    def _calculate_scales(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> None:
+        keep = slot_mapping >= 0
+        if not bool(keep.any()):  # a warm-up or padding-only step says nothing of the data
+            return
+        limit = torch.finfo(k_cache.dtype).max
+        # a zero amax would divide by zero at the write; any positive scale stores zeros
+        self.k_scale.copy_((k[keep].abs().amax().float() / limit).clamp(min=1e-12))
+        self.v_scale.copy_((v[keep].abs().amax().float() / limit).clamp(min=1e-12))
+        self.calculate_scales = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -49,8 +68,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         meta = ctx.attn
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.calculate_scales:
+            self._calculate_scales(k, v, k_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                               meta.seq_lens, self.scale, max_query_len=meta.max_query_len,
-                              max_seq_len=meta.max_seq_len)
+                              max_seq_len=meta.max_seq_len, k_scale=self.k_scale,
+                              v_scale=self.v_scale)
         return out.flatten(1)

@@ -23,7 +23,7 @@ class CheckpointSlice:
         return self.lazy[index]
 
     def read(self) -> torch.Tensor:
-        return self.lazy[:]
+        return self.lazy[...]  # [:] would refuse a 0-d tensor (a KV cache scale)
 
 
 def read_whole(tensor: torch.Tensor | CheckpointSlice) -> torch.Tensor:
