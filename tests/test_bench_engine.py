@@ -19,7 +19,7 @@ from tests.conftest import run_command
 from tests.tiny_models import make_tiny_model
 
 SHAPE = ModelShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, weight_bytes=1000,
-                   num_params=500, dtype_bytes=2)
+                   num_params=500, kv_value_bytes=2)
 
 
 def test_nano_workload_is_the_published_one():
@@ -153,4 +153,20 @@ def test_latency_command_reports_decode_time(tiny, tmp_path, tp):
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["decode_ms_per_token_median"] > 0 and data["prefill_ms"] > 0
-    assert data["floor_ms_per_token"] > 0
+    assert data["floor_ms_per_token"] > 0 and data["draft_tokens"] == 0
+
+
+def test_latency_command_speculates_on_a_repeating_prompt(tiny, tmp_path):
+    """--prompt-period makes the prompt repeat, so ngram speculation always finds drafts;
+    the timed iterations' drafts and acceptances are reported (none without it)."""
+    out = tmp_path / "latency.json"
+    spec = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
+            '"prompt_lookup_min": 1}')
+    result = run_command("bench", "latency", "--model", str(tiny), "--context-len", "32",
+                         "--output-len", "48", "--iterations", "1", "--prompt-period", "4",
+                         "--speculative-config", spec, "--num-gpu-blocks-override", "64",
+                         "--json", str(out), "--device", "cpu", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["draft_tokens"] > 0 and 0 <= data["accepted_draft_tokens"] <= data["draft_tokens"]
+    assert f"of {data['draft_tokens']} draft tokens accepted" in result.stdout

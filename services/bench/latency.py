@@ -85,12 +85,17 @@ def main(argv: list[str]) -> int:
         prompts = [repeated(p[:args.prompt_period], args.context_len) for p in prompts]
     time_one_batch(engine, prompts, 4)  # warm-up: kernels compile, graphs are ready
     prefills, decodes = [], []
+    spec = engine.scheduler.spec  # the timed iterations' share of its counters
+    drafted, accepted = -spec.num_draft_tokens, -spec.num_accepted_tokens
     for _ in range(args.iterations):
         prefill, steps = time_one_batch(engine, prompts, args.output_len)
         prefills.append(prefill)
         decodes += steps
+    drafted += spec.num_draft_tokens
+    accepted += spec.num_accepted_tokens
     shape = ModelShape.of(engine.runner.model, engine.runner.hf_config,
-                          engine.config.tensor_parallel_size)
+                          engine.config.tensor_parallel_size,
+                          engine.runner.kv_caches[0][0].element_size())
     ceilings = measure_ceilings(engine.runner.device)
     context = args.context_len + args.output_len / 2
     floor_s = (shape.weight_bytes + args.batch_size * context * shape.kv_bytes_per_token) \
@@ -104,14 +109,16 @@ def main(argv: list[str]) -> int:
               "decode_ms_per_token_mean": statistics.fmean(ms),
               "decode_ms_per_token_p90": sorted(ms)[int(0.9 * (len(ms) - 1))],
               "floor_ms_per_token": 1000 * floor_s,
-              "copy_bandwidth_tb_s": ceilings.copy_bytes_per_s / 1e12}
+              "copy_bandwidth_tb_s": ceilings.copy_bytes_per_s / 1e12,
+              "draft_tokens": drafted, "accepted_draft_tokens": accepted}
     print(f"{result['machine']['device']}: batch {args.batch_size}, context "
           f"{args.context_len}: prefill {result['prefill_ms']:.1f} ms; decode "
           f"{result['decode_ms_per_token_median']:.3f} ms/token median "
           f"(mean {result['decode_ms_per_token_mean']:.3f}, p90 "
           f"{result['decode_ms_per_token_p90']:.3f}); floor {result['floor_ms_per_token']:.3f}"
           f" ms/token ({result['floor_ms_per_token'] / result['decode_ms_per_token_median']:.0%}"
-          " of it achieved)")
+          " of it achieved)" + (f"; {accepted} of {drafted} draft tokens accepted"
+                                 if drafted else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

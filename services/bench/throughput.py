@@ -332,7 +332,8 @@ def run_engine(args: argparse.Namespace, config: EngineConfig) -> EngineRuns:
     engine = Engine(config)
     workload = make_workload(args, engine.runner.model.vocab_size)
     shape = ModelShape.of(engine.runner.model, engine.runner.hf_config,
-                          engine.config.tensor_parallel_size)
+                          engine.config.tensor_parallel_size,
+                          engine.runner.kv_caches[0][0].element_size())
     ceilings = measure_ceilings(engine.runner.device)
     # the kernels of every step shape compile untimed, on prompts the timed run won't reuse
     run_inprocess(engine, warmup_twin(workload, WARMUP_SEED))

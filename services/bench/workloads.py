@@ -82,14 +82,15 @@ class ModelShape:
     head_dim: int
     weight_bytes: int
     num_params: int
-    dtype_bytes: int
+    kv_value_bytes: int  # of one K or V value in the cache: 1 with an fp8 cache
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_value_bytes
 
     @classmethod
-    def of(cls, model: torch.nn.Module, hf_config, tp_size: int) -> ModelShape:
+    def of(cls, model: torch.nn.Module, hf_config, tp_size: int, kv_value_bytes: int
+           ) -> ModelShape:
         """What one GPU holds and computes: a tensor-parallel rank's share (its weights,
         heads and KV heads), the floor of a shard whose ranks run side by side."""
         params = list(model.parameters())
@@ -98,7 +99,7 @@ class ModelShape:
         return cls(hf_config.num_hidden_layers, hf_config.num_attention_heads // tp_size,
                    model.num_kv_heads, head_dim,
                    sum(p.numel() * p.element_size() for p in params),
-                   sum(p.numel() for p in params), params[0].element_size())
+                   sum(p.numel() for p in params), kv_value_bytes)
 
 
 @dataclass(slots=True)
