@@ -16,6 +16,8 @@ import json
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -167,13 +169,21 @@ class Gateway:
         model, lora = await self.generation_model(job.model)
         self.admit(job)
         call = await self.new_call(job, model, lora)
+        async with self.open_call(request, call, job.ignored) as (inbox, log):
+            return await self.answer(request, call, inbox, log)
+
+    @asynccontextmanager
+    async def open_call(self, request: web.Request, call: Call | EmbeddingCall,
+                        ignored: list[str]) -> AsyncIterator[tuple[Inbox, Any]]:
+        """The call's inbox and logger while it runs; on the way out, whatever the reason,
+        its unfinished requests are aborted and its inbox closed."""
         request["rid"] = call.id  # for the error middleware's log line
         log = self.log.bind(rid=call.id)
-        if job.ignored:
-            log.warning("ignored unknown request fields", fields=job.ignored)
+        if ignored:
+            log.warning("ignored unknown request fields", fields=ignored)
         inbox = self.replies.open(call.rids)
         try:
-            return await self.answer(request, call, inbox, log)
+            yield inbox, log
         except asyncio.CancelledError:
             log.info("client disconnected")
             raise
@@ -369,13 +379,8 @@ class Gateway:
                 check_vocabulary(given, self.info.vocab_size, "input")
         self.check_admission()
         call = EmbeddingCall(job, "embd-" + uuid.uuid4().hex, model, int(time.time()))
-        request["rid"] = call.id
-        log = self.log.bind(rid=call.id)
-        if job.ignored:
-            log.warning("ignored unknown request fields", fields=job.ignored)
-        inbox = self.replies.open(call.rids)
         arrival = time.monotonic()
-        try:
+        async with self.open_call(request, call, job.ignored) as (inbox, log):
             await self.outbox.publish(keys.REQUESTS, *call.requests(self.id, time.time()))
             log.info("request queued", prompts=len(call.rids), embeddings=True)
             while not call.done:
@@ -386,12 +391,6 @@ class Gateway:
                 raise call.error
             log.info("request finished", prompt_tokens=call.prompt_tokens())
             return json_body(call.response())
-        except asyncio.CancelledError:
-            log.info("client disconnected")
-            raise
-        finally:
-            self.abort(call.unfinished_rids())
-            self.replies.close(call.rids)
 
     def record_embedding(self, rid: str, seconds: float) -> None:
         """An embedding request ends with its answer: vLLM counts it a success "stop"."""

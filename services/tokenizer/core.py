@@ -10,7 +10,6 @@ may fill the whole context.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -67,11 +66,10 @@ class InputProcessor:
         if requested is not None:
             self._check_fits(len(ids), requested)
         admit = self._admit(req.rid, req.reply_to, ids, params, req.arrival_time,
-                            req.priority)
-        if req.lora is None:
-            return admit
-        self.check_adapter(req.lora)
-        return dataclasses.replace(admit, lora=req.lora)
+                            req.priority, req.lora)
+        if req.lora is not None:
+            self.check_adapter(req.lora)
+        return admit
 
     def check_adapter(self, lora: LoRARequest) -> None:
         """A 400 naming the adapter, here rather than in the worker's step. Ids are never
@@ -97,8 +95,7 @@ class InputProcessor:
             self._check_fits(len(ids), params.max_tokens)
         with sampling_checks():
             params = params.replace(max_tokens=self.defaults.cap(params.max_tokens))
-        admit = self._admit(rid, reply_to, ids, params, arrival_time, priority)
-        return admit if lora is None else dataclasses.replace(admit, lora=lora)
+        return self._admit(rid, reply_to, ids, params, arrival_time, priority, lora)
 
     def admit_embedding(self, rid: str, reply_to: str, prompt_token_ids: list[int],
                         arrival_time: float = 0.0, priority: int = 0) -> AdmitRequest:
@@ -190,7 +187,8 @@ class InputProcessor:
             check_vocabulary(params.allowed_token_ids, self.vocab_size, "allowed_token_ids")
 
     def _admit(self, rid: str, reply_to: str, ids: list[int], params: SamplingParams,
-               arrival_time: float, priority: int) -> AdmitRequest:
+               arrival_time: float, priority: int, lora: LoRARequest | None = None
+               ) -> AdmitRequest:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         with sampling_checks():
@@ -200,7 +198,7 @@ class InputProcessor:
                 to_grammar(params.structured_outputs)  # a bad one stops here, not in a worker
         self._check_sampling_ids(params)
         return AdmitRequest(rid=rid, reply_to=reply_to, prompt_token_ids=ids, params=params,
-                            arrival_time=arrival_time, priority=priority)
+                            arrival_time=arrival_time, priority=priority, lora=lora)
 
 
 @contextmanager
