@@ -8,7 +8,8 @@ Two ways to consume:
   outputs; a read batch's outputs and the XACKs of its inputs go in one MULTI/EXEC, so a
   stage killed between the two neither loses nor duplicates anything (on a Redis Cluster,
   one per hash slot: common/redis_cluster.py says what that changes). Failures are retried, then
-  moved to `hr:dead`; entries left pending by a dead consumer are claimed (XAUTOCLAIM).
+  moved to `hr:dead`; entries left pending by a dead consumer are claimed (XAUTOCLAIM),
+  and at once where its process had named its connections after it and none is left.
 * `read(...)` / `tail(...)` + `commit(...)`: for stateful consumers (scheduler, worker,
   gateway) that read several streams and batch their work.
 * `set_alive` / `values` / `store` / `load`: the little shared state beside the streams
@@ -41,6 +42,7 @@ UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
 LAG_COUNT_LIMIT = 10_000
 MAX_CONNECTIONS = 16
 LANES = 4  # of MAX_CONNECTIONS, held for the hot calls (common/redis_lanes.py)
+ORPHAN_CHECK_S = 0.5  # how often a consumer looks for dead consumers' pending entries
 
 Output = tuple[str, Any]
 Record = tuple[str, Mapping[str, str | bytes]]  # (stream, entry fields), ready for XADD
@@ -148,6 +150,7 @@ class Bus:
         if maxlen < 1:
             raise ValueError(f"maxlen must be positive, got {maxlen}")
         self.url = url
+        self.name = name
         self.maxlen = maxlen
         self.retry_timeout_s = retry_timeout_s
         self.max_backoff_s = max_backoff_s
@@ -352,6 +355,32 @@ class Bus:
         trimmed = any(entry_id is None for entry_id, _ in items)
         return Claim(await self._decode_all(raw, group), _text(cursor), trimmed)
 
+    async def orphaned(self, stream: str, group: str) -> list[str]:
+        """The consumers of `group` that hold pending entries while no connection to Redis
+        carries their name: their process died (a service names its connections after its
+        consumer). None on a Redis Cluster, whose connections spread over its nodes."""
+        if isinstance(self.redis, RedisCluster):
+            return []
+        summary = await self.redis.xpending(stream, group)
+        holders = [_text(c["name"]) for c in summary["consumers"] or () if int(c["pending"])]
+        if not holders:
+            return []
+        connected = {client.get("name") for client in await self.redis.client_list()}
+        return [name for name in holders if name not in connected]
+
+    async def claim_from(self, stream: str, group: str, consumer: str, orphan: str,
+                         count: int) -> Claim:
+        """Up to `count` of the entries `orphan` holds, claimed for `consumer` however
+        short their idle time (XCLAIM)."""
+        rows = await self.redis.xpending_range(stream, group, "-", "+", count,
+                                               consumername=orphan)
+        if not rows:
+            return Claim([], "0-0", False)
+        items = await self.redis.xclaim(stream, group, consumer, 0,
+                                        [row["message_id"] for row in rows])
+        raw = [(stream, entry_id, fields) for entry_id, fields in items if fields]
+        return Claim(await self._decode_all(raw, group), "0-0", len(raw) < len(items))
+
     async def delivery_counts(self, stream: str, group: str,
                               ids: Sequence[bytes]) -> dict[bytes, int]:
         """How many times each pending entry has been delivered (XPENDING)."""
@@ -384,7 +413,9 @@ class Bus:
         """Run `handler` on every entry of `stream` for `group` until `stop` is set.
 
         `min_idle_ms` must exceed the longest time an entry waits in a live consumer
-        (count x handler time), or a slow consumer's entries are claimed by another."""
+        (count x handler time), or a slow consumer's entries are claimed by another. When
+        the bus's connections carry `consumer` as their name, the entries of a consumer
+        with no connection left are claimed within ORPHAN_CHECK_S instead."""
         if block_ms >= self.socket_timeout_s * 1000:
             raise ValueError(f"block_ms ({block_ms}) must be below the socket timeout "
                              f"({self.socket_timeout_s * 1000:.0f} ms)")
@@ -443,6 +474,9 @@ class _ConsumeLoop:
         self.read_pending = True  # on start and after a reconnect: our own pending first
         self.next_reclaim = 0.0
         self.claim_cursor = "0-0"
+        # only a consumer that names its connections may judge others by theirs
+        self.claims_orphans = bus.name == consumer
+        self.next_orphan_check = 0.0
         self.read_scope = anyio.CancelScope()
         self.log = log.bind(stream=stream, group=group, consumer=consumer)
 
@@ -475,6 +509,8 @@ class _ConsumeLoop:
             self.need_group = False
         if time.monotonic() >= self.next_reclaim:
             await self._reclaim()
+        if self.claims_orphans and time.monotonic() >= self.next_orphan_check:
+            await self._claim_orphans()
         await self._process(await self._read(stop))
 
     async def _read(self, stop: anyio.Event) -> list[Entry]:
@@ -493,7 +529,9 @@ class _ConsumeLoop:
     def _block_ms(self) -> int:
         """Block no later than the next reclaim is due: on a quiet stream a read would
         otherwise hold a dead consumer's entries back for the whole block."""
-        until_reclaim_ms = (self.next_reclaim - time.monotonic()) * 1000
+        due = min(self.next_reclaim, self.next_orphan_check if self.claims_orphans
+                  else math.inf)
+        until_reclaim_ms = (due - time.monotonic()) * 1000
         return max(1, min(self.block_ms, math.ceil(until_reclaim_ms)))
 
     async def _reclaim(self) -> None:
@@ -508,6 +546,20 @@ class _ConsumeLoop:
         if claim.entries:
             self.log.info("claimed idle entries", n=len(claim.entries))
             await self._process_claimed(claim.entries)
+
+    async def _claim_orphans(self) -> None:
+        """Take over what a killed replica held without waiting `min_idle_ms`: its
+        restart may take seconds (imports, a tokenizer load) while its clients wait."""
+        self.next_orphan_check = time.monotonic() + ORPHAN_CHECK_S
+        for orphan in await self.bus.orphaned(self.stream, self.group):
+            claim = await self.bus.claim_from(self.stream, self.group, self.consumer,
+                                              orphan, self.count)
+            self.read_pending |= claim.trimmed
+            if claim.entries:
+                self.log.info("claimed a dead consumer's entries", dead=orphan,
+                              n=len(claim.entries))
+                self.next_orphan_check = 0.0  # it may hold more than a page
+                await self._process_claimed(claim.entries)
 
     async def _process_claimed(self, entries: list[Entry]) -> None:
         counts = await self.bus.delivery_counts(self.stream, self.group,

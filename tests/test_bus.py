@@ -320,6 +320,32 @@ async def test_a_quiet_streams_blocked_read_does_not_delay_a_claim(bus_url):
 
 
 @pytest.mark.anyio
+async def test_a_consumer_with_no_connection_left_loses_its_entries_at_once(redis_url):
+    """Consumers that name their connections after themselves: the entry of one whose
+    connections closed (its process died) is claimed long before `min_idle_ms`; the entry
+    of one still connected (stopped, busy) is left to it."""
+    handled = []
+
+    async def handler(msg):
+        handled.append(msg.rid)
+
+    async with Bus(redis_url, name="c1") as bus, Bus(redis_url, name="stopped") as stopped:
+        await bus.ensure_group(IN, "g")
+        await bus.publish(IN, Abort("of-the-dead"), Abort("of-the-stopped"))
+        async with Bus(redis_url, name="dead") as dead:
+            await dead.read("g", "dead", {IN: ">"}, count=1)
+        await stopped.read("g", "stopped", {IN: ">"}, count=1)
+        start = time.monotonic()
+        await run_consumer(bus, handler, lambda: handled, min_idle_ms=60_000,
+                           reclaim_every_s=30, block_ms=5000)
+        elapsed = time.monotonic() - start
+        await anyio.sleep(2 * busmod.ORPHAN_CHECK_S)
+        pending = await bus.redis.xpending(IN, "g")
+    assert handled == ["of-the-dead"] and elapsed < 2 * busmod.ORPHAN_CHECK_S + 1
+    assert {c["name"]: c["pending"] for c in pending["consumers"]} == {b"stopped": 1}
+
+
+@pytest.mark.anyio
 async def test_a_deleted_group_is_created_again(bus_url):
     handled = []
 
