@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.messages import StepPlan
 from services.bench.throughput import parse_paths
@@ -170,3 +171,42 @@ def test_latency_command_speculates_on_a_repeating_prompt(tiny, tmp_path):
     data = json.loads(out.read_text())
     assert data["draft_tokens"] > 0 and 0 <= data["accepted_draft_tokens"] <= data["draft_tokens"]
     assert f"of {data['draft_tokens']} draft tokens accepted" in result.stdout
+
+
+def test_random_adapters_are_peft_adapters_the_engine_serves(tiny, tmp_path):
+    """The benchmark's hand-written adapters load in PEFT, and a batch mixing two of them
+    with the base model equals PEFT's merged weights: the files are what they claim."""
+    from transformers import AutoConfig
+
+    from common.sampling_params import SamplingParams
+    from services import LLM
+    from services.bench.adapters import random_adapters
+    from tests.test_lora import MAX_TOKENS, merged_greedy
+
+    adapters = random_adapters(AutoConfig.from_pretrained(tiny), 2, 8, tmp_path,
+                               dtype=torch.float32)
+    prompts = [[5, 9, 14, 3, 22], [7, 7, 31], [40, 2, 18, 6]]
+    loras = [*adapters, None]
+    llm = LLM(str(tiny), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              num_gpu_blocks_override=64, block_size=4)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True),
+                           use_tqdm=False, lora_request=loras)
+    got = [out.outputs[0].token_ids for out in outputs]
+    assert got == [merged_greedy(tiny, None if lora is None else lora.lora_path, prompt)
+                   for prompt, lora in zip(prompts, loras)]
+    assert got[:2] != [merged_greedy(tiny, None, prompt) for prompt in prompts[:2]]
+
+
+def test_latency_command_decodes_under_lora_adapters(tiny, tmp_path):
+    out = tmp_path / "latency.json"
+    common = ["bench", "latency", "--model", str(tiny), "--context-len", "16",
+              "--output-len", "4", "--iterations", "1", "--batch-size", "4",
+              "--num-gpu-blocks-override", "64", "--device", "cpu", "--lora-adapters", "2"]
+    refused = run_command(*common, timeout=300)
+    assert refused.returncode == 2 and "needs --enable-lora" in refused.stderr
+    result = run_command(*common, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                         "--json", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(out.read_text())["lora_adapters"] == 2
+    assert "2 LoRA adapters" in result.stdout

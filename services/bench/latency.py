@@ -1,12 +1,15 @@
 """`headrace bench latency`: one batch's prefill time and per-token decode latency.
 
     headrace bench latency --model DIR --load-format dummy --context-len 1000 \\
-        [--batch-size 1] [--output-len 128] [--iterations 3] [--json FILE]
+        [--batch-size 1] [--output-len 128] [--iterations 3] [--json FILE] \\
+        [--enable-lora --max-loras 4 --max-lora-rank 16 --lora-adapters 4]
 
 Each iteration prefills `batch-size` prompts of `context-len` tokens and decodes
 `output-len` tokens; prefill is the time to the first token, a decode's time the gap
 between one request's consecutive tokens (ms per output token). The floor
 of a batch-1 decode is the weights plus the KV cache read once, over the copy bandwidth.
+With --lora-adapters N, request i decodes under random adapter i mod N of rank
+--max-lora-rank over every projection (services/bench/adapters.py).
 """
 
 from __future__ import annotations
@@ -14,15 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from common.config import ConfigError, add_engine_args, engine_config_from_args
 from common.log import configure_logging
+from common.messages import LoRARequest
 from common.sampling_params import SamplingParams
+from services.bench.adapters import random_adapters
 from services.bench.throughput import _sync, machine_info
 from services.bench.workloads import ModelShape, fixed_workload, measure_ceilings
 from services.offline.engine import Engine
@@ -40,13 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="each prompt repeats its first N tokens (0: no repetition), "
                              "so that ngram speculative decoding finds drafts; with "
                              "speculation, compare the mean decode time per token")
+    parser.add_argument("--lora-adapters", type=int, default=0,
+                        help="random LoRA adapters the batch's requests take in turn (0: the "
+                             "base model); needs --enable-lora and --max-loras >= N")
     parser.add_argument("--json", default=None, help="write the results to this file")
     add_engine_args(parser)
     return parser
 
 
-def time_one_batch(engine: Engine, prompts: list[list[int]], output_len: int
-                   ) -> tuple[float, list[float]]:
+def time_one_batch(engine: Engine, prompts: list[list[int]], output_len: int,
+                   adapters: Sequence[LoRARequest] = ()) -> tuple[float, list[float]]:
     """(seconds to the first token, seconds between each later token and the one before),
     for the batch's first request. Steps run back to back with no synchronisation of our
     own, as in serving: the engine launches a step before the previous one's tokens are
@@ -54,7 +64,8 @@ def time_one_batch(engine: Engine, prompts: list[list[int]], output_len: int
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
     run_id = uuid.uuid4().hex[:6]
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{run_id}-{i}", prompt, params)
+        engine.add_request(f"{run_id}-{i}", prompt, params,
+                           lora=adapters[i % len(adapters)] if adapters else None)
     first = f"{run_id}-0"
     _sync(engine.runner.device)
     start = time.perf_counter()
@@ -77,18 +88,30 @@ def main(argv: list[str]) -> int:
         config = engine_config_from_args(args)
     except ConfigError as e:
         parser.error(str(e))
+    if args.lora_adapters and not (config.enable_lora
+                                   and config.max_loras >= args.lora_adapters):
+        parser.error(f"--lora-adapters {args.lora_adapters} needs --enable-lora and "
+                     f"--max-loras >= {args.lora_adapters} (one step holds them all)")
     configure_logging("bench")
-    engine = Engine(config)
+    with tempfile.TemporaryDirectory(prefix="headrace-adapters-") as root:
+        return run(args, argv, Engine(config), Path(root))
+
+
+def run(args: argparse.Namespace, argv: list[str], engine: Engine, adapter_root: Path
+        ) -> int:
+    adapters = random_adapters(engine.runner.hf_config, args.lora_adapters,
+                               engine.config.max_lora_rank, adapter_root,
+                               engine.runner.dtype)
     prompts = fixed_workload("latency", args.batch_size, args.context_len, 1,
                              vocab_size=engine.runner.model.vocab_size).prompts
     if args.prompt_period > 0:
         prompts = [repeated(p[:args.prompt_period], args.context_len) for p in prompts]
-    time_one_batch(engine, prompts, 4)  # warm-up: kernels compile, graphs are ready
+    time_one_batch(engine, prompts, 4, adapters)  # warm-up: compiles, graphs, adapters
     prefills, decodes = [], []
     spec = engine.scheduler.spec  # the timed iterations' share of its counters
     drafted, accepted = -spec.num_draft_tokens, -spec.num_accepted_tokens
     for _ in range(args.iterations):
-        prefill, steps = time_one_batch(engine, prompts, args.output_len)
+        prefill, steps = time_one_batch(engine, prompts, args.output_len, adapters)
         prefills.append(prefill)
         decodes += steps
     drafted += spec.num_draft_tokens
@@ -110,7 +133,8 @@ def main(argv: list[str]) -> int:
               "decode_ms_per_token_p90": sorted(ms)[int(0.9 * (len(ms) - 1))],
               "floor_ms_per_token": 1000 * floor_s,
               "copy_bandwidth_tb_s": ceilings.copy_bytes_per_s / 1e12,
-              "draft_tokens": drafted, "accepted_draft_tokens": accepted}
+              "draft_tokens": drafted, "accepted_draft_tokens": accepted,
+              "lora_adapters": len(adapters)}
     print(f"{result['machine']['device']}: batch {args.batch_size}, context "
           f"{args.context_len}: prefill {result['prefill_ms']:.1f} ms; decode "
           f"{result['decode_ms_per_token_median']:.3f} ms/token median "
@@ -118,7 +142,8 @@ def main(argv: list[str]) -> int:
           f"{result['decode_ms_per_token_p90']:.3f}); floor {result['floor_ms_per_token']:.3f}"
           f" ms/token ({result['floor_ms_per_token'] / result['decode_ms_per_token_median']:.0%}"
           " of it achieved)" + (f"; {accepted} of {drafted} draft tokens accepted"
-                                 if drafted else ""))
+                                 if drafted else "")
+          + (f"; {len(adapters)} LoRA adapters" if adapters else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
