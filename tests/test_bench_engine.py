@@ -155,6 +155,7 @@ def test_latency_command_reports_decode_time(tiny, tmp_path, tp):
     data = json.loads(out.read_text())
     assert data["decode_ms_per_token_median"] > 0 and data["prefill_ms"] > 0
     assert data["floor_ms_per_token"] > 0 and data["draft_tokens"] == 0
+    assert data["decode_tokens_per_s"] > 0
 
 
 def test_latency_command_speculates_on_a_repeating_prompt(tiny, tmp_path):
@@ -210,3 +211,29 @@ def test_latency_command_decodes_under_lora_adapters(tiny, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(out.read_text())["lora_adapters"] == 2
     assert "2 LoRA adapters" in result.stdout
+
+
+def test_the_copy_model_continues_the_latency_prompts_cycle(tmp_path):
+    """benchmarks/gpu/copy_model.py: its greedy continuation of the repeating prompt is the
+    prompt's own cycle, so ngram speculation accepts every draft."""
+    import subprocess
+    import sys
+
+    from common.sampling_params import SamplingParams
+    from services import LLM
+    from services.bench.latency import repeated
+    from tests.conftest import repo_env
+
+    config_dir = make_tiny_model(tmp_path, "llama", tie_word_embeddings=False)
+    out = tmp_path / "copy"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "copy_model.py"
+    done = subprocess.run([sys.executable, str(script), "--config-dir", str(config_dir),
+                           "--out", str(out), "--context-len", "40", "--prompt-period", "6"],
+                          env=repo_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    motif = fixed_workload("latency", 1, 40, 1, vocab_size=512).prompts[0][:6]
+    prompt = repeated(motif, 40)
+    llm = LLM(str(out), dtype="float32", num_gpu_blocks_override=32, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == repeated(motif, 52)[40:]

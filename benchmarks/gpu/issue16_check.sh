@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device script for issue 16 (LoRA, fp8 KV cache, ngram speculation), every output under
+# The device script for issue 16 (LoRA, fp8 KV cache, speculative decoding), every output under
 # $OUT/r, one device call per stage (each inside the 10-minute limit):
 #   source .devkit/env.sh && bash benchmarks/gpu/issue16_check.sh 1
 set -uo pipefail
@@ -30,6 +30,28 @@ case "$1" in
   done
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fp8 \
     > "$R/pytest-gpu-fp8.txt" 2>&1
+  ;;
+3)  # batch-32 decode of Llama-3.1-8B shapes: the base model, LoRA on but unused, and four
+    # random rank-16 adapters over every projection taking the requests in turn; then
+    # batch-1 decode without and with ngram speculation on the copy model (a checkpoint at
+    # the same shapes whose greedy output is the repeating prompt's cycle: copy_model.py)
+  for lora in base enabled adapters4; do
+    args=()
+    [ $lora != base ] && args=(--enable-lora --max-loras 4 --max-lora-rank 16)
+    [ $lora = adapters4 ] && args+=(--lora-adapters 4)
+    bench 150 latency --model $M/llama-3.1-8b-shape --load-format dummy --context-len 1000 \
+      --batch-size 32 --output-len 128 --iterations 3 "${args[@]}" \
+      --json "$R/latency-llama8b-b32-lora-$lora.json" > "$R/latency-llama8b-b32-lora-$lora.txt" 2>&1
+  done
+  PYTHONPATH=$PWD timeout 150 python benchmarks/gpu/copy_model.py --config-dir $M/llama-3.1-8b-shape \
+    --out /tmp/copy-8b --context-len 1000 --prompt-period 16 > "$R/copy-model.txt" 2>&1
+  for spec in none ngram; do
+    args=()
+    [ $spec = ngram ] && args=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}')
+    bench 150 latency --model /tmp/copy-8b --context-len 1000 --batch-size 1 --output-len 128 \
+      --iterations 3 --prompt-period 16 "${args[@]}" \
+      --json "$R/latency-copy8b-b1-$spec.json" > "$R/latency-copy8b-b1-$spec.txt" 2>&1
+  done
   ;;
 esac
 grep -hv '"event"' "$R"/*.txt | tail -n 40
