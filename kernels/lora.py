@@ -1,10 +1,17 @@
 """Mixed-batch LoRA: each token row adds its own adapter's low-rank update.
 
-The adapters of a step sit in `S` slots of stacked weights, `a` [S, R, in] and `b`
-[S, out, R] (rank padded with zeros to R), and `slots` [T] names each token's slot, -1 for
-the base model. delta[t] = scaling[s] * (x[t] a[s]^T) b[s]^T with s = slots[t], zero where
-s < 0. The slot index is read on the device, so a step replays in a CUDA graph with the
-index in a static buffer.
+A LoRA-wrapped projection fuses up to three PEFT modules (q/k/v, gate/up), its "slices",
+each owning a range of output rows. The adapters of a step sit in `S` slots: `a`
+[slices * S * R, in] stacks every slice's and slot's A (slice-major, rank padded with zeros
+to R), `b` [S, out, R] holds each slot's B of every slice at the slice's rows. `slots` [T]
+names each token's slot, -1 for the base model. Row o of slice i gets
+y[t, o] += scaling[s] * (x[t] a[i, s]^T) b[s, o]^T with s = slots[t], nothing where s < 0.
+
+Two launches per projection, whatever the mix: the shrink is one dense GEMM of every token
+against every slot's A (R * S columns are few: the waste is cheap and cuBLAS splits the long
+input dimension well), the expand one Triton kernel that picks each token's slot and slice
+and adds into the projection's output in place. The slot index is read on the device, so a
+step replays in a CUDA graph with the index in a static buffer.
 """
 
 from __future__ import annotations
@@ -13,91 +20,80 @@ import torch
 import triton
 import triton.language as tl
 
-# input features per shrink iteration and output features per expand program: wide enough
-# for 16-byte loads, small enough that one decode row still spreads over the SMs
-BLOCK_IN = 256
+# output features per expand program: wide enough for 16-byte loads, small enough that
+# one decode row still spreads over the SMs
 BLOCK_OUT = 128
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
-               slots: torch.Tensor) -> torch.Tensor:
-    """x: [T, in] -> [T, out] in x's dtype. The one dispatch point for this op: CUDA
-    tensors take the Triton kernels."""
+MAX_SLICES = 3
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             scaling: torch.Tensor, slots: torch.Tensor, starts: tuple[int, ...]) -> None:
+    """y [T, out] += each token's adapter delta; x [T, in]; `starts`: the first output row
+    of each slice after the first. The one dispatch point for this op: CUDA tensors take
+    the Triton expand."""
     if x.is_cuda:
-        return lora_delta_triton(x, a, b, scaling, slots)
-    return lora_delta_ref(x, a, b, scaling, slots)
+        add_lora_triton(y, x, a, b, scaling, slots, starts)
+    else:
+        add_lora_ref(y, x, a, b, scaling, slots, starts)
 
 
-def lora_delta_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
-                   slots: torch.Tensor) -> torch.Tensor:
-    """One gathered low-rank product per slot present, in float32."""
-    out = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float32, device=x.device)
+def add_lora_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 scaling: torch.Tensor, slots: torch.Tensor, starts: tuple[int, ...]) -> None:
+    """One gathered low-rank product per slot and slice present, in float32."""
+    num_slots, out_features, rank = b.shape
+    a = a.view(len(starts) + 1, num_slots, rank, -1)
+    bounds = [0, *starts, out_features]
     for slot in slots.unique().tolist():
         if slot < 0:
             continue
         rows = (slots == slot).nonzero().squeeze(1)
-        shrunk = x[rows].float() @ a[slot].float().T
-        out[rows] = scaling[slot].float() * (shrunk @ b[slot].float().T)
-    return out.to(x.dtype)
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            shrunk = x[rows].float() @ a[i, slot].float().T
+            delta = scaling[slot].float() * (shrunk @ b[slot, lo:hi].float().T)
+            y[rows, lo:hi] = (y[rows, lo:hi].float() + delta).to(y.dtype)
 
 
-def lora_delta_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                      scaling: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Shrink (x a^T, scaled, float32 [T, R]) then expand (· b^T), one program per token
-    (and output block): decode rows of different adapters cost the same as one adapter."""
-    tokens, in_features = x.shape
-    rank, out_features = a.shape[1], b.shape[1]
-    assert x.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
-    shrunk = torch.empty(tokens, rank, dtype=torch.float32, device=x.device)
-    out = torch.empty(tokens, out_features, dtype=x.dtype, device=x.device)
+def add_lora_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    scaling: torch.Tensor, slots: torch.Tensor,
+                    starts: tuple[int, ...]) -> None:
+    tokens = x.shape[0]
+    num_slots, out_features, rank = b.shape
+    assert len(starts) < MAX_SLICES and y.stride(1) == 1 and b.is_contiguous()
     if tokens == 0:
-        return out
-    block_rank = max(16, triton.next_power_of_2(rank))
-    _lora_shrink_kernel[(tokens,)](
-        x, a, scaling, slots, shrunk, in_features, rank, x.stride(0),
-        BLOCK_IN=min(BLOCK_IN, triton.next_power_of_2(in_features)), BLOCK_RANK=block_rank)
+        return
+    shrunk = x @ a.T  # [T, slices * S * R], in x's dtype as PEFT's own lora_A output
+    bound1, bound2 = (*starts, out_features, out_features)[:2]
     block_out = min(BLOCK_OUT, triton.next_power_of_2(out_features))
-    _lora_expand_kernel[(tokens, triton.cdiv(out_features, block_out))](
-        shrunk, b, slots, out, out_features, rank, BLOCK_OUT=block_out, BLOCK_RANK=block_rank)
-    return out
+    _lora_expand_add_kernel[(tokens, triton.cdiv(out_features, block_out))](
+        y, shrunk, b, scaling, slots, out_features, y.stride(0), shrunk.stride(0), num_slots,
+        rank, bound1, bound2, BLOCK_OUT=block_out,
+        BLOCK_RANK=max(16, triton.next_power_of_2(rank)))
 
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, scaling_ptr, slots_ptr, shrunk_ptr, in_features, rank,
-                        x_stride, BLOCK_IN: tl.constexpr, BLOCK_RANK: tl.constexpr):
-    token = tl.program_id(0)
-    # base-model rows (slot -1) read nothing: their bounds are 0 (masks rather than a
-    # data-dependent branch, which older Triton interpreters cannot evaluate)
-    slot = tl.load(slots_ptr + token)
-    active = slot >= 0
-    width = tl.where(active, in_features, 0)
-    ranks = tl.arange(0, BLOCK_RANK)
-    acc = tl.zeros((BLOCK_RANK,), dtype=tl.float32)
-    a_rows = (a_ptr + tl.maximum(slot, 0).to(tl.int64) * rank * in_features
-              + ranks[:, None] * in_features)
-    for start in range(0, in_features, BLOCK_IN):
-        cols = start + tl.arange(0, BLOCK_IN)
-        x = tl.load(x_ptr + token * x_stride + cols, mask=cols < width, other=0.0)
-        a = tl.load(a_rows + cols[None, :],
-                    mask=(ranks[:, None] < rank) & (cols[None, :] < width), other=0.0)
-        acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    acc *= tl.where(active, tl.load(scaling_ptr + tl.maximum(slot, 0)).to(tl.float32), 0.0)
-    tl.store(shrunk_ptr + token * rank + ranks, acc, mask=ranks < rank)
-
-
-@triton.jit
-def _lora_expand_kernel(shrunk_ptr, b_ptr, slots_ptr, out_ptr, out_features, rank,
-                        BLOCK_OUT: tl.constexpr, BLOCK_RANK: tl.constexpr):
+def _lora_expand_add_kernel(y_ptr, shrunk_ptr, b_ptr, scaling_ptr, slots_ptr, out_features,
+                            y_stride, shrunk_stride, num_slots, rank, bound1, bound2,
+                            BLOCK_OUT: tl.constexpr, BLOCK_RANK: tl.constexpr):
     token, block = tl.program_id(0), tl.program_id(1)
+    # base-model rows (slot -1) read and write nothing: masks rather than a data-dependent
+    # branch, which older Triton interpreters cannot evaluate
     slot = tl.load(slots_ptr + token)
-    depth = tl.where(slot >= 0, rank, 0)  # base rows read nothing: see the shrink kernel
+    width = tl.where(slot >= 0, out_features, 0)
+    slot = tl.maximum(slot, 0)
     rows = block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    live = rows < width
+    piece = (rows >= bound1).to(tl.int32) + (rows >= bound2).to(tl.int32)  # each row's slice
     ranks = tl.arange(0, BLOCK_RANK)
-    h = tl.load(shrunk_ptr + token * rank + ranks, mask=ranks < depth, other=0.0)
-    b = tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64) * out_features * rank
-                + rows[:, None] * rank + ranks[None, :],
-                mask=(rows[:, None] < out_features) & (ranks[None, :] < depth),
-                other=0.0)
-    acc = tl.sum(b.to(tl.float32) * h[None, :], axis=1)
-    tl.store(out_ptr + token * out_features + rows, acc.to(out_ptr.dtype.element_ty),
-             mask=rows < out_features)
+    mask = live[:, None] & (ranks[None, :] < rank)
+    h = tl.load(shrunk_ptr + token * shrunk_stride
+                + (piece[:, None] * num_slots + slot) * rank + ranks[None, :],
+                mask=mask, other=0.0)
+    b = tl.load(b_ptr + slot.to(tl.int64) * out_features * rank + rows[:, None] * rank
+                + ranks[None, :], mask=mask, other=0.0)
+    delta = tl.sum(b.to(tl.float32) * h.to(tl.float32), axis=1)
+    delta *= tl.load(scaling_ptr + slot).to(tl.float32)
+    out = y_ptr + token.to(tl.int64) * y_stride + rows
+    y = tl.load(out, mask=live, other=0.0)
+    tl.store(out, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=live)

@@ -34,7 +34,7 @@ import torch
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention import paged_attention, paged_attention_ref
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
-from kernels.lora import lora_delta_ref, lora_delta_triton
+from kernels.lora import add_lora_ref, add_lora_triton
 from kernels.norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
 from kernels.sampling import (BLOCK_VOCAB, gumbel_argmax_ref, gumbel_argmax_triton,
@@ -228,23 +228,29 @@ def check_silu_and_mul(num_tokens: int, d: int, dtype: torch.dtype, device: str)
     assert_close(out, silu_and_mul_ref(x), f"silu_and_mul {dtype}", seed)
 
 
-def check_lora(num_tokens: int, in_features: int, out_features: int, slots: int, rank: int,
-               dtype: torch.dtype, device: str) -> None:
-    """Tokens of `slots` adapters and base rows (-1) interleaved; slot 0 holds a smaller
-    adapter padded with zeros to `rank`, as the worker's slots hold one."""
+def check_lora(num_tokens: int, in_features: int, starts: tuple[int, ...], out_features: int,
+               slots: int, rank: int, dtype: torch.dtype, device: str) -> None:
+    """Tokens of `slots` adapters and base rows (-1) interleaved, over the slices that
+    `starts` splits the output into; slot 0 holds a smaller adapter padded with zeros to
+    `rank`, as the worker's slots hold one. The delta lands on a projection's output."""
     g, seed = fresh_generator()
+    num_slices = len(starts) + 1
     x = rand(g, num_tokens, in_features, dtype=dtype, device=device)
-    a = rand(g, slots, rank, in_features, dtype=dtype, device=device, scale=0.1)
+    a = rand(g, num_slices, slots, rank, in_features, dtype=dtype, device=device, scale=0.1)
     b = rand(g, slots, out_features, rank, dtype=dtype, device=device, scale=0.1)
-    a[0, rank // 2:], b[0, :, rank // 2:] = 0, 0
+    a[:, 0, rank // 2:], b[0, :, rank // 2:] = 0, 0
     scaling = (torch.rand(slots, generator=g) + 0.5).to(device)
     index = torch.randint(-1, slots, (num_tokens,), generator=g)
     index[:slots + 1] = torch.arange(-1, slots)  # every slot and the base model present
     index = index.to(device=device, dtype=torch.int32)
-    out = lora_delta_triton(x, a, b, scaling, index)
-    ref = lora_delta_ref(x, a, b, scaling, index)
-    assert_close(out, ref, f"lora {dtype} {num_tokens}x{in_features}->{out_features}", seed)
-    assert (out[index < 0] == 0).all(), f"base rows got a LoRA delta (seed {seed})"
+    y = rand(g, num_tokens, out_features, dtype=dtype, device=device, scale=0.1)
+    out, ref = y.clone(), y.clone()
+    a = a.view(-1, in_features)
+    add_lora_triton(out, x, a, b, scaling, index, starts)
+    add_lora_ref(ref, x, a, b, scaling, index, starts)
+    what = f"lora {dtype} {num_tokens}x{in_features}->{out_features} slices at {starts}"
+    assert_close(out - y, ref - y, what, seed)
+    assert torch.equal(out[index < 0], y[index < 0]), f"base rows changed (seed {seed})"
 
 
 def check_gumbel_argmax(rows: int, vocab: int, dtype: torch.dtype, device: str) -> None:
@@ -331,10 +337,11 @@ def small_kernels() -> None:
 
 @interpreter_check
 def lora_kernels() -> None:
-    """Feature counts off the block sizes; rank 8 and 16; fp32, fp16 and bf16."""
-    check_lora(9, 96, 300, 3, 8, torch.float32, "cpu")
-    check_lora(7, 600, 40, 2, 16, torch.float16, "cpu")
-    check_lora(6, 64, 200, 4, 16, torch.bfloat16, "cpu")
+    """Feature counts off the block sizes; one, two and three slices; rank 8 and 16; fp32,
+    fp16 and bf16."""
+    check_lora(9, 96, (), 300, 3, 8, torch.float32, "cpu")
+    check_lora(7, 600, (20,), 40, 2, 16, torch.float16, "cpu")
+    check_lora(6, 64, (100, 150), 200, 4, 16, torch.bfloat16, "cpu")
 
 
 @interpreter_check
@@ -505,13 +512,15 @@ def test_sampling_kernel_cuda() -> None:
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_lora_kernels_cuda(dtype: torch.dtype) -> None:
-    """Llama-3.1-8B's projections at rank 16: 32 tokens of 4 adapters and base rows
-    (a decode batch), and a prefill-sized batch."""
-    _, _, _, hidden, intermediate = MODELS["llama-3.1-8b"]
+    """Llama-3.1-8B's projections at rank 16 (qkv, o, gate_up, down): 32 tokens of 4
+    adapters and base rows (a decode batch), and a prefill-sized batch."""
+    heads, kv_heads, head_dim, hidden, intermediate = MODELS["llama-3.1-8b"]
+    q, kv = heads * head_dim, kv_heads * head_dim
     for num_tokens in (32, 2048):
-        check_lora(num_tokens, hidden, hidden, 4, 16, dtype, "cuda")
-        check_lora(num_tokens, hidden, 2 * intermediate, 4, 16, dtype, "cuda")
-        check_lora(num_tokens, intermediate, hidden, 4, 16, dtype, "cuda")
+        check_lora(num_tokens, hidden, (q, q + kv), q + 2 * kv, 4, 16, dtype, "cuda")
+        check_lora(num_tokens, hidden, (), hidden, 4, 16, dtype, "cuda")
+        check_lora(num_tokens, hidden, (intermediate,), 2 * intermediate, 4, 16, dtype, "cuda")
+        check_lora(num_tokens, intermediate, (), hidden, 4, 16, dtype, "cuda")
 
 
 if __name__ == "__main__":

@@ -153,8 +153,8 @@ def test_slots_and_host_cache_are_least_recently_used(tiny):
     saved = load_file(f"{a.lora_path}/adapter_model.safetensors")
     q_a = next(t for name, t in saved.items() if "layers.1.self_attn.q_proj.lora_A" in name)
     module = lora.layers[1][0]  # layer 1's qkv_proj
-    assert torch.equal(module.lora_a["q_proj"][1, :8], q_a)
-    assert not module.lora_a["q_proj"][1, 8:].any()
+    assert torch.equal(module.lora_a[0, 1, :8], q_a)  # slice 0 (q), slot 1
+    assert not module.lora_a[0, 1, 8:].any()
     assert lora.batch.scaling[1].item() == 16 / 8
 
 

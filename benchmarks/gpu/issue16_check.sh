@@ -31,10 +31,11 @@ case "$1" in
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fp8 \
     > "$R/pytest-gpu-fp8.txt" 2>&1
   ;;
-3)  # batch-32 decode of Llama-3.1-8B shapes: the base model, LoRA on but unused, and four
-    # random rank-16 adapters over every projection taking the requests in turn; then
-    # batch-1 decode without and with ngram speculation on the copy model (a checkpoint at
-    # the same shapes whose greedy output is the repeating prompt's cycle: copy_model.py)
+3)  # the LoRA GPU tests; batch-32 decode of Llama-3.1-8B shapes: the base model, LoRA on
+    # but unused, and four random rank-16 adapters over every projection taking the
+    # requests in turn
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+    tests/test_gpu.py -k "lora" > "$R/pytest-gpu-lora.txt" 2>&1
   for lora in base enabled adapters4; do
     args=()
     [ $lora != base ] && args=(--enable-lora --max-loras 4 --max-lora-rank 16)
@@ -43,6 +44,9 @@ case "$1" in
       --batch-size 32 --output-len 128 --iterations 3 "${args[@]}" \
       --json "$R/latency-llama8b-b32-lora-$lora.json" > "$R/latency-llama8b-b32-lora-$lora.txt" 2>&1
   done
+  ;;
+4)  # batch-1 decode without and with ngram speculation on the copy model (a checkpoint at
+    # Llama-3.1-8B's shapes whose greedy output is the repeating prompt's cycle)
   PYTHONPATH=$PWD timeout 150 python benchmarks/gpu/copy_model.py --config-dir $M/llama-3.1-8b-shape \
     --out /tmp/copy-8b --context-len 1000 --prompt-period 16 > "$R/copy-model.txt" 2>&1
   for spec in none ngram; do

@@ -26,7 +26,7 @@ from torch import nn
 from common.config import EngineConfig
 from common.lora import TARGET_MODULES, WEIGHTS_FILE, AdapterError, read_adapter_config
 from common.messages import LoRARequest
-from kernels.lora import lora_delta
+from kernels.lora import add_lora
 
 _WEIGHT_NAME = re.compile(r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 ModuleKey = tuple[int, str]  # (decoder layer, PEFT module name)
@@ -55,28 +55,25 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base, self.slices, self.batch = base, slices, batch
         weight = base.weight
-        self.in_features = weight.shape[1]
-        self.lora_a = nn.ParameterDict()
-        self.lora_b = nn.ParameterDict()
-        for name, (_, size) in slices.items():
-            self.lora_a[name] = _zeros(weight, max_loras, max_rank, self.in_features)
-            self.lora_b[name] = _zeros(weight, max_loras, size, max_rank)
+        self.in_features, out_features = weight.shape[1], weight.shape[0]
+        # kernels/lora.py's layout: every slice's and slot's A in one matrix, B by slot
+        self.lora_a = _zeros(weight, len(slices), max_loras, max_rank, self.in_features)
+        self.lora_b = _zeros(weight, max_loras, out_features, max_rank)
+        self.starts = tuple(offset for offset, _ in list(slices.values())[1:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        rows, out = x.reshape(-1, self.in_features), y.view(-1, y.shape[-1])
-        slots = self.batch.token_slots[:rows.shape[0]]
-        for name, (offset, size) in self.slices.items():
-            out[:, offset:offset + size] += lora_delta(rows, self.lora_a[name],
-                                                       self.lora_b[name], self.batch.scaling,
-                                                       slots)
+        rows = x.reshape(-1, self.in_features)
+        add_lora(y.view(-1, y.shape[-1]), rows, self.lora_a.view(-1, self.in_features),
+                 self.lora_b, self.batch.scaling, self.batch.token_slots[:rows.shape[0]],
+                 self.starts)
         return y
 
     def write_slot(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
         """Slot `slot` takes the adapter's weights of this layer's modules (zeros where it
         has none)."""
-        for name in self.slices:
-            a, b = self.lora_a[name][slot], self.lora_b[name][slot]
+        for i, (name, (offset, size)) in enumerate(self.slices.items()):
+            a, b = self.lora_a[i, slot], self.lora_b[slot, offset:offset + size]
             a.zero_()
             b.zero_()
             pair = adapter.weights.get((layer, name))
