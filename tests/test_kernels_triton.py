@@ -34,7 +34,7 @@ import torch
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention import paged_attention, paged_attention_ref
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
-from kernels.lora import add_lora_ref, add_lora_triton
+from kernels.lora import lora_expand_ref, lora_expand_triton
 from kernels.norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
 from kernels.sampling import (BLOCK_VOCAB, gumbel_argmax_ref, gumbel_argmax_triton,
@@ -232,10 +232,12 @@ def check_lora(num_tokens: int, in_features: int, starts: tuple[int, ...], out_f
                slots: int, rank: int, dtype: torch.dtype, device: str) -> None:
     """Tokens of `slots` adapters and base rows (-1) interleaved, over the slices that
     `starts` splits the output into; slot 0 holds a smaller adapter padded with zeros to
-    `rank`, as the worker's slots hold one. The delta lands on a projection's output."""
+    `rank`, as the worker's slots hold one. The input is the base weight's matmul with the
+    stacked A rows below it, as the worker runs it."""
     g, seed = fresh_generator()
     num_slices = len(starts) + 1
     x = rand(g, num_tokens, in_features, dtype=dtype, device=device)
+    w = rand(g, out_features, in_features, dtype=dtype, device=device, scale=0.01)
     a = rand(g, num_slices, slots, rank, in_features, dtype=dtype, device=device, scale=0.1)
     b = rand(g, slots, out_features, rank, dtype=dtype, device=device, scale=0.1)
     a[:, 0, rank // 2:], b[0, :, rank // 2:] = 0, 0
@@ -243,14 +245,13 @@ def check_lora(num_tokens: int, in_features: int, starts: tuple[int, ...], out_f
     index = torch.randint(-1, slots, (num_tokens,), generator=g)
     index[:slots + 1] = torch.arange(-1, slots)  # every slot and the base model present
     index = index.to(device=device, dtype=torch.int32)
-    y = rand(g, num_tokens, out_features, dtype=dtype, device=device, scale=0.1)
-    out, ref = y.clone(), y.clone()
-    a = a.view(-1, in_features)
-    add_lora_triton(out, x, a, b, scaling, index, starts)
-    add_lora_ref(ref, x, a, b, scaling, index, starts)
+    y_ext = x @ torch.cat([w, a.view(-1, in_features)]).T
+    out = lora_expand_triton(y_ext, b, scaling, index, starts)
+    ref = lora_expand_ref(y_ext, b, scaling, index, starts)
+    base = y_ext[:, :out_features]
     what = f"lora {dtype} {num_tokens}x{in_features}->{out_features} slices at {starts}"
-    assert_close(out - y, ref - y, what, seed)
-    assert torch.equal(out[index < 0], y[index < 0]), f"base rows changed (seed {seed})"
+    assert_close(out - base, ref - base, what, seed)
+    assert torch.equal(out[index < 0], base[index < 0]), f"base rows changed (seed {seed})"
 
 
 def check_gumbel_argmax(rows: int, vocab: int, dtype: torch.dtype, device: str) -> None:

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
 from common.config import EngineConfig
 from common.lora import TARGET_MODULES, WEIGHTS_FILE, AdapterError, read_adapter_config
 from common.messages import LoRARequest
-from kernels.lora import add_lora
+from kernels.lora import lora_expand
 
 _WEIGHT_NAME = re.compile(r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 ModuleKey = tuple[int, str]  # (decoder layer, PEFT module name)
@@ -48,26 +49,37 @@ class LoRABatch:
 
 class LoRALinear(nn.Module):
     """A projection plus each token's adapter on each of its output slices: the PEFT modules
-    it fuses, by name, with their (offset, size) in its output."""
+    it fuses, by name, with their (offset, size) in its output. The slots' A rows are
+    stacked below the base weight, in one tensor whose top the base layer keeps as its
+    weight, so one matmul does the base projection and every slot's shrink
+    (kernels/lora.py)."""
 
     def __init__(self, base: nn.Module, slices: dict[str, tuple[int, int]], batch: LoRABatch,
                  max_loras: int, max_rank: int) -> None:
         super().__init__()
         self.base, self.slices, self.batch = base, slices, batch
         weight = base.weight
-        self.in_features, out_features = weight.shape[1], weight.shape[0]
-        # kernels/lora.py's layout: every slice's and slot's A in one matrix, B by slot
-        self.lora_a = _zeros(weight, len(slices), max_loras, max_rank, self.in_features)
+        out_features, self.in_features = weight.shape
+        extended = torch.zeros(out_features + len(slices) * max_loras * max_rank,
+                               self.in_features, dtype=weight.dtype, device=weight.device)
+        extended[:out_features] = weight
+        base.weight.data = extended[:out_features]  # shared: the base layer's weight is a view
+        # buffers, not parameters: the base weight is not counted twice
+        self.register_buffer("weight", extended, persistent=False)
+        self.register_buffer("lora_a", extended[out_features:].view(
+            len(slices), max_loras, max_rank, self.in_features), persistent=False)
+        self.register_buffer("bias", None if base.bias is None or not base.bias_in_matmul
+                             else torch.cat([base.bias, extended.new_zeros(
+                                 len(extended) - out_features)]), persistent=False)
         self.lora_b = _zeros(weight, max_loras, out_features, max_rank)
         self.starts = tuple(offset for offset, _ in list(slices.values())[1:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         rows = x.reshape(-1, self.in_features)
-        add_lora(y.view(-1, y.shape[-1]), rows, self.lora_a.view(-1, self.in_features),
-                 self.lora_b, self.batch.scaling, self.batch.token_slots[:rows.shape[0]],
-                 self.starts)
-        return y
+        y = lora_expand(F.linear(rows, self.weight, self.bias), self.lora_b,
+                        self.batch.scaling, self.batch.token_slots[:rows.shape[0]],
+                        self.starts)
+        return self.base.finish(y.view(*x.shape[:-1], y.shape[-1]))
 
     def write_slot(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
         """Slot `slot` takes the adapter's weights of this layer's modules (zeros where it

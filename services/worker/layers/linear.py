@@ -49,6 +49,8 @@ def new_parameter(*shape: int, loader: Callable[..., None]) -> nn.Parameter:
 
 
 class LinearBase(nn.Module, abc.ABC):
+    bias_in_matmul = True  # the matmul adds the bias (a row-parallel one adds it after)
+
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
@@ -66,6 +68,10 @@ class LinearBase(nn.Module, abc.ABC):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """What follows the matmul (a LoRA wrapper runs its own matmul, then this)."""
+        return y
 
 
 class ColumnParallelLinear(LinearBase):
@@ -152,6 +158,8 @@ class RowParallelLinear(LinearBase):
     to the norm that takes y (`reduce_results=False`, RMSNorm's `sums_ranks`), which fuses
     it with the residual add."""
 
+    bias_in_matmul = False
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  reduce_results: bool = True) -> None:
         super().__init__(divide(input_size, tp_size(), "input size"), output_size, bias)
@@ -174,7 +182,9 @@ class RowParallelLinear(LinearBase):
         return {None: (param.shape[0], param.shape[1] * self.tp_size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        return self.finish(F.linear(x, self.weight))
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
         if not self.reduce_results:
             return y
         y = all_reduce(y)
