@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
+from common.speculative import NgramIndex
 from services import LLM
-from services.scheduler import core
 from tests.tiny_models import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
@@ -52,9 +52,9 @@ def test_random_sampling_distribution_equals_without_speculation(tmp_path, monke
     model_dir = make_tiny_model(tmp_path, "llama")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    def most_likely(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    def most_likely(index: NgramIndex, k: int, min_n: int, max_n: int) -> list[int]:
         with torch.no_grad():
-            return [int(hf(torch.tensor([tokens])).logits[0, -1].argmax())]
+            return [int(hf(torch.tensor([index.tokens])).logits[0, -1].argmax())]
 
     prompt = repetitive_prompts()[0]
     n = 1500
@@ -67,7 +67,7 @@ def test_random_sampling_distribution_equals_without_speculation(tmp_path, monke
 
     large = dict(max_num_seqs=64, max_num_batched_tokens=2048, num_gpu_blocks_override=2048)
     base = second_tokens(engine(model_dir, **large))
-    monkeypatch.setattr(core, "propose_ngram", most_likely)
+    monkeypatch.setattr(NgramIndex, "propose", most_likely)
     spec_llm = engine(model_dir, **large, speculative_config=NGRAM)
     spec = second_tokens(spec_llm)
     stats = spec_llm.engine.scheduler.spec

@@ -5,7 +5,7 @@ import torch
 
 from common.config import ConfigError, EngineConfig
 from common.sampling_params import SamplingParams
-from common.speculative import SpeculativeConfig, propose_ngram
+from common.speculative import NgramIndex, SpeculativeConfig, propose_ngram
 from services.worker.sampler import Sampler, SamplingRow, make_generator
 
 
@@ -24,6 +24,30 @@ def test_propose_stops_at_the_end_and_respects_min():
     assert propose_ngram([1, 2, 3], 3, 1, 3) == []
     assert propose_ngram([4], 3, 1, 3) == []
     assert propose_ngram([4, 4], 3, 1, 3) == [4]
+
+
+def scan_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, scanning the whole context: the index's twin."""
+    last = len(tokens) - 1
+    for n in range(min(max_n, last), min_n - 1, -1):
+        for end in range(last - 1, n - 2, -1):
+            if tokens[end - n + 1:end + 1] == tokens[last - n + 1:]:
+                return tokens[end + 1:end + 1 + k]
+    return []
+
+
+def test_the_index_grown_as_tokens_arrive_proposes_what_a_full_scan_does():
+    g = torch.Generator().manual_seed(0)
+    for vocab, (min_n, max_n) in [(3, (1, 4)), (6, (2, 3)), (20, (1, 2))]:
+        tokens = torch.randint(0, vocab, (300,), generator=g).tolist()
+        index = NgramIndex()
+        start = 0
+        while start < len(tokens):
+            step = int(torch.randint(1, 5, (1,), generator=g))  # 1 to 4 tokens at a time
+            index.extend(tokens[start:start + step])
+            start += step
+            known = tokens[:start]
+            assert index.propose(4, min_n, max_n) == scan_ngram(known, 4, min_n, max_n), known
 
 
 def test_config_json_and_older_flags():

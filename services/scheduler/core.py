@@ -32,7 +32,7 @@ from common.hops import NUM_REQUEST_STAMPS
 from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
                              PooledOutput, SchedulerStats, StepPlan, StepResult,
                              TokenLogprobs)
-from common.speculative import SpeculativeConfig, propose_ngram
+from common.speculative import SpeculativeConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import KnownTokens, Request, Status
 
@@ -385,8 +385,9 @@ class Scheduler:
             k = min(k, max_tokens - len(req.output_token_ids) - 1)
         if k <= 0:
             return []
-        return propose_ngram(req.known_token_ids(), k, spec.prompt_lookup_min,
-                             spec.prompt_lookup_max)
+        index = req.ngram_index
+        index.extend(req.token_slice(len(index.tokens), req.num_known_tokens))
+        return index.propose(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _chunk_cap(self, remaining: int) -> int:
         """--long-prefill-token-threshold also bounds each step's chunk of a long prompt,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from common.detok_window import detok_params, stop_lookback
 from common.messages import DetokParams, LoRARequest, TokenLogprobs
 from common.sampling_params import SamplingParams
+from common.speculative import NgramIndex
 from common.tokens import slice_tokens
 
 
@@ -53,6 +54,8 @@ class Request:
     lora: LoRARequest | None = None  # its adapter, None: the base model
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next plan
     num_drafts_in_flight: int = 0  # drafts of the step whose result has not come back
+    # its known tokens, indexed for ngram proposals as they become known
+    ngram_index: NgramIndex = field(default_factory=NgramIndex)
     # made once: every step's DetokItem of this request carries them
     detok_params: DetokParams = field(init=False)
     stop_lookback: int = field(init=False)
