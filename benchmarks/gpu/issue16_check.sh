@@ -57,5 +57,40 @@ case "$1" in
       --json "$R/latency-copy8b-b1-$spec.json" > "$R/latency-copy8b-b1-$spec.txt" 2>&1
   done
   ;;
+5)  # batch-1 decode of Llama-3.1-8B shapes drafted by a 16-layer 2048-wide llama with the
+    # same vocabulary (Llama-3.2-1B's shapes, untied): both copy models (every draft is
+    # right), then both dummy (no draft is), each against no speculation
+  python - $M/llama-3.1-8b-shape /tmp/llama-1b-shape <<'PY'
+import json, shutil, sys
+from pathlib import Path
+source, target = Path(sys.argv[1]), Path(sys.argv[2])
+shutil.copytree(source, target, dirs_exist_ok=True)
+config = json.loads((source / "config.json").read_text())
+config.update(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+              num_key_value_heads=8, head_dim=64, intermediate_size=8192)
+(target / "config.json").write_text(json.dumps(config, indent=2))
+PY
+  for size in 8b 1b; do
+    config=$M/llama-3.1-8b-shape
+    [ $size = 1b ] && config=/tmp/llama-1b-shape
+    PYTHONPATH=$PWD timeout 150 python benchmarks/gpu/copy_model.py --config-dir $config \
+      --out /tmp/copy-$size --context-len 1000 --prompt-period 16 >> "$R/copy-model.txt" 2>&1
+  done
+  draft='{"method": "draft_model", "num_speculative_tokens": 4, "model": "'
+  for spec in none draft; do
+    args=()
+    [ $spec = draft ] && args=(--speculative-config "$draft/tmp/copy-1b\"}")
+    bench 150 latency --model /tmp/copy-8b --context-len 1000 --batch-size 1 --output-len 128 \
+      --iterations 3 --prompt-period 16 "${args[@]}" \
+      --json "$R/latency-copy8b-b1-$spec.json" >> "$R/stage5.txt" 2>&1
+  done
+  for spec in none draft; do
+    args=()
+    [ $spec = draft ] && args=(--speculative-config "$draft/tmp/llama-1b-shape\"}")
+    bench 150 latency --model $M/llama-3.1-8b-shape --load-format dummy --context-len 1000 \
+      --batch-size 1 --output-len 128 --iterations 3 --prompt-period 16 "${args[@]}" \
+      --json "$R/latency-llama8b-b1-$spec.json" >> "$R/stage5.txt" 2>&1
+  done
+  ;;
 esac
 grep -hv '"event"' "$R"/*.txt | tail -n 40
