@@ -74,7 +74,7 @@ PY
     config=$M/llama-3.1-8b-shape
     [ $size = 1b ] && config=/tmp/llama-1b-shape
     PYTHONPATH=$PWD timeout 150 python benchmarks/gpu/copy_model.py --config-dir $config \
-      --out /tmp/copy-$size --context-len 1000 --prompt-period 16 >> "$R/copy-model.txt" 2>&1
+      --out /tmp/copy-$size --context-len 1000 --prompt-period 16 >> "$R/draft-copy-models.txt" 2>&1
   done
   draft='{"method": "draft_model", "num_speculative_tokens": 4, "model": "'
   for spec in none draft; do
@@ -82,14 +82,14 @@ PY
     [ $spec = draft ] && args=(--speculative-config "$draft/tmp/copy-1b\"}")
     bench 150 latency --model /tmp/copy-8b --context-len 1000 --batch-size 1 --output-len 128 \
       --iterations 3 --prompt-period 16 "${args[@]}" \
-      --json "$R/latency-copy8b-b1-$spec.json" >> "$R/stage5.txt" 2>&1
+      --json "$R/draft-copy8b-b1-$spec.json" >> "$R/stage5.txt" 2>&1
   done
   for spec in none draft; do
     args=()
     [ $spec = draft ] && args=(--speculative-config "$draft/tmp/llama-1b-shape\"}")
     bench 150 latency --model $M/llama-3.1-8b-shape --load-format dummy --context-len 1000 \
       --batch-size 1 --output-len 128 --iterations 3 --prompt-period 16 "${args[@]}" \
-      --json "$R/latency-llama8b-b1-$spec.json" >> "$R/stage5.txt" 2>&1
+      --json "$R/draft-dummy8b-b1-$spec.json" >> "$R/stage5.txt" 2>&1
   done
   ;;
 esac
