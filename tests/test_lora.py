@@ -22,6 +22,7 @@ from services import LLM
 from services.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
 from services.worker.lora import LoRAAdapter, LoRABatch, load_adapter, wrap_model
+from tests.test_embeddings import hf_embedding
 from tests.test_tensor_parallel import as_rank
 from tests.tiny_models import make_tiny_model
 
@@ -46,15 +47,21 @@ def make_adapter(model_dir, out, seed: int, rank: int, alpha: int, modules: list
     return str(out)
 
 
-def merged_greedy(model_dir, adapter: str | None, prompt: list[int]) -> list[int]:
+def merged_model(model_dir, adapter: str | None):
+    """transformers' model with the adapter merged into its weights by PEFT."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    return model.eval()
+
+
+def merged_greedy(model_dir, adapter: str | None, prompt: list[int]) -> list[int]:
+    model = merged_model(model_dir, adapter)
     with torch.no_grad():
-        out = model.eval().generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
                                     do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
@@ -111,6 +118,24 @@ def test_one_adapter_for_every_prompt_and_the_prefix_cache(tiny):
                                                           prompt)
     assert second[0].outputs[0].token_ids == merged_greedy(model_dir, adapters[1].lora_path,
                                                            prompt)
+
+
+def test_embeddings_under_mixed_adapters_match_peft_merged_weights(tiny):
+    """LLM.embed with an adapter (or none) per prompt, pooled as by default (the last
+    token's, normalized)."""
+    model_dir, adapters = tiny
+    prompts, loras = mixed_batch(adapters)
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=3,
+              max_lora_rank=16, num_gpu_blocks_override=64, block_size=4)
+    got = torch.tensor([out.outputs.embedding for out in
+                        llm.embed(prompts, use_tqdm=False, lora_request=loras)])
+    want = torch.stack([hf_embedding(merged_model(model_dir, lora and lora.lora_path),
+                                     prompt, "LAST", True)
+                        for prompt, lora in zip(prompts, loras)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    base = torch.tensor([out.outputs.embedding for out in llm.embed(prompts, use_tqdm=False)])
+    changed = (got - base).abs().amax(dim=1) > 1e-3
+    assert changed.tolist() == [lora is not None for lora in loras]
 
 
 def test_adapters_are_checked(tiny, tmp_path):
