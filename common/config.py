@@ -144,8 +144,8 @@ class EngineConfig:
         "true: embeddings are L2-normalized).", aliases=("--pooler-config",)))
     enable_lora: bool = field(default=False, metadata=_help(
         "Serve requests under LoRA adapters (PEFT directories, loaded on first use), "
-        "several adapters and the base model mixed in one step. Not with "
-        "--tensor-parallel-size above 1."))
+        "several adapters and the base model mixed in one step; with "
+        "--tensor-parallel-size above 1, each rank holds its shards of every adapter."))
     max_loras: int = field(default=1, metadata=_help(
         "Most distinct LoRA adapters in one step (the GPU slots each LoRA layer holds); "
         "requests under others wait."))
@@ -290,10 +290,6 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
                               f"--max-loras ({self.max_loras})")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ConfigError("--enable-lora is not supported with --tensor-parallel-size "
-                              f"above 1 (got {self.tensor_parallel_size}): the LoRA layers "
-                              "do not shard adapters across ranks yet")
         if self.lora_modules and not self.enable_lora:
             raise ConfigError("--lora-modules needs --enable-lora")
         names = [module.name for module in self.loras()]

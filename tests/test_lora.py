@@ -1,11 +1,13 @@
 """LoRA adapters end to end on CPU: PEFT's own adapters on a tiny model, several adapters
 and the base model mixed in one batch, against transformers with each adapter merged by
-PEFT (`merge_and_unload`); adapter checks; the worker's slots and host cache."""
+PEFT (`merge_and_unload`), at one tensor-parallel rank and at two gloo ranks; each rank's
+shards of an adapter; adapter checks; the worker's slots and host cache."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +19,11 @@ from common.lora import AdapterError, read_adapter_config
 from common.messages import LoRARequest
 from common.sampling_params import SamplingParams
 from services import LLM
-from services.worker.lora import load_adapter
+from services.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                           RowParallelLinear)
+from services.worker.lora import LoRAAdapter, LoRABatch, load_adapter, wrap_model
+from tests.test_embeddings import hf_embedding
+from tests.test_tensor_parallel import as_rank
 from tests.tiny_models import make_tiny_model
 
 MAX_TOKENS = 8
@@ -41,15 +47,21 @@ def make_adapter(model_dir, out, seed: int, rank: int, alpha: int, modules: list
     return str(out)
 
 
-def merged_greedy(model_dir, adapter: str | None, prompt: list[int]) -> list[int]:
+def merged_model(model_dir, adapter: str | None):
+    """transformers' model with the adapter merged into its weights by PEFT."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    return model.eval()
+
+
+def merged_greedy(model_dir, adapter: str | None, prompt: list[int]) -> list[int]:
+    model = merged_model(model_dir, adapter)
     with torch.no_grad():
-        out = model.eval().generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
                                     do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
@@ -106,6 +118,24 @@ def test_one_adapter_for_every_prompt_and_the_prefix_cache(tiny):
                                                           prompt)
     assert second[0].outputs[0].token_ids == merged_greedy(model_dir, adapters[1].lora_path,
                                                            prompt)
+
+
+def test_embeddings_under_mixed_adapters_match_peft_merged_weights(tiny):
+    """LLM.embed with an adapter (or none) per prompt, pooled as by default (the last
+    token's, normalized)."""
+    model_dir, adapters = tiny
+    prompts, loras = mixed_batch(adapters)
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=3,
+              max_lora_rank=16, num_gpu_blocks_override=64, block_size=4)
+    got = torch.tensor([out.outputs.embedding for out in
+                        llm.embed(prompts, use_tqdm=False, lora_request=loras)])
+    want = torch.stack([hf_embedding(merged_model(model_dir, lora and lora.lora_path),
+                                     prompt, "LAST", True)
+                        for prompt, lora in zip(prompts, loras)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    base = torch.tensor([out.outputs.embedding for out in llm.embed(prompts, use_tqdm=False)])
+    changed = (got - base).abs().amax(dim=1) > 1e-3
+    assert changed.tolist() == [lora is not None for lora in loras]
 
 
 def test_adapters_are_checked(tiny, tmp_path):
@@ -171,3 +201,100 @@ def test_adapter_weights_are_checked_against_the_model(tiny):
         load_adapter(a, 16, one_layer, cpu, torch.float32)
     adapter = load_adapter(a, 16, shapes, cpu, torch.float32)
     assert len(adapter.weights) == 2 * len(ALL_MODULES) and adapter.scaling == 2.0
+
+
+# --- tensor parallelism -----------------------------------------------------------------
+
+def run(model_dir, adapters, size: int, prompts, loras):
+    """Greedy tokens and their logprobs at `size` ranks."""
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=len(adapters),
+              max_lora_rank=16, num_gpu_blocks_override=64, block_size=4,
+              tensor_parallel_size=size, device="cpu")
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                       ignore_eos=True, logprobs=0),
+                               use_tqdm=False, lora_request=loras)
+    finally:
+        llm.engine.close()
+    tokens = [out.outputs[0].token_ids for out in outputs]
+    logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs, ids)]
+                for out, ids in zip(outputs, tokens)]
+    return tokens, torch.tensor(logprobs)
+
+
+def test_two_ranks_with_mixed_adapters_give_one_ranks_tokens(tiny):
+    """Column-parallel layers hold their rows of B, row-parallel ones their columns of A:
+    two gloo ranks, every adapter and the base model in one batch, equal one rank and the
+    merged weights."""
+    model_dir, adapters = tiny
+    prompts, loras = mixed_batch(adapters)
+    two, two_logprobs = run(model_dir, adapters, 2, prompts, loras)
+    one, one_logprobs = run(model_dir, adapters, 1, prompts, loras)
+    assert two == one
+    torch.testing.assert_close(two_logprobs, one_logprobs, atol=1e-4, rtol=0)
+    assert two == [merged_greedy(model_dir, None if lora is None else lora.lora_path, prompt)
+                   for prompt, lora in zip(prompts, loras)]
+
+
+HIDDEN, HEAD_DIM, HEADS, INTER, RANK = 32, 8, 4, 48, 4
+
+
+def tp_layer(monkeypatch, rank: int, size: int, kv_heads: int) -> list:
+    """One decoder layer's projections at rank `rank` of `size`, base weights zero (the
+    outputs are the adapters' deltas alone), wrapped with two slots."""
+    as_rank(monkeypatch, rank, size)
+    attn = SimpleNamespace(qkv_proj=QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, kv_heads),
+                           o_proj=RowParallelLinear(HEADS * HEAD_DIM, HIDDEN,
+                                                    reduce_results=False))
+    mlp = SimpleNamespace(gate_up_proj=MergedColumnParallelLinear(HIDDEN, [INTER] * 2),
+                          down_proj=RowParallelLinear(INTER, HIDDEN, reduce_results=False))
+    for base in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        base.weight.data.zero_()
+    batch = LoRABatch(token_slots=torch.tensor([0, -1, 1, 0, 1], dtype=torch.int32),
+                      scaling=torch.tensor([2.0, 0.5]))
+    model = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=attn,
+                                                                          mlp=mlp)]))
+    return wrap_model(model, batch, max_loras=2, max_rank=RANK)[0]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])  # 1: both ranks hold the one KV head
+def test_each_ranks_shards_of_an_adapter_give_its_part_of_the_delta(monkeypatch, kv_heads):
+    """Column-parallel: each rank's output slice of a module is that slice of the whole
+    delta (q by heads, k/v by KV heads, gate and up apart). Row-parallel: the ranks'
+    partial sums add up to the whole delta, scaled once."""
+    g = torch.Generator().manual_seed(0)
+    whole = tp_layer(monkeypatch, 0, 1, kv_heads)
+    shapes = {name: shape for module in whole for name, shape in module.shapes().items()}
+    adapters = [{name: (torch.randn(RANK, inp, generator=g),
+                        torch.randn(out, RANK, generator=g))
+                 for name, (out, inp) in shapes.items()} for _ in range(2)]
+    x = {name: torch.randn(5, width, generator=g)
+         for name, width in (("column", HIDDEN), ("o_proj", HEADS * HEAD_DIM),
+                             ("down_proj", INTER))}
+    slots, scaling = [0, -1, 1, 0, 1], [2.0, 0.5]
+
+    def want(name: str, inputs: torch.Tensor) -> torch.Tensor:
+        rows = [torch.zeros(shapes[name][0]) if s < 0 else
+                scaling[s] * (inputs[t] @ adapters[s][name][0].T) @ adapters[s][name][1].T
+                for t, s in enumerate(slots)]
+        return torch.stack(rows)
+    sums = {"o_proj": 0, "down_proj": 0}
+    for rank in range(2):
+        for module in tp_layer(monkeypatch, rank, 2, kv_heads):
+            for slot, weights in enumerate(adapters):
+                shards = {(0, name): module.shard(name, *weights[name])
+                          for name in module.slices}
+                module.write_slot(slot, LoRAAdapter(slot + 1, scaling[slot], shards), 0)
+            assert module.shapes() == {name: shapes[name] for name in module.slices}
+            if module.row_parallel:
+                (name,) = module.slices
+                cols = module.in_features
+                sums[name] = sums[name] + module(x[name][:, rank * cols:(rank + 1) * cols])
+                continue
+            y = module(x["column"])
+            for name, shard in module.slices.items():
+                rows = slice(shard.index * shard.size, (shard.index + 1) * shard.size)
+                torch.testing.assert_close(y[:, shard.offset:shard.offset + shard.size],
+                                           want(name, x["column"])[:, rows])
+    for name, total in sums.items():
+        torch.testing.assert_close(total, want(name, x[name]))

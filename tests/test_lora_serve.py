@@ -1,7 +1,8 @@
 """LoRA adapters through `headrace serve`: --lora-modules, the adapter registry the
-gateways share in Redis, requests under an adapter's name (checked against the offline
-LLM's tokens), /v1/models, and loading and unloading adapters at runtime; one real server
-of a tiny llama for the module, driven by the official `openai` client."""
+gateways share in Redis, requests under an adapter's name (completions checked against the
+offline LLM's tokens, embeddings against PEFT's merged weights; /tokenize and /detokenize
+with the base tokenizer), /v1/models, and loading and unloading adapters at runtime; one
+real server of a tiny llama for the module, driven by the official `openai` client."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 
 from common.bus import Bus
 from common.config import ConfigError, EngineConfig, ServerConfig
@@ -26,7 +28,8 @@ from services.gateway.adapters import Adapter, Adapters, check_new_name, named
 from services.tokenizer.core import InputProcessor
 from common.sampling_defaults import SamplingDefaults
 from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serving, tiny_serve_args
-from tests.test_lora import ADAPTERS, make_adapter
+from tests.test_embeddings import hf_embedding
+from tests.test_lora import ADAPTERS, make_adapter, merged_model
 from tests.tiny_models import make_tiny_model
 
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8]]
@@ -132,17 +135,20 @@ def test_the_tokenizer_checks_the_adapter_and_passes_it_on(tiny):
     def processor(max_lora_rank: int | None) -> InputProcessor:
         return InputProcessor(tokenizer, 64, SamplingDefaults(), 5, 512, (2,), max_lora_rank)
 
-    def request(lora: LoRARequest) -> GenerateRequest:
-        return GenerateRequest("r", "gw", {}, prompt_token_ids=[5, 6], lora=lora)
+    def request(lora: LoRARequest, embed: bool) -> GenerateRequest:
+        return GenerateRequest("r", "gw", {}, prompt_token_ids=[5, 6], lora=lora,
+                               embed=embed)
 
     good, bad = LoRARequest("a", 1, path_a), LoRARequest("bad", 2, "/no/such/adapter")
-    assert processor(16).process(request(good)).lora == good
-    for proc, lora, words in ((processor(16), bad, "'bad'.*cannot read"),
-                              (processor(4), good, "rank 8 is above"),
-                              (processor(None), good, "without --enable-lora")):
-        with pytest.raises(ApiError, match=words) as info:
-            proc.process(request(lora))
-        assert info.value.status == 400
+    for embed in (False, True):  # a completion, and an embedding
+        admit = processor(16).process(request(good, embed))
+        assert admit.lora == good and admit.embed == embed
+        for proc, lora, words in ((processor(16), bad, "'bad'.*cannot read"),
+                                  (processor(4), good, "rank 8 is above"),
+                                  (processor(None), good, "without --enable-lora")):
+            with pytest.raises(ApiError, match=words) as info:
+                proc.process(request(lora, embed))
+            assert info.value.status == 400
 
 
 # --- a served tiny llama --------------------------------------------------------------
@@ -178,7 +184,7 @@ def served_texts(client: openai.OpenAI, model: str) -> list[str]:
 
 def post(server: ServerProcess, path: str, body: dict) -> tuple[int, str]:
     request = urllib.request.Request(
-        f"{server.url}/v1/{path}", data=json.dumps(body).encode(), method="POST",
+        f"{server.url}{path}", data=json.dumps(body).encode(), method="POST",
         headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
@@ -201,6 +207,38 @@ def test_completions_under_an_adapter_match_the_offline_engine(tiny, client):
     assert "".join(c.text for chunk in chunks for c in chunk.choices) == want[0]
 
 
+def test_embeddings_under_an_adapter_match_its_merged_weights(tiny, client):
+    model_dir, (path_a, _) = tiny
+
+    def served(model: str) -> torch.Tensor:
+        response = client.embeddings.create(model=model, input=PROMPTS)
+        assert response.model == model
+        return torch.tensor([item.embedding for item in response.data])
+    for model, path in (("a", path_a), (MODEL_NAME, None)):
+        reference = merged_model(model_dir, path)
+        want = torch.stack([hf_embedding(reference, p, "LAST", True) for p in PROMPTS])
+        torch.testing.assert_close(served(model), want, atol=1e-5, rtol=1e-5)
+    assert (served("a2") == served("a")).all()
+    assert (served("a") - served(MODEL_NAME)).abs().amax() > 1e-3
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.embeddings.create(model="nope", input=PROMPTS)
+
+
+def test_tokenize_and_detokenize_take_an_adapters_name(served_lora):
+    """An adapter's text is the base tokenizer's, as in vLLM."""
+    def tokens(model: str) -> tuple[int, dict]:
+        status, text = post(served_lora, "/tokenize", {"model": model, "prompt": "Hi there"})
+        return status, json.loads(text)
+    status, base = tokens(MODEL_NAME)
+    assert status == 200 and tokens("a") == (200, base)
+    assert post(served_lora, "/detokenize", {"model": "a", "tokens": base["tokens"]}) == \
+        post(served_lora, "/detokenize", {"model": MODEL_NAME, "tokens": base["tokens"]})
+    for path, body in (("/tokenize", {"model": "nope", "prompt": "Hi"}),
+                       ("/detokenize", {"model": "nope", "tokens": [5]})):
+        status, text = post(served_lora, path, body)
+        assert status == 404 and "does not exist" in json.loads(text)["error"]["message"]
+
+
 def test_models_list_the_adapters(tiny, client):
     _, (path_a, _) = tiny
     cards = {card.id: card for card in client.models.list().data}
@@ -210,17 +248,18 @@ def test_models_list_the_adapters(tiny, client):
 
 def test_adapters_load_and_unload_at_runtime(tiny, client, served_lora):
     model_dir, (path_a, path_b) = tiny
-    assert post(served_lora, "load_lora_adapter", {"lora_name": "b", "lora_path": path_b}) == \
+    assert post(served_lora, "/v1/load_lora_adapter",
+                {"lora_name": "b", "lora_path": path_b}) == \
         (200, "Success: LoRA adapter 'b' added successfully.")
     assert served_texts(client, "b") == offline(model_dir, LoRARequest("b", 7, path_b))
     for body, words in (({"lora_name": "b", "lora_path": path_b}, "already loaded"),
                         ({"lora_name": "c", "lora_path": "/no/such"}, "adapter_config.json"),
                         ({"lora_name": "c"}, "'lora_path' is required"),
                         ({"lora_name": MODEL_NAME, "lora_path": path_b}, "base model")):
-        status, text = post(served_lora, "load_lora_adapter", body)
+        status, text = post(served_lora, "/v1/load_lora_adapter", body)
         assert status == 400 and words in json.loads(text)["error"]["message"]
-    assert post(served_lora, "unload_lora_adapter", {"lora_name": "b"})[0] == 200
-    assert post(served_lora, "unload_lora_adapter", {"lora_name": "b"})[0] == 404
+    assert post(served_lora, "/v1/unload_lora_adapter", {"lora_name": "b"})[0] == 200
+    assert post(served_lora, "/v1/unload_lora_adapter", {"lora_name": "b"})[0] == 404
     with pytest.raises(openai.NotFoundError):
         served_texts(client, "b")
     assert "b" not in {card.id for card in client.models.list().data}

@@ -166,7 +166,7 @@ class Gateway:
     async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         job = parse_job(await read_json(request, self.server.body_timeout), chat,
                         self.limits)
-        model, lora = await self.generation_model(job.model)
+        model, lora = await self.model_named(job.model)
         self.admit(job)
         call = await self.new_call(job, model, lora)
         async with self.open_call(request, call, job.ignored) as (inbox, log):
@@ -372,13 +372,13 @@ class Gateway:
         """One request per input, each answered by its embedding; the first error ends the
         call, as a generation call's does."""
         job = parse_embedding(await read_json(request, self.server.body_timeout), self.limits)
-        model = self.served_name(job.model)
+        model, lora = await self.model_named(job.model)
         check_dimensions(job.dimensions, self.info.hf_config.hidden_size)
         for given in job.inputs:
             if isinstance(given, list):
                 check_vocabulary(given, self.info.vocab_size, "input")
         self.check_admission()
-        call = EmbeddingCall(job, "embd-" + uuid.uuid4().hex, model, int(time.time()))
+        call = EmbeddingCall(job, "embd-" + uuid.uuid4().hex, model, int(time.time()), lora)
         arrival = time.monotonic()
         async with self.open_call(request, call, job.ignored) as (inbox, log):
             await self.outbox.publish(keys.REQUESTS, *call.requests(self.id, time.time()))
@@ -430,9 +430,9 @@ class Gateway:
                                 f"{', '.join(map(repr, self.names))}.", "model")
         return self.names[0]
 
-    async def generation_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
-        """The name responses report and the adapter to generate under: a LoRA adapter's
-        own name, or the base model's served one."""
+    async def model_named(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """The name responses report and the adapter to run under: a LoRA adapter's own
+        name, or the base model's served one; 404 for a model this server does not serve."""
         if self.adapters is not None and name is not None and name not in self.names:
             adapter = await self.adapters.get(name)
             if adapter is not None:
@@ -477,7 +477,7 @@ class Gateway:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         job = parse_tokenize(await read_json(request, self.server.body_timeout))
-        self.served_name(job.model)
+        await self.model_named(job.model)  # an adapter's text is the base tokenizer's
         if job.ignored:
             self.log.warning("ignored unknown request fields", fields=job.ignored)
         ids = await anyio.to_thread.run_sync(self.token_ids, job)
@@ -494,7 +494,7 @@ class Gateway:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         name, tokens = parse_detokenize(await read_json(request, self.server.body_timeout))
-        self.served_name(name)
+        await self.model_named(name)
         check_vocabulary(tokens, self.info.vocab_size, "tokens")
         text = await anyio.to_thread.run_sync(self.info.tokenizer.decode, tokens)
         return json_body(DetokenizeResponse(prompt=text))

@@ -10,7 +10,7 @@ import base64
 import numpy as np
 
 from common.errors import ApiError
-from common.messages import ErrorReply, GenerateRequest, TextDelta
+from common.messages import ErrorReply, GenerateRequest, LoRARequest, TextDelta
 from services.gateway.core import request_ids
 from services.gateway.protocol import EmbeddingJob
 from services.gateway.response_bodies import (EmbeddingData, EmbeddingResponse,
@@ -35,8 +35,10 @@ def encoded(data: bytes, encoding_format: str) -> list[float] | str:
 
 
 class EmbeddingCall:
-    def __init__(self, job: EmbeddingJob, call_id: str, model: str, created: int) -> None:
+    def __init__(self, job: EmbeddingJob, call_id: str, model: str, created: int,
+                 lora: LoRARequest | None = None) -> None:
         self.job, self.id, self.model, self.created = job, call_id, model, created
+        self.lora = lora  # the adapter `model` names, None: the base model
         self.rids = request_ids(call_id, len(job.inputs))
         self.answers: dict[str, tuple[bytes, int]] = {}  # rid: (embedding, prompt tokens)
         self.error: ApiError | None = None
@@ -52,7 +54,8 @@ class EmbeddingCall:
         job = self.job
         common = dict(reply_to=reply_to, params={}, arrival_time=arrival_time,
                       add_special_tokens=job.add_special_tokens,
-                      truncate_prompt_tokens=job.truncate_prompt_tokens, embed=True)
+                      truncate_prompt_tokens=job.truncate_prompt_tokens, embed=True,
+                      lora=self.lora)
         return [GenerateRequest(rid, prompt=given, **common) if isinstance(given, str)
                 else GenerateRequest(rid, prompt_token_ids=given, **common)
                 for rid, given in zip(self.rids, job.inputs)]

@@ -57,10 +57,13 @@ class Engine:
             raise ValueError(f"LoRA id {lora.lora_int_id} is {known}, not {lora.lora_path}: "
                              "each adapter needs its own lora_int_id")
 
-    def add_embedding(self, rid: str, prompt_token_ids: list[int], priority: int = 0) -> None:
+    def add_embedding(self, rid: str, prompt_token_ids: list[int], priority: int = 0,
+                      lora: LoRARequest | None = None) -> None:
         """An embedding request: its one TextDelta carries the embedding."""
+        if lora is not None:
+            self._check_adapter(lora)
         self.scheduler.add_request(self.processor.admit_embedding(
-            rid, LOCAL_REPLY, prompt_token_ids, priority=priority))
+            rid, LOCAL_REPLY, prompt_token_ids, priority=priority, lora=lora))
 
     @property
     def runner(self) -> ModelRunner:

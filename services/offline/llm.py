@@ -104,16 +104,25 @@ class LLM:
         return self._run(encoded, sampling_params, use_tqdm, None)
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = True,
-              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+              truncate_prompt_tokens: int | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding, pooled as --pooling-type and --override-pooler-config
-        say (the last token's final hidden state, L2-normalized, by default)."""
+        say (the last token's final hidden state, L2-normalized, by default); under
+        lora_request as in `generate`."""
         encoded = [self._encode(p, truncate=truncate_prompt_tokens, room=0)[1]
                    for p in _as_list(prompts)]
+        loras = _per_prompt_lora(lora_request, len(encoded)) or [None] * len(encoded)
         outputs: dict[str, EmbeddingRequestOutput] = {}
-        for ids in encoded:
-            rid = str(next(self._ids))
-            self.engine.add_embedding(rid, ids)
-            outputs[rid] = EmbeddingRequestOutput(rid, ids, EmbeddingOutput([]))
+        try:
+            for ids, lora in zip(encoded, loras):
+                rid = str(next(self._ids))
+                self.engine.add_embedding(rid, ids, lora=lora)
+                outputs[rid] = EmbeddingRequestOutput(rid, ids, EmbeddingOutput([]))
+        except BaseException:  # an adapter refused: none of the call runs
+            for rid in outputs:
+                self.engine.abort(rid)
+            raise
         bar = tqdm(total=len(encoded), desc="Processed prompts", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for delta in self.engine.step():

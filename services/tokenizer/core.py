@@ -54,8 +54,11 @@ class InputProcessor:
             ids = self.prompt_ids(req.prompt, req.prompt_token_ids, None,
                                   add_special_tokens=req.add_special_tokens,
                                   truncate=req.truncate_prompt_tokens, room=0)
-            return self.admit_embedding(req.rid, req.reply_to, ids, req.arrival_time,
-                                        req.priority)
+            admit = self.admit_embedding(req.rid, req.reply_to, ids, req.arrival_time,
+                                         req.priority, req.lora)
+            if req.lora is not None:
+                self.check_adapter(req.lora)
+            return admit
         check_client_params(req.params)
         ids = self.prompt_ids(req.prompt, req.prompt_token_ids, req.messages,
                               req.add_generation_prompt, req.add_special_tokens,
@@ -98,13 +101,15 @@ class InputProcessor:
         return self._admit(rid, reply_to, ids, params, arrival_time, priority, lora)
 
     def admit_embedding(self, rid: str, reply_to: str, prompt_token_ids: list[int],
-                        arrival_time: float = 0.0, priority: int = 0) -> AdmitRequest:
-        """An embedding request of checked ids (as `admit`, for the offline API too)."""
+                        arrival_time: float = 0.0, priority: int = 0,
+                        lora: LoRARequest | None = None) -> AdmitRequest:
+        """An embedding request of checked ids (as `admit`, for the offline API too),
+        pooled from the model under `lora` (None: the base model)."""
         ids = list(prompt_token_ids)
         self._check_token_ids(ids, room=0)
         return AdmitRequest(rid=rid, reply_to=reply_to, prompt_token_ids=ids,
                             params=EMBEDDING_PARAMS, arrival_time=arrival_time,
-                            priority=priority, embed=True)
+                            priority=priority, embed=True, lora=lora)
 
     def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
                    messages: list[dict] | None, add_generation_prompt: bool = True,

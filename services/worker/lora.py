@@ -9,6 +9,10 @@ adapter is loaded on first use with nothing broadcast beforehand. Each step the 
 writes every token's slot (-1: the base model) into one static buffer that all layers read
 on the device: a CUDA graph replays it like any other input, and slot weights are written
 in place, in stream order after the steps still using the old ones.
+
+Under tensor parallelism every rank makes the same calls in the same order, so slots and
+the host cache agree across ranks with nothing exchanged; each rank reads the adapter's
+files itself and keeps only its shards (see `LoRALinear`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from common.config import EngineConfig
 from common.lora import TARGET_MODULES, WEIGHTS_FILE, AdapterError, read_adapter_config
 from common.messages import LoRARequest
 from kernels.lora import lora_expand
+from services.worker.layers.linear import OutputShard, RowParallelLinear, ShardId
 
 _WEIGHT_NAME = re.compile(r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 ModuleKey = tuple[int, str]  # (decoder layer, PEFT module name)
@@ -49,17 +54,27 @@ class LoRABatch:
 
 class LoRALinear(nn.Module):
     """A projection plus each token's adapter on each of its output slices: the PEFT modules
-    it fuses, by name, with their (offset, size) in its output. The slots' A rows are
+    it fuses, by name, with their place in this rank's output. The slots' A rows are
     stacked below the base weight, in one tensor whose top the base layer keeps as its
     weight, so one matmul does the base projection and every slot's shrink
-    (kernels/lora.py)."""
+    (kernels/lora.py).
 
-    def __init__(self, base: nn.Module, slices: dict[str, tuple[int, int]], batch: LoRABatch,
+    Under tensor parallelism the adapters split as the projection does, so that no step
+    communicates more than the base model: a column-parallel projection keeps the whole A
+    and its rows of each module's B, split as its own output is; a row-parallel one keeps
+    its columns of A and the whole B and adds x_shard A_shard^T B^T to its partial sum
+    before the all-reduce, whose sum over the ranks is x A^T B^T (scaled once)."""
+
+    def __init__(self, base: nn.Module, slices: dict[str, OutputShard], batch: LoRABatch,
                  max_loras: int, max_rank: int) -> None:
         super().__init__()
         self.base, self.slices, self.batch = base, slices, batch
+        self.row_parallel = isinstance(base, RowParallelLinear)
         weight = base.weight
         out_features, self.in_features = weight.shape
+        # this rank's block of A's input columns (the whole A for a column-parallel layer)
+        self.in_index = base.tp_rank if self.row_parallel else 0
+        self.in_full = self.in_features * (base.tp_size if self.row_parallel else 1)
         extended = torch.zeros(out_features + len(slices) * max_loras * max_rank,
                                self.in_features, dtype=weight.dtype, device=weight.device)
         extended[:out_features] = weight
@@ -72,20 +87,31 @@ class LoRALinear(nn.Module):
                              else torch.cat([base.bias, extended.new_zeros(
                                  len(extended) - out_features)]), persistent=False)
         self.lora_b = _zeros(weight, max_loras, out_features, max_rank)
-        self.starts = tuple(offset for offset, _ in list(slices.values())[1:])
+        self.starts = tuple(shard.offset for shard in list(slices.values())[1:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The matmul gives the base projection (a row-parallel rank's partial sum) and the
+        shrink; the expand adds the delta before `finish` reduces over the ranks."""
         rows = x.reshape(-1, self.in_features)
         y = lora_expand(F.linear(rows, self.weight, self.bias), self.lora_b,
                         self.batch.scaling, self.batch.token_slots[:rows.shape[0]],
                         self.starts)
         return self.base.finish(y.view(*x.shape[:-1], y.shape[-1]))
 
+    def shard(self, name: str, a: torch.Tensor, b: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a module's whole A [r, in] and B [out, r], copied so that
+        the whole ones can be freed."""
+        out = self.slices[name]
+        return (a.narrow(1, self.in_index * self.in_features, self.in_features).clone(),
+                b.narrow(0, out.index * out.size, out.size).clone())
+
     def write_slot(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
-        """Slot `slot` takes the adapter's weights of this layer's modules (zeros where it
-        has none)."""
-        for i, (name, (offset, size)) in enumerate(self.slices.items()):
-            a, b = self.lora_a[i, slot], self.lora_b[slot, offset:offset + size]
+        """Slot `slot` takes the adapter's weights (this rank's shards) of this layer's
+        modules, zeros where it has none."""
+        for i, (name, shard) in enumerate(self.slices.items()):
+            a = self.lora_a[i, slot]
+            b = self.lora_b[slot, shard.offset:shard.offset + shard.size]
             a.zero_()
             b.zero_()
             pair = adapter.weights.get((layer, name))
@@ -95,8 +121,8 @@ class LoRALinear(nn.Module):
                 b[:, :rank].copy_(pair[1])
 
     def shapes(self) -> dict[str, tuple[int, int]]:
-        """(out, in) of each PEFT module's full weight."""
-        return {name: (size, self.in_features) for name, (_, size) in self.slices.items()}
+        """(out, in) of each PEFT module's whole weight, as adapters store it."""
+        return {name: (shard.full, self.in_full) for name, shard in self.slices.items()}
 
 
 def _zeros(like: torch.Tensor, *shape: int) -> nn.Parameter:
@@ -104,23 +130,33 @@ def _zeros(like: torch.Tensor, *shape: int) -> nn.Parameter:
                         requires_grad=False)
 
 
+# each wrapped projection: PEFT module name -> the projection's shard id (None: the whole
+# output of a layer that fuses nothing)
+_WRAPPED = {("self_attn", "qkv_proj"): {"q_proj": "q", "k_proj": "k", "v_proj": "v"},
+            ("self_attn", "o_proj"): {"o_proj": None},
+            ("mlp", "gate_up_proj"): {"gate_proj": 0, "up_proj": 1},
+            ("mlp", "down_proj"): {"down_proj": None}}
+
+
+def _slices(base: nn.Module, shard_ids: dict[str, ShardId]) -> dict[str, OutputShard]:
+    if isinstance(base, RowParallelLinear):  # its output is whole on every rank
+        out = base.weight.shape[0]
+        return {name: OutputShard(0, out, 0, out) for name in shard_ids}
+    shards = base.output_shards()
+    return {name: shards[shard_id] for name, shard_id in shard_ids.items()}
+
+
 def wrap_model(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int
-               ) -> list[LoRALinear]:
+               ) -> list[list[LoRALinear]]:
     """Replace every decoder layer's projections by LoRA-wrapped ones; a list by layer of
     its wrapped modules is returned (layer i's at index i)."""
     layers = []
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        q, kv = attn.q_size, attn.kv_size
-        inter = mlp.gate_up_proj.weight.shape[0] // 2
-        wrapped = {
-            (attn, "qkv_proj"): {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)},
-            (attn, "o_proj"): {"o_proj": (0, attn.o_proj.weight.shape[0])},
-            (mlp, "gate_up_proj"): {"gate_proj": (0, inter), "up_proj": (inter, inter)},
-            (mlp, "down_proj"): {"down_proj": (0, mlp.down_proj.weight.shape[0])}}
         modules = []
-        for (parent, attr), slices in wrapped.items():
-            module = LoRALinear(getattr(parent, attr), slices, batch, max_loras, max_rank)
+        for (block, attr), shard_ids in _WRAPPED.items():
+            parent = getattr(layer, block)
+            base = getattr(parent, attr)
+            module = LoRALinear(base, _slices(base, shard_ids), batch, max_loras, max_rank)
             setattr(parent, attr, module)
             modules.append(module)
         layers.append(modules)
@@ -177,8 +213,9 @@ class LoRAManager:
             token_slots=torch.full((max_tokens,), -1, dtype=torch.int32, device=device),
             scaling=torch.zeros(self.max_loras, dtype=torch.float32, device=device))
         self.layers = wrap_model(model, self.batch, self.max_loras, self.max_rank)
-        self.shapes = {(i, name): shape for i, modules in enumerate(self.layers)
-                       for module in modules for name, shape in module.shapes().items()}
+        self.modules = {(i, name): module for i, modules in enumerate(self.layers)
+                        for module in modules for name in module.slices}
+        self.shapes = {key: module.shapes()[key[1]] for key, module in self.modules.items()}
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # host copies, LRU first
 
@@ -219,6 +256,9 @@ class LoRAManager:
         if adapter is None:
             adapter = load_adapter(lora, self.max_rank, self.shapes, torch.device("cpu"),
                                    self.dtype)
+            # the host cache keeps only this rank's shards
+            adapter.weights = {key: self.modules[key].shard(key[1], a, b)
+                               for key, (a, b) in adapter.weights.items()}
             self.loaded[lora.lora_int_id] = adapter
             if len(self.loaded) > self.max_cpu_loras:
                 self.loaded.popitem(last=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,19 @@ from services.worker.layers.parallel import (all_reduce, divide, kv_heads_per_ra
                                               tp_size)
 
 Checkpoint = torch.Tensor | CheckpointSlice
-ShardShapes = dict[str | int | None, tuple[int, ...]]
+ShardId = str | int | None
+ShardShapes = dict[ShardId, tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class OutputShard:
+    """Where one shard id's rows sit on this rank: `size` rows at `offset` in its output,
+    which are block `index` (of `size` rows) of the checkpoint tensor's `full` rows. LoRA's
+    B weights split the same way."""
+    offset: int
+    size: int
+    index: int
+    full: int
 
 
 def copy_checked(dst: torch.Tensor, src: Checkpoint, name: str) -> None:
@@ -82,16 +95,25 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id=None) -> None:
-        size, name = param.shape[0], type(self).__name__
-        copy_checked(param.data, take_shard(loaded_weight, 0, self.tp_rank, size,
-                                            size * self.tp_size, name), name)
+        shards = self.output_shards()
+        if shard_id not in shards:
+            raise ValueError(f"{type(self).__name__}: shard id {shard_id!r} is not one of "
+                             f"{list(shards)}")
+        shard = shards[shard_id]
+        name = type(self).__name__ if shard_id is None else \
+            f"{type(self).__name__}[{shard_id}]"
+        copy_checked(param.data.narrow(0, shard.offset, shard.size),
+                     take_shard(loaded_weight, 0, shard.index, shard.size, shard.full, name),
+                     name)
 
     def checkpoint_shapes(self, param: nn.Parameter) -> ShardShapes:
-        return {shard: (rows, *param.shape[1:]) for shard, rows in self.rows().items()}
+        return {shard_id: (shard.full, *param.shape[1:])
+                for shard_id, shard in self.output_shards().items()}
 
-    def rows(self) -> dict[str | int | None, int]:
-        """The full output features of each shard id."""
-        return {None: self.weight.shape[0] * self.tp_size}
+    def output_shards(self) -> dict[ShardId, OutputShard]:
+        """Each shard id's place in this rank's output and in the checkpoint."""
+        size = self.weight.shape[0]
+        return {None: OutputShard(0, size, self.tp_rank, size * self.tp_size)}
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -101,20 +123,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
-                      shard_id=None) -> None:
-        if shard_id not in range(len(self.output_sizes)):
-            raise ValueError(f"{type(self).__name__}: shard id {shard_id!r} is not one of "
-                             f"{list(range(len(self.output_sizes)))}")
+    def output_shards(self) -> dict[ShardId, OutputShard]:
         sizes = [divide(s, self.tp_size, "output size") for s in self.output_sizes]
-        offset, size = sum(sizes[:shard_id]), sizes[shard_id]
-        name = f"{type(self).__name__}[{shard_id}]"
-        shard = take_shard(loaded_weight, 0, self.tp_rank, size, self.output_sizes[shard_id],
-                           name)
-        copy_checked(param.data.narrow(0, offset, size), shard, name)
-
-    def rows(self) -> dict[str | int | None, int]:
-        return dict(enumerate(self.output_sizes))
+        return {i: OutputShard(sum(sizes[:i]), size, self.tp_rank, full)
+                for i, (size, full) in enumerate(zip(sizes, self.output_sizes))}
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -132,24 +144,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
-                      shard_id=None) -> None:
+    def output_shards(self) -> dict[ShardId, OutputShard]:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # replicas of a KV head all read the same block of the checkpoint
         kv_rank, kv_full = self.tp_rank // self.kv_replicas, self.total_num_kv_heads * self.head_dim
-        # shard id -> (offset in our parameter, rows, source shard index, checkpoint rows)
-        layout = {"q": (0, q_size, self.tp_rank, q_size * self.tp_size),
-                  "k": (q_size, kv_size, kv_rank, kv_full),
-                  "v": (q_size + kv_size, kv_size, kv_rank, kv_full)}
-        if shard_id not in layout:
-            raise ValueError(f"QKVParallelLinear: shard id {shard_id!r} is not q, k or v")
-        offset, size, index, full = layout[shard_id]
-        name = f"QKVParallelLinear[{shard_id}]"
-        shard = take_shard(loaded_weight, 0, index, size, full, name)
-        copy_checked(param.data.narrow(0, offset, size), shard, name)
-
-    def rows(self) -> dict[str | int | None, int]:
-        kv = self.total_num_kv_heads * self.head_dim
-        return {"q": self.num_heads * self.head_dim * self.tp_size, "k": kv, "v": kv}
+        return {"q": OutputShard(0, q_size, self.tp_rank, q_size * self.tp_size),
+                "k": OutputShard(q_size, kv_size, kv_rank, kv_full),
+                "v": OutputShard(q_size + kv_size, kv_size, kv_rank, kv_full)}
 
 
 class RowParallelLinear(LinearBase):
@@ -185,6 +186,8 @@ class RowParallelLinear(LinearBase):
         return self.finish(F.linear(x, self.weight))
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums summed over the ranks, plus the bias (or left to the
+        norm); a LoRA wrapper adds its partial delta before."""
         if not self.reduce_results:
             return y
         y = all_reduce(y)
