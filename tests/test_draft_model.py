@@ -126,7 +126,7 @@ def test_random_sampling_distribution_equals_without_speculation(models):
     tokens, which the rejection sampler must not favour."""
     target, _ = models
     prompt = random_prompts(1)[0]
-    n = 1000
+    n = 600
     params = [SamplingParams(temperature=1.0, top_k=5, max_tokens=3, ignore_eos=True, seed=s)
               for s in range(n)]
     large = dict(max_num_seqs=64, max_num_batched_tokens=2048, num_gpu_blocks_override=2048)
@@ -147,3 +147,25 @@ def test_random_sampling_distribution_equals_without_speculation(models):
     chi2 = float(((c0 - c1)[seen] ** 2 / (c0 + c1)[seen]).sum())
     df = int(seen.sum()) - 1
     assert chi2 < df + 8 * (2 * df) ** 0.5
+
+
+@pytest.mark.slow
+def test_serve_with_a_draft_model_answers_as_offline_without_it(tmp_path, models):
+    """`headrace serve` with --speculative-config whose draft is the target itself: a
+    greedy completion through the openai client equals the offline text without drafts."""
+    import openai
+
+    from tests.e2e_fixtures import API_KEY, MODEL_NAME, serving, tiny_serve_args
+
+    target, _ = models
+    prompt = random_prompts(1)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = engine(target).generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    spec = json.dumps(draft_config(target))
+    args = tiny_serve_args(target, tmp_path / "run", "--speculative-config", spec)
+    with serving(args, tmp_path / "serve.log") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=120)
+        completion = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16,
+                                               temperature=0.0, extra_body={"ignore_eos": True})
+    assert completion.choices[0].text == expected
+    assert completion.usage.completion_tokens == 16
