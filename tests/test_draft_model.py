@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from common.config import ConfigError, EngineConfig
+from common.messages import AdmitRequest, StepResult
 from common.model_info import resolve_engine
 from common.sampling_params import SamplingParams
 from common.speculative import SpeculativeConfig
 from services import LLM
+from services.scheduler.core import Scheduler, SchedulerConfig
 from tests.test_spec_decode import engine
 from tests.tiny_models import make_tiny_model
 
@@ -73,6 +75,30 @@ def test_refuses_a_draft_of_another_vocabulary(tmp_path, models):
     config = EngineConfig(model=str(target), speculative_config=json.dumps(draft_config(other)))
     with pytest.raises(ConfigError, match="vocabulary of 256 tokens, the target 512"):
         resolve_engine(config)
+
+
+# --- scheduler ------------------------------------------------------------------------
+
+def test_scheduler_places_the_workers_proposals_with_lookahead_slots():
+    spec = SpeculativeConfig(3, method="draft_model", model="d")
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=256, block_size=4, num_blocks=16,
+                                      speculative=spec))
+    sched.add_request(AdmitRequest("r", "gw", [5, 6, 7, 8], SamplingParams(
+        temperature=0.0, max_tokens=5, ignore_eos=True)))
+    prefill = sched.schedule()
+    # 4 prompt tokens fill one block; the 3 lookahead slots of the draft need a second
+    assert len(prefill.new[0].block_ids) == 2
+    sched.update(StepResult(prefill.step, ["r#0"], [100], num_draft_tokens=[3],
+                            draft_token_ids=[7, 8, 9]))
+    verify = sched.schedule()
+    assert verify.num_scheduled_tokens == [4] and verify.draft_token_ids == [7, 8, 9]
+    # one draft accepted, then the worker's next proposal: max_tokens leaves room for 1
+    sched.update(StepResult(verify.step, ["r#0"], [7, 50], num_tokens=[2],
+                            num_draft_tokens=[3], draft_token_ids=[1, 2, 3]))
+    last = sched.schedule()
+    assert last.num_computed_tokens == [6] and last.draft_token_ids == [1]
+    assert sched.spec.num_draft_tokens == 3 and sched.spec.num_accepted_tokens == 1
 
 
 # --- end to end -------------------------------------------------------------------------
