@@ -159,11 +159,14 @@ class EngineConfig:
         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model "
         "names one. Needs --enable-lora."))
     speculative_config: str | None = field(default=None, metadata=_help(
-        "Speculative decoding as vLLM's JSON object; ngram (prompt lookup) only, e.g. "
+        "Speculative decoding as vLLM's JSON object: ngram (prompt lookup), e.g. "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
-        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}'."))
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}', or a draft model sharing "
+        "the target's vocabulary, e.g. '{\"method\": \"draft_model\", \"model\": DIR, "
+        "\"num_speculative_tokens\": 3}' (loaded with --load-format and --dtype; "
+        "tensor-parallel size 1 only)."))
     num_speculative_tokens: int | None = field(default=None, metadata=_help(
-        "vLLM's older flag: --speculative-config's num_speculative_tokens (ngram)."))
+        "vLLM's older flag: --speculative-config's num_speculative_tokens."))
     ngram_prompt_lookup_max: int | None = field(default=None, metadata=_help(
         "vLLM's older flag: --speculative-config's prompt_lookup_max."))
     ngram_prompt_lookup_min: int | None = field(default=None, metadata=_help(
@@ -264,11 +267,17 @@ class EngineConfig:
                 value.setdefault(key, given)
         if not value:
             return None
-        value.setdefault("method", "ngram")
+        if "model" not in value:
+            value.setdefault("method", "ngram")
         try:
-            return SpeculativeConfig.from_dict(value)
+            spec = SpeculativeConfig.from_dict(value)
         except SpeculativeConfigError as e:
             raise ConfigError(f"--speculative-config: {e}") from None
+        if spec.uses_draft_model and self.tensor_parallel_size > 1:
+            raise ConfigError("--speculative-config: a draft model runs with "
+                              "--tensor-parallel-size 1 only (the draft and its KV cache "
+                              "live on the first GPU, which the other ranks cannot follow)")
+        return spec
 
     def _validate_partial_prefills(self) -> None:
         _positive("max_num_partial_prefills", self.max_num_partial_prefills)

@@ -284,6 +284,11 @@ class StepResult:
     # tokens per request of req_ids (token_ids is then their concatenation): 1 + accepted
     # drafts for a speculating request; empty when every request sampled one token
     num_tokens: Tokens = field(default_factory=list)
+    # a draft model's greedy proposals after each request's last token, for its next step
+    # (draft_token_ids is their concatenation): a count per request of req_ids, 0 for one
+    # that may not speculate; both empty without a draft model
+    num_draft_tokens: Tokens = field(default_factory=list)
+    draft_token_ids: Tokens = field(default_factory=list)
 
 
 @message("worker_ready")

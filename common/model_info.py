@@ -17,10 +17,18 @@ from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_d
 
 
 @dataclass(slots=True)
+class DraftModel:
+    """The draft model of --speculative-config's draft_model method."""
+    model_dir: Path
+    hf_config: Any
+
+
+@dataclass(slots=True)
 class ResolvedModel:
     config: EngineConfig  # max_model_len and the token budget filled in from the model
     model_dir: Path
     hf_config: Any  # transformers' PretrainedConfig
+    draft: DraftModel | None = None
 
 
 def resolve_engine(config: EngineConfig) -> ResolvedModel:
@@ -28,7 +36,24 @@ def resolve_engine(config: EngineConfig) -> ResolvedModel:
     model_dir = resolve_model(config.model, config.load_format)
     hf_config = override(load_hf_config(model_dir), config.hf_config_overrides())
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
-    return ResolvedModel(config.resolved(max_model_len_of(hf_config)), model_dir, hf_config)
+    return ResolvedModel(config.resolved(max_model_len_of(hf_config)), model_dir, hf_config,
+                         resolve_draft(config, hf_config))
+
+
+def resolve_draft(config: EngineConfig, hf_config: Any) -> DraftModel | None:
+    """The draft model's files, None without one. It must share the target's vocabulary:
+    its token ids are verified against the target's logits as they are."""
+    spec = config.speculative()
+    if spec is None or spec.model is None:
+        return None
+    draft_dir = resolve_model(spec.model, config.load_format)
+    draft_config = load_hf_config(draft_dir)
+    if draft_config.vocab_size != hf_config.vocab_size:
+        raise ConfigError(
+            f"--speculative-config: the draft model {spec.model} has a vocabulary of "
+            f"{draft_config.vocab_size} tokens, the target {hf_config.vocab_size}: a draft "
+            "must share the target's tokenizer")
+    return DraftModel(draft_dir, draft_config)
 
 
 def override(hf_config: Any, overrides: dict[str, Any]) -> Any:
@@ -95,6 +120,7 @@ class ModelInfo:
     tokenizer: Any
     defaults: SamplingDefaults
     eos_token_ids: tuple[int, ...]
+    draft: DraftModel | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -102,7 +128,7 @@ class ModelInfo:
 
     @property
     def resolved(self) -> ResolvedModel:
-        return ResolvedModel(self.config, self.model_dir, self.hf_config)
+        return ResolvedModel(self.config, self.model_dir, self.hf_config, self.draft)
 
     @property
     def max_model_len(self) -> int:
@@ -121,4 +147,4 @@ def load_model_info(config: EngineConfig) -> ModelInfo:
         tokenizer=tokenizer,
         defaults=sampling_defaults(config.generation_config, generation_config,
                                    config.generation_overrides()),
-        eos_token_ids=eos_token_ids(tokenizer, generation_config))
+        eos_token_ids=eos_token_ids(tokenizer, generation_config), draft=model.draft)

@@ -1,8 +1,14 @@
-"""Speculative decoding settings (vLLM's --speculative-config) and the ngram proposer.
+"""Speculative decoding settings (vLLM's --speculative-config), the ngram proposer, and
+which requests may speculate.
 
 The ngram method (prompt lookup) drafts from the request's own tokens: a pure function of
 them, so it runs in the scheduler, which knows every request's tokens (the worker would
 have to send its proposals back before the scheduler could budget and place them).
+
+The draft_model method drafts with a small model that shares the target's vocabulary. It
+needs the model's weights and KV cache, so it runs in the worker, right after each step's
+sampling: its greedy drafts come back with the step's tokens and the scheduler places them
+in the request's next step, as it places ngram drafts (services/worker/draft.py).
 """
 
 from __future__ import annotations
@@ -10,7 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from common.sampling_params import SamplingParams
+
 NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+DRAFT_MODEL_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size")
+UNSUPPORTED_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
 
 
 class SpeculativeConfigError(ValueError):
@@ -20,35 +30,41 @@ class SpeculativeConfigError(ValueError):
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
+    prompt_lookup_max: int = 0  # ngram only
+    prompt_lookup_min: int = 0  # ngram only
     method: str = "ngram"
+    model: str | None = None  # draft_model: the draft's directory, .gguf or hub id
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
             raise SpeculativeConfigError("num_speculative_tokens must be at least 1, got "
                                          f"{self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+        if self.method == "draft_model":
+            if not self.model:
+                raise SpeculativeConfigError("draft_model needs the draft's \"model\"")
+        elif not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise SpeculativeConfigError(
                 "ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
 
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> SpeculativeConfig:
-        """vLLM's object; a draft model is not supported yet. As in vLLM, a missing
-        prompt_lookup_min defaults to prompt_lookup_max and vice versa."""
-        method = value.get("method")
-        if "model" in value or method in ("draft_model", "eagle", "eagle3", "medusa",
-                                          "mlp_speculator", "deepseek_mtp"):
-            raise SpeculativeConfigError(
-                f"speculative method {method or 'draft_model'!r} is not supported yet: "
-                "ngram only")
+        """vLLM's object. As in vLLM, a "model" without a method is a draft model, and for
+        ngram a missing prompt_lookup_min defaults to prompt_lookup_max and vice versa."""
+        method = value.get("method") or ("draft_model" if "model" in value else None)
+        if method in UNSUPPORTED_METHODS:
+            raise SpeculativeConfigError(f"speculative method {method!r} is not supported: "
+                                         "ngram and draft_model only")
+        if method == "draft_model":
+            return cls._draft_model(value)
         if method != "ngram":
-            raise SpeculativeConfigError(f"speculative method must be 'ngram', got {method!r}")
-        unknown = set(value) - set(NGRAM_KEYS)
-        if unknown:
-            raise SpeculativeConfigError(f"unknown ngram speculative settings {sorted(unknown)}; "
-                                         f"known: {list(NGRAM_KEYS)}")
+            raise SpeculativeConfigError("speculative method must be 'ngram' or "
+                                         f"'draft_model', got {method!r}")
+        _check_keys("ngram", value, NGRAM_KEYS)
         k = value.get("num_speculative_tokens")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if not isinstance(k, int) or not all(isinstance(v, (int, type(None))) for v in (lo, hi)):
@@ -57,6 +73,35 @@ class SpeculativeConfig:
         if lo is None and hi is None:
             raise SpeculativeConfigError("ngram needs prompt_lookup_max or prompt_lookup_min")
         return cls(k, hi if hi is not None else lo, lo if lo is not None else hi)
+
+    @classmethod
+    def _draft_model(cls, value: dict[str, Any]) -> SpeculativeConfig:
+        _check_keys("draft_model", value, DRAFT_MODEL_KEYS)
+        k, model = value.get("num_speculative_tokens"), value.get("model")
+        if not isinstance(k, int) or not isinstance(model, str):
+            raise SpeculativeConfigError("draft_model needs a string \"model\" and an integer "
+                                         "num_speculative_tokens")
+        if value.get("draft_tensor_parallel_size", 1) != 1:
+            raise SpeculativeConfigError(
+                "draft_tensor_parallel_size must be 1: the draft runs whole on the first GPU")
+        return cls(k, method="draft_model", model=model)
+
+
+def _check_keys(method: str, value: dict[str, Any], known: tuple[str, ...]) -> None:
+    unknown = set(value) - set(known)
+    if unknown:
+        raise SpeculativeConfigError(f"unknown {method} speculative settings "
+                                     f"{sorted(unknown)}; known: {list(known)}")
+
+
+def may_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a request's next step may carry drafts: Sampler.verify needs raw logits, so
+    none of the per-token state (penalties, min_tokens, logprobs, bias, allowed ids,
+    grammars) that the worker applies one token at a time."""
+    return (params.structured_outputs is None and params.logprobs is None
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0 and params.min_tokens <= num_output_tokens
+            and params.logit_bias is None and params.allowed_token_ids is None)
 
 
 class NgramIndex:

@@ -60,8 +60,8 @@ def test_config_json_and_older_flags():
 
 
 @pytest.mark.parametrize("value, words", [
-    ({"model": "some/draft", "num_speculative_tokens": 3}, "ngram only"),
-    ({"method": "draft_model", "num_speculative_tokens": 3}, "ngram only"),
+    ({"method": "medusa", "num_speculative_tokens": 3}, "ngram and draft_model only"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, 'needs a string "model"'),
     ({"method": "ngram", "prompt_lookup_max": 3}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1,
       "prompt_lookup_min": 3}, "prompt_lookup_min <="),

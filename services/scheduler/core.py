@@ -7,9 +7,11 @@ called again before the previous step's `update`; results for requests that fini
 were aborted meanwhile are dropped. An embedding request is a prompt that is computed and
 never sampled: it ends, freeing its blocks, when its embedding comes back.
 
-Speculative decoding (ngram): a decoding request whose tokens are all known gets drafts
-from its own earlier tokens (common/speculative.py) and is scheduled 1 + len(drafts) tokens
-in one step. How many drafts the worker accepts is only known when the result comes back,
+Speculative decoding: a decoding request whose tokens are all known gets drafts, from its
+own earlier tokens (ngram, common/speculative.py) or the draft model's proposal that came
+back with its last token (draft_model, services/worker/draft.py), and is scheduled
+1 + len(drafts) tokens in one step. With a draft model every allocation also holds k
+lookahead slots past the step's tokens, where the draft writes its proposals' KV. How many drafts the worker accepts is only known when the result comes back,
 so a request that may speculate is never planned while one of its steps is in flight: it
 loses the plan-ahead, the other requests of the batch keep it. On the result its accepted
 tokens are appended one by one (a stop condition among them ends it there) and
@@ -32,7 +34,7 @@ from common.hops import NUM_REQUEST_STAMPS
 from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
                              PooledOutput, SchedulerStats, StepPlan, StepResult,
                              TokenLogprobs)
-from common.speculative import SpeculativeConfig
+from common.speculative import SpeculativeConfig, may_speculate
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import KnownTokens, Request, Status
 
@@ -259,12 +261,15 @@ class Scheduler:
         logprobs = result.logprobs or [None] * len(result.req_ids)
         counts = result.num_tokens or [1] * len(result.req_ids)
         ends = itertools.accumulate(counts)
-        for req_id, end, count, lp in zip(result.req_ids, ends, counts, logprobs):
+        proposals = _proposals(result)
+        for req_id, end, count, lp, proposal in zip(result.req_ids, ends, counts, logprobs,
+                                                    proposals):
             req = self.requests.get(req_id)
             if req is None:
                 continue  # finished or aborted after this step was planned
             req.num_pending -= 1
             kept = self._append_tokens(req, result.token_ids[end - count:end])
+            req.proposal, req.proposal_after = proposal, req.num_known_tokens
             items.append(self._detok_item(req, kept, lp))
             if req.finish_reason is not None:
                 self._finish(req)
@@ -331,7 +336,8 @@ class Scheduler:
                 continue
             new_blocks = None
             if n == remaining or self.config.enable_chunked_prefill:
-                new_blocks = self.kv.allocate(req, n, computed)
+                new_blocks = self.kv.allocate(req, n, computed,
+                                              self._lookahead(num_cached + n))
             if new_blocks is None:
                 deferred.append(req)
                 break
@@ -366,12 +372,16 @@ class Scheduler:
 
     def _speculates(self, req: Request) -> bool:
         """Whether the request may get drafts: it needs no per-token state on the worker."""
-        p = req.params
         return (self.config.speculative is not None and not req.embed
-                and p.structured_outputs is None and p.logprobs is None
-                and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-                and p.repetition_penalty == 1.0 and p.min_tokens <= len(req.output_token_ids)
-                and p.logit_bias is None and p.allowed_token_ids is None)
+                and may_speculate(req.params, len(req.output_token_ids)))
+
+    def _lookahead(self, num_slots: int) -> int:
+        """The slots a draft model's proposals need past a request's first `num_slots`
+        (never past max_model_len, where the worker writes none)."""
+        spec = self.config.speculative
+        if spec is None or not spec.uses_draft_model:
+            return 0
+        return max(0, min(spec.num_speculative_tokens, self.config.max_model_len - num_slots))
 
     def _propose(self, req: Request, room: int) -> list[int]:
         """Drafts after the request's known tokens, no more than the budget's `room` or
@@ -385,6 +395,8 @@ class Scheduler:
             k = min(k, max_tokens - len(req.output_token_ids) - 1)
         if k <= 0:
             return []
+        if spec.uses_draft_model:  # a proposal for older tokens does not follow these
+            return req.proposal[:k] if req.proposal_after == req.num_known_tokens else []
         index = req.ngram_index
         index.extend(req.token_slice(len(index.tokens), req.num_known_tokens))
         return index.propose(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -406,7 +418,8 @@ class Scheduler:
         return req.num_tokens < self.config.max_model_len
 
     def _allocate_or_preempt(self, req: Request, n: int, position: int) -> list | None:
-        while (new_blocks := self.kv.allocate(req, n)) is None:
+        lookahead = self._lookahead(req.num_computed_tokens + n)
+        while (new_blocks := self.kv.allocate(req, n, None, lookahead)) is None:
             victim = self._pick_victim(self.running[position:])
             self._preempt(victim)
             if victim is req:
@@ -556,3 +569,12 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec.accepted_per_pos))
+
+
+def _proposals(result: StepResult) -> list[list[int]]:
+    """A draft model's proposal for each request of the result ([] without one)."""
+    if not result.num_draft_tokens:
+        return [[] for _ in result.req_ids]
+    ends = itertools.accumulate(result.num_draft_tokens)
+    return [list(result.draft_token_ids[end - n:end])
+            for n, end in zip(result.num_draft_tokens, ends)]

@@ -52,15 +52,17 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate(self, req: Request, num_new_tokens: int,
-                 computed: list[Block] | None = None) -> list[Block] | None:
+    def allocate(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None,
+                 num_lookahead_tokens: int = 0) -> list[Block] | None:
         """Blocks so the request can hold `num_new_tokens` more tokens past its computed
-        ones (plus `computed` cache hits, given on first schedule). None if they do not
-        fit; the newly allocated blocks otherwise."""
+        ones (plus `computed` cache hits, given on first schedule), and
+        `num_lookahead_tokens` slots after them (a draft model's proposals write there).
+        None if they do not fit; the newly allocated blocks otherwise."""
         first_schedule, computed = computed is not None, computed or []
         held = self.req_blocks.setdefault(req.req_id, [])
         num_computed = req.num_computed_tokens + len(computed) * self.block_size
-        need = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(computed)
+        num_slots = num_computed + num_new_tokens + num_lookahead_tokens
+        need = -(-num_slots // self.block_size) - len(held) - len(computed)
         evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
         if need > self.pool.num_free - evictable_hits:
             if not held:

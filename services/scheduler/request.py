@@ -56,6 +56,9 @@ class Request:
     num_drafts_in_flight: int = 0  # drafts of the step whose result has not come back
     # its known tokens, indexed for ngram proposals as they become known
     ngram_index: NgramIndex = field(default_factory=NgramIndex)
+    # a draft model's proposal (from the worker) and the num_known_tokens it follows
+    proposal: list[int] = field(default_factory=list)
+    proposal_after: int = 0
     # made once: every step's DetokItem of this request carries them
     detok_params: DetokParams = field(init=False)
     stop_lookback: int = field(init=False)

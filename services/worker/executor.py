@@ -26,7 +26,7 @@ class Executor:
             join_group(0, config.tensor_parallel_size, self.followers.init_method,
                        resolve_device(config))
         try:
-            self.runner = ModelRunner(config, model.hf_config, model.model_dir)
+            self.runner = ModelRunner(config, model.hf_config, model.model_dir, model.draft)
         except BaseException:
             self.close()
             raise

@@ -11,7 +11,9 @@ request's step carries the scheduler's drafts after its last token: the logits a
 1 + k positions are verified by rejection sampling (Sampler.verify), and it returns 1 to
 k + 1 tokens; the scheduler never plans it while that step is in flight. Such steps have
 queries longer than one token, so they replay the mixed CUDA graphs (or run eagerly past
-their largest size), never the decode ones.
+their largest size), never the decode ones. With a draft model (services/worker/draft.py)
+every step also runs the draft over the same inputs, and then k greedy draft tokens after
+each sampled token of a request that may speculate; they return with the step's tokens.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ import torch
 from common.config import EngineConfig
 from common.messages import LoRARequest, PooledOutput, PromptLogprobs, StepPlan, StepResult
 from common.model_files import load_tokenizer
+from common.model_info import DraftModel
 from common.sampling_params import SamplingParams
+from common.speculative import may_speculate
 from common.tokens import slice_tokens
 from services.worker.cuda_graphs import StepGraphs, graph_tokens
+from services.worker.draft import DraftRunner
 from services.worker.grammar import Grammars, MaskRow, accept
 from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
 from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_all_reduce
@@ -102,6 +107,8 @@ class Launched:
     pooled: torch.Tensor | None = None  # their embeddings, a row each, on the host when done
     spec: list[RequestState] = field(default_factory=list)  # verified drafts' requests
     spec_host: torch.Tensor | None = None  # Sampler.verify's rows for them
+    drafted: list[RequestState] = field(default_factory=list)  # the draft model's rows
+    drafts_host: torch.Tensor | None = None  # their proposals, k each
 
 
 @dataclass(slots=True)
@@ -117,6 +124,9 @@ class StepInputs:
     # (state, first token index in the batch, count, its prompt's last chunk) per embedding
     spec: list[tuple[RequestState, list[int]]] = field(default_factory=list)  # with drafts
     spec_indices: torch.Tensor | None = None  # their 1 + k token indices each, in order
+    seq_lens: np.ndarray | None = None  # each request's context length after this step
+    sample_rows: list[int] = field(default_factory=list)  # batch rows of `sampling`
+    spec_rows: list[int] = field(default_factory=list)  # batch rows of `spec`
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -141,7 +151,8 @@ def resolve_kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dt
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, model_dir) -> None:
+    def __init__(self, config: EngineConfig, hf_config, model_dir,
+                 draft: DraftModel | None = None) -> None:
         self.config = config
         self.hf_config = hf_config
         self.device = resolve_device(config)
@@ -149,6 +160,9 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
         torch.manual_seed(config.seed)
         self.model = load_model(config, hf_config, self.device, self.dtype, model_dir)
+        # before the memory plan: its weights and its KV bytes per block count
+        self.draft = None if draft is None else DraftRunner(config, draft, self.device,
+                                                            self.dtype)
         # before the memory plan and the graphs: its slots take memory, its layers are
         # captured
         self.lora = LoRAManager(self.model, config, self.device, self.dtype,
@@ -162,10 +176,15 @@ class ModelRunner:
         self._pending: Launched | None = None
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._connect_peers()
-        self.num_blocks = min_over_ranks(plan_num_blocks(config, self, kv_cache_bytes_per_block(
-            hf_config, config.block_size, self.kv_cache_dtype, config.tensor_parallel_size)),
-            self.device)
+        bytes_per_block = kv_cache_bytes_per_block(
+            hf_config, config.block_size, self.kv_cache_dtype, config.tensor_parallel_size)
+        if self.draft is not None:
+            bytes_per_block += self.draft.bytes_per_block()
+        self.num_blocks = min_over_ranks(plan_num_blocks(config, self, bytes_per_block),
+                                         self.device)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        if self.draft is not None:
+            self.draft.kv_caches = self.draft.allocate_kv_caches(self.num_blocks)
         self.graphs = self._capture_graphs()
         # after the capture: the graphs hold no scale calculation, and _forward runs the
         # steps eagerly until the first real one has set the scales
@@ -199,6 +218,8 @@ class ModelRunner:
         started = time.perf_counter()
         inputs = self._prepare(plan)
         hidden = self._forward(inputs)
+        if self.draft is not None:
+            self.draft.sync(inputs.input_ids, inputs.positions, inputs.attn)
         # Penalties, min_tokens and grammars need the last step's tokens to sample: wait
         # for them now, while the device runs this step's forward pass.
         if self._pending is not None and any(s.pending and s.needs_history()
@@ -234,6 +255,7 @@ class ModelRunner:
             return Launched(step, [], torch.empty(0, dtype=torch.int64), None, [], chunks,
                             started)
         host, done, logprobs = torch.empty(0, dtype=torch.int64), None, []
+        sampled = verified = None
         if inputs.sampling:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])
             out = self.sampler.sample(logits, [s.sampling_row() for s in inputs.sampling],
@@ -244,15 +266,19 @@ class ModelRunner:
                 state.sample_row = row
             host, done = self._copy_to_host(out.token_ids)
             logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
+            sampled = out.token_ids
         launched = Launched(step, inputs.sampling, host, done, logprobs, chunks, started)
         if inputs.spec:
-            self._verify(launched, inputs, hidden)
+            verified = self._verify(launched, inputs, hidden)
+        if self.draft is not None:
+            self._propose(launched, inputs, sampled, verified)
         launched.on_host_at = time.time() if launched.done is None else 0.0
         return launched
 
-    def _verify(self, launched: Launched, inputs: StepInputs, hidden: torch.Tensor) -> None:
+    def _verify(self, launched: Launched, inputs: StepInputs, hidden: torch.Tensor
+                ) -> torch.Tensor:
         """Rejection-sample the drafts of this step's speculating requests; their tokens
-        are copied to the host with the step's others."""
+        are copied to the host with the step's others. Returns Sampler.verify's rows."""
         assert inputs.spec_indices is not None
         logits = self.model.compute_logits(hidden[inputs.spec_indices])
         states = [state for state, _ in inputs.spec]
@@ -263,6 +289,42 @@ class ModelRunner:
         launched.spec = states
         launched.spec_host, done = self._copy_to_host(out)
         if done is not None:  # recorded after the other tokens' copy: it stands for both
+            launched.done = done
+        return out
+
+    def _propose(self, launched: Launched, inputs: StepInputs, sampled: torch.Tensor | None,
+                 verified: torch.Tensor | None) -> None:
+        """The draft model's proposals after this step's tokens, for the requests that may
+        speculate next. A verified row's last token is its replacement or bonus token, at
+        the position after its accepted drafts: both read on the device."""
+        assert self.draft is not None and inputs.seq_lens is not None
+        seq_lens, rows, tokens, positions, states = inputs.seq_lens, [], [], [], []
+        keep = [j for j, s in enumerate(inputs.sampling) if _drafts_for(s)]
+        if keep:
+            rows += [inputs.sample_rows[j] for j in keep]
+            states += [inputs.sampling[j] for j in keep]
+            tokens.append(sampled[self._tensor(np.asarray(keep))])
+            positions.append(self._tensor(seq_lens[rows]))
+        keep = [j for j, (s, _) in enumerate(inputs.spec) if _drafts_for(s)]
+        if keep:
+            spec_rows = [inputs.spec_rows[j] for j in keep]
+            out = verified[self._tensor(np.asarray(keep))]
+            emitted = out[:, 0]
+            tokens.append(out.gather(1, emitted[:, None])[:, 0])
+            num_drafts = np.asarray([len(inputs.spec[j][1]) for j in keep])
+            positions.append(self._tensor(seq_lens[spec_rows] - num_drafts - 1) + emitted)
+            rows += spec_rows
+            states += [inputs.spec[j][0] for j in keep]
+        if not rows:
+            return
+        index = self._tensor(np.asarray(rows))
+        num_blocks = self._tensor(np.asarray([len(s.block_ids) for s in states]))
+        drafts = self.draft.propose(torch.cat(tokens), torch.cat(positions),
+                                    inputs.attn.block_tables[index], num_blocks,
+                                    int(seq_lens[rows].max()))
+        launched.drafted = states
+        launched.drafts_host, done = self._copy_to_host(drafts)
+        if done is not None:  # recorded after the tokens' copies: it stands for them all
             launched.done = done
 
     def _pool(self, launched: Launched, rows: list[tuple[RequestState, int, int, bool]],
@@ -323,12 +385,14 @@ class ModelRunner:
                 token_ids += emitted
                 num_tokens.append(len(emitted))
             logprobs = logprobs and logprobs + [None] * len(launched.spec)
+        num_drafts, drafts = _proposals(launched, req_ids)
         return StepResult(step=launched.step, req_ids=req_ids,
                           token_ids=token_ids, logprobs=logprobs,
                           prompt_logprobs=launched.prompt_logprobs,
                           execute_ms=1000 * (time.perf_counter() - launched.started),
                           stamps=[on_host], embeddings=_embeddings(launched),
-                          num_tokens=num_tokens)
+                          num_tokens=num_tokens, num_draft_tokens=num_drafts,
+                          draft_token_ids=drafts)
 
     def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if tokens.device.type != "cuda":
@@ -370,6 +434,8 @@ class ModelRunner:
                             self.block_size)
         start = time.perf_counter()
         graphs.capture()
+        if self.draft is not None:
+            self.draft.capture_graphs(config.max_num_seqs, config.max_num_batched_tokens)
         log.info("captured CUDA graphs for steps of %s tokens in %.1f s", graphs.sizes,
                  time.perf_counter() - start)
         return graphs
@@ -451,7 +517,8 @@ class ModelRunner:
             spec=[(states[i], drafts[i]) for i in spec],
             spec_indices=self._tensor(np.concatenate(
                 [np.arange(cu[i + 1] - 1 - num_drafts[i], cu[i + 1]) for i in spec]))
-            if spec else None)
+            if spec else None,
+            seq_lens=seq_lens, sample_rows=samples, spec_rows=spec)
 
     def _prompt_logprob_rows(self, states, starts, num_scheduled, cu) -> list:
         rows = []
@@ -496,6 +563,8 @@ class ModelRunner:
         input_ids = torch.randint(0, self.model.vocab_size, (num_tokens,), device=self.device)
         positions = self._tensor(np.arange(num_tokens) - np.repeat(cu[:-1], q_lens))
         hidden = self.model(input_ids, positions, ForwardContext(attn, caches))
+        if self.draft is not None:  # its sync pass over the same step
+            self.draft.forward(input_ids, positions, attn, self.draft.allocate_kv_caches(1))
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:] - 1)])
         params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50)
         self.sampler.sample(logits, [SamplingRow(params, [], [], None)] * num_reqs)
@@ -511,6 +580,23 @@ def _drafts(plan: StepPlan) -> list[list[int]]:
     ends = itertools.accumulate(plan.num_draft_tokens)
     return [list(plan.draft_token_ids[end - n:end])
             for n, end in zip(plan.num_draft_tokens, ends)]
+
+
+def _drafts_for(state: RequestState) -> bool:
+    """Whether the draft model proposes for a request that sampled: the scheduler only
+    places drafts where common/speculative.may_speculate allows (counting the token just
+    sampled, which the worker holds as pending)."""
+    return not state.embed and may_speculate(state.params,
+                                             len(state.output_ids) + state.pending)
+
+
+def _proposals(launched: Launched, req_ids: list[str]) -> tuple[list[int], list[int]]:
+    """StepResult's num_draft_tokens and draft_token_ids, in the order of req_ids."""
+    if launched.drafts_host is None:
+        return [], []
+    by_id = dict(zip((s.req_id for s in launched.drafted), launched.drafts_host.tolist()))
+    drafts = [by_id.get(req_id, []) for req_id in req_ids]
+    return [len(d) for d in drafts], [t for d in drafts for t in d]
 
 
 def _embeddings(launched: Launched) -> list[PooledOutput]:
