@@ -59,7 +59,10 @@ case "$1" in
   ;;
 5)  # batch-1 decode of Llama-3.1-8B shapes drafted by a 16-layer 2048-wide llama with the
     # same vocabulary (Llama-3.2-1B's shapes, untied): both copy models (every draft is
-    # right), then both dummy (no draft is), each against no speculation
+    # right), then both dummy (no draft is), each against no speculation; first the draft
+    # model's GPU test (its graphs against eager and plain decoding)
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k draft \
+    > "$R/pytest-gpu-draft.txt" 2>&1
   python - $M/llama-3.1-8b-shape /tmp/llama-1b-shape <<'PY'
 import json, shutil, sys
 from pathlib import Path
