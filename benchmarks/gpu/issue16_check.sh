@@ -95,5 +95,13 @@ PY
       --json "$R/draft-dummy8b-b1-$spec.json" >> "$R/stage5.txt" 2>&1
   done
   ;;
+6)  # a KV-bound decode: Llama-3.1-8B shapes, 32 requests of 8000-token contexts (33 GB of
+    # bf16 KV read a step beside 16 GB of weights), bf16 against fp8 KV
+  for dtype in auto fp8; do
+    bench 250 latency --model $M/llama-3.1-8b-shape --load-format dummy --context-len 8000 \
+      --batch-size 32 --output-len 64 --iterations 2 --kv-cache-dtype $dtype \
+      --json "$R/kvbound-llama8b-b32-ctx8000-$dtype.json" >> "$R/stage6.txt" 2>&1
+  done
+  ;;
 esac
 grep -hv '"event"' "$R"/*.txt | tail -n 40
