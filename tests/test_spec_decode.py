@@ -81,3 +81,43 @@ def test_random_sampling_distribution_equals_without_speculation(tmp_path, monke
     chi2 = float(((c0 - c1)[seen] ** 2 / (c0 + c1)[seen]).sum())
     df = int(seen.sum()) - 1
     assert chi2 < df + 8 * (2 * df) ** 0.5
+
+
+@pytest.mark.slow
+def test_serve_with_ngram_and_an_fp8_cache_counts_drafts_in_metrics(tmp_path):
+    """`headrace serve --kv-cache-dtype fp8 --speculative-config <ngram>`: a greedy
+    completion of a repeating prompt through the openai client equals the offline fp8
+    engine's without speculation, and /metrics counts the drafts and their acceptances."""
+    import json
+
+    import anyio
+    import openai
+
+    from tests.e2e_fixtures import API_KEY, MODEL_NAME, serving, tiny_serve_args
+    from tests.test_e2e import SHARD_0, metrics
+
+    model_dir = make_tiny_model(tmp_path, "llama")
+    prompt = repetitive_prompts()[0]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    fp8 = engine(model_dir, kv_cache_dtype="fp8")
+    expected = fp8.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    args = tiny_serve_args(model_dir, tmp_path / "run", "--dtype", "float32",
+                           "--kv-cache-dtype", "fp8", "--speculative-config", json.dumps(NGRAM))
+    with serving(args, tmp_path / "serve.log") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=120)
+        completion = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24,
+                                               temperature=0.0, extra_body={"ignore_eos": True})
+        assert completion.choices[0].text == expected
+
+        async def counted() -> dict:
+            with anyio.fail_after(15):
+                while True:
+                    samples = await metrics(server.url)
+                    if samples.get(("headrace:spec_decode_num_drafts_total", SHARD_0)):
+                        return samples
+                    await anyio.sleep(0.2)
+
+        samples = anyio.run(counted)
+    drafted = samples[("headrace:spec_decode_num_draft_tokens_total", SHARD_0)]
+    accepted = samples[("headrace:spec_decode_num_accepted_tokens_total", SHARD_0)]
+    assert 0 < accepted <= drafted
