@@ -13,6 +13,8 @@ in the request's next step, as it places ngram drafts (services/worker/draft.py)
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +135,15 @@ class NgramIndex:
                 if end >= n - 1 and tokens[end - n + 1:end + 1] == suffix:
                     return tokens[end + 1:end + 1 + k]
         return []
+
+
+def split_drafts(counts: Sequence[int], flat: Sequence[int], rows: int) -> list[list[int]]:
+    """The per-request lists that the messages carry flat beside their counts (StepPlan's
+    drafts, StepResult's proposals); `rows` empty lists when there are no counts."""
+    if not counts:
+        return [[] for _ in range(rows)]
+    ends = itertools.accumulate(counts)
+    return [list(flat[end - n:end]) for n, end in zip(counts, ends)]
 
 
 def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

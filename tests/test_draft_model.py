@@ -17,7 +17,8 @@ from common.sampling_params import SamplingParams
 from common.speculative import SpeculativeConfig
 from services import LLM
 from services.scheduler.core import Scheduler, SchedulerConfig
-from tests.test_spec_decode import engine
+from tests.test_spec_decode import (assert_same_distribution, engine,
+                                    second_tokens_without_and_with)
 from tests.tiny_models import make_tiny_model
 
 
@@ -151,28 +152,9 @@ def test_random_sampling_distribution_equals_without_speculation(models):
     The draft is the target itself, so its greedy drafts are the target's likeliest
     tokens, which the rejection sampler must not favour."""
     target, _ = models
-    prompt = random_prompts(1)[0]
-    n = 600
-    params = [SamplingParams(temperature=1.0, top_k=5, max_tokens=3, ignore_eos=True, seed=s)
-              for s in range(n)]
-    large = dict(max_num_seqs=64, max_num_batched_tokens=2048, num_gpu_blocks_override=2048)
-
-    def second_tokens(llm: LLM) -> torch.Tensor:
-        outs = llm.generate([prompt] * n, params, use_tqdm=False)
-        return torch.tensor([o.outputs[0].token_ids[1] for o in outs])
-
-    base = second_tokens(engine(target, **large))
-    spec_llm = engine(target, **large, speculative_config=draft_config(target, 1))
-    spec = second_tokens(spec_llm)
-    stats = spec_llm.engine.scheduler.spec
-    assert stats.num_drafts >= n and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    vocab = int(max(base.max(), spec.max())) + 1
-    c0 = torch.bincount(base, minlength=vocab).double()
-    c1 = torch.bincount(spec, minlength=vocab).double()
-    seen = (c0 + c1) > 0
-    chi2 = float(((c0 - c1)[seen] ** 2 / (c0 + c1)[seen]).sum())
-    df = int(seen.sum()) - 1
-    assert chi2 < df + 8 * (2 * df) ** 0.5
+    base, spec = second_tokens_without_and_with(
+        target, random_prompts(1)[0], 600, speculative_config=draft_config(target, 1))
+    assert_same_distribution(base, spec)
 
 
 @pytest.mark.slow

@@ -56,8 +56,16 @@ def test_random_sampling_distribution_equals_without_speculation(tmp_path, monke
         with torch.no_grad():
             return [int(hf(torch.tensor([index.tokens])).logits[0, -1].argmax())]
 
-    prompt = repetitive_prompts()[0]
-    n = 1500
+    monkeypatch.setattr(NgramIndex, "propose", most_likely)  # the plain run proposes nothing
+    base, spec = second_tokens_without_and_with(model_dir, repetitive_prompts()[0], 1500,
+                                                speculative_config=NGRAM)
+    assert_same_distribution(base, spec)
+
+
+def second_tokens_without_and_with(model_dir, prompt: list[int], n: int, **spec_engine
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second token of n seeded continuations at temperature 1 (top 5), without and
+    with speculation (whose drafts must be both accepted and rejected)."""
     params = [SamplingParams(temperature=1.0, top_k=5, max_tokens=3, ignore_eos=True, seed=s)
               for s in range(n)]
 
@@ -67,17 +75,20 @@ def test_random_sampling_distribution_equals_without_speculation(tmp_path, monke
 
     large = dict(max_num_seqs=64, max_num_batched_tokens=2048, num_gpu_blocks_override=2048)
     base = second_tokens(engine(model_dir, **large))
-    monkeypatch.setattr(NgramIndex, "propose", most_likely)
-    spec_llm = engine(model_dir, **large, speculative_config=NGRAM)
+    spec_llm = engine(model_dir, **large, **spec_engine)
     spec = second_tokens(spec_llm)
     stats = spec_llm.engine.scheduler.spec
     assert stats.num_drafts >= n and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    return base, spec
+
+
+def assert_same_distribution(base: torch.Tensor, spec: torch.Tensor) -> None:
+    """Two-sample chi-square with df = categories - 1: a correct sampler stays below
+    df + 8 sqrt(2 df) (eight standard deviations) with negligible probability of failing."""
     vocab = int(max(base.max(), spec.max())) + 1
     c0 = torch.bincount(base, minlength=vocab).double()
     c1 = torch.bincount(spec, minlength=vocab).double()
     seen = (c0 + c1) > 0
-    # two-sample chi-square with df = categories - 1: a correct sampler stays below
-    # df + 8 sqrt(2 df) (eight standard deviations) with negligible probability of failing
     chi2 = float(((c0 - c1)[seen] ** 2 / (c0 + c1)[seen]).sum())
     df = int(seen.sum()) - 1
     assert chi2 < df + 8 * (2 * df) ** 0.5

@@ -34,7 +34,7 @@ from common.hops import NUM_REQUEST_STAMPS
 from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
                              PooledOutput, SchedulerStats, StepPlan, StepResult,
                              TokenLogprobs)
-from common.speculative import SpeculativeConfig, may_speculate
+from common.speculative import SpeculativeConfig, may_speculate, split_drafts
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import KnownTokens, Request, Status
 
@@ -261,7 +261,8 @@ class Scheduler:
         logprobs = result.logprobs or [None] * len(result.req_ids)
         counts = result.num_tokens or [1] * len(result.req_ids)
         ends = itertools.accumulate(counts)
-        proposals = _proposals(result)
+        proposals = split_drafts(result.num_draft_tokens, result.draft_token_ids,
+                                 len(result.req_ids))
         for req_id, end, count, lp, proposal in zip(result.req_ids, ends, counts, logprobs,
                                                     proposals):
             req = self.requests.get(req_id)
@@ -571,10 +572,3 @@ class Scheduler:
             spec_decode_num_accepted_tokens_per_pos=list(self.spec.accepted_per_pos))
 
 
-def _proposals(result: StepResult) -> list[list[int]]:
-    """A draft model's proposal for each request of the result ([] without one)."""
-    if not result.num_draft_tokens:
-        return [[] for _ in result.req_ids]
-    ends = itertools.accumulate(result.num_draft_tokens)
-    return [list(result.draft_token_ids[end - n:end])
-            for n, end in zip(result.num_draft_tokens, ends)]

@@ -18,7 +18,6 @@ each sampled token of a request that may speculate; they return with the step's 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from common.messages import LoRARequest, PooledOutput, PromptLogprobs, StepPlan,
 from common.model_files import load_tokenizer
 from common.model_info import DraftModel
 from common.sampling_params import SamplingParams
-from common.speculative import may_speculate
+from common.speculative import may_speculate, split_drafts
 from common.tokens import slice_tokens
 from services.worker.cuda_graphs import StepGraphs, graph_tokens
 from services.worker.draft import DraftRunner
@@ -466,7 +465,8 @@ class ModelRunner:
         cu = np.zeros(len(states) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=cu[1:])
         positions = np.arange(cu[-1]) + np.repeat(starts - cu[:-1], num_scheduled)
-        drafts = _drafts(plan)
+        drafts = split_drafts(plan.num_draft_tokens, plan.draft_token_ids,
+                              len(plan.req_ids))
         num_drafts = np.asarray([len(d) for d in drafts], dtype=np.int64)
         token_ids: list[int] = []
         gathers: list[tuple[int, int]] = []  # (input index, row of the previous samples)
@@ -573,13 +573,6 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
 
-def _drafts(plan: StepPlan) -> list[list[int]]:
-    """Each planned request's drafts (none without speculative decoding)."""
-    if not plan.num_draft_tokens:
-        return [[] for _ in plan.req_ids]
-    ends = itertools.accumulate(plan.num_draft_tokens)
-    return [list(plan.draft_token_ids[end - n:end])
-            for n, end in zip(plan.num_draft_tokens, ends)]
 
 
 def _drafts_for(state: RequestState) -> bool:
