@@ -226,6 +226,15 @@ def test_an_fp8_kv_cache_at_two_ranks_gives_one_ranks_tokens(tmp_path):
         generate(model_dir, 1, params, kv_cache_dtype="fp8")
 
 
+def test_calculated_kv_scales_at_two_ranks_give_one_ranks_tokens(tmp_path):
+    """--calculate-kv-scales: each rank sees only its KV heads, and the ranks agree on the
+    largest value, so the scales, and the tokens, are one rank's."""
+    model_dir = make_tiny_model(tmp_path, "llama")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert generate(model_dir, 2, params, kv_cache_dtype="fp8", calculate_kv_scales=True) == \
+        generate(model_dir, 1, params, kv_cache_dtype="fp8", calculate_kv_scales=True)
+
+
 def embed(model_dir: Path, size: int) -> torch.Tensor:
     llm = LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3,
               pooling_type="MEAN", max_num_batched_tokens=16, max_num_seqs=4)

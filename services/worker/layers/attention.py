@@ -14,6 +14,7 @@ from torch import nn
 
 from kernels.attention import paged_attention
 from kernels.cache import write_kv
+from services.worker.layers.parallel import max_over_ranks
 
 
 @dataclass
@@ -56,9 +57,12 @@ class Attention(nn.Module):
         if not bool(keep.any()):  # a warm-up or padding-only step says nothing of the data
             return
         limit = torch.finfo(k_cache.dtype).max
+        # every rank holds some heads: one scale over all of them, as one rank would have
+        amax = max_over_ranks(torch.stack([k[keep].abs().amax(), v[keep].abs().amax()]).float())
         # a zero amax would divide by zero at the write; any positive scale stores zeros
-        self.k_scale.copy_((k[keep].abs().amax().float() / limit).clamp(min=1e-12))
-        self.v_scale.copy_((v[keep].abs().amax().float() / limit).clamp(min=1e-12))
+        k_scale, v_scale = (amax / limit).clamp(min=1e-12)
+        self.k_scale.copy_(k_scale)
+        self.v_scale.copy_(v_scale)
         self.calculate_scales = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

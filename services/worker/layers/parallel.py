@@ -131,6 +131,13 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def max_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """x, elementwise the largest over the ranks (in place)."""
+    if tp_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def min_over_ranks(value: int, device: torch.device) -> int:
     """The smallest of every rank's `value` (a KV cache all ranks can hold)."""
     if tp_size() == 1:
