@@ -96,7 +96,11 @@ PY
   done
   ;;
 6)  # a KV-bound decode: Llama-3.1-8B shapes, 32 requests of 8000-token contexts (33 GB of
-    # bf16 KV read a step beside 16 GB of weights), bf16 against fp8 KV
+    # bf16 KV read a step beside 16 GB of weights), bf16 against fp8 KV; first the fp8 GPU
+    # tests and the decode attention sweep over both caches
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels_triton.py \
+    -k "fp8 and not interpreter" > "$R/pytest-gpu-fp8-tiles.txt" 2>&1
+  PYTHONPATH=$PWD timeout 120 python benchmarks/gpu/fp8_attention_sweep.py > "$R/fp8-attention-sweep.txt" 2>&1
   for dtype in auto fp8; do
     bench 250 latency --model $M/llama-3.1-8b-shape --load-format dummy --context-len 8000 \
       --batch-size 32 --output-len 64 --iterations 2 --kv-cache-dtype $dtype \
