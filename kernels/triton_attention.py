@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.cache import FP8_DTYPES
+
 LOG2_E = 1.4426950408889634
 # splits beyond this add combine traffic faster than they add parallelism
 MAX_SPLITS = 64
@@ -86,7 +88,7 @@ def default_config(q: torch.Tensor, cache_dtype: torch.dtype | None = None
     programs = sm_count(q.device.index or 0) if q.is_cuda else 1
     if q.dtype == torch.float32:  # exact fp32 dots: 16 x 16 tiles, larger ones spill
         return AttentionConfig(TileConfig(16, 16, 4, 2), TileConfig(16, 16, 4, 2), programs, 64)
-    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if cache_dtype in FP8_DTYPES:
         return AttentionConfig(TileConfig(16, 64, 4, 5), TileConfig(64, 64, 4, 2),
                                4 * programs, 64)
     return AttentionConfig(TileConfig(16, 64, 4, 3), TileConfig(64, 64, 4, 2), programs, 64)
@@ -114,7 +116,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert block_size & (block_size - 1) == 0, "block_size: a power of two"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
     group = num_heads // num_kv_heads
-    scaled = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    scaled = k_cache.dtype in FP8_DTYPES
     assert not scaled or (k_scale is not None and v_scale is not None), "fp8 needs scales"
     max_query_len = num_tokens if max_query_len is None else max_query_len
     max_seq_len = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len

@@ -16,9 +16,8 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio

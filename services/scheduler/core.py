@@ -11,9 +11,10 @@ Speculative decoding: a decoding request whose tokens are all known gets drafts,
 own earlier tokens (ngram, common/speculative.py) or the draft model's proposal that came
 back with its last token (draft_model, services/worker/draft.py), and is scheduled
 1 + len(drafts) tokens in one step. With a draft model every allocation also holds k
-lookahead slots past the step's tokens, where the draft writes its proposals' KV. How many drafts the worker accepts is only known when the result comes back,
-so a request that may speculate is never planned while one of its steps is in flight: it
-loses the plan-ahead, the other requests of the batch keep it. On the result its accepted
+lookahead slots past the step's tokens, where the draft writes its proposals' KV. How
+many drafts the worker accepts is only known when the result comes back, so a request
+that may speculate is never planned while one of its steps is in flight: it loses the
+plan-ahead, the other requests of the batch keep it. On the result its accepted
 tokens are appended one by one (a stop condition among them ends it there) and
 `num_computed_tokens` moves back over the rejected drafts, whose KV slots the next steps
 simply overwrite. Requests that need per-token state on the worker (grammars, penalties,
@@ -570,5 +571,3 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec.accepted_per_pos))
-
-

@@ -573,8 +573,6 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
 
-
-
 def _drafts_for(state: RequestState) -> bool:
     """Whether the draft model proposes for a request that sampled: the scheduler only
     places drafts where common/speculative.may_speculate allows (counting the token just
