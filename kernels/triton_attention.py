@@ -101,7 +101,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            config: AttentionConfig | None = None,
                            out: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           sliding_window: int | None = None,
+                           soft_cap: float | None = None) -> torch.Tensor:
     """Same contract as kernels.attention.paged_attention. max_query_len and max_seq_len
     are host upper bounds (the shapes' bounds when None); nothing here reads the device.
     out: a contiguous buffer to write into (a static buffer, a poisoned one in tests).
@@ -109,6 +111,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     A batch that may hold requests longer than a decode tile runs two launches of the
     kernel: decode tiles for the short requests, prefill tiles for the long ones."""
+    assert sliding_window is None and soft_cap is None, "not yet in the Triton kernel"
     num_tokens, num_heads, head_dim = q.shape
     num_reqs, num_kv_heads, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"

@@ -73,6 +73,36 @@ def test_paged_attention_matches_dense_causal(block_size, head_dim, num_heads, n
                                                scale), out)
 
 
+def windowed_capped_attention(q, k, v, scale, window, cap):
+    """The dense formula with a sliding window and a tanh score cap, written out."""
+    q_len, ctx = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    query_pos = torch.arange(ctx - q_len, ctx)[:, None]
+    keys = torch.arange(ctx)[None, :]
+    seen = (keys <= query_pos) & ((keys > query_pos - window) if window else True)
+    scores = scores.masked_fill(~seen[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("window,cap", [(8, None), (1, None), (None, 5.0), (5, 2.0),
+                                        (100, None)])
+def test_paged_attention_with_sliding_window_and_soft_cap(window, cap):
+    q, k_cache, v_cache, tables, qsl, seq_lens, dense = paged_case(4, 4, 2, 64, seed=11)
+    expected = torch.cat([windowed_capped_attention(dq, dk, dv, 0.125, window, cap)
+                          for dq, dk, dv in dense])
+    for attention in (paged_attention_ref, paged_attention):
+        out = attention(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125,
+                        sliding_window=window, soft_cap=cap)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    if window == 100:  # wider than every context: plain causal attention
+        torch.testing.assert_close(expected, torch.cat(
+            [dense_attention(dq, dk, dv, 0.125) for dq, dk, dv in dense]), rtol=1e-5, atol=1e-5)
+
+
 def test_paged_attention_ignores_cache_past_each_context():
     q, k_cache, v_cache, tables, qsl, seq_lens, _ = paged_case(4, 4, 2, 64, seed=7)
     out = paged_attention_ref(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125)

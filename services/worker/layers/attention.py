@@ -40,13 +40,18 @@ class Attention(nn.Module):
     k_scale and v_scale are the fp8 cache's per-layer scales (unused by other caches):
     buffers, so a checkpoint's self_attn.attn.k_scale loads into them and CUDA graphs read
     their current value. calculate_scales: set them from the first forward pass that
-    writes real tokens (amax / the format's max), as vLLM's --calculate-kv-scales does."""
+    writes real tokens (amax / the format's max), as vLLM's --calculate-kv-scales does.
+
+    sliding_window and soft_cap: this layer's window and score cap (kernels.attention), or
+    None."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 layer_idx: int) -> None:
+                 layer_idx: int, sliding_window: int | None = None,
+                 soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads, self.layer_idx = num_kv_heads, layer_idx
+        self.sliding_window, self.soft_cap = sliding_window, soft_cap
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32))
         self.calculate_scales = False
@@ -78,5 +83,6 @@ class Attention(nn.Module):
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                               meta.seq_lens, self.scale, max_query_len=meta.max_query_len,
                               max_seq_len=meta.max_seq_len, k_scale=self.k_scale,
-                              v_scale=self.v_scale)
+                              v_scale=self.v_scale, sliding_window=self.sliding_window,
+                              soft_cap=self.soft_cap)
         return out.flatten(1)
