@@ -164,25 +164,31 @@ def test_longrope_cos_sin_match_phi3_beyond_the_original_context(partial: float)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("partial", [0.5, 0.75])
-def test_partial_rotary_matches_transformers_apply_rotary_pos_emb(partial: float,
-                                                                  dtype: torch.dtype):
+@pytest.mark.parametrize("rope_type", ["default", "longrope"])
+def test_partial_rotary_matches_transformers_apply_rotary_pos_emb(
+        rope_type: str, partial: float, dtype: torch.dtype):
     from transformers.models.phi3.modeling_phi3 import (Phi3RotaryEmbedding,
                                                         apply_rotary_pos_emb)
 
-    config = phi3_config_with({"rope_type": "default", "partial_rotary_factor": partial}, 64)
+    if rope_type == "longrope":
+        config, head_dim = phi3_longrope_config(MAX_POSITION, partial=partial), 32
+    else:
+        config = phi3_config_with({"rope_type": "default", "partial_rotary_factor": partial}, 64)
+        head_dim = 64
     g = torch.Generator().manual_seed(5)
     positions = torch.randint(0, MAX_POSITION, (11,), generator=g)
-    q = torch.randn(11, 4, 64, generator=g).to(dtype)
-    k = torch.randn(11, 2, 64, generator=g).to(dtype)
+    positions[3] = MAX_POSITION - 1  # past LongRoPE's original context: its long factors
+    q = torch.randn(11, 4, head_dim, generator=g).to(dtype)
+    k = torch.randn(11, 2, head_dim, generator=g).to(dtype)
     cos, sin = Phi3RotaryEmbedding(config)(q, positions[None])
-    assert cos.shape[-1] == int(64 * partial)
+    rotary_dim = int(head_dim * partial)
+    assert cos.shape[-1] == rotary_dim
     # transformers' layout: [batch, heads, tokens, head_dim]
     q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                         cos, sin)
-    q_out, k_out = RotaryEmbedding.from_config(config, 64)(positions, q, k)
+    q_out, k_out = RotaryEmbedding.from_config(config, head_dim)(positions, q, k)
     torch.testing.assert_close(q_out, q_ref[0].transpose(0, 1), rtol=0, atol=0)
     torch.testing.assert_close(k_out, k_ref[0].transpose(0, 1), rtol=0, atol=0)
-    rotary_dim = int(64 * partial)
     assert torch.equal(q_out[..., rotary_dim:], q[..., rotary_dim:])
 
 
