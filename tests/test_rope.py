@@ -192,6 +192,18 @@ def test_partial_rotary_matches_transformers_apply_rotary_pos_emb(
     assert torch.equal(q_out[..., rotary_dim:], q[..., rotary_dim:])
 
 
+def test_an_override_without_the_original_length_takes_max_position_embeddings():
+    """--rope-scaling updates rope_parameters after transformers standardized them."""
+    config = llama_config({"rope_type": "default"}, 64)
+    config.rope_parameters.update({"rope_type": "yarn", "factor": 4.0})
+    _, scaling = rope_settings(config)
+    assert scaling is not None
+    assert scaling["original_max_position_embeddings"] == MAX_POSITION
+    standard = llama_config({"rope_type": "yarn", "factor": 4.0}, 64)
+    torch.testing.assert_close(ours(config, 64)[0], transformers_inv_freq(standard)[0],
+                               rtol=1e-6, atol=0)
+
+
 def test_config_level_partial_rotary_factor_joins_the_scaling():
     from types import SimpleNamespace
 

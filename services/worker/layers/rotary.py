@@ -19,10 +19,8 @@ def rope_settings(hf_config, layer_type: str | None = None
     """(theta, scaling parameters or None) of the layers of `layer_type` ("sliding_attention",
     "full_attention"); None where every layer shares one scheme. transformers 5 keeps both
     in `rope_parameters`, nested by layer type where they differ (Gemma 3); older configs
-    have `rope_theta` and `rope_scaling`. A config-level partial_rotary_factor joins the
-    scaling parameters, and the original context length defaults to
-    max_position_embeddings, as transformers standardizes them (a --rope-scaling override
-    is not standardized)."""
+    have `rope_theta` and `rope_scaling`. The parameters are standardized here too, since a
+    --rope-scaling override reaches them after transformers' standardization."""
     params = layer_params(getattr(hf_config, "rope_parameters", None), layer_type)
     if params:
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", DEFAULT_ROPE_THETA))
@@ -31,15 +29,21 @@ def rope_settings(hf_config, layer_type: str | None = None
         theta = getattr(hf_config, "rope_theta", None) or DEFAULT_ROPE_THETA
         old = getattr(hf_config, "rope_scaling", None)
         scaling = dict(old) if old else None
+    return float(theta), standardized(scaling, hf_config)
+
+
+def standardized(scaling: dict[str, Any] | None, hf_config) -> dict[str, Any] | None:
+    """The scaling parameters with a config-level partial_rotary_factor joined and, where
+    the scheme needs one, the original context length (the config's, else
+    max_position_embeddings), as transformers standardizes them on load."""
     partial = getattr(hf_config, "partial_rotary_factor", None)
     if partial is not None:
         scaling = {"partial_rotary_factor": partial, **(scaling or {})}
     original = (getattr(hf_config, "original_max_position_embeddings", None)
                 or getattr(hf_config, "max_position_embeddings", None))
-    if rope_type_of(scaling) in NEEDS_ORIGINAL_LENGTH and original:
-        assert scaling is not None
+    if scaling is not None and rope_type_of(scaling) in NEEDS_ORIGINAL_LENGTH and original:
         scaling.setdefault("original_max_position_embeddings", original)
-    return float(theta), scaling
+    return scaling
 
 
 def layer_params(params: dict[str, Any] | None, layer_type: str | None
