@@ -203,11 +203,13 @@ def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: str,
 
 
 def check_rotary(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str) -> None:
-    """q and k as strided views of one fused qkv tensor, Llama-3 scaled frequencies."""
+                 dtype: torch.dtype, device: str, partial_rotary_factor: float = 1.0) -> None:
+    """q and k as strided views of one fused qkv tensor, Llama-3 scaled frequencies; with a
+    partial_rotary_factor only the leading dims rotate and the rest are copied."""
     g, seed = fresh_generator()
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+               "partial_rotary_factor": partial_rotary_factor}
     cache = rope_cos_sin_cache(head_dim, 4096, 500000.0, scaling).to(device)
     positions = torch.randint(0, 4096, (num_tokens,), generator=g).to(device)
     qkv = rand(g, num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype,
@@ -333,6 +335,9 @@ def small_kernels() -> None:
         check_rms_norm((5, 96), dtype, "cpu", with_residual=True)
         check_rms_norm((4, 3, 64), dtype, "cpu", with_residual=False)
         check_rotary(6, 3, 1, 64, dtype, "cpu")
+        # partial rotary: 48 of 64 dims (a half that is no power of two), 40 of 80
+        check_rotary(6, 3, 1, 64, dtype, "cpu", partial_rotary_factor=0.75)
+        check_rotary(5, 2, 2, 80, dtype, "cpu", partial_rotary_factor=0.5)
         check_silu_and_mul(3, 1500, dtype, "cpu")
 
 
@@ -499,6 +504,8 @@ def test_small_kernels_cuda(model: str, dtype: torch.dtype) -> None:
         check_rms_norm((num_tokens, hidden), dtype, "cuda", with_residual=False)
         check_rms_norm((num_tokens, heads, head_dim), dtype, "cuda", with_residual=False)
         check_rotary(num_tokens, heads, kv_heads, head_dim, dtype, "cuda")
+        check_rotary(num_tokens, heads, kv_heads, head_dim, dtype, "cuda",
+                     partial_rotary_factor=0.75)  # Phi-4-mini's
         check_silu_and_mul(num_tokens, intermediate, dtype, "cuda")
 
 

@@ -7,21 +7,57 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.rotary import apply_rotary, rope_cos_sin_cache
+from kernels.rotary import apply_rotary, rope_cos_sin_cache, rope_type_of
 
 DEFAULT_ROPE_THETA = 10000.0
+# the schemes whose parameters include the pretraining context length
+NEEDS_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 
 
-def rope_settings(hf_config) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling parameters or None). transformers 5 keeps both in
-    `rope_parameters`; older configs have `rope_theta` and `rope_scaling`."""
-    params = getattr(hf_config, "rope_parameters", None)
+def rope_settings(hf_config, layer_type: str | None = None
+                  ) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling parameters or None) of the layers of `layer_type` ("sliding_attention",
+    "full_attention"); None where every layer shares one scheme. transformers 5 keeps both
+    in `rope_parameters`, nested by layer type where they differ (Gemma 3); older configs
+    have `rope_theta` and `rope_scaling`. The parameters are standardized here too, since a
+    --rope-scaling override reaches them after transformers' standardization."""
+    params = layer_params(getattr(hf_config, "rope_parameters", None), layer_type)
     if params:
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", DEFAULT_ROPE_THETA))
-        return float(theta), dict(params)
-    theta = getattr(hf_config, "rope_theta", None) or DEFAULT_ROPE_THETA
-    scaling = getattr(hf_config, "rope_scaling", None)
-    return float(theta), dict(scaling) if scaling else None
+        scaling: dict[str, Any] | None = dict(params)
+    else:
+        theta = getattr(hf_config, "rope_theta", None) or DEFAULT_ROPE_THETA
+        old = getattr(hf_config, "rope_scaling", None)
+        scaling = dict(old) if old else None
+    return float(theta), standardized(scaling, hf_config)
+
+
+def standardized(scaling: dict[str, Any] | None, hf_config) -> dict[str, Any] | None:
+    """The scaling parameters with a config-level partial_rotary_factor joined and, where
+    the scheme needs one, the original context length (the config's, else
+    max_position_embeddings), as transformers standardizes them on load."""
+    partial = getattr(hf_config, "partial_rotary_factor", None)
+    if partial is not None:
+        scaling = {"partial_rotary_factor": partial, **(scaling or {})}
+    original = (getattr(hf_config, "original_max_position_embeddings", None)
+                or getattr(hf_config, "max_position_embeddings", None))
+    if scaling is not None and rope_type_of(scaling) in NEEDS_ORIGINAL_LENGTH and original:
+        scaling.setdefault("original_max_position_embeddings", original)
+    return scaling
+
+
+def layer_params(params: dict[str, Any] | None, layer_type: str | None
+                 ) -> dict[str, Any] | None:
+    """The rope parameters of one layer type: the nested entry where the config has one
+    per type, else the shared ones."""
+    nested = [key for key, value in (params or {}).items() if isinstance(value, dict)]
+    if not nested:
+        return params
+    assert params is not None
+    if layer_type not in nested:
+        raise ValueError(f"the config's rope_parameters are per layer type ({nested}); "
+                         f"got layer_type={layer_type!r}")
+    return params[layer_type]
 
 
 class RotaryEmbedding(nn.Module):
@@ -33,11 +69,14 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
 
     @classmethod
-    def from_config(cls, hf_config, head_dim: int) -> RotaryEmbedding:
-        theta, scaling = rope_settings(hf_config)
+    def from_config(cls, hf_config, head_dim: int,
+                    layer_type: str | None = None) -> RotaryEmbedding:
+        """One cache for the layers of `layer_type` (None: for every layer)."""
+        theta, scaling = rope_settings(hf_config, layer_type)
         return cls(head_dim, hf_config.max_position_embeddings, theta, scaling)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]."""
+        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]; only the first
+        rotary_dim dims of each head rotate where the config has a partial_rotary_factor."""
         return apply_rotary(positions, q, k, self.cos_sin_cache)
