@@ -19,7 +19,8 @@ from services.worker.loader import load_model
 from services.worker.models import CausalLM, kv_cache_shape
 from tests.tiny_models import TINY_VOCAB, make_tiny_model
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma2",
+         "gemma3", "phi3"]
 TOLERANCE = 1e-4
 CPU = torch.device("cpu")
 

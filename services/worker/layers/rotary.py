@@ -12,10 +12,14 @@ from kernels.rotary import apply_rotary, rope_cos_sin_cache
 DEFAULT_ROPE_THETA = 10000.0
 
 
-def rope_settings(hf_config) -> tuple[float, dict[str, Any] | None]:
+def rope_settings(hf_config, layer_type: str | None = None
+                  ) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling parameters or None). transformers 5 keeps both in
-    `rope_parameters`; older configs have `rope_theta` and `rope_scaling`."""
+    `rope_parameters`, nested by layer type where the types differ (Gemma 3); older
+    configs have `rope_theta` and `rope_scaling`."""
     params = getattr(hf_config, "rope_parameters", None)
+    if params and layer_type in params:
+        params = params[layer_type]
     if params:
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", DEFAULT_ROPE_THETA))
         return float(theta), dict(params)
@@ -33,8 +37,10 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
 
     @classmethod
-    def from_config(cls, hf_config, head_dim: int) -> RotaryEmbedding:
-        theta, scaling = rope_settings(hf_config)
+    def from_config(cls, hf_config, head_dim: int, layer_type: str | None = None
+                    ) -> RotaryEmbedding:
+        """layer_type: the layers' entry of a nested `rope_parameters`, if it has one."""
+        theta, scaling = rope_settings(hf_config, layer_type)
         return cls(head_dim, hf_config.max_position_embeddings, theta, scaling)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

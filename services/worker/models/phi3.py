@@ -1,0 +1,23 @@
+"""Phi-3: the Llama decoder over checkpoints that store q/k/v and gate/up already fused;
+the fused layers' loaders split those tensors into their shards (layers/linear.py), so
+tensor parallelism is as for Llama. Its sliding window (e.g. 2047 in Phi-3 mini 4k)
+covers every layer; longrope comes from the rotary helper."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from services.worker.models.llama import LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    # the checkpoint's qkv_proj and gate_up_proj are our parameters' names already
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {}
+
+    def __init__(self, hf_config) -> None:
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        partial = rope.get("partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            raise ValueError(f"Phi-3 with partial_rotary_factor {partial} is not supported: "
+                             "rotary covers whole heads")
+        super().__init__(hf_config)
