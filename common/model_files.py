@@ -183,7 +183,10 @@ def sliding_windows(hf_config) -> list[int | None]:
     """Each decoder layer's sliding window (None: full attention). With `layer_types`
     (Gemma 2/3; Qwen2's config derives them from use_sliding_window and
     max_window_layers), "sliding_attention" layers have `sliding_window` and the others
-    none; without (Mistral v0.1, Phi-3), every layer has `sliding_window`, if set."""
+    none; without (Mistral v0.1, Phi-3), every layer has `sliding_window`, if set.
+
+    A window saves attention work, not KV memory: the scheduler keeps every block of a
+    sequence allocated, those that have slid out of every window included."""
     window = getattr(hf_config, "sliding_window", None) or None
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is None:

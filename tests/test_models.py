@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
 from common.model_files import load_hf_config, load_tokenizer, resolve_model
+from common.model_info import resolve_engine
 from services.demo import demo_model_path
 from services.worker.cuda_graphs import StepGraphs, decode_sizes, mixed_sizes
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
@@ -187,6 +188,26 @@ def test_steps_padded_into_the_graph_buffers_compute_the_same(tiny):
                                                      chunks):
             want = ref[name][start:start + len(tokens)]
             assert rel_err(logits, want) < TOLERANCE, (key, name)
+
+
+@pytest.mark.parametrize("arch,windows", [("gemma2", [8, None, 8, None]),
+                                          ("mistral-window", [8, 8])])
+def test_disable_sliding_window_attends_to_all_and_caps_the_length(arch, windows, tmp_path):
+    """As vLLM's flag: no layer keeps a window, and max_model_len is the smallest one."""
+    model_dir = make_tiny_model(tmp_path, arch)
+    for disable, want_windows, want_len in [(False, windows, 512),
+                                            (True, [None] * len(windows), 8)]:
+        config = EngineConfig(model=str(model_dir), dtype="float32",
+                              disable_sliding_window=disable)
+        resolved = resolve_engine(config)
+        assert resolved.config.max_model_len == want_len
+        model = load_model(resolved.config, resolved.hf_config, CPU, torch.float32,
+                           resolved.model_dir)
+        assert [layer.self_attn.attn.sliding_window
+                for layer in model.model.layers] == want_windows
+    with pytest.raises(ConfigError, match="--max-model-len 9 is longer"):
+        resolve_engine(EngineConfig(model=str(model_dir), max_model_len=9,
+                                    disable_sliding_window=True))
 
 
 def test_graph_ladders():
