@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, EngineConfig, ServerConfig
+from common.lora import TARGET_MODULES
 from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
                                 read_chat_template, sliding_windows,
                                 max_model_len_of, resolve_model)
@@ -36,6 +37,8 @@ def resolve_engine(config: EngineConfig) -> ResolvedModel:
     model_dir = resolve_model(config.model, config.load_format)
     hf_config = override(load_hf_config(model_dir), config.hf_config_overrides())
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
+    if config.enable_lora:
+        check_lora(hf_config)
     model_max_len = max_model_len_of(hf_config)
     if config.disable_sliding_window:
         model_max_len = without_sliding_windows(hf_config, model_max_len)
@@ -82,6 +85,18 @@ def override(hf_config: Any, overrides: dict[str, Any]) -> Any:
         if "rope_theta" in overrides:
             rope["rope_theta"] = overrides["rope_theta"]
     return hf_config
+
+
+# architectures whose checkpoints (and so PEFT adapters) fuse the projections LoRA targets
+FUSED_PROJECTIONS = {"Phi3ForCausalLM": "qkv_proj and gate_up_proj"}
+
+
+def check_lora(hf_config: Any) -> None:
+    architecture = (getattr(hf_config, "architectures", None) or [""])[0]
+    if architecture in FUSED_PROJECTIONS:
+        raise ConfigError(f"--enable-lora is not supported for {architecture}: its adapters "
+                          f"target the fused {FUSED_PROJECTIONS[architecture]}, headrace's "
+                          f"LoRA the separate {', '.join(TARGET_MODULES)}")
 
 
 def check_tensor_parallel(hf_config: Any, size: int) -> None:
