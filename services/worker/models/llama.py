@@ -162,7 +162,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         # rounded to the activation dtype (the default one while the model is built), as
         # transformers multiplies by a tensor of that dtype
-        self.embed_scale = float(torch.tensor(hf_config.hidden_size ** 0.5)) \
+        self.embed_scale = float(torch.tensor(hf_config.hidden_size ** 0.5, device="cpu")) \
             if flags.scale_embedding else None
         windows = sliding_windows(hf_config)
         self.layers = nn.ModuleList(
