@@ -57,6 +57,9 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata=_help(
         "Longest sequence (prompt + output) in tokens; defaults to the model's "
         "max_position_embeddings."))
+    disable_sliding_window: bool = field(default=False, metadata=_help(
+        "Attend to the whole context in every layer, and cap max_model_len to the model's "
+        "smallest sliding window (as vLLM does)."))
     block_size: int = field(default=16, metadata=_help(
         "Tokens per KV cache block (a power of two, 1 to 128)."))
     enable_prefix_caching: bool = field(default=True, metadata=_help(

@@ -179,6 +179,21 @@ def load_generation_config(path: str | os.PathLike) -> dict[str, Any] | None:
     return config
 
 
+def sliding_windows(hf_config) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention). With `layer_types`
+    (Gemma 2/3; Qwen2's config derives them from use_sliding_window and
+    max_window_layers), "sliding_attention" layers have `sliding_window` and the others
+    none; without (Mistral v0.1, Phi-3), every layer has `sliding_window`, if set.
+
+    A window saves attention work, not KV memory: the scheduler keeps every block of a
+    sequence allocated, those that have slid out of every window included."""
+    window = getattr(hf_config, "sliding_window", None) or None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        return [window] * hf_config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
 def max_model_len_of(hf_config) -> int:
     """The longest sequence the model was built for."""
     for key in MAX_LEN_KEYS:

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, EngineConfig, ServerConfig
+from common.lora import TARGET_MODULES
 from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
-                                read_chat_template,
+                                read_chat_template, sliding_windows,
                                 max_model_len_of, resolve_model)
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
 
@@ -36,8 +37,22 @@ def resolve_engine(config: EngineConfig) -> ResolvedModel:
     model_dir = resolve_model(config.model, config.load_format)
     hf_config = override(load_hf_config(model_dir), config.hf_config_overrides())
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
-    return ResolvedModel(config.resolved(max_model_len_of(hf_config)), model_dir, hf_config,
+    if config.enable_lora:
+        check_lora(hf_config)
+    model_max_len = max_model_len_of(hf_config)
+    if config.disable_sliding_window:
+        model_max_len = without_sliding_windows(hf_config, model_max_len)
+    return ResolvedModel(config.resolved(model_max_len), model_dir, hf_config,
                          resolve_draft(config, hf_config))
+
+
+def without_sliding_windows(hf_config: Any, model_max_len: int) -> int:
+    """--disable-sliding-window: the config's window removed, so every layer attends to
+    the whole context, and the longest sequence capped to the smallest window it had (as
+    vLLM does), the context every layer was trained to see. Returns that length."""
+    windows = [w for w in sliding_windows(hf_config) if w is not None]
+    hf_config.sliding_window = None
+    return min([model_max_len, *windows])
 
 
 def resolve_draft(config: EngineConfig, hf_config: Any) -> DraftModel | None:
@@ -70,6 +85,18 @@ def override(hf_config: Any, overrides: dict[str, Any]) -> Any:
         if "rope_theta" in overrides:
             rope["rope_theta"] = overrides["rope_theta"]
     return hf_config
+
+
+# architectures whose checkpoints (and so PEFT adapters) fuse the projections LoRA targets
+FUSED_PROJECTIONS = {"Phi3ForCausalLM": "qkv_proj and gate_up_proj"}
+
+
+def check_lora(hf_config: Any) -> None:
+    architecture = (getattr(hf_config, "architectures", None) or [""])[0]
+    if architecture in FUSED_PROJECTIONS:
+        raise ConfigError(f"--enable-lora is not supported for {architecture}: its adapters "
+                          f"target the fused {FUSED_PROJECTIONS[architecture]}, headrace's "
+                          f"LoRA the separate {', '.join(TARGET_MODULES)}")
 
 
 def check_tensor_parallel(hf_config: Any, size: int) -> None:

@@ -48,8 +48,6 @@ FOREIGN_FLAGS = (
                 "CUDA graphs capture decode batches of any context length"),
     ForeignFlag("max-parallel-loading-workers", int, "ignored",
                 "each tensor-parallel rank loads its own shard"),
-    ForeignFlag("disable-sliding-window", bool, "ignored",
-                "the supported architectures attend to the whole context"),
     ForeignFlag("disable-log-stats", bool, "ignored",
                 "no statistics are logged periodically; /metrics has them"),
     ForeignFlag("enable-reasoning", bool, "ignored", "--reasoning-parser alone turns it on"),

@@ -1,4 +1,5 @@
-"""The gated SiLU of Llama-style MLPs."""
+"""The gated activations of Llama-style MLPs: SiLU (Llama, Qwen, Phi-3) and tanh-approximated
+GELU (Gemma's GeGLU), both act(gate) * up over one fused [gate; up] input."""
 
 from __future__ import annotations
 
@@ -27,6 +28,30 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """out: a contiguous [..., d] buffer to write into, allocated when None."""
+    return _act_and_mul_triton(x, out, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2 * d] -> gelu_tanh(x[..., :d]) * x[..., d:] (transformers'
+    gelu_pytorch_tanh). The one dispatch point for this op: CUDA tensors take Triton."""
+    if x.is_cuda:
+        return gelu_tanh_and_mul_triton(x)
+    return gelu_tanh_and_mul_ref(x)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None
+                             ) -> torch.Tensor:
+    """out: a contiguous [..., d] buffer to write into, allocated when None."""
+    return _act_and_mul_triton(x, out, gelu_tanh=True)
+
+
+def _act_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool
+                        ) -> torch.Tensor:
     d = x.shape[-1] // 2
     rows = x.reshape(-1, 2 * d)
     assert rows.stride(1) == 1
@@ -34,19 +59,26 @@ def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> tor
         else out
     assert out.is_contiguous() and out.shape == (*x.shape[:-1], d)
     block = min(BLOCK_COLS, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](
-        rows, out, d, rows.stride(0), BLOCK=block, num_warps=4)
+    _act_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](
+        rows, out, d, rows.stride(0), GELU_TANH=gelu_tanh, BLOCK=block, num_warps=4)
     return out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_row, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, d, stride_row, GELU_TANH: tl.constexpr,
+                        BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     gate = tl.load(x_ptr + row * stride_row + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_row + d + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    # silu rounded to the activation dtype before the product, as the reference does
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * d + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    if GELU_TANH:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi)
+        # tanh(z) = 2 sigmoid(2z) - 1: exp overflows to inf for very negative z, giving -1
+        act = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    # the activation rounded to the activation dtype before the product, as the reference
+    act = act.to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * d + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)

@@ -1,4 +1,8 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+Two weightings: Llama's `weight * normed.to(dtype)` and Gemma's `(normed * (1 + weight))`
+in float32, cast once at the end (transformers' Gemma RMSNorm; its weights are stored
+around 0)."""
 
 from __future__ import annotations
 
@@ -8,12 +12,15 @@ import triton.language as tl
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
+             residual: torch.Tensor | None = None, gemma: bool = False
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """norm(x) * weight; with residual: (norm(x + residual) * weight, x + residual). The one
-    dispatch point for this op: CUDA tensors take the Triton kernel."""
+    """norm(x) * weight; with residual: (norm(x + residual) * weight, x + residual).
+    gemma: Gemma's weighting (module doc). The one dispatch point for this op: CUDA tensors
+    take the Triton kernel."""
     if x.is_cuda:
-        return rms_norm_triton(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps, residual, gemma=gemma)
+    if gemma:
+        return gemma_rms_norm_ref(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
 
 
@@ -29,16 +36,28 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, x)
 
 
+def gemma_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    out = (normed * (1.0 + weight.float())).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    residual_out: torch.Tensor | None = None
+                    residual_out: torch.Tensor | None = None, gemma: bool = False
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One program per row. x may be a strided [T, hidden] or [T, heads, head_dim] view
     (the per-head q/k norms read q and k straight out of the fused qkv output). out and
-    residual_out: contiguous buffers to write into, allocated when None."""
+    residual_out: contiguous buffers to write into, allocated when None. gemma: Gemma's
+    weighting, whose output keeps x's dtype."""
     hidden = x.shape[-1]
     assert x.stride(-1) == 1 and weight.is_contiguous() and x.dim() in (2, 3)
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out_dtype = x.dtype if gemma else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device) if out is None else out
     has_residual = residual is not None
     # without a residual, x and out stand in for its pointers, which the kernel never uses
@@ -53,7 +72,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(x.numel() // hidden,)](
         x, res, weight, out, residual_out, hidden, inner, eps,
         x.stride(0), x.stride(-2), res.stride(0), res.stride(-2),
-        HAS_RESIDUAL=has_residual, BLOCK=block,
+        HAS_RESIDUAL=has_residual, GEMMA=gemma, BLOCK=block,
         num_warps=min(16, max(1, block // 512)))
     return (out, residual_out) if has_residual else out
 
@@ -61,7 +80,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, inner, eps,
                      stride_x0, stride_x1, stride_r0, stride_r1,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -75,7 +94,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, inner,
         tl.store(new_res_ptr + row * hidden + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
-    normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * hidden + cols, (w * normed).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    if GEMMA:  # weighted in float32, rounded once
+        y = x32 * inv_rms * (1.0 + w)
+    else:  # the normed row rounded to the activation dtype before the weight, as Llama's
+        y = w * (x32 * inv_rms).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=mask)

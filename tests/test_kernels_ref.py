@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul,
+                                silu_and_mul_ref)
 from kernels.attention import paged_attention, paged_attention_ref
 from kernels.cache import dequantize, quantize, write_kv, write_kv_ref
-from kernels.norm import rms_norm, rms_norm_ref
+from kernels.norm import gemma_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import (apply_rotary, apply_rotary_ref, rope_cos_sin_cache,
                             rope_inv_freq)
 from services.worker.layers.rotary import rope_settings
@@ -185,6 +186,21 @@ def test_rms_norm_bf16_keeps_dtype_and_accuracy():
     torch.testing.assert_close(out.float(), rms_formula(x, w, 1e-6), rtol=2e-2, atol=2e-2)
 
 
+def test_gemma_rms_norm_weighs_by_one_plus_weight_in_float32():
+    """(normed * (1 + w)) rounded once: in bf16 it differs from rounding normed first."""
+    g = torch.Generator().manual_seed(24)
+    x, res, w = (torch.randn(6, 128, generator=g) * 3, torch.randn(6, 128, generator=g),
+                 torch.randn(128, generator=g) * 0.5)
+    expected = rms_formula(x + res, 1.0 + w, 1e-6)
+    out, new_residual = rms_norm(x, w, 1e-6, residual=res, gemma=True)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(new_residual, x + res)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    once = rms_formula(xb.float(), 1.0 + wb.float(), 1e-6).bfloat16()
+    assert torch.equal(gemma_rms_norm_ref(xb, wb, 1e-6), once)
+    assert gemma_rms_norm_ref(xb, wb, 1e-6).dtype == torch.bfloat16
+
+
 def rotate_by_complex(x, positions, inv_freq):
     """Rotates each (x[i], x[i + d/2]) pair by position * inv_freq[i], as complex numbers."""
     half = x.shape[-1] // 2
@@ -260,6 +276,16 @@ def test_silu_and_mul_matches_formula():
     expected = gate * torch.sigmoid(gate) * up
     torch.testing.assert_close(silu_and_mul(x), expected)
     torch.testing.assert_close(silu_and_mul_ref(x), expected)
+
+
+def test_gelu_tanh_and_mul_matches_formula():
+    g = torch.Generator().manual_seed(42)
+    x = torch.randn(3, 5, 2 * 48, generator=g) * 4
+    gate, up = x[..., :48], x[..., 48:]
+    inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3)
+    expected = 0.5 * gate * (1 + torch.tanh(inner)) * up
+    torch.testing.assert_close(gelu_tanh_and_mul(x), expected)
+    torch.testing.assert_close(gelu_tanh_and_mul_ref(x), expected)
 
 
 # --- fp8 caches ----------------------------------------------------------------------------

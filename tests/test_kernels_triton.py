@@ -31,11 +31,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.activation import (gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton,
+                                silu_and_mul_ref, silu_and_mul_triton)
 from kernels.attention import paged_attention, paged_attention_ref
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
 from kernels.lora import lora_expand_ref, lora_expand_triton
-from kernels.norm import rms_norm_ref, rms_norm_triton
+from kernels.norm import gemma_rms_norm_ref, rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
 from kernels.sampling import (BLOCK_VOCAB, gumbel_argmax_ref, gumbel_argmax_triton,
                               philox_uniform)
@@ -185,8 +186,9 @@ def check_write_kv(num_tokens: int, num_kv_heads: int, head_dim: int, block_size
 
 
 def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: str,
-                   with_residual: bool) -> None:
-    """A strided view as input (a slice of a wider tensor), as the q/k norms get one."""
+                   with_residual: bool, gemma: bool = False) -> None:
+    """A strided view as input (a slice of a wider tensor), as the q/k norms get one.
+    gemma: Gemma's (1 + weight) weighting against its own twin."""
     g, seed = fresh_generator()
     wide = rand(g, *shape[:-1], shape[-1] + 8, dtype=dtype, device=device, scale=3.0)
     x = wide[..., 8:]
@@ -194,8 +196,9 @@ def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: str,
     residual = rand(g, *shape, dtype=dtype, device=device) if with_residual else None
     out = poisoned(shape, dtype, device)
     residual_out = poisoned(shape, dtype, device) if with_residual else None
-    rms_norm_triton(x, weight, 1e-6, residual, out=out, residual_out=residual_out)
-    ref = rms_norm_ref(x, weight, 1e-6, residual)
+    rms_norm_triton(x, weight, 1e-6, residual, out=out, residual_out=residual_out,
+                    gemma=gemma)
+    ref = (gemma_rms_norm_ref if gemma else rms_norm_ref)(x, weight, 1e-6, residual)
     if with_residual:
         assert_close(residual_out, ref[1], f"rms_norm residual {shape} {dtype}", seed)
         ref = ref[0]
@@ -228,6 +231,15 @@ def check_silu_and_mul(num_tokens: int, d: int, dtype: torch.dtype, device: str)
     out = poisoned((num_tokens, d), dtype, device)
     silu_and_mul_triton(x, out=out)
     assert_close(out, silu_and_mul_ref(x), f"silu_and_mul {dtype}", seed)
+
+
+def check_gelu_tanh_and_mul(num_tokens: int, d: int, dtype: torch.dtype, device: str
+                            ) -> None:
+    g, seed = fresh_generator()
+    x = rand(g, num_tokens, 2 * d, dtype=dtype, device=device, scale=4.0)
+    out = poisoned((num_tokens, d), dtype, device)
+    gelu_tanh_and_mul_triton(x, out=out)
+    assert_close(out, gelu_tanh_and_mul_ref(x), f"gelu_tanh_and_mul {dtype}", seed)
 
 
 def check_lora(num_tokens: int, in_features: int, starts: tuple[int, ...], out_features: int,
@@ -339,6 +351,16 @@ def small_kernels() -> None:
         check_rotary(6, 3, 1, 64, dtype, "cpu", partial_rotary_factor=0.75)
         check_rotary(5, 2, 2, 80, dtype, "cpu", partial_rotary_factor=0.5)
         check_silu_and_mul(3, 1500, dtype, "cpu")
+
+
+@interpreter_check
+def gemma_kernels() -> None:
+    """Gemma's norm (with and without the residual, per-head) and its GeGLU."""
+    for dtype in (torch.float32, torch.bfloat16):
+        check_rms_norm((5, 96), dtype, "cpu", with_residual=False, gemma=True)
+        check_rms_norm((5, 96), dtype, "cpu", with_residual=True, gemma=True)
+        check_rms_norm((4, 3, 64), dtype, "cpu", with_residual=False, gemma=True)
+        check_gelu_tanh_and_mul(3, 1500, dtype, "cpu")
 
 
 @interpreter_check
@@ -507,6 +529,17 @@ def test_small_kernels_cuda(model: str, dtype: torch.dtype) -> None:
         check_rotary(num_tokens, heads, kv_heads, head_dim, dtype, "cuda",
                      partial_rotary_factor=0.75)  # Phi-4-mini's
         check_silu_and_mul(num_tokens, intermediate, dtype, "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemma_kernels_cuda(dtype: torch.dtype) -> None:
+    """Gemma 2 9B's shapes: hidden 3584, 16 heads of 256, MLP 14336."""
+    for num_tokens in (1, 256, 4096):
+        check_rms_norm((num_tokens, 3584), dtype, "cuda", with_residual=True, gemma=True)
+        check_rms_norm((num_tokens, 3584), dtype, "cuda", with_residual=False, gemma=True)
+        check_rms_norm((num_tokens, 16, 256), dtype, "cuda", with_residual=False, gemma=True)
+        check_gelu_tanh_and_mul(num_tokens, 14336, dtype, "cuda")
 
 
 @needs_cuda

@@ -105,6 +105,42 @@ def test_mixed_adapters_match_peft_merged_weights(tiny, max_loras, max_cpu_loras
     assert sum(g != b for g, b in zip(got, base)) >= len(adapters)
 
 
+def test_gemma_adapters_match_peft_merged_weights(tmp_path):
+    """Gemma 2 names its projections as Llama does: its adapters run as they are (every
+    module, attention only, MLP only, and the base model, mixed in one batch)."""
+    model_dir = make_tiny_model(tmp_path, "gemma2")
+    adapters = [LoRARequest(f"a{i}", i + 1, make_adapter(model_dir, tmp_path / f"a{i}", i,
+                                                         *spec))
+                for i, spec in enumerate(ADAPTERS)]
+    prompts, loras = mixed_batch(adapters)
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=3,
+              max_lora_rank=16, num_gpu_blocks_override=64, block_size=4)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True),
+                           use_tqdm=False, lora_request=loras)
+    got = [out.outputs[0].token_ids for out in outputs]
+    models = {lora: merged_model(model_dir, None if lora is None else lora.lora_path)
+              for lora in [None, *adapters]}  # each merged once
+
+    @torch.no_grad()
+    def greedy(lora, prompt: list[int]) -> list[int]:
+        out = models[lora].generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+    assert got == [greedy(lora, prompt) for prompt, lora in zip(prompts, loras)]
+    base = [greedy(None, prompt) for prompt in prompts]
+    assert sum(g != b for g, b in zip(got, base)) >= len(adapters)
+
+
+def test_phi3_refuses_lora_in_one_line(tmp_path):
+    """Phi-3's adapters target its fused qkv_proj and gate_up_proj."""
+    model_dir = make_tiny_model(tmp_path, "phi3")
+    with pytest.raises(ConfigError, match="--enable-lora is not supported for "
+                                          "Phi3ForCausalLM: its adapters target the fused "
+                                          "qkv_proj and gate_up_proj"):
+        LLM(str(model_dir), dtype="float32", enable_lora=True)
+
+
 def test_one_adapter_for_every_prompt_and_the_prefix_cache(tiny):
     model_dir, adapters = tiny
     prompt = list(range(3, 40))

@@ -10,18 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
 from common.model_files import load_hf_config, load_tokenizer, resolve_model
+from common.model_info import resolve_engine
 from services.demo import demo_model_path
 from services.worker.cuda_graphs import StepGraphs, decode_sizes, mixed_sizes
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
-from services.worker.loader import load_model
-from services.worker.models import CausalLM, kv_cache_shape
-from tests.tiny_models import TINY_VOCAB, make_tiny_model
+from services.worker.loader import load_model, load_weights
+from services.worker.models import CausalLM, kv_cache_shape, model_class
+from tests.tiny_models import TINY_VOCAB, TOKENIZER_DIR, make_tiny_model
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma2",
+         "gemma3", "phi3"]
 TOLERANCE = 1e-4
 CPU = torch.device("cpu")
+SHAPES = TOKENIZER_DIR.parent  # the real models' config.json files, without weights
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -186,6 +189,48 @@ def test_steps_padded_into_the_graph_buffers_compute_the_same(tiny):
                                                      chunks):
             want = ref[name][start:start + len(tokens)]
             assert rel_err(logits, want) < TOLERANCE, (key, name)
+
+
+@pytest.mark.parametrize("arch,windows", [("gemma2", [8, None, 8, None]),
+                                          ("mistral-window", [8, 8])])
+def test_disable_sliding_window_attends_to_all_and_caps_the_length(arch, windows, tmp_path):
+    """As vLLM's flag: no layer keeps a window, and max_model_len is the smallest one."""
+    model_dir = make_tiny_model(tmp_path, arch)
+    for disable, want_windows, want_len in [(False, windows, 512),
+                                            (True, [None] * len(windows), 8)]:
+        config = EngineConfig(model=str(model_dir), dtype="float32",
+                              disable_sliding_window=disable)
+        resolved = resolve_engine(config)
+        assert resolved.config.max_model_len == want_len
+        model = load_model(resolved.config, resolved.hf_config, CPU, torch.float32,
+                           resolved.model_dir)
+        assert [layer.self_attn.attn.sliding_window
+                for layer in model.model.layers] == want_windows
+    with pytest.raises(ConfigError, match="--max-model-len 9 is longer"):
+        resolve_engine(EngineConfig(model=str(model_dir), max_model_len=9,
+                                    disable_sliding_window=True))
+
+
+@pytest.mark.parametrize("shape,windows,scale,soft_caps", [
+    ("gemma-2-2b-shape", [4096, None], 256 ** -0.5, (50.0, 30.0)),
+    ("gemma-2-9b-shape", [4096, None], 256 ** -0.5, (50.0, 30.0)),
+    ("phi-3-mini-4k-shape", [2047, 2047], 96 ** -0.5, (None, None))])
+def test_real_configs_take_transformers_checkpoints(shape, windows, scale, soft_caps):
+    """Built on the meta device from the real config.json, our model takes every tensor of
+    transformers' model of that config, by name and shape (Phi-3's fused ones included),
+    and misses none; each layer's window, scale and caps are the config's."""
+    from transformers import AutoModelForCausalLM
+
+    hf_config = load_hf_config(SHAPES / shape)
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(hf_config)
+        ours = model_class(hf_config)(hf_config)
+    load_weights(ours, ref.state_dict().items())
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in ref.parameters())
+    attns = [layer.self_attn.attn for layer in ours.model.layers]
+    assert [a.sliding_window for a in attns] == windows * (len(attns) // 2)
+    assert all(a.scale == pytest.approx(scale) for a in attns)
+    assert (attns[0].soft_cap, getattr(ours, "final_soft_cap", None)) == soft_caps
 
 
 def test_graph_ladders():

@@ -59,9 +59,10 @@ def count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter:
     return read
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
 def test_a_rank_reads_only_its_shard_of_the_checkpoint(arch, tmp_path, monkeypatch):
-    """qwen2 has q/k/v biases and a tied LM head; llama an untied one. The tiny vocabulary
+    """qwen2 has q/k/v biases and a tied LM head; llama an untied one; phi3 fused qkv_proj
+    and gate_up_proj tensors, of which a rank reads only its rows. The tiny vocabulary
     splits evenly, so a rank holds no padding rows."""
     model_dir = make_tiny_model(tmp_path, arch)
     hf_config = load_hf_config(model_dir)
@@ -168,12 +169,15 @@ def collect(results, procs: list, count: int, timeout_s: float = 120) -> list:
 @pytest.mark.parametrize("world,archs,kv_heads,load_format", [
     (2, ["llama", "qwen2", "qwen3"], 1, "auto"),
     (2, ["llama", "qwen3"], 1, "dummy"),
+    (2, ["gemma2", "phi3"], 1, "auto"),
     (4, ["qwen3"], 1, "auto")])
 def test_every_rank_has_the_logits_of_one_rank(world, archs, kv_heads, load_format,
                                                tmp_path):
     """At every position, to 1e-5; and transformers' from the checkpoint. Dummy weights are
     the same model at any size. With 4 ranks and 2 KV heads each KV head is replicated on
-    two ranks."""
+    two ranks. gemma2: its norms after o_proj and down_proj take all-reduced inputs, with
+    soft caps and sliding windows per rank's heads; phi3: fused checkpoint tensors split
+    per rank, a sliding window."""
     from transformers import AutoModelForCausalLM
 
     dirs = [make_tiny_model(tmp_path / arch, arch) for arch in archs]

@@ -5,6 +5,7 @@ tiny vocabulary) and a generation_config.json.
     make_tiny_model(tmp_path, "llama")               # llama3 rope scaling
     make_tiny_model(tmp_path, "qwen2")               # qkv bias, tied embeddings
     make_tiny_model(tmp_path, "qwen3")               # q/k norm, head_dim 32 != 64 / 4
+    make_tiny_model(tmp_path, "gemma2")              # soft caps, sliding/full layers
     make_tiny_model(tmp_path, "llama", num_hidden_layers=3)   # any config override
 """
 
@@ -48,6 +49,29 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", dict(
         architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True, rope_theta=1e6,
         head_dim=32, attention_bias=False)),
+    # sliding windows of 8 and 11: the tests' 20-40 token prompts run past them
+    "mistral-window": ("MistralConfig", dict(
+        architectures=["MistralForCausalLM"], tie_word_embeddings=False, rope_theta=10000.0,
+        sliding_window=8)),
+    "qwen2-window": ("Qwen2Config", dict(  # layer 0 full, layer 1 sliding
+        architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, rope_theta=1e6,
+        use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # sliding and full layers alternate; the caps are low enough to bite at INIT_STD
+    "gemma2": ("Gemma2Config", dict(
+        architectures=["Gemma2ForCausalLM"], tie_word_embeddings=True, num_hidden_layers=4,
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+        hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0, rope_theta=10000.0)),
+    # five sliding layers, then a full one, each type with its own rope theta
+    "gemma3": ("Gemma3TextConfig", dict(
+        architectures=["Gemma3ForCausalLM"], tie_word_embeddings=True, num_hidden_layers=6,
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+        hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}})),
+    "phi3": ("Phi3Config", dict(
+        architectures=["Phi3ForCausalLM"], tie_word_embeddings=False, rope_theta=10000.0,
+        sliding_window=11, pad_token_id=0)),
 }
 
 

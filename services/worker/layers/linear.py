@@ -96,6 +96,9 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id=None) -> None:
         shards = self.output_shards()
+        if shard_id is None and None not in shards:
+            self.load_fused(param, loaded_weight, shards)
+            return
         if shard_id not in shards:
             raise ValueError(f"{type(self).__name__}: shard id {shard_id!r} is not one of "
                              f"{list(shards)}")
@@ -109,6 +112,23 @@ class ColumnParallelLinear(LinearBase):
     def checkpoint_shapes(self, param: nn.Parameter) -> ShardShapes:
         return {shard_id: (shard.full, *param.shape[1:])
                 for shard_id, shard in self.output_shards().items()}
+
+    def load_fused(self, param: nn.Parameter, loaded_weight: Checkpoint,
+                   shards: dict[ShardId, OutputShard]) -> None:
+        """A checkpoint that stores the fused tensor itself (Phi-3's qkv_proj, [q; k; v]
+        rows, and gate_up_proj, [gate; up]): each shard's rows of it, read lazily."""
+        name = f"{type(self).__name__} (fused)"
+        total = sum(shard.full for shard in shards.values())
+        if loaded_weight.shape[0] != total:
+            raise ValueError(f"{name}: checkpoint tensor has shape "
+                             f"{tuple(loaded_weight.shape)}, the model expects {total} rows; "
+                             "the weights do not match config.json")
+        start = 0
+        for shard in shards.values():
+            copy_checked(param.data.narrow(0, shard.offset, shard.size),
+                         loaded_weight.narrow(0, start + shard.index * shard.size, shard.size),
+                         name)
+            start += shard.full
 
     def output_shards(self) -> dict[ShardId, OutputShard]:
         """Each shard id's place in this rank's output and in the checkpoint."""

@@ -1,5 +1,6 @@
 """RMSNorm as a module; the fused residual add is the kernel's, and so, for a norm after a
-row-parallel projection that left its reduction to it, the all-reduce."""
+row-parallel projection that left its reduction to it, the all-reduce. Gemma's weighting,
+(1 + weight) in float32, is a flag (kernels/norm.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ from services.worker.layers.parallel import all_reduce_rms_norm
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, sums_ranks: bool = False) -> None:
-        """sums_ranks: an x that comes with a residual is each rank's partial sum."""
+    def __init__(self, hidden_size: int, eps: float, sums_ranks: bool = False,
+                 gemma: bool = False) -> None:
+        """sums_ranks: an x that comes with a residual is each rank's partial sum.
+        gemma: Gemma's weighting."""
         super().__init__()
-        self.eps, self.sums_ranks = eps, sums_ranks
+        # the fused all-reduce kernel has Llama's weighting only
+        assert not (sums_ranks and gemma), "a Gemma norm takes reduced inputs"
+        self.eps, self.sums_ranks, self.gemma = eps, sums_ranks, gemma
         self.weight = new_parameter(hidden_size, loader=self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
@@ -29,4 +34,4 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.sums_ranks and residual is not None:
             return all_reduce_rms_norm(x, residual, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight, self.eps, residual, gemma=self.gemma)

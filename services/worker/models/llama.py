@@ -1,8 +1,11 @@
 """The Llama decoder, shared by every supported architecture.
 
-Variants differ only in flags: biases on the projections, per-head q/k RMSNorm (Qwen3),
-tied embeddings (from the config). Mistral is the Llama architecture here: its sliding
-window is not applied, so contexts longer than the window attend to every earlier token.
+Variants differ only in flags: biases on the projections, per-head q/k RMSNorm (Qwen3,
+Gemma 3), Gemma's norm weighting, its extra norms around each sublayer and its scaled
+embedding. The rest comes from the config as it is: tied embeddings, the MLP activation,
+each layer's sliding window (common.model_files.sliding_windows) and rotary parameters
+(per layer type where they differ), the attention scale (`query_pre_attn_scalar`) and the
+attention logit soft cap.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.worker.layers.activation import SiluAndMul
+from common.model_files import sliding_windows
+from services.worker.layers.activation import gated_activation
 from services.worker.layers.attention import Attention, ForwardContext
 from services.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
@@ -28,11 +32,36 @@ class DecoderFlags:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    gemma_norm: bool = False       # every RMSNorm weighs by (1 + weight) in float32
+    sandwich_norms: bool = False   # norms after attention and after the MLP too (Gemma 2/3)
+    scale_embedding: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+
+    @property
+    def attn_reduces(self) -> bool:
+        """o_proj all-reduces itself: for its bias, or for the norm that takes its output
+        alone; otherwise the next norm fuses the reduction with the residual add."""
+        return self.o_bias or self.sandwich_norms
+
+    @property
+    def mlp_reduces(self) -> bool:
+        return self.mlp_bias or self.sandwich_norms
+
+
+def attention_scale(hf_config) -> float:
+    """Gemma scales scores by query_pre_attn_scalar ** -0.5, the others by head_dim's."""
+    scalar = getattr(hf_config, "query_pre_attn_scalar", None) or head_dim_of(hf_config)
+    return scalar ** -0.5
+
+
+def activation_name(hf_config) -> str:
+    """Gemma's configs name the MLP activation `hidden_activation`."""
+    return getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act",
+                                                                    "silu")
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, flags: DecoderFlags, rotary_emb: RotaryEmbedding,
-                 layer_idx: int) -> None:
+                 layer_idx: int, sliding_window: int | None) -> None:
         super().__init__()
         hidden_size, head_dim = hf_config.hidden_size, head_dim_of(hf_config)
         total_heads = hf_config.num_attention_heads
@@ -42,12 +71,14 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(total_heads * head_dim, hidden_size, bias=flags.o_bias,
-                                        reduce_results=flags.o_bias)
+                                        reduce_results=flags.attn_reduces)
         self.rotary_emb = rotary_emb
-        self.q_norm = RMSNorm(head_dim, hf_config.rms_norm_eps) if flags.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, hf_config.rms_norm_eps) if flags.qk_norm else None
-        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads,
-                              layer_idx)
+        eps = hf_config.rms_norm_eps
+        self.q_norm = RMSNorm(head_dim, eps, gemma=flags.gemma_norm) if flags.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, gemma=flags.gemma_norm) if flags.qk_norm else None
+        self.attn = Attention(self.num_heads, head_dim, attention_scale(hf_config),
+                              self.num_kv_heads, layer_idx, sliding_window=sliding_window,
+                              soft_cap=getattr(hf_config, "attn_logit_softcapping", None))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -64,28 +95,37 @@ class LlamaMLP(nn.Module):
     def __init__(self, hf_config, flags: DecoderFlags) -> None:
         super().__init__()
         hidden_size, intermediate = hf_config.hidden_size, hf_config.intermediate_size
-        if getattr(hf_config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; only silu")
+        self.act_fn = gated_activation(activation_name(hf_config))
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate] * 2,
                                                        bias=flags.mlp_bias)
         self.down_proj = RowParallelLinear(intermediate, hidden_size, bias=flags.mlp_bias,
-                                           reduce_results=flags.mlp_bias)
-        self.act_fn = SiluAndMul()
+                                           reduce_results=flags.mlp_reduces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """With sandwich norms (Gemma's names): input_layernorm, attention,
+    post_attention_layernorm, residual add, pre_feedforward_layernorm, MLP,
+    post_feedforward_layernorm, residual add. Without, post_attention_layernorm is the
+    norm before the MLP."""
+
     def __init__(self, hf_config, flags: DecoderFlags, rotary_emb: RotaryEmbedding,
-                 layer_idx: int) -> None:
+                 layer_idx: int, sliding_window: int | None) -> None:
         super().__init__()
-        eps = hf_config.rms_norm_eps
-        # a projection without a bias leaves its all-reduce to the norm after it
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, sums_ranks=not flags.mlp_bias)
-        self.self_attn = LlamaAttention(hf_config, flags, rotary_emb, layer_idx)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps,
-                                                sums_ranks=not flags.o_bias)
+        eps, size, gemma = hf_config.rms_norm_eps, hf_config.hidden_size, flags.gemma_norm
+        # a projection that does not all-reduce leaves it to the norm after it
+        self.input_layernorm = RMSNorm(size, eps, sums_ranks=not flags.mlp_reduces,
+                                       gemma=gemma)
+        self.self_attn = LlamaAttention(hf_config, flags, rotary_emb, layer_idx,
+                                        sliding_window)
+        self.post_attention_layernorm = RMSNorm(size, eps, sums_ranks=not flags.attn_reduces,
+                                                gemma=gemma)
+        self.sandwich_norms = flags.sandwich_norms
+        if flags.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(size, eps, gemma=gemma)
+            self.post_feedforward_layernorm = RMSNorm(size, eps, gemma=gemma)
         self.mlp = LlamaMLP(hf_config, flags)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
@@ -96,25 +136,46 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, ctx)
+        if self.sandwich_norms:
+            hidden = self.post_attention_layernorm(hidden)
+            hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+def rotary_by_layer(hf_config) -> list[RotaryEmbedding]:
+    """Each layer's rotary embedding: one cos/sin cache shared by every layer, or one per
+    layer type where `rope_parameters` is nested by type (Gemma 3)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    layer_types = getattr(hf_config, "layer_types", None) or \
+        [None] * hf_config.num_hidden_layers
+    keys = [kind if kind in params else None for kind in layer_types]
+    caches = {key: RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config), key)
+              for key in dict.fromkeys(keys)}
+    return [caches[key] for key in keys]
 
 
 class LlamaModel(nn.Module):
     def __init__(self, hf_config, flags: DecoderFlags) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
-        # one cos/sin cache shared by every layer
-        rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
+        # rounded to the activation dtype (the default one while the model is built), as
+        # transformers multiplies by a tensor of that dtype
+        self.embed_scale = float(torch.tensor(hf_config.hidden_size ** 0.5, device="cpu")) \
+            if flags.scale_embedding else None
+        windows = sliding_windows(hf_config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, flags, rotary_emb, i)
-            for i in range(hf_config.num_hidden_layers))
+            LlamaDecoderLayer(hf_config, flags, rotary, i, windows[i])
+            for i, rotary in enumerate(rotary_by_layer(hf_config)))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps,
-                            sums_ranks=not flags.mlp_bias)
+                            sums_ranks=not flags.mlp_reduces, gemma=flags.gemma_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
@@ -150,4 +211,4 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama with Mistral's config; the sliding window is not applied (see module doc)."""
+    """Llama with Mistral's config: v0.1's sliding window applies to every layer."""

@@ -6,7 +6,8 @@ from services.worker.models.llama import DecoderFlags, LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """q/k/v carry biases, o_proj does not. Qwen2's optional sliding window is not applied."""
+    """q/k/v carry biases, o_proj does not. The optional sliding window (use_sliding_window)
+    covers the layers from max_window_layers on, as the config's layer_types say."""
 
     @staticmethod
     def decoder_flags(hf_config) -> DecoderFlags:
