@@ -6,6 +6,8 @@ from __future__ import annotations
 from services.worker.layers.parallel import kv_heads_per_rank
 from services.worker.models.causal_lm import CausalLM, head_dim_of
 from services.worker.models.llama import LlamaForCausalLM, MistralForCausalLM
+from services.worker.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
+                                        Qwen3MoeForCausalLM)
 from services.worker.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 __all__ = ["ARCHITECTURES", "CausalLM", "kv_cache_shape", "model_class"]
@@ -15,6 +17,9 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

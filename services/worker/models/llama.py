@@ -1,12 +1,14 @@
 """The Llama decoder, shared by every supported architecture.
 
 Variants differ only in flags: biases on the projections, per-head q/k RMSNorm (Qwen3),
-tied embeddings (from the config). Mistral is the Llama architecture here: its sliding
+tied embeddings (from the config), and in the MLP each layer gets (`make_mlp`: mixtures of
+experts in models/moe.py). Mistral is the Llama architecture here: its sliding
 window is not applied, so contexts longer than the window attend to every earlier token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,9 +63,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config, flags: DecoderFlags) -> None:
+    def __init__(self, hf_config, flags: DecoderFlags, intermediate_size: int | None = None
+                 ) -> None:
+        """intermediate_size: the config's unless given (Qwen2-MoE's shared expert)."""
         super().__init__()
-        hidden_size, intermediate = hf_config.hidden_size, hf_config.intermediate_size
+        hidden_size = hf_config.hidden_size
+        intermediate = intermediate_size or hf_config.intermediate_size
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; only silu")
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate] * 2,
@@ -78,7 +83,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config, flags: DecoderFlags, rotary_emb: RotaryEmbedding,
-                 layer_idx: int) -> None:
+                 layer_idx: int, mlp: nn.Module) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
         # a projection without a bias leaves its all-reduce to the norm after it
@@ -86,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(hf_config, flags, rotary_emb, layer_idx)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps,
                                                 sums_ranks=not flags.o_bias)
-        self.mlp = LlamaMLP(hf_config, flags)
+        self.mlp = mlp  # LlamaMLP, or a mixture of experts (models/moe.py)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, ctx: ForwardContext
@@ -100,14 +105,18 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+MLPFactory = Callable[[object, DecoderFlags, int], nn.Module]
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config, flags: DecoderFlags) -> None:
+    def __init__(self, hf_config, flags: DecoderFlags, make_mlp: MLPFactory) -> None:
+        """make_mlp(hf_config, flags, layer_idx): each layer's MLP."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         # one cos/sin cache shared by every layer
         rotary_emb = RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, flags, rotary_emb, i)
+            LlamaDecoderLayer(hf_config, flags, rotary_emb, i, make_mlp(hf_config, flags, i))
             for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps,
                             sums_ranks=not flags.mlp_bias)
@@ -128,7 +137,7 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, hf_config) -> None:
         super().__init__()
-        self.model = LlamaModel(hf_config, self.decoder_flags(hf_config))
+        self.model = LlamaModel(hf_config, self.decoder_flags(hf_config), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tied)
@@ -143,6 +152,10 @@ class LlamaForCausalLM(CausalLM):
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         return DecoderFlags(qkv_bias=attention_bias, o_bias=attention_bias,
                             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)))
+
+    @staticmethod
+    def make_mlp(hf_config, flags: DecoderFlags, layer_idx: int) -> nn.Module:
+        return LlamaMLP(hf_config, flags)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:

@@ -1,0 +1,187 @@
+"""Mixture-of-experts MLP: each token's hidden state goes through its top-k experts' gated
+SiLU MLPs, and the outputs are summed with the routing weights.
+
+The GPU path sorts the token slots (token t's j-th expert is slot t * k + j) by expert,
+each expert's list padded to a whole block of BLOCK_M rows (`moe_align`), then runs two
+grouped GEMMs over those blocks: gate/up with SiLU-and-mul fused (w13 [E, 2I, H] -> [slots,
+I]) and down (w2 [E, H, I]) times the routing weight; a sum over the k slots of each token
+ends it. A block reads only its own expert's weights, so a decode step reads just the
+experts its tokens picked.
+
+Everything is sized by the worst case, never by the routing: the sorted list holds
+slots + min(slots, E) * (BLOCK_M - 1) rows, the launch grid covers all of them, and
+programs past the real rows (read on the device) return at once. No host sync, so a step
+replays in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True, slots=True)
+class MoEBlocks:
+    """Tile sizes of the grouped GEMMs; block_m is also the align step's padding."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def moe_blocks(num_tokens: int, top_k: int, num_experts: int) -> MoEBlocks:
+    """Tiles by the rows an expert gets on average: a decode step's few rows per expert
+    take the smallest M tile (padding rows cost weight reads nothing), large prefills
+    wide ones that reuse each weight tile over more rows."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert <= 16:
+        return MoEBlocks(16, 64, 128, num_warps=4, num_stages=4)
+    if rows_per_expert <= 64:
+        return MoEBlocks(32, 64, 64, num_warps=4, num_stages=4)
+    return MoEBlocks(64, 128, 64, num_warps=8, num_stages=3)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_weights
+    float32 [T, k], topk_ids [T, k] -> [T, H]: sum_j w_j * down_e(silu(gate_e x) * up_e x)
+    with e = topk_ids[t, j]. The one dispatch point for this op: CUDA tensors take the
+    Triton kernels."""
+    if x.is_cuda:
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Expert by expert over the tokens that picked it, roundings as transformers' experts
+    make them: each projection's output in x's dtype, the weighted output too."""
+    intermediate = w2.shape[2]
+    out = torch.zeros_like(x)
+    for expert in topk_ids.unique().tolist():
+        tokens, which = (topk_ids == expert).nonzero(as_tuple=True)
+        gate, up = (x[tokens] @ w13[expert].T).split(intermediate, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ w2[expert].T
+        weighted = (y.float() * topk_weights[tokens, which, None]).to(x.dtype)
+        out.index_add_(0, tokens, weighted)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Alignment:
+    """Token slots grouped by expert. sorted_slots [rows]: slot ids, each expert's run
+    padded with `num_slots` to a multiple of block_m; block_expert [rows / block_m]: the
+    expert of each block (E past the end); num_rows [1]: the real (padded) row count."""
+    sorted_slots: torch.Tensor
+    block_expert: torch.Tensor
+    num_rows: torch.Tensor
+
+
+def max_aligned_rows(num_slots: int, num_experts: int, block_m: int) -> int:
+    """At most min(slots, E) experts have a run, each wasting under a block."""
+    rows = num_slots + min(num_slots, num_experts) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sorts the slots of topk_ids [T, k] by expert, in slot order within an expert. Torch
+    ops whose shapes depend on T, k, E and block_m alone: no host sync."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_slots, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.sort(flat, stable=True).indices
+    experts_in_order = flat[order]
+    # a slot's rank within its expert's run, then its row in the padded list
+    run_start = counts.cumsum(0) - counts
+    rank = torch.arange(num_slots, device=device) - run_start[experts_in_order]
+    rows = padded_end[experts_in_order] - padded[experts_in_order] + rank
+    total = max_aligned_rows(num_slots, num_experts, block_m)
+    sorted_slots = torch.full((total,), num_slots, dtype=torch.int32, device=device)
+    sorted_slots.scatter_(0, rows, order.to(torch.int32))
+    block_starts = torch.arange(0, total, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    return Alignment(sorted_slots, block_expert, padded_end[-1:].to(torch.int32))
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     blocks: MoEBlocks | None = None) -> torch.Tensor:
+    num_tokens, hidden = x.shape
+    num_experts, intermediate = w2.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    assert w13.shape == (num_experts, 2 * intermediate, hidden)
+    assert x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
+    blocks = blocks or moe_blocks(num_tokens, top_k, num_experts)
+    num_slots = num_tokens * top_k
+    act = torch.empty(num_slots, intermediate, dtype=x.dtype, device=x.device)
+    down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    align = moe_align(topk_ids, num_experts, blocks.block_m)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _grouped_gemm(x, w13, act, align, weights, top_k, intermediate, blocks, gated=True)
+    _grouped_gemm(act, w2, down, align, weights, 1, hidden, blocks, gated=False)
+    return down.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Alignment,
+                  weights: torch.Tensor, rows_per_a: int, n: int, blocks: MoEBlocks,
+                  gated: bool) -> None:
+    """out[slot, :n] for every slot in align.sorted_slots, from a's row slot // rows_per_a
+    and the slot's expert's w [E, n (x2 when gated), K]."""
+    k = w.shape[2]
+    grid = (align.sorted_slots.numel() // blocks.block_m, triton.cdiv(n, blocks.block_n))
+    _moe_gemm_kernel[grid](
+        a, w, out, align.sorted_slots, align.block_expert, align.num_rows, weights,
+        out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=not gated,
+        IEEE=a.dtype == torch.float32, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n,
+        BLOCK_K=blocks.block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
+                     num_rows_ptr, weights_ptr, num_slots, n, k, a_stride, w_stride_e,
+                     w_stride_n, out_stride, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr,
+                     WEIGHTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return  # past the real rows: the grid is sized for the worst case
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    slots = tl.load(sorted_slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    live = slots < num_slots  # padding rows carry num_slots
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < n
+    ks = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + (slots // ROWS_PER_A).to(tl.int64)[:, None] * a_stride
+    w_cols = w_ptr + expert * w_stride_e + cols.to(tl.int64)[None, :] * w_stride_n
+    precision: tl.constexpr = "ieee" if IEEE else "tf32"
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_ok = ks < k - k0
+        a = tl.load(a_rows + k0 + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & cols_ok[None, :]
+        w = tl.load(w_cols + k0 + ks[:, None], mask=w_mask, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=precision)
+        if GATED:  # the up rows sit n rows below the gate rows
+            w_up = tl.load(w_cols + n * w_stride_n + k0 + ks[:, None], mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=precision)
+    dtype = out_ptr.dtype.element_ty
+    # each product rounded to the activation dtype as the reference's matmuls round it
+    result = acc.to(dtype).to(tl.float32)
+    if GATED:
+        silu = (result / (1.0 + tl.exp(-result))).to(dtype).to(tl.float32)
+        result = silu * acc_up.to(dtype).to(tl.float32)
+    if WEIGHTED:
+        result *= tl.load(weights_ptr + slots, mask=live, other=0.0)[:, None]
+    tl.store(out_ptr + slots.to(tl.int64)[:, None] * out_stride + cols[None, :],
+             result.to(dtype), mask=live[:, None] & cols_ok[None, :])
