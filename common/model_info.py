@@ -36,6 +36,7 @@ def resolve_engine(config: EngineConfig) -> ResolvedModel:
     model_dir = resolve_model(config.model, config.load_format)
     hf_config = override(load_hf_config(model_dir), config.hf_config_overrides())
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
+    check_lora(hf_config, config.enable_lora)
     return ResolvedModel(config.resolved(max_model_len_of(hf_config)), model_dir, hf_config,
                          resolve_draft(config, hf_config))
 
@@ -76,13 +77,33 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
     """Each rank takes an equal share of the attention heads and of the MLP; KV heads are
     shared out, or replicated when there are more ranks than KV heads."""
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    mlp = hf_config.intermediate_size
+    # a mixture of experts splits each expert (and a shared expert) the same way
+    mlps = [getattr(hf_config, name, None) for name in (
+        "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")]
+    mlp = "/".join(str(m) for m in mlps if m)
     kv_split = kv_heads % size == 0 if kv_heads >= size else size % kv_heads == 0
-    if heads % size or mlp % size or not kv_split:
+    if heads % size or any(m and m % size for m in mlps) or not kv_split:
         raise ConfigError(
             f"--tensor-parallel-size {size} does not split the model evenly: its {heads} "
             f"attention heads and {mlp} MLP features must divide by {size}, and its "
             f"{kv_heads} KV heads must divide by {size} or into it")
+
+
+def num_experts_of(hf_config: Any) -> int:
+    """Routed experts per layer (Mixtral's and Qwen MoE's config names); 0 for a dense
+    model."""
+    return (getattr(hf_config, "num_local_experts", 0)
+            or getattr(hf_config, "num_experts", 0) or 0)
+
+
+def check_lora(hf_config: Any, enable_lora: bool) -> None:
+    """LoRA wraps the dense projections; the experts' stacked weights have no adapter
+    path, so an adapter of an MoE model could only be applied in part."""
+    experts = num_experts_of(hf_config)
+    if enable_lora and experts:
+        architecture = (getattr(hf_config, "architectures", None) or ["this model"])[0]
+        raise ConfigError(f"--enable-lora: LoRA is not supported on mixture-of-experts "
+                          f"models ({architecture} has {experts} experts per layer)")
 
 
 def check_devices(config: EngineConfig, shards: int = 1) -> None:

@@ -38,8 +38,8 @@ def moe_blocks(num_tokens: int, top_k: int, num_experts: int) -> MoEBlocks:
     take the smallest M tile (padding rows cost weight reads nothing), large prefills
     wide ones that reuse each weight tile over more rows."""
     rows_per_expert = num_tokens * top_k / num_experts
-    if rows_per_expert <= 16:
-        return MoEBlocks(16, 64, 128, num_warps=4, num_stages=4)
+    if rows_per_expert <= 16:  # narrow N tiles: a few experts' weights over every SM
+        return MoEBlocks(16, 32, 128, num_warps=4, num_stages=4)
     if rows_per_expert <= 64:
         return MoEBlocks(32, 64, 64, num_warps=4, num_stages=4)
     return MoEBlocks(64, 128, 64, num_warps=8, num_stages=3)

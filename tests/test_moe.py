@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
 from common.model_files import load_hf_config
+from common.model_info import check_tensor_parallel, resolve_engine
 from kernels.moe import (MoEBlocks, fused_moe, fused_moe_ref, fused_moe_triton,
                          max_aligned_rows, moe_align, moe_blocks)
 from services.worker.layers.moe import FusedMoE
@@ -103,6 +104,30 @@ def test_dummy_weights_fill_every_expert_and_repeat(arch):
     paged = Paged(first, hf_config, block_size=4)
     (logits,) = paged.step([(paged.blocks(9), ids, 0)])
     assert logits.isfinite().all()
+
+
+# --- what is refused ---------------------------------------------------------------------
+
+def test_lora_on_a_mixture_of_experts_is_refused(tmp_path):
+    model_dir = make_tiny_model(tmp_path, "qwen3_moe")
+    resolve_engine(EngineConfig(model=str(model_dir)))
+    with pytest.raises(ConfigError, match="--enable-lora: LoRA is not supported on "
+                       "mixture-of-experts models \\(Qwen3MoeForCausalLM has 8 experts"):
+        resolve_engine(EngineConfig(model=str(model_dir), enable_lora=True))
+
+
+def test_a_size_that_does_not_split_the_experts_is_refused():
+    """The experts' and the shared expert's sizes must split too, not only the dense one."""
+    config = tiny_config("qwen3_moe", num_attention_heads=32, num_key_value_heads=4,
+                         intermediate_size=128, moe_intermediate_size=48)
+    check_tensor_parallel(config, 16)
+    with pytest.raises(ConfigError, match="128/48 MLP features must divide by 32"):
+        check_tensor_parallel(config, 32)
+    with pytest.raises(ConfigError, match="40/40/48 MLP features must divide by 5"):
+        check_tensor_parallel(tiny_config("qwen2_moe", intermediate_size=40,
+                                          moe_intermediate_size=40,
+                                          shared_expert_intermediate_size=48,
+                                          num_attention_heads=5, num_key_value_heads=5), 5)
 
 
 # --- tensor parallelism: two gloo ranks ---------------------------------------------------
