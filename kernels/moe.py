@@ -87,9 +87,23 @@ def max_aligned_rows(num_slots: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
+# up to this many slots, CUDA aligns in one Triton program (a decode step's align is one
+# launch instead of a dozen torch ops); above, the torch ops' parallel sort wins
+MAX_KERNEL_ALIGN_SLOTS = 2048
+ALIGN_CHUNK = 32  # slots per step of that program: [chunk, experts] comparisons at a time
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    """Sorts the slots of topk_ids [T, k] by expert, in slot order within an expert. Torch
-    ops whose shapes depend on T, k, E and block_m alone: no host sync."""
+    """Sorts the slots of topk_ids [T, k] by expert, in slot order within an expert, each
+    expert's run padded to a multiple of block_m. The one dispatch point for this op."""
+    if topk_ids.is_cuda and topk_ids.numel() <= MAX_KERNEL_ALIGN_SLOTS:
+        return moe_align_triton(topk_ids, num_experts, block_m)
+    return moe_align_ref(topk_ids, num_experts, block_m)
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Torch ops whose shapes depend on T, k, E and block_m alone: no host sync, so this
+    twin serves CUDA graphs of large steps too."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots, device = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
@@ -108,6 +122,61 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignme
     block_starts = torch.arange(0, total, block_m, device=device)
     block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
     return Alignment(sorted_slots, block_expert, padded_end[-1:].to(torch.int32))
+
+
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                     ) -> Alignment:
+    ids = topk_ids.reshape(-1).contiguous()
+    device = ids.device
+    total = max_aligned_rows(ids.numel(), num_experts, block_m)
+    align = Alignment(torch.empty(total, dtype=torch.int32, device=device),
+                      torch.empty(total // block_m, dtype=torch.int32, device=device),
+                      torch.empty(1, dtype=torch.int32, device=device))
+    _align_kernel[(1,)](ids, align.sorted_slots, align.block_expert, align.num_rows,
+                        ids.numel(), num_experts, total, BLOCK_M=block_m,
+                        EXPERTS=max(16, triton.next_power_of_2(num_experts)),
+                        CHUNK=ALIGN_CHUNK, num_warps=4)
+    return align
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, num_slots,
+                  num_experts, total_rows, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """One program: count each expert's slots, lay the padded runs out, then place the
+    slots chunk by chunk (a slot's rank: the earlier slots of its chunk on its expert,
+    plus the run's rows already taken)."""
+    experts = tl.arange(0, EXPERTS)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        ids = tl.load(ids_ptr + start + lanes, mask=start + lanes < num_slots, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(num_rows_ptr, tl.sum(padded, axis=0))
+    for start in range(0, total_rows, CHUNK):
+        rows = start + lanes
+        tl.store(sorted_ptr + rows, tl.zeros((CHUNK,), dtype=tl.int32) + num_slots,
+                 mask=rows < total_rows)
+    num_blocks = total_rows // BLOCK_M
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + lanes
+        # the block's expert: how many runs end at or before its first row
+        expert = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.minimum(expert, num_experts),
+                 mask=blocks < num_blocks)
+    tl.debug_barrier()  # the padding is written before any slot takes its row
+    next_row = ends - padded
+    for start in range(0, num_slots, CHUNK):
+        slots = start + lanes
+        ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1)
+        hit = ids[:, None] == experts[None, :]
+        earlier = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])
+        row = (tl.sum(tl.where(hit, next_row[None, :], 0), axis=1)
+               + tl.sum(earlier.to(tl.int32), axis=1))
+        tl.store(sorted_ptr + row, slots, mask=slots < num_slots)
+        next_row += tl.sum(hit.to(tl.int32), axis=0)
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -22,7 +22,8 @@ from common.config import ConfigError, EngineConfig
 from common.model_files import load_hf_config
 from common.model_info import check_tensor_parallel, resolve_engine
 from kernels.moe import (MoEBlocks, fused_moe, fused_moe_ref, fused_moe_triton,
-                         max_aligned_rows, moe_align, moe_blocks)
+                         max_aligned_rows, moe_align, moe_align_ref, moe_align_triton,
+                         moe_blocks)
 from services.worker.layers.moe import FusedMoE
 from services.worker.loader import iter_safetensors, load_model, load_weights
 from services.worker.models import model_class
@@ -169,14 +170,22 @@ def check_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> N
     assert all(e == num_experts for e in blocks[len(experts):])
 
 
-def test_align_edge_cases():
+def align_cases() -> list[tuple[torch.Tensor, int, int]]:
+    """(topk_ids, experts, block_m)."""
     g = torch.Generator().manual_seed(0)
-    check_alignment(torch.randint(0, 8, (13, 2), generator=g), 8, 4)  # a mix
-    check_alignment(torch.tensor([[3, 5]]), 8, 16)  # one decode token: six experts idle
-    check_alignment(torch.full((9, 1), 6), 8, 4)  # everything to one expert, 9 -> 12 rows
-    check_alignment(torch.tensor([[0, 7], [7, 0], [0, 7], [7, 0]]), 8, 4)  # exact blocks
-    ids = torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(40)])
-    check_alignment(ids, 128, 16)  # Qwen3-30B-A3B's routing width
+    return [
+        (torch.randint(0, 8, (13, 2), generator=g), 8, 4),  # a mix
+        (torch.tensor([[3, 5]]), 8, 16),  # one decode token: six experts idle
+        (torch.full((9, 1), 6), 8, 4),  # everything to one expert, 9 -> 12 rows
+        (torch.tensor([[0, 7], [7, 0], [0, 7], [7, 0]]), 8, 4),  # exact blocks
+        # Qwen3-30B-A3B's routing width; more slots than the kernel's chunk
+        (torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(40)]), 128, 16),
+        (torch.randint(0, 8, (100, 2), generator=g), 8, 32)]
+
+
+def test_align_edge_cases():
+    for topk_ids, num_experts, block_m in align_cases():
+        check_alignment(topk_ids, num_experts, block_m)
 
 
 def test_block_sizes_grow_with_the_rows_per_expert():
@@ -219,14 +228,20 @@ def check_fused_moe(num_tokens: int, hidden: int, intermediate: int, num_experts
 
 
 def interpreter_checks() -> None:
-    """Partial K and N tiles, padding rows, idle experts, a decode token alone; fp32 and
-    fp16 (the interpreter multiplies bf16 as raw bits, see tests/test_kernels_triton.py).
+    """The fused kernel: partial K and N tiles, padding rows, idle experts, a decode token
+    alone; fp32 and fp16 (the interpreter multiplies bf16 as raw bits, see
+    tests/test_kernels_triton.py). The align kernel equal to its twin on the edge cases.
     One subprocess for all: its imports cost more than the checks."""
     check_fused_moe(1, 64, 48, 16, 4, torch.float32, "cpu", MoEBlocks(16, 32, 32))
     for dtype in (torch.float32, torch.float16):
         check_fused_moe(13, 96, 40, 8, 2, dtype, "cpu", MoEBlocks(16, 32, 64))
     check_fused_moe(40, 64, 64, 8, 2, torch.float16, "cpu", MoEBlocks(32, 64, 32),
                     skewed=True)
+    for topk_ids, num_experts, block_m in align_cases():  # the one-program align kernel
+        ours, ref = (align(topk_ids, num_experts, block_m)
+                     for align in (moe_align_triton, moe_align_ref))
+        for field in ("sorted_slots", "block_expert", "num_rows"):
+            assert torch.equal(getattr(ours, field), getattr(ref, field)), (field, topk_ids)
 
 
 def test_fused_moe_under_triton_interpreter() -> None:
@@ -248,6 +263,15 @@ def test_fused_moe_cuda(model: str, num_tokens: int) -> None:
     num_experts, top_k, hidden, intermediate = MOE_SHAPES[model]
     check_fused_moe(num_tokens, hidden, intermediate, num_experts, top_k, torch.bfloat16,
                     "cuda")
+
+
+@needs_cuda
+def test_align_kernel_on_cuda_equals_its_twin() -> None:
+    for topk_ids, num_experts, block_m in align_cases():
+        ours = moe_align(topk_ids.cuda(), num_experts, block_m)  # the kernel: few slots
+        ref = moe_align_ref(topk_ids, num_experts, block_m)
+        for field in ("sorted_slots", "block_expert", "num_rows"):
+            assert torch.equal(getattr(ours, field).cpu(), getattr(ref, field)), field
 
 
 @needs_cuda
