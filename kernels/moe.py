@@ -45,6 +45,75 @@ def moe_blocks(num_tokens: int, top_k: int, num_experts: int) -> MoEBlocks:
     return MoEBlocks(64, 128, 64, num_warps=8, num_stages=3)
 
 
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   round_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] -> float32 weights and int64 expert ids, both [T, k], best first: softmax over
+    all experts in float32, the top k, divided by their sum when `renormalize`, rounded to
+    the logits' dtype when `round_weights` (Qwen MoE does; Mixtral keeps float32). The one
+    dispatch point for this op: CUDA tensors take the Triton kernel (one launch where the
+    torch ops take up to six, which a decode step would feel)."""
+    if router_logits.is_cuda:
+        return select_experts_triton(router_logits, top_k, renormalize, round_weights)
+    return select_experts_ref(router_logits, top_k, renormalize, round_weights)
+
+
+def select_experts_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                       round_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if round_weights:
+        weights = weights.to(router_logits.dtype).float()
+    return weights, ids
+
+
+def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                          round_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts = router_logits.shape
+    assert router_logits.stride(1) == 1
+    device = router_logits.device
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
+    if num_tokens:
+        _select_experts_kernel[(num_tokens,)](
+            router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+            RENORMALIZE=renormalize, ROUND=round_weights,
+            EXPERTS=triton.next_power_of_2(num_experts), num_warps=1)
+    return weights, ids
+
+
+@triton.jit
+def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride,
+                           TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                           ROUND: tl.constexpr, EXPERTS: tl.constexpr):
+    """One token per program: the softmax, then k rounds of taking the largest left."""
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, EXPERTS)
+    live = experts < num_experts
+    logits = tl.load(logits_ptr + token * stride + experts, mask=live,
+                     other=float("-inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    probs = probs / tl.sum(probs, axis=0)
+    left = tl.where(live, probs, -1.0)
+    picks = tl.arange(0, TOP_K)
+    chosen = tl.zeros((TOP_K,), dtype=tl.float32)
+    chosen_ids = tl.zeros((TOP_K,), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(left, axis=0)
+        # the lowest index among equals, as torch.topk picks on CPU
+        best_id = tl.min(tl.where(left == best, experts, EXPERTS), axis=0)
+        chosen = tl.where(picks == j, best, chosen)
+        chosen_ids = tl.where(picks == j, best_id.to(tl.int64), chosen_ids)
+        left = tl.where(experts == best_id, -1.0, left)
+    if RENORMALIZE:
+        chosen = chosen / tl.sum(chosen, axis=0)
+    if ROUND:
+        chosen = chosen.to(logits_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(weights_ptr + token * TOP_K + picks, chosen)
+    tl.store(ids_ptr + token * TOP_K + picks, chosen_ids)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_weights
@@ -197,7 +266,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(x, w13, act, align, weights, top_k, intermediate, blocks, gated=True)
     _grouped_gemm(act, w2, down, align, weights, 1, hidden, blocks, gated=False)
-    return down.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+    # torch sums bf16 in float32 and rounds once
+    return down.view(num_tokens, top_k, hidden).sum(1)
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Alignment,

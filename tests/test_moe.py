@@ -23,7 +23,7 @@ from common.model_files import load_hf_config
 from common.model_info import check_tensor_parallel, resolve_engine
 from kernels.moe import (MoEBlocks, fused_moe, fused_moe_ref, fused_moe_triton,
                          max_aligned_rows, moe_align, moe_align_ref, moe_align_triton,
-                         moe_blocks)
+                         moe_blocks, select_experts_ref, select_experts_triton)
 from services.worker.layers.moe import FusedMoE
 from services.worker.loader import iter_safetensors, load_model, load_weights
 from services.worker.models import model_class
@@ -227,16 +227,35 @@ def check_fused_moe(num_tokens: int, hidden: int, intermediate: int, num_experts
     assert error <= TOLERANCE[dtype], f"{what}: relative error {error:.3g}"
 
 
+def check_select_experts(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype,
+                         device: str) -> None:
+    """The routing kernel against its twin: the same experts in the same order, and the
+    same weights (within one rounding of the dtype where they are rounded to it)."""
+    g = torch.Generator().manual_seed(num_tokens * num_experts)
+    logits = torch.randn(num_tokens, num_experts, generator=g).to(device=device, dtype=dtype)
+    for renormalize in (False, True):
+        for round_weights in (False, True):
+            args = (logits, top_k, renormalize, round_weights)
+            (ours, ours_ids), (ref, ref_ids) = select_experts_triton(*args), \
+                select_experts_ref(*args)
+            assert torch.equal(ours_ids, ref_ids), (renormalize, round_weights)
+            rtol = torch.finfo(dtype).eps if round_weights else 1e-5
+            assert torch.allclose(ours, ref, rtol=rtol, atol=0), (renormalize, round_weights)
+
+
 def interpreter_checks() -> None:
     """The fused kernel: partial K and N tiles, padding rows, idle experts, a decode token
     alone; fp32 and fp16 (the interpreter multiplies bf16 as raw bits, see
-    tests/test_kernels_triton.py). The align kernel equal to its twin on the edge cases.
+    tests/test_kernels_triton.py). The routing kernel, and the align kernel on the edge
+    cases, equal to their twins.
     One subprocess for all: its imports cost more than the checks."""
     check_fused_moe(1, 64, 48, 16, 4, torch.float32, "cpu", MoEBlocks(16, 32, 32))
     for dtype in (torch.float32, torch.float16):
         check_fused_moe(13, 96, 40, 8, 2, dtype, "cpu", MoEBlocks(16, 32, 64))
     check_fused_moe(40, 64, 64, 8, 2, torch.float16, "cpu", MoEBlocks(32, 64, 32),
                     skewed=True)
+    check_select_experts(5, 8, 2, torch.float32, "cpu")
+    check_select_experts(3, 60, 4, torch.float16, "cpu")  # experts off a power of 2
     for topk_ids, num_experts, block_m in align_cases():  # the one-program align kernel
         ours, ref = (align(topk_ids, num_experts, block_m)
                      for align in (moe_align_triton, moe_align_ref))
@@ -263,6 +282,14 @@ def test_fused_moe_cuda(model: str, num_tokens: int) -> None:
     num_experts, top_k, hidden, intermediate = MOE_SHAPES[model]
     check_fused_moe(num_tokens, hidden, intermediate, num_experts, top_k, torch.bfloat16,
                     "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("model", sorted(MOE_SHAPES))
+def test_select_experts_cuda(model: str) -> None:
+    num_experts, top_k, _, _ = MOE_SHAPES[model]
+    for num_tokens in (1, 256):
+        check_select_experts(num_tokens, num_experts, top_k, torch.bfloat16, "cuda")
 
 
 @needs_cuda

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import fused_moe
+from kernels.moe import fused_moe, select_experts
 from services.worker.layers.linear import (Checkpoint, copy_checked, new_parameter,
                                            take_shard)
 from services.worker.layers.parallel import divide, tp_rank, tp_size
@@ -59,20 +59,9 @@ class FusedMoE(nn.Module):
         self.w13 = new_parameter(num_experts, 2 * shard, hidden_size, loader=self.weight_loader)
         self.w2 = new_parameter(num_experts, hidden_size, shard, loader=self.weight_loader)
 
-    def select_experts(self, router_logits: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, E] -> float32 weights and expert ids, both [T, k]: softmax over all experts
-        in float32, the top k, then (maybe) renormalised and rounded."""
-        probs = torch.softmax(router_logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.round_weights:
-            weights = weights.to(router_logits.dtype).float()
-        return weights, ids
-
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.select_experts(router_logits)
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize,
+                                      self.round_weights)
         return fused_moe(x, self.w13, self.w2, weights, ids)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
