@@ -1,9 +1,11 @@
 """Mixture-of-experts MLP: each token's hidden state goes through its top-k experts' gated
 SiLU MLPs, and the outputs are summed with the routing weights.
 
-The GPU path sorts the token slots (token t's j-th expert is slot t * k + j) by expert,
-each expert's list padded to a whole block of BLOCK_M rows (`moe_align`), then runs two
-grouped GEMMs over those blocks: gate/up with SiLU-and-mul fused (w13 [E, 2I, H] -> [slots,
+Routing (`select_experts`): softmax over all experts in float32, the top k, optionally
+renormalised and rounded; one Triton launch on the GPU. The GPU path then sorts the token
+slots (token t's j-th expert is slot t * k + j) by expert, each expert's list padded to a
+whole block of BLOCK_M rows (`moe_align`: one Triton program up to 2048 slots), then two
+grouped GEMMs run over those blocks: gate/up with SiLU-and-mul fused (w13 [E, 2I, H] -> [slots,
 I]) and down (w2 [E, H, I]) times the routing weight; a sum over the k slots of each token
 ends it. A block reads only its own expert's weights, so a decode step reads just the
 experts its tokens picked.
@@ -35,8 +37,8 @@ class MoEBlocks:
 
 def moe_blocks(num_tokens: int, top_k: int, num_experts: int) -> MoEBlocks:
     """Tiles by the rows an expert gets on average: a decode step's few rows per expert
-    take the smallest M tile (padding rows cost weight reads nothing), large prefills
-    wide ones that reuse each weight tile over more rows."""
+    take the smallest M tile (its padding rows read no more weights), large prefills wide
+    ones that reuse each weight tile over more rows. Untuned: no GPU has run them yet."""
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert <= 16:  # narrow N tiles: a few experts' weights over every SM
         return MoEBlocks(16, 32, 128, num_warps=4, num_stages=4)
@@ -257,11 +259,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     assert w13.shape == (num_experts, 2 * intermediate, hidden)
     assert x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
     blocks = blocks or moe_blocks(num_tokens, top_k, num_experts)
+    if num_tokens == 0:
+        return torch.zeros_like(x)
     num_slots = num_tokens * top_k
     act = torch.empty(num_slots, intermediate, dtype=x.dtype, device=x.device)
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
-    if num_tokens == 0:
-        return torch.zeros_like(x)
     align = moe_align(topk_ids, num_experts, blocks.block_m)
     weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(x, w13, act, align, weights, top_k, intermediate, blocks, gated=True)
@@ -277,19 +279,21 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Al
     and the slot's expert's w [E, n (x2 when gated), K]."""
     k = w.shape[2]
     grid = (align.sorted_slots.numel() // blocks.block_m, triton.cdiv(n, blocks.block_n))
+    # float32 models keep full precision (their tests hold them to 1e-4): no TF32
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
     _moe_gemm_kernel[grid](
         a, w, out, align.sorted_slots, align.block_expert, align.num_rows, weights,
         out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=not gated,
-        IEEE=a.dtype == torch.float32, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n,
-        BLOCK_K=blocks.block_k, num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+        ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=not gated, PRECISION=precision,
+        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k,
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
                      num_rows_ptr, weights_ptr, num_slots, n, k, a_stride, w_stride_e,
                      w_stride_n, out_stride, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr,
-                     WEIGHTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     WEIGHTED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -302,7 +306,6 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
     ks = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + (slots // ROWS_PER_A).to(tl.int64)[:, None] * a_stride
     w_cols = w_ptr + expert * w_stride_e + cols.to(tl.int64)[None, :] * w_stride_n
-    precision: tl.constexpr = "ieee" if IEEE else "tf32"
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
@@ -310,10 +313,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
         a = tl.load(a_rows + k0 + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & cols_ok[None, :]
         w = tl.load(w_cols + k0 + ks[:, None], mask=w_mask, other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=precision)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if GATED:  # the up rows sit n rows below the gate rows
             w_up = tl.load(w_cols + n * w_stride_n + k0 + ks[:, None], mask=w_mask, other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=precision)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
     dtype = out_ptr.dtype.element_ty
     # each product rounded to the activation dtype as the reference's matmuls round it
     result = acc.to(dtype).to(tl.float32)
