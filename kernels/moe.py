@@ -117,23 +117,29 @@ def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              experts_read: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_weights
     float32 [T, k], topk_ids [T, k] -> [T, H]: sum_j w_j * down_e(silu(gate_e x) * up_e x)
-    with e = topk_ids[t, j]. The one dispatch point for this op: CUDA tensors take the
-    Triton kernels."""
+    with e = topk_ids[t, j]. experts_read: an int64 [1] counter that gains the number of
+    distinct experts this call reads (on the device: benchmarks read it after a run). The
+    one dispatch point for this op: CUDA tensors take the Triton kernels."""
     if x.is_cuda:
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, experts_read)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, experts_read)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  experts_read: torch.Tensor | None = None) -> torch.Tensor:
     """Expert by expert over the tokens that picked it, roundings as transformers' experts
     make them: each projection's output in x's dtype, the weighted output too."""
     intermediate = w2.shape[2]
     out = torch.zeros_like(x)
-    for expert in topk_ids.unique().tolist():
+    experts = topk_ids.unique().tolist()
+    if experts_read is not None:
+        experts_read += len(experts)
+    for expert in experts:
         tokens, which = (topk_ids == expert).nonzero(as_tuple=True)
         gate, up = (x[tokens] @ w13[expert].T).split(intermediate, dim=-1)
         y = (torch.nn.functional.silu(gate) * up) @ w2[expert].T
@@ -164,21 +170,26 @@ MAX_KERNEL_ALIGN_SLOTS = 2048
 ALIGN_CHUNK = 32  # slots per step of that program: [chunk, experts] comparisons at a time
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              experts_read: torch.Tensor | None = None) -> Alignment:
     """Sorts the slots of topk_ids [T, k] by expert, in slot order within an expert, each
-    expert's run padded to a multiple of block_m. The one dispatch point for this op."""
+    expert's run padded to a multiple of block_m; adds the number of experts with a run
+    to `experts_read`. The one dispatch point for this op."""
     if topk_ids.is_cuda and topk_ids.numel() <= MAX_KERNEL_ALIGN_SLOTS:
-        return moe_align_triton(topk_ids, num_experts, block_m)
-    return moe_align_ref(topk_ids, num_experts, block_m)
+        return moe_align_triton(topk_ids, num_experts, block_m, experts_read)
+    return moe_align_ref(topk_ids, num_experts, block_m, experts_read)
 
 
-def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                  experts_read: torch.Tensor | None = None) -> Alignment:
     """Torch ops whose shapes depend on T, k, E and block_m alone: no host sync, so this
     twin serves CUDA graphs of large steps too."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots, device = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
+    if experts_read is not None:
+        experts_read += (counts > 0).sum()
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     order = torch.sort(flat, stable=True).indices
@@ -195,8 +206,8 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ali
     return Alignment(sorted_slots, block_expert, padded_end[-1:].to(torch.int32))
 
 
-def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                     ) -> Alignment:
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                     experts_read: torch.Tensor | None = None) -> Alignment:
     ids = topk_ids.reshape(-1).contiguous()
     device = ids.device
     total = max_aligned_rows(ids.numel(), num_experts, block_m)
@@ -204,16 +215,17 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int
                       torch.empty(total // block_m, dtype=torch.int32, device=device),
                       torch.empty(1, dtype=torch.int32, device=device))
     _align_kernel[(1,)](ids, align.sorted_slots, align.block_expert, align.num_rows,
-                        ids.numel(), num_experts, total, BLOCK_M=block_m,
+                        experts_read, ids.numel(), num_experts, total,
+                        COUNT=experts_read is not None, BLOCK_M=block_m,
                         EXPERTS=max(16, triton.next_power_of_2(num_experts)),
                         CHUNK=ALIGN_CHUNK, num_warps=4)
     return align
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, num_slots,
-                  num_experts, total_rows, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr,
-                  CHUNK: tl.constexpr):
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, experts_read_ptr,
+                  num_slots, num_experts, total_rows, COUNT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, CHUNK: tl.constexpr):
     """One program: count each expert's slots, lay the padded runs out, then place the
     slots chunk by chunk (a slot's rank: the earlier slots of its chunk on its expert,
     plus the run's rows already taken)."""
@@ -223,6 +235,8 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, num_slots
     for start in range(0, num_slots, CHUNK):
         ids = tl.load(ids_ptr + start + lanes, mask=start + lanes < num_slots, other=-1)
         counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    if COUNT:
+        tl.atomic_add(experts_read_ptr, tl.sum((counts > 0).to(tl.int64), axis=0))
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(num_rows_ptr, tl.sum(padded, axis=0))
@@ -252,6 +266,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, num_slots
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     experts_read: torch.Tensor | None = None,
                      blocks: MoEBlocks | None = None) -> torch.Tensor:
     num_tokens, hidden = x.shape
     num_experts, intermediate = w2.shape[0], w2.shape[2]
@@ -264,7 +279,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_slots = num_tokens * top_k
     act = torch.empty(num_slots, intermediate, dtype=x.dtype, device=x.device)
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
-    align = moe_align(topk_ids, num_experts, blocks.block_m)
+    align = moe_align(topk_ids, num_experts, blocks.block_m, experts_read)
     weights = topk_weights.reshape(-1).float().contiguous()
     _grouped_gemm(x, w13, act, align, weights, top_k, intermediate, blocks, gated=True)
     _grouped_gemm(act, w2, down, align, weights, 1, hidden, blocks, gated=False)

@@ -31,6 +31,9 @@ from tests.test_models import (  # noqa: F401  (collected here, on this module's
     Paged, rel_err, test_chunked_prefill_through_the_cache,
     test_steps_padded_into_the_graph_buffers_compute_the_same, test_teacher_forced_decode,
     test_varlen_batches_with_shared_prefix_blocks, test_whole_prompt_prefill, token_ids)
+from services.bench.workloads import (ModelShape, StepCost, Trace, experts_read,
+                                      reset_experts_read)
+from tests.test_bench_engine import run_throughput
 from tests.test_tensor_parallel import SAME_AS_ONE_RANK, logits_of, run_ranks
 from tests.tiny_models import make_tiny_model, tiny_config
 
@@ -107,6 +110,52 @@ def test_dummy_weights_fill_every_expert_and_repeat(arch):
     assert logits.isfinite().all()
 
 
+# --- the benchmarks' floor: the experts a step reads ---------------------------------------
+
+def test_the_floor_counts_the_routed_experts_a_run_read(tiny):
+    """ModelShape leaves the routed experts out of the weights every step reads and counts
+    k of them per token in the products; each layer's counter gains the distinct experts
+    of each forward."""
+    model, hf_config, _ = tiny
+    moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    shape = ModelShape.of(model, hf_config, 1, 4)
+    all_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    expert = (moe[0].w13[0].numel() + moe[0].w2[0].numel())
+    assert shape.expert_bytes == 4 * expert and shape.num_moe_layers == len(moe)
+    assert shape.weight_bytes == all_bytes - len(moe) * 8 * shape.expert_bytes
+    assert shape.num_params == sum(p.numel() for p in model.parameters()) \
+        - len(moe) * (8 - 2) * expert
+    assert shape.decode_expert_bytes(1) == len(moe) * 2 * shape.expert_bytes
+    assert shape.decode_expert_bytes(6) == len(moe) * 8 * shape.expert_bytes
+
+    expected = []  # each layer's distinct experts, from its router's logits
+    hooks = [m.gate.register_forward_hook(
+        lambda _, __, logits: expected.append(logits.topk(2).indices.unique().numel()))
+        for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    reset_experts_read(model)
+    paged = Paged(model, hf_config, block_size=4)
+    try:
+        paged.step([(paged.blocks(9), token_ids(9, seed=5), 0)])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(expected) == len(moe) and experts_read(model) == sum(expected)
+
+    trace = Trace()
+    trace.steps = [StepCost(1000, 0), StepCost(1000, 0)]
+    trace.count_experts(shape, experts_read=3 * 2 * len(moe))  # 3 per layer and step
+    assert trace.experts_per_layer_step == 3
+    assert trace.floor_seconds(bandwidth=1.0, matmul_rate=1.0) == 2 * (
+        1000 + 3 * len(moe) * shape.expert_bytes)
+
+
+def test_throughput_bench_reports_the_experts_read(tmp_path):
+    model_dir = make_tiny_model(tmp_path, "qwen3_moe")
+    stdout, data = run_throughput(model_dir, tmp_path, "inprocess")
+    assert "routed experts read per layer per step, mean: " in stdout
+    assert 2 <= data["experts_per_layer_step"] <= 8  # top-2 of 8
+
+
 # --- what is refused ---------------------------------------------------------------------
 
 def test_lora_on_a_mixture_of_experts_is_refused(tmp_path):
@@ -152,8 +201,10 @@ def test_two_ranks_have_the_logits_of_one_rank(archs, load_format, tmp_path):
 
 def check_alignment(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
     """Against the list built by hand: each expert's slots in order, padded to blocks."""
-    align = moe_align(topk_ids, num_experts, block_m)
+    counter = torch.tensor([5])
+    align = moe_align(topk_ids, num_experts, block_m, counter)
     flat = topk_ids.reshape(-1).tolist()
+    assert counter.item() == 5 + len(set(flat))  # the experts read, added
     pad = len(flat)
     expected, experts = [], []
     for e in range(num_experts):
@@ -257,10 +308,12 @@ def interpreter_checks() -> None:
     check_select_experts(5, 8, 2, torch.float32, "cpu")
     check_select_experts(3, 60, 4, torch.float16, "cpu")  # experts off a power of 2
     for topk_ids, num_experts, block_m in align_cases():  # the one-program align kernel
-        ours, ref = (align(topk_ids, num_experts, block_m)
-                     for align in (moe_align_triton, moe_align_ref))
+        counters = torch.zeros(2, 1, dtype=torch.int64)
+        ours, ref = (align(topk_ids, num_experts, block_m, counter) for align, counter in
+                     zip((moe_align_triton, moe_align_ref), counters))
         for field in ("sorted_slots", "block_expert", "num_rows"):
             assert torch.equal(getattr(ours, field), getattr(ref, field)), (field, topk_ids)
+        assert counters[0] == counters[1] == topk_ids.unique().numel()
 
 
 def test_fused_moe_under_triton_interpreter() -> None:

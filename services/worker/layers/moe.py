@@ -58,11 +58,15 @@ class FusedMoE(nn.Module):
         shard = divide(intermediate_size, self.tp_size, "expert intermediate size")
         self.w13 = new_parameter(num_experts, 2 * shard, hidden_size, loader=self.weight_loader)
         self.w2 = new_parameter(num_experts, hidden_size, shard, loader=self.weight_loader)
+        # distinct experts read, summed over calls: benchmarks count the weights a run
+        # really read (updated on the device, inside CUDA graphs too)
+        self.register_buffer("experts_read", torch.zeros(1, dtype=torch.int64),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize,
                                       self.round_weights)
-        return fused_moe(x, self.w13, self.w2, weights, ids)
+        return fused_moe(x, self.w13, self.w2, weights, ids, self.experts_read)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id: ExpertShard) -> None:
