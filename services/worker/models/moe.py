@@ -57,7 +57,8 @@ QWEN_EXPERT_WEIGHTS = {"gate_proj": ("w13", "gate"), "up_proj": ("w13", "up"),
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    """Every layer routed; the top-k weights renormalised and kept in float32."""
+    """Every layer routed; the top-k weights renormalised and kept in float32. A sliding
+    window in the config is not applied, as Mistral's is not (models/llama.py)."""
     expert_weights = {"w1": ("w13", "gate"), "w3": ("w13", "up"), "w2": ("w2", "down")}
     module_renames = {"block_sparse_moe": "mlp"}
 
