@@ -306,6 +306,8 @@ def interpreter_checks() -> None:
         check_fused_moe(13, 96, 40, 8, 2, dtype, "cpu", MoEBlocks(16, 32, 64))
     check_fused_moe(40, 64, 64, 8, 2, torch.float16, "cpu", MoEBlocks(32, 64, 32),
                     skewed=True)
+    for num_tokens in (3, 100, 300):  # moe_blocks' own tiles: decode, middle, prefill
+        check_fused_moe(num_tokens, 160, 96, 8, 2, torch.float16, "cpu")
     check_select_experts(5, 8, 2, torch.float32, "cpu")
     check_select_experts(3, 60, 4, torch.float16, "cpu")  # experts off a power of 2
     for topk_ids, num_experts, block_m in align_cases():  # the one-program align kernel
