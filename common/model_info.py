@@ -91,25 +91,42 @@ def override(hf_config: Any, overrides: dict[str, Any]) -> Any:
 FUSED_PROJECTIONS = {"Phi3ForCausalLM": "qkv_proj and gate_up_proj"}
 
 
-def check_lora(hf_config: Any) -> None:
-    architecture = (getattr(hf_config, "architectures", None) or [""])[0]
-    if architecture in FUSED_PROJECTIONS:
-        raise ConfigError(f"--enable-lora is not supported for {architecture}: its adapters "
-                          f"target the fused {FUSED_PROJECTIONS[architecture]}, headrace's "
-                          f"LoRA the separate {', '.join(TARGET_MODULES)}")
-
-
 def check_tensor_parallel(hf_config: Any, size: int) -> None:
     """Each rank takes an equal share of the attention heads and of the MLP; KV heads are
     shared out, or replicated when there are more ranks than KV heads."""
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    mlp = hf_config.intermediate_size
+    # a mixture of experts splits each expert (and a shared expert) the same way
+    mlps = [getattr(hf_config, name, None) for name in (
+        "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")]
+    mlp = "/".join(str(m) for m in mlps if m)
     kv_split = kv_heads % size == 0 if kv_heads >= size else size % kv_heads == 0
-    if heads % size or mlp % size or not kv_split:
+    if heads % size or any(m and m % size for m in mlps) or not kv_split:
         raise ConfigError(
             f"--tensor-parallel-size {size} does not split the model evenly: its {heads} "
             f"attention heads and {mlp} MLP features must divide by {size}, and its "
             f"{kv_heads} KV heads must divide by {size} or into it")
+
+
+def num_experts_of(hf_config: Any) -> int:
+    """Routed experts per layer (Mixtral's and Qwen MoE's config names); 0 for a dense
+    model."""
+    return (getattr(hf_config, "num_local_experts", 0)
+            or getattr(hf_config, "num_experts", 0) or 0)
+
+
+def check_lora(hf_config: Any) -> None:
+    """LoRA wraps the separate dense projections: adapters of fused ones (Phi-3) target
+    modules headrace does not have, and the experts' stacked weights have no adapter path,
+    so an adapter of an MoE model could only be applied in part."""
+    architecture = (getattr(hf_config, "architectures", None) or ["this model"])[0]
+    if architecture in FUSED_PROJECTIONS:
+        raise ConfigError(f"--enable-lora is not supported for {architecture}: its adapters "
+                          f"target the fused {FUSED_PROJECTIONS[architecture]}, headrace's "
+                          f"LoRA the separate {', '.join(TARGET_MODULES)}")
+    experts = num_experts_of(hf_config)
+    if experts:
+        raise ConfigError(f"--enable-lora: LoRA is not supported on mixture-of-experts "
+                          f"models ({architecture} has {experts} experts per layer)")
 
 
 def check_devices(config: EngineConfig, shards: int = 1) -> None:

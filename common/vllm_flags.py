@@ -75,7 +75,9 @@ FOREIGN_FLAGS = (
                 "quantized checkpoints are not supported (GGUF files are dequantized)"),
     ForeignFlag("cpu-offload-gb", float, "refused", "weights stay on the GPU", default=0.0),
     ForeignFlag("enable-sleep-mode", bool, "refused", "the worker cannot release its memory"),
-    ForeignFlag("enable-expert-parallel", bool, "refused", "no mixture-of-experts models"),
+    ForeignFlag("enable-expert-parallel", bool, "refused",
+                "expert parallelism is not built: every rank holds every expert and "
+                "--tensor-parallel-size splits each one"),
     ForeignFlag("lora-dtype", str, "refused", _LORA, default="auto"),
     ForeignFlag("lora-extra-vocab-size", int, "refused", _LORA),
     ForeignFlag("long-lora-scaling-factors", str, "refused", _LORA),

@@ -6,6 +6,7 @@ tiny vocabulary) and a generation_config.json.
     make_tiny_model(tmp_path, "qwen2")               # qkv bias, tied embeddings
     make_tiny_model(tmp_path, "qwen3")               # q/k norm, head_dim 32 != 64 / 4
     make_tiny_model(tmp_path, "gemma2")              # soft caps, sliding/full layers
+    make_tiny_model(tmp_path, "qwen2_moe")           # 8 experts, top-2, a shared expert
     make_tiny_model(tmp_path, "llama", num_hidden_layers=3)   # any config override
 """
 
@@ -72,6 +73,21 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", dict(
         architectures=["Phi3ForCausalLM"], tie_word_embeddings=False, rope_theta=10000.0,
         sliding_window=11, pad_token_id=0)),
+    # mixture of experts: 8 experts, top-2, experts narrower than the dense MLP
+    "mixtral": ("MixtralConfig", dict(
+        architectures=["MixtralForCausalLM"], tie_word_embeddings=False, rope_theta=1e6,
+        sliding_window=None, num_local_experts=8, num_experts_per_tok=2,
+        intermediate_size=32)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        architectures=["Qwen2MoeForCausalLM"], tie_word_embeddings=False, rope_theta=1e6,
+        use_sliding_window=False, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[])),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        architectures=["Qwen3MoeForCausalLM"], tie_word_embeddings=False, rope_theta=1e6,
+        head_dim=32, attention_bias=False, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[0])),  # layer 0 keeps a dense MLP
 }
 
 

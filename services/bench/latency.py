@@ -121,7 +121,8 @@ def run(args: argparse.Namespace, argv: list[str], engine: Engine, adapter_root:
                           engine.runner.kv_caches[0][0].element_size())
     ceilings = measure_ceilings(engine.runner.device)
     context = args.context_len + args.output_len / 2
-    floor_s = (shape.weight_bytes + args.batch_size * context * shape.kv_bytes_per_token) \
+    floor_s = (shape.weight_bytes + shape.decode_expert_bytes(args.batch_size)
+               + args.batch_size * context * shape.kv_bytes_per_token) \
         / ceilings.copy_bytes_per_s
     ms = [1000 * s for s in decodes]
     result = {"command": "headrace bench latency " + " ".join(argv),

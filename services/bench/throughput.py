@@ -48,8 +48,9 @@ from common.timing import PhaseClock
 from services.bench.pipeline import CLIENT, LocalPipeline, drive
 from services.bench.serve import RequestResult, first_model, send_request
 from services.bench.workloads import (WARMUP_SEED, Ceilings, ModelShape, Trace, Workload,
-                                      fixed_workload, kv_waste, measure_ceilings,
-                                      nano_workload, warmup_twin, with_output_len)
+                                      experts_read, fixed_workload, kv_waste,
+                                      measure_ceilings, nano_workload, reset_experts_read,
+                                      warmup_twin, with_output_len)
 from services.offline.engine import Engine
 
 SERVED_PATHS = ("pipeline", "http")  # through service processes
@@ -135,6 +136,7 @@ def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None
                   shape: ModelShape | None = None) -> RunResult:
     if trace is not None and shape is not None:
         engine.on_plan = lambda plan: trace.record(plan, shape, kv_waste(engine.scheduler))
+        reset_experts_read(engine.runner.model)
     run_id = uuid.uuid4().hex[:6]
     for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
         engine.add_request(f"{run_id}-{i}", prompt, params)
@@ -146,6 +148,8 @@ def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None
         output_tokens += sum(len(d.token_ids) for d in engine.step())
     _sync(engine.runner.device)
     engine.on_plan = None
+    if trace is not None and shape is not None:
+        trace.count_experts(shape, experts_read(engine.runner.model))
     return RunResult("inprocess", workload.name, len(workload.prompts), output_tokens,
                      time.perf_counter() - start, engine.clock.summary())
 
@@ -266,7 +270,7 @@ def _sync(device: torch.device) -> None:
 
 
 def report(results: list[RunResult], floor_s: float, ceilings: Ceilings, waste: float,
-           machine: dict[str, Any]) -> str:
+           machine: dict[str, Any], experts_per_step: float = 0.0) -> str:
     lines = [f"machine: {machine['device']}; copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, "
              f"bf16 matmul {ceilings.matmul_flops_per_s / 1e12:.0f} TFLOP/s"]
     lines.append(f"{'path':<26}{'workload':<28}{'requests':>9}{'tokens':>10}{'seconds':>9}"
@@ -283,6 +287,9 @@ def report(results: list[RunResult], floor_s: float, ceilings: Ceilings, waste: 
                  f"{floor_s / first.seconds:.1%} of it")
     lines.append(f"KV cache waste (allocated slots not holding a token), mean over steps: "
                  f"{waste:.2%}")
+    if experts_per_step:
+        lines.append(f"routed experts read per layer per step, mean: {experts_per_step:.1f} "
+                     "(the floor counts their weights, not every expert's)")
     lines += ratio_lines(results)
     compared = [r for r in results if r.path.startswith("transformers")]
     ours = [r for r in results if r.path == "inprocess" and r.workload == compared[0].workload] \
@@ -375,12 +382,14 @@ def main(argv: list[str]) -> int:
     ceilings, trace = runs.ceilings, runs.trace
     floor_s = trace.floor_seconds(ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s)
     machine = machine_info(runs.device)
-    print(report(results, floor_s, ceilings, trace.mean_waste, machine))
+    print(report(results, floor_s, ceilings, trace.mean_waste, machine,
+                 trace.experts_per_layer_step))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "command": "headrace bench throughput " + " ".join(argv), "machine": machine,
             "ceilings": asdict(ceilings), "floor_seconds": floor_s,
             "kv_waste_mean": trace.mean_waste,
+            "experts_per_layer_step": trace.experts_per_layer_step,
             "results": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in results]},
             indent=2))
     return 0

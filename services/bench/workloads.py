@@ -80,9 +80,19 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    weight_bytes: int
-    num_params: int
+    weight_bytes: int  # read every step: all but the routed experts
+    num_params: int  # multiplied by each token: the routed experts only k of them
     kv_value_bytes: int  # of one K or V value in the cache: 1 with an fp8 cache
+    expert_bytes: int = 0  # of one routed expert of one layer: a step reads those it routes
+    num_moe_layers: int = 0
+    num_experts: int = 0  # routed experts per MoE layer
+    top_k: int = 0
+
+    def decode_expert_bytes(self, batch_size: int) -> int:
+        """Routed experts' bytes a decode step of `batch_size` tokens reads at most: each
+        token's k experts, every one distinct (exact at batch 1)."""
+        per_layer = min(self.num_experts, batch_size * self.top_k)
+        return self.num_moe_layers * per_layer * self.expert_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -93,13 +103,36 @@ class ModelShape:
            ) -> ModelShape:
         """What one GPU holds and computes: a tensor-parallel rank's share (its weights,
         heads and KV heads), the floor of a shard whose ranks run side by side."""
-        params = list(model.parameters())
         head_dim = getattr(hf_config, "head_dim", None) or (
             hf_config.hidden_size // hf_config.num_attention_heads)
+        moe = routed_experts(model)
+        routed = {id(p) for m in moe for p in (m.w13, m.w2)}
+        dense = [p for p in model.parameters() if id(p) not in routed]
+        expert_params = sum(m.w13[0].numel() + m.w2[0].numel() for m in moe[:1])
+        expert_bytes = expert_params * moe[0].w13.element_size() if moe else 0
+        top_k = moe[0].top_k if moe else 0
         return cls(hf_config.num_hidden_layers, hf_config.num_attention_heads // tp_size,
                    model.num_kv_heads, head_dim,
-                   sum(p.numel() * p.element_size() for p in params),
-                   sum(p.numel() for p in params), kv_value_bytes)
+                   sum(p.numel() * p.element_size() for p in dense),
+                   sum(p.numel() for p in dense) + top_k * expert_params * len(moe),
+                   kv_value_bytes, expert_bytes, len(moe),
+                   moe[0].num_experts if moe else 0, top_k)
+
+
+def routed_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's FusedMoE layers (services/worker/layers/moe.py), found by their
+    counter so that the benchmark needs no worker import."""
+    return [m for m in model.modules() if hasattr(m, "experts_read")]
+
+
+def reset_experts_read(model: torch.nn.Module) -> None:
+    for m in routed_experts(model):
+        m.experts_read.zero_()
+
+
+def experts_read(model: torch.nn.Module) -> int:
+    """Distinct experts read since the reset, summed over the layers and the forwards."""
+    return sum(int(m.experts_read.item()) for m in routed_experts(model))
 
 
 @dataclass(slots=True)
@@ -110,9 +143,20 @@ class StepCost:
 
 @dataclass(slots=True)
 class Trace:
-    """What each step computed, and the KV cache waste sampled at each step."""
+    """What each step computed, and the KV cache waste sampled at each step. An MoE
+    model's routed experts come in after the run, as the mean per step that its layers'
+    counters report (a count per step would need a sync per step)."""
     steps: list[StepCost] = field(default_factory=list)
     waste: list[float] = field(default_factory=list)
+    experts_per_layer_step: float = 0.0  # distinct routed experts read, mean
+    expert_bytes_per_step: float = 0.0
+
+    def count_experts(self, shape: ModelShape, experts_read: int) -> None:
+        """experts_read: summed over the MoE layers and this trace's steps."""
+        if shape.num_moe_layers and self.steps:
+            self.experts_per_layer_step = experts_read / (shape.num_moe_layers
+                                                          * len(self.steps))
+            self.expert_bytes_per_step = experts_read * shape.expert_bytes / len(self.steps)
 
     def record(self, plan: StepPlan, shape: ModelShape, waste: float) -> None:
         new_tokens = sum(plan.num_scheduled_tokens)
@@ -127,7 +171,8 @@ class Trace:
         self.waste.append(waste)
 
     def floor_seconds(self, bandwidth: float, matmul_rate: float) -> float:
-        return sum(max(s.bytes / bandwidth, s.flops / matmul_rate) for s in self.steps)
+        return sum(max((s.bytes + self.expert_bytes_per_step) / bandwidth,
+                       s.flops / matmul_rate) for s in self.steps)
 
     @property
     def mean_waste(self) -> float:

@@ -23,6 +23,8 @@ from services.worker.layers.checkpoint import CheckpointSlice, read_whole
 from services.worker.layers.norm import RMSNorm
 from services.worker.models import CausalLM, model_class
 
+# a fused parameter's part (q/k/v, gate/up), or an expert's (expert, part)
+ShardId = str | int | tuple[int, str] | None
 DUMMY_STD = 0.02
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
@@ -98,7 +100,7 @@ def load_weights(model: CausalLM,
     into their fused parameters) and checks that every parameter got all its shards."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    loaded: set[tuple[str, str | int | None]] = set()
+    loaded: set[tuple[str, ShardId]] = set()
     for name, tensor in weights:
         if name.endswith(IGNORED_SUFFIXES) or (
                 model.tie_word_embeddings and name == "lm_head.weight"):
@@ -131,23 +133,28 @@ def load_kv_scale(buffers: dict[str, torch.Tensor], name: str,
     buffers[target].copy_(read_whole(tensor).float().reshape(1))
 
 
-def route(name: str, model: CausalLM) -> tuple[str, str | int | None]:
-    """Checkpoint name -> (our parameter name, shard id)."""
-    parts = name.split(".")
+def route(name: str, model: CausalLM) -> tuple[str, ShardId]:
+    """Checkpoint name -> (our parameter name, shard id). An expert's tensor
+    (`...experts.{e}.<module>.weight`) goes to its stacked parameter with shard id
+    (e, part), before packed_modules sees a module name that dense MLPs share."""
+    parts = [model.module_renames.get(part, part) for part in name.split(".")]
     for i, part in enumerate(parts):
+        if (part == "experts" and len(parts) > i + 2 and parts[i + 1].isdigit()
+                and parts[i + 2] in model.expert_weights):
+            stacked, which = model.expert_weights[parts[i + 2]]
+            return ".".join(parts[:i + 1] + [stacked]), (int(parts[i + 1]), which)
         if part in model.packed_modules:
             fused, shard_id = model.packed_modules[part]
             return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard_id
-    return name, None
+    return ".".join(parts), None
 
 
 def expected_shards(model: CausalLM, params: dict[str, torch.nn.Parameter]
-                    ) -> set[tuple[str, str | int | None]]:
-    shards_of: dict[str, list[str | int]] = {}
-    for fused, shard_id in model.packed_modules.values():
-        shards_of.setdefault(fused, []).append(shard_id)
-    expected: set[tuple[str, str | int | None]] = set()
-    for name in params:
-        module = name.split(".")[-2] if "." in name else ""
-        expected |= {(name, s) for s in shards_of.get(module, [None])}
+                    ) -> set[tuple[str, ShardId]]:
+    """Every (parameter, shard id) a checkpoint must fill: the shard ids its module takes,
+    as init_dummy_weights draws them."""
+    expected: set[tuple[str, ShardId]] = set()
+    for name, param in params.items():
+        module = model.get_submodule(name.rpartition(".")[0])
+        expected |= {(name, shard_id) for shard_id in module.checkpoint_shapes(param)}
     return expected

@@ -8,6 +8,8 @@ from services.worker.models.causal_lm import CausalLM, head_dim_of
 from services.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from services.worker.models.llama import LlamaForCausalLM, MistralForCausalLM
 from services.worker.models.phi3 import Phi3ForCausalLM
+from services.worker.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
+                                        Qwen3MoeForCausalLM)
 from services.worker.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 __all__ = ["ARCHITECTURES", "CausalLM", "kv_cache_shape", "model_class"]
@@ -20,6 +22,9 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -20,6 +20,12 @@ def head_dim_of(hf_config) -> int:
 class CausalLM(nn.Module, abc.ABC):
     # checkpoint module name -> (our fused module name, shard id of its weight_loader)
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {}
+    # a mixture of experts' per-expert checkpoint module (`experts.{e}.<name>`) -> (the
+    # stacked parameter of our `experts` module, the part it fills); the shard id is
+    # (e, part)
+    expert_weights: ClassVar[dict[str, tuple[str, str]]] = {}
+    # checkpoint module names that are another module of ours (Mixtral's MLP block)
+    module_renames: ClassVar[dict[str, str]] = {}
 
     num_layers: int
     num_kv_heads: int  # per tensor-parallel rank

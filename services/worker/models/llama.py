@@ -5,11 +5,13 @@ Gemma 3), Gemma's norm weighting, its extra norms around each sublayer and its s
 embedding. The rest comes from the config as it is: tied embeddings, the MLP activation,
 each layer's sliding window (common.model_files.sliding_windows) and rotary parameters
 (per layer type where they differ), the attention scale (`query_pre_attn_scalar`) and the
-attention logit soft cap.
+attention logit soft cap; and from the model class, the MLP each layer gets (`make_mlp`:
+mixtures of experts in models/moe.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,9 +94,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config, flags: DecoderFlags) -> None:
+    def __init__(self, hf_config, flags: DecoderFlags, intermediate_size: int | None = None
+                 ) -> None:
+        """intermediate_size: the config's unless given (Qwen2-MoE's shared expert)."""
         super().__init__()
-        hidden_size, intermediate = hf_config.hidden_size, hf_config.intermediate_size
+        hidden_size = hf_config.hidden_size
+        intermediate = intermediate_size or hf_config.intermediate_size
         self.act_fn = gated_activation(activation_name(hf_config))
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate] * 2,
                                                        bias=flags.mlp_bias)
@@ -112,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
     norm before the MLP."""
 
     def __init__(self, hf_config, flags: DecoderFlags, rotary_emb: RotaryEmbedding,
-                 layer_idx: int, sliding_window: int | None) -> None:
+                 layer_idx: int, sliding_window: int | None, mlp: nn.Module) -> None:
         super().__init__()
         eps, size, gemma = hf_config.rms_norm_eps, hf_config.hidden_size, flags.gemma_norm
         # a projection that does not all-reduce leaves it to the norm after it
@@ -126,7 +131,7 @@ class LlamaDecoderLayer(nn.Module):
         if flags.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(size, eps, gemma=gemma)
             self.post_feedforward_layernorm = RMSNorm(size, eps, gemma=gemma)
-        self.mlp = LlamaMLP(hf_config, flags)
+        self.mlp = mlp  # LlamaMLP, or a mixture of experts (models/moe.py)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, ctx: ForwardContext
@@ -156,8 +161,12 @@ def rotary_by_layer(hf_config) -> list[RotaryEmbedding]:
     return [caches[key] for key in keys]
 
 
+MLPFactory = Callable[[object, DecoderFlags, int], nn.Module]
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config, flags: DecoderFlags) -> None:
+    def __init__(self, hf_config, flags: DecoderFlags, make_mlp: MLPFactory) -> None:
+        """make_mlp(hf_config, flags, layer_idx): each layer's MLP."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         # rounded to the activation dtype (the default one while the model is built), as
@@ -166,7 +175,8 @@ class LlamaModel(nn.Module):
             if flags.scale_embedding else None
         windows = sliding_windows(hf_config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, flags, rotary, i, windows[i])
+            LlamaDecoderLayer(hf_config, flags, rotary, i, windows[i],
+                              make_mlp(hf_config, flags, i))
             for i, rotary in enumerate(rotary_by_layer(hf_config)))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps,
                             sums_ranks=not flags.mlp_reduces, gemma=flags.gemma_norm)
@@ -189,7 +199,7 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, hf_config) -> None:
         super().__init__()
-        self.model = LlamaModel(hf_config, self.decoder_flags(hf_config))
+        self.model = LlamaModel(hf_config, self.decoder_flags(hf_config), self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tied)
@@ -204,6 +214,10 @@ class LlamaForCausalLM(CausalLM):
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         return DecoderFlags(qkv_bias=attention_bias, o_bias=attention_bias,
                             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)))
+
+    @staticmethod
+    def make_mlp(hf_config, flags: DecoderFlags, layer_idx: int) -> nn.Module:
+        return LlamaMLP(hf_config, flags)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
