@@ -114,7 +114,7 @@ def load_weights(model: CausalLM,
                              f"{type(model).__name__}; is config.json the checkpoint's?")
         param = params[target]
         param.weight_loader(param, tensor, shard_id)
-        loaded.add((target, shard_id))
+        loaded |= {(target, shard) for shard in covered_shards(model, target, param, shard_id)}
     missing = sorted(f"{name}[{shard}]" if shard is not None else name
                      for name, shard in expected_shards(model, params) - loaded)
     if missing:
@@ -147,6 +147,15 @@ def route(name: str, model: CausalLM) -> tuple[str, ShardId]:
             fused, shard_id = model.packed_modules[part]
             return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard_id
     return ".".join(parts), None
+
+
+def covered_shards(model: CausalLM, target: str, param: torch.nn.Parameter,
+                   shard_id: ShardId) -> list[ShardId]:
+    """The shard ids one checkpoint tensor filled: its own, or, for a fused layer's whole
+    tensor (Phi-3's qkv_proj, loaded with no shard id), every shard of the layer."""
+    if shard_id is not None:
+        return [shard_id]
+    return list(model.get_submodule(target.rpartition(".")[0]).checkpoint_shapes(param))
 
 
 def expected_shards(model: CausalLM, params: dict[str, torch.nn.Parameter]
