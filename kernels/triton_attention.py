@@ -343,6 +343,13 @@ def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, q
     that scaling, so the cap applies to them as they are."""
     k_ptr, v_ptr = kv_head_ptrs
     dims = tl.arange(0, HEAD_DIM)
+    if SOFT_CAP:
+        # c tanh(s / c) = c - 2c / (1 + e^(2s / c)): one exp2 and one division a score.
+        # exp2 overflowing to inf gives c, underflowing to 0 gives -c, so large scores
+        # need no care; near 0 the error is an ulp of c. (triton has no tanh that also
+        # runs in the interpreter.)
+        cap_exp2 = 2.0 * 1.4426950408889634 / cap
+        two_cap = 2.0 * cap
     for block_start in range(start, stop, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
         in_range = keys < stop
@@ -362,7 +369,7 @@ def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, q
         else:
             scores = tl.dot(q, tl.trans(k)) * qk_scale
         if SOFT_CAP:  # before the mask: the cap would turn -inf into -cap
-            scores = cap * _tanh(scores / cap)
+            scores = cap - two_cap / (1.0 + tl.exp2(scores * cap_exp2))
         if MASKED:
             visible = keys[None, :] <= query_pos[:, None]
             if WINDOW:
@@ -383,15 +390,6 @@ def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, q
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, m_i, l_i
-
-
-@triton.jit
-def _tanh(x):
-    """1 - 2 / (1 + e^2x): exp2 overflowing to inf (x > 44) gives 1, underflowing to 0
-    gives -1, so no sign juggling; near 0 its absolute error is an ulp of 1, which the
-    soft cap's scores (|x| up to tens) never notice. (triton has no tanh of its own that
-    also runs in the interpreter.)"""
-    return 1.0 - 2.0 / (1.0 + tl.exp2(x * (2.0 * 1.4426950408889634)))
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
