@@ -39,8 +39,8 @@ from kernels.norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
 from kernels.sampling import (BLOCK_VOCAB, gumbel_argmax_ref, gumbel_argmax_triton,
                               philox_uniform)
-from kernels.triton_attention import (AttentionConfig, TileConfig, default_config,
-                                      paged_attention_triton)
+from kernels.triton_attention import (MAX_SPLITS, AttentionConfig, TileConfig, default_config,
+                                      paged_attention_triton, split_count, visible_span)
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -191,6 +191,23 @@ def tiny_config(decode_block_n: int, prefill_block_m: int, prefill_block_n: int,
     return AttentionConfig(TileConfig(16, decode_block_n, 4, 1),
                            TileConfig(prefill_block_m, prefill_block_n, 4, 1),
                            target_programs=1 << 20 if split else 1, min_partition=16)
+
+
+def test_window_bounds_the_split_count() -> None:
+    """Splits are cut from the keys a tile walks: with a window of 1024 a decode batch
+    sized for 131072 keys gets no part under min_partition keys (without the window it
+    would take MAX_SPLITS parts of the window's few keys), and a window longer than the
+    context changes nothing."""
+    config = AttentionConfig(TileConfig(16, 64, 4, 3), TileConfig(64, 64, 4, 2),
+                             target_programs=4096, min_partition=64)
+    group, busy = 4, 8
+    unwindowed = split_count(busy, visible_span(131072, None, [config.decode], group), config)
+    assert unwindowed == MAX_SPLITS
+    windowed = split_count(busy, visible_span(131072, 1024, [config.decode], group), config)
+    assert 1 < windowed < MAX_SPLITS
+    walked = 1024 + config.decode.queries(group) + config.decode.block_n
+    assert (windowed - 1) * config.min_partition < walked
+    assert visible_span(3000, 8192, [config.decode, config.prefill], group) == 3000
 
 
 # --- the small kernels -------------------------------------------------------------------
