@@ -24,11 +24,20 @@ as zeros. Programs whose tile is past their request's queries return at once.
 Keys below the tile's first query position that fill whole BLOCK_Ns go through an
 unmasked loop; the rest (the diagonal, the context's ragged end) through a masked one.
 
-With num_splits > 1 the program axis 2 cuts each tile's context into that many equal
-parts (of the actual length, in whole BLOCK_Ns); each part stores its normalised output
-and log-sum-exp, and a second kernel merges them. The split count comes from host ints
-only (the batch shape, the SM count, max_seq_len), so a captured graph replays with any
-lengths up to max_seq_len.
+A sliding window W (a query at position p sees keys p - W < j <= p) moves the start of
+a tile's keys up to the BLOCK_N holding its first query's lowest visible key: the blocks
+below are never read, so a windowed decode costs W keys, not the context. The keys
+below its last query's window start (the partial BLOCK_N at the lower edge, and more
+when the tile's queries span more than a BLOCK_N) go through a second masked loop
+before the unmasked one. A soft cap c turns each score into c * tanh(score / c) before
+the mask and the softmax. Both are constexpr switches: without them the kernel compiles
+to the loops above and nothing more.
+
+With num_splits > 1 the program axis 2 cuts each tile's keys into that many equal parts
+(of the actual visible range, in whole BLOCK_Ns); each part stores its normalised
+output and log-sum-exp, and a second kernel merges them. The split count comes from host
+ints only (the batch shape, the SM count, max_seq_len or the window), so a captured graph
+replays with any lengths up to max_seq_len.
 
 An fp8 cache's K and V are cast to q's dtype as they load; their per-tensor scales are
 applied outside the loop: k_scale to the score scale, v_scale to the normalised output.
@@ -111,7 +120,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     A batch that may hold requests longer than a decode tile runs two launches of the
     kernel: decode tiles for the short requests, prefill tiles for the long ones."""
-    assert sliding_window is None and soft_cap is None, "not yet in the Triton kernel"
     num_tokens, num_heads, head_dim = q.shape
     num_reqs, num_kv_heads, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -121,6 +129,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_heads // num_kv_heads
     scaled = k_cache.dtype in FP8_DTYPES
     assert not scaled or (k_scale is not None and v_scale is not None), "fp8 needs scales"
+    assert sliding_window is None or sliding_window >= 1, "sliding_window: at least 1 key"
+    assert soft_cap is None or soft_cap > 0, "soft_cap: positive"
     max_query_len = num_tokens if max_query_len is None else max_query_len
     max_seq_len = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     config = config or default_config(q, k_cache.dtype)
@@ -130,7 +140,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if max_query_len > short:
         passes.append((config.prefill, short, NO_LIMIT, False))
     busy_tiles = max(num_reqs, triton.cdiv(num_tokens, passes[-1][0].queries(group)))
-    num_splits = split_count(busy_tiles * num_kv_heads, max_seq_len, config)
+    span = visible_span(max_seq_len, sliding_window, [tile for tile, *_ in passes], group)
+    num_splits = split_count(busy_tiles * num_kv_heads, span, config)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     if num_splits > 1:
@@ -151,13 +162,15 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             q, k_cache, v_cache, out, part_out, part_lse, block_tables, query_start_loc,
             seq_lens, k_scale if scaled else q, v_scale if scaled else q, num_tokens,
             num_reqs, num_splits, q_len_above, q_len_upto,
-            scale * LOG2_E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            scale * LOG2_E, sliding_window or 0, (soft_cap or 0.0) * LOG2_E,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), block_tables.stride(0),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
             BLOCK_M=max(16, triton.next_power_of_2(block_q * group)), BLOCK_N=tile.block_n,
             ONE_TILE_EACH=one_tile_each,
             SEARCH_BLOCK=1 if one_tile_each else search_block(num_reqs),
             SPLIT=num_splits > 1, EXACT_DOT=q.dtype == torch.float32, SCALED=scaled,
+            WINDOW=sliding_window is not None, SOFT_CAP=soft_cap is not None,
             num_warps=tile.num_warps, num_stages=tile.num_stages)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
@@ -170,6 +183,18 @@ def search_block(num_reqs: int) -> int:
     """The tile search's width: every request's start at once, at least MIN_SEARCH_BLOCK
     wide so that batch sizes do not each compile a kernel of their own."""
     return max(MIN_SEARCH_BLOCK, triton.next_power_of_2(num_reqs + 1))
+
+
+def visible_span(max_seq_len: int, sliding_window: int | None, tiles: list[TileConfig],
+                 group: int) -> int:
+    """The most keys one tile walks: the whole context, or with a window the window plus
+    the tile's other queries (their windows are staggered) and the rounding of its lower
+    edge down to a BLOCK_N. Splits are cut from this span, not from max_seq_len, so that
+    a window never gets parts below min_partition."""
+    if sliding_window is None:
+        return max_seq_len
+    widest = max(tile.queries(group) + tile.block_n for tile in tiles)
+    return min(max_seq_len, sliding_window + widest)
 
 
 def split_count(busy_programs: int, max_seq_len: int, config: AttentionConfig) -> int:
@@ -201,12 +226,13 @@ def _request_of_tile(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr,
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-        num_tokens, num_reqs, num_splits, q_len_above, q_len_upto, qk_scale,
-        stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+        num_tokens, num_reqs, num_splits, q_len_above, q_len_upto, qk_scale, window,
+        cap, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         ONE_TILE_EACH: tl.constexpr, SEARCH_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-        EXACT_DOT: tl.constexpr, SCALED: tl.constexpr):
+        EXACT_DOT: tl.constexpr, SCALED: tl.constexpr, WINDOW: tl.constexpr,
+        SOFT_CAP: tl.constexpr):
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if ONE_TILE_EACH:
         # the decode launch: each request of its class fits one tile, so tile r is request
@@ -241,15 +267,32 @@ def _paged_attention_kernel(
     if SCALED:  # q.k * k_scale == q.(k_fp8 * k_scale): one multiply per score
         qk_scale = qk_scale * tl.load(k_scale_ptr)
 
-    # the keys this tile can see, and this split's share of them
+    # the keys this tile can see, [kv_begin, kv_end): up to its last query's position,
+    # and with a window from the first BLOCK_N holding a key its first query sees (the
+    # blocks below are skipped, not masked), and this split's share of them
+    first_pos = seq_len - q_len + first_query
     kv_end = tl.maximum(seq_len - q_len + tl.minimum(first_query + BLOCK_Q, q_len), 0)
-    part = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-    kv_start = split * part
+    if WINDOW:
+        kv_begin = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        kv_begin = 0
+    part = tl.cdiv(tl.cdiv(tl.maximum(kv_end - kv_begin, 0), num_splits), BLOCK_N) * BLOCK_N
+    kv_start = kv_begin + split * part
     kv_stop = tl.minimum(kv_start + part, kv_end)
-    # whole BLOCK_Ns that every row sees (at or before the tile's first query position)
-    # need neither the causal nor the range mask
-    seen_by_all = tl.minimum(kv_stop, seq_len - q_len + first_query + 1)
+    # whole BLOCK_Ns that every row sees (at or before the tile's first query position,
+    # and inside its last query's window) need neither the causal, window nor range mask
+    seen_by_all = tl.minimum(kv_stop, first_pos + 1)
     unmasked_stop = kv_start + tl.maximum(seen_by_all - kv_start, 0) // BLOCK_N * BLOCK_N
+    if WINDOW:
+        # the last query's window starts at kv_end - window; below it some rows need the
+        # mask (a tile wider than the window has no unmasked keys: start == stop). Clamped
+        # to kv_start last: a split past kv_end has kv_stop < kv_start, and its loops must
+        # all be empty
+        all_from = tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N
+        unmasked_start = tl.maximum(tl.minimum(all_from, kv_stop), kv_start)
+        unmasked_stop = tl.maximum(unmasked_stop, unmasked_start)
+    else:
+        unmasked_start = kv_start
 
     # a finite floor instead of -inf keeps rows that see no key of this split NaN-free
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -257,12 +300,19 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     table_row = block_tables_ptr + req * stride_bt
     kv_head_ptrs = (k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, kv_start,
-                            unmasked_stop, qk_scale, stride_cb, stride_cs, False, BLOCK_SIZE,
-                            BLOCK_N, HEAD_DIM, EXACT_DOT)
+    if WINDOW:  # the window's lower edge
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row,
+                                kv_start, unmasked_start, qk_scale, window, cap, stride_cb,
+                                stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, EXACT_DOT,
+                                WINDOW, SOFT_CAP)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row,
-                            unmasked_stop, kv_stop, qk_scale, stride_cb, stride_cs, True,
-                            BLOCK_SIZE, BLOCK_N, HEAD_DIM, EXACT_DOT)
+                            unmasked_start, unmasked_stop, qk_scale, window, cap, stride_cb,
+                            stride_cs, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, EXACT_DOT, WINDOW,
+                            SOFT_CAP)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row,
+                            unmasked_stop, kv_stop, qk_scale, window, cap, stride_cb,
+                            stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, EXACT_DOT, WINDOW,
+                            SOFT_CAP)
 
     # l_i == 0: the row saw no key (padding, or a split past its causal edge)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -283,12 +333,23 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, qk_scale,
-            stride_cb, stride_cs, MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EXACT_DOT: tl.constexpr):
+            window, cap, stride_cb, stride_cs, MASKED: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+            EXACT_DOT: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr):
     """The online softmax over keys [start, stop), BLOCK_N at a time, read through the
-    block table. MASKED: mask keys past stop and past each row's query position."""
+    block table. MASKED: mask keys past stop and past each row's query position (and,
+    with WINDOW, those at or below position - window). Scores are in log2 units (scale *
+    log2(e)); cap is the soft cap in the same units, and c * tanh(s / c) commutes with
+    that scaling, so the cap applies to them as they are."""
     k_ptr, v_ptr = kv_head_ptrs
     dims = tl.arange(0, HEAD_DIM)
+    if SOFT_CAP:
+        # c tanh(s / c) = c - 2c / (1 + e^(2s / c)): one exp2 and one division a score.
+        # exp2 overflowing to inf gives c, underflowing to 0 gives -c, so large scores
+        # need no care; near 0 the error is an ulp of c. (triton has no tanh that also
+        # runs in the interpreter.)
+        cap_exp2 = 2.0 * 1.4426950408889634 / cap
+        two_cap = 2.0 * cap
     for block_start in range(start, stop, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
         in_range = keys < stop
@@ -307,8 +368,13 @@ def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, q
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         else:
             scores = tl.dot(q, tl.trans(k)) * qk_scale
+        if SOFT_CAP:  # before the mask: the cap would turn -inf into -cap
+            scores = cap - two_cap / (1.0 + tl.exp2(scores * cap_exp2))
         if MASKED:
-            scores = tl.where(keys[None, :] <= query_pos[:, None], scores, float("-inf"))
+            visible = keys[None, :] <= query_pos[:, None]
+            if WINDOW:
+                visible = visible & (keys[None, :] > query_pos[:, None] - window)
+            scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)

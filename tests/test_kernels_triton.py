@@ -40,7 +40,8 @@ from kernels.norm import gemma_rms_norm_ref, rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
 from kernels.sampling import (BLOCK_VOCAB, gumbel_argmax_ref, gumbel_argmax_triton,
                               philox_uniform)
-from kernels.triton_attention import AttentionConfig, TileConfig, paged_attention_triton
+from kernels.triton_attention import (MAX_SPLITS, AttentionConfig, TileConfig, default_config,
+                                      paged_attention_triton, split_count, visible_span)
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -125,21 +126,63 @@ def quantize_caches(inputs: dict, cache_dtype: torch.dtype, g: torch.Generator) 
 
 def check_attention(shape: AttentionShape, requests: list[tuple[int, int]], dtype: torch.dtype,
                     device: str, padding: int = 0, config: AttentionConfig | None = None,
-                    max_seq_len: int | None = None,
-                    cache_dtype: torch.dtype | None = None) -> None:
-    """cache_dtype: an fp8 cache (with scales) instead of one of q's dtype."""
+                    max_seq_len: int | None = None, cache_dtype: torch.dtype | None = None,
+                    sliding_window: int | None = None, soft_cap: float | None = None,
+                    q_scale: float = 1.0) -> None:
+    """cache_dtype: an fp8 cache (with scales) instead of one of q's dtype.
+    sliding_window, soft_cap: as paged_attention takes them; each must change the
+    reference's answer here (else the case tests nothing; a window at least as long as
+    every context cannot), and with a window the kernel reads a cache whose V is NaN at
+    the keys no tile of the request may load. q_scale: scores that many times larger."""
     g, seed = fresh_generator()
     inputs = attention_inputs(shape, requests, padding, dtype, device, g)
+    inputs["q"] *= q_scale
     if cache_dtype is not None:
         quantize_caches(inputs, cache_dtype, g)
     scale = shape.head_dim ** -0.5
-    out = poisoned(inputs["q"].shape, dtype, device)
-    paged_attention_triton(**inputs, scale=scale, max_query_len=max(q for _, q in requests),
-                           max_seq_len=max_seq_len, config=config, out=out)
-    ref = paged_attention_ref(**inputs, scale=scale)
+    options = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    ref = paged_attention_ref(**inputs, scale=scale, **options)
     real = sum(q for _, q in requests)
-    assert_close(out[:real], ref[:real], f"attention {shape} {dtype} {cache_dtype}", seed)
+    longest = max(ctx for ctx, _ in requests)
+    for name, value in options.items():
+        if value is not None and not (name == "sliding_window" and value >= longest):
+            without = paged_attention_ref(**inputs, scale=scale, **(options | {name: None}))
+            assert_changes(without[:real], ref[:real], f"{name}={value}")
+    kernel_inputs = inputs
+    if sliding_window is not None:
+        used = config or default_config(inputs["q"], inputs["k_cache"].dtype)
+        block_n = max(used.decode.block_n, used.prefill.block_n)
+        kernel_inputs = inputs | {"v_cache": poison_skipped_keys(
+            inputs["v_cache"], inputs["block_tables"], requests, sliding_window, block_n)}
+    out = poisoned(inputs["q"].shape, dtype, device)
+    paged_attention_triton(**kernel_inputs, scale=scale,
+                           max_query_len=max(q for _, q in requests), max_seq_len=max_seq_len,
+                           config=config, out=out, **options)
+    what = f"attention {shape} {dtype} {cache_dtype} window {sliding_window} cap {soft_cap}"
+    assert_close(out[:real], ref[:real], what, seed)
     assert out[real:].isfinite().all(), f"padding rows not finite (seed {seed})"
+
+
+def assert_changes(without: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """The option moves the answer well past the tolerance the kernel is held to."""
+    change = ((without.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert change > 10 * TOLERANCE[ref.dtype], f"{what} changes the answer by only {change:.3g}"
+
+
+def poison_skipped_keys(v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        requests: list[tuple[int, int]], window: int,
+                        block_n: int) -> torch.Tensor:
+    """A copy of v_cache with NaN at each request's keys below the BLOCK_N (the widest of
+    the config's) that holds its first query's lowest visible key: a kernel that loads
+    them, even masked (p = 0 times NaN), returns NaN."""
+    poisoned_v = v_cache.clone()
+    block_size = v_cache.shape[1]
+    for r, (seq_len, q_len) in enumerate(requests):
+        skipped = max(seq_len - q_len - window + 1, 0) // block_n * block_n
+        keys = torch.arange(skipped, device=v_cache.device)
+        blocks = block_tables[r, keys // block_size].long()
+        poisoned_v[blocks, keys % block_size] = float("nan")
+    return poisoned_v
 
 
 def tiny_config(decode_block_n: int, prefill_block_m: int, prefill_block_n: int,
@@ -149,6 +192,23 @@ def tiny_config(decode_block_n: int, prefill_block_m: int, prefill_block_n: int,
     return AttentionConfig(TileConfig(16, decode_block_n, 4, 1),
                            TileConfig(prefill_block_m, prefill_block_n, 4, 1),
                            target_programs=1 << 20 if split else 1, min_partition=16)
+
+
+def test_window_bounds_the_split_count() -> None:
+    """Splits are cut from the keys a tile walks: with a window of 1024 a decode batch
+    sized for 131072 keys gets no part under min_partition keys (without the window it
+    would take MAX_SPLITS parts of the window's few keys), and a window longer than the
+    context changes nothing."""
+    config = AttentionConfig(TileConfig(16, 64, 4, 3), TileConfig(64, 64, 4, 2),
+                             target_programs=4096, min_partition=64)
+    group, busy = 4, 8
+    unwindowed = split_count(busy, visible_span(131072, None, [config.decode], group), config)
+    assert unwindowed == MAX_SPLITS
+    windowed = split_count(busy, visible_span(131072, 1024, [config.decode], group), config)
+    assert 1 < windowed < MAX_SPLITS
+    walked = 1024 + config.decode.queries(group) + config.decode.block_n
+    assert (windowed - 1) * config.min_partition < walked
+    assert visible_span(3000, 8192, [config.decode, config.prefill], group) == 3000
 
 
 # --- the small kernels -------------------------------------------------------------------
@@ -327,6 +387,47 @@ def attention_padded_decode_batch() -> None:
                     padding=2, max_seq_len=4096)
 
 
+# longer contexts than TINY_REQUESTS': windows that skip several blocks, a prefill chunk
+# wider than the small windows behind a cached prefix
+WINDOW_REQUESTS = TINY_REQUESTS + [(200, 1), (170, 40)]
+
+
+@interpreter_check
+def attention_sliding_window() -> None:
+    """Windows of 3 (below a cache block and BLOCK_N; prefill tiles wider than it have no
+    unmasked keys), 24 (above a block, below BLOCK_N), 70 (several blocks and BLOCK_Ns)
+    and 1000 (longer than every context); decodes, whole prompts and chunks behind a
+    prefix in one batch; split-K on and off; a padded decode batch sized for 4096."""
+    for shape, dtype, config, window in [
+            (AttentionShape(4, 2, 64, 16), torch.float32, tiny_config(16, 32, 32, True), 3),
+            (AttentionShape(2, 2, 64, 16), torch.float16, tiny_config(32, 64, 32, False), 24),
+            (AttentionShape(6, 2, 64, 32), torch.float16, tiny_config(16, 64, 16, True), 70),
+            (AttentionShape(4, 1, 64, 16), torch.float32, tiny_config(16, 16, 16, False),
+             1000)]:
+        check_attention(shape, WINDOW_REQUESTS, dtype, "cpu", padding=2, config=config,
+                        sliding_window=window)
+    check_attention(AttentionShape(4, 1, 128, 16), TINY_DECODES, torch.float16, "cpu",
+                    padding=3, config=tiny_config(16, 64, 16, True), max_seq_len=4096,
+                    sliding_window=20)
+
+
+@interpreter_check
+def attention_soft_cap() -> None:
+    """The soft cap alone (split-K on and off), with scores far past it (tanh saturating
+    both ways), with a window; and fp8 caches with a window, e4m3 with the cap too."""
+    check_attention(AttentionShape(4, 2, 64, 16), TINY_REQUESTS, torch.float32, "cpu",
+                    padding=2, config=tiny_config(16, 32, 16, True), soft_cap=1.5)
+    check_attention(AttentionShape(2, 2, 64, 16), TINY_REQUESTS, torch.float16, "cpu",
+                    config=tiny_config(16, 32, 32, False), soft_cap=2.0, q_scale=200.0)
+    check_attention(AttentionShape(6, 2, 128, 16), WINDOW_REQUESTS, torch.float16, "cpu",
+                    padding=2, config=tiny_config(16, 64, 32, False), sliding_window=24,
+                    soft_cap=1.5)
+    for cache_dtype, soft_cap, split in zip(FP8, (1.5, None), (True, False)):
+        check_attention(AttentionShape(4, 2, 64, 16), WINDOW_REQUESTS, torch.float16, "cpu",
+                        padding=2, config=tiny_config(16, 32, 16, split),
+                        cache_dtype=cache_dtype, sliding_window=40, soft_cap=soft_cap)
+
+
 @interpreter_check
 def fp8_cache_kernels() -> None:
     """The attention (mixed batch with padding, split-K on and off) over e4m3 and e5m2
@@ -431,6 +532,50 @@ def test_fp8_cache_kernels_cuda(model: str, cache_dtype: torch.dtype) -> None:
                     cache_dtype=cache_dtype)
     check_attention(shape, decode_requests(3, random.Random()), torch.bfloat16, "cuda",
                     cache_dtype=cache_dtype)
+
+
+# (heads, KV heads, head_dim): Gemma-2-9B's 256-wide heads (window 4096, soft cap 50)
+WINDOW_MODELS = {"llama-3.1-8b": (32, 8, 128), "gemma-2-9b": (16, 8, 256)}
+# contexts of a few thousand keys around both windows: decodes, a whole prompt, chunks
+# behind long prefixes
+WINDOW_MIXED_REQUESTS = [(5000, 1), (8000, 1024), (6000, 300), (3001, 1), (129, 1),
+                         (4700, 256), (17, 17), (7000, 1)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("window", [4096, 1024])
+@pytest.mark.parametrize("model", sorted(WINDOW_MODELS))
+def test_attention_window_cuda(model: str, window: int) -> None:
+    """Sliding windows at real shapes, blocks outside them poisoned (check_attention): a
+    mixed batch in bf16 and fp32, decodes with split-K, a padded decode batch sized for
+    131072 with every context past the window, the soft cap with the window, and an fp8
+    cache with both."""
+    shape = AttentionShape(*WINDOW_MODELS[model], 16)
+    for dtype in (torch.bfloat16, torch.float32):
+        check_attention(shape, WINDOW_MIXED_REQUESTS, dtype, "cuda", padding=2,
+                        sliding_window=window)
+    check_attention(shape, [(9000, 1), (5000, 1), (1500, 1)], torch.bfloat16, "cuda",
+                    sliding_window=window)
+    lengths = random.Random()
+    check_attention(shape, [(lengths.randrange(window + 1, 3 * window), 1) for _ in range(30)],
+                    torch.bfloat16, "cuda", padding=2, max_seq_len=131072,
+                    sliding_window=window)
+    check_attention(shape, WINDOW_MIXED_REQUESTS, torch.bfloat16, "cuda", padding=2,
+                    sliding_window=window, soft_cap=2.0)
+    check_attention(shape, WINDOW_MIXED_REQUESTS, torch.bfloat16, "cuda", padding=2,
+                    cache_dtype=torch.float8_e4m3fn, sliding_window=window, soft_cap=2.0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("model", sorted(WINDOW_MODELS))
+def test_attention_soft_cap_cuda(model: str) -> None:
+    """The soft cap without a window: a mixed batch (bf16, and fp32 with scores far past
+    the cap), small decode batches with split-K."""
+    shape = AttentionShape(*WINDOW_MODELS[model], 16)
+    check_attention(shape, MIXED_REQUESTS, torch.bfloat16, "cuda", padding=2, soft_cap=2.0)
+    check_attention(shape, MIXED_REQUESTS, torch.float32, "cuda", padding=2, soft_cap=2.0,
+                    q_scale=200.0)
+    check_attention(shape, [(9000, 1), (700, 1)], torch.bfloat16, "cuda", soft_cap=2.0)
 
 
 @needs_cuda

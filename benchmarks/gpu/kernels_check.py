@@ -5,6 +5,9 @@ median, L2 flushed between runs) with its floor, sweeps the attention launch con
 prints a short table last. Full results go to <out>/kernels.json.
 
     source .devkit/env.sh && python benchmarks/gpu/kernels_check.py --out $OUT
+
+--window-only times only the sliding-window and soft-cap cases (window_suite): a decode
+at 32 x 8000 keys with a window of 1024 should cost about 1024 / 8000 of the full one.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from kernels.triton_attention import (AttentionConfig,  # noqa: E402
 # (heads, KV heads, head_dim, hidden, intermediate)
 QWEN3_06B = (16, 8, 128, 1024, 3072)
 LLAMA_8B = (32, 8, 128, 4096, 14336)
+GEMMA2_9B = (16, 8, 256, 3584, 14336)
 BF16 = torch.bfloat16
 
 
@@ -112,14 +116,17 @@ def attention_batch(model: tuple, requests: list[tuple[int, int]], block_size: i
                 scale=head_dim ** -0.5)
 
 
-def attention_floor_us(model: tuple, requests: list[tuple[int, int]],
-                       ceilings: Ceilings) -> tuple[float, str]:
-    """Bytes: each context's K and V once, q in, out back; FLOPs: 4 * head_dim per
-    (query head, visible key). The larger time is the floor."""
+def attention_floor_us(model: tuple, requests: list[tuple[int, int]], ceilings: Ceilings,
+                       sliding_window: int | None = None) -> tuple[float, str]:
+    """Bytes: each context's K and V once (with a window, only the keys some query of the
+    request sees), q in, out back; FLOPs: 4 * head_dim per (query head, visible key). The
+    larger time is the floor."""
     heads, kv_heads, head_dim = model[:3]
-    kv_bytes = sum(ctx for ctx, _ in requests) * kv_heads * head_dim * 2 * 2
+    window = sliding_window or max(ctx for ctx, _ in requests)
+    read = sum(min(ctx, window + q - 1) for ctx, q in requests)
+    kv_bytes = read * kv_heads * head_dim * 2 * 2
     q_bytes = sum(q for _, q in requests) * heads * head_dim * 2 * 2
-    visible = sum(q * (ctx - q) + q * (q + 1) // 2 for ctx, q in requests)
+    visible = sum(min(pos + 1, window) for ctx, q in requests for pos in range(ctx - q, ctx))
     bytes_us = (kv_bytes + q_bytes) / ceilings.bandwidth * 1e6
     flops_us = visible * heads * 4 * head_dim / ceilings.matmul * 1e6
     return max(bytes_us, flops_us), "bytes" if bytes_us >= flops_us else "flops"
@@ -127,13 +134,16 @@ def attention_floor_us(model: tuple, requests: list[tuple[int, int]],
 
 def time_attention(name: str, model: tuple, requests: list[tuple[int, int]],
                    ceilings: Ceilings, max_seq_len: int | None = None,
-                   config: AttentionConfig | None = None) -> Result:
+                   config: AttentionConfig | None = None, sliding_window: int | None = None,
+                   soft_cap: float | None = None) -> Result:
     batch = attention_batch(model, requests)
     max_query_len = max(q for _, q in requests)
     max_seq_len = max_seq_len or max(c for c, _ in requests)
     us = bench_us(lambda: paged_attention_triton(**batch, max_query_len=max_query_len,
-                                                 max_seq_len=max_seq_len, config=config))
-    floor, bound = attention_floor_us(model, requests, ceilings)
+                                                 max_seq_len=max_seq_len, config=config,
+                                                 sliding_window=sliding_window,
+                                                 soft_cap=soft_cap))
+    floor, bound = attention_floor_us(model, requests, ceilings, sliding_window)
     used = config or default_config(batch["q"])
     return Result(name, us, floor, f"{bound}-bound; {config_label(used)}")
 
@@ -207,6 +217,44 @@ def attention_suite(ceilings: Ceilings) -> list[Result]:
                                                     LLAMA_8B, decode_1))
     guarded(results, "host", lambda: host_attention("host: attn mixed qwen3 255 dec + 512",
                                                     QWEN3_06B, mixed))
+    return results
+
+
+def window_suite(ceilings: Ceilings) -> list[Result]:
+    """Sliding windows and the soft cap against the same launch without them. A window
+    should cost the fraction of the context it reads (its blocks are skipped, not
+    masked): at 32 x 8000 keys, window 1024 about 1024 / 8000 of the full decode, and
+    4096 about half. The cap (Gemma-2's 50) should cost little: a decode is bound by
+    reading K and V, not by the tanh on the scores."""
+    decodes = [(8000, 1)] * 32
+    results: list[Result] = []
+    for label, model in (("llama", LLAMA_8B), ("gemma2", GEMMA2_9B)):
+        name = f"attn decode {label} 32x8000"
+        full = time_attention(name, model, decodes, ceilings)
+        results.append(full)
+        for window in (1024, 4096):
+            windowed = time_attention(f"{name} window {window}", model, decodes, ceilings,
+                                      sliding_window=window)
+            windowed.note += (f"; {windowed.us / full.us:.3f} of full, keys "
+                              f"{window / 8000:.3f} of full")
+            results.append(windowed)
+        capped = time_attention(f"{name} soft cap 50", model, decodes, ceilings, soft_cap=50.0)
+        capped.note += f"; {capped.us / full.us:.3f} of uncapped"
+        results.append(capped)
+    # a prefill is bound by the work on each score, where the cap's exp2 and division
+    # weigh beside the softmax's exp2
+    prefill = [(8192, 4096)]
+    name = "attn prefill gemma2 4096 after 4096"
+    full = time_attention(name, GEMMA2_9B, prefill, ceilings)
+    results.append(full)
+    for label, window, cap in (("window 4096", 4096, None), ("cap 50", None, 50.0),
+                               ("window 4096 cap 50", 4096, 50.0)):
+        r = time_attention(f"{name} {label}", GEMMA2_9B, prefill, ceilings,
+                           sliding_window=window, soft_cap=cap)
+        r.note += f"; {r.us / full.us:.3f} of full"
+        results.append(r)
+    for r in results:
+        print(f"  {r.name:48s} {r.us:9.1f} us  {r.fraction:6.1%}  {r.note}")
     return results
 
 
@@ -381,13 +429,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--window-only", action="store_true",
+                        help="only the sliding-window and soft-cap timings, no tests")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(torch.cuda.get_device_name(), f"{sm_count(0)} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}")
+    if args.window_only:
+        ceilings = measure_ceilings()
+        results: list[Result] = []
+        guarded(results, "window", lambda: window_suite(ceilings))
+        (args.out / "window.json").write_text(json.dumps(
+            {"device": torch.cuda.get_device_name(), "ceilings": asdict(ceilings),
+             "results": [as_json(r) for r in results]}, indent=1))
+        print_table(results, ceilings, "skipped")
+        return
     tests = "skipped" if args.skip_tests else run_tests(args.out)
     ceilings = measure_ceilings()
     results = attention_suite(ceilings)
+    guarded(results, "window", lambda: window_suite(ceilings))
     guarded(results, "small kernels", lambda: small_kernel_suite(ceilings))
     sweeps = attention_sweeps(ceilings)
     report = compiled_report()
