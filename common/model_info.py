@@ -13,6 +13,7 @@ from common.config import ConfigError, EngineConfig, ServerConfig
 from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
                                 read_chat_template,
                                 max_model_len_of, resolve_model)
+from common.model_support import UnsupportedModel, check_model_support
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
 
 
@@ -32,9 +33,11 @@ class ResolvedModel:
 
 
 def resolve_engine(config: EngineConfig) -> ResolvedModel:
-    """The one place an engine config meets its model's files."""
+    """The one place an engine config meets its model's files. A model headrace cannot
+    run (after --hf-overrides and --rope-scaling) is refused here, with UnsupportedModel."""
     model_dir = resolve_model(config.model, config.load_format)
     hf_config = override(load_hf_config(model_dir), config.hf_config_overrides())
+    check_model_support(hf_config)
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     return ResolvedModel(config.resolved(max_model_len_of(hf_config)), model_dir, hf_config,
                          resolve_draft(config, hf_config))
@@ -48,6 +51,10 @@ def resolve_draft(config: EngineConfig, hf_config: Any) -> DraftModel | None:
         return None
     draft_dir = resolve_model(spec.model, config.load_format)
     draft_config = load_hf_config(draft_dir)
+    try:
+        check_model_support(draft_config)
+    except UnsupportedModel as e:
+        raise UnsupportedModel(f"the draft model {spec.model}: {e}") from None
     if draft_config.vocab_size != hf_config.vocab_size:
         raise ConfigError(
             f"--speculative-config: the draft model {spec.model} has a vocabulary of "

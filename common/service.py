@@ -20,6 +20,7 @@ from common.bus import UNAVAILABLE, Bus
 from common.config import (EngineConfig, ServerConfig, add_engine_args, add_server_args,
                            parse_configs)
 from common.log import configure_logging, get_logger
+from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
 from common.stalls import watch_collections, watch_loop
 
 HEARTBEAT_S = 1.0
@@ -45,6 +46,7 @@ class ServiceContext:
 
 
 Body = Callable[[ServiceContext], Awaitable[None]]
+Check = Callable[[EngineConfig], object]
 
 
 def service_parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -63,8 +65,17 @@ def bus_url(server: ServerConfig) -> str:
             or f"unix://{Path(server.run_dir).resolve() / 'redis.sock'}")
 
 
-def run_service(name: str, argv: list[str], body: Body, description: str = "") -> int:
+def run_service(name: str, argv: list[str], body: Body, description: str = "",
+                check: Check | None = None) -> int:
+    """`check` vets the engine config before anything starts: an UnsupportedModel it
+    raises ends the process with one line and REFUSED_EXIT."""
     args, engine, server = parse_configs(service_parser(name, description), argv)
+    if check is not None:
+        try:
+            check(engine)
+        except UnsupportedModel as e:
+            print(refusal_line(e), file=sys.stderr)
+            return REFUSED_EXIT
     replica = args.replica or f"{socket.gethostname()}-{os.getpid()}"
     configure_logging(name, replica)
     freeze_heap()

@@ -20,6 +20,7 @@ from common.config import (ConfigError, EngineConfig, ServerConfig, engine_args_
 from common.lora import AdapterError, read_adapter_config
 from common.log import configure_logging, get_logger
 from common.model_info import check_devices, resolve_engine, shard_gpus
+from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
 from common.redis_server import EmbeddedRedis, redis_url_or_embedded, spawn_child
 from common.service import service_parser
 
@@ -187,10 +188,14 @@ def main(argv: list[str]) -> int:
     parser = service_parser("serve", __doc__ or "")
     args, engine, server = parse_configs(parser, argv)
     configure_logging("launcher")
-    try:  # a GGUF converts once, here; a shard the model or machine cannot hold is refused
+    try:  # a GGUF converts once, here; a model, or a shard the model or machine cannot
+        # hold, is refused before Redis or any child starts
         resolve_engine(engine)
         check_devices(engine, engine.data_parallel_size)
         check_lora_modules(engine, server)
+    except UnsupportedModel as e:
+        print(refusal_line(e), file=sys.stderr)
+        return REFUSED_EXIT
     except ConfigError as e:
         parser.error(str(e))
     run_dir = Path(server.run_dir)

@@ -104,4 +104,5 @@ async def serve(ctx: ServiceContext) -> None:
 
 
 def main(argv: list[str]) -> int:
-    return run_service("worker", argv, serve, __doc__ or "")
+    # a model no worker can run is refused before the process joins the others
+    return run_service("worker", argv, serve, __doc__ or "", check=resolve_engine)
