@@ -26,6 +26,7 @@ from common.stalls import watch_collections, watch_loop
 HEARTBEAT_S = 1.0
 ALIVE_TTL_MS = 4000
 TAKEN_FOR_DEAD_EXIT = 3
+LOAD_FAILED_EXIT = 4  # the launcher stops restarting a worker after a few of these in a row
 GIL_SWITCH_S = 0.0005  # measured on the H100: one chat's ITL p50 1.76 ms at 5 ms, 1.63 at this
 
 
@@ -93,6 +94,10 @@ def run_service(name: str, argv: list[str], body: Body, description: str = "",
         get_logger("headrace.process").error("taken for dead by the other stages; exiting "
                                              "to be restarted", reason=str(group.exceptions[0]))
         code = TAKEN_FOR_DEAD_EXIT
+    except* ModelLoadFailed as group:
+        get_logger("headrace.process").error("cannot load the model; exiting",
+                                             reason=str(group.exceptions[0]))
+        code = LOAD_FAILED_EXIT
     return code
 
 
@@ -134,6 +139,10 @@ async def _stop_on_signal(stop: anyio.Event) -> None:
 class TakenForDead(Exception):
     """This process's liveness key lapsed while it lived (it was stopped or stalled, or
     Redis lost the key), so the other stages ended its work."""
+
+
+class ModelLoadFailed(Exception):
+    """The worker could not load the model; the message is the cause's one line."""
 
 
 async def heartbeat(bus: Bus, key: str, value: str, stop: anyio.Event) -> None:

@@ -18,9 +18,10 @@ import anyio
 from common import keys
 from common.bus import Entry
 from common.log import get_logger
-from common.messages import StepResult, WorkerReady
+from common.messages import StepResult, WorkerFailed, WorkerReady
 from common.model_info import check_shard, resolve_engine
-from common.service import ALIVE_TTL_MS, ServiceContext, freeze_heap, heartbeat, run_service
+from common.service import (ALIVE_TTL_MS, ModelLoadFailed, ServiceContext, freeze_heap,
+                            heartbeat, run_service)
 from services.worker.executor import Executor
 from services.worker.step_thread import StepThread
 
@@ -95,12 +96,38 @@ class WorkerShell:
 
 async def serve(ctx: ServiceContext) -> None:
     check_shard(ctx.engine, ctx.server)
-    executor = await anyio.to_thread.run_sync(Executor, resolve_engine(ctx.engine))
+    executor = await load(ctx)
     freeze_heap()
     try:
         await WorkerShell(ctx, executor).run()
     finally:
         executor.close()
+
+
+async def load(ctx: ServiceContext) -> Executor:
+    """The executor with the model loaded. A failure is published at the shard's
+    worker:failed key (the gateways answer 503 with its reason while no worker runs)
+    and ends the process with ModelLoadFailed; a load that succeeds clears it."""
+    key = keys.worker_failed(ctx.server.shard)
+    try:
+        executor = await anyio.to_thread.run_sync(Executor, resolve_engine(ctx.engine))
+    except Exception as e:
+        reason = one_line(e)
+        before = await ctx.bus.load(key)
+        same_model = isinstance(before, WorkerFailed) and before.model == ctx.engine.model
+        failed = WorkerFailed(ctx.consumer, ctx.engine.model, reason,
+                              before.failures + 1 if same_model else 1)
+        await ctx.bus.store(key, failed)
+        log.exception("cannot load the model", failures=failed.failures)
+        raise ModelLoadFailed(reason) from e
+    await ctx.bus.forget(key)
+    return executor
+
+
+def one_line(error: BaseException) -> str:
+    """The exception's type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def main(argv: list[str]) -> int:
