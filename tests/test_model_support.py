@@ -118,10 +118,13 @@ def test_serve_refuses_before_starting_anything(tmp_path, changes, line):
     assert not run_dir.exists()  # where the embedded Redis and the children would live
 
 
-def test_worker_refuses_before_joining_redis(tmp_path):
-    """No Redis is running (nor named): the refusal comes before the worker connects."""
-    model_dir = config_dir(tmp_path, architectures=["FooForCausalLM"])
-    done = run_command("worker", str(model_dir), "--device", "cpu", "--run-dir",
-                       str(tmp_path / "run"), timeout=REFUSE_S)
+@pytest.mark.parametrize("command", ["worker", "generate"])
+def test_worker_and_generate_refuse_before_starting(tmp_path, command):
+    """No Redis is running (nor named): the worker refuses before it connects; generate
+    before it loads anything."""
+    model = str(config_dir(tmp_path, architectures=["FooForCausalLM"]))
+    args = ([model, "--run-dir", str(tmp_path / "run")] if command == "worker"
+            else ["--model", model, "--prompt", "hi"])
+    done = run_command(command, *args, "--device", "cpu", timeout=REFUSE_S)
     assert done.returncode == REFUSED_EXIT, done.stderr
     assert done.stderr.strip().splitlines() == [f"headrace: {ARCH_LINE}"]
