@@ -2,12 +2,13 @@
 key and exits with LOAD_FAILED_EXIT; the launcher stops restarting it after
 MAX_LOAD_FAILURES such exits in a row; the gateways answer generation and embedding calls,
 and /health, with a 503 naming the reason while no worker runs; a worker that loads
-clears it."""
+clears it (the key goes while a load is underway)."""
 
 from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from common.bus import Bus
 from common.config import EngineConfig, ServerConfig
 from common.messages import WorkerFailed
 from common.service import LOAD_FAILED_EXIT, ModelLoadFailed, ServiceContext
-from services.gateway.core import Backend, Shard, admission_error, load_failure
+from services.gateway.core import Backend, Shard, admission_error, load_failed, load_failure
 from services.launcher import MAX_LOAD_FAILURES, Child, Supervisor
 from services.worker.shell import load
 from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, start_server, tiny_serve_args
@@ -67,6 +68,8 @@ def test_a_failed_worker_is_the_answer_only_while_no_shard_is_up():
     assert error is not None and error.status == 503
     assert FAILED.reason in error.message and "shard 0" in error.message
     assert error.body()["error"]["type"] == "ServiceUnavailableError"
+    reply = load_failed(0, FAILED)("cmpl-1-0")  # for calls admitted before the failure
+    assert (reply.rid, reply.status, reply.message) == ("cmpl-1-0", 503, error.message)
     up = Shard(b"epoch-1", True)
     assert load_failure([down, up]) is None
     assert admission_error(Backend([down, up], 0, now), 4, now) is None
@@ -117,12 +120,13 @@ def log_records(server: ServerProcess) -> list[dict]:
     return records
 
 
-def post(server: ServerProcess, path: str, body: dict) -> tuple[int, dict]:
+def post(server: ServerProcess, path: str, body: dict, timeout_s: float = 30.0
+         ) -> tuple[int, dict]:
     request = urllib.request.Request(
         server.url + path, data=json.dumps(body).encode(), method="POST",
         headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -136,38 +140,48 @@ def get(server: ServerProcess, path: str) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def assert_names_the_reason(status: int, body: dict) -> None:
+    assert status == 503, body
+    error = body["error"]
+    assert error["type"] == "ServiceUnavailableError" and error["code"] == 503, error
+    assert "cannot load the model" in error["message"], error
+    assert "SafetensorError: " in error["message"], error
+
+
 @pytest.mark.slow
 def test_serve_stops_a_worker_that_cannot_load_and_answers_503(tmp_path: Path):
     """Truncated weights pass the config check: the worker fails to load them three
-    times, stays down, and the gateway refuses calls with the worker's reason."""
+    times, stays down, and the gateway refuses calls with the worker's reason; a call
+    sent as soon as the gateway answers (admitted while the worker still loads, on most
+    machines) ends with that reason too, rather than waiting for a worker that is not
+    coming."""
     model_dir = make_tiny_model(tmp_path, "qwen2")
     weights = model_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     server = start_server(tiny_serve_args(model_dir, tmp_path / "run", "--max-model-len",
                                           "64", "--num-gpu-blocks-override", "8"),
                           tmp_path / "serve.log")
+    completion = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
     try:
-        deadline = time.monotonic() + GIVE_UP_S
-        while not any(r.get("event") == "the model failed to load; not restarting"
-                      for r in log_records(server)):
-            assert server.process.poll() is None, server.log_tail()
-            assert time.monotonic() < deadline, server.log_tail()
-            time.sleep(0.5)
+        server.wait_for("/health", (503,), timeout_s=GIVE_UP_S)  # no worker yet
+        with ThreadPoolExecutor(1) as pool:
+            early = pool.submit(post, server, "/v1/completions", completion, GIVE_UP_S)
+            deadline = time.monotonic() + GIVE_UP_S
+            while not any(r.get("event") == "the model failed to load; not restarting"
+                          for r in log_records(server)):
+                assert server.process.poll() is None, server.log_tail()
+                assert time.monotonic() < deadline, server.log_tail()
+                time.sleep(0.5)
+            assert_names_the_reason(*early.result(timeout=60))
         launcher = [r for r in log_records(server) if r.get("service") == "launcher"]
         starts = [r for r in launcher if r.get("event") == "started"
                   and r.get("child") == "worker-0"]
         assert len(starts) == MAX_LOAD_FAILURES, server.log_tail()
-        server.wait_for("/health", (503,), timeout_s=60)  # the gateway is up by now
         status, body = get(server, "/health")
         assert status == 503 and "SafetensorError" in body["error"]["message"], body
-        for path, request in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-                              ("/v1/embeddings", {"input": "hi"})):
-            status, body = post(server, path, {"model": MODEL_NAME, **request})
-            assert status == 503, body
-            error = body["error"]
-            assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
-            assert "cannot load the model" in error["message"]
-            assert "SafetensorError: " in error["message"], error
+        assert_names_the_reason(*post(server, "/v1/completions", completion))
+        assert_names_the_reason(*post(server, "/v1/embeddings",
+                                      {"model": MODEL_NAME, "input": "hi"}))
         assert server.process.poll() is None  # the rest keeps serving its 503s
     finally:
         survivors = server.stop()

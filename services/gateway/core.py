@@ -415,6 +415,12 @@ def worker_cannot_load(shard: int, failed: WorkerFailed) -> str:
             f"attempt(s) failed): {failed.reason}")
 
 
+def load_failed(shard: int, failed: WorkerFailed) -> Callable[[str], ErrorReply]:
+    """The error that ends calls admitted before the worker's load failed."""
+    message = worker_cannot_load(shard, failed)
+    return lambda rid: ErrorReply(rid, 503, message, "ServiceUnavailableError")
+
+
 @dataclass(slots=True)
 class Backend:
     """What the gateway last saw of the stages behind it."""

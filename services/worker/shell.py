@@ -106,22 +106,22 @@ async def serve(ctx: ServiceContext) -> None:
 
 async def load(ctx: ServiceContext) -> Executor:
     """The executor with the model loaded. A failure is published at the shard's
-    worker:failed key (the gateways answer 503 with its reason while no worker runs)
-    and ends the process with ModelLoadFailed; a load that succeeds clears it."""
+    worker:failed key (the gateways answer 503 with its reason while it is there) and ends
+    the process with ModelLoadFailed. The key goes while a load is underway: a failure
+    stored before is no answer for a worker that may yet load (fixed weights, a restart)."""
     key = keys.worker_failed(ctx.server.shard)
+    before = await ctx.bus.load(key)
+    await ctx.bus.forget(key)
     try:
-        executor = await anyio.to_thread.run_sync(Executor, resolve_engine(ctx.engine))
+        return await anyio.to_thread.run_sync(Executor, resolve_engine(ctx.engine))
     except Exception as e:
         reason = one_line(e)
-        before = await ctx.bus.load(key)
         same_model = isinstance(before, WorkerFailed) and before.model == ctx.engine.model
         failed = WorkerFailed(ctx.consumer, ctx.engine.model, reason,
                               before.failures + 1 if same_model else 1)
         await ctx.bus.store(key, failed)
         log.exception("cannot load the model", failures=failed.failures)
         raise ModelLoadFailed(reason) from e
-    await ctx.bus.forget(key)
-    return executor
 
 
 def one_line(error: BaseException) -> str:
