@@ -77,5 +77,11 @@ def worker_ready(shard: int = 0) -> str:
     return f"{_shard(shard)}:worker:ready"
 
 
+def worker_failed(shard: int = 0) -> str:
+    """The shard's WorkerFailed while its worker cannot load the model, for the gateways'
+    503s and /health."""
+    return f"{_shard(shard)}:worker:failed"
+
+
 def scheduler_stats(shard: int = 0) -> str:
     return f"{_shard(shard)}:stats:scheduler"

@@ -304,6 +304,20 @@ class WorkerReady:
     max_model_len: int
 
 
+@message("worker_failed")
+@dataclass(frozen=True, slots=True)
+class WorkerFailed:
+    """worker -> gateways (stored at the shard's worker:failed key): the worker could not
+    load the model, `failures` times in a row, the last for `reason`; a worker that starts
+    deletes it."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    worker_id: str
+    model: str
+    reason: str  # the exception's one line
+    failures: int
+
+
 @message("tokens")
 @dataclass(frozen=True, slots=True)
 class TokenBatch:

@@ -14,6 +14,7 @@ from common.lora import TARGET_MODULES
 from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
                                 read_chat_template, sliding_windows,
                                 max_model_len_of, resolve_model)
+from common.model_support import UnsupportedModel, check_model_support
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
 
 
@@ -33,9 +34,11 @@ class ResolvedModel:
 
 
 def resolve_engine(config: EngineConfig) -> ResolvedModel:
-    """The one place an engine config meets its model's files."""
+    """The one place an engine config meets its model's files. A model headrace cannot
+    run (after --hf-overrides and --rope-scaling) is refused here, with UnsupportedModel."""
     model_dir = resolve_model(config.model, config.load_format)
     hf_config = override(load_hf_config(model_dir), config.hf_config_overrides())
+    check_model_support(hf_config)
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     if config.enable_lora:
         check_lora(hf_config)
@@ -63,6 +66,10 @@ def resolve_draft(config: EngineConfig, hf_config: Any) -> DraftModel | None:
         return None
     draft_dir = resolve_model(spec.model, config.load_format)
     draft_config = load_hf_config(draft_dir)
+    try:
+        check_model_support(draft_config)
+    except UnsupportedModel as e:
+        raise UnsupportedModel(f"the draft model {spec.model}: {e}") from None
     if draft_config.vocab_size != hf_config.vocab_size:
         raise ConfigError(
             f"--speculative-config: the draft model {spec.model} has a vocabulary of "

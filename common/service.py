@@ -20,11 +20,13 @@ from common.bus import UNAVAILABLE, Bus
 from common.config import (EngineConfig, ServerConfig, add_engine_args, add_server_args,
                            parse_configs)
 from common.log import configure_logging, get_logger
+from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
 from common.stalls import watch_collections, watch_loop
 
 HEARTBEAT_S = 1.0
 ALIVE_TTL_MS = 4000
 TAKEN_FOR_DEAD_EXIT = 3
+LOAD_FAILED_EXIT = 4  # the launcher stops restarting a worker after a few of these in a row
 GIL_SWITCH_S = 0.0005  # measured on the H100: one chat's ITL p50 1.76 ms at 5 ms, 1.63 at this
 
 
@@ -45,6 +47,7 @@ class ServiceContext:
 
 
 Body = Callable[[ServiceContext], Awaitable[None]]
+Check = Callable[[EngineConfig], object]
 
 
 def service_parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -63,8 +66,17 @@ def bus_url(server: ServerConfig) -> str:
             or f"unix://{Path(server.run_dir).resolve() / 'redis.sock'}")
 
 
-def run_service(name: str, argv: list[str], body: Body, description: str = "") -> int:
+def run_service(name: str, argv: list[str], body: Body, description: str = "",
+                check: Check | None = None) -> int:
+    """`check` vets the engine config before anything starts: an UnsupportedModel it
+    raises ends the process with one line and REFUSED_EXIT."""
     args, engine, server = parse_configs(service_parser(name, description), argv)
+    if check is not None:
+        try:
+            check(engine)
+        except UnsupportedModel as e:
+            print(refusal_line(e), file=sys.stderr)
+            return REFUSED_EXIT
     replica = args.replica or f"{socket.gethostname()}-{os.getpid()}"
     configure_logging(name, replica)
     freeze_heap()
@@ -82,6 +94,10 @@ def run_service(name: str, argv: list[str], body: Body, description: str = "") -
         get_logger("headrace.process").error("taken for dead by the other stages; exiting "
                                              "to be restarted", reason=str(group.exceptions[0]))
         code = TAKEN_FOR_DEAD_EXIT
+    except* ModelLoadFailed as group:
+        get_logger("headrace.process").error("cannot load the model; exiting",
+                                             reason=str(group.exceptions[0]))
+        code = LOAD_FAILED_EXIT
     return code
 
 
@@ -123,6 +139,10 @@ async def _stop_on_signal(stop: anyio.Event) -> None:
 class TakenForDead(Exception):
     """This process's liveness key lapsed while it lived (it was stopped or stalled, or
     Redis lost the key), so the other stages ended its work."""
+
+
+class ModelLoadFailed(Exception):
+    """The worker could not load the model; the message is the cause's one line."""
 
 
 async def heartbeat(bus: Bus, key: str, value: str, stop: anyio.Event) -> None:

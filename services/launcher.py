@@ -20,11 +20,13 @@ from common.config import (ConfigError, EngineConfig, ServerConfig, engine_args_
 from common.lora import AdapterError, read_adapter_config
 from common.log import configure_logging, get_logger
 from common.model_info import check_devices, resolve_engine, shard_gpus
+from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
 from common.redis_server import EmbeddedRedis, redis_url_or_embedded, spawn_child
-from common.service import service_parser
+from common.service import LOAD_FAILED_EXIT, service_parser
 
 STOP_TIMEOUT_S = 15.0
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
+MAX_LOAD_FAILURES = 3  # a model that failed to load this often in a row will not load
 
 log = get_logger("headrace.launcher")
 
@@ -39,6 +41,7 @@ class Child:
     restarts: int = 0
     restart_at: float = 0.0
     started_at: float = field(default=0.0)
+    load_failures: int = 0  # exits with LOAD_FAILED_EXIT in a row
 
     @property
     def label(self) -> str:
@@ -135,6 +138,8 @@ class Supervisor:
         for child in self.children:
             if child.process is None or child.process.poll() is None:
                 continue
+            if child.restart_at == 0.0 and self.stays_down(child):
+                continue
             if child.restart_at == 0.0:
                 delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
                 if now - child.started_at > 60:  # it had been healthy: forget old crashes
@@ -146,6 +151,21 @@ class Supervisor:
                 child.restarts += 1
                 child.restart_at = 0.0
                 child.start()
+
+    def stays_down(self, child: Child) -> bool:
+        """A worker that failed to load the model MAX_LOAD_FAILURES times in a row stays
+        down: another try would fail the same way (the gateways answer 503 with its
+        reason). Called once per exit; the count restarts with any other exit."""
+        if child.process is None or child.process.returncode != LOAD_FAILED_EXIT:
+            child.load_failures = 0
+            return False
+        child.load_failures += 1
+        if child.load_failures < MAX_LOAD_FAILURES:
+            return False
+        log.error("the model failed to load; not restarting", child=child.label,
+                  failures=child.load_failures)
+        child.process = None  # seen: the supervisor no longer watches it
+        return True
 
 
 def _stop(processes: list[subprocess.Popen | None], timeout_s: float) -> None:
@@ -187,10 +207,14 @@ def main(argv: list[str]) -> int:
     parser = service_parser("serve", __doc__ or "")
     args, engine, server = parse_configs(parser, argv)
     configure_logging("launcher")
-    try:  # a GGUF converts once, here; a shard the model or machine cannot hold is refused
+    try:  # a GGUF converts once, here; a model, or a shard the model or machine cannot
+        # hold, is refused before Redis or any child starts
         resolve_engine(engine)
         check_devices(engine, engine.data_parallel_size)
         check_lora_modules(engine, server)
+    except UnsupportedModel as e:
+        print(refusal_line(e), file=sys.stderr)
+        return REFUSED_EXIT
     except ConfigError as e:
         parser.error(str(e))
     run_dir = Path(server.run_dir)

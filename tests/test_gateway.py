@@ -25,10 +25,12 @@ from transformers import AutoTokenizer
 from common import messages
 from common import keys
 from common.bus import Bus
-from common.messages import ErrorReply, GenerateRequest, ReplyBatch, SchedulerStats, TextDelta
+from common.messages import (ErrorReply, GenerateRequest, ReplyBatch, SchedulerStats, TextDelta,
+                             WorkerFailed)
 from common.model_files import resolve_model
 from common.redis_server import EmbeddedRedis
 from services.demo import demo_model_path
+from services.gateway.shell import WATCH_S
 from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, start_server
 
 pytestmark = pytest.mark.anyio
@@ -333,6 +335,46 @@ async def test_health_needs_both_the_scheduler_and_the_worker(url, rdb, redis_at
     assert await health() == 503
     rdb.set(keys.alive_scheduler(), "x")
     assert await health() == 200
+    await until_admitting(url, redis_at)
+
+
+async def test_a_worker_that_cannot_load_ends_calls_with_its_reason(url, rdb, redis_at,
+                                                                   gateway):
+    """A call admitted while the worker loads ends with the worker's reason once the load
+    fails (no worker would ever answer it); later calls and /health get it at once, until
+    the failure goes."""
+    failed = WorkerFailed("worker-0", "m", "SafetensorError: incomplete metadata", 2)
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    answers: list[tuple[int, dict]] = []
+    rdb.delete(keys.alive_worker())  # loading: no live worker, no failure yet
+    # the gateway looks at the keys every WATCH_S: let it see these (an earlier test's
+    # new scheduler epoch would otherwise end the call as a scheduler restart)
+    await anyio.sleep(4 * WATCH_S)
+
+    async def post(session: aiohttp.ClientSession) -> None:
+        async with session.post(url + "/v1/completions", json=body, headers=AUTH) as response:
+            answers.append((response.status, await response.json()))
+
+    try:
+        async with fake_stages(redis_at, lambda req: [HANG]) as seen, \
+                aiohttp.ClientSession() as session:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(post, session)
+                    while not seen:  # admitted and on its way to a worker
+                        await anyio.sleep(0.05)
+                    rdb.set(keys.worker_failed(), messages.encode(failed))
+                await post(session)
+        assert [status for status, _ in answers] == [503, 503]
+        for _, answer in answers:
+            assert answer["error"]["type"] == "ServiceUnavailableError"
+            assert ("The worker of shard 0 cannot load the model (2 attempt(s) failed): "
+                    "SafetensorError: incomplete metadata") == answer["error"]["message"]
+        assert len(seen) == 1  # the second was refused before it was queued
+        assert await anyio.to_thread.run_sync(gateway.status, "/health") == 503
+    finally:
+        rdb.delete(keys.worker_failed())
+        rdb.set(keys.alive_worker(), "x")
     await until_admitting(url, redis_at)
 
 

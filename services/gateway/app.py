@@ -33,7 +33,7 @@ from common.config import ServerConfig
 from common.errors import ApiError
 from common.hops import DELIVERY_STAGE
 from common.log import get_logger
-from common.messages import Abort, LoRARequest, SchedulerStats
+from common.messages import Abort, LoRARequest, SchedulerStats, WorkerFailed
 from common.metrics import Metrics
 from common.model_info import ModelInfo
 from common.outbox import Outbox
@@ -43,8 +43,8 @@ from common.tokens import check_vocabulary
 from services.gateway.adapters import Adapters, check_new_name
 from services.gateway.core import (SHUTTING_DOWN, Applied, Backend, Call, Echo, Observed,
                                    Parsers,
-                                   admission_error, queue_depth, shard_states,
-                                   shutting_down)
+                                   admission_error, load_failure, queue_depth,
+                                   shard_states, shutting_down, worker_cannot_load)
 from services.gateway.embeddings import EmbeddingCall, check_dimensions
 from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
                                        parse_embedding, parse_job, parse_tokenize)
@@ -407,7 +407,8 @@ class Gateway:
             try:
                 values = await self.bus.values(*map(keys.alive_scheduler, shards),
                                                *map(keys.alive_worker, shards),
-                                               *map(keys.scheduler_stats, shards))
+                                               *map(keys.scheduler_stats, shards),
+                                               *map(keys.worker_failed, shards))
                 streams = await self.bus.stream_infos(keys.REQUESTS)
                 for shard in shards:
                     streams += await self.bus.stream_infos(keys.admit(shard))
@@ -415,9 +416,10 @@ class Gateway:
                 self.log.warning("cannot see the backend", error=str(e))
                 return
             n = len(shards)
-            stats = [scheduler_stats(raw, s) for s, raw in enumerate(values[2 * n:])]
-            self.backend = Backend(shard_states(values[:2 * n]), queue_depth(streams, stats),
-                                   time.monotonic())
+            stats = [scheduler_stats(raw, s) for s, raw in enumerate(values[2 * n:3 * n])]
+            failed = worker_failures(values[3 * n:])
+            self.backend = Backend(shard_states(values[:2 * n], failed),
+                                   queue_depth(streams, stats), time.monotonic())
 
     # --- the other routes -------------------------------------------------------------
 
@@ -504,11 +506,15 @@ class Gateway:
             raise ApiError(503, "Shutting down.")
         n = self.info.config.data_parallel_size
         alive = await self.bus.values(*map(keys.alive_scheduler, range(n)),
-                                      *map(keys.alive_worker, range(n)))
-        shards = {str(i): "up" if s.up else "down" for i, s in enumerate(shard_states(alive))}
+                                      *map(keys.alive_worker, range(n)),
+                                      *map(keys.worker_failed, range(n)))
+        states = shard_states(alive[:2 * n], worker_failures(alive[2 * n:]))
+        if (failure := load_failure(states)) is not None:
+            raise ApiError(503, "Not ready: " + worker_cannot_load(*failure))
+        shards = {str(i): "up" if s.up else "down" for i, s in enumerate(states)}
         if "up" not in shards.values():
             missing = [name for name, values in (("scheduler", alive[:n]),
-                                                 ("worker", alive[n:]))
+                                                 ("worker", alive[n:2 * n]))
                        if all(v is None for v in values)]
             raise ApiError(503, "Not ready: " + (f"no live {' and no live '.join(missing)}."
                                                  if missing else "no shard is up."))
@@ -529,6 +535,12 @@ class Gateway:
         self.metrics.set_streams(await self.bus.stream_infos())
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def worker_failures(raws: list[bytes | None]) -> list[WorkerFailed | None]:
+    """Each shard's stored WorkerFailed (None where there is none, or it is not one)."""
+    found = [decode_value(keys.worker_failed(s), raw) for s, raw in enumerate(raws)]
+    return [f if isinstance(f, WorkerFailed) else None for f in found]
 
 
 def scheduler_stats(raw: bytes | None, shard: int) -> SchedulerStats | None:

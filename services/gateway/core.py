@@ -18,7 +18,7 @@ from common.bus import StreamInfo
 from common.errors import ApiError
 from common.hops import RequestTimes, request_times, step_done
 from common.messages import (ErrorReply, GenerateRequest, LoRARequest, SchedulerStats,
-                             TextDelta)
+                             TextDelta, WorkerFailed)
 from services.gateway import responses as shapes
 from services.gateway.protocol import Job
 from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice, ChatMessage,
@@ -384,17 +384,41 @@ class Shard:
     """One data-parallel shard as the gateway last saw it."""
     scheduler_epoch: bytes | None = None  # None: no live scheduler; a restarted one has a new one
     worker_alive: bool = False
+    worker_failed: WorkerFailed | None = None  # its worker's last load failure, until one starts
 
     @property
     def up(self) -> bool:
         return self.scheduler_epoch is not None and self.worker_alive
 
 
-def shard_states(alive: list[bytes | None]) -> list[Shard]:
+def shard_states(alive: list[bytes | None],
+                 failed: Sequence[WorkerFailed | None] = ()) -> list[Shard]:
     """Shards from their liveness keys: every scheduler's (its epoch), then every
-    worker's."""
+    worker's; and from each worker's load failure, where there is one."""
     n = len(alive) // 2
-    return [Shard(alive[s], alive[n + s] is not None) for s in range(n)]
+    failed = list(failed) or [None] * n
+    return [Shard(alive[s], alive[n + s] is not None, failed[s]) for s in range(n)]
+
+
+def load_failure(shards: Iterable[Shard]) -> tuple[int, WorkerFailed] | None:
+    """A shard whose worker failed to load the model, while no shard is up: a request
+    would wait for a worker that is not coming."""
+    shards = list(shards)
+    if any(s.up for s in shards):
+        return None
+    return next(((i, s.worker_failed) for i, s in enumerate(shards)
+                 if s.worker_failed is not None and not s.worker_alive), None)
+
+
+def worker_cannot_load(shard: int, failed: WorkerFailed) -> str:
+    return (f"The worker of shard {shard} cannot load the model ({failed.failures} "
+            f"attempt(s) failed): {failed.reason}")
+
+
+def load_failed(shard: int, failed: WorkerFailed) -> Callable[[str], ErrorReply]:
+    """The error that ends calls admitted before the worker's load failed."""
+    message = worker_cannot_load(shard, failed)
+    return lambda rid: ErrorReply(rid, 503, message, "ServiceUnavailableError")
 
 
 @dataclass(slots=True)
@@ -454,6 +478,8 @@ SHUTTING_DOWN = ApiError(503, "The server is shutting down; send the request aga
 
 
 def admission_error(backend: Backend, max_queue_len: int, now: float) -> ApiError | None:
+    if (failure := load_failure(backend.shards)) is not None:
+        return ApiError(503, worker_cannot_load(*failure))
     if not backend.alive(now):
         return ApiError(503, "The scheduler is not running; try again later.")
     if backend.queue_depth > max_queue_len:

@@ -21,7 +21,8 @@ from common.log import get_logger
 from common.model_info import load_model_info
 from common.service import ServiceContext, freeze_heap, heartbeat, run_service
 from services.gateway.app import Gateway
-from services.gateway.core import dead_reply_streams, scheduler_gone
+from services.gateway.core import (dead_reply_streams, load_failed, load_failure,
+                                   scheduler_gone)
 
 WATCH_S = 0.25
 TRIM_EVERY_S = 5.0
@@ -40,6 +41,8 @@ async def watch_backend(gateway: Gateway) -> None:
         now = time.monotonic()
         if not gateway.backend.alive(now):
             gateway.replies.fail_all(scheduler_gone)
+        elif (failure := load_failure(gateway.backend.shards)) is not None:
+            gateway.replies.fail_all(load_failed(*failure))  # no worker will serve them
         else:
             for shard, error_for in gateway.backend.lost_shards(before):
                 gateway.replies.fail_shard(shard, error_for)

@@ -9,6 +9,7 @@ import sys
 
 from common.config import ConfigError, add_engine_args, engine_config_from_args
 from common.errors import ApiError
+from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
 from common.sampling_params import CLIENT_PARAMS, SamplingError, SamplingParams, json_kinds
 
 # --seed is the engine's (weights of dummy models, unseeded sampling), as in vLLM
@@ -72,6 +73,9 @@ def main(argv: list[str]) -> int:
 
     try:
         llm = LLM(**dataclasses.asdict(config))
+    except UnsupportedModel as e:  # one line, as `headrace serve` refuses it
+        print(refusal_line(e), file=sys.stderr)
+        return REFUSED_EXIT
     except ConfigError as e:  # what the model's files show: a size that cannot split it
         parser.error(str(e))
     try:

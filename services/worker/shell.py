@@ -18,9 +18,10 @@ import anyio
 from common import keys
 from common.bus import Entry
 from common.log import get_logger
-from common.messages import StepResult, WorkerReady
+from common.messages import StepResult, WorkerFailed, WorkerReady
 from common.model_info import check_shard, resolve_engine
-from common.service import ALIVE_TTL_MS, ServiceContext, freeze_heap, heartbeat, run_service
+from common.service import (ALIVE_TTL_MS, ModelLoadFailed, ServiceContext, freeze_heap,
+                            heartbeat, run_service)
 from services.worker.executor import Executor
 from services.worker.step_thread import StepThread
 
@@ -95,7 +96,7 @@ class WorkerShell:
 
 async def serve(ctx: ServiceContext) -> None:
     check_shard(ctx.engine, ctx.server)
-    executor = await anyio.to_thread.run_sync(Executor, resolve_engine(ctx.engine))
+    executor = await load(ctx)
     freeze_heap()
     try:
         await WorkerShell(ctx, executor).run()
@@ -103,5 +104,32 @@ async def serve(ctx: ServiceContext) -> None:
         executor.close()
 
 
+async def load(ctx: ServiceContext) -> Executor:
+    """The executor with the model loaded. A failure is published at the shard's
+    worker:failed key (the gateways answer 503 with its reason while it is there) and ends
+    the process with ModelLoadFailed. The key goes while a load is underway: a failure
+    stored before is no answer for a worker that may yet load (fixed weights, a restart)."""
+    key = keys.worker_failed(ctx.server.shard)
+    before = await ctx.bus.load(key)
+    await ctx.bus.forget(key)
+    try:
+        return await anyio.to_thread.run_sync(Executor, resolve_engine(ctx.engine))
+    except Exception as e:
+        reason = one_line(e)
+        same_model = isinstance(before, WorkerFailed) and before.model == ctx.engine.model
+        failed = WorkerFailed(ctx.consumer, ctx.engine.model, reason,
+                              before.failures + 1 if same_model else 1)
+        await ctx.bus.store(key, failed)
+        log.exception("cannot load the model", failures=failed.failures)
+        raise ModelLoadFailed(reason) from e
+
+
+def one_line(error: BaseException) -> str:
+    """The exception's type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def main(argv: list[str]) -> int:
-    return run_service("worker", argv, serve, __doc__ or "")
+    # a model no worker can run is refused before the process joins the others
+    return run_service("worker", argv, serve, __doc__ or "", check=resolve_engine)

@@ -1,0 +1,74 @@
+"""What models headrace can run, checked from config.json alone before any process starts:
+a model it cannot run is refused in one line naming what is unsupported and what is, instead
+of starting every service and then restarting a worker that cannot load it.
+
+Torch-free, so the launcher checks without importing the model code. The names here must
+equal the worker's registry (services/worker/models ARCHITECTURES) and the rotary kernel's
+ROPE_TYPES (kernels/rotary.py); tests/test_model_support.py holds them equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from common.config import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+REFUSED_EXIT = 2  # a usage error, as argparse's
+
+
+class UnsupportedModel(ConfigError):
+    """The model's config names an architecture, a quantization or a RoPE type that
+    headrace does not implement. The message is the one line a user sees."""
+
+
+def check_model_support(hf_config: Any) -> None:
+    """Raise UnsupportedModel for the first thing in `hf_config` (after any overrides)
+    that headrace cannot run."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise UnsupportedModel("config.json names no architecture (`architectures` is "
+                               f"empty); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModel(f"unsupported architecture {architectures[0]!r}; supported: "
+                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization is not None:
+        raise UnsupportedModel(f"unsupported quantization {quant_method(quantization)!r} "
+                               "(config.json quantization_config); supported: none, only "
+                               "unquantized weights (a GGUF file is dequantized on load)")
+    for rope_type in rope_types(hf_config):
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModel(f"unsupported RoPE type {rope_type!r}; supported: "
+                                   f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def quant_method(quantization: Any) -> str:
+    """The method a quantization_config names: a dict in config.json, an object once
+    transformers has parsed it."""
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    return str(getattr(method, "value", method) or "unknown")
+
+
+def rope_types(hf_config: Any) -> Iterator[str]:
+    """Every RoPE type the config uses: rope_scaling and rope_parameters (transformers 5
+    keeps it in the latter, and reads an old config's rope_scaling into it), whose values
+    may be one set of parameters or one per layer type ({"sliding_attention": {...},
+    "full_attention": {...}})."""
+    for name in ("rope_scaling", "rope_parameters"):
+        parameters = getattr(hf_config, name, None)
+        if not isinstance(parameters, dict):
+            continue
+        nested = [p for p in parameters.values() if isinstance(p, dict)]
+        for scheme in nested or [parameters]:
+            # the rotary kernel's reading: rope_type, else the older `type`
+            yield str(scheme.get("rope_type", scheme.get("type", "default")))
+
+
+def refusal_line(error: UnsupportedModel) -> str:
+    """What a command prints before it exits with REFUSED_EXIT."""
+    return f"headrace: {error}"
