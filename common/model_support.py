@@ -15,8 +15,10 @@ from typing import Any
 from common.config import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+                           "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                           "Qwen3MoeForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 REFUSED_EXIT = 2  # a usage error, as argparse's
 
 

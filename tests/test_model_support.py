@@ -24,8 +24,8 @@ from tests.tiny_models import ARCHS, make_tiny_model, tiny_config
 ARCH_LINE = f"unsupported architecture 'FooForCausalLM'; supported: " \
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
 QUANT_LINE = "unsupported quantization 'awq' (config.json quantization_config)"
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
-ROPE_LINE = f"unsupported RoPE type 'yarn'; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+UNKNOWN_ROPE = {"rope_type": "proportional", "factor": 4.0}
+ROPE_LINE = f"unsupported RoPE type 'proportional'; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
 REFUSE_S = 30.0  # a refusal reads config.json only (about 3 s unloaded; CI shares 2 cores)
 
 
@@ -43,8 +43,8 @@ def test_every_tiny_model_passes(arch):
     (dict(architectures=["FooForCausalLM"]), ARCH_LINE),
     (dict(architectures=None), "config.json names no architecture"),
     (dict(quantization_config={"quant_method": "awq", "bits": 4}), QUANT_LINE),
-    (dict(rope_scaling=YARN), ROPE_LINE),
-    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "unsupported RoPE type 'linear'"),
+    (dict(rope_scaling=UNKNOWN_ROPE), ROPE_LINE),
+    (dict(rope_scaling={"type": "mrope", "factor": 2.0}), "unsupported RoPE type 'mrope'"),
 ])
 def test_a_config_is_refused_naming_what_is_unsupported(overrides, line):
     with pytest.raises(UnsupportedModel) as refused:
@@ -57,7 +57,7 @@ def test_per_layer_type_rope_parameters_are_each_checked():
     """transformers 5 configs may hold one set of RoPE parameters per layer type."""
     config = tiny_config("qwen2")
     config.rope_parameters = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                              "sliding_attention": {**YARN, "rope_theta": 1e4}}
+                              "sliding_attention": {**UNKNOWN_ROPE, "rope_theta": 1e4}}
     with pytest.raises(UnsupportedModel, match=ROPE_LINE):
         check_model_support(config)
     config.rope_parameters["sliding_attention"] = {"rope_type": "default", "rope_theta": 1e4}
@@ -84,13 +84,13 @@ def test_overrides_apply_before_the_check(tmp_path):
         resolve_engine(EngineConfig(model=str(foo)))
     resolve_engine(EngineConfig(model=str(foo),
                                 hf_overrides='{"architectures": ["Qwen2ForCausalLM"]}'))
-    yarn = config_dir(tmp_path / "yarn", rope_scaling=YARN)
+    odd = config_dir(tmp_path / "odd", rope_scaling=UNKNOWN_ROPE)
     with pytest.raises(UnsupportedModel, match=ROPE_LINE):
-        resolve_engine(EngineConfig(model=str(yarn)))
-    resolve_engine(EngineConfig(model=str(yarn), rope_scaling='{"rope_type": "default"}'))
+        resolve_engine(EngineConfig(model=str(odd)))
+    resolve_engine(EngineConfig(model=str(odd), rope_scaling='{"rope_type": "default"}'))
     fine = config_dir(tmp_path / "fine")
     with pytest.raises(UnsupportedModel, match=ROPE_LINE):
-        resolve_engine(EngineConfig(model=str(fine), rope_scaling=json.dumps(YARN)))
+        resolve_engine(EngineConfig(model=str(fine), rope_scaling=json.dumps(UNKNOWN_ROPE)))
 
 
 def test_llm_raises_the_line(tmp_path):
@@ -104,7 +104,7 @@ def test_llm_raises_the_line(tmp_path):
 @pytest.mark.parametrize("changes,line", [
     (dict(architectures=["FooForCausalLM"]), ARCH_LINE),
     (dict(quantization_config={"quant_method": "awq", "bits": 4}), QUANT_LINE),
-    (dict(rope_scaling=YARN), ROPE_LINE),
+    (dict(rope_scaling=UNKNOWN_ROPE), ROPE_LINE),
 ])
 def test_serve_refuses_before_starting_anything(tmp_path, changes, line):
     run_dir = tmp_path / "run"
