@@ -24,7 +24,7 @@ from tests.tiny_models import ARCHS, make_tiny_model, tiny_config
 ARCH_LINE = f"unsupported architecture 'FooForCausalLM'; supported: " \
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
 QUANT_LINE = "unsupported quantization 'awq' (config.json quantization_config)"
-UNKNOWN_ROPE = {"rope_type": "proportional", "factor": 4.0}
+UNKNOWN_ROPE = {"rope_type": "proportional", "partial_rotary_factor": 0.5}
 ROPE_LINE = f"unsupported RoPE type 'proportional'; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
 REFUSE_S = 30.0  # a refusal reads config.json only (about 3 s unloaded; CI shares 2 cores)
 
