@@ -62,13 +62,14 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     the fused qkv output)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k.stride(2) == 1 and v.stride(2) == 1 and head_dim & (head_dim - 1) == 0
+    assert k.stride(2) == 1 and v.stride(2) == 1
     fp8 = k_cache.dtype in FP8_DTYPES
     assert not fp8 or (k_scale is not None and v_scale is not None), "fp8 needs scales"
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else k_cache,
         v_scale if fp8 else v_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         num_kv_heads, HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        DIM_BLOCK=triton.next_power_of_2(head_dim),
         FP8=fp8, FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0, num_warps=4)
 
 
@@ -83,15 +84,15 @@ def _quantize(x, scale_ptr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr,
                      v_scale_ptr, stride_kt, stride_kh, stride_vt, stride_vh, num_kv_heads,
-                     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, FP8: tl.constexpr,
-                     FP8_MAX: tl.constexpr):
+                     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_BLOCK: tl.constexpr,
+                     FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding: nothing to read or write
         return
     heads = tl.arange(0, HEADS)[:, None]
-    dims = tl.arange(0, HEAD_DIM)[None, :]
-    mask = heads < num_kv_heads
+    dims = tl.arange(0, DIM_BLOCK)[None, :]  # a head_dim of no power of two: masked past it
+    mask = (heads < num_kv_heads) & (dims < HEAD_DIM)
     cache_offsets = slot * num_kv_heads * HEAD_DIM + heads * HEAD_DIM + dims
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
     k = _quantize(k, k_scale_ptr, FP8, FP8_MAX)

@@ -123,7 +123,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_tokens, num_heads, head_dim = q.shape
     num_reqs, num_kv_heads, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim: a power of two"
+    assert head_dim >= 16, "head_dim: at least 16"
     assert block_size & (block_size - 1) == 0, "block_size: a power of two"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
     group = num_heads // num_kv_heads
@@ -165,7 +165,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             scale * LOG2_E, sliding_window or 0, (soft_cap or 0.0) * LOG2_E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), block_tables.stride(0),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
+            GROUP=group, HEAD_DIM=head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
+            BLOCK_SIZE=block_size, BLOCK_Q=block_q,
             BLOCK_M=max(16, triton.next_power_of_2(block_q * group)), BLOCK_N=tile.block_n,
             ONE_TILE_EACH=one_tile_each,
             SEARCH_BLOCK=1 if one_tile_each else search_block(num_reqs),
@@ -175,7 +176,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, num_tokens, num_heads, num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4)
+            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            DIM_BLOCK=triton.next_power_of_2(head_dim), num_warps=4)
     return out
 
 
@@ -228,8 +230,9 @@ def _paged_attention_kernel(
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
         num_tokens, num_reqs, num_splits, q_len_above, q_len_upto, qk_scale, window,
         cap, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_BLOCK: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         ONE_TILE_EACH: tl.constexpr, SEARCH_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
         EXACT_DOT: tl.constexpr, SCALED: tl.constexpr, WINDOW: tl.constexpr,
         SOFT_CAP: tl.constexpr):
@@ -255,7 +258,10 @@ def _paged_attention_kernel(
         return
 
     rows = tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
+    # a head_dim that is no power of two (Phi-3's 96) runs in the next one's tiles, its
+    # extra columns masked: zeros in q, never stored
+    dims = tl.arange(0, DIM_BLOCK)
+    dim_ok = dims < HEAD_DIM
     query = first_query + rows // GROUP  # index among the request's queries
     head = kv_head * GROUP + rows % GROUP
     row_valid = (rows < BLOCK_Q * GROUP) & (query < q_len)
@@ -263,7 +269,7 @@ def _paged_attention_kernel(
     query_pos = seq_len - q_len + query
     token = q_begin + query
     q_offsets = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None], other=0.0)
+    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_ok[None, :], other=0.0)
     if SCALED:  # q.k * k_scale == q.(k_fp8 * k_scale): one multiply per score
         qk_scale = qk_scale * tl.load(k_scale_ptr)
 
@@ -297,21 +303,22 @@ def _paged_attention_kernel(
     # a finite floor instead of -inf keeps rows that see no key of this split NaN-free
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_BLOCK], dtype=tl.float32)
     table_row = block_tables_ptr + req * stride_bt
     kv_head_ptrs = (k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch)
     if WINDOW:  # the window's lower edge
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row,
                                 kv_start, unmasked_start, qk_scale, window, cap, stride_cb,
-                                stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, EXACT_DOT,
+                                stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_BLOCK, EXACT_DOT,
                                 WINDOW, SOFT_CAP)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row,
                             unmasked_start, unmasked_stop, qk_scale, window, cap, stride_cb,
-                            stride_cs, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, EXACT_DOT, WINDOW,
+                            stride_cs, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_BLOCK, EXACT_DOT,
+                            WINDOW,
                             SOFT_CAP)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row,
                             unmasked_stop, kv_stop, qk_scale, window, cap, stride_cb,
-                            stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, EXACT_DOT, WINDOW,
+                            stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_BLOCK, EXACT_DOT, WINDOW,
                             SOFT_CAP)
 
     # l_i == 0: the row saw no key (padding, or a split past its causal edge)
@@ -323,26 +330,28 @@ def _paged_attention_kernel(
     if SPLIT:
         part_rows = split * num_tokens * tl.num_programs(1) * GROUP + out_rows
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], out,
-                 mask=row_valid[:, None])
+                 mask=row_valid[:, None] & dim_ok[None, :])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + part_rows, lse, mask=row_valid)
     else:
         tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_ok[None, :])
 
 
 @triton.jit
 def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, qk_scale,
             window, cap, stride_cb, stride_cs, MASKED: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-            EXACT_DOT: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr):
+            DIM_BLOCK: tl.constexpr, EXACT_DOT: tl.constexpr, WINDOW: tl.constexpr,
+            SOFT_CAP: tl.constexpr):
     """The online softmax over keys [start, stop), BLOCK_N at a time, read through the
     block table. MASKED: mask keys past stop and past each row's query position (and,
     with WINDOW, those at or below position - window). Scores are in log2 units (scale *
     log2(e)); cap is the soft cap in the same units, and c * tanh(s / c) commutes with
     that scaling, so the cap applies to them as they are."""
     k_ptr, v_ptr = kv_head_ptrs
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, DIM_BLOCK)
+    padded = DIM_BLOCK != HEAD_DIM  # the columns past head_dim are the next head's
     if SOFT_CAP:
         # c tanh(s / c) = c - 2c / (1 + e^(2s / c)): one exp2 and one division a score.
         # exp2 overflowing to inf gives c, underflowing to 0 gives -c, so large scores
@@ -360,7 +369,10 @@ def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, q
         slot = block.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_cs
         kv_offsets = slot[:, None] + dims[None, :]
         if MASKED:
-            k = tl.load(k_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
+            kv_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
+            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        elif padded:
+            k = tl.load(k_ptr + kv_offsets, mask=dims[None, :] < HEAD_DIM, other=0.0)
         else:
             k = tl.load(k_ptr + kv_offsets)
         k = k.to(q.dtype)  # an fp8 cache's values, unscaled; a no-op otherwise
@@ -380,7 +392,9 @@ def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, q
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if MASKED:
-            v = tl.load(v_ptr + kv_offsets, mask=in_range[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        elif padded:
+            v = tl.load(v_ptr + kv_offsets, mask=dims[None, :] < HEAD_DIM, other=0.0)
         else:
             v = tl.load(v_ptr + kv_offsets)
         v = v.to(q.dtype)
@@ -394,19 +408,21 @@ def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, q
 
 @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_tokens, num_heads,
-                           num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+                           num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           DIM_BLOCK: tl.constexpr):
     """out[t, h] = sum over splits of exp2(lse_s) * out_s / sum of exp2(lse_s)."""
     token, head = tl.program_id(0), tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, DIM_BLOCK)
+    dim_ok = dims < HEAD_DIM
     rows = (splits * num_tokens + token) * num_heads + head
     exists = splits < num_splits
     lse = tl.load(part_lse_ptr + rows, mask=exists, other=float("-inf"))
     top = tl.max(lse, axis=0)
     weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + dims[None, :],
-                    mask=exists[:, None], other=0.0)
+                    mask=exists[:, None] & dim_ok[None, :], other=0.0)
     total = tl.sum(weight, axis=0)
     out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + (token * num_heads + head) * HEAD_DIM + dims,
-             out.to(out_ptr.dtype.element_ty))
+             out.to(out_ptr.dtype.element_ty), mask=dim_ok)

@@ -429,6 +429,18 @@ def attention_soft_cap() -> None:
 
 
 @interpreter_check
+def attention_head_dim_96() -> None:
+    """Phi-3's 96-wide heads, no power of two: the kernel's 128-wide tiles mask the extra
+    columns (a read past them would take the next head's values). With a window, split-K
+    on and off, and the cache write that fills it."""
+    check_write_kv(13, 2, 96, 4, torch.float32, "cpu")
+    check_attention(AttentionShape(4, 2, 96, 16), TINY_REQUESTS, torch.float32, "cpu",
+                    padding=2, config=tiny_config(16, 32, 16, True))
+    check_attention(AttentionShape(4, 4, 96, 16), WINDOW_REQUESTS, torch.float16, "cpu",
+                    padding=2, config=tiny_config(16, 32, 32, False), sliding_window=24)
+
+
+@interpreter_check
 def fp8_cache_kernels() -> None:
     """The attention (mixed batch with padding, split-K on and off) over e4m3 and e5m2
     caches, fp32 and fp16 queries."""
@@ -494,7 +506,7 @@ def test_under_triton_interpreter(check: str) -> None:
 
 # (heads, KV heads, head_dim, hidden size, MLP intermediate size)
 MODELS = {"qwen3-0.6b": (16, 8, 128, 1024, 3072), "llama-3.1-8b": (32, 8, 128, 4096, 14336),
-          "smollm2": (9, 3, 64, 576, 1536)}
+          "smollm2": (9, 3, 64, 576, 1536), "phi-3-mini": (32, 32, 96, 3072, 8192)}
 MIXED_REQUESTS = [(700, 1), (2048, 2048), (1500, 512), (3001, 1), (129, 1), (4100, 256),
                   (17, 17), (1000, 1)]
 
