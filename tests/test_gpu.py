@@ -40,7 +40,8 @@ def greedy(llm: LLM, prompts, max_tokens: int = 24) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral-window", "qwen2-window",
+                                  "gemma2", "gemma3", "phi3"])
 def test_tiny_models_on_gpu_match_transformers(arch, tmp_path):
     from transformers import AutoModelForCausalLM
 
