@@ -30,6 +30,23 @@ case "$1" in
       --json "$R/latency-$model-b1.json" >> "$R/latency.txt" 2>&1
   done
   ;;
+4)  # the failures of stage 1's first run, in detail; then stage 2's checks and latencies
+    # at the three architectures the issue names
+  timeout 60 python -m pytest -x -q -p no:cacheprovider tests/test_moe.py -k "select_experts_cuda" \
+    > "$R/pytest-moe-select.txt" 2>&1
+  timeout 40 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "tiny_models and gemma2" \
+    > "$R/pytest-gemma2.txt" 2>&1
+  for spec in "qwen3-30b-a3b-shape 2 1000" "gemma-2-9b-shape 4 5000" "phi-3-mini-4k-shape 2 3000"; do
+    set -- $spec
+    PYTHONPATH=$PWD timeout 80 python benchmarks/gpu/model_check.py --model $M/$1 \
+      --layers $2 --prompt-len $3 --json "$R/check-$1.json" >> "$R/model-check.txt" 2>&1
+  done
+  for model in qwen3-30b-a3b-shape gemma-2-9b-shape phi-3-mini-4k-shape; do
+    bench 100 latency --model $M/$model --tokenizer $T --load-format dummy --context-len 1000 \
+      --batch-size 1 --output-len 64 --iterations 2 --max-model-len 2048 \
+      --json "$R/latency-$model-b1.json" >> "$R/latency.txt" 2>&1
+  done
+  ;;
 3)  # the nano workload's lengths on Qwen3-30B-A3B, the floor counting the experts read
   bench 400 throughput --model $M/qwen3-30b-a3b-shape --load-format dummy --workload nano \
     --path inprocess --json "$R/throughput-nano-qwen3-30b-a3b.json" \
