@@ -284,7 +284,10 @@ def check_select_experts(num_tokens: int, num_experts: int, top_k: int, dtype: t
     """The routing kernel against its twin: the same experts in the same order, and the
     same weights (within one rounding of the dtype where they are rounded to it)."""
     g = torch.Generator().manual_seed(num_tokens * num_experts)
-    logits = torch.randn(num_tokens, num_experts, generator=g).to(device=device, dtype=dtype)
+    # distinct in every row and exact in bf16 (multiples of 1/16 below 256 / 16): a tie
+    # could be broken either way by each side
+    ranks = torch.rand(num_tokens, num_experts, generator=g).argsort(-1).float()
+    logits = ((ranks - num_experts / 2) / 16).to(device=device, dtype=dtype)
     for renormalize in (False, True):
         for round_weights in (False, True):
             args = (logits, top_k, renormalize, round_weights)
