@@ -19,31 +19,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     take the Triton kernel."""
     if x.is_cuda:
         return rms_norm_triton(x, weight, eps, residual, gemma=gemma)
-    if gemma:
-        return gemma_rms_norm_ref(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual, gemma)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None
+                 residual: torch.Tensor | None = None, gemma: bool = False
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if residual is not None:
         x = x + residual
     # the statistics in float32 whatever the activation dtype, as the reference models do
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    out = weight * normed.to(x.dtype)
-    return out if residual is None else (out, x)
-
-
-def gemma_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                       residual: torch.Tensor | None = None
-                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    if residual is not None:
-        x = x + residual
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    out = (normed * (1.0 + weight.float())).to(x.dtype)
+    if gemma:  # weighted by 1 + w in float32, rounded once
+        out = (normed * (1.0 + weight.float())).to(x.dtype)
+    else:
+        out = weight * normed.to(x.dtype)
     return out if residual is None else (out, x)
 
 

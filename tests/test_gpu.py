@@ -41,7 +41,8 @@ def greedy(llm: LLM, prompts, max_tokens: int = 24) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral-window", "qwen2-window",
-                                  "gemma2", "gemma3", "phi3"])
+                                  "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
+                                  "qwen3_moe"])
 def test_tiny_models_on_gpu_match_transformers(arch, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -13,7 +13,7 @@ from kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_a
                                 silu_and_mul_ref)
 from kernels.attention import paged_attention, paged_attention_ref
 from kernels.cache import dequantize, quantize, write_kv, write_kv_ref
-from kernels.norm import gemma_rms_norm_ref, rms_norm, rms_norm_ref
+from kernels.norm import rms_norm, rms_norm_ref
 from kernels.rotary import (apply_rotary, apply_rotary_ref, rope_cos_sin_cache,
                             rope_inv_freq)
 from services.worker.layers.rotary import rope_settings
@@ -197,8 +197,8 @@ def test_gemma_rms_norm_weighs_by_one_plus_weight_in_float32():
     torch.testing.assert_close(new_residual, x + res)
     xb, wb = x.bfloat16(), w.bfloat16()
     once = rms_formula(xb.float(), 1.0 + wb.float(), 1e-6).bfloat16()
-    assert torch.equal(gemma_rms_norm_ref(xb, wb, 1e-6), once)
-    assert gemma_rms_norm_ref(xb, wb, 1e-6).dtype == torch.bfloat16
+    assert torch.equal(rms_norm_ref(xb, wb, 1e-6, gemma=True), once)
+    assert rms_norm_ref(xb, wb, 1e-6, gemma=True).dtype == torch.bfloat16
 
 
 def rotate_by_complex(x, positions, inv_freq):

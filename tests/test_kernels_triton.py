@@ -36,7 +36,7 @@ from kernels.activation import (gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton,
 from kernels.attention import paged_attention, paged_attention_ref
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
 from kernels.lora import lora_expand_ref, lora_expand_triton
-from kernels.norm import gemma_rms_norm_ref, rms_norm_ref, rms_norm_triton
+from kernels.norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
 from kernels.sampling import (BLOCK_VOCAB, gumbel_argmax_ref, gumbel_argmax_triton,
                               philox_uniform)
@@ -258,7 +258,7 @@ def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: str,
     residual_out = poisoned(shape, dtype, device) if with_residual else None
     rms_norm_triton(x, weight, 1e-6, residual, out=out, residual_out=residual_out,
                     gemma=gemma)
-    ref = (gemma_rms_norm_ref if gemma else rms_norm_ref)(x, weight, 1e-6, residual)
+    ref = rms_norm_ref(x, weight, 1e-6, residual, gemma)
     if with_residual:
         assert_close(residual_out, ref[1], f"rms_norm residual {shape} {dtype}", seed)
         ref = ref[0]

@@ -88,9 +88,14 @@ def token_ids(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, tmp_path_factory):
+    return ours_and_reference(request.param, tmp_path_factory)
+
+
+def ours_and_reference(arch: str, tmp_path_factory):
+    """A tiny `arch` model: ours, its config, and transformers' logits of a prompt."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(arch), arch)
     hf_config = load_hf_config(model_dir)
     ours = load_model(EngineConfig(model=str(model_dir), dtype="float32"), hf_config, CPU,
                       torch.float32)

@@ -29,7 +29,7 @@ from services.worker.layers.moe import FusedMoE
 from services.worker.loader import iter_safetensors, load_model, load_weights
 from services.worker.models import model_class
 from tests.test_models import (  # noqa: F401  (collected here, on this module's fixture)
-    Paged, rel_err, test_chunked_prefill_through_the_cache,
+    Paged, ours_and_reference, rel_err, test_chunked_prefill_through_the_cache,
     test_steps_padded_into_the_graph_buffers_compute_the_same, test_teacher_forced_decode,
     test_varlen_batches_with_shared_prefix_blocks, test_whole_prompt_prefill, token_ids)
 from services.bench.workloads import (ModelShape, StepCost, Trace, experts_read,
@@ -51,19 +51,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def tiny(request, tmp_path_factory):
     """What tests/test_models.py's cases take: our model, its config, transformers'
     logits of a prompt."""
-    from transformers import AutoModelForCausalLM
-
-    model_dir = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
-    hf_config = load_hf_config(model_dir)
-    ours = load_model(EngineConfig(model=str(model_dir), dtype="float32"), hf_config, CPU,
-                      torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    @torch.no_grad()
-    def ref_logits(ids: list[int]) -> torch.Tensor:
-        return ref(torch.tensor([ids])).logits[0].float()
-
-    return ours, hf_config, ref_logits
+    return ours_and_reference(request.param, tmp_path_factory)
 
 
 def test_each_architecture_has_its_layers(tiny):
@@ -366,30 +354,6 @@ def test_fused_moe_dispatch_takes_triton_on_cuda(monkeypatch) -> None:
     inputs = moe_inputs(4, 128, 64, 8, 2, torch.bfloat16, "cuda", seed=1)
     monkeypatch.setattr(moe, "fused_moe_ref", None)  # any call to the twin fails
     assert fused_moe(*inputs).shape == (4, 128)
-
-
-@needs_cuda
-@pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_tiny_moe_models_on_gpu_match_transformers(arch, tmp_path):
-    """Greedy tokens through the engine (routing, align and grouped GEMM kernels, CUDA
-    graphs of decode and mixed steps) equal transformers' on the same float32 weights."""
-    from transformers import AutoModelForCausalLM
-
-    from services import LLM
-    from tests.test_gpu import greedy
-
-    model_dir = make_tiny_model(tmp_path, arch)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    llm = LLM(str(model_dir), dtype="float32", block_size=16, num_gpu_blocks_override=256,
-              max_num_batched_tokens=32, max_num_seqs=8)
-    assert llm.engine.runner.graphs is not None
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 40, 77, 12)]
-    for prompt, ours in zip(prompts, greedy(llm, prompts, 16)):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert ours == ref[0, len(prompt):].tolist()
 
 
 @needs_cuda

@@ -21,23 +21,6 @@ case "$1" in
   for spec in "qwen3-30b-a3b-shape 2 1000" "gemma-2-9b-shape 4 5000" \
       "phi-3-mini-4k-shape 2 3000" "mistral-7b-v0.1-shape 2 5000"; do
     set -- $spec
-    PYTHONPATH=$PWD:$PYTHONPATH timeout 100 python benchmarks/gpu/model_check.py --model $M/$1 \
-      --layers $2 --prompt-len $3 --json "$R/check-$1.json" >> "$R/model-check.txt" 2>&1
-  done
-  for model in qwen3-30b-a3b-shape gemma-2-9b-shape phi-3-mini-4k-shape; do
-    bench 120 latency --model $M/$model --tokenizer $T --load-format dummy --context-len 1000 \
-      --batch-size 1 --output-len 64 --iterations 2 --max-model-len 2048 \
-      --json "$R/latency-$model-b1.json" >> "$R/latency.txt" 2>&1
-  done
-  ;;
-4)  # the failures of stage 1's first run, in detail; then stage 2's checks and latencies
-    # at the three architectures the issue names
-  timeout 60 python -m pytest -x -q -p no:cacheprovider tests/test_moe.py -k "select_experts_cuda" \
-    > "$R/pytest-moe-select.txt" 2>&1
-  timeout 40 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "tiny_models and gemma2" \
-    > "$R/pytest-gemma2.txt" 2>&1
-  for spec in "qwen3-30b-a3b-shape 2 1000" "gemma-2-9b-shape 4 5000" "phi-3-mini-4k-shape 2 3000"; do
-    set -- $spec
     PYTHONPATH=$PWD:$PYTHONPATH timeout 80 python benchmarks/gpu/model_check.py --model $M/$1 \
       --layers $2 --prompt-len $3 --json "$R/check-$1.json" >> "$R/model-check.txt" 2>&1
   done
@@ -45,16 +28,6 @@ case "$1" in
     bench 100 latency --model $M/$model --tokenizer $T --load-format dummy --context-len 1000 \
       --batch-size 1 --output-len 64 --iterations 2 --max-model-len 2048 \
       --json "$R/latency-$model-b1.json" >> "$R/latency.txt" 2>&1
-  done
-  ;;
-5)  # stage 4's real-width checks again (its PYTHONPATH lost the devkit's wheels), and the
-    # routing kernel's test on distinct logits
-  timeout 40 python -m pytest -q -p no:cacheprovider tests/test_moe.py -k "select_experts_cuda" \
-    > "$R/pytest-moe-select.txt" 2>&1
-  for spec in "qwen3-30b-a3b-shape 2 1000" "gemma-2-9b-shape 4 5000" "phi-3-mini-4k-shape 2 3000"; do
-    set -- $spec
-    PYTHONPATH=$PWD:$PYTHONPATH timeout 80 python benchmarks/gpu/model_check.py --model $M/$1 \
-      --layers $2 --prompt-len $3 --json "$R/check-$1.json" >> "$R/model-check.txt" 2>&1
   done
   ;;
 3)  # the nano workload's lengths on Qwen3-30B-A3B, the floor counting the experts read

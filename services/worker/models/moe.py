@@ -69,6 +69,18 @@ class MixtralForCausalLM(LlamaForCausalLM):
                               round_weights=False)
 
 
+def qwen_moe_mlp(hf_config, flags: DecoderFlags, layer_idx: int,
+                 shared_intermediate_size: int = 0) -> nn.Module:
+    """A Qwen MoE layer's MLP: dense off the sparse layers, else routed experts (top-k
+    renormalised by norm_topk_prob, rounded to the model's dtype) and any shared expert."""
+    if not is_sparse_layer(hf_config, layer_idx):
+        return LlamaMLP(hf_config, flags)
+    return SparseMoeBlock(hf_config, flags, hf_config.num_experts,
+                          hf_config.moe_intermediate_size,
+                          renormalize=bool(hf_config.norm_topk_prob), round_weights=True,
+                          shared_intermediate_size=shared_intermediate_size)
+
+
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3's attention; top-k weights renormalised by `norm_topk_prob`, then rounded
     to the model's dtype."""
@@ -76,11 +88,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     @staticmethod
     def make_mlp(hf_config, flags: DecoderFlags, layer_idx: int) -> nn.Module:
-        if not is_sparse_layer(hf_config, layer_idx):
-            return LlamaMLP(hf_config, flags)
-        return SparseMoeBlock(hf_config, flags, hf_config.num_experts,
-                              hf_config.moe_intermediate_size,
-                              renormalize=bool(hf_config.norm_topk_prob), round_weights=True)
+        return qwen_moe_mlp(hf_config, flags, layer_idx)
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
@@ -94,9 +102,5 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
 
     @staticmethod
     def make_mlp(hf_config, flags: DecoderFlags, layer_idx: int) -> nn.Module:
-        if not is_sparse_layer(hf_config, layer_idx):
-            return LlamaMLP(hf_config, flags)
-        return SparseMoeBlock(hf_config, flags, hf_config.num_experts,
-                              hf_config.moe_intermediate_size,
-                              renormalize=bool(hf_config.norm_topk_prob), round_weights=True,
-                              shared_intermediate_size=hf_config.shared_expert_intermediate_size)
+        return qwen_moe_mlp(hf_config, flags, layer_idx,
+                            hf_config.shared_expert_intermediate_size)
