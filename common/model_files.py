@@ -195,10 +195,42 @@ def sliding_windows(hf_config) -> list[int | None]:
 
 
 def max_model_len_of(hf_config) -> int:
-    """The longest sequence the model was built for."""
+    """The longest sequence the model was built for: its max_position_embeddings (or
+    another name for it), stretched by a YaRN or dynamic-NTK RoPE's factor, as vLLM reads
+    it (Qwen3's YaRN config: 32768 original positions x 4 = 131072)."""
     for key in MAX_LEN_KEYS:
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
-            return value
+            return max([value, *(rope_stretched(value, s) for s in rope_schemes(hf_config))])
     raise ValueError(f"the model config has none of {list(MAX_LEN_KEYS)}; pass "
                      "--max-model-len")
+
+
+def rope_stretched(length: int, scheme: dict[str, Any]) -> int:
+    """How far a RoPE scheme carries a model of `length` positions. Only YaRN and dynamic
+    NTK: a linear or LongRoPE config's max_position_embeddings already counts its factor,
+    and Llama 3's does too."""
+    kind, factor = rope_type_of_scheme(scheme), scheme.get("factor")
+    if kind not in ("yarn", "dynamic") or not factor:
+        return length
+    original = scheme.get("original_max_position_embeddings", length) if kind == "yarn" \
+        else length
+    return int(original * factor)
+
+
+def rope_schemes(hf_config) -> list[dict[str, Any]]:
+    """Every set of RoPE parameters in the config: rope_scaling and rope_parameters
+    (transformers 5 keeps them in the latter, and reads an old config's rope_scaling into
+    it), one set or one per layer type ({"sliding_attention": {...}, ...})."""
+    schemes = []
+    for name in ("rope_scaling", "rope_parameters"):
+        parameters = getattr(hf_config, name, None)
+        if isinstance(parameters, dict):
+            nested = [p for p in parameters.values() if isinstance(p, dict)]
+            schemes += nested or [parameters]
+    return schemes
+
+
+def rope_type_of_scheme(scheme: dict[str, Any]) -> str:
+    """The rotary kernel's reading: rope_type, else the older `type`."""
+    return str(scheme.get("rope_type", scheme.get("type", "default")))

@@ -88,6 +88,10 @@ def override(hf_config: Any, overrides: dict[str, Any]) -> Any:
         setattr(hf_config, key, value)
     rope = getattr(hf_config, "rope_parameters", None)
     if isinstance(rope, dict):  # transformers 5 reads both from here, not the old names
+        # per layer type (Gemma 3), the override is the global layers': a sliding layer
+        # never sees past its window, so it has no context to stretch
+        nested = {kind: p for kind, p in rope.items() if isinstance(p, dict)}
+        rope = nested.get("full_attention", rope) if nested else rope
         rope.update(overrides.get("rope_scaling") or {})
         if "rope_theta" in overrides:
             rope["rope_theta"] = overrides["rope_theta"]

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from common.config import ConfigError
+from common.model_files import rope_schemes, rope_type_of_scheme
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
@@ -57,18 +58,8 @@ def quant_method(quantization: Any) -> str:
 
 
 def rope_types(hf_config: Any) -> Iterator[str]:
-    """Every RoPE type the config uses: rope_scaling and rope_parameters (transformers 5
-    keeps it in the latter, and reads an old config's rope_scaling into it), whose values
-    may be one set of parameters or one per layer type ({"sliding_attention": {...},
-    "full_attention": {...}})."""
-    for name in ("rope_scaling", "rope_parameters"):
-        parameters = getattr(hf_config, name, None)
-        if not isinstance(parameters, dict):
-            continue
-        nested = [p for p in parameters.values() if isinstance(p, dict)]
-        for scheme in nested or [parameters]:
-            # the rotary kernel's reading: rope_type, else the older `type`
-            yield str(scheme.get("rope_type", scheme.get("type", "default")))
+    """Every RoPE type the config uses, in any of its sets of RoPE parameters."""
+    return (rope_type_of_scheme(scheme) for scheme in rope_schemes(hf_config))
 
 
 def refusal_line(error: UnsupportedModel) -> str:

@@ -179,11 +179,15 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 
 def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float,
                        scaling: dict[str, Any] | None = None,
-                       device: torch.device | None = None) -> torch.Tensor:
-    """float32 [max_position, rotary_dim]: cos in the first half, sin in the second, both
-    times the attention factor. max_position is the config's max_position_embeddings."""
+                       device: torch.device | None = None,
+                       num_positions: int | None = None) -> torch.Tensor:
+    """float32 [num_positions, rotary_dim]: cos in the first half, sin in the second, both
+    times the attention factor. max_position is the config's max_position_embeddings;
+    num_positions (max_position when None) the rows, more where YaRN or dynamic NTK
+    stretch the context past it."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, max_position).to(device)
-    positions = torch.arange(max_position, dtype=torch.float32, device=device)
+    positions = torch.arange(num_positions or max_position, dtype=torch.float32,
+                             device=device)
     freqs = positions[:, None] * inv_freq[None, :]
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     return cache * rope_attention_factor(scaling, max_position)

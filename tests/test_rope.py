@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.config import add_engine_args, engine_config_from_args
+from common.config import EngineConfig, add_engine_args, engine_config_from_args
 from common.model_info import resolve_engine
 from kernels.rotary import (ROPE_TYPES, rope_attention_factor, rope_cos_sin_cache,
                             rope_inv_freq)
@@ -306,3 +306,41 @@ def test_rope_scaling_flag_matches_transformers(tmp_path, arch: str,
     for pos in range(57, 70):  # teacher-forced decodes
         (logits,) = paged.step([(blocks, ids[pos:pos + 1], pos)])
         assert rel_err(logits, expected[pos:pos + 1]) < TOLERANCE, pos
+
+
+def test_yarn_stretches_the_context_past_max_position_embeddings(tmp_path):
+    """A YaRN config of 64 positions and factor 4 serves 256 (vLLM's reading: original
+    positions x factor), with a cos/sin row for each, and matches transformers there."""
+    from transformers import AutoModelForCausalLM
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    model_dir = make_tiny_model(tmp_path, "qwen3", max_position_embeddings=64,
+                                rope_parameters={**yarn, "rope_theta": 1e6})
+    resolved = resolve_engine(EngineConfig(model=str(model_dir), dtype="float32"))
+    assert resolved.config.max_model_len == 256
+    model = load_model(resolved.config, resolved.hf_config, CPU, torch.float32, model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = token_ids(200, seed=12)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    paged = Paged(model, resolved.hf_config, block_size=16, num_blocks=32)
+    blocks = paged.blocks(200)
+    (prefill,) = paged.step([(blocks, ids[:150], 0)])
+    assert rel_err(prefill, expected[:150]) < TOLERANCE
+    (chunk,) = paged.step([(blocks, ids[150:199], 150)])
+    assert rel_err(chunk, expected[150:199]) < TOLERANCE
+    (logits,) = paged.step([(blocks, ids[199:200], 199)])  # a decode at position 199
+    assert rel_err(logits, expected[199:200]) < TOLERANCE
+
+
+def test_rope_scaling_of_a_per_layer_type_config_is_the_global_layers(tmp_path):
+    """Gemma 3 keeps one set of RoPE parameters per layer type: --rope-scaling and
+    --rope-theta change the full-attention layers' and leave the sliding ones'."""
+    model_dir = make_tiny_model(tmp_path, "gemma3")
+    resolved = resolve_engine(EngineConfig(
+        model=str(model_dir), rope_theta=5e5,
+        rope_scaling=json.dumps({"rope_type": "linear", "factor": 8.0})))
+    full = rope_settings(resolved.hf_config, "full_attention")
+    assert full == (5e5, {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5})
+    assert rope_settings(resolved.hf_config, "sliding_attention") == (
+        1e4, {"rope_type": "default", "rope_theta": 1e4})

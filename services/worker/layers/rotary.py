@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.model_files import max_model_len_of
 from kernels.rotary import apply_rotary, rope_cos_sin_cache, rope_type_of
 
 DEFAULT_ROPE_THETA = 10000.0
@@ -62,10 +63,12 @@ def layer_params(params: dict[str, Any] | None, layer_type: str | None
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+                 scaling: dict[str, Any] | None = None,
+                 num_positions: int | None = None) -> None:
         super().__init__()
         self.register_buffer("cos_sin_cache",
-                             rope_cos_sin_cache(head_dim, max_position, theta, scaling),
+                             rope_cos_sin_cache(head_dim, max_position, theta, scaling,
+                                                num_positions=num_positions),
                              persistent=False)
 
     @classmethod
@@ -73,7 +76,9 @@ class RotaryEmbedding(nn.Module):
                     layer_type: str | None = None) -> RotaryEmbedding:
         """One cache for the layers of `layer_type` (None: for every layer)."""
         theta, scaling = rope_settings(hf_config, layer_type)
-        return cls(head_dim, hf_config.max_position_embeddings, theta, scaling)
+        # a row for every position the context may reach (common.model_files)
+        return cls(head_dim, hf_config.max_position_embeddings, theta, scaling,
+                   max_model_len_of(hf_config))
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
