@@ -2,7 +2,7 @@
 routing, align, both grouped GEMMs, the top-k sum) at decode batch sizes, replayed in a
 CUDA graph, against the time to read the weights of the experts its tokens picked once at
 the machine's measured copy bandwidth. The goal is batch 1 within 1.6x of that floor.
-Not yet run (written without a GPU).
+First H100 run: benchmarks/issue29-h100/moe-decode.txt.
 
     source .devkit/env.sh && python benchmarks/gpu/moe_decode.py
 """
