@@ -169,7 +169,7 @@ def collect(results, procs: list, count: int, timeout_s: float = 120) -> list:
 @pytest.mark.parametrize("world,archs,kv_heads,load_format", [
     (2, ["llama", "qwen2", "qwen3"], 1, "auto"),
     (2, ["llama", "qwen3"], 1, "dummy"),
-    (2, ["gemma2", "phi3"], 1, "auto"),
+    (2, ["gemma2", "phi3", "mistral-window", "qwen2-window"], 1, "auto"),
     (4, ["qwen3"], 1, "auto")])
 def test_every_rank_has_the_logits_of_one_rank(world, archs, kv_heads, load_format,
                                                tmp_path):
@@ -177,7 +177,8 @@ def test_every_rank_has_the_logits_of_one_rank(world, archs, kv_heads, load_form
     the same model at any size. With 4 ranks and 2 KV heads each KV head is replicated on
     two ranks. gemma2: its norms after o_proj and down_proj take all-reduced inputs, with
     soft caps and sliding windows per rank's heads; phi3: fused checkpoint tensors split
-    per rank, a sliding window."""
+    per rank, a sliding window; mistral and qwen2 with windows of 8 (the prompt
+    is 19 tokens)."""
     from transformers import AutoModelForCausalLM
 
     dirs = [make_tiny_model(tmp_path / arch, arch) for arch in archs]
