@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import redis
 import redis.asyncio as aioredis
+import redis.cluster
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, TryAgainError
@@ -67,6 +69,17 @@ def plain_client(url: str) -> aioredis.Redis | RedisCluster:
     if is_cluster_url(url):
         return RedisCluster(startup_nodes=startup_nodes(url))
     return aioredis.from_url(url)
+
+
+def blocking_client(url: str, name: str | None,
+                    timeout_s: float) -> redis.Redis | redis.cluster.RedisCluster:
+    """A blocking redis-py client of a server or of a cluster, for a thread of its own."""
+    options: dict[str, Any] = dict(client_name=name, socket_timeout=timeout_s,
+                                   socket_connect_timeout=timeout_s)
+    if is_cluster_url(url):
+        nodes = [redis.cluster.ClusterNode(host, port) for host, port in cluster_addresses(url)]
+        return redis.cluster.RedisCluster(startup_nodes=nodes, **options)
+    return redis.Redis.from_url(url, **options)
 
 
 async def used_memory(client: aioredis.Redis | RedisCluster) -> int:

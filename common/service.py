@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from common.config import (EngineConfig, ServerConfig, add_engine_args, add_serv
                            parse_configs)
 from common.log import configure_logging, get_logger
 from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
+from common.redis_cluster import blocking_client
 from common.stalls import watch_collections, watch_loop
 
 HEARTBEAT_S = 1.0
@@ -145,25 +147,59 @@ class ModelLoadFailed(Exception):
     """The worker could not load the model; the message is the cause's one line."""
 
 
+class Beat:
+    """Renews a liveness key from its own thread over its own connection, so the key
+    outlives event-loop stalls (a gateway with thousands of streams on a loaded 2-core host
+    stalls for seconds) and lapses only when the whole process stops or dies. `taken`
+    names the value found where this process's own was expected."""
+
+    def __init__(self, url: str, key: str, value: str, name: str | None) -> None:
+        self.client = blocking_client(url, name, timeout_s=HEARTBEAT_S)
+        self.key, self.value = key, value
+        self.stopping = threading.Event()
+        self.taken: str | None = None
+
+    def run(self) -> None:
+        held = False
+        try:
+            while self.taken is None:
+                try:
+                    before = self.client.set(self.key, self.value, px=ALIVE_TTL_MS, get=True)
+                except UNAVAILABLE:  # the same classes in redis-py's blocking client
+                    pass  # Redis is restarting; the bus's own retries report it
+                else:
+                    if held and before != self.value.encode():
+                        self.taken = f"{self.key} was {before!r}, not this process's " \
+                                     f"{self.value!r}"
+                    held = True
+                if self.stopping.wait(HEARTBEAT_S):
+                    return
+        finally:
+            self.client.close()
+
+
 async def heartbeat(bus: Bus, key: str, value: str, stop: anyio.Event) -> None:
     """Keep `key` alive while this process is; it expires ALIVE_TTL_MS after a crash.
 
     Finding the key lapsed or taken by another process raises TakenForDead: the process
     exits to be restarted afresh, since what it holds (a KV cache, running requests) was
-    already written off by the others and cannot be trusted to match theirs."""
-    held = False
-    while not stop.is_set():
-        try:
-            before = await bus.set_alive(key, value, ALIVE_TTL_MS)
-        except UNAVAILABLE:
-            pass  # Redis is restarting; the bus's own retries report it
-        else:
-            if held and before != value.encode():
-                raise TakenForDead(f"{key} was {before!r}, not this process's {value!r}")
-            held = True
-        with anyio.move_on_after(HEARTBEAT_S):
-            await stop.wait()
+    already written off by the others and cannot be trusted to match theirs. With the
+    beat in a thread, that happens only when the process was stopped (SIGSTOP, a frozen
+    VM) or Redis lost the key, never because its event loop was late."""
+    beat = Beat(bus.url, key, value, bus.name)
+    thread = threading.Thread(target=beat.run, name=f"heartbeat {key}", daemon=True)
+    thread.start()
     try:
-        await bus.forget(key)
-    except UNAVAILABLE:
-        pass
+        while not stop.is_set() and beat.taken is None:
+            with anyio.move_on_after(HEARTBEAT_S):
+                await stop.wait()
+        if beat.taken is not None:
+            raise TakenForDead(beat.taken)
+    finally:
+        beat.stopping.set()
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(thread.join)
+            try:
+                await bus.forget(key)
+            except UNAVAILABLE:
+                pass

@@ -1,6 +1,6 @@
 """A gateway under thousands of simultaneous streams holds a fixed, small number of Redis
 connections (one reader of its replies, one writer of every call's requests, a few for
-its watcher and routes), counted from Redis' own CLIENT LIST while the streams are open."""
+its watcher and routes, one for its heartbeat's thread), counted from Redis' own CLIENT LIST while the streams are open."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ async def test_thousands_of_streams_share_a_few_connections(embedded_redis, tmp_
         assert [s for s, _ in results].count(200) == STREAMS
         assert all(text.endswith("data: [DONE]\n\n") and '"a0"' in text and '"b0"' in text
                    for _, text in results)
-        assert 2 <= peak <= MAX_CONNECTIONS, peak
+        assert 2 <= peak <= MAX_CONNECTIONS + 1, peak  # + the heartbeat thread's own
         log = server.log_path.read_text()
         assert "Too many connections" not in log and "No connection available" not in log
     finally:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import anyio
+import redis
 
 from common.bus import Bus
-from common.service import GIL_SWITCH_S, HEARTBEAT_S, TakenForDead, heartbeat
+from common.service import ALIVE_TTL_MS, GIL_SWITCH_S, HEARTBEAT_S, TakenForDead, heartbeat
 
 BODY = """
 import asyncio, gc, json, sys
@@ -55,3 +57,26 @@ def test_a_heartbeat_that_finds_its_key_lapsed_takes_the_process_for_dead(redis_
                 raised += group.exceptions
         return raised
     assert anyio.run(scenario), "the heartbeat went on"
+
+
+def test_a_heartbeat_outlives_an_event_loop_stall_longer_than_its_ttl(redis_url):
+    """A busy gateway's loop stalls for seconds on a loaded host: its key must not lapse
+    (the other stages would end its streams) and it must not take itself for dead."""
+    async def scenario() -> list[bytes | None]:
+        seen: list[bytes | None] = []
+        async with Bus(redis_url) as bus, anyio.create_task_group() as tasks:
+            stop = anyio.Event()
+            tasks.start_soon(heartbeat, bus, "hr:test:stall", "me", stop)
+            await anyio.sleep(0.1)
+            watcher = redis.Redis.from_url(redis_url)
+            started = time.monotonic()
+            while time.monotonic() - started < ALIVE_TTL_MS / 1000 + 1.5:
+                time.sleep(0.25)  # the loop is blocked; only the beat's thread runs
+                seen.append(watcher.get("hr:test:stall"))
+            watcher.close()
+            await anyio.sleep(HEARTBEAT_S * 1.5)  # the loop looks at the beat again
+            seen.append((await bus.values("hr:test:stall"))[0])
+            stop.set()
+        return seen
+    seen = anyio.run(scenario)
+    assert seen and all(value == b"me" for value in seen), seen
