@@ -25,6 +25,20 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def check_whole_blocks(layer: nn.Module, input_size: int, output_sizes: list[int],
+                       block: tuple[int, int]) -> None:
+    """Under tensor parallelism a rank's share of each fused part, and of a row-parallel
+    layer's input, must be whole blocks: a block split between ranks has one scale."""
+    if layer.tp_size == 1:
+        return
+    split_input = input_size if layer.input_split else 0
+    if split_input % block[1] or (not layer.input_split and any(s % block[0]
+                                                                for s in output_sizes)):
+        raise ValueError(f"{type(layer).__name__}: a rank's {output_sizes} output and "
+                         f"{input_size} input features do not split into whole blocks of "
+                         f"{block[0]}x{block[1]}; use a smaller --tensor-parallel-size")
+
+
 class W8A8Method(QuantMethod):
     def __init__(self, spec: QuantSpec) -> None:
         self.spec = spec
@@ -42,6 +56,7 @@ class W8A8Method(QuantMethod):
             return
         if spec.weight_strategy == "block":
             block_n, block_k = spec.block
+            check_whole_blocks(layer, input_size, output_sizes, spec.block)
             rows = sum(ceil_div(size, block_n) for size in output_sizes)
             layer.weight_scale_inv = quant_parameter(
                 torch.empty(rows, ceil_div(input_size, block_k), dtype=torch.float32),
