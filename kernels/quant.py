@@ -12,10 +12,11 @@ Each has a torch twin (`_ref`) that computes the same in float32 on the dequanti
 CPU tensors take it. On CUDA the Triton kernels run, and fp8 per-token x per-channel goes
 through torch._scaled_mm (cuBLAS's rowwise-scaled fp8 GEMM) where its shapes allow.
 
-GPU-only checks (tests/test_kernels_triton.py): the fp8 quantization kernel (the Triton
-interpreter's float32 -> fp8 cast drops the rounding carry, triton 3.9) and the fp8 GEMM
-(the interpreter has no fp8 dot); the int8 kernels and the fp8 GEMM's scaling (on int8
-operands, the same code path but for the dot) run in the interpreter on CPU.
+tests/test_kernels_triton.py checks both kernels against their twins in the Triton
+interpreter on CPU (int8 and fp8 GEMMs, int8 quantization, fp8 scales), except the fp8
+values the quantization kernel writes: the interpreter's float32 -> fp8 cast drops the
+rounding carry (triton 3.9), so those, and torch._scaled_mm's path, are checked on CUDA
+only.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 def quantize_per_token_triton(x: torch.Tensor, dtype: torch.dtype, group: int | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
+    assert x.stride(1) == 1, "rows of contiguous features"
     group = group or cols
     groups = triton.cdiv(cols, group)
     q = torch.empty(rows, cols, dtype=dtype, device=x.device)
@@ -85,8 +87,9 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, cols, x_stride, group, qmax, min_s
     offs = g * group + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < group) & (offs < cols)
     x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / qmax, min_scale)
-    v = x / scale
+    # correctly rounded divisions (Triton's `/` may approximate), as torch's twin
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), qmax), min_scale)
+    v = tl.math.div_rn(x, scale)
     if IS_INT:
         v = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(-v + 0.5))
     v = tl.minimum(tl.maximum(v, -qmax), qmax)
@@ -167,9 +170,9 @@ def _scaled_mm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M
     for k0 in range(0, K, BLOCK_K):
         mask_k = k0 + offs_k < K
         a = tl.load(a_ptr + offs_m[:, None] * stride_a + k0 + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0)
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptr + offs_n[None, :] * stride_b + k0 + offs_k[:, None],
-                    mask=mask_n[None, :] & mask_k[:, None], other=0)
+                    mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         if IS_INT:
             part = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
         else:
