@@ -3,7 +3,9 @@
 Column-parallel layers split their output features (no communication: each rank keeps its
 slice of the activations); row-parallel layers split their input features and all-reduce
 the partial sums. The fused layers (q/k/v, gate/up) lay their shards out per rank so that
-one matmul serves all of them.
+one matmul serves all of them. What the matmul is, and which tensors it takes (a plain
+weight, or 8-bit weights with their scales), is the layer's QuantMethod's
+(layers/quantization); the layers shard every such tensor alike.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import torch
 from torch import nn
 
 from services.worker.layers.checkpoint import CheckpointSlice, read_whole
-from services.worker.layers.quantization import current_method, quant_parameter
 from services.worker.layers.parallel import (all_reduce, divide, kv_heads_per_rank, tp_rank,
                                               tp_size)
+from services.worker.layers.quantization import current_method, quant_parameter
+from services.worker.layers.quantization.base import ceil_div
 
 Checkpoint = torch.Tensor | CheckpointSlice
 ShardId = str | int | None
@@ -59,10 +62,6 @@ def new_parameter(*shape: int, loader: Callable[..., None]) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
     param.weight_loader = loader
     return param
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class LinearBase(nn.Module, abc.ABC):

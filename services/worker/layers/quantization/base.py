@@ -16,6 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def quant_parameter(tensor: torch.Tensor, *, output_dim: int | None, input_dim: int | None,
                     loader: Callable[..., None], pack_dim: int | None = None,
                     pack_factor: int = 1, output_block: int = 1, per_part: bool = False

@@ -16,13 +16,9 @@ from torch import nn
 
 from common.quantization import QuantSpec
 from kernels.quant import FP8_DTYPE, quantize_per_token, quantize_static, scaled_mm
-from services.worker.layers.quantization.base import QuantMethod, quant_parameter
+from services.worker.layers.quantization.base import QuantMethod, ceil_div, quant_parameter
 
 DTYPES = {"fp8": FP8_DTYPE, "int8": torch.int8}
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check_whole_blocks(layer: nn.Module, input_size: int, output_sizes: list[int],
@@ -31,9 +27,11 @@ def check_whole_blocks(layer: nn.Module, input_size: int, output_sizes: list[int
     layer's input, must be whole blocks: a block split between ranks has one scale."""
     if layer.tp_size == 1:
         return
-    split_input = input_size if layer.input_split else 0
-    if split_input % block[1] or (not layer.input_split and any(s % block[0]
-                                                                for s in output_sizes)):
+    if layer.input_split:
+        split = input_size % block[1] != 0
+    else:
+        split = any(size % block[0] for size in output_sizes)
+    if split:
         raise ValueError(f"{type(layer).__name__}: a rank's {output_sizes} output and "
                          f"{input_size} input features do not split into whole blocks of "
                          f"{block[0]}x{block[1]}; use a smaller --tensor-parallel-size")
