@@ -248,6 +248,24 @@ def test_compressed_tensors_matches_transformers(scheme, arch, tmp_path, caplog)
     assert f"{weight_bytes / 2 ** 30:.3f} GiB" in caplog.text
 
 
+def test_llm_prompt_logprobs_match_transformers(tmp_path):
+    """Through LLM(...), in prefill chunks of 8 tokens: per-token activation scales do not
+    depend on the batch, so the chunks give transformers' whole-prompt logprobs."""
+    from common.sampling_params import SamplingParams
+    from services.offline.llm import LLM
+
+    model_dir = write_compressed_tensors(make_tiny_model(tmp_path, "qwen3"), "FP8_DYNAMIC")
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4,
+              num_gpu_blocks_override=64, max_num_batched_tokens=8, max_num_seqs=4)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    ref = torch.log_softmax(transformers_logits(model_dir), dim=-1)
+    for pos in range(1, len(PROMPT)):
+        token = PROMPT[pos]
+        assert out.prompt_logprobs[pos][token].logprob == pytest.approx(
+            ref[pos - 1, token].item(), abs=1e-4)
+
+
 # --- Hugging Face fp8 blocks ----------------------------------------------------------------
 
 @pytest.mark.parametrize("arch,overrides", [
@@ -309,10 +327,17 @@ def test_a_fused_layer_folds_its_parts_scales():
     assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_online_fp8_with_dummy_weights_runs(tmp_path):
-    logits, model = ours(make_tiny_model(tmp_path, "llama"), quantization="fp8",
+@pytest.mark.parametrize("scheme", [None, "FP8", "W8A8"])
+def test_dummy_weights_run_quantized(scheme, tmp_path):
+    """--load-format dummy: online fp8 of the random weights, or random tensors in a
+    checkpoint format's shapes (for benchmarks: the values mean nothing)."""
+    model_dir = make_tiny_model(tmp_path, "llama")
+    if scheme is not None:
+        write_compressed_tensors(model_dir, scheme)
+    logits, model = ours(model_dir, quantization="fp8" if scheme is None else None,
                          load_format="dummy")
-    assert model.model.layers[0].self_attn.o_proj.weight.dtype == FP8
+    dtype = torch.int8 if scheme == "W8A8" else FP8
+    assert model.model.layers[0].self_attn.o_proj.weight.dtype == dtype
     assert torch.isfinite(logits).all()
 
 
