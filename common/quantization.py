@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-SUPPORTED_QUANTIZATIONS = ("fp8", "compressed-tensors")
 SUPPORTED_TEXT = ("fp8 (per-tensor, or 128x128-block weight scales; or an unquantized "
                   "checkpoint quantized on load) and compressed-tensors (FP8, FP8_DYNAMIC, "
                   "INT8 W8A8)")
@@ -62,7 +61,7 @@ def quant_method_name(quantization: Any) -> str:
 
 def quant_spec(hf_config: Any, engine_quantization: str | None) -> QuantSpec | None:
     """The format of the model's weights (None: unquantized), or QuantizationError."""
-    if engine_quantization is not None and engine_quantization not in SUPPORTED_QUANTIZATIONS:
+    if engine_quantization is not None and engine_quantization not in PARSERS:
         raise QuantizationError(f"unsupported --quantization {engine_quantization!r}; "
                                 f"supported: {SUPPORTED_TEXT}")
     quantization = getattr(hf_config, "quantization_config", None)
@@ -79,12 +78,10 @@ def quant_spec(hf_config: Any, engine_quantization: str | None) -> QuantSpec | N
     if engine_quantization is not None and engine_quantization != method:
         raise QuantizationError(f"--quantization {engine_quantization} does not match the "
                                 f"checkpoint's quantization_config ({method!r})")
-    if method == "fp8":
-        return fp8_spec(config)
-    if method == "compressed-tensors":
-        return compressed_tensors_spec(config)
-    raise QuantizationError(f"unsupported quantization {method!r} (config.json "
-                            f"quantization_config); supported: {SUPPORTED_TEXT}")
+    if method not in PARSERS:
+        raise QuantizationError(f"unsupported quantization {method!r} (config.json "
+                                f"quantization_config); supported: {SUPPORTED_TEXT}")
+    return PARSERS[method](config)
 
 
 def fp8_spec(config: dict[str, Any]) -> QuantSpec:
@@ -145,3 +142,7 @@ def check_ignored(modules: list[str], key: str) -> None:
     if others:
         raise QuantizationError(f"quantization_config {key} lists {others[:3]}: only "
                                 "lm_head may be left unquantized")
+
+
+# quant_method -> what reads its quantization_config
+PARSERS = {"fp8": fp8_spec, "compressed-tensors": compressed_tensors_spec}

@@ -248,6 +248,18 @@ def test_compressed_tensors_matches_transformers(scheme, arch, tmp_path, caplog)
     assert f"{weight_bytes / 2 ** 30:.3f} GiB" in caplog.text
 
 
+def test_fp8_per_tensor_checkpoint_is_read_as_compressed_tensors_fp8(tmp_path):
+    """vLLM's own fp8 format (per-tensor weight_scale, static input_scale) holds the same
+    tensors as compressed-tensors' FP8 under another quantization_config."""
+    model_dir = write_compressed_tensors(make_tiny_model(tmp_path, "qwen3"), "FP8")
+    compressed_tensors, _ = ours(model_dir)
+    edit_config(model_dir, quantization_config={"quant_method": "fp8",
+                                                "activation_scheme": "static"})
+    fp8, model = ours(model_dir)
+    assert model.model.layers[0].mlp.gate_up_proj.input_scale.numel() == 1
+    assert torch.equal(fp8, compressed_tensors)
+
+
 def test_llm_prompt_logprobs_match_transformers(tmp_path):
     """Through LLM(...), in prefill chunks of 8 tokens: per-token activation scales do not
     depend on the batch, so the chunks give transformers' whole-prompt logprobs."""

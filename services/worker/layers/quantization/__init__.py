@@ -1,6 +1,10 @@
 """Quantized linear layers: the QuantMethod each LinearBase delegates to, chosen for the
 whole model from --quantization and config.json's quantization_config
-(common/quantization.py reads them; this maps its QuantSpec to a method)."""
+(common/quantization.py reads them; this maps its QuantSpec to a method).
+
+A new format: a parser of its quantization_config in common/quantization.PARSERS (the
+launcher's check and the worker then agree), a QuantMethod whose create_weights makes its
+checkpoint's tensors with quant_parameter, and its spec mapped to it here."""
 
 from __future__ import annotations
 
