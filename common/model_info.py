@@ -14,7 +14,7 @@ from common.lora import TARGET_MODULES
 from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
                                 read_chat_template, sliding_windows,
                                 max_model_len_of, resolve_model)
-from common.model_support import UnsupportedModel, check_model_support
+from common.model_support import UnsupportedModel, check_model_support, num_experts_of
 from common.quantization import quant_spec
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
 
@@ -117,13 +117,6 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
             f"--tensor-parallel-size {size} does not split the model evenly: its {heads} "
             f"attention heads and {mlp} MLP features must divide by {size}, and its "
             f"{kv_heads} KV heads must divide by {size} or into it")
-
-
-def num_experts_of(hf_config: Any) -> int:
-    """Routed experts per layer (Mixtral's and Qwen MoE's config names); 0 for a dense
-    model."""
-    return (getattr(hf_config, "num_local_experts", 0)
-            or getattr(hf_config, "num_experts", 0) or 0)
 
 
 def check_lora(hf_config: Any, quantization: str | None = None) -> None:

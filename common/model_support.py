@@ -53,12 +53,18 @@ def check_quantization(hf_config: Any, quantization: str | None) -> None:
         spec = quant_spec(hf_config, quantization)
     except QuantizationError as e:
         raise UnsupportedModel(str(e)) from None
-    experts = (getattr(hf_config, "num_local_experts", 0)
-               or getattr(hf_config, "num_experts", 0) or 0)
+    experts = num_experts_of(hf_config)
     if spec is not None and experts:
         raise UnsupportedModel(f"quantization {spec.method!r} is not supported on "
                                f"mixture-of-experts models yet ({experts} experts per "
                                "layer); run the unquantized checkpoint")
+
+
+def num_experts_of(hf_config: Any) -> int:
+    """Routed experts per layer (Mixtral's and Qwen MoE's config names); 0 for a dense
+    model."""
+    return (getattr(hf_config, "num_local_experts", 0)
+            or getattr(hf_config, "num_experts", 0) or 0)
 
 
 def rope_types(hf_config: Any) -> Iterator[str]:

@@ -23,8 +23,8 @@ from common.model_files import resolve_model
 from common.quantization import quant_spec
 from services.worker.layers.checkpoint import CheckpointSlice, read_whole
 from services.worker.layers.linear import LinearBase
-from services.worker.layers.quantization import building_with, quant_method_for
 from services.worker.layers.norm import RMSNorm
+from services.worker.layers.quantization import building_with, quant_method_for
 from services.worker.models import CausalLM, model_class
 
 # a fused parameter's part (q/k/v, gate/up), or an expert's (expert, part)
