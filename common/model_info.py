@@ -15,7 +15,6 @@ from common.model_files import (load_generation_config, load_hf_config, load_tok
                                 read_chat_template, sliding_windows,
                                 max_model_len_of, resolve_model)
 from common.model_support import UnsupportedModel, check_model_support, num_experts_of
-from common.quantization import quant_spec
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
 
 
@@ -42,7 +41,7 @@ def resolve_engine(config: EngineConfig) -> ResolvedModel:
     check_model_support(hf_config, config.quantization)
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     if config.enable_lora:
-        check_lora(hf_config, config.quantization)
+        check_lora(hf_config)
     model_max_len = max_model_len_of(hf_config)
     if config.disable_sliding_window:
         model_max_len = without_sliding_windows(hf_config, model_max_len)
@@ -119,20 +118,16 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
             f"{kv_heads} KV heads must divide by {size} or into it")
 
 
-def check_lora(hf_config: Any, quantization: str | None = None) -> None:
+def check_lora(hf_config: Any) -> None:
     """LoRA wraps the separate dense projections: adapters of fused ones (Phi-3) target
     modules headrace does not have, and the experts' stacked weights have no adapter path,
-    so an adapter of an MoE model could only be applied in part. Its matmul stacks the
-    adapters' A below the base weight, which must be unquantized."""
+    so an adapter of an MoE model could only be applied in part. A quantized base keeps
+    its format; the adapters run beside it in the model's dtype."""
     architecture = (getattr(hf_config, "architectures", None) or ["this model"])[0]
     if architecture in FUSED_PROJECTIONS:
         raise ConfigError(f"--enable-lora is not supported for {architecture}: its adapters "
                           f"target the fused {FUSED_PROJECTIONS[architecture]}, headrace's "
                           f"LoRA the separate {', '.join(TARGET_MODULES)}")
-    spec = quant_spec(hf_config, quantization)
-    if spec is not None:
-        raise ConfigError(f"--enable-lora is not supported on a quantized model yet (its "
-                          f"weights are {spec.method}); run the unquantized checkpoint")
     experts = num_experts_of(hf_config)
     if experts:
         raise ConfigError(f"--enable-lora: LoRA is not supported on mixture-of-experts "

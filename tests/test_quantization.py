@@ -32,9 +32,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import ConfigError, EngineConfig
+from common.config import EngineConfig
 from common.model_files import load_hf_config
-from common.model_info import resolve_engine
 from common.model_support import REFUSED_EXIT, UnsupportedModel, check_model_support
 from kernels.quant import dequantize, quantize_per_token_ref, scaled_mm_ref
 from services.worker.layers.linear import LinearBase, RowParallelLinear
@@ -465,13 +464,9 @@ def test_unbuilt_quantizations_are_refused_in_one_line(config, quantization, lin
     assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
 
 
-def test_quantized_moe_and_lora_on_a_quantized_model_are_refused(tmp_path):
+def test_quantized_moe_is_refused():
     with pytest.raises(UnsupportedModel, match="not supported on mixture-of-experts"):
         check_model_support(tiny_config("mixtral"), "fp8")
-    model_dir = make_tiny_model(tmp_path, "qwen3")
-    with pytest.raises(ConfigError, match="--enable-lora is not supported on a quantized"):
-        resolve_engine(EngineConfig(model=str(model_dir), quantization="fp8",
-                                    enable_lora=True))
 
 
 def test_llm_and_serve_refuse_an_unknown_quantization(tmp_path):
