@@ -478,6 +478,24 @@ def test_online_fp8_quantizes_the_experts(tmp_path):
     assert rel_err(logits, transformers_moe_logits(model_dir, None)) < EXACT
 
 
+def test_expert_scales_route_to_their_stacked_parameters():
+    """Each expert's scale tensors go to the stacked scale of their tensor's name, with
+    the expert and part as shard id (Mixtral's w1/w2/w3 names too)."""
+    from services.worker.loader import route
+    from services.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+
+    prefix = "model.layers.3.mlp.experts"
+    assert route(f"{prefix}.5.up_proj.weight_scale_inv", Qwen3MoeForCausalLM) == (
+        f"{prefix}.w13_weight_scale_inv", (5, "up"))
+    assert route(f"{prefix}.0.down_proj.input_scale", Qwen3MoeForCausalLM) == (
+        f"{prefix}.w2_input_scale", (0, "down"))
+    assert route(f"{prefix}.2.gate_proj.weight", Qwen3MoeForCausalLM) == (
+        f"{prefix}.w13", (2, "gate"))
+    assert route("model.layers.0.block_sparse_moe.experts.7.w3.weight_scale",
+                 MixtralForCausalLM) == ("model.layers.0.mlp.experts.w13_weight_scale",
+                                         (7, "up"))
+
+
 def test_per_tensor_expert_scales_stay_on_their_parts():
     """Per-tensor checkpoints (FP8 with static input scales): gate's and up's scales
     each stay on their own rows of w13; each GEMM's input takes the largest input scale
