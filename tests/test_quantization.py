@@ -17,8 +17,12 @@ torch twins; the Triton kernels are tests/test_kernels_triton.py's).
   blocks) and not (a tiny model's 64-row parts).
 - --quantization fp8 on an unquantized checkpoint against transformers on the weights
   quantized per channel the same way, and within 0.25 of the unquantized model.
-- Rank 1 of 2 holds exactly its shard of every quantized tensor; two gloo ranks run the
-  model near one rank's logits; refusals in one line.
+- Mixtures of experts' fp8 experts (FP8_DYNAMIC, 128x128 blocks, online fp8) against
+  transformers on the dequantized weights with every projection's input quantized the
+  same way, the experts' included (through F.linear, which transformers' eager experts
+  call); per-tensor scales and static input scales on one layer by hand.
+- Rank 1 of 2 holds exactly its shard of every quantized tensor (the experts' too); two
+  gloo ranks run the model near one rank's logits; refusals in one line.
 """
 
 from __future__ import annotations
@@ -652,8 +656,10 @@ def test_quantized_checkpoints_run_over_two_gloo_ranks(tmp_path):
     a row-parallel rank quantizes its own slice of each token (as vLLM's), and the
     all-reduced sums, added in another order, round a few activations to the neighbouring
     fp8 value, which the tiny random model amplifies (exact sharding is the test above)."""
-    dirs = [write_compressed_tensors(make_tiny_model(tmp_path / scheme, "qwen3"), scheme)
-            for scheme in ("FP8", "W8A8")]
+    dirs = [write_compressed_tensors(make_tiny_model(tmp_path / f"{arch}-{scheme}", arch),
+                                     scheme)
+            for arch, scheme in (("qwen3", "FP8"), ("qwen3", "W8A8"),
+                                 ("qwen3_moe", "FP8_DYNAMIC"))]
     results = run_ranks(2, dirs, "auto", PROMPT, tmp_path)
     for model_dir in dirs:
         whole, _ = ours(model_dir)
