@@ -10,6 +10,8 @@ Built: W8A8 with 8-bit weights and activations quantized on the fly,
 - `compressed-tensors` (llm-compressor): one config group over every Linear, 8-bit
   symmetric weights per tensor or per channel, float (FP8, FP8_DYNAMIC) or int (W8A8),
   activations dynamic per token or (float) static per tensor.
+A mixture of experts' routed experts take the fp8 formats (common/model_support.py
+refuses int8 there); its router stays unquantized, as checkpoints leave it.
 """
 
 from __future__ import annotations
@@ -135,13 +137,21 @@ def describe_args(args: dict[str, Any] | None) -> str:
             f"{'' if args.get('symmetric', True) else ' asymmetric'}")
 
 
+# modules never quantized here, which checkpoints list as left unquantized: the LM head,
+# a mixture of experts' router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`) and
+# Qwen2-MoE's shared expert gate
+UNQUANTIZED_MODULES = ("lm_head", "gate", "shared_expert_gate")
+
+
 def check_ignored(modules: list[str], key: str) -> None:
-    """Layers left unquantized: the LM head (never quantized here) is the only one
-    supported."""
-    others = [m for m in modules if m.rpartition(".")[2] != "lm_head"]
+    """Layers left unquantized: only those never quantized here. An entry is a module
+    name or a compressed-tensors pattern (`re:.*mlp.gate$`); its last name decides."""
+    others = [m for m in modules
+              if m.removeprefix("re:").removesuffix("$").rpartition(".")[2]
+              not in UNQUANTIZED_MODULES]
     if others:
         raise QuantizationError(f"quantization_config {key} lists {others[:3]}: only "
-                                "lm_head may be left unquantized")
+                                f"{', '.join(UNQUANTIZED_MODULES)} may be left unquantized")
 
 
 # quant_method -> what reads its quantization_config

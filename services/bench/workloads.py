@@ -106,10 +106,14 @@ class ModelShape:
         head_dim = getattr(hf_config, "head_dim", None) or (
             hf_config.hidden_size // hf_config.num_attention_heads)
         moe = routed_experts(model)
-        routed = {id(p) for m in moe for p in (m.w13, m.w2)}
+        # an expert's bytes: its slice of the weights and of their scales (fp8 experts:
+        # a byte a weight, plus float32 scales)
+        stacked = [p for m in moe for p in m.expert_parameters()]
+        routed = {id(p) for p in stacked}
         dense = [p for p in model.parameters() if id(p) not in routed]
         expert_params = sum(m.w13[0].numel() + m.w2[0].numel() for m in moe[:1])
-        expert_bytes = expert_params * moe[0].w13.element_size() if moe else 0
+        expert_bytes = sum(p[0].numel() * p.element_size()
+                           for p in moe[0].expert_parameters()) if moe else 0
         top_k = moe[0].top_k if moe else 0
         return cls(hf_config.num_hidden_layers, hf_config.num_attention_heads // tp_size,
                    model.num_kv_heads, head_dim,

@@ -23,6 +23,7 @@ from common.model_files import resolve_model
 from common.quantization import quant_spec
 from services.worker.layers.checkpoint import CheckpointSlice, read_whole
 from services.worker.layers.linear import LinearBase
+from services.worker.layers.moe import FusedMoE
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.quantization import building_with, quant_method_for
 from services.worker.models import CausalLM, model_class
@@ -50,7 +51,7 @@ def load_model(config: EngineConfig, hf_config, device: torch.device, dtype: tor
             config.model, config.load_format)
         load_weights(model, iter_safetensors(directory))
     for module in model.modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, (LinearBase, FusedMoE)):
             module.method.process_after_loading(module)
     log.info("%s weights: %s, %.3f GiB", cls.__name__, describe(hf_config, config),
              weight_bytes(model) / 2 ** 30)
@@ -160,13 +161,17 @@ def load_kv_scale(buffers: dict[str, torch.Tensor], name: str,
 def route(name: str, model: CausalLM) -> tuple[str, ShardId]:
     """Checkpoint name -> (our parameter name, shard id). An expert's tensor
     (`...experts.{e}.<module>.weight`) goes to its stacked parameter with shard id
-    (e, part), before packed_modules sees a module name that dense MLPs share."""
+    (e, part), before packed_modules sees a module name that dense MLPs share; its
+    scales (`.weight_scale`, `.weight_scale_inv`, `.input_scale`) to the stacked scale of
+    that name (`w13_weight_scale`)."""
     parts = [model.module_renames.get(part, part) for part in name.split(".")]
     for i, part in enumerate(parts):
-        if (part == "experts" and len(parts) > i + 2 and parts[i + 1].isdigit()
+        if (part == "experts" and len(parts) > i + 3 and parts[i + 1].isdigit()
                 and parts[i + 2] in model.expert_weights):
             stacked, which = model.expert_weights[parts[i + 2]]
-            return ".".join(parts[:i + 1] + [stacked]), (int(parts[i + 1]), which)
+            tensor = ".".join(parts[i + 3:])
+            target = stacked if tensor == "weight" else f"{stacked}_{tensor}"
+            return ".".join(parts[:i + 1] + [target]), (int(parts[i + 1]), which)
         if part in model.packed_modules:
             fused, shard_id = model.packed_modules[part]
             return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard_id
