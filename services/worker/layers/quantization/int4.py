@@ -1,0 +1,332 @@
+"""INT4 weight-only checkpoints (W4A16): AWQ, GPTQ (v1 and v2 zeros, with and without
+act-order) and compressed-tensors' pack-quantized W4A16 scheme.
+
+Each method registers the checkpoint's own tensors at this rank's sizes, converts them once
+after loading to the one layout kernels/int4.py reads (its docstring says which and why),
+and multiplies with kernels.int4.w4a16_gemm. On disk (K input, N output features, group g):
+
+- AWQ (GEMM version): qweight int32 [K, N/8], packed along N with nibble i holding column
+  AWQ_PACK_ORDER[i] of its eight; qzeros int32 [K/g, N/8] the same way; scales [K/g, N].
+  W[n, k] = (q - z) * s.
+- GPTQ: qweight int32 [K/8, N] packed along K, nibble j = row 8r + j; qzeros int32
+  [K/g, N/8] packed along N in order; scales [K/g, N]; g_idx int32 [K], each input
+  feature's group (not k // g under act-order). The v1 format ("gptq") stores zero - 1,
+  v2 ("gptq_v2") the zero itself.
+- compressed-tensors pack-quantized: weight_packed int32 [N, K/8] packed along K in order,
+  values offset by 8 (signed -8..7 stored as 0..15); weight_scale [N, K/g];
+  weight_zero_point int32 [N/8, K/g] packed along N, offset by 8 (asymmetric only; a
+  symmetric zero is 0, stored 8); weight_shape [2]; weight_g_idx [K] under actorder "group".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from kernels.int4 import PACK_FACTOR, pack_int4_rows, unpack_int4_rows, w4a16_gemm
+
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column ORDER[i]
+SEQUENTIAL_ORDER = tuple(range(PACK_FACTOR))
+SYMMETRIC_ZERO = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """The canonical layout (kernels/int4.py): qweight int32 [K/8, N], scales [K/g, N],
+    zeros uint8 [K/g, N], perm [K] int32 or None."""
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    perm: torch.Tensor | None
+
+
+# --- unpacking and conversion ----------------------------------------------------------------
+
+def unpack_int4_columns(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """int32 [R, C] packed along columns -> uint8 [R, 8C]: nibble i of word [r, c] is
+    column 8c + order[i]."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [R, C, 8] by nibble
+    columns = torch.empty_like(nibbles)
+    columns[..., list(order)] = nibbles
+    return columns.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def sort_groups(g_idx: torch.Tensor | None, group_size: int) -> torch.Tensor | None:
+    """The permutation that makes each group's input features contiguous (act-order), or
+    None when they already are (g_idx = k // g, or absent)."""
+    if g_idx is None:
+        return None
+    in_order = torch.arange(g_idx.numel(), device=g_idx.device) // group_size
+    if torch.equal(g_idx.long(), in_order):
+        return None
+    perm = torch.argsort(g_idx.long(), stable=True)
+    if not torch.equal(g_idx.long()[perm], in_order):
+        raise ValueError(f"g_idx does not give each group of this rank's input features "
+                         f"exactly {group_size} of them; act-order with the input features "
+                         "split over ranks is not supported")
+    return perm.to(torch.int32)
+
+
+def to_int4_weight(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                   g_idx: torch.Tensor | None, group_size: int) -> Int4Weight:
+    """q uint8 [K, N] in checkpoint order, zeros [K/g, N], scales [K/g, N] by group."""
+    perm = sort_groups(g_idx, group_size)
+    if perm is not None:
+        q = q[perm.long()]
+    return Int4Weight(pack_int4_rows(q), scales.contiguous(),
+                      zeros.to(torch.uint8).contiguous(), perm)
+
+
+def awq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                group_size: int) -> Int4Weight:
+    q = unpack_int4_columns(qweight, AWQ_PACK_ORDER)
+    zeros = unpack_int4_columns(qzeros, AWQ_PACK_ORDER)
+    return to_int4_weight(q, zeros, scales, None, group_size)
+
+
+def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                 g_idx: torch.Tensor | None, group_size: int, v1_zeros: bool) -> Int4Weight:
+    """v1_zeros: the checkpoint stores zero - 1 (format "gptq"), so a stored 15 is a zero
+    of 16, as vLLM's and transformers' GPTQ kernels read it."""
+    zeros = unpack_int4_columns(qzeros, SEQUENTIAL_ORDER).to(torch.int32) + int(v1_zeros)
+    return to_int4_weight(unpack_int4_rows(qweight), zeros, scales, g_idx, group_size)
+
+
+def compressed_tensors_to_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                               weight_zero_point: torch.Tensor | None,
+                               g_idx: torch.Tensor | None, group_size: int) -> Int4Weight:
+    q = unpack_int4_columns(weight_packed, SEQUENTIAL_ORDER).T  # [K, N], offset by 8
+    if weight_zero_point is None:
+        zeros = torch.full(weight_scale.T.shape, SYMMETRIC_ZERO, dtype=torch.uint8,
+                           device=weight_scale.device)
+    else:
+        zeros = unpack_int4_rows(weight_zero_point).T
+    return to_int4_weight(q, zeros, weight_scale.T, g_idx, group_size)
+
+
+# --- parameters ------------------------------------------------------------------------------
+
+def int4_parameter(tensor: torch.Tensor, output_dim: int | None, input_dim: int | None,
+                   pack_dim: int | None = None, pack_factor: int = 1,
+                   loader: Callable[..., None] | None = None) -> nn.Parameter:
+    """A checkpoint parameter with the attributes the layer's loader shards by (the
+    framework's quant_parameter, same signature)."""
+    param = nn.Parameter(tensor, requires_grad=False)
+    param.output_dim, param.input_dim = output_dim, input_dim
+    param.pack_dim, param.pack_factor = pack_dim, pack_factor
+    param.weight_loader = loader
+    return param
+
+
+def check_sizes(method: str, input_size: int, output_sizes: list[int],
+                group_size: int) -> None:
+    if input_size % group_size or group_size % PACK_FACTOR:
+        raise ValueError(f"{method}: {input_size} input features per rank do not split into "
+                         f"groups of {group_size} (a multiple of {PACK_FACTOR} is needed); "
+                         "use fewer tensor-parallel ranks")
+    if any(size % PACK_FACTOR for size in output_sizes):
+        raise ValueError(f"{method}: output sizes per rank {output_sizes} must be multiples "
+                         f"of {PACK_FACTOR} (int4 packed in int32)")
+
+
+def replace_parameters(layer: nn.Module, stale: tuple[str, ...], weight: Int4Weight) -> None:
+    """The checkpoint's tensors give way to the canonical ones."""
+    for name in stale:
+        if hasattr(layer, name):
+            delattr(layer, name)
+    for name in ("qweight", "scales", "zeros"):
+        setattr(layer, name, nn.Parameter(getattr(weight, name), requires_grad=False))
+    layer.perm = None if weight.perm is None else nn.Parameter(weight.perm, requires_grad=False)
+
+
+def optional(layer: nn.Module, name: str) -> torch.Tensor | None:
+    param = getattr(layer, name, None)
+    return None if param is None else param.data
+
+
+# --- methods ---------------------------------------------------------------------------------
+
+class Int4Method:
+    """What every INT4 method shares: the multiply over the canonical layout. Subclasses
+    register the checkpoint's tensors and convert them."""
+
+    name: ClassVar[str]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        group_size = layer.qweight.shape[0] * PACK_FACTOR // layer.scales.shape[0]
+        return w4a16_gemm(x, layer.qweight, layer.scales, layer.zeros, group_size,
+                          layer.perm, bias)
+
+    def group(self, input_size: int) -> int:
+        """The group size at this rank's input size (-1: one group over all of them)."""
+        return input_size if self.group_size == -1 else self.group_size
+
+
+def group_input_dim(group_size: int, dim: int) -> int | None:
+    """A per-channel scale (group -1) covers every input feature of every rank: whole on
+    each rank rather than split along the input."""
+    return None if group_size == -1 else dim
+
+
+def four_bits(method: str, bits: int) -> None:
+    if bits != 4:
+        raise ValueError(f"{method}: {bits}-bit weights are not supported (4 only)")
+
+
+@dataclass(frozen=True, slots=True)
+class AWQMethod(Int4Method):
+    name: ClassVar[str] = "awq"
+    group_size: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> AWQMethod:
+        """An AWQ quantization_config (AutoAWQ's keys or the w_bit/q_group_size spelling)."""
+        four_bits("awq", config.get("bits", config.get("w_bit", 4)))
+        version = str(config.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"awq: version {version!r} is not supported (gemm only)")
+        if not config.get("zero_point", True):
+            raise ValueError("awq: zero_point false is not supported (asymmetric only)")
+        return cls(config.get("group_size", config.get("q_group_size", 128)))
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        g = self.group(input_size)
+        check_sizes("awq", input_size, output_sizes, g)
+        n, groups, loader = sum(output_sizes), input_size // g, layer.weight_loader
+        gdim = group_input_dim(self.group_size, 0)
+        packed = dict(output_dim=1, pack_dim=1, pack_factor=PACK_FACTOR, loader=loader)
+        layer.register_parameter("qweight", int4_parameter(
+            torch.empty(input_size, n // PACK_FACTOR, dtype=torch.int32), input_dim=0,
+            **packed))
+        layer.register_parameter("qzeros", int4_parameter(
+            torch.empty(groups, n // PACK_FACTOR, dtype=torch.int32), input_dim=gdim,
+            **packed))
+        layer.register_parameter("scales", int4_parameter(
+            torch.empty(groups, n, dtype=dtype), output_dim=1, input_dim=gdim, loader=loader))
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        weight = awq_to_int4(layer.qweight.data, layer.qzeros.data, layer.scales.data,
+                             self.group(layer.qweight.shape[0]))
+        replace_parameters(layer, ("qweight", "qzeros", "scales"), weight)
+
+
+@dataclass(frozen=True, slots=True)
+class GPTQMethod(Int4Method):
+    name: ClassVar[str] = "gptq"
+    group_size: int
+    v1_zeros: bool  # checkpoint_format "gptq" stores zero - 1, "gptq_v2" the zero
+
+    @classmethod
+    def from_config(cls, config: dict) -> GPTQMethod:
+        """A GPTQ quantization_config. desc_act and sym need no switch: act-order shows in
+        g_idx, and a symmetric checkpoint stores its zeros (8) like any other."""
+        four_bits("gptq", config.get("bits", 4))
+        fmt = config.get("checkpoint_format", config.get("format", "gptq"))
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"gptq: checkpoint format {fmt!r} is not supported "
+                             "(gptq, gptq_v2)")
+        return cls(config.get("group_size", 128), v1_zeros=fmt == "gptq")
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        g = self.group(input_size)
+        check_sizes("gptq", input_size, output_sizes, g)
+        n, groups, loader = sum(output_sizes), input_size // g, layer.weight_loader
+        gdim = group_input_dim(self.group_size, 0)
+        layer.register_parameter("qweight", int4_parameter(
+            torch.empty(input_size // PACK_FACTOR, n, dtype=torch.int32), output_dim=1,
+            input_dim=0, pack_dim=0, pack_factor=PACK_FACTOR, loader=loader))
+        layer.register_parameter("qzeros", int4_parameter(
+            torch.empty(groups, n // PACK_FACTOR, dtype=torch.int32), output_dim=1,
+            input_dim=gdim, pack_dim=1, pack_factor=PACK_FACTOR, loader=loader))
+        layer.register_parameter("scales", int4_parameter(
+            torch.empty(groups, n, dtype=dtype), output_dim=1, input_dim=gdim, loader=loader))
+        layer.register_parameter("g_idx", int4_parameter(
+            torch.empty(input_size, dtype=torch.int32), output_dim=None, input_dim=0,
+            loader=loader))
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        input_size = layer.qweight.shape[0] * PACK_FACTOR
+        weight = gptq_to_int4(layer.qweight.data, layer.qzeros.data, layer.scales.data,
+                              layer.g_idx.data, self.group(input_size), self.v1_zeros)
+        replace_parameters(layer, ("qweight", "qzeros", "scales", "g_idx"), weight)
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedTensorsW4A16(Int4Method):
+    """compressed-tensors' pack-quantized scheme with 4-bit integer weights and no
+    activation quantization, per group or per channel (group -1 here)."""
+    name: ClassVar[str] = "compressed-tensors"
+    group_size: int
+    symmetric: bool
+    group_order: bool  # actorder "group": weight_g_idx names each input feature's group
+
+    @classmethod
+    def from_weights_args(cls, weights: dict) -> CompressedTensorsW4A16:
+        """A config group's "weights" arguments."""
+        four_bits("compressed-tensors", weights.get("num_bits", 4))
+        if weights.get("type", "int") != "int" or weights.get("dynamic", False):
+            raise ValueError("compressed-tensors: only static integer weights are supported "
+                             f"by the W4A16 scheme, got {weights}")
+        strategy = weights.get("strategy", "group")
+        if strategy not in ("group", "channel"):
+            raise ValueError(f"compressed-tensors: W4A16 strategy {strategy!r} is not "
+                             "supported (group, channel)")
+        group_size = weights.get("group_size") if strategy == "group" else -1
+        return cls(group_size, weights.get("symmetric", True),
+                   group_order=weights.get("actorder") in ("group", True))
+
+    @classmethod
+    def from_config(cls, config: dict) -> CompressedTensorsW4A16:
+        """A compressed-tensors quantization_config whose config groups all hold this one
+        scheme (choosing a scheme per layer is the compressed-tensors dispatcher's work)."""
+        groups = list(config.get("config_groups", {}).values())
+        schemes = {str(sorted(group.get("weights", {}).items())) for group in groups}
+        if len(schemes) != 1:
+            raise ValueError(f"compressed-tensors: {len(schemes)} weight schemes in "
+                             "config_groups; one W4A16 scheme for every layer is supported")
+        fmt = groups[0].get("format") or config.get("format")
+        if fmt != "pack-quantized" or groups[0].get("input_activations") is not None:
+            raise ValueError(f"compressed-tensors: format {fmt!r} with input activations "
+                             f"{groups[0].get('input_activations')} is not W4A16 "
+                             "pack-quantized")
+        return cls.from_weights_args(groups[0]["weights"])
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        g = self.group(input_size)
+        check_sizes("compressed-tensors", input_size, output_sizes, g)
+        n, groups, loader = sum(output_sizes), input_size // g, layer.weight_loader
+        gdim = group_input_dim(self.group_size, 1)
+        layer.register_parameter("weight_packed", int4_parameter(
+            torch.empty(n, input_size // PACK_FACTOR, dtype=torch.int32), output_dim=0,
+            input_dim=1, pack_dim=1, pack_factor=PACK_FACTOR, loader=loader))
+        layer.register_parameter("weight_scale", int4_parameter(
+            torch.empty(n, groups, dtype=dtype), output_dim=0, input_dim=gdim, loader=loader))
+        layer.register_parameter("weight_shape", int4_parameter(
+            torch.empty(2, dtype=torch.int64), output_dim=None, input_dim=None,
+            loader=loader))
+        if not self.symmetric:
+            layer.register_parameter("weight_zero_point", int4_parameter(
+                torch.empty(n // PACK_FACTOR, groups, dtype=torch.int32), output_dim=0,
+                input_dim=gdim, pack_dim=0, pack_factor=PACK_FACTOR, loader=loader))
+        if self.group_order:
+            layer.register_parameter("weight_g_idx", int4_parameter(
+                torch.empty(input_size, dtype=torch.int32), output_dim=None, input_dim=0,
+                loader=loader))
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        input_size = layer.weight_packed.shape[1] * PACK_FACTOR
+        weight = compressed_tensors_to_int4(
+            layer.weight_packed.data, layer.weight_scale.data,
+            optional(layer, "weight_zero_point"), optional(layer, "weight_g_idx"),
+            self.group(input_size))
+        replace_parameters(layer, ("weight_packed", "weight_scale", "weight_zero_point",
+                                   "weight_shape", "weight_g_idx"), weight)

@@ -1,0 +1,443 @@
+"""INT4 weight-only (W4A16): the Triton kernels against their torch twin, each checkpoint
+format's converter against an independent reading of its documented layout, and the
+quantization methods end to end on a small layer.
+
+The kernels run in Triton's interpreter in a fresh subprocess, as tests/test_kernels_triton.py
+explains; fp16 activations there (the interpreter multiplies bf16 matrices as raw bits).
+
+The AWQ and GPTQ packings are written here nibble by nibble, straight from the formats'
+descriptions (AutoAWQ's GEMM pack order 0,2,4,6,1,3,5,7 along output features; GPTQ's
+sequential nibbles along input features for qweight and along output features for qzeros,
+v1 storing zero - 1); compressed-tensors' tensors come from the installed library's own
+pack_to_int32 and are read back by its own decompressor.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kernels.int4 import (Int4Tiles, dequantize_int4_ref, pack_int4_rows, unpack_int4_rows,
+                          w4a16_gemm_ref, w4a16_gemm_triton)
+from services.worker.layers.quantization.int4 import (AWQMethod, CompressedTensorsW4A16,
+                                                      GPTQMethod, Int4Weight, awq_to_int4,
+                                                      compressed_tensors_to_int4,
+                                                      gptq_to_int4)
+
+REPO = Path(__file__).resolve().parent.parent
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+GROUP_SIZES = (32, 64, 128)
+
+
+def fresh_generator() -> tuple[torch.Generator, int]:
+    seed = random.SystemRandom().randrange(2 ** 31)
+    return torch.Generator().manual_seed(seed), seed
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# --- an independent reference quantizer and the documented packings -----------------------
+
+@dataclass
+class Quantized:
+    """W [N, K] as unsigned 4-bit q [N, K], zeros [N, groups] (integers, possibly 16 for
+    GPTQ v1) and scales [N, groups]; `group_of` [K] each input feature's group."""
+    q: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    group_of: torch.Tensor
+
+    def dequantized(self) -> torch.Tensor:
+        """W[n, k] = (q - z) * s of k's group, rounded once to the scales' dtype."""
+        z = self.zeros[:, self.group_of].long()
+        s = self.scales[:, self.group_of].float()
+        return ((self.q.long() - z).float() * s).to(self.scales.dtype)
+
+
+def quantize(w: torch.Tensor, group_of: torch.Tensor, symmetric: bool,
+             dtype: torch.dtype) -> Quantized:
+    """Min-max quantization of each (output feature, group); symmetric: zero 8."""
+    n, groups = w.shape[0], int(group_of.max()) + 1
+    scales = torch.empty(n, groups, dtype=dtype)
+    zeros = torch.empty(n, groups, dtype=torch.long)
+    q = torch.empty(w.shape, dtype=torch.long)
+    for grp in range(groups):
+        cols = (group_of == grp).nonzero().squeeze(1)
+        part = w[:, cols].float()
+        if symmetric:
+            scale = (part.abs().amax(dim=1) / 7).to(dtype).float()
+            zero = torch.full((n,), 8)
+        else:
+            lo, hi = part.amin(dim=1).clamp(max=0), part.amax(dim=1).clamp(min=0)
+            scale = ((hi - lo) / 15).to(dtype).float()
+            zero = (-lo / scale).round().clamp(0, 15).long()
+        q[:, cols] = ((part / scale[:, None]).round() + zero[:, None]).clamp(0, 15).long()
+        scales[:, grp], zeros[:, grp] = scale.to(dtype), zero
+    return Quantized(q, zeros, scales, group_of)
+
+
+def as_int32(words: torch.Tensor) -> torch.Tensor:
+    """uint32 values held in int64 -> the int32 with the same bits."""
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def pack_along_columns(v: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """[R, 8C] -> int32 [R, C]: nibble i of word c holds column 8c + order[i]."""
+    words = torch.zeros(v.shape[0], v.shape[1] // 8, dtype=torch.long)
+    for c in range(words.shape[1]):
+        for i in range(8):
+            words[:, c] |= (v[:, 8 * c + order[i]].long() & 0xF) << (4 * i)
+    return as_int32(words)
+
+
+def pack_along_rows(v: torch.Tensor) -> torch.Tensor:
+    """[8R, C] -> int32 [R, C]: nibble j of word r holds row 8r + j."""
+    return pack_along_columns(v.T, tuple(range(8))).T.contiguous()
+
+
+def nibble(words: torch.Tensor, i: int) -> torch.Tensor:
+    return (words.long() >> (4 * i)) & 0xF
+
+
+def read_columns(words: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """The inverse of pack_along_columns, one nibble at a time."""
+    out = torch.empty(words.shape[0], 8 * words.shape[1], dtype=torch.long)
+    for c in range(words.shape[1]):
+        for i in range(8):
+            out[:, 8 * c + order[i]] = nibble(words[:, c], i)
+    return out
+
+
+def read_rows(words: torch.Tensor) -> torch.Tensor:
+    return read_columns(words.T, tuple(range(8))).T
+
+
+def awq_tensors(qz: Quantized) -> dict[str, torch.Tensor]:
+    return {"qweight": pack_along_columns(qz.q.T, AWQ_ORDER),
+            "qzeros": pack_along_columns(qz.zeros.T, AWQ_ORDER),
+            "scales": qz.scales.T.contiguous()}
+
+
+def gptq_tensors(qz: Quantized, v1: bool) -> dict[str, torch.Tensor]:
+    return {"qweight": pack_along_rows(qz.q.T),
+            "qzeros": pack_along_columns(qz.zeros.T - int(v1), tuple(range(8))),
+            "scales": qz.scales.T.contiguous(), "g_idx": qz.group_of.to(torch.int32)}
+
+
+def ct_tensors(qz: Quantized, symmetric: bool) -> dict[str, torch.Tensor]:
+    """compressed-tensors stores signed values: q - 8 and zero - 8."""
+    from compressed_tensors.compressors.pack_quantized import pack_to_int32
+    tensors = {"weight_packed": pack_to_int32((qz.q - 8).to(torch.int8), 4),
+               "weight_scale": qz.scales.clone(),
+               "weight_shape": torch.tensor(qz.q.shape)}
+    if not symmetric:
+        tensors["weight_zero_point"] = pack_to_int32((qz.zeros - 8).to(torch.int8), 4,
+                                                     packed_dim=0)
+    return tensors
+
+
+def sequential_groups(k: int, group_size: int) -> torch.Tensor:
+    return torch.arange(k) // group_size
+
+
+def act_order_groups(k: int, group_size: int, g: torch.Generator) -> torch.Tensor:
+    """GPTQ's desc_act: features quantized in a random order, group = position // g."""
+    order = torch.randperm(k, generator=g)
+    group_of = torch.empty(k, dtype=torch.long)
+    group_of[order] = torch.arange(k) // group_size
+    return group_of
+
+
+def dense(weight: Int4Weight, group_size: int) -> torch.Tensor:
+    """The canonical layout back to W [N, K] in the checkpoint's input order."""
+    w_t = dequantize_int4_ref(weight.qweight, weight.scales, weight.zeros, group_size)
+    if weight.perm is None:
+        return w_t.T
+    original = torch.empty_like(w_t)
+    original[weight.perm.long()] = w_t
+    return original.T
+
+
+# --- kernels: interpreter checks, each in a subprocess -------------------------------------
+
+CHECKS: dict[str, Callable[[], None]] = {}
+
+
+def interpreter_check(fn: Callable[[], None]) -> Callable[[], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def random_int4(k: int, n: int, group_size: int, g: torch.Generator,
+                act_order: bool) -> Int4Weight:
+    """Random canonical weights: any nibble, zeros 0..16, small positive scales."""
+    q = torch.randint(0, 16, (k, n), generator=g)
+    groups = k // group_size
+    scales = (torch.rand(groups, n, generator=g) * 0.05 + 0.01).half()
+    zeros = torch.randint(0, 17, (groups, n), generator=g).to(torch.uint8)
+    perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
+    return Int4Weight(pack_int4_rows(q), scales, zeros, perm)
+
+
+def check_w4a16(m: int, k: int, n: int, group_size: int, act_order: bool,
+                tiles: Int4Tiles | None, with_bias: bool) -> None:
+    g, seed = fresh_generator()
+    w = random_int4(k, n, group_size, g, act_order)
+    x = torch.randn(m, k, generator=g).half()
+    bias = torch.randn(n, generator=g).half() if with_bias else None
+    ref = w4a16_gemm_ref(x, w.qweight, w.scales, w.zeros, group_size, w.perm, bias)
+    out = w4a16_gemm_triton(x, w.qweight, w.scales, w.zeros, group_size, w.perm, bias,
+                            tiles=tiles)
+    error = relative_error(out, ref)
+    assert error <= 1e-2, (f"m {m} k {k} n {n} g {group_size} act-order {act_order} "
+                           f"bias {with_bias} {tiles}: error {error:.3g} (seed {seed})")
+
+
+@interpreter_check
+def gemv_path() -> None:
+    """Rows 1, 3 and 16 (the GEMV limit); N off the block size; K over several blocks and
+    a last partial one; groups 32, 64, 128 with and without act-order."""
+    for group_size in GROUP_SIZES:
+        for act_order in (False, True):
+            check_w4a16(1, 384, 96, group_size, act_order, Int4Tiles(1, 64, 256), act_order)
+    check_w4a16(3, 256, 40, 32, True, Int4Tiles(1, 32, 64), True)
+    check_w4a16(16, 128, 72, 64, False, None, True)  # the default: GEMV tiles at 16 rows
+
+
+@interpreter_check
+def gemm_path() -> None:
+    """Rows past the GEMV limit, M and N off the tiles, K tiles narrower and wider than a
+    group; groups 32, 64, 128 with and without act-order; the default tiles once."""
+    for group_size in GROUP_SIZES:
+        for act_order in (False, True):
+            check_w4a16(21, 256, 48, group_size, act_order, Int4Tiles(16, 32, 64),
+                        not act_order)
+    check_w4a16(5, 256, 80, 128, True, Int4Tiles(16, 64, 256), True)
+    check_w4a16(17, 128, 136, 64, False, None, False)
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_under_triton_interpreter(check: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-m", "tests.test_quant_int4", check],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_canonical_packing_round_trips() -> None:
+    g, _ = fresh_generator()
+    q = torch.randint(0, 16, (64, 24), generator=g)
+    packed = pack_int4_rows(q)
+    assert torch.equal(packed, pack_along_rows(q))
+    assert torch.equal(unpack_int4_rows(packed).long(), q)
+
+
+# --- converters against independent unpacking of random words ------------------------------
+
+def random_words(*shape: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(-2 ** 31, 2 ** 31, shape, generator=g, dtype=torch.int64).to(
+        torch.int32)
+
+
+def random_scales(*shape: int, g: torch.Generator) -> torch.Tensor:
+    return (torch.rand(*shape, generator=g) * 0.05 + 0.01).half()
+
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_awq_converter_reads_interleaved_nibbles(group_size: int) -> None:
+    g, seed = fresh_generator()
+    k, n = 256, 48
+    qweight, qzeros = random_words(k, n // 8, g=g), random_words(k // group_size, n // 8, g=g)
+    scales = random_scales(k // group_size, n, g=g)
+    q, z = read_columns(qweight, AWQ_ORDER), read_columns(qzeros, AWQ_ORDER)
+    expected = Quantized(q.T, z.T, scales.T, sequential_groups(k, group_size)).dequantized()
+    weight = awq_to_int4(qweight, qzeros, scales, group_size)
+    assert weight.perm is None
+    assert torch.equal(dense(weight, group_size), expected), f"seed {seed}"
+
+
+@pytest.mark.parametrize("v1", [True, False])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_converter_reads_sequential_nibbles(v1: bool, act_order: bool) -> None:
+    """Any stored zero nibble, 15 included (a v1 zero of 16); act-order g_idx."""
+    g, seed = fresh_generator()
+    k, n, group_size = 256, 40, 64
+    qweight, qzeros = random_words(k // 8, n, g=g), random_words(k // group_size, n // 8, g=g)
+    scales = random_scales(k // group_size, n, g=g)
+    group_of = act_order_groups(k, group_size, g) if act_order else \
+        sequential_groups(k, group_size)
+    q, z = read_rows(qweight), read_columns(qzeros, tuple(range(8))) + int(v1)
+    expected = Quantized(q.T, z.T, scales.T, group_of).dequantized()
+    weight = gptq_to_int4(qweight, qzeros, scales, group_of.to(torch.int32), group_size, v1)
+    assert (weight.perm is not None) == act_order
+    assert torch.equal(dense(weight, group_size), expected), f"seed {seed}"
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_converter_matches_the_library(symmetric: bool) -> None:
+    """Random packed words read back by compressed-tensors' own unpacker and dequantizer."""
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    g, seed = fresh_generator()
+    k, n, group_size = 256, 48, 32
+    state = {"weight_packed": random_words(n, k // 8, g=g),
+             "weight_scale": random_scales(n, k // group_size, g=g),
+             "weight_shape": torch.tensor([n, k])}
+    if not symmetric:
+        state["weight_zero_point"] = random_words(n // 8, k // group_size, g=g)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group_size))
+    expected = PackedQuantizationCompressor.decompress(dict(state), scheme)["weight"]
+    weight = compressed_tensors_to_int4(state["weight_packed"], state["weight_scale"],
+                                        state.get("weight_zero_point"), None, group_size)
+    assert torch.equal(dense(weight, group_size), expected), f"seed {seed}"
+
+
+# --- round trip: quantize, pack as the format does, convert, dequantize --------------------
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_round_trip_through_every_format(group_size: int) -> None:
+    g, seed = fresh_generator()
+    k, n = 256, 32
+    w = torch.randn(n, k, generator=g)
+    sequential = sequential_groups(k, group_size)
+    for label, qz, convert in [
+            ("awq", quantize(w, sequential, False, torch.float16),
+             lambda qz: awq_to_int4(**awq_tensors(qz), group_size=group_size)),
+            ("gptq v1 sym", quantize(w, sequential, True, torch.float16),
+             lambda qz: gptq_to_int4(**gptq_tensors(qz, True), group_size=group_size,
+                                     v1_zeros=True)),
+            ("gptq v2 act-order", quantize(w, act_order_groups(k, group_size, g), False,
+                                           torch.bfloat16),
+             lambda qz: gptq_to_int4(**gptq_tensors(qz, False), group_size=group_size,
+                                     v1_zeros=False)),
+            ("ct sym", quantize(w, sequential, True, torch.bfloat16),
+             lambda qz: ct_from(ct_tensors(qz, True), group_size)),
+            ("ct asym", quantize(w, sequential, False, torch.float16),
+             lambda qz: ct_from(ct_tensors(qz, False), group_size))]:
+        expected = qz.dequantized()
+        assert relative_error(expected, w) < 0.2, f"{label}: the quantizer is off"
+        assert torch.equal(dense(convert(qz), group_size), expected), f"{label} (seed {seed})"
+
+
+def ct_from(tensors: dict[str, torch.Tensor], group_size: int) -> Int4Weight:
+    return compressed_tensors_to_int4(tensors["weight_packed"], tensors["weight_scale"],
+                                      tensors.get("weight_zero_point"), None, group_size)
+
+
+# --- the methods end to end on a small fused layer -----------------------------------------
+
+class FakeLinear(nn.Module):
+    """A column-parallel layer of one rank with fused parts: the loader places each part's
+    checkpoint tensor along the parameter's output dim, 1/pack_factor of the rows where
+    that dim is packed; tensors without an output dim load whole."""
+
+    def __init__(self, method, input_size: int, output_sizes: list[int],
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.output_sizes = output_sizes
+        method.create_weights(self, input_size, output_sizes, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            param.data.copy_(loaded)
+            return
+        dim = param.output_dim
+        factor = param.pack_factor if param.pack_dim == dim else 1
+        start = sum(self.output_sizes[:shard_id]) // factor
+        param.data.narrow(dim, start, self.output_sizes[shard_id] // factor).copy_(loaded)
+
+
+def load_checkpoint(layer: FakeLinear, path: Path) -> None:
+    """Tensors named `{part}.{name}` in a safetensors file, each through its parameter's
+    loader; those with no output dim once, from part 0."""
+    for key, tensor in load_file(path).items():
+        part, name = key.split(".", 1)
+        param = getattr(layer, name)
+        if param.output_dim is None:
+            if part == "0":
+                param.weight_loader(param, tensor)
+        else:
+            param.weight_loader(param, tensor, int(part))
+
+
+METHODS = {
+    "awq": (AWQMethod.from_config({"quant_method": "awq", "bits": 4, "group_size": 32,
+                                   "zero_point": True, "version": "gemm"}),
+            False, False, lambda qz: awq_tensors(qz)),
+    "gptq-v1-act-order": (
+        GPTQMethod.from_config({"quant_method": "gptq", "bits": 4, "group_size": 64,
+                                "desc_act": True, "sym": True}),
+        True, True, lambda qz: gptq_tensors(qz, True)),
+    "gptq-v2": (GPTQMethod.from_config({"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                        "sym": False, "checkpoint_format": "gptq_v2"}),
+                False, False, lambda qz: gptq_tensors(qz, False)),
+    "compressed-tensors-asym": (CompressedTensorsW4A16.from_config({
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int",
+                                                  "symmetric": False, "strategy": "group",
+                                                  "group_size": 64}}}}),
+        False, False, lambda qz: ct_tensors(qz, False)),
+    "compressed-tensors-sym": (CompressedTensorsW4A16.from_weights_args(
+        {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+         "group_size": 32}), True, False, lambda qz: ct_tensors(qz, True)),
+}
+
+
+@pytest.mark.parametrize("method_name", sorted(METHODS))
+def test_method_end_to_end(method_name: str, tmp_path: Path) -> None:
+    """create_weights for two fused parts -> a safetensors file written in the format ->
+    the loader -> process_after_loading -> apply equals x @ W^T + b with W dequantized by
+    the reference. Act-order: one g_idx shared by the parts, as a fused GPTQ layer has."""
+    method, symmetric, act_order, pack = METHODS[method_name]
+    g, seed = fresh_generator()
+    k, sizes = 256, [32, 48]
+    group_size = method.group_size
+    group_of = act_order_groups(k, group_size, g) if act_order else \
+        sequential_groups(k, group_size)
+    parts = [quantize(torch.randn(size, k, generator=g), group_of, symmetric, torch.float16)
+             for size in sizes]
+    save_file({f"{i}.{name}": tensor for i, qz in enumerate(parts)
+               for name, tensor in pack(qz).items()}, tmp_path / "model.safetensors")
+    layer = FakeLinear(method, k, sizes, torch.float16)
+    load_checkpoint(layer, tmp_path / "model.safetensors")
+    method.process_after_loading(layer)
+    x = torch.randn(5, k, generator=g).half()
+    bias = torch.randn(sum(sizes), generator=g).half()
+    w = torch.cat([qz.dequantized() for qz in parts])
+    expected = (x.float() @ w.float().T + bias.float()).half()
+    out = method.apply(layer, x, bias)
+    assert relative_error(out, expected) < 1e-3, f"{method_name} (seed {seed})"
+
+
+def test_bad_configs_and_shapes_say_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="8-bit weights are not supported"):
+        GPTQMethod.from_config({"bits": 8, "group_size": 128})
+    with pytest.raises(ValueError, match="version 'gemv' is not supported"):
+        AWQMethod.from_config({"bits": 4, "group_size": 128, "version": "gemv"})
+    with pytest.raises(ValueError, match="do not split into groups of 128"):
+        FakeLinear(GPTQMethod(128, v1_zeros=True), 192, [64], torch.float16)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        FakeLinear(AWQMethod(32), 64, [60], torch.float16)
+    g_idx = torch.arange(64, dtype=torch.int32) // 16  # a rank holding part of 2 groups of 32
+    with pytest.raises(ValueError, match="act-order with the input features split"):
+        gptq_to_int4(torch.zeros(8, 8, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
+                     torch.ones(2, 8).half(), g_idx.flip(0), 32, True)
+
+
+if __name__ == "__main__":
+    CHECKS[sys.argv[1]]()
