@@ -136,8 +136,10 @@ def gptq_tensors(qz: Quantized, v1: bool) -> dict[str, torch.Tensor]:
             "scales": qz.scales.T.contiguous(), "g_idx": qz.group_of.to(torch.int32)}
 
 
-def ct_tensors(qz: Quantized, symmetric: bool) -> dict[str, torch.Tensor]:
-    """compressed-tensors stores signed values: q - 8 and zero - 8."""
+def ct_tensors(qz: Quantized, symmetric: bool,
+               group_order: bool = False) -> dict[str, torch.Tensor]:
+    """compressed-tensors stores signed values: q - 8 and zero - 8; group_order: actorder
+    "group", each input feature's group in weight_g_idx."""
     from compressed_tensors.compressors.pack_quantized import pack_to_int32
     tensors = {"weight_packed": pack_to_int32((qz.q - 8).to(torch.int8), 4),
                "weight_scale": qz.scales.clone(),
@@ -145,6 +147,8 @@ def ct_tensors(qz: Quantized, symmetric: bool) -> dict[str, torch.Tensor]:
     if not symmetric:
         tensors["weight_zero_point"] = pack_to_int32((qz.zeros - 8).to(torch.int8), 4,
                                                      packed_dim=0)
+    if group_order:
+        tensors["weight_g_idx"] = qz.group_of.to(torch.int32)
     return tensors
 
 
@@ -192,17 +196,20 @@ def random_int4(k: int, n: int, group_size: int, g: torch.Generator,
 
 
 def check_w4a16(m: int, k: int, n: int, group_size: int, act_order: bool,
-                tiles: Int4Tiles | None, with_bias: bool) -> None:
+                tiles: Int4Tiles | None, with_bias: bool, dtype: torch.dtype = torch.float16,
+                device: str = "cpu") -> None:
     g, seed = fresh_generator()
     w = random_int4(k, n, group_size, g, act_order)
-    x = torch.randn(m, k, generator=g).half()
-    bias = torch.randn(n, generator=g).half() if with_bias else None
+    w = Int4Weight(*(t if t is None else t.to(device) for t in
+                     (w.qweight, w.scales.to(dtype), w.zeros, w.perm)))
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    bias = torch.randn(n, generator=g).to(device, dtype) if with_bias else None
     ref = w4a16_gemm_ref(x, w.qweight, w.scales, w.zeros, group_size, w.perm, bias)
     out = w4a16_gemm_triton(x, w.qweight, w.scales, w.zeros, group_size, w.perm, bias,
                             tiles=tiles)
     error = relative_error(out, ref)
     assert error <= 1e-2, (f"m {m} k {k} n {n} g {group_size} act-order {act_order} "
-                           f"bias {with_bias} {tiles}: error {error:.3g} (seed {seed})")
+                           f"bias {with_bias} {tiles} {dtype}: error {error:.3g} (seed {seed})")
 
 
 @interpreter_check
@@ -235,6 +242,16 @@ def test_under_triton_interpreter(check: str) -> None:
     result = subprocess.run([sys.executable, "-m", "tests.test_quant_int4", check],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_kernels_cuda(dtype: torch.dtype) -> None:
+    """Llama-3.1-8B's qkv and down projections at group 128 (act-order on down): decode
+    rows on the GEMV path, a batch just past it and a prefill on the GEMM path."""
+    for m in (1, 16, 17, 2048):
+        check_w4a16(m, 4096, 6144, 128, False, None, m % 2 == 1, dtype, "cuda")
+        check_w4a16(m, 14336, 4096, 128, True, None, False, dtype, "cuda")
 
 
 def test_canonical_packing_round_trips() -> None:
@@ -395,6 +412,15 @@ METHODS = {
     "compressed-tensors-sym": (CompressedTensorsW4A16.from_weights_args(
         {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
          "group_size": 32}), True, False, lambda qz: ct_tensors(qz, True)),
+    "compressed-tensors-actorder-group": (CompressedTensorsW4A16.from_weights_args(
+        {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+         "group_size": 64, "actorder": "group"}), False, True,
+        lambda qz: ct_tensors(qz, False, group_order=True)),
+    "compressed-tensors-channel": (CompressedTensorsW4A16.from_weights_args(
+        {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"}),
+        True, False, lambda qz: ct_tensors(qz, True)),
+    "gptq-per-channel": (GPTQMethod.from_config({"bits": 4, "group_size": -1, "sym": True}),
+                         True, False, lambda qz: gptq_tensors(qz, True)),
 }
 
 
@@ -406,7 +432,7 @@ def test_method_end_to_end(method_name: str, tmp_path: Path) -> None:
     method, symmetric, act_order, pack = METHODS[method_name]
     g, seed = fresh_generator()
     k, sizes = 256, [32, 48]
-    group_size = method.group_size
+    group_size = method.group(k)  # -1, per channel: one group of all k
     group_of = act_order_groups(k, group_size, g) if act_order else \
         sequential_groups(k, group_size)
     parts = [quantize(torch.randn(size, k, generator=g), group_of, symmetric, torch.float16)
