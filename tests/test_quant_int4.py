@@ -14,6 +14,7 @@ pack_to_int32 and are read back by its own decompressor.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -21,18 +22,26 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 
+from common.config import EngineConfig
+from common.model_files import load_hf_config
 from kernels.int4 import (Int4Tiles, dequantize_int4_ref, pack_int4_rows, unpack_int4_rows,
                           w4a16_gemm_ref, w4a16_gemm_triton)
-from services.worker.layers.quantization.int4 import (AWQMethod, CompressedTensorsW4A16,
-                                                      GPTQMethod, Int4Weight, awq_to_int4,
+from services.worker.layers.linear import MergedColumnParallelLinear
+from services.worker.layers.quantization import building_with, quant_method_for
+from services.worker.layers.quantization.int4 import (Int4Method, Int4Weight, awq_to_int4,
                                                       compressed_tensors_to_int4,
                                                       gptq_to_int4)
+from services.worker.loader import default_dtype, load_model
+from tests.test_models import Paged, token_ids
+from tests.tiny_models import make_tiny_model
+
+CPU = torch.device("cpu")
 
 REPO = Path(__file__).resolve().parent.parent
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -355,81 +364,62 @@ def ct_from(tensors: dict[str, torch.Tensor], group_size: int) -> Int4Weight:
                                       tensors.get("weight_zero_point"), None, group_size)
 
 
-# --- the methods end to end on a small fused layer -----------------------------------------
+# --- the methods end to end on a real fused layer ------------------------------------------
 
-class FakeLinear(nn.Module):
-    """A column-parallel layer of one rank with fused parts: the loader places each part's
-    checkpoint tensor along the parameter's output dim, 1/pack_factor of the rows where
-    that dim is packed; tensors without an output dim load whole."""
-
-    def __init__(self, method, input_size: int, output_sizes: list[int],
-                 dtype: torch.dtype) -> None:
-        super().__init__()
-        self.output_sizes = output_sizes
-        method.create_weights(self, input_size, output_sizes, dtype)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None:
-            param.data.copy_(loaded)
-            return
-        dim = param.output_dim
-        factor = param.pack_factor if param.pack_dim == dim else 1
-        start = sum(self.output_sizes[:shard_id]) // factor
-        param.data.narrow(dim, start, self.output_sizes[shard_id] // factor).copy_(loaded)
+def method_of(quantization_config: dict) -> Int4Method:
+    """The method a model with this quantization_config builds (the launcher's parser)."""
+    config = SimpleNamespace(quantization_config=quantization_config)
+    return quant_method_for(config, None)
 
 
-def load_checkpoint(layer: FakeLinear, path: Path) -> None:
-    """Tensors named `{part}.{name}` in a safetensors file, each through its parameter's
-    loader; those with no output dim once, from part 0."""
-    for key, tensor in load_file(path).items():
-        part, name = key.split(".", 1)
-        param = getattr(layer, name)
-        if param.output_dim is None:
-            if part == "0":
-                param.weight_loader(param, tensor)
-        else:
-            param.weight_loader(param, tensor, int(part))
+def ct_config(weights: dict) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                          "weights": {"num_bits": 4, "type": "int",
+                                                      "dynamic": False, **weights}}}}
 
 
-METHODS = {
-    "awq": (AWQMethod.from_config({"quant_method": "awq", "bits": 4, "group_size": 32,
-                                   "zero_point": True, "version": "gemm"}),
-            False, False, lambda qz: awq_tensors(qz)),
-    "gptq-v1-act-order": (
-        GPTQMethod.from_config({"quant_method": "gptq", "bits": 4, "group_size": 64,
-                                "desc_act": True, "sym": True}),
-        True, True, lambda qz: gptq_tensors(qz, True)),
-    "gptq-v2": (GPTQMethod.from_config({"quant_method": "gptq", "bits": 4, "group_size": 128,
-                                        "sym": False, "checkpoint_format": "gptq_v2"}),
-                False, False, lambda qz: gptq_tensors(qz, False)),
-    "compressed-tensors-asym": (CompressedTensorsW4A16.from_config({
-        "quant_method": "compressed-tensors", "format": "pack-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                      "weights": {"num_bits": 4, "type": "int",
-                                                  "symmetric": False, "strategy": "group",
-                                                  "group_size": 64}}}}),
-        False, False, lambda qz: ct_tensors(qz, False)),
-    "compressed-tensors-sym": (CompressedTensorsW4A16.from_weights_args(
-        {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-         "group_size": 32}), True, False, lambda qz: ct_tensors(qz, True)),
-    "compressed-tensors-actorder-group": (CompressedTensorsW4A16.from_weights_args(
-        {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
-         "group_size": 64, "actorder": "group"}), False, True,
-        lambda qz: ct_tensors(qz, False, group_order=True)),
-    "compressed-tensors-channel": (CompressedTensorsW4A16.from_weights_args(
-        {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"}),
-        True, False, lambda qz: ct_tensors(qz, True)),
-    "gptq-per-channel": (GPTQMethod.from_config({"bits": 4, "group_size": -1, "sym": True}),
+def build_layer(method: Int4Method, input_size: int, output_sizes: list[int],
+                dtype: torch.dtype) -> MergedColumnParallelLinear:
+    with default_dtype(dtype), building_with(method):
+        return MergedColumnParallelLinear(input_size, output_sizes, bias=True)
+
+
+METHODS = {  # name: (quantization_config, symmetric, act-order, the format's tensors)
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+             "version": "gemm"}, False, False, awq_tensors),
+    "gptq-v1-act-order": ({"quant_method": "gptq", "bits": 4, "group_size": 64,
+                           "desc_act": True, "sym": True}, True, True,
+                          lambda qz: gptq_tensors(qz, True)),
+    "gptq-v2": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False,
+                 "checkpoint_format": "gptq_v2"}, False, False,
+                lambda qz: gptq_tensors(qz, False)),
+    "gptq-per-channel": ({"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": True},
                          True, False, lambda qz: gptq_tensors(qz, True)),
+    "compressed-tensors-asym": (ct_config({"symmetric": False, "strategy": "group",
+                                           "group_size": 64}), False, False,
+                                lambda qz: ct_tensors(qz, False)),
+    "compressed-tensors-sym": (ct_config({"symmetric": True, "strategy": "group",
+                                          "group_size": 32}), True, False,
+                               lambda qz: ct_tensors(qz, True)),
+    "compressed-tensors-actorder-group": (
+        ct_config({"symmetric": False, "strategy": "group", "group_size": 64,
+                   "actorder": "group"}), False, True,
+        lambda qz: ct_tensors(qz, False, group_order=True)),
+    "compressed-tensors-channel": (ct_config({"symmetric": True, "strategy": "channel"}),
+                                   True, False, lambda qz: ct_tensors(qz, True)),
 }
 
 
 @pytest.mark.parametrize("method_name", sorted(METHODS))
 def test_method_end_to_end(method_name: str, tmp_path: Path) -> None:
-    """create_weights for two fused parts -> a safetensors file written in the format ->
-    the loader -> process_after_loading -> apply equals x @ W^T + b with W dequantized by
-    the reference. Act-order: one g_idx shared by the parts, as a fused GPTQ layer has."""
-    method, symmetric, act_order, pack = METHODS[method_name]
+    """A gate/up layer (two fused parts) -> a safetensors file written in the format -> the
+    layer's own weight_loader, part by part -> process_after_loading -> forward equals
+    x @ W^T + b with W dequantized by the reference. Act-order: one g_idx shared by the
+    parts, as the parts of a fused layer share their input."""
+    config, symmetric, act_order, pack = METHODS[method_name]
+    method = method_of(config)
     g, seed = fresh_generator()
     k, sizes = 256, [32, 48]
     group_size = method.group(k)  # -1, per channel: one group of all k
@@ -437,32 +427,142 @@ def test_method_end_to_end(method_name: str, tmp_path: Path) -> None:
         sequential_groups(k, group_size)
     parts = [quantize(torch.randn(size, k, generator=g), group_of, symmetric, torch.float16)
              for size in sizes]
+    bias = torch.randn(sum(sizes), generator=g).half()
     save_file({f"{i}.{name}": tensor for i, qz in enumerate(parts)
                for name, tensor in pack(qz).items()}, tmp_path / "model.safetensors")
-    layer = FakeLinear(method, k, sizes, torch.float16)
-    load_checkpoint(layer, tmp_path / "model.safetensors")
+    layer = build_layer(method, k, sizes, torch.float16)
+    for key, tensor in load_file(tmp_path / "model.safetensors").items():
+        part, name = key.split(".", 1)
+        layer.weight_loader(getattr(layer, name), tensor, int(part))
+    for part, b in enumerate(bias.split(sizes)):
+        layer.weight_loader(layer.bias, b, part)
     method.process_after_loading(layer)
     x = torch.randn(5, k, generator=g).half()
-    bias = torch.randn(sum(sizes), generator=g).half()
     w = torch.cat([qz.dequantized() for qz in parts])
     expected = (x.float() @ w.float().T + bias.float()).half()
-    out = method.apply(layer, x, bias)
-    assert relative_error(out, expected) < 1e-3, f"{method_name} (seed {seed})"
+    assert relative_error(layer(x), expected) < 1e-3, f"{method_name} (seed {seed})"
 
 
-def test_bad_configs_and_shapes_say_what_is_wrong() -> None:
-    with pytest.raises(ValueError, match="8-bit weights are not supported"):
-        GPTQMethod.from_config({"bits": 8, "group_size": 128})
-    with pytest.raises(ValueError, match="version 'gemv' is not supported"):
-        AWQMethod.from_config({"bits": 4, "group_size": 128, "version": "gemv"})
+def test_bad_shapes_say_what_is_wrong() -> None:
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     with pytest.raises(ValueError, match="do not split into groups of 128"):
-        FakeLinear(GPTQMethod(128, v1_zeros=True), 192, [64], torch.float16)
+        build_layer(method_of(gptq), 192, [64], torch.float16)
     with pytest.raises(ValueError, match="multiples of 8"):
-        FakeLinear(AWQMethod(32), 64, [60], torch.float16)
+        build_layer(method_of({"quant_method": "awq", "group_size": 32}), 64, [60],
+                    torch.float16)
     g_idx = torch.arange(64, dtype=torch.int32) // 16  # a rank holding part of 2 groups of 32
     with pytest.raises(ValueError, match="act-order with the input features split"):
         gptq_to_int4(torch.zeros(8, 8, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
                      torch.ones(2, 8).half(), g_idx.flip(0), 32, True)
+
+
+# --- tiny models in each format against transformers -----------------------------------------
+
+PROMPT = token_ids(24, seed=5)
+# the same float32 weights and arithmetic on both sides, summed in another order
+EXACT = 1e-5
+LOGPROB_EXACT = 1e-4
+ATTENTION_INPUT, MLP_INPUT = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+
+FORMATS = {  # name: (quantization_config, symmetric, act-order, the format's tensors)
+    "awq": METHODS["awq"],
+    "gptq-v1-sym": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False,
+                     "sym": True, "checkpoint_format": "gptq"}, True, False,
+                    lambda qz: gptq_tensors(qz, True)),
+    "gptq-act-order": ({"quant_method": "gptq", "bits": 4, "group_size": 32,
+                        "desc_act": True, "sym": True}, True, True,
+                       lambda qz: gptq_tensors(qz, True)),
+    "ct-sym-64": (ct_config({"symmetric": True, "strategy": "group", "group_size": 64}),
+                  True, False, lambda qz: ct_tensors(qz, True)),
+    "ct-asym-32": (ct_config({"symmetric": False, "strategy": "group", "group_size": 32}),
+                   False, False, lambda qz: ct_tensors(qz, False)),
+}
+
+
+def quantized_linears(name: str) -> bool:
+    return ".layers." in name and name.endswith("_proj.weight")
+
+
+def write_int4(src: Path, out: Path, fmt: str, seed: int = 0) -> Path:
+    """src's tiny model quantized into `fmt` at out (scales float16, compressed-tensors'
+    in the model's float32); src keeps the weights it holds, dequantized exactly in
+    float32, for transformers. Under act-order the projections that share an input share
+    one random grouping of it, as GPTQ's Hessian order makes them."""
+    import shutil
+
+    config, symmetric, act_order, pack = FORMATS[fmt]
+    shutil.copytree(src, out)
+    group_size = config.get("group_size") or next(
+        iter(config.get("config_groups", {}).values()), {}).get("weights", {})["group_size"]
+    g = torch.Generator().manual_seed(seed)
+    groupings: dict[str, torch.Tensor] = {}
+    quantized, dequantized = {}, {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if not quantized_linears(name):
+            quantized[name] = dequantized[name] = w
+            continue
+        prefix, module = name[:-len(".weight")].rsplit(".", 1)
+        shared = prefix + ("attention" if module in ATTENTION_INPUT else
+                           "mlp" if module in MLP_INPUT else module)
+        if shared not in groupings:
+            k = w.shape[1]
+            groupings[shared] = act_order_groups(k, group_size, g) if act_order else \
+                sequential_groups(k, group_size)
+        scale_dtype = torch.float32 if fmt.startswith("ct") else torch.float16
+        qz = quantize(w, groupings[shared], symmetric, scale_dtype)
+        for suffix, tensor in pack(qz).items():
+            quantized[f"{prefix}.{module}.{suffix}"] = tensor
+        exact = Quantized(qz.q, qz.zeros, qz.scales.float(), qz.group_of)
+        dequantized[name] = exact.dequantized()
+        assert relative_error(dequantized[name], w) < 0.2  # the quantizer works
+    save_file(quantized, out / "model.safetensors")
+    save_file(dequantized, src / "model.safetensors")
+    path = out / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()),
+                                "quantization_config": config}))
+    return out
+
+
+def transformers_logits(model_dir: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([PROMPT])).logits[0].float()
+
+
+def load(model_dir: Path, **engine) -> torch.nn.Module:
+    config = EngineConfig(model=str(model_dir), dtype="float32", **engine)
+    return load_model(config, load_hf_config(model_dir), CPU, torch.float32)
+
+
+def our_logits(model_dir: Path) -> torch.Tensor:
+    hf_config = load_hf_config(model_dir)
+    paged = Paged(load(model_dir), hf_config, block_size=4)
+    (logits,) = paged.step([(paged.blocks(len(PROMPT)), PROMPT, 0)])
+    return logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_int4_checkpoint_prompt_logprobs_match_transformers(fmt, arch, tmp_path):
+    """Through LLM(...), in prefill chunks of 8 tokens: headrace's prompt logprobs are
+    transformers' on the dequantized weights."""
+    from common.sampling_params import SamplingParams
+    from services.offline.llm import LLM
+
+    src = make_tiny_model(tmp_path, arch)
+    model_dir = write_int4(src, tmp_path / fmt, fmt)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4,
+              num_gpu_blocks_override=64, max_num_batched_tokens=8, max_num_seqs=4,
+              quantization=FORMATS[fmt][0]["quant_method"])
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    ref = torch.log_softmax(transformers_logits(src), dim=-1)
+    for pos in range(1, len(PROMPT)):
+        token = PROMPT[pos]
+        assert out.prompt_logprobs[pos][token].logprob == pytest.approx(
+            ref[pos - 1, token].item(), abs=LOGPROB_EXACT)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any
 from common.quantization import quant_spec
 from services.worker.layers.quantization.base import (QuantMethod, UnquantizedMethod,
                                                       quant_parameter)
+from services.worker.layers.quantization.int4 import INT4_METHODS
 from services.worker.layers.quantization.w8a8 import W8A8Method
 
 __all__ = ["QuantMethod", "UnquantizedMethod", "W8A8Method", "building_with",
@@ -30,7 +31,11 @@ def quant_method_for(hf_config: Any, engine_quantization: str | None) -> QuantMe
     """The method of the model's weights; ValueError (QuantizationError) for a format
     that is not built."""
     spec = quant_spec(hf_config, engine_quantization)
-    return UnquantizedMethod() if spec is None else W8A8Method(spec)
+    if spec is None:
+        return UnquantizedMethod()
+    if spec.weight_type == "int4":
+        return INT4_METHODS[spec.method](spec)
+    return W8A8Method(spec)
 
 
 def current_method() -> QuantMethod:

@@ -20,14 +20,14 @@ and multiplies with kernels.int4.w4a16_gemm. On disk (K input, N output features
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
 
+from common.quantization import QuantSpec
 from kernels.int4 import PACK_FACTOR, pack_int4_rows, unpack_int4_rows, w4a16_gemm
+from services.worker.layers.quantization.base import QuantMethod, quant_parameter
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column ORDER[i]
 SEQUENTIAL_ORDER = tuple(range(PACK_FACTOR))
@@ -91,7 +91,8 @@ def awq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
 
 def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                  g_idx: torch.Tensor | None, group_size: int, v1_zeros: bool) -> Int4Weight:
-    """v1_zeros: the checkpoint stores zero - 1 (format "gptq"), so a stored 15 is a zero
+    """g_idx: each of these input features' group among these scales' groups.
+    v1_zeros: the checkpoint stores zero - 1 (format "gptq"), so a stored 15 is a zero
     of 16, as vLLM's and transformers' GPTQ kernels read it."""
     zeros = unpack_int4_columns(qzeros, SEQUENTIAL_ORDER).to(torch.int32) + int(v1_zeros)
     return to_int4_weight(unpack_int4_rows(qweight), zeros, scales, g_idx, group_size)
@@ -111,18 +112,6 @@ def compressed_tensors_to_int4(weight_packed: torch.Tensor, weight_scale: torch.
 
 # --- parameters ------------------------------------------------------------------------------
 
-def int4_parameter(tensor: torch.Tensor, output_dim: int | None, input_dim: int | None,
-                   pack_dim: int | None = None, pack_factor: int = 1,
-                   loader: Callable[..., None] | None = None) -> nn.Parameter:
-    """A checkpoint parameter with the attributes the layer's loader shards by (the
-    framework's quant_parameter, same signature)."""
-    param = nn.Parameter(tensor, requires_grad=False)
-    param.output_dim, param.input_dim = output_dim, input_dim
-    param.pack_dim, param.pack_factor = pack_dim, pack_factor
-    param.weight_loader = loader
-    return param
-
-
 def check_sizes(method: str, input_size: int, output_sizes: list[int],
                 group_size: int) -> None:
     if input_size % group_size or group_size % PACK_FACTOR:
@@ -135,12 +124,14 @@ def check_sizes(method: str, input_size: int, output_sizes: list[int],
 
 
 def replace_parameters(layer: nn.Module, stale: tuple[str, ...], weight: Int4Weight) -> None:
-    """The checkpoint's tensors give way to the canonical ones."""
+    """The checkpoint's tensors give way to the canonical ones. qweight counts its eight
+    values a word (pack_factor) where the benchmarks count the weights."""
     for name in stale:
         if hasattr(layer, name):
             delattr(layer, name)
     for name in ("qweight", "scales", "zeros"):
         setattr(layer, name, nn.Parameter(getattr(weight, name), requires_grad=False))
+    layer.qweight.pack_factor = PACK_FACTOR
     layer.perm = None if weight.perm is None else nn.Parameter(weight.perm, requires_grad=False)
 
 
@@ -151,11 +142,57 @@ def optional(layer: nn.Module, name: str) -> torch.Tensor | None:
 
 # --- methods ---------------------------------------------------------------------------------
 
-class Int4Method:
-    """What every INT4 method shares: the multiply over the canonical layout. Subclasses
-    register the checkpoint's tensors and convert them."""
+class Int4Method(QuantMethod):
+    """What every INT4 method shares: the settings, the checks, the group index and the
+    multiply over the canonical layout. Subclasses register the checkpoint's tensors and
+    convert them."""
 
-    name: ClassVar[str]
+    def __init__(self, spec: QuantSpec) -> None:
+        self.spec = spec
+        self.name = spec.method
+
+    def group(self, input_size: int) -> int:
+        """The group size at this rank's input size (-1: one group over all of them)."""
+        return input_size if self.spec.group_size == -1 else self.spec.group_size
+
+    def check_layer(self, layer: nn.Module, input_size: int, output_sizes: list[int]) -> int:
+        """This rank's group size, once its sizes are known to pack and group."""
+        if self.spec.act_order and layer.input_split and layer.tp_size > 1:
+            raise ValueError(f"{self.name}: act-order checkpoints (g_idx) with the input "
+                             f"features of {type(layer).__name__} split over tensor-parallel "
+                             "ranks are not supported; use --tensor-parallel-size 1")
+        group_size = self.group(input_size)
+        check_sizes(self.name, input_size, output_sizes, group_size)
+        return group_size
+
+    def groups_dim(self, dim: int) -> int | None:
+        """A per-channel scale (group -1) covers every input feature of every rank: whole
+        on each rank rather than split along the input."""
+        return None if self.spec.group_size == -1 else dim
+
+    def group_index(self, layer: nn.Module, input_size: int) -> nn.Parameter:
+        """g_idx [input_size]: each input feature's group, whole on a column-parallel
+        layer, this rank's features of a row-parallel one. It starts in order, which
+        --load-format dummy keeps (drawn values would group nothing)."""
+        groups = input_size // self.group(input_size)
+        in_order = torch.arange(input_size, dtype=torch.int32) // self.group(input_size)
+        param = quant_parameter(in_order + self.first_group(layer, groups), output_dim=None,
+                                input_dim=0, loader=layer.weight_loader)
+        param.keep_for_dummy = True
+        return param
+
+    def first_group(self, layer: nn.Module, groups: int) -> int:
+        """The checkpoint's g_idx numbers every group of the layer: a row-parallel rank's
+        `groups` groups start at tp_rank * groups (act-order there is refused); a
+        per-channel scale is one group on every rank."""
+        if not layer.input_split or self.spec.group_size == -1:
+            return 0
+        return layer.tp_rank * groups
+
+    def rank_groups(self, layer: nn.Module, g_idx: torch.Tensor) -> torch.Tensor:
+        """g_idx numbering this rank's groups from 0."""
+        groups = g_idx.numel() // self.group(g_idx.numel())
+        return g_idx - self.first_group(layer, groups)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
@@ -163,53 +200,24 @@ class Int4Method:
         return w4a16_gemm(x, layer.qweight, layer.scales, layer.zeros, group_size,
                           layer.perm, bias)
 
-    def group(self, input_size: int) -> int:
-        """The group size at this rank's input size (-1: one group over all of them)."""
-        return input_size if self.group_size == -1 else self.group_size
 
-
-def group_input_dim(group_size: int, dim: int) -> int | None:
-    """A per-channel scale (group -1) covers every input feature of every rank: whole on
-    each rank rather than split along the input."""
-    return None if group_size == -1 else dim
-
-
-def four_bits(method: str, bits: int) -> None:
-    if bits != 4:
-        raise ValueError(f"{method}: {bits}-bit weights are not supported (4 only)")
-
-
-@dataclass(frozen=True, slots=True)
 class AWQMethod(Int4Method):
-    name: ClassVar[str] = "awq"
-    group_size: int
-
-    @classmethod
-    def from_config(cls, config: dict) -> AWQMethod:
-        """An AWQ quantization_config (AutoAWQ's keys or the w_bit/q_group_size spelling)."""
-        four_bits("awq", config.get("bits", config.get("w_bit", 4)))
-        version = str(config.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise ValueError(f"awq: version {version!r} is not supported (gemm only)")
-        if not config.get("zero_point", True):
-            raise ValueError("awq: zero_point false is not supported (asymmetric only)")
-        return cls(config.get("group_size", config.get("q_group_size", 128)))
+    """AutoAWQ's GEMM checkpoints: qweight, qzeros and scales."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
-        g = self.group(input_size)
-        check_sizes("awq", input_size, output_sizes, g)
+        g = self.check_layer(layer, input_size, output_sizes)
         n, groups, loader = sum(output_sizes), input_size // g, layer.weight_loader
-        gdim = group_input_dim(self.group_size, 0)
+        gdim = self.groups_dim(0)
         packed = dict(output_dim=1, pack_dim=1, pack_factor=PACK_FACTOR, loader=loader)
-        layer.register_parameter("qweight", int4_parameter(
+        layer.qweight = quant_parameter(
             torch.empty(input_size, n // PACK_FACTOR, dtype=torch.int32), input_dim=0,
-            **packed))
-        layer.register_parameter("qzeros", int4_parameter(
+            **packed)
+        layer.qzeros = quant_parameter(
             torch.empty(groups, n // PACK_FACTOR, dtype=torch.int32), input_dim=gdim,
-            **packed))
-        layer.register_parameter("scales", int4_parameter(
-            torch.empty(groups, n, dtype=dtype), output_dim=1, input_dim=gdim, loader=loader))
+            **packed)
+        layer.scales = quant_parameter(torch.empty(groups, n, dtype=dtype), output_dim=1,
+                                       input_dim=gdim, loader=loader)
 
     def process_after_loading(self, layer: nn.Module) -> None:
         weight = awq_to_int4(layer.qweight.data, layer.qzeros.data, layer.scales.data,
@@ -217,116 +225,68 @@ class AWQMethod(Int4Method):
         replace_parameters(layer, ("qweight", "qzeros", "scales"), weight)
 
 
-@dataclass(frozen=True, slots=True)
 class GPTQMethod(Int4Method):
-    name: ClassVar[str] = "gptq"
-    group_size: int
-    v1_zeros: bool  # checkpoint_format "gptq" stores zero - 1, "gptq_v2" the zero
-
-    @classmethod
-    def from_config(cls, config: dict) -> GPTQMethod:
-        """A GPTQ quantization_config. desc_act and sym need no switch: act-order shows in
-        g_idx, and a symmetric checkpoint stores its zeros (8) like any other."""
-        four_bits("gptq", config.get("bits", 4))
-        fmt = config.get("checkpoint_format", config.get("format", "gptq"))
-        if fmt not in ("gptq", "gptq_v2"):
-            raise ValueError(f"gptq: checkpoint format {fmt!r} is not supported "
-                             "(gptq, gptq_v2)")
-        return cls(config.get("group_size", 128), v1_zeros=fmt == "gptq")
+    """GPTQ checkpoints (v1 or v2 zeros): qweight, qzeros, scales and g_idx."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
-        g = self.group(input_size)
-        check_sizes("gptq", input_size, output_sizes, g)
+        g = self.check_layer(layer, input_size, output_sizes)
         n, groups, loader = sum(output_sizes), input_size // g, layer.weight_loader
-        gdim = group_input_dim(self.group_size, 0)
-        layer.register_parameter("qweight", int4_parameter(
+        gdim = self.groups_dim(0)
+        layer.qweight = quant_parameter(
             torch.empty(input_size // PACK_FACTOR, n, dtype=torch.int32), output_dim=1,
-            input_dim=0, pack_dim=0, pack_factor=PACK_FACTOR, loader=loader))
-        layer.register_parameter("qzeros", int4_parameter(
+            input_dim=0, pack_dim=0, pack_factor=PACK_FACTOR, loader=loader)
+        layer.qzeros = quant_parameter(
             torch.empty(groups, n // PACK_FACTOR, dtype=torch.int32), output_dim=1,
-            input_dim=gdim, pack_dim=1, pack_factor=PACK_FACTOR, loader=loader))
-        layer.register_parameter("scales", int4_parameter(
-            torch.empty(groups, n, dtype=dtype), output_dim=1, input_dim=gdim, loader=loader))
-        layer.register_parameter("g_idx", int4_parameter(
-            torch.empty(input_size, dtype=torch.int32), output_dim=None, input_dim=0,
-            loader=loader))
+            input_dim=gdim, pack_dim=1, pack_factor=PACK_FACTOR, loader=loader)
+        layer.scales = quant_parameter(torch.empty(groups, n, dtype=dtype), output_dim=1,
+                                       input_dim=gdim, loader=loader)
+        layer.g_idx = self.group_index(layer, input_size)
 
     def process_after_loading(self, layer: nn.Module) -> None:
         input_size = layer.qweight.shape[0] * PACK_FACTOR
         weight = gptq_to_int4(layer.qweight.data, layer.qzeros.data, layer.scales.data,
-                              layer.g_idx.data, self.group(input_size), self.v1_zeros)
+                              self.rank_groups(layer, layer.g_idx.data),
+                              self.group(input_size), self.spec.stored_zero_offset == 1)
         replace_parameters(layer, ("qweight", "qzeros", "scales", "g_idx"), weight)
 
 
-@dataclass(frozen=True, slots=True)
 class CompressedTensorsW4A16(Int4Method):
     """compressed-tensors' pack-quantized scheme with 4-bit integer weights and no
-    activation quantization, per group or per channel (group -1 here)."""
-    name: ClassVar[str] = "compressed-tensors"
-    group_size: int
-    symmetric: bool
-    group_order: bool  # actorder "group": weight_g_idx names each input feature's group
-
-    @classmethod
-    def from_weights_args(cls, weights: dict) -> CompressedTensorsW4A16:
-        """A config group's "weights" arguments."""
-        four_bits("compressed-tensors", weights.get("num_bits", 4))
-        if weights.get("type", "int") != "int" or weights.get("dynamic", False):
-            raise ValueError("compressed-tensors: only static integer weights are supported "
-                             f"by the W4A16 scheme, got {weights}")
-        strategy = weights.get("strategy", "group")
-        if strategy not in ("group", "channel"):
-            raise ValueError(f"compressed-tensors: W4A16 strategy {strategy!r} is not "
-                             "supported (group, channel)")
-        group_size = weights.get("group_size") if strategy == "group" else -1
-        return cls(group_size, weights.get("symmetric", True),
-                   group_order=weights.get("actorder") in ("group", True))
-
-    @classmethod
-    def from_config(cls, config: dict) -> CompressedTensorsW4A16:
-        """A compressed-tensors quantization_config whose config groups all hold this one
-        scheme (choosing a scheme per layer is the compressed-tensors dispatcher's work)."""
-        groups = list(config.get("config_groups", {}).values())
-        schemes = {str(sorted(group.get("weights", {}).items())) for group in groups}
-        if len(schemes) != 1:
-            raise ValueError(f"compressed-tensors: {len(schemes)} weight schemes in "
-                             "config_groups; one W4A16 scheme for every layer is supported")
-        fmt = groups[0].get("format") or config.get("format")
-        if fmt != "pack-quantized" or groups[0].get("input_activations") is not None:
-            raise ValueError(f"compressed-tensors: format {fmt!r} with input activations "
-                             f"{groups[0].get('input_activations')} is not W4A16 "
-                             "pack-quantized")
-        return cls.from_weights_args(groups[0]["weights"])
+    activation quantization, per group or per channel: weight_packed, weight_scale,
+    weight_shape, weight_zero_point (asymmetric), weight_g_idx (actorder "group")."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
-        g = self.group(input_size)
-        check_sizes("compressed-tensors", input_size, output_sizes, g)
+        g = self.check_layer(layer, input_size, output_sizes)
         n, groups, loader = sum(output_sizes), input_size // g, layer.weight_loader
-        gdim = group_input_dim(self.group_size, 1)
-        layer.register_parameter("weight_packed", int4_parameter(
+        gdim = self.groups_dim(1)
+        layer.weight_packed = quant_parameter(
             torch.empty(n, input_size // PACK_FACTOR, dtype=torch.int32), output_dim=0,
-            input_dim=1, pack_dim=1, pack_factor=PACK_FACTOR, loader=loader))
-        layer.register_parameter("weight_scale", int4_parameter(
-            torch.empty(n, groups, dtype=dtype), output_dim=0, input_dim=gdim, loader=loader))
-        layer.register_parameter("weight_shape", int4_parameter(
-            torch.empty(2, dtype=torch.int64), output_dim=None, input_dim=None,
-            loader=loader))
-        if not self.symmetric:
-            layer.register_parameter("weight_zero_point", int4_parameter(
+            input_dim=1, pack_dim=1, pack_factor=PACK_FACTOR, loader=loader)
+        layer.weight_scale = quant_parameter(torch.empty(n, groups, dtype=dtype), output_dim=0,
+                                             input_dim=gdim, loader=loader)
+        # each part's [rows, input features]; the parameters' shapes already say it
+        layer.weight_shape = quant_parameter(torch.empty(2, dtype=torch.int64),
+                                             output_dim=None, input_dim=None, loader=loader)
+        if self.spec.zero_points:
+            layer.weight_zero_point = quant_parameter(
                 torch.empty(n // PACK_FACTOR, groups, dtype=torch.int32), output_dim=0,
-                input_dim=gdim, pack_dim=0, pack_factor=PACK_FACTOR, loader=loader))
-        if self.group_order:
-            layer.register_parameter("weight_g_idx", int4_parameter(
-                torch.empty(input_size, dtype=torch.int32), output_dim=None, input_dim=0,
-                loader=loader))
+                input_dim=gdim, pack_dim=0, pack_factor=PACK_FACTOR, loader=loader)
+        if self.spec.act_order:
+            layer.weight_g_idx = self.group_index(layer, input_size)
 
     def process_after_loading(self, layer: nn.Module) -> None:
         input_size = layer.weight_packed.shape[1] * PACK_FACTOR
+        g_idx = optional(layer, "weight_g_idx")
         weight = compressed_tensors_to_int4(
             layer.weight_packed.data, layer.weight_scale.data,
-            optional(layer, "weight_zero_point"), optional(layer, "weight_g_idx"),
-            self.group(input_size))
+            optional(layer, "weight_zero_point"),
+            None if g_idx is None else self.rank_groups(layer, g_idx), self.group(input_size))
         replace_parameters(layer, ("weight_packed", "weight_scale", "weight_zero_point",
                                    "weight_shape", "weight_g_idx"), weight)
+
+
+# quant_method of a QuantSpec with int4 weights -> its method
+INT4_METHODS: dict[str, type[Int4Method]] = {
+    "awq": AWQMethod, "gptq": GPTQMethod, "compressed-tensors": CompressedTensorsW4A16}
