@@ -30,16 +30,19 @@ from safetensors.torch import load_file, save_file
 
 from common.config import EngineConfig
 from common.model_files import load_hf_config
+from common.model_support import UnsupportedModel, check_model_support
 from kernels.int4 import (Int4Tiles, dequantize_int4_ref, pack_int4_rows, unpack_int4_rows,
                           w4a16_gemm_ref, w4a16_gemm_triton)
-from services.worker.layers.linear import MergedColumnParallelLinear
+from services.worker.layers.linear import (LinearBase, MergedColumnParallelLinear,
+                                           RowParallelLinear)
 from services.worker.layers.quantization import building_with, quant_method_for
 from services.worker.layers.quantization.int4 import (Int4Method, Int4Weight, awq_to_int4,
                                                       compressed_tensors_to_int4,
                                                       gptq_to_int4)
 from services.worker.loader import default_dtype, load_model
-from tests.test_models import Paged, token_ids
-from tests.tiny_models import make_tiny_model
+from tests.test_models import Paged, rel_err, token_ids
+from tests.test_tensor_parallel import as_rank, run_ranks
+from tests.tiny_models import make_tiny_model, tiny_config
 
 CPU = torch.device("cpu")
 
@@ -552,17 +555,153 @@ def test_int4_checkpoint_prompt_logprobs_match_transformers(fmt, arch, tmp_path)
     from services.offline.llm import LLM
 
     src = make_tiny_model(tmp_path, arch)
+    unquantized = transformers_logits(src)
     model_dir = write_int4(src, tmp_path / fmt, fmt)
+    dequantized = transformers_logits(src)
+    assert rel_err(dequantized, unquantized) > 1e-2  # 4 bits are far from float32
     llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4,
               num_gpu_blocks_override=64, max_num_batched_tokens=8, max_num_seqs=4,
               quantization=FORMATS[fmt][0]["quant_method"])
     out = llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1),
                        use_tqdm=False)[0]
-    ref = torch.log_softmax(transformers_logits(src), dim=-1)
+    ref = torch.log_softmax(dequantized, dim=-1)
     for pos in range(1, len(PROMPT)):
         token = PROMPT[pos]
         assert out.prompt_logprobs[pos][token].logprob == pytest.approx(
             ref[pos - 1, token].item(), abs=LOGPROB_EXACT)
+
+
+@pytest.mark.parametrize("fmt,arch", [("ct-sym-64", "llama"), ("ct-sym-64", "qwen3")])
+def test_compressed_tensors_int4_matches_transformers_reading_the_files(fmt, arch, tmp_path):
+    """transformers with compressed-tensors decompresses the pack-quantized files itself.
+    Symmetric only: transformers 5.24 builds an asymmetric model's weight_zero_point at
+    the unpacked [N, groups] shape and refuses the packed [N / 8, groups] that
+    compressed-tensors' own compressor writes (and vLLM reads), so the asymmetric files
+    are checked against the test's unpacker above."""
+    model_dir = write_int4(make_tiny_model(tmp_path, arch), tmp_path / fmt, fmt)
+    assert rel_err(our_logits(model_dir), transformers_logits(model_dir)) < EXACT
+
+
+def test_dummy_weights_run_int4(tmp_path):
+    """--load-format dummy: random tensors in the checkpoint's shapes, act-order's g_idx
+    kept in order (drawn indices would group nothing)."""
+    for fmt in ("gptq-act-order", "awq"):
+        model_dir = write_int4(make_tiny_model(tmp_path / fmt, "llama"), tmp_path / fmt / "q",
+                               fmt)
+        model = load(model_dir, load_format="dummy")
+        assert model.model.layers[0].mlp.down_proj.qweight.dtype == torch.int32
+        hf_config = load_hf_config(model_dir)
+        paged = Paged(model, hf_config, block_size=4)
+        (logits,) = paged.step([(paged.blocks(len(PROMPT)), PROMPT, 0)])
+        assert torch.isfinite(logits).all()
+
+
+def test_the_benchmarks_count_the_values_of_packed_weights(tmp_path):
+    """ModelShape.num_params (the products per token) counts an int4 weight's values,
+    eight a word: the unquantized model's count plus the scales, zeros and act-order's
+    permutation."""
+    from services.bench.workloads import ModelShape
+
+    src = make_tiny_model(tmp_path, "llama")
+    unquantized = ModelShape.of(load(src), load_hf_config(src), 1, 4).num_params
+    model_dir = write_int4(src, tmp_path / "q", "gptq-act-order")
+    model = load(model_dir)
+    extra = sum(p.numel() for name, p in model.named_parameters()
+                if name.endswith((".scales", ".zeros", ".perm")))
+    shape = ModelShape.of(model, load_hf_config(model_dir), 1, 4)
+    assert shape.num_params == unquantized + extra
+
+
+# --- tensor parallelism -------------------------------------------------------------------------
+
+def dense_of(layer) -> torch.Tensor:
+    """A loaded layer's W [N, K] in the checkpoint's input order."""
+    weight = Int4Weight(layer.qweight.data, layer.scales.data, layer.zeros.data,
+                        None if layer.perm is None else layer.perm.data)
+    return dense(weight, layer.qweight.shape[0] * 8 // layer.scales.shape[0])
+
+
+def expected_shard(whole, shard) -> torch.Tensor:
+    """The rows (column-parallel) or columns (row-parallel) of the one-rank layer's
+    weight that rank `shard.tp_rank` holds."""
+    full = dense_of(whole)
+    if isinstance(shard, RowParallelLinear):
+        return full.narrow(1, shard.tp_rank * shard.input_size, shard.input_size)
+    starts = {shard_id: part.offset for shard_id, part in whole.output_shards().items()}
+    return torch.cat([full.narrow(0, starts[shard_id] + part.index * part.size, part.size)
+                      for shard_id, part in shard.output_shards().items()])
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq-v1-sym", "ct-asym-32"])
+def test_a_rank_holds_its_shard_of_every_int4_tensor(fmt, tmp_path, monkeypatch):
+    """Rank 1 of 2: output dims packed eight to a word (AWQ's qweight and qzeros, GPTQ's
+    qzeros, compressed-tensors' weight_zero_point) take 1/8 of the rows, grouped input
+    dims their groups, g_idx the rank's features."""
+    model_dir = write_int4(make_tiny_model(tmp_path, "qwen3"), tmp_path / fmt, fmt)
+    whole = load(model_dir)
+    as_rank(monkeypatch, 1, 2)
+    shard = load(model_dir)
+    layers = dict(shard.named_modules())
+    checked = 0
+    for name, module in whole.named_modules():
+        if isinstance(module, LinearBase):
+            assert torch.equal(dense_of(layers[name]), expected_shard(module, layers[name]))
+            checked += 1
+    assert checked == 4 * whole.num_layers
+
+
+def test_int4_checkpoints_run_over_two_gloo_ranks(tmp_path):
+    """Each rank's logits are one rank's: W4A16 quantizes no activations, so only the
+    all-reduce's order of summation differs."""
+    dirs = [write_int4(make_tiny_model(tmp_path / fmt, "qwen3"), tmp_path / fmt / "q", fmt)
+            for fmt in ("awq", "gptq-v1-sym")]
+    results = run_ranks(2, dirs, "auto", PROMPT, tmp_path)
+    for model_dir in dirs:
+        whole = our_logits(model_dir)
+        for rank in range(2):
+            assert rel_err(results[(rank, str(model_dir))][1], whole) < EXACT
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+def test_act_order_with_input_features_split_over_ranks_is_refused(tmp_path, monkeypatch):
+    model_dir = write_int4(make_tiny_model(tmp_path, "llama"), tmp_path / "q",
+                           "gptq-act-order")
+    as_rank(monkeypatch, 0, 2)
+    with pytest.raises(ValueError) as refused:
+        load(model_dir)
+    assert str(refused.value) == (
+        "gptq: act-order checkpoints (g_idx) with the input features of RowParallelLinear "
+        "split over tensor-parallel ranks are not supported; use --tensor-parallel-size 1")
+
+
+@pytest.mark.parametrize("config,quantization,line", [
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, None,
+     "gptq: unsupported 8-bit weights; supported: 4-bit"),
+    ({"quant_method": "awq", "w_bit": 3, "q_group_size": 128}, "awq",
+     "awq: unsupported 3-bit weights; supported: 4-bit"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, None,
+     "awq: unsupported version 'gemv'; supported: gemm"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
+     None, "gptq: unsupported checkpoint format 'marlin'; supported: gptq, gptq_v2"),
+    (ct_config({"num_bits": 8, "strategy": "channel"}), None,
+     "unsupported compressed-tensors weights int8 channel, activations unquantized;"),
+    ({**ct_config({"strategy": "group", "group_size": 128}), "format": "marlin-24"}, None,
+     "unsupported compressed-tensors weights int4 group, activations unquantized (format "
+     "'marlin-24'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "gptq",
+     "--quantization gptq does not match the checkpoint's quantization_config ('awq')"),
+])
+def test_unsupported_int4_configs_are_refused_in_one_line(config, quantization, line):
+    with pytest.raises(UnsupportedModel) as refused:
+        check_model_support(tiny_config("qwen3", quantization_config=config), quantization)
+    assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
+
+
+def test_int4_formats_are_accepted_by_the_launchers_check():
+    for fmt, (config, *_) in FORMATS.items():
+        check_model_support(tiny_config("qwen3", quantization_config=config),
+                            config["quant_method"])
 
 
 if __name__ == "__main__":
