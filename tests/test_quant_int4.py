@@ -453,6 +453,11 @@ def test_bad_shapes_say_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="multiples of 8"):
         build_layer(method_of({"quant_method": "awq", "group_size": 32}), 64, [60],
                     torch.float16)
+    layer = build_layer(method_of(gptq | {"group_size": 32, "desc_act": True}), 64, [8, 8],
+                        torch.float16)
+    layer.g_idx.weight_loader(layer.g_idx, torch.arange(64, dtype=torch.int32) // 32, 0)
+    with pytest.raises(ValueError, match=r"\[1\]: its g_idx differs from the other fused"):
+        layer.g_idx.weight_loader(layer.g_idx, torch.arange(64).flip(0).int() // 32, 1)
     g_idx = torch.arange(64, dtype=torch.int32) // 16  # a rank holding part of 2 groups of 32
     with pytest.raises(ValueError, match="act-order with the input features split"):
         gptq_to_int4(torch.zeros(8, 8, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),

@@ -20,6 +20,7 @@ and multiplies with kernels.int4.w4a16_gemm. On disk (K input, N output features
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,19 @@ def replace_parameters(layer: nn.Module, stale: tuple[str, ...], weight: Int4Wei
     layer.perm = None if weight.perm is None else nn.Parameter(weight.perm, requires_grad=False)
 
 
+def load_shared(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
+                shard_id=None) -> None:
+    """A g_idx: each fused part's checkpoint (q, k, v; gate, up) holds one for the input
+    the parts share, and the one fused matmul needs them all equal."""
+    first = param.data.clone() if param.parts_loaded else None
+    layer.weight_loader(param, loaded, shard_id)
+    if first is not None and not torch.equal(first, param.data):
+        raise ValueError(f"{type(layer).__name__}[{shard_id}]: its g_idx differs from the "
+                         "other fused parts'; one fused layer needs the same act-order "
+                         "grouping in each")
+    param.parts_loaded += 1
+
+
 def optional(layer: nn.Module, name: str) -> torch.Tensor | None:
     param = getattr(layer, name, None)
     return None if param is None else param.data
@@ -177,8 +191,8 @@ class Int4Method(QuantMethod):
         groups = input_size // self.group(input_size)
         in_order = torch.arange(input_size, dtype=torch.int32) // self.group(input_size)
         param = quant_parameter(in_order + self.first_group(layer, groups), output_dim=None,
-                                input_dim=0, loader=layer.weight_loader)
-        param.keep_for_dummy = True
+                                input_dim=0, loader=functools.partial(load_shared, layer))
+        param.keep_for_dummy, param.parts_loaded = True, 0
         return param
 
     def first_group(self, layer: nn.Module, groups: int) -> int:
