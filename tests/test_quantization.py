@@ -705,8 +705,11 @@ def test_scaled_mm_twin_against_a_plain_matmul():
      "--quantization compressed-tensors does not match the checkpoint's"),
     ({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
         "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
-                                                 "strategy": "group", "group_size": 128}}}}},
-     None, "unsupported compressed-tensors weights int4 group"),
+                                                 "strategy": "group", "group_size": 128},
+              "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                    "dynamic": True}}}}},  # W4A8
+     None, "unsupported compressed-tensors weights int4 group, activations int8 token "
+     "dynamic"),
 ])
 def test_unbuilt_quantizations_are_refused_in_one_line(config, quantization, line):
     with pytest.raises(UnsupportedModel) as refused:

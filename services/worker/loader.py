@@ -81,13 +81,17 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 @torch.no_grad()
 def init_dummy_weights(model: CausalLM, seed: int) -> None:
     """Normal(0, 0.02) everywhere except RMSNorm weights, which scale by 1 (a weight of 1,
-    or 0 under Gemma's 1 + w): activations stay finite at any depth. Each checkpoint tensor is drawn whole on the parameters' device, from a
-    generator seeded by its name, and handed to its weight_loader like a loaded one."""
+    or 0 under Gemma's 1 + w): activations stay finite at any depth; and index tensors
+    (int4's g_idx), which keep the in-order values their method built. Each checkpoint
+    tensor is drawn whole on the parameters' device, from a generator seeded by its name,
+    and handed to its weight_loader like a loaded one."""
     norm_weights = {id(m.weight): 0.0 if m.gemma else 1.0
                     for m in model.modules() if isinstance(m, RMSNorm)}
     for name, param in model.named_parameters():
         if id(param) in norm_weights:
             param.fill_(norm_weights[id(param)])
+            continue
+        if getattr(param, "keep_for_dummy", False):  # an index (int4's g_idx): as built
             continue
         module = model.get_submodule(name.rpartition(".")[0])
         for shard_id, shape in module.checkpoint_shapes(param).items():

@@ -19,6 +19,7 @@ from services.worker.layers.quantization.base import (QuantMethod, UnquantizedMe
                                                       quant_parameter)
 from services.worker.layers.quantization.experts import (ExpertsMethod, Fp8Experts,
                                                          UnquantizedExperts)
+from services.worker.layers.quantization.int4 import INT4_METHODS
 from services.worker.layers.quantization.w8a8 import W8A8Method
 
 __all__ = ["ExpertsMethod", "QuantMethod", "UnquantizedMethod", "W8A8Method",
@@ -34,7 +35,11 @@ def quant_method_for(hf_config: Any, engine_quantization: str | None) -> QuantMe
     """The method of the model's weights; ValueError (QuantizationError) for a format
     that is not built."""
     spec = quant_spec(hf_config, engine_quantization)
-    return UnquantizedMethod() if spec is None else W8A8Method(spec)
+    if spec is None:
+        return UnquantizedMethod()
+    if spec.weight_type == "int4":
+        return INT4_METHODS[spec.method](spec)
+    return W8A8Method(spec)
 
 
 def experts_method_for(method: QuantMethod) -> ExpertsMethod:
