@@ -237,3 +237,27 @@ def test_the_copy_model_continues_the_latency_prompts_cycle(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == repeated(motif, 52)[40:]
+
+
+def test_latency_floor_counts_quantized_weights(tiny, tmp_path):
+    """--quantization fp8 (quantized on load) holds a byte per projection weight where
+    float32 holds four, plus a float32 scale per output row: the bytes the floor counts
+    shrink by exactly that."""
+    read = {}
+    for quant in ([], ["--quantization", "fp8"]):
+        out = tmp_path / f"latency{len(quant)}.json"
+        result = run_command("bench", "latency", "--model", str(tiny), "--context-len", "32",
+                             "--output-len", "4", "--iterations", "1", "--load-format",
+                             "dummy", "--num-gpu-blocks-override", "64", "--json", str(out),
+                             "--device", "cpu", *quant, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        data = json.loads(out.read_text())
+        assert data["floor_ms_per_token"] > 0
+        read[len(quant)] = data["weight_bytes"]
+    c = json.loads((tiny / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    h, i = c["hidden_size"], c["intermediate_size"]
+    weights = c["num_hidden_layers"] * (h * (q + 2 * kv) + q * h + 3 * h * i)
+    rows = c["num_hidden_layers"] * ((q + 2 * kv) + h + 2 * i + h)
+    assert read[0] - read[2] == 3 * weights - 4 * rows, read

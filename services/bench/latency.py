@@ -135,6 +135,8 @@ def run(args: argparse.Namespace, argv: list[str], engine: Engine, adapter_root:
               # the batch's decode rate; the mean, since speculation delivers tokens in bursts
               "decode_tokens_per_s": args.batch_size * 1000 / statistics.fmean(ms),
               "floor_ms_per_token": 1000 * floor_s,
+              # what the floor reads each step besides the KV cache (quantized: fewer)
+              "weight_bytes": shape.weight_bytes + shape.decode_expert_bytes(args.batch_size),
               "copy_bandwidth_tb_s": ceilings.copy_bytes_per_s / 1e12,
               "draft_tokens": drafted, "accepted_draft_tokens": accepted,
               "lora_adapters": len(adapters)}

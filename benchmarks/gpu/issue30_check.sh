@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The device script for issue 30 (quantized weights), every output under $OUT/r, one device
+# call per stage (each inside the 10-minute limit):
+#   source .devkit/env.sh && bash benchmarks/gpu/issue30_check.sh 1
+# Stage 1 runs the CUDA checks of every quantized kernel; 2 times batch-1 decode of
+# Llama-3.1-8B's shapes in bf16, fp8 (quantized on load) and AWQ int4 (dummy weights under
+# an AWQ quantization_config) against each format's floor; 3 the batch-64 8B workload and
+# the nano workload (Qwen3-0.6B shapes), bf16 against fp8.
+set -uo pipefail
+source benchmarks/gpu/common.sh
+L=$M/llama-3.1-8b-shape
+awq_shape() {  # the 8B shape's directory with an AWQ 4-bit, group-128 quantization_config
+  local dir=/tmp/llama-3.1-8b-awq-shape
+  rm -rf "$dir" && cp -r "$L" "$dir"
+  python - "$dir/config.json" <<'PY'
+import json, sys
+config = json.load(open(sys.argv[1]))
+config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                 "zero_point": True, "version": "gemm"}
+json.dump(config, open(sys.argv[1], "w"))
+PY
+  echo "$dir"
+}
+case "$1" in
+1)
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+    -k "quant and cuda" > "$R/pytest-quant-kernels.txt" 2>&1
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_quant_int4.py tests/test_gguf_quant.py \
+    -k cuda > "$R/pytest-int4-gguf.txt" 2>&1
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_moe.py -k "fp8 and cuda" \
+    > "$R/pytest-moe-fp8.txt" 2>&1
+  ;;
+2)
+  AWQ=$(awq_shape)
+  for spec in "$L none" "$L fp8" "$AWQ awq"; do
+    set -- $spec
+    quant=(); [ "$2" != none ] && quant=(--quantization "$2")
+    bench 150 latency --model "$1" --load-format dummy --context-len 1000 --batch-size 1 \
+      --output-len 64 --iterations 2 --max-model-len 2048 "${quant[@]}" \
+      --json "$R/latency-8b-$2-b1.json" >> "$R/latency.txt" 2>&1
+  done
+  ;;
+3)
+  for quant in none fp8; do
+    args=(); [ "$quant" != none ] && args=(--quantization "$quant")
+    bench 200 latency --model "$L" --load-format dummy --context-len 1000 --batch-size 64 \
+      --output-len 64 --iterations 2 --max-model-len 2048 "${args[@]}" \
+      --json "$R/latency-8b-$quant-b64.json" >> "$R/latency-b64.txt" 2>&1
+    bench 200 throughput --model $M/qwen3-0.6b-shape --load-format dummy --workload nano \
+      --path inprocess "${args[@]}" --json "$R/throughput-nano-$quant.json" \
+      >> "$R/throughput-nano.txt" 2>&1
+  done
+  ;;
+esac
+lscpu | grep -E "Model name|^CPU\(s\)" > "$R/host.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv >> "$R/host.txt"
