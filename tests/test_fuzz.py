@@ -211,6 +211,24 @@ FRAMING = [
         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
          "temperature": 2**64}).encode(), {}),
     ("POST", "/detokenize", b'{"tokens": [99999999999]}', {}),
+    # issue 34's hostile run: each of these was a 500, or no answer at all
+    ("POST", "/v1/completions", b"[" * 5000 + b"]" * 5000, {}),
+    ("POST", "/tokenize", b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}", {}),
+    ("POST", "/v1/completions", b'{"prompt": "\xff\xfe bytes"}', {}),
+    ("POST", "/v1/completions", b'{"prompt": "Hi"}', {"Content-Encoding": "gzip"}),
+    ("POST", "/v1/completions", b'{"prompt": "Hi"}', {"Content-Encoding": "br"}),
+    ("POST", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "Hi", "name": 2**70}],
+         "max_tokens": 2}).encode(), {}),
+    ("POST", "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "Hi", "extra": {"n": 2**64}}],
+         "max_tokens": 2}).encode(), {}),
+    ("POST", "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2, "x": ' + b"9" * 400 + b"}",
+     {}),
+    ("POST", "/v1/chat/completions", b'{"max_tokens": 2, "messages": [{"role": "user", '
+     b'"content": "Hi", "x": ' + b"[" * 400 + b"]" * 400 + b"}]}", {}),
+    ("POST", "/tokenize", b'{"messages": [{"role": "user", "content": "Hi", "x": '
+     + b"{\"a\": " * 400 + b"1" + b"}" * 400 + b"}]}", {}),
 ]
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import anyio
 from aiohttp import web
+from aiohttp.http_exceptions import PayloadEncodingError
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel
 from redis.exceptions import RedisError
 from structlog.stdlib import BoundLogger
@@ -60,6 +62,11 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REFRESH_TIMEOUT_S = 2.0
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# No OpenAI request nests anywhere near this deep (a JSON schema for structured outputs
+# the most); deeper bodies would only reach recursion limits further on (the chat
+# template, MessagePack) and fail there as 500s.
+MAX_JSON_DEPTH = 64
+INT_RANGE = (-2**63, 2**64 - 1)  # what MessagePack encodes
 ENDING_S = 5.0  # after --shutdown-timeout, the calls' handlers get this long to send errors
 OPENAPI = openapi_document(VERSION)
 
@@ -555,6 +562,9 @@ async def read_json(request: web.Request, timeout_s: float) -> Any:
     except TimeoutError:
         raise ApiError(408, f"The request body did not arrive within --body-timeout "
                             f"{timeout_s:g} s.") from None
+    except (PayloadEncodingError, RequestPayloadError) as e:
+        raise ApiError(400, f"The request body does not decode as its Content-Encoding "
+                            f"header says ({' '.join(str(e).split())}).") from None
     try:
         body = json.loads(raw)
         # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes; only
@@ -566,7 +576,30 @@ async def read_json(request: web.Request, timeout_s: float) -> Any:
                             f"({e.object[e.start:e.end]!r}), which is not text.") from None
     except ValueError as e:
         raise ApiError(400, f"The request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, too_deep()) from None
+    check_nesting_and_integers(body)
     return body
+
+
+def too_deep() -> str:
+    return f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} deep."
+
+
+def check_nesting_and_integers(body: Any) -> None:
+    """Lists and dicts at most MAX_JSON_DEPTH deep, and integers that MessagePack carries
+    (64 bits), checked level by level without recursing."""
+    level = [body]
+    for _ in range(MAX_JSON_DEPTH + 1):
+        for item in level:
+            if isinstance(item, int) and not INT_RANGE[0] <= item <= INT_RANGE[1]:
+                raise ApiError(400, "The request body holds an integer outside the 64-bit "
+                                    "range.")
+        level = [child for item in level if isinstance(item, (list, dict))
+                 for child in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return
+    raise ApiError(400, too_deep())
 
 
 async def send(response: web.StreamResponse, events: list[BaseModel]) -> None:
