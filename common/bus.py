@@ -47,6 +47,8 @@ ORPHAN_CHECK_S = 0.5  # how often a consumer looks for dead consumers' pending e
 Output = tuple[str, Any]
 Record = tuple[str, Mapping[str, str | bytes]]  # (stream, entry fields), ready for XADD
 Handler = Callable[[Any], Awaitable[Sequence[Output] | None]]
+# what a stage sends when it gives up on a message (its requests' errors), given the reason
+GiveUp = Callable[[Any, str], Sequence[Output]]
 
 log = get_logger(__name__)
 
@@ -409,8 +411,11 @@ class Bus:
     async def consume(self, stream: str, group: str, consumer: str, handler: Handler, *,
                       count: int = 16, block_ms: int = 1000, stop: anyio.Event | None = None,
                       min_idle_ms: int = 30_000, reclaim_every_s: float = 5.0,
-                      max_deliveries: int = 5) -> None:
+                      max_deliveries: int = 5, on_dead: GiveUp | None = None) -> None:
         """Run `handler` on every entry of `stream` for `group` until `stop` is set.
+        An entry moved to hr:dead (its handler failed `max_deliveries` times, or its
+        consumers kept dying) sends what `on_dead(msg, reason)` gives: the error that
+        ends each request it carried, so that no client waits for an answer never coming.
 
         `min_idle_ms` must exceed the longest time an entry waits in a live consumer
         (count x handler time), or a slow consumer's entries are claimed by another. When
@@ -422,7 +427,7 @@ class Bus:
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be at least 1, got {max_deliveries}")
         loop = _ConsumeLoop(self, stream, group, consumer, handler, count, block_ms,
-                            min_idle_ms, reclaim_every_s, max_deliveries)
+                            min_idle_ms, reclaim_every_s, max_deliveries, on_dead)
         stop = stop or anyio.Event()
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(loop.interrupt_read_on, stop)
@@ -464,9 +469,9 @@ class _ConsumeLoop:
 
     def __init__(self, bus: Bus, stream: str, group: str, consumer: str, handler: Handler,
                  count: int, block_ms: int, min_idle_ms: int, reclaim_every_s: float,
-                 max_deliveries: int) -> None:
+                 max_deliveries: int, on_dead: GiveUp | None) -> None:
         self.bus, self.stream, self.group, self.consumer = bus, stream, group, consumer
-        self.handler = handler
+        self.handler, self.on_dead = handler, on_dead
         self.count, self.block_ms = count, block_ms
         self.min_idle_ms, self.reclaim_every_s = min_idle_ms, reclaim_every_s
         self.max_deliveries = max_deliveries
@@ -568,8 +573,8 @@ class _ConsumeLoop:
         for entry in entries:
             delivered = counts.get(entry.id, 0)
             if delivered > self.max_deliveries:
-                await self.bus.bury([(entry, f"delivered {delivered} times and never "
-                                             "acknowledged (its consumers died?)")])
+                await self._give_up(entry, f"delivered {delivered} times and never "
+                                           "acknowledged (its consumers died?)")
             else:
                 live.append(entry)
         await self._process(live)
@@ -595,8 +600,18 @@ class _ConsumeLoop:
         delivered = (await self.bus.delivery_counts(
             self.stream, self.group, [entry.id])).get(entry.id, 0)
         if delivered >= self.max_deliveries:
-            await self.bus.bury([(entry, f"{type(error).__name__}: {error} "
-                                         f"(after {delivered} deliveries)")])
+            await self._give_up(entry, f"{type(error).__name__}: {error} "
+                                       f"(after {delivered} deliveries)")
+
+    async def _give_up(self, entry: Entry, reason: str) -> None:
+        await self.bus.bury([(entry, reason)])
+        if self.on_dead is None:
+            return
+        try:
+            await self.bus.publish_to(self.on_dead(entry.msg, reason))
+        except Exception as e:  # the entry is in hr:dead either way; the stage goes on
+            self.log.error("cannot end the requests of a dead entry", id=entry.id.decode(),
+                           exc_info=e)
 
 
 def decode_value(key: str, raw: bytes | None) -> Any | None:

@@ -8,7 +8,7 @@ import time
 
 from common import keys
 from common.bus import Output
-from common.messages import ReplyBatch, TextDelta, TokenBatch
+from common.messages import Abort, ErrorReply, ReplyBatch, TextDelta, TokenBatch
 from common.model_files import load_tokenizer, resolve_model
 from common.service import ServiceContext, freeze_heap, run_service
 from services.detokenizer.core import Detokenizer
@@ -42,13 +42,24 @@ def handler(detokenizer: Detokenizer):
     return handle
 
 
+def given_up(batch: TokenBatch, reason: str) -> list[Output]:
+    """When the detokenizer gives up on a batch (Bus.consume's on_dead), each request in
+    it ends with the reason, and the scheduler stops generating for it."""
+    rids = {item.rid: item.reply_to for item in batch.items}
+    message = f"The detokenizer could not process this request's tokens: {reason}"
+    return [output for rid, reply_to in rids.items() for output in (
+        (keys.replies(reply_to), ErrorReply(rid, 500, message, "InternalServerError")),
+        (keys.control(batch.shard), Abort(rid)))]
+
+
 async def serve(ctx: ServiceContext) -> None:
     model_dir = resolve_model(ctx.engine.model, ctx.engine.load_format)
     detokenizer = Detokenizer(load_tokenizer(model_dir, ctx.engine.tokenizer))
     freeze_heap()
     await ctx.bus.consume(keys.DETOK, GROUP, ctx.consumer, handler(detokenizer),
                           count=READ_COUNT, stop=ctx.stop,
-                          min_idle_ms=CLAIM_IDLE_MS, reclaim_every_s=CLAIM_EVERY_S)
+                          min_idle_ms=CLAIM_IDLE_MS, reclaim_every_s=CLAIM_EVERY_S,
+                          on_dead=given_up)
 
 
 def main(argv: list[str]) -> int:

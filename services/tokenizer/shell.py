@@ -15,7 +15,7 @@ from common import keys
 from common.bus import Bus, Output, decode_value
 from common.errors import ApiError
 from common.log import get_logger
-from common.messages import GenerateRequest, Routed
+from common.messages import ErrorReply, GenerateRequest, Routed
 from common.model_info import load_model_info
 from common.service import ServiceContext, freeze_heap, run_service
 from common.structured_outputs import xgrammar_loaded
@@ -49,6 +49,13 @@ def handler(processor: InputProcessor, router: Router):
         return [(keys.admit(shard), admit),
                 (keys.replies(req.reply_to), Routed(req.rid, shard))]
     return handle
+
+
+def given_up(req: GenerateRequest, reason: str) -> list[Output]:
+    """The request's error when the tokenizer gives up on it (Bus.consume's on_dead)."""
+    return [(keys.replies(req.reply_to),
+             ErrorReply(req.rid, 500, f"The tokenizer could not process this request: "
+                                      f"{reason}", "InternalServerError"))]
 
 
 async def watch_shards(bus: Bus, router: Router, stop: anyio.Event) -> None:
@@ -85,7 +92,8 @@ async def serve(ctx: ServiceContext) -> None:
             tasks.start_soon(watch_shards, ctx.bus, router, ctx.stop)
         await ctx.bus.consume(keys.REQUESTS, GROUP, ctx.consumer, handler(processor, router),
                               stop=ctx.stop, min_idle_ms=ctx.server.reclaim_idle_ms,
-                              reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000))
+                              reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000),
+                              on_dead=given_up)
         tasks.cancel_scope.cancel()
 
 
