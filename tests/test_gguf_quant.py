@@ -1,0 +1,381 @@
+"""GGUF weights kept quantized (kernels/gguf.py, services/worker/layers/quantization/gguf.py).
+
+The torch twin is checked against the `gguf` package's numpy dequantizers (the oracle) on
+random blocks; the Triton kernels against the twin in Triton's interpreter, each check in
+a fresh `python -m tests.test_gguf_quant <check>` with TRITON_INTERPRET=1 (see
+tests/test_kernels_triton.py's docstring for why); the reader on GGUF files written here
+with gguf.GGUFWriter and on the demo model's file; the quant method on today's linear
+layers, against x @ W^T with W dequantized by the oracle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from kernels.gguf import (GEMV_MAX_ROWS, LAYOUTS, GGUFType, dequantize_ref, dequantize_triton,
+                          gguf_gemv_triton, gguf_linear_ref, gguf_linear_triton, layout)
+from services.demo import demo_model_path
+from services.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                           RowParallelLinear)
+from services.worker.layers.quantization.gguf import (ARCHITECTURES, BLOCK_NAMES, GLOBAL_NAMES,
+                                                      GGUFMethod, QuantizedCheckpoint, hf_name,
+                                                      iter_gguf)
+
+REPO = Path(__file__).resolve().parent.parent
+# bytes of each type's fp16 scale fields (d, dmin): random bytes there would make infinities
+FP16_FIELDS = {GGUFType.Q8_0: (0,), GGUFType.Q4_K: (0, 2), GGUFType.Q5_K: (0, 2),
+               GGUFType.Q6_K: (208,)}
+
+
+def fresh_rng() -> tuple[np.random.Generator, int]:
+    seed = random.SystemRandom().randrange(2 ** 31)
+    return np.random.default_rng(seed), seed
+
+
+def random_raw(qtype: GGUFType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, bytes per row] of random blocks whose fp16 scales are small and finite
+    (every quant and 6-bit scale bit pattern still occurs)."""
+    block = layout(qtype)
+    raw = rng.integers(0, 256, (rows, cols // block.values, block.nbytes), dtype=np.uint8)
+    for offset in FP16_FIELDS[qtype]:
+        scales = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
+        raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def oracle(raw: np.ndarray, qtype: int) -> np.ndarray:
+    return gguf.quants.dequantize(raw, T(int(qtype)))
+
+
+# --- the torch twin against gguf.quants -------------------------------------------------
+
+def test_block_layouts_are_ggml_sizes():
+    for qtype, block in LAYOUTS.items():
+        assert gguf.GGML_QUANT_SIZES[T(int(qtype))] == (block.values, block.nbytes)
+
+
+@pytest.mark.parametrize("qtype", list(GGUFType), ids=lambda t: t.name)
+def test_twin_equals_gguf_dequantize_on_random_blocks(qtype):
+    rng, seed = fresh_rng()
+    raw = random_raw(qtype, 7, 512, rng)
+    twin = dequantize_ref(torch.from_numpy(raw), qtype, 512)
+    assert np.array_equal(twin.numpy(), oracle(raw, qtype)), f"seed {seed}"
+
+
+def test_twin_equals_gguf_dequantize_on_quantized_q8_0():
+    """Blocks gguf.quants itself quantizes (it quantizes none of the K types)."""
+    rng, seed = fresh_rng()
+    raw = gguf.quants.quantize(rng.standard_normal((5, 96)).astype(np.float32), T.Q8_0)
+    twin = dequantize_ref(torch.from_numpy(raw), GGUFType.Q8_0, 96)
+    assert np.array_equal(twin.numpy(), oracle(raw, T.Q8_0)), f"seed {seed}"
+
+
+def test_bad_types_and_shapes_are_clear_errors():
+    raw = torch.zeros(2, 144, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="type 2 is not kept quantized; supported: Q8_0"):
+        dequantize_ref(raw, 2, 256)  # Q4_0
+    with pytest.raises(ValueError, match=r"must be uint8 \[rows, 210\]"):
+        dequantize_ref(raw, GGUFType.Q6_K, 256)
+    with pytest.raises(ValueError, match="whole blocks of 256 values; 200 columns"):
+        dequantize_ref(raw, GGUFType.Q4_K, 200)
+
+
+# --- Triton kernels against the twin, in the interpreter ---------------------------------
+
+CHECKS: dict[str, Callable[[], None]] = {}
+
+
+def interpreter_check(fn: Callable[[], None]) -> Callable[[], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, seed: int,
+                 tolerance: float) -> None:
+    error = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert error <= tolerance, f"{what}: relative error {error:.3g} (seed {seed})"
+
+
+# (type, rows, cols): rows not a multiple of the GEMV's 16-row tiles; Q8_0's 96 columns end
+# in a partial 64-column step
+SHAPES = [(GGUFType.Q8_0, 19, 96), (GGUFType.Q4_K, 5, 512), (GGUFType.Q5_K, 3, 256),
+          (GGUFType.Q6_K, 17, 512)]
+# (rows of x, dtype, tolerance) for the GEMV
+GEMV_RUNS = [(1, torch.float16, 1e-2), (3, torch.float32, 1e-5),
+             (GEMV_MAX_ROWS, torch.float32, 1e-5)]
+
+
+@interpreter_check
+def dequantize_kernel() -> None:
+    """Every value, into NaN-poisoned outputs: exact in float32 (same float32 operations
+    as the twin), rounded once in fp16."""
+    rng, seed = fresh_rng()
+    for qtype, rows, cols in SHAPES:
+        raw = torch.from_numpy(random_raw(qtype, rows, cols, rng))
+        ref = dequantize_ref(raw, qtype, cols)
+        for dtype in (torch.float32, torch.float16):
+            out = torch.full((rows, cols), float("nan"), dtype=dtype)
+            dequantize_triton(raw, qtype, cols, dtype, out=out)
+            assert torch.equal(out, ref.to(dtype)), f"{qtype.name} {dtype} (seed {seed})"
+
+
+@interpreter_check
+def gemv_kernel() -> None:
+    rng, seed = fresh_rng()
+    g = torch.Generator().manual_seed(seed)
+    for (qtype, rows, cols), (m, dtype, tolerance) in itertools.product(SHAPES, GEMV_RUNS):
+        raw = torch.from_numpy(random_raw(qtype, rows, cols, rng))
+        x = torch.randn(m, cols, generator=g).to(dtype)
+        out = gguf_gemv_triton(x, raw, qtype, cols)
+        ref = gguf_linear_ref(x.float(), raw, qtype, cols)
+        assert_close(out, ref, f"GEMV {qtype.name} m={m} {dtype}", seed, tolerance)
+
+
+@interpreter_check
+def linear_dispatch() -> None:
+    """gguf_linear_triton: a [2, 3, cols] batch (6 rows: the GEMV) and a [13, cols] one
+    (dequantize, then matmul), with a bias."""
+    rng, seed = fresh_rng()
+    g = torch.Generator().manual_seed(seed)
+    for qtype, rows, cols in SHAPES:
+        raw = torch.from_numpy(random_raw(qtype, rows, cols, rng))
+        bias = torch.randn(rows, generator=g)
+        for shape in ((2, 3, cols), (13, cols)):
+            x = torch.randn(*shape, generator=g)
+            out = gguf_linear_triton(x, raw, qtype, cols, bias)
+            assert out.shape == (*shape[:-1], rows)
+            assert_close(out, gguf_linear_ref(x, raw, qtype, cols, bias),
+                         f"linear {qtype.name} {shape}", seed, 1e-5)
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_under_triton_interpreter(check: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-m", "tests.test_gguf_quant", check],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- reading GGUF files -------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_names_agree_with_gguf_tensor_name_map(arch):
+    """Our GGUF -> Hugging Face names against gguf-py's Hugging Face -> GGUF map."""
+    key = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = gguf.get_tensor_name_map(key, 4)
+    pairs = [(g, h) for g, h in GLOBAL_NAMES.items()]
+    pairs += [(f"blk.3.{g}", f"model.layers.3.{h}") for g, h in BLOCK_NAMES.items()]
+    for gguf_module, hf_module in pairs:
+        if arch != "qwen3" and gguf_module.endswith(("_q_norm", "_k_norm")):
+            continue  # only Qwen3 has per-head q/k norms
+        assert name_map.get_name(hf_module) == gguf_module
+        assert hf_name(f"{gguf_module}.weight") == f"{hf_module}.weight"
+    with pytest.raises(ValueError, match="'blk.0.attn_qkv.weight' has no Hugging Face name"):
+        hf_name("blk.0.attn_qkv.weight")
+
+
+def write_gguf(path: Path, arch: str, heads: int, kv_heads: int,
+               tensors: dict[str, tuple[np.ndarray, T | None]]) -> None:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def llama_tensors(rng: np.random.Generator, hidden: int, heads: int, kv_heads: int,
+                  head_dim: int) -> dict[str, tuple[np.ndarray, T | None]]:
+    """One Llama block: q in Q8_0 (quantized by gguf), k in Q4_K, v in Q6_K, down in
+    Q5_K, random blocks; an F32 norm; a Q8_0 embedding (read dequantized)."""
+    q8 = gguf.quants.quantize(rng.standard_normal((heads * head_dim, hidden))
+                              .astype(np.float32), T.Q8_0)
+    return {
+        "token_embd.weight": (gguf.quants.quantize(
+            rng.standard_normal((11, hidden)).astype(np.float32), T.Q8_0), T.Q8_0),
+        "blk.0.attn_norm.weight": (rng.standard_normal(hidden).astype(np.float32), None),
+        "blk.0.attn_q.weight": (q8, T.Q8_0),
+        "blk.0.attn_k.weight": (random_raw(GGUFType.Q4_K, kv_heads * head_dim, hidden, rng),
+                                T.Q4_K),
+        "blk.0.attn_v.weight": (random_raw(GGUFType.Q6_K, kv_heads * head_dim, hidden, rng),
+                                T.Q6_K),
+        "blk.0.ffn_down.weight": (random_raw(GGUFType.Q5_K, hidden, 2 * hidden, rng), T.Q5_K),
+    }
+
+
+def test_reader_keeps_linear_weights_quantized_and_unpermutes_q_k(tmp_path):
+    rng, seed = fresh_rng()
+    hidden, heads, kv_heads, head_dim = 256, 4, 2, 8
+    written = llama_tensors(rng, hidden, heads, kv_heads, head_dim)
+    write_gguf(tmp_path / "m.gguf", "llama", heads, kv_heads, written)
+    read = dict(iter_gguf(tmp_path / "m.gguf"))
+    assert sorted(read) == sorted(hf_name(name) for name in written)
+    # transformers' own reverse permutation of the dequantized q/k is the reference
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+    processor = LlamaTensorProcessor(config={"num_attention_heads": heads,
+                                             "num_key_value_heads": kv_heads})
+    for gguf_name, (data, qtype) in written.items():
+        tensor = read[hf_name(gguf_name)]
+        values = data if qtype is None else oracle(data, qtype)
+        expected = processor.process(values, gguf_name).weights
+        if gguf_name == "token_embd.weight" or qtype is None:  # read dequantized
+            assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32
+            assert np.array_equal(tensor.numpy(), expected), f"{gguf_name} (seed {seed})"
+            continue
+        assert isinstance(tensor, QuantizedCheckpoint) and tensor.qtype == qtype
+        assert tensor.shape == data.shape and tensor.cols == values.shape[1]
+        whole = tensor.read()
+        assert np.array_equal(dequantize_ref(whole, qtype, tensor.cols).numpy(), expected), \
+            f"{gguf_name} (seed {seed})"
+        # a loader's narrowing: rows 3.. of the unpermuted weight, and whole blocks of bytes
+        assert torch.equal(tensor.narrow(0, 3, 5), whole[3:8])
+        step = layout(qtype).nbytes
+        assert torch.equal(tensor.narrow(1, step, step), whole[:, step:2 * step])
+    # q and k did move: the reading is not the file's order
+    q_raw = written["blk.0.attn_q.weight"][0]
+    assert not np.array_equal(read["model.layers.0.self_attn.q_proj.weight"].read().numpy(),
+                              q_raw)
+
+
+def test_reader_refuses_unsupported_architectures_and_tensors(tmp_path):
+    rng, _ = fresh_rng()
+    write_gguf(tmp_path / "gpt2.gguf", "gpt2", 4, 4,
+               {"token_embd.weight": (rng.standard_normal((3, 32)).astype(np.float32), None)})
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not read quantized"):
+        list(iter_gguf(tmp_path / "gpt2.gguf"))
+    write_gguf(tmp_path / "odd.gguf", "qwen2", 4, 4,
+               {"blk.0.attn_qkv.weight": (rng.standard_normal((3, 32)).astype(np.float32),
+                                          None)})
+    with pytest.raises(ValueError, match="has no Hugging Face name"):
+        list(iter_gguf(tmp_path / "odd.gguf"))
+
+
+@pytest.fixture(scope="module")
+def demo_gguf() -> str:
+    return demo_model_path()  # raises FileNotFoundError naming the package when absent
+
+
+def test_demo_model_tensor_read_quantized_equals_gguf(demo_gguf):
+    """SmolLM2's embedding, its one Q8_0 tensor: rows of it kept quantized, read as a rank
+    would (narrowed), dequantized by the twin, equal gguf's dequantization of those rows.
+    (Its projections are Q4_1, a type not kept quantized.)"""
+    reader = gguf.GGUFReader(demo_gguf)
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert embedding.tensor_type == T.Q8_0
+    checkpoint = QuantizedCheckpoint(embedding.data, embedding.tensor_type,
+                                     int(embedding.shape[0]))
+    rows = checkpoint.narrow(0, 1000, 64)
+    assert np.array_equal(dequantize_ref(rows, GGUFType.Q8_0, checkpoint.cols).numpy(),
+                          oracle(np.asarray(embedding.data[1000:1064]), T.Q8_0))
+    # every tensor of the file has its Hugging Face name
+    names = {hf_name(t.name) for t in reader.tensors}
+    assert len(names) == len(reader.tensors) == 272
+    assert "model.layers.29.mlp.down_proj.weight" in names
+
+
+# --- the quant method on today's linear layers -------------------------------------------
+
+def gguf_method_layer(layer: torch.nn.Module, input_size: int,
+                      output_sizes: list[int]) -> GGUFMethod:
+    method = GGUFMethod()
+    method.create_weights(layer, input_size, output_sizes, torch.float32)
+    return method
+
+
+def checkpoint(raw: np.ndarray, qtype: GGUFType) -> QuantizedCheckpoint:
+    return QuantizedCheckpoint(raw, qtype, raw.shape[1] // layout(qtype).nbytes
+                               * layout(qtype).values)
+
+
+def test_method_on_qkv_of_mixed_types_equals_dequantized_matmul():
+    """q and k in Q4_K (stacked into one weight), v in Q6_K, and a bias."""
+    rng, seed = fresh_rng()
+    hidden, head_dim, heads, kv_heads = 256, 8, 4, 2
+    layer = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=True)
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    method = gguf_method_layer(layer, hidden, sizes)
+    parts = {"q": (random_raw(GGUFType.Q4_K, sizes[0], hidden, rng), GGUFType.Q4_K),
+             "k": (random_raw(GGUFType.Q4_K, sizes[1], hidden, rng), GGUFType.Q4_K),
+             "v": (random_raw(GGUFType.Q6_K, sizes[2], hidden, rng), GGUFType.Q6_K)}
+    for shard_id, (raw, qtype) in parts.items():
+        layer.weight.weight_loader(layer.weight, checkpoint(raw, qtype), shard_id)
+    method.process_after_loading(layer)
+    assert [part.qtype for part in layer.gguf_parts] == [GGUFType.Q4_K, GGUFType.Q6_K]
+    assert layer.weight.dtype == torch.uint8 and layer.weight.shape == (48, 144)
+    assert layer.weight_part1.shape == (16, 210)
+    weight = torch.from_numpy(np.concatenate([oracle(raw, qtype)
+                                              for raw, qtype in parts.values()]))
+    bias = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(method.apply(layer, x, bias), x @ weight.T + bias,
+                               msg=f"seed {seed}")
+
+
+def test_method_on_gate_up_and_a_float_part():
+    """gate in Q5_K; up as a float tensor (a file's F32 or not-kept type): kept apart."""
+    rng, seed = fresh_rng()
+    hidden, inter = 256, 24
+    layer = MergedColumnParallelLinear(hidden, [inter, inter])
+    method = gguf_method_layer(layer, hidden, [inter, inter])
+    gate = random_raw(GGUFType.Q5_K, inter, hidden, rng)
+    up = torch.from_numpy(rng.standard_normal((inter, hidden)).astype(np.float32))
+    layer.weight.weight_loader(layer.weight, checkpoint(gate, GGUFType.Q5_K), 0)
+    layer.weight.weight_loader(layer.weight, up, 1)
+    method.process_after_loading(layer)
+    weight = torch.cat([torch.from_numpy(oracle(gate, T.Q5_K)), up])
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(method.apply(layer, x, None), x @ weight.T, msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("qtype", [GGUFType.Q8_0, GGUFType.Q4_K], ids=lambda t: t.name)
+def test_method_row_parallel_rank_takes_whole_blocks_of_input(qtype):
+    """Rank 1 of 2 of a row-parallel layer over 512 inputs takes columns 256..511 (its
+    bytes of each row), and its partial product is x[:, 256:] W[:, 256:]^T."""
+    rng, seed = fresh_rng()
+    layer = RowParallelLinear(256, 6)
+    layer.tp_rank, layer.tp_size = 1, 2
+    method = gguf_method_layer(layer, 256, [6])
+    raw = random_raw(qtype, 6, 512, rng)
+    layer.weight.weight_loader(layer.weight, checkpoint(raw, qtype))
+    method.process_after_loading(layer)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(seed))
+    weight = torch.from_numpy(oracle(raw, qtype))[:, 256:]
+    torch.testing.assert_close(method.apply(layer, x, None), x @ weight.T, msg=f"seed {seed}")
+
+
+def test_method_refuses_a_split_inside_a_block_and_missing_parts():
+    rng, _ = fresh_rng()
+    layer = RowParallelLinear(384, 4)
+    layer.tp_rank, layer.tp_size = 0, 2
+    gguf_method_layer(layer, 384, [4])
+    with pytest.raises(ValueError, match="only at its 256-value block boundaries, not into "
+                                         "384 per rank"):
+        layer.weight.weight_loader(layer.weight,
+                                   checkpoint(random_raw(GGUFType.Q6_K, 4, 768, rng),
+                                              GGUFType.Q6_K))
+    layer = MergedColumnParallelLinear(256, [8, 8])
+    method = gguf_method_layer(layer, 256, [8, 8])
+    layer.weight.weight_loader(layer.weight, checkpoint(random_raw(GGUFType.Q8_0, 8, 256, rng),
+                                                        GGUFType.Q8_0), 0)
+    with pytest.raises(ValueError, match=r"parts \[1\] of its weight were never loaded"):
+        method.process_after_loading(layer)
+
+
+if __name__ == "__main__":
+    CHECKS[sys.argv[1]]()
