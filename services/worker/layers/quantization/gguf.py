@@ -109,7 +109,8 @@ def read_heads(reader: gguf.GGUFReader, arch: str) -> GGUFHeads:
 
 
 def row_order(name: str, rows: int, heads: GGUFHeads | None) -> np.ndarray | None:
-    if heads is None or rows == 1:
+    """The unpermuting order of a q/k weight's rows (or bias), as transformers applies it."""
+    if heads is None:
         return None
     if ".attn_q." in name:
         return unpermute_order(rows, heads.num_heads)
@@ -126,8 +127,7 @@ def keeps_quantized(name: str, qtype: int) -> bool:
 
 def read_tensor(tensor, name: str, heads: GGUFHeads | None
                 ) -> torch.Tensor | QuantizedCheckpoint:
-    order = row_order(tensor.name, int(tensor.data.shape[0]), heads) \
-        if tensor.data.ndim == 2 else None
+    order = row_order(tensor.name, int(tensor.data.shape[0]), heads)
     if keeps_quantized(name, tensor.tensor_type):
         return QuantizedCheckpoint(tensor.data, tensor.tensor_type, int(tensor.shape[0]), order)
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
