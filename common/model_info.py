@@ -14,7 +14,8 @@ from common.lora import TARGET_MODULES
 from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
                                 read_chat_template, sliding_windows,
                                 max_model_len_of, resolve_model)
-from common.model_support import UnsupportedModel, check_model_support
+from common.model_support import UnsupportedModel, check_model_support, num_experts_of
+from common.quantization import quant_spec
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
 
 
@@ -38,10 +39,10 @@ def resolve_engine(config: EngineConfig) -> ResolvedModel:
     run (after --hf-overrides and --rope-scaling) is refused here, with UnsupportedModel."""
     model_dir = resolve_model(config.model, config.load_format)
     hf_config = override(load_hf_config(model_dir), config.hf_config_overrides())
-    check_model_support(hf_config)
+    check_model_support(hf_config, config.quantization)
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     if config.enable_lora:
-        check_lora(hf_config)
+        check_lora(hf_config, config.quantization)
     model_max_len = max_model_len_of(hf_config)
     if config.disable_sliding_window:
         model_max_len = without_sliding_windows(hf_config, model_max_len)
@@ -118,22 +119,20 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
             f"{kv_heads} KV heads must divide by {size} or into it")
 
 
-def num_experts_of(hf_config: Any) -> int:
-    """Routed experts per layer (Mixtral's and Qwen MoE's config names); 0 for a dense
-    model."""
-    return (getattr(hf_config, "num_local_experts", 0)
-            or getattr(hf_config, "num_experts", 0) or 0)
-
-
-def check_lora(hf_config: Any) -> None:
+def check_lora(hf_config: Any, quantization: str | None = None) -> None:
     """LoRA wraps the separate dense projections: adapters of fused ones (Phi-3) target
     modules headrace does not have, and the experts' stacked weights have no adapter path,
-    so an adapter of an MoE model could only be applied in part."""
+    so an adapter of an MoE model could only be applied in part. Its matmul stacks the
+    adapters' A below the base weight, which must be unquantized."""
     architecture = (getattr(hf_config, "architectures", None) or ["this model"])[0]
     if architecture in FUSED_PROJECTIONS:
         raise ConfigError(f"--enable-lora is not supported for {architecture}: its adapters "
                           f"target the fused {FUSED_PROJECTIONS[architecture]}, headrace's "
                           f"LoRA the separate {', '.join(TARGET_MODULES)}")
+    spec = quant_spec(hf_config, quantization)
+    if spec is not None:
+        raise ConfigError(f"--enable-lora is not supported on a quantized model yet (its "
+                          f"weights are {spec.method}); run the unquantized checkpoint")
     experts = num_experts_of(hf_config)
     if experts:
         raise ConfigError(f"--enable-lora: LoRA is not supported on mixture-of-experts "

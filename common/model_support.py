@@ -14,6 +14,7 @@ from typing import Any
 
 from common.config import ConfigError
 from common.model_files import rope_schemes, rope_type_of_scheme
+from common.quantization import QuantizationError, quant_spec
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
@@ -28,9 +29,9 @@ class UnsupportedModel(ConfigError):
     headrace does not implement. The message is the one line a user sees."""
 
 
-def check_model_support(hf_config: Any) -> None:
+def check_model_support(hf_config: Any, quantization: str | None = None) -> None:
     """Raise UnsupportedModel for the first thing in `hf_config` (after any overrides)
-    that headrace cannot run."""
+    or in --quantization that headrace cannot run."""
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise UnsupportedModel("config.json names no architecture (`architectures` is "
@@ -38,23 +39,32 @@ def check_model_support(hf_config: Any) -> None:
     if architectures[0] not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModel(f"unsupported architecture {architectures[0]!r}; supported: "
                                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    quantization = getattr(hf_config, "quantization_config", None)
-    if quantization is not None:
-        raise UnsupportedModel(f"unsupported quantization {quant_method(quantization)!r} "
-                               "(config.json quantization_config); supported: none, only "
-                               "unquantized weights (a GGUF file is dequantized on load)")
+    check_quantization(hf_config, quantization)
     for rope_type in rope_types(hf_config):
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModel(f"unsupported RoPE type {rope_type!r}; supported: "
                                    f"{', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
-def quant_method(quantization: Any) -> str:
-    """The method a quantization_config names: a dict in config.json, an object once
-    transformers has parsed it."""
-    method = (quantization.get("quant_method") if isinstance(quantization, dict)
-              else getattr(quantization, "quant_method", None))
-    return str(getattr(method, "value", method) or "unknown")
+def check_quantization(hf_config: Any, quantization: str | None) -> None:
+    """A format the worker builds (common/quantization.py), on a dense model: a
+    mixture of experts' quantized experts are not built yet."""
+    try:
+        spec = quant_spec(hf_config, quantization)
+    except QuantizationError as e:
+        raise UnsupportedModel(str(e)) from None
+    experts = num_experts_of(hf_config)
+    if spec is not None and experts:
+        raise UnsupportedModel(f"quantization {spec.method!r} is not supported on "
+                               f"mixture-of-experts models yet ({experts} experts per "
+                               "layer); run the unquantized checkpoint")
+
+
+def num_experts_of(hf_config: Any) -> int:
+    """Routed experts per layer (Mixtral's and Qwen MoE's config names); 0 for a dense
+    model."""
+    return (getattr(hf_config, "num_local_experts", 0)
+            or getattr(hf_config, "num_experts", 0) or 0)
 
 
 def rope_types(hf_config: Any) -> Iterator[str]:

@@ -71,8 +71,6 @@ FOREIGN_FLAGS = (
     ForeignFlag("code-revision", str, "refused", _PINNED, accepted=("main",)),
     ForeignFlag("tokenizer-revision", str, "refused", _PINNED, accepted=("main",)),
     ForeignFlag("download-dir", str, "refused", "set HF_HUB_CACHE instead"),
-    ForeignFlag("quantization", str, "refused",
-                "quantized checkpoints are not supported (GGUF files are dequantized)"),
     ForeignFlag("cpu-offload-gb", float, "refused", "weights stay on the GPU", default=0.0),
     ForeignFlag("enable-sleep-mode", bool, "refused", "the worker cannot release its memory"),
     ForeignFlag("enable-expert-parallel", bool, "refused",

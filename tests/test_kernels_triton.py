@@ -37,6 +37,8 @@ from kernels.attention import paged_attention, paged_attention_ref
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
 from kernels.lora import lora_expand_ref, lora_expand_triton
 from kernels.norm import rms_norm_ref, rms_norm_triton
+from kernels.quant import (quantize_per_token_ref, quantize_per_token_triton, scaled_mm,
+                           scaled_mm_ref, scaled_mm_triton)
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
 from kernels.sampling import (BLOCK_VOCAB, gumbel_argmax_ref, gumbel_argmax_triton,
                               philox_uniform)
@@ -353,6 +355,37 @@ def check_gumbel_distribution(device: str, draws: int = 1500) -> None:
     assert ((freq - p).abs() <= bound).all(), f"{freq} vs {p} (seed {seed})"
 
 
+def check_quantize(rows: int, cols: int, group: int | None, dtype: torch.dtype,
+                   qdtype: torch.dtype, device: str, values: bool = True) -> None:
+    """The scales equal the twin's; the quantized values too (values=False: fp8 in the
+    interpreter, whose cast rounds differently)."""
+    g, seed = fresh_generator()
+    x = rand(g, rows, cols, dtype=dtype, device=device, scale=3.0)
+    x[0] = 0  # an all-zero row
+    q, scale = quantize_per_token_triton(x, qdtype, group)
+    q_ref, scale_ref = quantize_per_token_ref(x, qdtype, group)
+    assert torch.equal(scale, scale_ref), f"quantize scales (seed {seed})"
+    if values:
+        assert torch.equal(q.float(), q_ref.float()), f"quantize {qdtype} (seed {seed})"
+
+
+def check_scaled_mm(rows: int, n: int, k: int, block_n: int, group_k: int,
+                    qdtype: torch.dtype, out_dtype: torch.dtype, device: str,
+                    bias: bool = True, dispatch: bool = False) -> None:
+    """The GEMM of twin-quantized operands against the twin; dispatch: through
+    scaled_mm (torch._scaled_mm where it applies) instead of the Triton kernel."""
+    g, seed = fresh_generator()
+    a = quantize_per_token_ref(rand(g, rows, k, dtype=torch.float32, device=device),
+                               qdtype, group_k if group_k < k else None)
+    b = quantize_per_token_ref(rand(g, n, k, dtype=torch.float32, device=device), qdtype)[0]
+    b_scale = 0.5 + torch.rand(-(-n // block_n), -(-k // group_k), generator=g).to(device)
+    b_bias = rand(g, n, dtype=out_dtype, device=device) if bias else None
+    run = scaled_mm if dispatch else scaled_mm_triton
+    out = run(a[0], a[1], b, b_scale, block_n, group_k, out_dtype, b_bias)
+    ref = scaled_mm_ref(a[0], a[1], b, b_scale, block_n, group_k, out_dtype, b_bias)
+    assert_close(out, ref, f"scaled_mm {qdtype} {block_n}x{group_k}", seed)
+
+
 # --- interpreter checks: tiny shapes, each run in a subprocess -----------------------------
 
 CHECKS: dict[str, Callable[[], None]] = {}
@@ -491,6 +524,20 @@ def sampling_kernel() -> None:
     check_gumbel_argmax(5, 2 * BLOCK_VOCAB + 37, torch.float32, "cpu")
     check_gumbel_argmax(3, 300, torch.bfloat16, "cpu")
     check_gumbel_distribution("cpu")
+
+
+@interpreter_check
+def quant_kernels() -> None:
+    """Per-token and per-1x64-group quantization (a partial last group), int8 and fp8
+    (scales only); GEMMs per token x per channel, 128x128 blocks, per-row scales with
+    128-wide K groups, M, N and K off the tiles, with and without a bias."""
+    for group in (None, 64):
+        check_quantize(5, 200, group, torch.float32, torch.int8, "cpu")
+        check_quantize(3, 200, group, torch.float16, torch.float8_e4m3fn, "cpu", values=False)
+    for qdtype in (torch.int8, torch.float8_e4m3fn):
+        check_scaled_mm(7, 130, 200, 1, 200, qdtype, torch.float32, "cpu")
+        check_scaled_mm(20, 256, 384, 128, 128, qdtype, torch.float32, "cpu", bias=False)
+        check_scaled_mm(3, 96, 256, 1, 128, qdtype, torch.float16, "cpu")
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
@@ -719,6 +766,23 @@ def test_lora_kernels_cuda(dtype: torch.dtype) -> None:
         check_lora(num_tokens, hidden, (), hidden, 4, 16, dtype, "cuda")
         check_lora(num_tokens, hidden, (intermediate,), 2 * intermediate, 4, 16, dtype, "cuda")
         check_lora(num_tokens, intermediate, (), hidden, 4, 16, dtype, "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3.1-8b"])
+def test_quant_kernels_cuda(model: str) -> None:
+    """fp8 and int8 quantization (values too), and the GEMMs of a decode and a prefill
+    batch at the model's q/k/v shape: per channel through torch._scaled_mm (fp8, bf16)
+    and the Triton kernel, 128x128 blocks through the Triton kernel."""
+    heads, kv_heads, head_dim, hidden, _ = MODELS[model]
+    n = (heads + 2 * kv_heads) * head_dim
+    for qdtype in (torch.int8, torch.float8_e4m3fn):
+        for group in (None, 128):
+            check_quantize(300, hidden, group, torch.bfloat16, qdtype, "cuda")
+        for rows in (1, 8, 1000):
+            check_scaled_mm(rows, n, hidden, 1, hidden, qdtype, torch.bfloat16, "cuda",
+                            dispatch=True)
+            check_scaled_mm(rows, n, hidden, 128, 128, qdtype, torch.bfloat16, "cuda")
 
 
 if __name__ == "__main__":

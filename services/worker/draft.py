@@ -14,6 +14,8 @@ the scheduler allocates beyond each step's tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from common.config import EngineConfig
@@ -37,7 +39,9 @@ class DraftRunner:
         # The draft's KV cache stays in the model's dtype: an fp8 cache would need scales
         # of its own, and a small draft's cache is a small share of the memory.
         self.dtype, self.device = dtype, device
-        self.model = load_model(config, draft.hf_config, device, dtype, draft.model_dir)
+        # --quantization is the target's; a draft runs as its own config.json says
+        self.model = load_model(dataclasses.replace(config, quantization=None),
+                                draft.hf_config, device, dtype, draft.model_dir)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: StepGraphs | None = None
 

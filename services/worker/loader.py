@@ -8,6 +8,7 @@ model."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import zlib
 from collections.abc import Iterable, Iterator
@@ -19,8 +20,11 @@ from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.model_files import resolve_model
+from common.quantization import quant_spec
 from services.worker.layers.checkpoint import CheckpointSlice, read_whole
+from services.worker.layers.linear import LinearBase
 from services.worker.layers.norm import RMSNorm
+from services.worker.layers.quantization import building_with, quant_method_for
 from services.worker.models import CausalLM, model_class
 
 # a fused parameter's part (q/k/v, gate/up), or an expert's (expert, part)
@@ -28,6 +32,7 @@ ShardId = str | int | tuple[int, str] | None
 DUMMY_STD = 0.02
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
+log = logging.getLogger("headrace.worker.loader")
 
 
 def load_model(config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype,
@@ -35,7 +40,8 @@ def load_model(config: EngineConfig, hf_config, device: torch.device, dtype: tor
     """The model of `hf_config` on `device` in `dtype`, with its weights. `model_dir` is the
     resolved model directory; without it `config.model` is resolved here."""
     cls = model_class(hf_config)
-    with default_dtype(dtype), torch.device(device):
+    method = quant_method_for(hf_config, config.quantization)
+    with default_dtype(dtype), torch.device(device), building_with(method):
         model = cls(hf_config)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
@@ -43,7 +49,22 @@ def load_model(config: EngineConfig, hf_config, device: torch.device, dtype: tor
         directory = Path(model_dir) if model_dir is not None else resolve_model(
             config.model, config.load_format)
         load_weights(model, iter_safetensors(directory))
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.method.process_after_loading(module)
+    log.info("%s weights: %s, %.3f GiB", cls.__name__, describe(hf_config, config),
+             weight_bytes(model) / 2 ** 30)
     return model.eval()
+
+
+def describe(hf_config, config: EngineConfig) -> str:
+    spec = quant_spec(hf_config, config.quantization)
+    return "unquantized" if spec is None else spec.describe()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter (quantized weights and their scales included)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @contextlib.contextmanager
@@ -71,7 +92,10 @@ def init_dummy_weights(model: CausalLM, seed: int) -> None:
         for shard_id, shape in module.checkpoint_shapes(param).items():
             key = f"{name}[{shard_id}]".encode()
             generator = torch.Generator(param.device).manual_seed(seed ^ zlib.crc32(key))
-            full = torch.empty(shape, dtype=param.dtype, device=param.device)
+            # fp8 and integer tensors have no normal_: drawn in float32, cast on copy
+            draw = param.dtype if param.element_size() > 1 and param.is_floating_point() \
+                else torch.float32
+            full = torch.empty(shape, dtype=draw, device=param.device)
             param.weight_loader(param, full.normal_(0.0, DUMMY_STD, generator=generator),
                                 shard_id)
 

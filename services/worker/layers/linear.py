@@ -3,7 +3,9 @@
 Column-parallel layers split their output features (no communication: each rank keeps its
 slice of the activations); row-parallel layers split their input features and all-reduce
 the partial sums. The fused layers (q/k/v, gate/up) lay their shards out per rank so that
-one matmul serves all of them.
+one matmul serves all of them. What the matmul is, and which tensors it takes (a plain
+weight, or 8-bit weights with their scales), is the layer's QuantMethod's
+(layers/quantization); the layers shard every such tensor alike.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.worker.layers.checkpoint import CheckpointSlice, read_whole
 from services.worker.layers.parallel import (all_reduce, divide, kv_heads_per_rank, tp_rank,
                                               tp_size)
+from services.worker.layers.quantization import current_method, quant_parameter
+from services.worker.layers.quantization.base import ceil_div
 
 Checkpoint = torch.Tensor | CheckpointSlice
 ShardId = str | int | None
@@ -62,29 +65,132 @@ def new_parameter(*shape: int, loader: Callable[..., None]) -> nn.Parameter:
 
 
 class LinearBase(nn.Module, abc.ABC):
+    """A projection whose parameters its quantization method makes (the method in force
+    where the model is built, see quantization.building_with) and whose weight_loader
+    shards each of them along its output_dim / input_dim (quantization.quant_parameter)."""
     bias_in_matmul = True  # the matmul adds the bias (a row-parallel one adds it after)
+    input_split = False  # the checkpoint's input features are split across ranks
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        """input_size, output_size: this rank's features."""
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        self.weight = new_parameter(output_size, input_size, loader=self.weight_loader)
-        self.bias = new_parameter(output_size, loader=self.weight_loader) if bias else None
+        self.input_size, self.output_size = input_size, output_size
+        self.method = current_method()
+        parts = [shard.size for shard in self.output_shards().values()]
+        self.method.create_weights(self, input_size, parts, torch.get_default_dtype())
+        self.bias = quant_parameter(torch.empty(self.output_size), output_dim=0,
+                                    input_dim=None, loader=self.weight_loader) if bias else None
 
     @abc.abstractmethod
+    def output_shards(self) -> dict[ShardId, OutputShard]:
+        """Each shard id's place in this rank's output and in the checkpoint."""
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id=None) -> None:
         """Copies this rank's shard of the full checkpoint tensor into param."""
+        shards = self.output_shards()
+        if shard_id is None and None not in shards:
+            self.load_fused(param, loaded_weight, shards)
+            return
+        if shard_id not in shards:
+            raise ValueError(f"{type(self).__name__}: shard id {shard_id!r} is not one of "
+                             f"{list(shards)}")
+        name = type(self).__name__ if shard_id is None else \
+            f"{type(self).__name__}[{shard_id}]"
+        if param.per_part:
+            part = list(shards).index(shard_id)
+            copy_checked(param.data[part], scalar(loaded_weight, name), name)
+            return
+        loaded_weight = self.input_shard(param, loaded_weight, name)
+        if param.output_dim is None:
+            copy_checked(param.data, loaded_weight, name)
+            return
+        dim, (offset, size, index, full) = param.output_dim, scaled(param, shards, shard_id)
+        copy_checked(param.data.narrow(dim, offset, size),
+                     take_shard(loaded_weight, dim, index, size, full, name), name)
 
-    @abc.abstractmethod
+    def input_shard(self, param: nn.Parameter, loaded_weight: Checkpoint,
+                    name: str) -> Checkpoint:
+        """This rank's input features of a row-parallel layer's parameter."""
+        if not self.input_split or param.input_dim is None:
+            return loaded_weight
+        size = param.shape[param.input_dim]
+        return take_shard(loaded_weight, param.input_dim, self.tp_rank, size,
+                          size * self.tp_size, name)
+
+    def load_fused(self, param: nn.Parameter, loaded_weight: Checkpoint,
+                   shards: dict[ShardId, OutputShard]) -> None:
+        """A checkpoint that stores the fused tensor itself (Phi-3's qkv_proj, [q; k; v]
+        rows, and gate_up_proj, [gate; up]): each shard's rows of it, read lazily."""
+        name = f"{type(self).__name__} (fused)"
+        if param.per_part:  # one scale for the whole fused tensor serves every part
+            param.data.copy_(scalar(loaded_weight, name).expand_as(param.data))
+            return
+        if param.output_dim is None:
+            copy_checked(param.data, loaded_weight, name)
+            return
+        dim = param.output_dim
+        places = [scaled(param, shards, shard_id) for shard_id in shards]
+        total = sum(full for _, _, _, full in places)
+        if loaded_weight.shape[dim] != total:
+            raise ValueError(f"{name}: checkpoint tensor has shape "
+                             f"{tuple(loaded_weight.shape)}, the model expects {total} along "
+                             f"dimension {dim}; the weights do not match config.json")
+        start = 0
+        for offset, size, index, full in places:
+            copy_checked(param.data.narrow(dim, offset, size),
+                         loaded_weight.narrow(dim, start + index * size, size), name)
+            start += full
+
     def checkpoint_shapes(self, param: nn.Parameter) -> ShardShapes:
         """The full checkpoint tensor of each of param's shard ids, by its shape."""
+        shards = self.output_shards()
+        if param.per_part:
+            return {shard_id: (1,) for shard_id in shards}
+        shape = list(param.shape)
+        if self.input_split and param.input_dim is not None:
+            shape[param.input_dim] *= self.tp_size
+        if param.output_dim is None:
+            return {None: tuple(shape)}
+        result = {}
+        for shard_id in shards:
+            shape[param.output_dim] = scaled(param, shards, shard_id)[3]
+            result[shard_id] = tuple(shape)
+        return result
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """What follows the matmul (a LoRA wrapper runs its own matmul, then this)."""
         return y
+
+
+def scalar(loaded_weight: Checkpoint, name: str) -> torch.Tensor:
+    """A per-tensor scale, whatever its checkpoint shape ([], [1] or [1, 1])."""
+    value = read_whole(loaded_weight)
+    if value.numel() != 1:
+        raise ValueError(f"{name}: expected a one-element (per-tensor) checkpoint tensor, "
+                         f"got shape {tuple(value.shape)}")
+    return value.reshape(())
+
+
+def scaled(param: nn.Parameter, shards: dict[ShardId, OutputShard], shard_id: ShardId
+           ) -> tuple[int, int, int, int]:
+    """(offset, size, index, full) of a shard along param's output_dim, where one element
+    covers param.output_block output features: each fused part takes whole elements."""
+    block = param.output_block
+    offset = 0
+    for other_id, shard in shards.items():
+        if other_id == shard_id:
+            if block > 1 and shard.full != shard.size and shard.size % block:
+                raise ValueError(f"a rank's {shard.size} output features do not split into "
+                                 f"whole blocks of {block}: use a smaller "
+                                 "--tensor-parallel-size")
+            return offset, ceil_div(shard.size, block), shard.index, ceil_div(shard.full, block)
+        offset += ceil_div(shard.size, block)
+    raise KeyError(shard_id)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -93,46 +199,8 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, divide(output_size, tp_size(), "output size"), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
-                      shard_id=None) -> None:
-        shards = self.output_shards()
-        if shard_id is None and None not in shards:
-            self.load_fused(param, loaded_weight, shards)
-            return
-        if shard_id not in shards:
-            raise ValueError(f"{type(self).__name__}: shard id {shard_id!r} is not one of "
-                             f"{list(shards)}")
-        shard = shards[shard_id]
-        name = type(self).__name__ if shard_id is None else \
-            f"{type(self).__name__}[{shard_id}]"
-        copy_checked(param.data.narrow(0, shard.offset, shard.size),
-                     take_shard(loaded_weight, 0, shard.index, shard.size, shard.full, name),
-                     name)
-
-    def checkpoint_shapes(self, param: nn.Parameter) -> ShardShapes:
-        return {shard_id: (shard.full, *param.shape[1:])
-                for shard_id, shard in self.output_shards().items()}
-
-    def load_fused(self, param: nn.Parameter, loaded_weight: Checkpoint,
-                   shards: dict[ShardId, OutputShard]) -> None:
-        """A checkpoint that stores the fused tensor itself (Phi-3's qkv_proj, [q; k; v]
-        rows, and gate_up_proj, [gate; up]): each shard's rows of it, read lazily."""
-        name = f"{type(self).__name__} (fused)"
-        total = sum(shard.full for shard in shards.values())
-        if loaded_weight.shape[0] != total:
-            raise ValueError(f"{name}: checkpoint tensor has shape "
-                             f"{tuple(loaded_weight.shape)}, the model expects {total} rows; "
-                             "the weights do not match config.json")
-        start = 0
-        for shard in shards.values():
-            copy_checked(param.data.narrow(0, shard.offset, shard.size),
-                         loaded_weight.narrow(0, start + shard.index * shard.size, shard.size),
-                         name)
-            start += shard.full
-
     def output_shards(self) -> dict[ShardId, OutputShard]:
-        """Each shard id's place in this rank's output and in the checkpoint."""
-        size = self.weight.shape[0]
+        size = self.output_size
         return {None: OutputShard(0, size, self.tp_rank, size * self.tp_size)}
 
 
@@ -187,23 +255,14 @@ class RowParallelLinear(LinearBase):
         assert reduce_results or not bias, "the bias goes on the reduced sum"
         self.reduce_results = reduce_results
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
-                      shard_id=None) -> None:
-        if param.ndim == 1:  # the bias is whole on every rank
-            copy_checked(param.data, loaded_weight, "RowParallelLinear bias")
-            return
-        size = param.shape[1]
-        copy_checked(param.data, take_shard(loaded_weight, 1, self.tp_rank, size,
-                                            size * self.tp_size, "RowParallelLinear"),
-                     "RowParallelLinear")
+    input_split = True
 
-    def checkpoint_shapes(self, param: nn.Parameter) -> ShardShapes:
-        if param.ndim == 1:
-            return {None: tuple(param.shape)}
-        return {None: (param.shape[0], param.shape[1] * self.tp_size)}
+    def output_shards(self) -> dict[ShardId, OutputShard]:
+        """The output is whole on every rank."""
+        return {None: OutputShard(0, self.output_size, 0, self.output_size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.finish(F.linear(x, self.weight))
+        return self.finish(self.method.apply(self, x, None))
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's partial sums summed over the ranks, plus the bias (or left to the
