@@ -16,9 +16,10 @@ from typing import Any
 from common.quantization import quant_spec
 from services.worker.layers.quantization.base import (QuantMethod, UnquantizedMethod,
                                                       quant_parameter)
+from services.worker.layers.quantization.gguf import GGUFMethod
 from services.worker.layers.quantization.w8a8 import W8A8Method
 
-__all__ = ["QuantMethod", "UnquantizedMethod", "W8A8Method", "building_with",
+__all__ = ["GGUFMethod", "QuantMethod", "UnquantizedMethod", "W8A8Method", "building_with",
            "current_method", "quant_method_for", "quant_parameter"]
 
 # the method layers built now take: set around a model's construction so that every
@@ -30,7 +31,9 @@ def quant_method_for(hf_config: Any, engine_quantization: str | None) -> QuantMe
     """The method of the model's weights; ValueError (QuantizationError) for a format
     that is not built."""
     spec = quant_spec(hf_config, engine_quantization)
-    return UnquantizedMethod() if spec is None else W8A8Method(spec)
+    if spec is None:
+        return UnquantizedMethod()
+    return GGUFMethod() if spec.method == "gguf" else W8A8Method(spec)
 
 
 def current_method() -> QuantMethod:

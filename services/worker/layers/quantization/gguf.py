@@ -17,7 +17,7 @@ loaded; parts of one type are then stacked into one weight and one matmul.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from torch import nn
 
 from kernels.gguf import GGUFType, bytes_per_row, gguf_linear, gguf_type, layout
 from services.worker.layers.checkpoint import CheckpointSlice
+from services.worker.layers.quantization.base import QuantMethod, quant_parameter
 
 # GGUF tensor name (without the block prefix) -> Hugging Face module, for the Llama
 # family; gguf-py's TensorNameMap maps the other way (tests check the two agree)
@@ -154,17 +155,6 @@ def iter_gguf(path: str | Path) -> Iterator[tuple[str, torch.Tensor | QuantizedC
 
 # --- the quant method -------------------------------------------------------------------
 
-def quant_parameter(tensor: torch.Tensor, output_dim: int | None, input_dim: int | None,
-                    pack_dim: int | None = None, pack_factor: int = 1,
-                    loader: Callable[..., None] | None = None) -> nn.Parameter:
-    """base.quant_parameter's stand-in until the framework lands (same signature)."""
-    param = nn.Parameter(tensor, requires_grad=False)
-    param.output_dim, param.input_dim = output_dim, input_dim
-    param.pack_dim, param.pack_factor = pack_dim, pack_factor
-    param.weight_loader = loader
-    return param
-
-
 @dataclass(slots=True)
 class GGUFPart:
     """Rows of a layer's weight: raw blocks of `qtype`, or float values (qtype None: a
@@ -182,7 +172,7 @@ def part_index(shard_id) -> int:
     return SHARD_ORDER.index(shard_id) if shard_id in SHARD_ORDER else int(shard_id)
 
 
-class GGUFMethod:
+class GGUFMethod(QuantMethod):
     """Quant method "gguf": a layer's weight as GGUF blocks, [out, bytes per row] uint8 per
     part, rows split across tensor-parallel ranks whole (output_dim 0); an input split
     (row-parallel) must fall on block boundaries."""
@@ -215,7 +205,8 @@ class GGUFMethod:
             qtype = None
             buffer = torch.empty(sum(sizes), input_size, dtype=layer.gguf_dtype,
                                  device=param.device)
-        staging = quant_parameter(buffer, output_dim=0, input_dim=1)
+        staging = quant_parameter(buffer, output_dim=0, input_dim=1,
+                                  loader=layer.weight_loader)
         layer.weight_loader(staging, loaded, shard_id)
         filled = range(len(sizes)) if shard_id is None else [part_index(shard_id)]
         for i in filled:
@@ -238,7 +229,8 @@ class GGUFMethod:
                 merged.append(part)
         for i, part in enumerate(merged):
             name = "weight" if i == 0 else f"weight_part{i}"
-            setattr(layer, name, quant_parameter(part.weight, output_dim=0, input_dim=1))
+            setattr(layer, name, quant_parameter(part.weight, output_dim=0, input_dim=1,
+                                                 loader=layer.weight_loader))
         layer.gguf_parts = merged
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
