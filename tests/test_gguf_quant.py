@@ -29,6 +29,7 @@ from kernels.gguf import (GEMV_MAX_ROWS, LAYOUTS, GGUFType, dequantize_ref, dequ
 from services.demo import demo_model_path
 from services.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
+from services.worker.layers.quantization import building_with
 from services.worker.layers.quantization.gguf import (ARCHITECTURES, BLOCK_NAMES, GLOBAL_NAMES,
                                                       GGUFMethod, QuantizedCheckpoint, hf_name,
                                                       iter_gguf)
@@ -44,13 +45,14 @@ def fresh_rng() -> tuple[np.random.Generator, int]:
     return np.random.default_rng(seed), seed
 
 
-def random_raw(qtype: GGUFType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [rows, bytes per row] of random blocks whose fp16 scales are small and finite
-    (every quant and 6-bit scale bit pattern still occurs)."""
+def random_raw(qtype: GGUFType, rows: int, cols: int, rng: np.random.Generator,
+               scale: float = 0.01) -> np.ndarray:
+    """uint8 [rows, bytes per row] of random blocks whose fp16 scales are small and finite,
+    of standard deviation `scale` (every quant and 6-bit scale bit pattern still occurs)."""
     block = layout(qtype)
     raw = rng.integers(0, 256, (rows, cols // block.values, block.nbytes), dtype=np.uint8)
     for offset in FP16_FIELDS[qtype]:
-        scales = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
+        scales = (rng.standard_normal(raw.shape[:2]) * scale).astype(np.float16)
         raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(rows, -1)
 
@@ -296,11 +298,10 @@ def test_demo_model_tensor_read_quantized_equals_gguf(demo_gguf):
 
 # --- the quant method on today's linear layers -------------------------------------------
 
-def gguf_method_layer(layer: torch.nn.Module, input_size: int,
-                      output_sizes: list[int]) -> GGUFMethod:
-    method = GGUFMethod()
-    method.create_weights(layer, input_size, output_sizes, torch.float32)
-    return method
+def gguf_layer(cls: type, *args, **kwargs) -> torch.nn.Module:
+    """A linear layer built as a model's are under the gguf method."""
+    with building_with(GGUFMethod()):
+        return cls(*args, **kwargs)
 
 
 def checkpoint(raw: np.ndarray, qtype: GGUFType) -> QuantizedCheckpoint:
@@ -312,9 +313,9 @@ def test_method_on_qkv_of_mixed_types_equals_dequantized_matmul():
     """q and k in Q4_K (stacked into one weight), v in Q6_K, and a bias."""
     rng, seed = fresh_rng()
     hidden, head_dim, heads, kv_heads = 256, 8, 4, 2
-    layer = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=True)
+    layer = gguf_layer(QKVParallelLinear, hidden, head_dim, heads, kv_heads, bias=True)
     sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    method = gguf_method_layer(layer, hidden, sizes)
+    method = layer.method
     parts = {"q": (random_raw(GGUFType.Q4_K, sizes[0], hidden, rng), GGUFType.Q4_K),
              "k": (random_raw(GGUFType.Q4_K, sizes[1], hidden, rng), GGUFType.Q4_K),
              "v": (random_raw(GGUFType.Q6_K, sizes[2], hidden, rng), GGUFType.Q6_K)}
@@ -336,8 +337,8 @@ def test_method_on_gate_up_and_a_float_part():
     """gate in Q5_K; up as a float tensor (a file's F32 or not-kept type): kept apart."""
     rng, seed = fresh_rng()
     hidden, inter = 256, 24
-    layer = MergedColumnParallelLinear(hidden, [inter, inter])
-    method = gguf_method_layer(layer, hidden, [inter, inter])
+    layer = gguf_layer(MergedColumnParallelLinear, hidden, [inter, inter])
+    method = layer.method
     gate = random_raw(GGUFType.Q5_K, inter, hidden, rng)
     up = torch.from_numpy(rng.standard_normal((inter, hidden)).astype(np.float32))
     layer.weight.weight_loader(layer.weight, checkpoint(gate, GGUFType.Q5_K), 0)
@@ -353,9 +354,9 @@ def test_method_row_parallel_rank_takes_whole_blocks_of_input(qtype):
     """Rank 1 of 2 of a row-parallel layer over 512 inputs takes columns 256..511 (its
     bytes of each row), and its partial product is x[:, 256:] W[:, 256:]^T."""
     rng, seed = fresh_rng()
-    layer = RowParallelLinear(256, 6)
+    layer = gguf_layer(RowParallelLinear, 256, 6)
     layer.tp_rank, layer.tp_size = 1, 2
-    method = gguf_method_layer(layer, 256, [6])
+    method = layer.method
     raw = random_raw(qtype, 6, 512, rng)
     layer.weight.weight_loader(layer.weight, checkpoint(raw, qtype))
     method.process_after_loading(layer)
@@ -366,20 +367,241 @@ def test_method_row_parallel_rank_takes_whole_blocks_of_input(qtype):
 
 def test_method_refuses_a_split_inside_a_block_and_missing_parts():
     rng, _ = fresh_rng()
-    layer = RowParallelLinear(384, 4)
+    layer = gguf_layer(RowParallelLinear, 384, 4)
     layer.tp_rank, layer.tp_size = 0, 2
-    gguf_method_layer(layer, 384, [4])
     with pytest.raises(ValueError, match="only at its 256-value block boundaries, not into "
                                          "384 per rank"):
         layer.weight.weight_loader(layer.weight,
                                    checkpoint(random_raw(GGUFType.Q6_K, 4, 768, rng),
                                               GGUFType.Q6_K))
-    layer = MergedColumnParallelLinear(256, [8, 8])
-    method = gguf_method_layer(layer, 256, [8, 8])
+    layer = gguf_layer(MergedColumnParallelLinear, 256, [8, 8])
+    method = layer.method
     layer.weight.weight_loader(layer.weight, checkpoint(random_raw(GGUFType.Q8_0, 8, 256, rng),
                                                         GGUFType.Q8_0), 0)
     with pytest.raises(ValueError, match=r"parts \[1\] of its weight were never loaded"):
         method.process_after_loading(layer)
+
+
+# --- a GGUF model served quantized ------------------------------------------------------------
+
+# the tiny Llama's sizes: K-quant rows hold whole 256-value blocks, also on each of two
+# ranks of a row-parallel layer (o_proj 512 inputs, down_proj 512)
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 256, 8, 2, 64, 512, 2
+# each projection's type: every kept type, parts of one layer in different ones
+PROJECTIONS = {"attn_q": (T.Q8_0, HEADS * HEAD_DIM, HIDDEN),
+               "attn_k": (T.Q4_K, KV_HEADS * HEAD_DIM, HIDDEN),
+               "attn_v": (T.Q6_K, KV_HEADS * HEAD_DIM, HIDDEN),
+               "attn_output": (T.Q5_K, HIDDEN, HEADS * HEAD_DIM),
+               "ffn_gate": (T.Q4_K, INTER, HIDDEN), "ffn_up": (T.Q8_0, INTER, HIDDEN),
+               "ffn_down": (T.Q6_K, HIDDEN, INTER)}
+# fp16 scale fields of the random K-quant blocks: weights of some 0.05
+K_SCALE = {T.Q4_K: 2e-4, T.Q5_K: 1e-4, T.Q6_K: 5e-5}
+# against transformers on the blocks it dequantizes (with the same gguf code the twin
+# equals): the same float32 arithmetic in another order
+LOGPROB_BOUND = 1e-4
+
+
+def byte_level_vocab() -> tuple[list[str], list[str]]:
+    """A GPT-2 style vocabulary: <|endoftext|>, the 256 byte symbols, a few merges."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    merges = ["Ġ t", "h e", "Ġt he", "a n"]
+    return ["<|endoftext|>", *bytes_to_unicode().values(), "Ġt", "he", "Ġthe", "an"], merges
+
+
+def write_tiny_llama(path: Path, rng: np.random.Generator) -> Path:
+    """A two-layer Llama GGUF as llama.cpp lays one out: metadata, a byte-level BPE
+    tokenizer, float norms and output, a Q8_0 embedding, projections of every kept type."""
+    tokens, merges = byte_level_vocab()
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(128)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] + [1] * (len(tokens) - 1))  # 3: control
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(0)
+
+    def normal(*shape: int, std: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    writer.add_tensor("token_embd.weight", gguf.quants.quantize(normal(len(tokens), HIDDEN),
+                                                                T.Q8_0), raw_dtype=T.Q8_0)
+    writer.add_tensor("output_norm.weight", 1 + normal(HIDDEN, std=0.1))
+    writer.add_tensor("output.weight", normal(len(tokens), HIDDEN, std=0.2))
+    for i in range(LAYERS):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", 1 + normal(HIDDEN, std=0.1))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + normal(HIDDEN, std=0.1))
+        for name, (qtype, rows, cols) in PROJECTIONS.items():
+            data = (gguf.quants.quantize(normal(rows, cols, std=0.05), T.Q8_0)
+                    if qtype == T.Q8_0 else
+                    random_raw(GGUFType(int(qtype)), rows, cols, rng, K_SCALE[qtype]))
+            writer.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("HEADRACE_CACHE_DIR", str(tmp_path / "cache"))
+    rng, seed = fresh_rng()
+    print(f"tiny GGUF seed {seed}")
+    return write_tiny_llama(tmp_path / "tiny.gguf", rng)
+
+
+def transformers_logprobs(path: Path, ids: list[int]) -> torch.Tensor:
+    """transformers' own GGUF loading: it dequantizes every tensor (and unpermutes q/k)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+PROMPT_IDS = [17, 260, 90, 3, 258, 101, 44, 200, 7, 259, 120, 66, 31, 250, 5, 99, 142, 12]
+
+
+def test_llm_serves_a_gguf_quantized_equal_to_transformers(tiny_gguf):
+    """LLM(..., quantization="gguf") on the tiny Llama's blocks, in prefill chunks of 8
+    tokens (the GEMV's few rows and the dequantize-then-matmul path alike on the twin):
+    prompt logprobs of transformers' dequantized model."""
+    from common.sampling_params import SamplingParams
+    from services.offline.llm import LLM
+
+    llm = LLM(str(tiny_gguf), quantization="gguf", dtype="float32", device="cpu",
+              block_size=4, num_gpu_blocks_override=32, max_num_batched_tokens=8,
+              max_num_seqs=4)
+    model = llm.engine.executor.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert [part.qtype for part in qkv.gguf_parts] == [GGUFType.Q8_0, GGUFType.Q4_K,
+                                                      GGUFType.Q6_K]
+    assert qkv.weight.dtype == torch.uint8
+    out = llm.generate([PROMPT_IDS], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    ref = transformers_logprobs(tiny_gguf, PROMPT_IDS)
+    for pos in range(1, len(PROMPT_IDS)):
+        token = PROMPT_IDS[pos]
+        assert out.prompt_logprobs[pos][token].logprob == pytest.approx(
+            ref[pos - 1, token].item(), abs=LOGPROB_BOUND), pos
+
+
+def load_gguf(path: Path, **engine) -> tuple[torch.nn.Module, Path]:
+    from common.config import EngineConfig
+    from common.model_info import resolve_engine
+    from services.worker.loader import load_model
+
+    resolved = resolve_engine(EngineConfig(model=str(path), dtype="float32", device="cpu",
+                                           **engine))
+    model = load_model(resolved.config, resolved.hf_config, torch.device("cpu"),
+                       torch.float32, resolved.model_dir)
+    return model, resolved.model_dir
+
+
+def test_cpu_default_is_the_float32_conversion_written_on_first_use(tiny_gguf):
+    """Without --quantization a CPU worker runs the float32 conversion, which the
+    launcher's resolution does not write (a CUDA worker or a tokenizer never reads it)."""
+    from common.config import EngineConfig
+    from common.model_info import resolve_engine
+
+    model_dir = resolve_engine(EngineConfig(model=str(tiny_gguf))).model_dir
+    assert (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
+    assert not list(model_dir.glob("*.safetensors"))
+    model, _ = load_gguf(tiny_gguf)
+    assert (model_dir / "model.safetensors").is_file()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float32 and qkv.weight.shape == (768, HIDDEN)
+    quantized, _ = load_gguf(tiny_gguf, quantization="gguf")
+    ids = torch.tensor(PROMPT_IDS)
+    g = torch.Generator().manual_seed(0)
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                 "mlp.down_proj"):
+        ours = quantized.model.layers[1].get_submodule(name)
+        float_layer = model.model.layers[1].get_submodule(name)
+        x = torch.randn(3, ours.input_size, generator=g)
+        torch.testing.assert_close(ours(x), float_layer(x), msg=name)
+    assert torch.equal(quantized.model.embed_tokens(ids), model.model.embed_tokens(ids))
+
+
+def test_gguf_default_reads_blocks_on_cuda_where_it_can():
+    from types import SimpleNamespace
+
+    from common.quantization import gguf_default
+
+    llama = SimpleNamespace(model_type="llama", gguf_file="/m.gguf")
+    assert gguf_default(llama, None, True, "auto", False) == "gguf"
+    assert gguf_default(llama, None, False, "auto", False) is None  # CPU: float32
+    assert gguf_default(llama, "gguf", False, "auto", False) == "gguf"
+    assert gguf_default(llama, None, True, "dummy", False) is None
+    assert gguf_default(llama, None, True, "auto", True) is None  # LoRA: a float weight
+    gemma = SimpleNamespace(model_type="gemma2", gguf_file="/m.gguf")
+    assert gguf_default(gemma, None, True, "auto", False) is None
+    assert gguf_default(SimpleNamespace(model_type="llama"), None, True, "auto", False) \
+        is None  # not a GGUF file
+
+
+def test_gguf_refusals_are_one_line(tiny_gguf, tmp_path):
+    from common.config import ConfigError, EngineConfig
+    from common.model_info import resolve_engine
+    from common.model_support import UnsupportedModel
+    from common.quantization import QuantizationError, quant_spec
+    from tests.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path, "llama")
+    with pytest.raises(UnsupportedModel, match="^--quantization gguf needs a .gguf model "
+                                               "file; this model is not one$"):
+        resolve_engine(EngineConfig(model=str(model_dir), quantization="gguf"))
+    with pytest.raises(UnsupportedModel, match="^--quantization fp8 does not apply to a "
+                                               "GGUF file; use gguf, or leave it out$"):
+        resolve_engine(EngineConfig(model=str(tiny_gguf), quantization="fp8"))
+    with pytest.raises(ConfigError, match="--load-format dummy cannot fill GGUF blocks"):
+        resolve_engine(EngineConfig(model=str(tiny_gguf), quantization="gguf",
+                                    load_format="dummy"))
+    from types import SimpleNamespace
+    gemma = SimpleNamespace(model_type="gemma2", gguf_file="/m.gguf")
+    with pytest.raises(QuantizationError, match="a 'gemma2' GGUF file is not read quantized"):
+        quant_spec(gemma, "gguf")
+
+
+def test_a_rank_holds_its_rows_and_whole_blocks_of_a_gguf_model(tiny_gguf, monkeypatch):
+    """Rank 1 of 2: each column-parallel part's rows, each row-parallel layer's second half
+    of every row's blocks (256 of the 256 per rank the K types' blocks allow), dequantized
+    equal to the one-rank layer's."""
+    from tests.test_tensor_parallel import as_rank
+
+    whole, _ = load_gguf(tiny_gguf, quantization="gguf")
+    as_rank(monkeypatch, 1, 2)
+    shard, _ = load_gguf(tiny_gguf, quantization="gguf")
+    for name, module in whole.named_modules():
+        if not hasattr(module, "gguf_parts"):
+            continue
+        ours = shard.get_submodule(name)
+        full, mine = dequantized_parts(module), dequantized_parts(ours)
+        if module.input_split:
+            expected = [w[:, w.shape[1] // 2:] for w in full]
+        else:
+            expected = [w[w.shape[0] // 2:] if len(full) == 1 else w.chunk(2)[1]
+                        for w in full]
+        assert all(torch.equal(a, b) for a, b in zip(mine, expected)), name
+
+
+def dequantized_parts(layer: torch.nn.Module) -> list[torch.Tensor]:
+    """Each fused part's float weight, however the parts were stacked."""
+    weights = [part.weight.float() if part.qtype is None
+               else dequantize_ref(part.weight, part.qtype, layer.gguf_input_size)
+               for part in layer.gguf_parts]
+    return list(torch.cat(weights).split(layer.gguf_output_sizes))
 
 
 if __name__ == "__main__":
