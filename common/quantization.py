@@ -12,8 +12,9 @@ Built: W8A8 with 8-bit weights and activations quantized on the fly,
   activations dynamic per token or (float) static per tensor.
 
 Weights only: `gguf` (llama.cpp's files, vLLM's --quantization gguf): a .gguf model's
-linear weights of types Q8_0, Q4_K, Q5_K and Q6_K stay in their blocks (other types, norms
-and embeddings are dequantized on load), for the Llama, Qwen2 and Qwen3 architectures. A
+linear weights of types Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K stay in their blocks (other
+types, norms and embeddings are dequantized on load), for the Llama, Qwen2 and Qwen3
+architectures. A
 GGUF file has no quantization_config: the worker reads its blocks by default on CUDA, and
 on CPU only with --quantization gguf (else its float32 conversion); see `gguf_default`.
 """
@@ -25,7 +26,8 @@ from typing import Any, Literal
 
 SUPPORTED_TEXT = ("fp8 (per-tensor, or 128x128-block weight scales; or an unquantized "
                   "checkpoint quantized on load), compressed-tensors (FP8, FP8_DYNAMIC, "
-                  "INT8 W8A8) and gguf (a .gguf file's Q8_0/Q4_K/Q5_K/Q6_K weights)")
+                  "INT8 W8A8) and gguf (a .gguf file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K "
+                  "weights)")
 GGUF_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # whose GGUF tensors are read as they are
 # the config attribute that marks a model read from a GGUF file: the file's path (set by
 # common/model_info on loading the converted directory's config)
@@ -49,8 +51,8 @@ class QuantSpec:
     def describe(self) -> str:
         """For the startup log."""
         if self.method == "gguf":
-            return ("gguf (Q8_0/Q4_K/Q5_K/Q6_K linear weights kept in their blocks, other "
-                    "types dequantized)")
+            return ("gguf (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linear weights kept in their "
+                    "blocks, other types dequantized)")
         weights = (f"{self.block[0]}x{self.block[1]} blocks" if self.weight_strategy == "block"
                    else f"per {self.weight_strategy}")
         activations = {"token": "dynamic per token", "static": "static per tensor",

@@ -3,6 +3,9 @@
 A quantized GGUF matrix [rows, cols] is stored row by row, each row a run of independent
 blocks (ggml's block layouts, the `gguf` package's numpy dequantizers being the oracle):
 
+    Q4_0  32 values in 18 bytes:  d (fp16), 16 bytes of 4-bit q (value i < 16 the low
+          nibble of byte i, value 16 + i its high nibble)        value = d * (q - 8)
+    Q4_1  32 values in 20 bytes:  d, m (fp16), then as Q4_0       value = d * q + m
     Q8_0  32 values in 34 bytes:  d (fp16), 32 x int8 q            value = d * q
     Q4_K  256 values in 144 bytes: d, dmin (fp16), 12 bytes of eight 6-bit scales and
           eight 6-bit mins, 128 bytes of 4-bit q (sub-block j of 32 values: byte
@@ -35,6 +38,8 @@ import triton.language as tl
 
 class GGUFType(IntEnum):
     """ggml's type ids (GGMLQuantizationType) of the types kept quantized."""
+    Q4_0 = 2
+    Q4_1 = 3
     Q8_0 = 8
     Q4_K = 12
     Q5_K = 13
@@ -47,7 +52,8 @@ class BlockLayout:
     nbytes: int  # bytes per block
 
 
-LAYOUTS = {GGUFType.Q8_0: BlockLayout(32, 34), GGUFType.Q4_K: BlockLayout(256, 144),
+LAYOUTS = {GGUFType.Q4_0: BlockLayout(32, 18), GGUFType.Q4_1: BlockLayout(32, 20),
+           GGUFType.Q8_0: BlockLayout(32, 34), GGUFType.Q4_K: BlockLayout(256, 144),
            GGUFType.Q5_K: BlockLayout(256, 176), GGUFType.Q6_K: BlockLayout(256, 210)}
 GEMV_MAX_ROWS = 8  # rows of x up to which gguf_linear takes the fused kernel
 
@@ -104,6 +110,16 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-2)
 
 
+def _dequantize_q4(blocks: torch.Tensor, with_min: bool) -> torch.Tensor:
+    """Q4_0 (with_min False: q offset by 8) or Q4_1 (d * q + m)."""
+    d = _fp16_field(blocks, 0)
+    start = 4 if with_min else 2
+    q = _nibbles(blocks[..., start:start + 16].int()).reshape(*blocks.shape[:-1], 32)
+    if with_min:
+        return d * q.float() + _fp16_field(blocks, 2)
+    return d * (q - 8).float()
+
+
 def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return _fp16_field(blocks, 0) * blocks[..., 2:].contiguous().view(torch.int8).float()
 
@@ -142,7 +158,9 @@ def dequantize_ref(raw: torch.Tensor, qtype: int, cols: int,
     check_raw(raw, qtype, cols)
     qtype, block = gguf_type(qtype), layout(qtype)
     blocks = raw.reshape(raw.shape[0], cols // block.values, block.nbytes)
-    if qtype == GGUFType.Q8_0:
+    if qtype in (GGUFType.Q4_0, GGUFType.Q4_1):
+        values = _dequantize_q4(blocks, with_min=qtype == GGUFType.Q4_1)
+    elif qtype == GGUFType.Q8_0:
         values = _dequantize_q8_0(blocks)
     elif qtype == GGUFType.Q6_K:
         values = _dequantize_q6_k(blocks)
@@ -176,7 +194,13 @@ def _dequantize_values(block, e, mask, QTYPE: tl.constexpr):
     """float32 values at index `e` of the blocks starting at the pointers `block` (any
     shape; both broadcast). Each value gathers its own bytes: neighbours share them, and
     the loads of a tile hit the same cache lines."""
-    if QTYPE == 8:  # Q8_0
+    if QTYPE == 2:  # Q4_0
+        q = (_load_byte(block + 2 + e % 16, mask) >> (4 * (e // 16))) & 15
+        values = _load_fp16(block, mask) * (q - 8).to(tl.float32)
+    elif QTYPE == 3:  # Q4_1
+        q = (_load_byte(block + 4 + e % 16, mask) >> (4 * (e // 16))) & 15
+        values = _load_fp16(block, mask) * q.to(tl.float32) + _load_fp16(block + 2, mask)
+    elif QTYPE == 8:  # Q8_0
         q = tl.load(block + 2 + e, mask=mask, other=0).to(tl.int8, bitcast=True)
         values = _load_fp16(block, mask) * q.to(tl.float32)
     elif QTYPE == 14:  # Q6_K

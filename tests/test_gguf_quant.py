@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType as T
 
 from kernels.gguf import (GEMV_MAX_ROWS, LAYOUTS, GGUFType, dequantize_ref, dequantize_triton,
                           gguf_gemv_triton, gguf_linear_ref, gguf_linear_triton, layout)
+from common.model_files import load_hf_config
 from services.demo import demo_model_path
 from services.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
@@ -36,7 +37,7 @@ from services.worker.layers.quantization.gguf import (ARCHITECTURES, BLOCK_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
 # bytes of each type's fp16 scale fields (d, dmin): random bytes there would make infinities
-FP16_FIELDS = {GGUFType.Q8_0: (0,), GGUFType.Q4_K: (0, 2), GGUFType.Q5_K: (0, 2),
+FP16_FIELDS = {GGUFType.Q4_0: (0,), GGUFType.Q4_1: (0, 2), GGUFType.Q8_0: (0,), GGUFType.Q4_K: (0, 2), GGUFType.Q5_K: (0, 2),
                GGUFType.Q6_K: (208,)}
 
 
@@ -76,18 +77,21 @@ def test_twin_equals_gguf_dequantize_on_random_blocks(qtype):
     assert np.array_equal(twin.numpy(), oracle(raw, qtype)), f"seed {seed}"
 
 
-def test_twin_equals_gguf_dequantize_on_quantized_q8_0():
+@pytest.mark.parametrize("qtype", [GGUFType.Q4_0, GGUFType.Q4_1, GGUFType.Q8_0],
+                         ids=lambda t: t.name)
+def test_twin_equals_gguf_dequantize_on_quantized_blocks(qtype):
     """Blocks gguf.quants itself quantizes (it quantizes none of the K types)."""
     rng, seed = fresh_rng()
-    raw = gguf.quants.quantize(rng.standard_normal((5, 96)).astype(np.float32), T.Q8_0)
-    twin = dequantize_ref(torch.from_numpy(raw), GGUFType.Q8_0, 96)
-    assert np.array_equal(twin.numpy(), oracle(raw, T.Q8_0)), f"seed {seed}"
+    raw = gguf.quants.quantize(rng.standard_normal((5, 96)).astype(np.float32), T(int(qtype)))
+    twin = dequantize_ref(torch.from_numpy(raw), qtype, 96)
+    assert np.array_equal(twin.numpy(), oracle(raw, qtype)), f"seed {seed}"
 
 
 def test_bad_types_and_shapes_are_clear_errors():
     raw = torch.zeros(2, 144, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="type 2 is not kept quantized; supported: Q8_0"):
-        dequantize_ref(raw, 2, 256)  # Q4_0
+    with pytest.raises(ValueError, match="type 6 is not kept quantized; supported: Q4_0, "
+                                         "Q4_1, Q8_0"):
+        dequantize_ref(raw, 6, 256)  # Q5_0
     with pytest.raises(ValueError, match=r"must be uint8 \[rows, 210\]"):
         dequantize_ref(raw, GGUFType.Q6_K, 256)
     with pytest.raises(ValueError, match="whole blocks of 256 values; 200 columns"):
@@ -112,7 +116,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, seed: int,
 
 # (type, rows, cols): rows not a multiple of the GEMV's 16-row tiles; Q8_0's 96 columns end
 # in a partial 64-column step
-SHAPES = [(GGUFType.Q8_0, 19, 96), (GGUFType.Q4_K, 5, 512), (GGUFType.Q5_K, 3, 256),
+SHAPES = [(GGUFType.Q4_0, 9, 64), (GGUFType.Q4_1, 18, 96), (GGUFType.Q8_0, 19, 96), (GGUFType.Q4_K, 5, 512), (GGUFType.Q5_K, 3, 256),
           (GGUFType.Q6_K, 17, 512)]
 # (rows of x, dtype, tolerance) for the GEMV
 GEMV_RUNS = [(1, torch.float16, 1e-2), (3, torch.float32, 1e-5),
@@ -279,9 +283,9 @@ def demo_gguf() -> str:
 
 
 def test_demo_model_tensor_read_quantized_equals_gguf(demo_gguf):
-    """SmolLM2's embedding, its one Q8_0 tensor: rows of it kept quantized, read as a rank
-    would (narrowed), dequantized by the twin, equal gguf's dequantization of those rows.
-    (Its projections are Q4_1, a type not kept quantized.)"""
+    """SmolLM2's embedding, its one Q8_0 tensor (its projections are Q4_1): rows of it
+    kept quantized, read as a rank would (narrowed), dequantized by the twin, equal gguf's
+    dequantization of those rows."""
     reader = gguf.GGUFReader(demo_gguf)
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
     assert embedding.tensor_type == T.Q8_0
@@ -294,6 +298,39 @@ def test_demo_model_tensor_read_quantized_equals_gguf(demo_gguf):
     names = {hf_name(t.name) for t in reader.tensors}
     assert len(names) == len(reader.tensors) == 272
     assert "model.layers.29.mlp.down_proj.weight" in names
+
+
+@pytest.mark.slow
+def test_demo_model_quantized_equals_its_float32_conversion_and_answers(demo_gguf):
+    """The demo with --quantization gguf: its Q4_1 projections kept in their blocks (the
+    twin on CPU), its logits those of the float32 conversion (the same gguf
+    dequantization, then the same float32 matmuls), and it knows the capital of France:
+    over the chat prompt and the answer, each answer token is the one it picks greedily
+    (one prefill: a decode step dequantizes the whole model on CPU)."""
+    from common.config import EngineConfig
+    from common.model_files import load_tokenizer, resolve_model
+    from services.worker.loader import load_model
+    from tests.test_models import TOLERANCE, Paged, rel_err
+
+    quantized, model_dir = load_gguf(Path(demo_gguf), quantization="gguf")
+    assert quantized.model.layers[0].self_attn.qkv_proj.gguf_parts[0].qtype == GGUFType.Q4_1
+    float_dir = resolve_model(demo_gguf)
+    hf_config = load_hf_config(float_dir)
+    converted = load_model(EngineConfig(model=str(float_dir)), hf_config,
+                           torch.device("cpu"), torch.float32, float_dir)
+    tokenizer = load_tokenizer(model_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    answer = tokenizer.encode("The capital of France is Paris.", add_special_tokens=False)
+    ids = prompt + answer
+    logits = {}
+    for name, model in (("gguf", quantized), ("float32", converted)):
+        paged = Paged(model, hf_config, block_size=16)
+        (logits[name],) = paged.step([(paged.blocks(len(ids)), ids, 0)])
+    assert rel_err(logits["gguf"], logits["float32"]) < TOLERANCE
+    greedy = logits["gguf"][len(prompt) - 1:-1].argmax(dim=-1).tolist()
+    assert tokenizer.decode(greedy) == "The capital of France is Paris."
 
 
 # --- the quant method on today's linear layers -------------------------------------------
@@ -387,15 +424,18 @@ def test_method_refuses_a_split_inside_a_block_and_missing_parts():
 # the tiny Llama's sizes: K-quant rows hold whole 256-value blocks, also on each of two
 # ranks of a row-parallel layer (o_proj 512 inputs, down_proj 512)
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 256, 8, 2, 64, 512, 2
-# each projection's type: every kept type, parts of one layer in different ones
+# each projection's type in layer 0: parts of one layer in different ones; layer 1 takes
+# Q4_0 and Q4_1 where layer 0 has Q8_0 (every kept type, once each at least)
 PROJECTIONS = {"attn_q": (T.Q8_0, HEADS * HEAD_DIM, HIDDEN),
                "attn_k": (T.Q4_K, KV_HEADS * HEAD_DIM, HIDDEN),
                "attn_v": (T.Q6_K, KV_HEADS * HEAD_DIM, HIDDEN),
                "attn_output": (T.Q5_K, HIDDEN, HEADS * HEAD_DIM),
                "ffn_gate": (T.Q4_K, INTER, HIDDEN), "ffn_up": (T.Q8_0, INTER, HIDDEN),
                "ffn_down": (T.Q6_K, HIDDEN, INTER)}
+LAYER_1 = {"attn_q": T.Q4_0, "ffn_up": T.Q4_1}
 # fp16 scale fields of the random K-quant blocks: weights of some 0.05
 K_SCALE = {T.Q4_K: 2e-4, T.Q5_K: 1e-4, T.Q6_K: 5e-5}
+QUANTIZERS = (T.Q4_0, T.Q4_1, T.Q8_0)  # the types gguf.quants quantizes
 # against transformers on the blocks it dequantizes (with the same gguf code the twin
 # equals): the same float32 arithmetic in another order
 LOGPROB_BOUND = 1e-4
@@ -441,8 +481,9 @@ def write_tiny_llama(path: Path, rng: np.random.Generator) -> Path:
         writer.add_tensor(f"blk.{i}.attn_norm.weight", 1 + normal(HIDDEN, std=0.1))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + normal(HIDDEN, std=0.1))
         for name, (qtype, rows, cols) in PROJECTIONS.items():
-            data = (gguf.quants.quantize(normal(rows, cols, std=0.05), T.Q8_0)
-                    if qtype == T.Q8_0 else
+            qtype = LAYER_1.get(name, qtype) if i == 1 else qtype
+            data = (gguf.quants.quantize(normal(rows, cols, std=0.05), qtype)
+                    if qtype in QUANTIZERS else
                     random_raw(GGUFType(int(qtype)), rows, cols, rng, K_SCALE[qtype]))
             writer.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=qtype)
     writer.write_header_to_file()
@@ -484,10 +525,12 @@ def test_llm_serves_a_gguf_quantized_equal_to_transformers(tiny_gguf):
               block_size=4, num_gpu_blocks_override=32, max_num_batched_tokens=8,
               max_num_seqs=4)
     model = llm.engine.executor.runner.model
-    qkv = model.model.layers[0].self_attn.qkv_proj
-    assert [part.qtype for part in qkv.gguf_parts] == [GGUFType.Q8_0, GGUFType.Q4_K,
-                                                      GGUFType.Q6_K]
-    assert qkv.weight.dtype == torch.uint8
+    layers = model.model.layers
+    assert [part.qtype for part in layers[0].self_attn.qkv_proj.gguf_parts] == [
+        GGUFType.Q8_0, GGUFType.Q4_K, GGUFType.Q6_K]
+    assert [part.qtype for part in layers[1].mlp.gate_up_proj.gguf_parts] == [
+        GGUFType.Q4_K, GGUFType.Q4_1]
+    assert layers[1].self_attn.qkv_proj.weight.dtype == torch.uint8
     out = llm.generate([PROMPT_IDS], SamplingParams(max_tokens=1, prompt_logprobs=1),
                        use_tqdm=False)[0]
     ref = transformers_logprobs(tiny_gguf, PROMPT_IDS)

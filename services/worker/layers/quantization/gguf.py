@@ -1,6 +1,6 @@
 """GGUF files kept quantized: the reader that yields a file's tensors under Hugging Face
-names, and the "gguf" quant method whose linear layers keep Q8_0/Q4_K/Q5_K/Q6_K blocks on
-the device and multiply through kernels/gguf.py.
+names, and the "gguf" quant method whose linear layers keep Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K
+blocks on the device and multiply through kernels/gguf.py.
 
 Reading: each GGUF tensor of a kept type arrives as a QuantizedCheckpoint, its rows of
 raw blocks read only when a loader narrows it (a tensor-parallel rank reads its own rows).
