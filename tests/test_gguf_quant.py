@@ -639,6 +639,52 @@ def test_a_rank_holds_its_rows_and_whole_blocks_of_a_gguf_model(tiny_gguf, monke
         assert all(torch.equal(a, b) for a, b in zip(mine, expected)), name
 
 
+def rank_gguf_logits(rank: int, world: int, init_file: str, path: str, ids: list[int],
+                     results) -> None:
+    """One gloo rank of the tiny GGUF model, kept quantized: its prefill logits."""
+    import torch.distributed as dist
+
+    from tests.test_models import Paged
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        model, model_dir = load_gguf(Path(path), quantization="gguf",
+                                     tensor_parallel_size=world)
+        paged = Paged(model, load_hf_config(model_dir), block_size=4, tp_size=world)
+        (logits,) = paged.step([(paged.blocks(len(ids)), ids, 0)])
+        results.put((rank, logits.numpy()))
+        dist.barrier()  # no rank tears the group down while another still uses it
+    finally:
+        dist.destroy_process_group()
+    results.close()
+    results.join_thread()
+    os._exit(0)  # as tests/test_tensor_parallel.rank_logits: skip the interpreter's teardown
+
+
+def test_a_gguf_model_kept_quantized_runs_over_two_gloo_ranks(tiny_gguf, tmp_path):
+    """Each rank's logits are one rank's (no activation is quantized: the all-reduced
+    partial sums differ only in their order)."""
+    import multiprocessing
+
+    from tests.test_models import TOLERANCE, Paged, rel_err
+    from tests.test_tensor_parallel import collect
+
+    model, model_dir = load_gguf(tiny_gguf, quantization="gguf")  # converts the config
+    paged = Paged(model, load_hf_config(model_dir), block_size=4)
+    (whole,) = paged.step([(paged.blocks(len(PROMPT_IDS)), PROMPT_IDS, 0)])
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=rank_gguf_logits, args=(rank, 2, str(tmp_path / "init"),
+                                                        str(tiny_gguf), PROMPT_IDS, results))
+             for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for rank, logits in collect(results, procs, 2):
+        assert rel_err(torch.from_numpy(logits), whole) < TOLERANCE, rank
+
+
 def dequantized_parts(layer: torch.nn.Module) -> list[torch.Tensor]:
     """Each fused part's float weight, however the parts were stacked."""
     weights = [part.weight.float() if part.qtype is None
