@@ -131,8 +131,9 @@ class EngineConfig:
         "The config's rope_theta (an override, as --hf-overrides)."))
     quantization: str | None = field(default=None, metadata=_help(
         "The weights' quantized format: fp8 (a Hugging Face / vLLM fp8 checkpoint, or an "
-        "unquantized one quantized to fp8 on load) or compressed-tensors (FP8, "
-        "FP8_DYNAMIC, INT8 W8A8); left out, config.json's quantization_config decides."))
+        "unquantized one quantized to fp8 on load), compressed-tensors (FP8, "
+        "FP8_DYNAMIC, INT8 W8A8) or gguf (a .gguf file's blocks, the default on CUDA); "
+        "left out, config.json's quantization_config decides."))
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = field(
         default="auto", metadata=_help(
             "Data type of the KV cache: auto is the model's dtype; fp8 (= fp8_e4m3) and "

@@ -14,9 +14,9 @@ Built: W8A8 with 8-bit weights and activations quantized on the fly,
 Weights only: `gguf` (llama.cpp's files, vLLM's --quantization gguf): a .gguf model's
 linear weights of types Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K stay in their blocks (other
 types, norms and embeddings are dequantized on load), for the Llama, Qwen2 and Qwen3
-architectures. A
-GGUF file has no quantization_config: the worker reads its blocks by default on CUDA, and
-on CPU only with --quantization gguf (else its float32 conversion); see `gguf_default`.
+architectures. A GGUF file has no quantization_config: the worker reads its blocks by
+default on CUDA, and on CPU only with --quantization gguf (else its float32 conversion);
+see `gguf_default`.
 """
 
 from __future__ import annotations

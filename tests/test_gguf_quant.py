@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -37,8 +38,8 @@ from services.worker.layers.quantization.gguf import (ARCHITECTURES, BLOCK_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
 # bytes of each type's fp16 scale fields (d, dmin): random bytes there would make infinities
-FP16_FIELDS = {GGUFType.Q4_0: (0,), GGUFType.Q4_1: (0, 2), GGUFType.Q8_0: (0,), GGUFType.Q4_K: (0, 2), GGUFType.Q5_K: (0, 2),
-               GGUFType.Q6_K: (208,)}
+FP16_FIELDS = {GGUFType.Q4_0: (0,), GGUFType.Q4_1: (0, 2), GGUFType.Q8_0: (0,),
+               GGUFType.Q4_K: (0, 2), GGUFType.Q5_K: (0, 2), GGUFType.Q6_K: (208,)}
 
 
 def fresh_rng() -> tuple[np.random.Generator, int]:
@@ -114,10 +115,10 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, seed: int,
     assert error <= tolerance, f"{what}: relative error {error:.3g} (seed {seed})"
 
 
-# (type, rows, cols): rows not a multiple of the GEMV's 16-row tiles; Q8_0's 96 columns end
-# in a partial 64-column step
-SHAPES = [(GGUFType.Q4_0, 9, 64), (GGUFType.Q4_1, 18, 96), (GGUFType.Q8_0, 19, 96), (GGUFType.Q4_K, 5, 512), (GGUFType.Q5_K, 3, 256),
-          (GGUFType.Q6_K, 17, 512)]
+# (type, rows, cols): rows not a multiple of the GEMV's 16-row tiles; Q4_1's and Q8_0's 96
+# columns end in a partial 64-column step
+SHAPES = [(GGUFType.Q4_0, 9, 64), (GGUFType.Q4_1, 18, 96), (GGUFType.Q8_0, 19, 96),
+          (GGUFType.Q4_K, 5, 512), (GGUFType.Q5_K, 3, 256), (GGUFType.Q6_K, 17, 512)]
 # (rows of x, dtype, tolerance) for the GEMV
 GEMV_RUNS = [(1, torch.float16, 1e-2), (3, torch.float32, 1e-5),
              (GEMV_MAX_ROWS, torch.float32, 1e-5)]
@@ -419,7 +420,7 @@ def test_method_refuses_a_split_inside_a_block_and_missing_parts():
         method.process_after_loading(layer)
 
 
-# --- a GGUF model served quantized ------------------------------------------------------------
+# --- a GGUF model served quantized -------------------------------------------------------
 
 # the tiny Llama's sizes: K-quant rows hold whole 256-value blocks, also on each of two
 # ranks of a row-parallel layer (o_proj 512 inputs, down_proj 512)
@@ -578,8 +579,6 @@ def test_cpu_default_is_the_float32_conversion_written_on_first_use(tiny_gguf):
 
 
 def test_gguf_default_reads_blocks_on_cuda_where_it_can():
-    from types import SimpleNamespace
-
     from common.quantization import gguf_default
 
     llama = SimpleNamespace(model_type="llama", gguf_file="/m.gguf")
@@ -611,7 +610,6 @@ def test_gguf_refusals_are_one_line(tiny_gguf, tmp_path):
     with pytest.raises(ConfigError, match="--load-format dummy cannot fill GGUF blocks"):
         resolve_engine(EngineConfig(model=str(tiny_gguf), quantization="gguf",
                                     load_format="dummy"))
-    from types import SimpleNamespace
     gemma = SimpleNamespace(model_type="gemma2", gguf_file="/m.gguf")
     with pytest.raises(QuantizationError, match="a 'gemma2' GGUF file is not read quantized"):
         quant_spec(gemma, "gguf")

@@ -1,10 +1,9 @@
 """Building a model on its device and filling its weights: from a Hugging Face directory's
-*.safetensors (a GGUF file's float32 conversion, see common/model_files), from a GGUF
-file's own blocks (the gguf quant method), or random at the real shapes
-(`load_format="dummy"`). Either way each parameter's own
-weight_loader takes its tensor-parallel shard: from a safetensors file a rank reads only
-those rows, and dummy weights are drawn whole, so every tensor-parallel size holds the same
-model."""
+*.safetensors (of a GGUF file, its float32 conversion, see common/model_files), from a
+GGUF file's own blocks (the gguf quant method), or random at the real shapes
+(`load_format="dummy"`). Either way each parameter's own weight_loader takes its
+tensor-parallel shard: from a safetensors or GGUF file a rank reads only those rows, and
+dummy weights are drawn whole, so every tensor-parallel size holds the same model."""
 
 from __future__ import annotations
 
