@@ -15,7 +15,7 @@ from common.model_files import (is_gguf, load_generation_config, load_hf_config,
                                 load_tokenizer, max_model_len_of, read_chat_template,
                                 resolve_model, sliding_windows)
 from common.model_support import UnsupportedModel, check_model_support, num_experts_of
-from common.quantization import GGUF_FILE_ATTR, quant_spec
+from common.quantization import GGUF_FILE_ATTR
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
 
 
@@ -46,7 +46,7 @@ def resolve_engine(config: EngineConfig) -> ResolvedModel:
                           "--quantization gguf to run random float weights")
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     if config.enable_lora:
-        check_lora(hf_config, config.quantization)
+        check_lora(hf_config)
     model_max_len = max_model_len_of(hf_config)
     if config.disable_sliding_window:
         model_max_len = without_sliding_windows(hf_config, model_max_len)
@@ -133,20 +133,16 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
             f"{kv_heads} KV heads must divide by {size} or into it")
 
 
-def check_lora(hf_config: Any, quantization: str | None = None) -> None:
+def check_lora(hf_config: Any) -> None:
     """LoRA wraps the separate dense projections: adapters of fused ones (Phi-3) target
     modules headrace does not have, and the experts' stacked weights have no adapter path,
-    so an adapter of an MoE model could only be applied in part. Its matmul stacks the
-    adapters' A below the base weight, which must be unquantized."""
+    so an adapter of an MoE model could only be applied in part. A quantized base keeps
+    its format; the adapters run beside it in the model's dtype."""
     architecture = (getattr(hf_config, "architectures", None) or ["this model"])[0]
     if architecture in FUSED_PROJECTIONS:
         raise ConfigError(f"--enable-lora is not supported for {architecture}: its adapters "
                           f"target the fused {FUSED_PROJECTIONS[architecture]}, headrace's "
                           f"LoRA the separate {', '.join(TARGET_MODULES)}")
-    spec = quant_spec(hf_config, quantization)
-    if spec is not None:
-        raise ConfigError(f"--enable-lora is not supported on a quantized model yet (its "
-                          f"weights are {spec.method}); run the unquantized checkpoint")
     experts = num_experts_of(hf_config)
     if experts:
         raise ConfigError(f"--enable-lora: LoRA is not supported on mixture-of-experts "

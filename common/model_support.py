@@ -47,17 +47,17 @@ def check_model_support(hf_config: Any, quantization: str | None = None) -> None
 
 
 def check_quantization(hf_config: Any, quantization: str | None) -> None:
-    """A format the worker builds (common/quantization.py), on a dense model: a
-    mixture of experts' quantized experts are not built yet."""
+    """A format the worker builds (common/quantization.py); a mixture of experts' routed
+    experts are built in fp8 only."""
     try:
         spec = quant_spec(hf_config, quantization)
     except QuantizationError as e:
         raise UnsupportedModel(str(e)) from None
     experts = num_experts_of(hf_config)
-    if spec is not None and experts:
-        raise UnsupportedModel(f"quantization {spec.method!r} is not supported on "
-                               f"mixture-of-experts models yet ({experts} experts per "
-                               "layer); run the unquantized checkpoint")
+    if spec is not None and experts and spec.weight_type != "fp8":
+        raise UnsupportedModel(f"{spec.describe()} is not supported on mixture-of-experts "
+                               f"models ({experts} experts per layer); supported there: "
+                               "fp8 weights (fp8, compressed-tensors FP8 / FP8_DYNAMIC)")
 
 
 def num_experts_of(hf_config: Any) -> int:

@@ -9,14 +9,23 @@ Built: W8A8 with 8-bit weights and activations quantized on the fly,
   --quantization fp8 quantizes the weights at load time (per output channel);
 - `compressed-tensors` (llm-compressor): one config group over every Linear, 8-bit
   symmetric weights per tensor or per channel, float (FP8, FP8_DYNAMIC) or int (W8A8),
-  activations dynamic per token or (float) static per tensor.
+  activations dynamic per token or (float) static per tensor;
 
-Weights only: `gguf` (llama.cpp's files, vLLM's --quantization gguf): a .gguf model's
-linear weights of types Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K stay in their blocks (other
-types, norms and embeddings are dequantized on load), for the Llama, Qwen2 and Qwen3
-architectures. A GGUF file has no quantization_config: the worker reads its blocks by
-default on CUDA, and on CPU only with --quantization gguf (else its float32 conversion);
-see `gguf_default`.
+and W4A16, 4-bit integer weights times unquantized activations (kernels/int4.py):
+- `awq` (AutoAWQ's GEMM packing), `gptq` (checkpoint format gptq or gptq_v2, with or
+  without act-order), and compressed-tensors' pack-quantized W4A16 (symmetric or not, per
+  group or per channel, actorder "group" or none), each per group of input features or
+  per output channel (group size -1).
+
+A mixture of experts' routed experts take the fp8 formats (common/model_support.py
+refuses int8 and int4 there); its router stays unquantized, as checkpoints leave it.
+
+Weights only, from a file format: `gguf` (llama.cpp's files, vLLM's --quantization gguf):
+a .gguf model's linear weights of types Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K stay in
+their blocks (other types, norms and embeddings are dequantized on load), for the Llama,
+Qwen2 and Qwen3 architectures. A GGUF file has no quantization_config: the worker reads its
+blocks by default on CUDA, and on CPU only with --quantization gguf (else its float32
+conversion); see `gguf_default`.
 """
 
 from __future__ import annotations
@@ -26,8 +35,9 @@ from typing import Any, Literal
 
 SUPPORTED_TEXT = ("fp8 (per-tensor, or 128x128-block weight scales; or an unquantized "
                   "checkpoint quantized on load), compressed-tensors (FP8, FP8_DYNAMIC, "
-                  "INT8 W8A8) and gguf (a .gguf file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K "
-                  "weights)")
+                  "INT8 W8A8, pack-quantized W4A16), awq (4-bit, gemm), gptq (4-bit, "
+                  "gptq or gptq_v2 format) and gguf (a .gguf file's "
+                  "Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights)")
 GGUF_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # whose GGUF tensors are read as they are
 # the config attribute that marks a model read from a GGUF file: the file's path (set by
 # common/model_info on loading the converted directory's config)
@@ -40,13 +50,18 @@ class QuantizationError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    method: str  # "fp8", "compressed-tensors" or "gguf"
-    weight_type: Literal["fp8", "int8", "gguf"]
-    weight_strategy: Literal["tensor", "channel", "block"]
-    activations: Literal["token", "static", "group", "unquantized"]  # dynamic per token /
-    # static per-tensor input_scale / dynamic per 1 x block_k group / not quantized
+    method: str  # "fp8", "compressed-tensors", "awq", "gptq" or "gguf"
+    weight_type: Literal["fp8", "int8", "int4", "gguf"]
+    weight_strategy: Literal["tensor", "channel", "block", "group"]
+    activations: Literal["token", "static", "group", "none"]  # dynamic per token / static
+    # per-tensor input_scale / dynamic per 1 x block_k group / unquantized (W4A16, gguf)
     online: bool = False  # weights quantized at load time from an unquantized checkpoint
     block: tuple[int, int] = (128, 128)  # (output, input) features of a weight block
+    # int4 only:
+    group_size: int = -1  # input features per scale and zero ("group"); -1 per channel
+    zero_points: bool = True  # the checkpoint stores zeros (else 8: symmetric)
+    act_order: bool = False  # input features grouped out of order, by a g_idx tensor
+    stored_zero_offset: int = 0  # GPTQ's v1 format stores zero - 1
 
     def describe(self) -> str:
         """For the startup log."""
@@ -54,9 +69,13 @@ class QuantSpec:
             return ("gguf (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linear weights kept in their "
                     "blocks, other types dequantized)")
         weights = (f"{self.block[0]}x{self.block[1]} blocks" if self.weight_strategy == "block"
+                   else f"per group of {self.group_size}" if self.weight_strategy == "group"
                    else f"per {self.weight_strategy}")
+        if self.act_order:
+            weights += " in act-order"
         activations = {"token": "dynamic per token", "static": "static per tensor",
-                       "group": f"dynamic per 1x{self.block[1]} group"}[self.activations]
+                       "group": f"dynamic per 1x{self.block[1]} group",
+                       "none": "unquantized"}[self.activations]
         source = ", quantized on load" if self.online else ""
         return (f"{self.method} ({self.weight_type} weights {weights}, activations "
                 f"{activations}{source})")
@@ -117,19 +136,17 @@ def gguf_spec(hf_config: Any, engine_quantization: str | None) -> QuantSpec | No
                                 "is not read quantized; supported: "
                                 f"{', '.join(GGUF_MODEL_TYPES)} (leave the flag out to run "
                                 "its float32 conversion)")
-    return QuantSpec("gguf", "gguf", "block", "unquantized")
+    return QuantSpec("gguf", "gguf", "block", "none")
 
 
 def gguf_default(hf_config: Any, engine_quantization: str | None, on_cuda: bool,
-                 load_format: str, lora: bool) -> str | None:
+                 load_format: str) -> str | None:
     """The --quantization a worker runs: as given, else for a GGUF file on CUDA its blocks
     (vLLM's default) where they can be read: an architecture read quantized, real weights
-    (dummy ones have no blocks), no LoRA (its matmul needs a float weight). On CPU a GGUF
-    file runs its float32 conversion unless asked: a float matmul beats the torch twin's
-    dequantizing one there."""
+    (dummy ones have no blocks). On CPU a GGUF file runs its float32 conversion unless
+    asked: a float matmul beats the torch twin's dequantizing one there."""
     if (engine_quantization is None and on_cuda and getattr(hf_config, GGUF_FILE_ATTR, None)
-            and hf_config.model_type in GGUF_MODEL_TYPES and load_format != "dummy"
-            and not lora):
+            and hf_config.model_type in GGUF_MODEL_TYPES and load_format != "dummy"):
         return "gguf"
     return engine_quantization
 
@@ -159,6 +176,9 @@ def compressed_tensors_spec(config: dict[str, Any]) -> QuantSpec:
     weights, inputs = group.get("weights") or {}, group.get("input_activations")
     what = f"compressed-tensors weights {describe_args(weights)}, activations " \
            f"{describe_args(inputs)}"
+    if not inputs and weights.get("num_bits") == 4:
+        return compressed_tensors_w4a16_spec(weights, group.get("format")
+                                             or config.get("format"), what)
     kind = weights.get("type")
     if (weights.get("num_bits") != 8 or kind not in ("float", "int")
             or not weights.get("symmetric", True) or weights.get("dynamic")
@@ -177,6 +197,72 @@ def compressed_tensors_spec(config: dict[str, Any]) -> QuantSpec:
                      weights["strategy"], activations)
 
 
+def compressed_tensors_w4a16_spec(weights: dict[str, Any], fmt: str | None,
+                                  what: str) -> QuantSpec:
+    """4-bit integer weights packed eight to an int32 ("pack-quantized"), per group or
+    per channel; actorder "group" stores each input feature's group (weight_g_idx),
+    "weight" only reordered the quantization and stores nothing."""
+    strategy, actorder = weights.get("strategy"), weights.get("actorder")
+    if (fmt != "pack-quantized" or weights.get("type") != "int" or weights.get("dynamic")
+            or strategy not in ("group", "channel")
+            or actorder not in (None, False, True, "group", "weight")):
+        raise QuantizationError(f"unsupported {what} (format {fmt!r}, actorder "
+                                f"{actorder!r}); supported: {SUPPORTED_TEXT}")
+    group_size = int(weights.get("group_size") or 0) if strategy == "group" else -1
+    if strategy == "group" and group_size <= 0:
+        raise QuantizationError(f"unsupported {what}: group_size {weights.get('group_size')!r}"
+                                "; a positive group_size is needed")
+    return QuantSpec("compressed-tensors", "int4", strategy, "none", group_size=group_size,
+                     zero_points=not weights.get("symmetric", True),
+                     act_order=actorder in (True, "group"))
+
+
+def awq_spec(config: dict[str, Any]) -> QuantSpec:
+    """AutoAWQ's quantization_config (or the w_bit / q_group_size spelling)."""
+    check_ignored(config.get("modules_to_not_convert") or [], "modules_to_not_convert")
+    check_four_bits("awq", config.get("bits", config.get("w_bit", 4)))
+    version = str(config.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise QuantizationError(f"awq: unsupported version {version!r}; supported: gemm")
+    if not config.get("zero_point", True):
+        raise QuantizationError("awq: zero_point false is not supported; supported: "
+                                "zero_point true (asymmetric)")
+    return int4_spec("awq", config.get("group_size", config.get("q_group_size", 128)),
+                     act_order=False)
+
+
+def gptq_spec(config: dict[str, Any]) -> QuantSpec:
+    """AutoGPTQ / GPTQModel's quantization_config. Symmetric or not, the checkpoint
+    stores zeros; desc_act (act-order) says the g_idx tensors group features out of
+    order."""
+    check_four_bits("gptq", config.get("bits", 4))
+    if config.get("lm_head"):
+        raise QuantizationError("gptq: a quantized lm_head is not supported")
+    fmt = config.get("checkpoint_format", config.get("format", "gptq"))
+    if fmt not in ("gptq", "gptq_v2"):
+        raise QuantizationError(f"gptq: unsupported checkpoint format {fmt!r}; supported: "
+                                "gptq, gptq_v2")
+    return int4_spec("gptq", config.get("group_size", 128),
+                     act_order=bool(config.get("desc_act")),
+                     stored_zero_offset=1 if fmt == "gptq" else 0)
+
+
+def int4_spec(method: str, group_size: Any, act_order: bool,
+              stored_zero_offset: int = 0) -> QuantSpec:
+    if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        raise QuantizationError(f"{method}: unsupported group_size {group_size!r}; "
+                                "supported: a positive size, or -1 (per channel)")
+    return QuantSpec(method, "int4", "channel" if group_size == -1 else "group", "none",
+                     group_size=group_size, act_order=act_order,
+                     stored_zero_offset=stored_zero_offset)
+
+
+def check_four_bits(method: str, bits: Any) -> None:
+    if bits != 4:
+        raise QuantizationError(f"{method}: unsupported {bits}-bit weights; supported: "
+                                "4-bit")
+
+
 def describe_args(args: dict[str, Any] | None) -> str:
     if not args:
         return "unquantized"
@@ -185,16 +271,25 @@ def describe_args(args: dict[str, Any] | None) -> str:
             f"{'' if args.get('symmetric', True) else ' asymmetric'}")
 
 
+# modules never quantized here, which checkpoints list as left unquantized: the LM head,
+# a mixture of experts' router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`) and
+# Qwen2-MoE's shared expert gate
+UNQUANTIZED_MODULES = ("lm_head", "gate", "shared_expert_gate")
+
+
 def check_ignored(modules: list[str], key: str) -> None:
-    """Layers left unquantized: the LM head (never quantized here) is the only one
-    supported."""
-    others = [m for m in modules if m.rpartition(".")[2] != "lm_head"]
+    """Layers left unquantized: only those never quantized here. An entry is a module
+    name or a compressed-tensors pattern (`re:.*mlp.gate$`); its last name decides."""
+    others = [m for m in modules
+              if m.removeprefix("re:").removesuffix("$").rpartition(".")[2]
+              not in UNQUANTIZED_MODULES]
     if others:
         raise QuantizationError(f"quantization_config {key} lists {others[:3]}: only "
-                                "lm_head may be left unquantized")
+                                f"{', '.join(UNQUANTIZED_MODULES)} may be left unquantized")
 
 
 # quant_method -> what reads its quantization_config
-PARSERS = {"fp8": fp8_spec, "compressed-tensors": compressed_tensors_spec}
+PARSERS = {"fp8": fp8_spec, "compressed-tensors": compressed_tensors_spec, "awq": awq_spec,
+           "gptq": gptq_spec}
 # --quantization's values: those, and gguf (a file format, with no quantization_config)
 ENGINE_VALUES = (*PARSERS, "gguf")

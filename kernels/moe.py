@@ -14,6 +14,12 @@ Everything is sized by the worst case, never by the routing: the sorted list hol
 slots + min(slots, E) * (BLOCK_M - 1) rows, the launch grid covers all of them, and
 programs past the real rows (read on the device) return at once. No host sync, so a step
 replays in a CUDA graph.
+
+fp8 experts (`ExpertScales`): w13 and w2 in e4m3 with per-output-channel or 128 x 128 block
+scales; each GEMM's input is quantized first (per token, per 1 x 128 group with blocks, or
+by a static per-tensor scale) through kernels/quant.py, and the grouped GEMMs multiply
+fp8 by fp8 in float32, applying per-channel scales in the epilogue and block scales per K
+tile. The torch twin dequantizes the same fp8 values and multiplies in float32.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.quant import (FP8_DTYPE, dequantize, quantize_per_token, quantize_static)
+
 
 @dataclass(frozen=True, slots=True)
 class MoEBlocks:
@@ -33,6 +41,31 @@ class MoEBlocks:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertScales:
+    """fp8 experts' scales: w13 [E, ceil(2I / block_n), ceil(H / group_k)] and w2
+    [E, ceil(H / block_n), ceil(I / group_k)] (gate rows' blocks, then up rows', as w13's
+    rows, so block_n divides I). Per output channel: block_n 1, group_k None (one group:
+    all of K), activations per token; blocks: block_n = group_k = 128, activations per
+    1 x group_k group. input_scales: static per-tensor scales of (x, the down projection's
+    input) instead."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block_n: int = 1
+    group_k: int | None = None
+    input_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def quantize_input(a: torch.Tensor, scales: ExpertScales, which: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GEMM's input (which: 0 for x, 1 for the down projection's) in fp8 and its
+    float32 scales [rows, groups]; a static scale comes back as a stride-0 column."""
+    if scales.input_scales is None:
+        return quantize_per_token(a, FP8_DTYPE, scales.group_k)
+    static = scales.input_scales[which].reshape(1, 1)
+    return quantize_static(a, static, FP8_DTYPE), static.expand(a.shape[0], 1)
 
 
 def moe_blocks(num_tokens: int, top_k: int, num_experts: int) -> MoEBlocks:
@@ -120,20 +153,24 @@ def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              experts_read: torch.Tensor | None = None) -> torch.Tensor:
+              experts_read: torch.Tensor | None = None,
+              scales: ExpertScales | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_weights
     float32 [T, k], topk_ids [T, k] -> [T, H]: sum_j w_j * down_e(silu(gate_e x) * up_e x)
     with e = topk_ids[t, j]. experts_read: an int64 [1] counter that gains the number of
-    distinct experts this call reads (on the device: benchmarks read it after a run). The
-    one dispatch point for this op: CUDA tensors take the Triton kernels."""
+    distinct experts this call reads (on the device: benchmarks read it after a run).
+    scales: w13 and w2 are fp8 with these scales. The one dispatch point for this op:
+    CUDA tensors take the Triton kernels."""
     if x.is_cuda:
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, experts_read)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, experts_read)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, experts_read,
+                                scales=scales)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, experts_read, scales)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  experts_read: torch.Tensor | None = None) -> torch.Tensor:
+                  experts_read: torch.Tensor | None = None,
+                  scales: ExpertScales | None = None) -> torch.Tensor:
     """Expert by expert over the tokens that picked it, roundings as transformers' experts
     make them: each projection's output in x's dtype, the weighted output too."""
     intermediate = w2.shape[2]
@@ -143,11 +180,27 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         experts_read += len(experts)
     for expert in experts:
         tokens, which = (topk_ids == expert).nonzero(as_tuple=True)
-        gate, up = (x[tokens] @ w13[expert].T).split(intermediate, dim=-1)
-        y = (torch.nn.functional.silu(gate) * up) @ w2[expert].T
+        gate, up = expert_matmul_ref(x[tokens], w13, expert, scales, 0).split(intermediate,
+                                                                           dim=-1)
+        y = expert_matmul_ref(torch.nn.functional.silu(gate) * up, w2, expert, scales, 1)
         weighted = (y.float() * topk_weights[tokens, which, None]).to(x.dtype)
         out.index_add_(0, tokens, weighted)
     return out
+
+
+def expert_matmul_ref(a: torch.Tensor, w: torch.Tensor, expert: int,
+                      scales: ExpertScales | None, which: int) -> torch.Tensor:
+    """a times expert's w^T in a's dtype; fp8 experts (which: 0 for w13, 1 for w2)
+    multiply a's quantized values by w's, both dequantized to float32. Quantizing a's rows
+    apart from the other experts' rows is the same: each row (or group) has its scale."""
+    if scales is None:
+        return a @ w[expert].T
+    q, a_scale = quantize_input(a, scales, which)
+    group = scales.group_k or a.shape[1]
+    w_scale = (scales.w13, scales.w2)[which][expert]
+    product = dequantize(q, a_scale, 1, group) @ dequantize(w[expert], w_scale,
+                                                            scales.block_n, group).T
+    return product.to(a.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,12 +322,15 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, experts_r
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      experts_read: torch.Tensor | None = None,
-                     blocks: MoEBlocks | None = None) -> torch.Tensor:
+                     blocks: MoEBlocks | None = None,
+                     scales: ExpertScales | None = None) -> torch.Tensor:
     num_tokens, hidden = x.shape
     num_experts, intermediate = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     assert w13.shape == (num_experts, 2 * intermediate, hidden)
     assert x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
+    # the up rows' scales start a block after the gate rows' (ExpertScales)
+    assert scales is None or intermediate % scales.block_n == 0
     blocks = blocks or moe_blocks(num_tokens, top_k, num_experts)
     if num_tokens == 0:
         return torch.zeros_like(x)
@@ -283,35 +339,55 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     align = moe_align(topk_ids, num_experts, blocks.block_m, experts_read)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _grouped_gemm(x, w13, act, align, weights, top_k, intermediate, blocks, gated=True)
-    _grouped_gemm(act, w2, down, align, weights, 1, hidden, blocks, gated=False)
+    _grouped_gemm(x, w13, act, align, weights, top_k, intermediate, blocks, gated=True,
+                  scales=scales)
+    _grouped_gemm(act, w2, down, align, weights, 1, hidden, blocks, gated=False,
+                  scales=scales)
     # torch sums bf16 in float32 and rounds once
     return down.view(num_tokens, top_k, hidden).sum(1)
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Alignment,
                   weights: torch.Tensor, rows_per_a: int, n: int, blocks: MoEBlocks,
-                  gated: bool) -> None:
+                  gated: bool, scales: ExpertScales | None = None) -> None:
     """out[slot, :n] for every slot in align.sorted_slots, from a's row slot // rows_per_a
-    and the slot's expert's w [E, n (x2 when gated), K]."""
+    and the slot's expert's w [E, n (x2 when gated), K]; with scales, a is quantized
+    here and w is fp8."""
     k = w.shape[2]
     grid = (align.sorted_slots.numel() // blocks.block_m, triton.cdiv(n, blocks.block_n))
     # float32 models keep full precision (their tests hold them to 1e-4): no TF32
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    # unquantized: the scale pointers are never read
+    quant, a_in, a_scale, w_scale, group_k, block_n = 0, a, weights, weights, k, 1
+    scale_strides = (0, 0, 0)
+    if scales is not None:
+        a_in, a_scale = quantize_input(a, scales, 0 if gated else 1)
+        w_scale = (scales.w13 if gated else scales.w2).float().contiguous()
+        group_k, block_n = min(scales.group_k or k, k), scales.block_n
+        # per output channel: scales once in the epilogue; blocks: per K tile
+        quant = 2 if group_k < k else 1
+        assert quant == 1 or group_k % blocks.block_k == 0, "a group is whole K tiles"
+        scale_strides = (a_scale.stride(0), w_scale.stride(0), w_scale.stride(1))
     _moe_gemm_kernel[grid](
-        a, w, out, align.sorted_slots, align.block_expert, align.num_rows, weights,
-        out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        ROWS_PER_A=rows_per_a, GATED=gated, WEIGHTED=not gated, PRECISION=precision,
+        a_in, w, out, align.sorted_slots, align.block_expert, align.num_rows, weights,
+        a_scale, w_scale, out.shape[0], n, k, a_in.stride(0), w.stride(0), w.stride(1),
+        out.stride(0), *scale_strides, group_k, block_n, ROWS_PER_A=rows_per_a,
+        GATED=gated, WEIGHTED=not gated, QUANT=quant, PRECISION=precision,
         BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
-                     num_rows_ptr, weights_ptr, num_slots, n, k, a_stride, w_stride_e,
-                     w_stride_n, out_stride, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr,
-                     WEIGHTED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                     num_rows_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, num_slots, n, k,
+                     a_stride, w_stride_e, w_stride_n, out_stride, a_scale_stride,
+                     w_scale_stride_e, w_scale_stride_n, group_k, block_n,
+                     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+                     QUANT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """QUANT 0: a and w in the activation dtype; 1: fp8 with one scale per row of a and
+    per output channel of w (applied to the sums); 2: fp8 with a scale per group_k
+    columns of a's rows and per block_n x group_k block of w (applied per K tile)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return  # past the real rows: the grid is sized for the worst case
@@ -321,8 +397,14 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < n
     ks = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + (slots // ROWS_PER_A).to(tl.int64)[:, None] * a_stride
+    a_index = (slots // ROWS_PER_A).to(tl.int64)
+    a_rows = a_ptr + a_index[:, None] * a_stride
     w_cols = w_ptr + expert * w_stride_e + cols.to(tl.int64)[None, :] * w_stride_n
+    # the scales of a's rows, and of the gate (or only) and up output channels' blocks
+    a_scales = a_scale_ptr + a_index * a_scale_stride
+    w_scales = w_scale_ptr + expert * w_scale_stride_e + (cols // block_n) * w_scale_stride_n
+    w_scales_up = w_scale_ptr + expert * w_scale_stride_e + (
+        (cols + n) // block_n) * w_scale_stride_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
@@ -330,10 +412,25 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
         a = tl.load(a_rows + k0 + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & cols_ok[None, :]
         w = tl.load(w_cols + k0 + ks[:, None], mask=w_mask, other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if QUANT == 2:  # this K tile lies in one scale group
+            g = k0 // group_k
+            sa = tl.load(a_scales + g, mask=live, other=0.0)[:, None]
+            sw = tl.load(w_scales + g, mask=cols_ok, other=0.0)[None, :]
+            acc += tl.dot(a, w) * sa * sw
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if GATED:  # the up rows sit n rows below the gate rows
             w_up = tl.load(w_cols + n * w_stride_n + k0 + ks[:, None], mask=w_mask, other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+            if QUANT == 2:
+                sw_up = tl.load(w_scales_up + g, mask=cols_ok, other=0.0)[None, :]
+                acc_up += tl.dot(a, w_up) * sa * sw_up
+            else:
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+    if QUANT == 1:
+        sa = tl.load(a_scales, mask=live, other=0.0)[:, None]
+        acc *= sa * tl.load(w_scales, mask=cols_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up *= sa * tl.load(w_scales_up, mask=cols_ok, other=0.0)[None, :]
     dtype = out_ptr.dtype.element_ty
     # each product rounded to the activation dtype as the reference's matmuls round it
     result = acc.to(dtype).to(tl.float32)

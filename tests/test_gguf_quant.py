@@ -582,15 +582,14 @@ def test_gguf_default_reads_blocks_on_cuda_where_it_can():
     from common.quantization import gguf_default
 
     llama = SimpleNamespace(model_type="llama", gguf_file="/m.gguf")
-    assert gguf_default(llama, None, True, "auto", False) == "gguf"
-    assert gguf_default(llama, None, False, "auto", False) is None  # CPU: float32
-    assert gguf_default(llama, "gguf", False, "auto", False) == "gguf"
-    assert gguf_default(llama, None, True, "dummy", False) is None
-    assert gguf_default(llama, None, True, "auto", True) is None  # LoRA: a float weight
+    assert gguf_default(llama, None, True, "auto") == "gguf"
+    assert gguf_default(llama, None, False, "auto") is None  # CPU: float32
+    assert gguf_default(llama, "gguf", False, "auto") == "gguf"
+    assert gguf_default(llama, None, True, "dummy") is None
     gemma = SimpleNamespace(model_type="gemma2", gguf_file="/m.gguf")
-    assert gguf_default(gemma, None, True, "auto", False) is None
-    assert gguf_default(SimpleNamespace(model_type="llama"), None, True, "auto", False) \
-        is None  # not a GGUF file
+    assert gguf_default(gemma, None, True, "auto") is None
+    assert gguf_default(SimpleNamespace(model_type="llama"), None, True, "auto") is None
+
 
 
 def test_gguf_refusals_are_one_line(tiny_gguf, tmp_path):

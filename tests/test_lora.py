@@ -290,7 +290,7 @@ def tp_layer(monkeypatch, rank: int, size: int, kv_heads: int) -> list:
                       scaling=torch.tensor([2.0, 0.5]))
     model = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=attn,
                                                                           mlp=mlp)]))
-    return wrap_model(model, batch, max_loras=2, max_rank=RANK)[0]
+    return wrap_model(model, batch, max_loras=2, max_rank=RANK, dtype=torch.float32)[0]
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])  # 1: both ranks hold the one KV head

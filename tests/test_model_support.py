@@ -23,7 +23,7 @@ from tests.tiny_models import ARCHS, make_tiny_model, tiny_config
 
 ARCH_LINE = f"unsupported architecture 'FooForCausalLM'; supported: " \
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-QUANT_LINE = "unsupported quantization 'awq' (config.json quantization_config)"
+QUANT_LINE = "unsupported quantization 'bitsandbytes' (config.json quantization_config)"
 UNKNOWN_ROPE = {"rope_type": "proportional", "partial_rotary_factor": 0.5}
 ROPE_LINE = f"unsupported RoPE type 'proportional'; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
 REFUSE_S = 30.0  # a refusal reads config.json only (about 3 s unloaded; CI shares 2 cores)
@@ -42,7 +42,7 @@ def test_every_tiny_model_passes(arch):
 @pytest.mark.parametrize("overrides,line", [
     (dict(architectures=["FooForCausalLM"]), ARCH_LINE),
     (dict(architectures=None), "config.json names no architecture"),
-    (dict(quantization_config={"quant_method": "awq", "bits": 4}), QUANT_LINE),
+    (dict(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}), QUANT_LINE),
     (dict(rope_scaling=UNKNOWN_ROPE), ROPE_LINE),
     (dict(rope_scaling={"type": "mrope", "factor": 2.0}), "unsupported RoPE type 'mrope'"),
 ])
@@ -103,7 +103,7 @@ def test_llm_raises_the_line(tmp_path):
 
 @pytest.mark.parametrize("changes,line", [
     (dict(architectures=["FooForCausalLM"]), ARCH_LINE),
-    (dict(quantization_config={"quant_method": "awq", "bits": 4}), QUANT_LINE),
+    (dict(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}), QUANT_LINE),
     (dict(rope_scaling=UNKNOWN_ROPE), ROPE_LINE),
 ])
 def test_serve_refuses_before_starting_anything(tmp_path, changes, line):

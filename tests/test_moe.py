@@ -5,7 +5,9 @@ The models against transformers on the same tiny random weights, through the pag
 with dummy weights, and on CUDA through the engine. The align step on its edge cases; the
 routing, align and fused GEMM Triton kernels against their torch twins in the interpreter
 (tiny shapes, a subprocess with TRITON_INTERPRET=1, as tests/test_kernels_triton.py does)
-and on CUDA at Qwen3-30B-A3B's and Mixtral 8x7B's shapes, and replayed in a CUDA graph. The
+and on CUDA at Qwen3-30B-A3B's and Mixtral 8x7B's shapes, and replayed in a CUDA graph; the
+fp8 experts' GEMMs (per-channel, static-input and 128x128-block scales) likewise, their
+fp8 activations written by the quantization kernel on CUDA only (see kernels/quant.py). The
 benchmarks' floor counting the experts read; LoRA and unsplittable sizes refused.
 """
 
@@ -22,9 +24,10 @@ import torch
 from common.config import ConfigError, EngineConfig
 from common.model_files import load_hf_config
 from common.model_info import check_tensor_parallel, resolve_engine
-from kernels.moe import (MoEBlocks, fused_moe, fused_moe_ref, fused_moe_triton,
-                         max_aligned_rows, moe_align, moe_align_ref, moe_align_triton,
-                         moe_blocks, select_experts_ref, select_experts_triton)
+from kernels.moe import (ExpertScales, MoEBlocks, fused_moe, fused_moe_ref,
+                         fused_moe_triton, max_aligned_rows, moe_align, moe_align_ref,
+                         moe_align_triton, moe_blocks, select_experts_ref,
+                         select_experts_triton)
 from services.worker.layers.moe import FusedMoE
 from services.worker.loader import iter_safetensors, load_model, load_weights
 from services.worker.models import model_class
@@ -42,6 +45,9 @@ MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+# fp8 experts against the twin in the same dtype: a sum in another order may round an
+# activation to the neighbouring fp8 value (e4m3's 6% steps), now and then
+FP8_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -267,6 +273,65 @@ def check_fused_moe(num_tokens: int, hidden: int, intermediate: int, num_experts
     assert error <= TOLERANCE[dtype], f"{what}: relative error {error:.3g}"
 
 
+def fp8_experts(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked weights [E, N, K] in e4m3 and their scales: per output channel
+    ([E, N, 1]) or per 128 x 128 block, each scale its block's amax / 448 (written here,
+    independent of the kernels' quantization)."""
+    experts, rows, cols = w.shape
+    block = 128 if mode == "blocks" else None
+    row_step, col_step = block or 1, block or cols
+    blocks_r, blocks_c = -(-rows // row_step), -(-cols // col_step)
+    padded = torch.nn.functional.pad(w, (0, blocks_c * col_step - cols,
+                                         0, blocks_r * row_step - rows))
+    parts = padded.view(experts, blocks_r, row_step, blocks_c, col_step)
+    scale = parts.abs().amax(dim=(2, 4)) / 448.0
+    q = (parts / scale[:, :, None, :, None]).view(experts, blocks_r * row_step, -1)
+    return q[:, :rows, :cols].to(torch.float8_e4m3fn).contiguous(), scale
+
+
+def fp8_moe_inputs(num_tokens: int, hidden: int, intermediate: int, num_experts: int,
+                   top_k: int, dtype: torch.dtype, device: str, mode: str, seed: int
+                   ) -> tuple[tuple[torch.Tensor, ...], ExpertScales]:
+    """moe_inputs with fp8 experts: mode "channel" (activations per token), "static"
+    (per-channel weights, static input scales) or "blocks" (128 x 128, activations per
+    1 x 128 group)."""
+    x, w13, w2, weights, ids = moe_inputs(num_tokens, hidden, intermediate, num_experts,
+                                          top_k, torch.float32, "cpu", seed)
+    (q13, s13), (q2, s2) = fp8_experts(w13, mode), fp8_experts(w2, mode)
+    blocked = mode == "blocks"
+    # x's amax, and some 4 for the down projection's input (values of order 1)
+    inputs = (x.abs().max() / 448.0, torch.tensor(4.0 / 448.0)) if mode == "static" else None
+    to = {"device": device}
+    scales = ExpertScales(s13.to(**to), s2.to(**to), 128 if blocked else 1,
+                          128 if blocked else None,
+                          None if inputs is None else tuple(t.to(**to) for t in inputs))
+    return (x.to(device=device, dtype=dtype), q13.to(**to), q2.to(**to), weights.to(**to),
+            ids.to(**to)), scales
+
+
+def on_cpu(scales: ExpertScales) -> ExpertScales:
+    inputs = scales.input_scales
+    return ExpertScales(scales.w13.cpu(), scales.w2.cpu(), scales.block_n, scales.group_k,
+                        None if inputs is None else tuple(t.cpu() for t in inputs))
+
+
+def check_fp8_fused_moe(num_tokens: int, hidden: int, intermediate: int, num_experts: int,
+                        top_k: int, dtype: torch.dtype, device: str, mode: str,
+                        blocks: MoEBlocks | None = None) -> None:
+    """The fp8 grouped GEMMs against the twin on the same fp8 weights and the twin's
+    activation quantization on the CPU (in the interpreter the kernel path quantizes
+    with the twin too: see kernels/quant.py). Against a twin in the same dtype: an
+    activation a rounding apart may quantize to the neighbouring fp8 value, so a float32
+    twin of a low-precision run would be some 1e-2 off."""
+    inputs, scales = fp8_moe_inputs(num_tokens, hidden, intermediate, num_experts, top_k,
+                                    dtype, device, mode, seed=num_tokens * 100 + hidden)
+    out = fused_moe_triton(*inputs, blocks=blocks, scales=scales)
+    ref = fused_moe_ref(*(t.cpu() for t in inputs), scales=on_cpu(scales))
+    error = ((out.cpu().double() - ref.double()).norm() / ref.double().norm()).item()
+    what = f"fp8 {mode} T={num_tokens} H={hidden} I={intermediate} E={num_experts} {dtype}"
+    assert error <= FP8_TOLERANCE[dtype], f"{what}: relative error {error:.3g}"
+
+
 def check_select_experts(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype,
                          device: str) -> None:
     """The routing kernel against its twin: the same experts in the same order, and the
@@ -299,6 +364,15 @@ def interpreter_checks() -> None:
                     skewed=True)
     for num_tokens in (3, 100, 300):  # moe_blocks' own tiles: decode, middle, prefill
         check_fused_moe(num_tokens, 160, 96, 8, 2, torch.float16, "cpu")
+    # fp8 experts: partial tiles and blocks (H 320: three K groups, the last partial),
+    # per-channel scales in the epilogue, block scales per K tile, static input scales
+    for dtype, mode, blocks in ((torch.float32, "channel", MoEBlocks(16, 32, 32)),
+                                (torch.float16, "static", MoEBlocks(16, 32, 64))):
+        check_fp8_fused_moe(13, 96, 40, 8, 2, dtype, "cpu", mode, blocks)
+    check_fp8_fused_moe(9, 320, 128, 4, 2, torch.float32, "cpu", "blocks",
+                        MoEBlocks(16, 64, 64))
+    check_fp8_fused_moe(1, 256, 256, 4, 2, torch.float16, "cpu", "blocks",
+                        MoEBlocks(16, 32, 128))
     check_select_experts(5, 8, 2, torch.float32, "cpu")
     check_select_experts(3, 60, 4, torch.float16, "cpu")  # experts off a power of 2
     for topk_ids, num_experts, block_m in align_cases():  # the one-program align kernel
@@ -329,6 +403,17 @@ def test_fused_moe_cuda(model: str, num_tokens: int) -> None:
     num_experts, top_k, hidden, intermediate = MOE_SHAPES[model]
     check_fused_moe(num_tokens, hidden, intermediate, num_experts, top_k, torch.bfloat16,
                     "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", [1, 8, 256])
+@pytest.mark.parametrize("mode", ["channel", "blocks", "static"])
+def test_fp8_fused_moe_cuda(mode: str, num_tokens: int) -> None:
+    """At Qwen3-30B-A3B's shapes, bf16 activations, the Triton quantization kernel
+    writing the fp8 activations (the interpreter cannot, see kernels/quant.py)."""
+    num_experts, top_k, hidden, intermediate = MOE_SHAPES["qwen3-30b-a3b"]
+    check_fp8_fused_moe(num_tokens, hidden, intermediate, num_experts, top_k, torch.bfloat16,
+                        "cuda", mode)
 
 
 @needs_cuda

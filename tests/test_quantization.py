@@ -17,8 +17,12 @@ torch twins; the Triton kernels are tests/test_kernels_triton.py's).
   blocks) and not (a tiny model's 64-row parts).
 - --quantization fp8 on an unquantized checkpoint against transformers on the weights
   quantized per channel the same way, and within 0.25 of the unquantized model.
-- Rank 1 of 2 holds exactly its shard of every quantized tensor; two gloo ranks run the
-  model near one rank's logits; refusals in one line.
+- Mixtures of experts' fp8 experts (FP8_DYNAMIC, 128x128 blocks, online fp8) against
+  transformers on the dequantized weights with every projection's input quantized the
+  same way, the experts' included (through F.linear, which transformers' eager experts
+  call); per-tensor scales and static input scales on one layer by hand.
+- Rank 1 of 2 holds exactly its shard of every quantized tensor (the experts' too); two
+  gloo ranks run the model near one rank's logits; refusals in one line.
 """
 
 from __future__ import annotations
@@ -32,9 +36,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import ConfigError, EngineConfig
+from common.config import EngineConfig
 from common.model_files import load_hf_config
-from common.model_info import resolve_engine
 from common.model_support import REFUSED_EXIT, UnsupportedModel, check_model_support
 from kernels.quant import dequantize, quantize_per_token_ref, scaled_mm_ref
 from services.worker.layers.linear import LinearBase, RowParallelLinear
@@ -52,6 +55,9 @@ INT8_BOUND = 1e-1  # against compressed-tensors' own int8 activations (amax / 12
 # online fp8 against the unquantized model: e4m3's few-percent rounding of every weight and
 # activation, which the tiny random models (weights of std 0.2) amplify to some 13%
 ONLINE_BOUND = 0.25
+# a mixture of experts' further: a token whose top-2 experts were nearly tied may route
+# to another expert (its logits then differ by far more than the rounding)
+MOE_ONLINE_BOUND = 0.4
 TP_BOUND = 0.1  # two gloo ranks against one (see the test)
 PROMPT = token_ids(24, seed=5)
 
@@ -79,7 +85,10 @@ def quantize_weight(w: torch.Tensor, kind: str, per_channel: bool
 
 
 def is_quantized_linear(name: str) -> bool:
-    return ".layers." in name and name.endswith("_proj.weight")
+    """A decoder projection's weight, an expert's included (Mixtral's `experts.{e}.w1`);
+    not a router's (`mlp.gate`) nor Qwen2-MoE's shared expert gate."""
+    return ".layers." in name and (name.endswith("_proj.weight")
+                                   or ".experts." in name and name.endswith(".weight"))
 
 
 def input_amaxes(model_dir: Path) -> dict[str, float]:
@@ -97,8 +106,10 @@ def input_amaxes(model_dir: Path) -> dict[str, float]:
     return amax
 
 
-def write_compressed_tensors(src: Path, scheme: str) -> Path:
-    """src's tiny model as a compressed-tensors checkpoint of `scheme`, in place."""
+def write_compressed_tensors(src: Path, scheme: str, ignore: list[str] | None = None
+                             ) -> Path:
+    """src's tiny model as a compressed-tensors checkpoint of `scheme`, in place; ignore:
+    the config's list of unquantized modules (default: the LM head)."""
     weights_args, input_args = SCHEMES[scheme]
     kind, per_channel = weights_args["type"], weights_args["strategy"] == "channel"
     static = not input_args["dynamic"]
@@ -114,14 +125,19 @@ def write_compressed_tensors(src: Path, scheme: str) -> Path:
         if static:  # q, k and v share their input, so their scales are equal
             tensors[prefix + "input_scale"] = torch.tensor([amax[prefix[:-1]] / FP8_MAX])
     save_file(tensors, src / "model.safetensors")
+    edit_config(src, quantization_config=compressed_tensors_config(scheme, ignore))
+    return src
+
+
+def compressed_tensors_config(scheme: str, ignore: list[str] | None = None
+                              ) -> dict[str, object]:
+    weights_args, input_args = SCHEMES[scheme]
     group = {"targets": ["Linear"],
              "weights": {"num_bits": 8, "symmetric": True, "dynamic": False, **weights_args},
              "input_activations": {"num_bits": 8, "symmetric": True, **input_args}}
-    edit_config(src, quantization_config={
-        "quant_method": "compressed-tensors", "quantization_status": "compressed",
-        "format": "float-quantized" if kind == "float" else "int-quantized",
-        "config_groups": {"group_0": group}, "ignore": ["lm_head"]})
-    return src
+    return {"quant_method": "compressed-tensors", "quantization_status": "compressed",
+            "format": f"{weights_args['type']}-quantized",
+            "config_groups": {"group_0": group}, "ignore": ignore or ["lm_head"]}
 
 
 def dequantize_checkpoint(model_dir: Path) -> None:
@@ -353,6 +369,237 @@ def test_dummy_weights_run_quantized(scheme, tmp_path):
     assert torch.isfinite(logits).all()
 
 
+# --- mixtures of experts: fp8 experts ---------------------------------------------------------
+
+def transformers_moe_logits(model_dir: Path, activation_group: int | None) -> torch.Tensor:
+    """transformers' logits of PROMPT with every decoder projection's input, the experts'
+    included, quantized to fp8 per token (or per 1 x group) first. transformers holds the
+    experts in stacked tensors and its eager experts multiply each expert's slice by
+    F.linear, so the quantization goes into F.linear for every weight but the routers',
+    the LM head's (and Qwen2-MoE's shared expert gate, unquantized here too)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 experts_implementation="eager").eval()
+    unquantized = {id(model.lm_head.weight)} | {
+        id(p) for name, p in model.named_parameters()
+        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight",
+                          "shared_expert_gate.weight"))}
+    assert len(unquantized) > 1, "no router found"
+    linear = torch.nn.functional.linear
+
+    def quantized_linear(x, weight, bias=None):
+        if id(weight) not in unquantized:
+            x = fake_quant(x, activation_group)
+        return linear(x, weight, bias)
+
+    torch.nn.functional.linear = quantized_linear
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([PROMPT])).logits[0].float()
+    finally:
+        torch.nn.functional.linear = linear
+
+
+def fused_moe_layers(model: torch.nn.Module) -> list:
+    from services.worker.layers.moe import FusedMoE
+
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_fp8_dynamic_experts_match_transformers(arch, tmp_path):
+    """compressed-tensors FP8_DYNAMIC (per-channel expert scales, per-token activations,
+    the router in the ignore list as llm-compressor writes it) against transformers on
+    the dequantized weights with the same activation quantization."""
+    model_dir = make_tiny_model(tmp_path, arch)
+    unquantized, _ = ours(model_dir)
+    write_compressed_tensors(model_dir, "FP8_DYNAMIC", ignore=[
+        "lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"])
+    logits, model = ours(model_dir)
+    moe = fused_moe_layers(model)
+    assert moe and all(m.w13.dtype == m.w2.dtype == FP8 for m in moe)
+    assert moe[0].w13_scale.shape == (8, 64, 1) and moe[0].w2_scale.shape == (8, 64, 1)
+    assert rel_err(logits, unquantized) > 1e-4
+    dequantize_checkpoint(model_dir)
+    assert rel_err(logits, transformers_moe_logits(model_dir, None)) < EXACT
+
+
+def test_fp8_moe_prompt_logprobs_match_transformers(tmp_path):
+    """Through LLM(...) in prefill chunks of 8 tokens, as the dense test above: the prompt
+    logprobs of a Qwen3-MoE FP8_DYNAMIC checkpoint within 1e-4 of transformers'."""
+    from common.sampling_params import SamplingParams
+    from services.offline.llm import LLM
+
+    model_dir = write_compressed_tensors(make_tiny_model(tmp_path, "qwen3_moe"),
+                                         "FP8_DYNAMIC")
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4,
+              num_gpu_blocks_override=64, max_num_batched_tokens=8, max_num_seqs=4)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    dequantize_checkpoint(model_dir)
+    ref = torch.log_softmax(transformers_moe_logits(model_dir, None), dim=-1)
+    for pos in range(1, len(PROMPT)):
+        token = PROMPT[pos]
+        assert out.prompt_logprobs[pos][token].logprob == pytest.approx(
+            ref[pos - 1, token].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("overrides", [
+    # experts' 128 rows of gate and of up, hidden 256: whole 128x128 blocks
+    dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=128, head_dim=64),
+    {}])  # 32 rows: each part's rows take their block's scale
+def test_fp8_block_experts_match_dequantized_transformers(overrides, tmp_path):
+    """Qwen3-30B-A3B-FP8's format: each expert's weight_scale_inv, the routers listed in
+    modules_to_not_convert; activations per 1 x 128 group."""
+    src = make_tiny_model(tmp_path, "qwen3_moe", **overrides)
+    quantized = write_fp8_blocks(src, tmp_path / "fp8")
+    edit_config(quantized, quantization_config={
+        **json.loads((quantized / "config.json").read_text())["quantization_config"],
+        "modules_to_not_convert": ["lm_head", "model.layers.1.mlp.gate"]})
+    logits, model = ours(quantized)
+    moe = fused_moe_layers(model)[0]
+    assert moe.w13.dtype == FP8 and moe.block_n == (128 if overrides else 1)
+    assert rel_err(logits, transformers_moe_logits(src, 128)) < EXACT
+
+
+def test_online_fp8_quantizes_the_experts(tmp_path):
+    """--quantization fp8 on a bf16-style unquantized MoE checkpoint: experts per channel,
+    near the unquantized model, and equal to transformers on the same quantized weights."""
+    model_dir = make_tiny_model(tmp_path, "qwen2_moe")
+    unquantized, _ = ours(model_dir)
+    logits, model = ours(model_dir, quantization="fp8")
+    moe = fused_moe_layers(model)[0]
+    assert moe.w13.dtype == FP8 and moe.w13_scale.shape == (8, 64, 1)
+    assert MOE_ONLINE_BOUND > rel_err(logits, unquantized) > 1e-4
+    tensors = load_file(model_dir / "model.safetensors")
+    for name, w in tensors.items():
+        if is_quantized_linear(name):
+            q, scale = quantize_weight(w, "float", per_channel=True)
+            tensors[name] = q.float() * scale
+    save_file(tensors, model_dir / "model.safetensors")
+    assert rel_err(logits, transformers_moe_logits(model_dir, None)) < EXACT
+
+
+def test_expert_scales_route_to_their_stacked_parameters():
+    """Each expert's scale tensors go to the stacked scale of their tensor's name, with
+    the expert and part as shard id (Mixtral's w1/w2/w3 names too)."""
+    from services.worker.loader import route
+    from services.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+
+    prefix = "model.layers.3.mlp.experts"
+    assert route(f"{prefix}.5.up_proj.weight_scale_inv", Qwen3MoeForCausalLM) == (
+        f"{prefix}.w13_weight_scale_inv", (5, "up"))
+    assert route(f"{prefix}.0.down_proj.input_scale", Qwen3MoeForCausalLM) == (
+        f"{prefix}.w2_input_scale", (0, "down"))
+    assert route(f"{prefix}.2.gate_proj.weight", Qwen3MoeForCausalLM) == (
+        f"{prefix}.w13", (2, "gate"))
+    assert route("model.layers.0.block_sparse_moe.experts.7.w3.weight_scale",
+                 MixtralForCausalLM) == ("model.layers.0.mlp.experts.w13_weight_scale",
+                                         (7, "up"))
+
+
+def test_per_tensor_expert_scales_stay_on_their_parts():
+    """Per-tensor checkpoints (FP8 with static input scales): gate's and up's scales
+    each stay on their own rows of w13; each GEMM's input takes the largest input scale
+    of all experts (the one tensor they share clips nowhere)."""
+    from common.quantization import QuantSpec
+    from kernels.moe import fused_moe_ref
+    from services.worker.layers.moe import FusedMoE
+    from services.worker.layers.quantization import W8A8Method, building_with
+
+    with building_with(W8A8Method(QuantSpec("compressed-tensors", "fp8", "tensor", "static"))):
+        layer = FusedMoE(4, 2, 32, 16, renormalize=True, round_weights=False)
+    g = torch.Generator().manual_seed(4)
+    dequantized = {}
+    for e in range(4):
+        for which, shape in (("gate", (16, 32)), ("up", (16, 32)), ("down", (32, 16))):
+            q, scale = quantize_weight(torch.randn(*shape, generator=g) * (e + 1), "float",
+                                       per_channel=False)
+            param = layer.w2 if which == "down" else layer.w13
+            layer.weight_loader(param, q, (e, which))
+            scale_param = layer.w2_weight_scale if which == "down" else layer.w13_weight_scale
+            layer.weight_loader(scale_param, scale, (e, which))
+            input_param = layer.w2_input_scale if which == "down" else layer.w13_input_scale
+            layer.weight_loader(input_param, torch.tensor([0.01 * (e + 1)]), (e, which))
+            dequantized[e, which] = q.float() * scale
+    layer.method.process_after_loading(layer)
+    assert layer.w13_input_scale.item() == layer.w2_input_scale.item() == pytest.approx(0.04)
+    x = torch.randn(5, 32, generator=g)
+    logits = torch.randn(5, 4, generator=g)
+    weights, ids = logits.softmax(-1).topk(2)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = layer(x, logits)
+    # the same by hand: fp8 inputs at the fixed scale 0.04, float32 dequantized weights
+    w13 = torch.stack([torch.cat([dequantized[e, "gate"], dequantized[e, "up"]])
+                       for e in range(4)])
+    w2 = torch.stack([dequantized[e, "down"] for e in range(4)])
+    expected = torch.zeros_like(x)
+    for t in range(5):
+        for j in range(2):
+            e = ids[t, j].item()
+            gate, up = (fake_static(x[t]) @ w13[e].T).split(16)
+            act = torch.nn.functional.silu(gate) * up
+            expected[t] += weights[t, j] * (fake_static(act) @ w2[e].T)
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, fused_moe_ref(x, w13, w2, weights, ids), atol=1e-3)
+
+
+def fake_static(x: torch.Tensor, scale: float = 0.04) -> torch.Tensor:
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
+
+
+@pytest.mark.parametrize("scheme", [None, "FP8", "blocks"])
+def test_dummy_weights_run_fp8_experts(scheme, tmp_path):
+    """--load-format dummy on a MoE model: online fp8, or random tensors in a checkpoint
+    format's shapes (per-tensor with static input scales; 128x128 blocks)."""
+    model_dir = make_tiny_model(tmp_path, "mixtral")
+    if scheme == "FP8":  # the config alone: dummy weights read no tensor
+        edit_config(model_dir, quantization_config=compressed_tensors_config(scheme))
+    elif scheme == "blocks":
+        edit_config(model_dir, quantization_config={
+            "quant_method": "fp8", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]})
+    logits, model = ours(model_dir, quantization="fp8" if scheme is None else None,
+                         load_format="dummy")
+    moe = fused_moe_layers(model)[0]
+    assert moe.w13.dtype == FP8 and torch.isfinite(logits).all()
+
+
+def test_the_floor_counts_fp8_experts_bytes(tmp_path):
+    """An fp8 expert is a byte a weight plus its float32 scales (per output channel)."""
+    from services.bench.workloads import ModelShape
+
+    model_dir = make_tiny_model(tmp_path, "qwen3_moe")
+    _, model = ours(model_dir, quantization="fp8")
+    hf_config = load_hf_config(model_dir)
+    shape = ModelShape.of(model, hf_config, 1, 4)
+    moe = fused_moe_layers(model)
+    weights = 2 * 32 * 64 + 64 * 32  # w13 and w2 of one expert
+    assert shape.expert_bytes == weights + 4 * (2 * 32 + 64)
+    all_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert shape.weight_bytes == all_bytes - len(moe) * 8 * shape.expert_bytes
+
+
+def test_a_rank_holds_its_shard_of_the_experts(tmp_path, monkeypatch):
+    """Rank 1 of 2: its half of every expert's gate and up rows (and their per-channel
+    scales) and of its down columns; the down scales whole."""
+    from services.worker.layers import moe as moe_layers
+
+    model_dir = write_compressed_tensors(make_tiny_model(tmp_path, "qwen3_moe"),
+                                         "FP8_DYNAMIC")
+    whole = fused_moe_layers(load(model_dir))[0]
+    as_rank(monkeypatch, 1, 2)
+    monkeypatch.setattr(moe_layers, "tp_rank", lambda: 1)
+    monkeypatch.setattr(moe_layers, "tp_size", lambda: 2)
+    shard = fused_moe_layers(load(model_dir))[0]
+    rows = torch.cat([torch.arange(16, 32), torch.arange(48, 64)])  # gate's, up's
+    assert torch.equal(shard.w13.float(), whole.w13.float()[:, rows])
+    assert torch.equal(shard.w13_scale, whole.w13_scale[:, rows])
+    assert torch.equal(shard.w2.float(), whole.w2.float()[:, :, 16:])
+    assert torch.equal(shard.w2_scale, whole.w2_scale)
+
+
 # --- tensor parallelism -------------------------------------------------------------------------
 
 def dequantized(layer) -> torch.Tensor:
@@ -408,8 +655,10 @@ def test_quantized_checkpoints_run_over_two_gloo_ranks(tmp_path):
     a row-parallel rank quantizes its own slice of each token (as vLLM's), and the
     all-reduced sums, added in another order, round a few activations to the neighbouring
     fp8 value, which the tiny random model amplifies (exact sharding is the test above)."""
-    dirs = [write_compressed_tensors(make_tiny_model(tmp_path / scheme, "qwen3"), scheme)
-            for scheme in ("FP8", "W8A8")]
+    dirs = [write_compressed_tensors(make_tiny_model(tmp_path / f"{arch}-{scheme}", arch),
+                                     scheme)
+            for arch, scheme in (("qwen3", "FP8"), ("qwen3", "W8A8"),
+                                 ("qwen3_moe", "FP8_DYNAMIC"))]
     results = run_ranks(2, dirs, "auto", PROMPT, tmp_path)
     for model_dir in dirs:
         whole, _ = ours(model_dir)
@@ -456,8 +705,11 @@ def test_scaled_mm_twin_against_a_plain_matmul():
      "--quantization compressed-tensors does not match the checkpoint's"),
     ({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
         "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
-                                                 "strategy": "group", "group_size": 128}}}}},
-     None, "unsupported compressed-tensors weights int4 group"),
+                                                 "strategy": "group", "group_size": 128},
+              "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                    "dynamic": True}}}}},  # W4A8
+     None, "unsupported compressed-tensors weights int4 group, activations int8 token "
+     "dynamic"),
 ])
 def test_unbuilt_quantizations_are_refused_in_one_line(config, quantization, line):
     with pytest.raises(UnsupportedModel) as refused:
@@ -465,13 +717,19 @@ def test_unbuilt_quantizations_are_refused_in_one_line(config, quantization, lin
     assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
 
 
-def test_quantized_moe_and_lora_on_a_quantized_model_are_refused(tmp_path):
-    with pytest.raises(UnsupportedModel, match="not supported on mixture-of-experts"):
-        check_model_support(tiny_config("mixtral"), "fp8")
-    model_dir = make_tiny_model(tmp_path, "qwen3")
-    with pytest.raises(ConfigError, match="--enable-lora is not supported on a quantized"):
-        resolve_engine(EngineConfig(model=str(model_dir), quantization="fp8",
-                                    enable_lora=True))
+def test_int8_experts_and_unknown_ignores_are_refused():
+    check_model_support(tiny_config("mixtral"), "fp8")
+    int8 = {"quant_method": "compressed-tensors", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                              "dynamic": True}}}}
+    with pytest.raises(UnsupportedModel, match="not supported on mixture-of-experts models "
+                       r"\(8 experts per layer\); supported there: fp8"):
+        check_model_support(tiny_config("mixtral", quantization_config=int8))
+    with pytest.raises(UnsupportedModel, match=r"lists \['model.layers.0.mlp.up_proj'\]"):
+        check_model_support(tiny_config("qwen3_moe", quantization_config={
+            "quant_method": "fp8", "modules_to_not_convert": [
+                "lm_head", "model.layers.1.mlp.gate", "model.layers.0.mlp.up_proj"]}))
 
 
 def test_llm_and_serve_refuse_an_unknown_quantization(tmp_path):

@@ -81,7 +81,8 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     weight_bytes: int  # read every step: all but the routed experts
-    num_params: int  # multiplied by each token: the routed experts only k of them
+    num_params: int  # multiplied by each token: the routed experts only k of them; a
+    # packed parameter's values (int4's eight a word), not its words
     kv_value_bytes: int  # of one K or V value in the cache: 1 with an fp8 cache
     expert_bytes: int = 0  # of one routed expert of one layer: a step reads those it routes
     num_moe_layers: int = 0
@@ -106,17 +107,27 @@ class ModelShape:
         head_dim = getattr(hf_config, "head_dim", None) or (
             hf_config.hidden_size // hf_config.num_attention_heads)
         moe = routed_experts(model)
-        routed = {id(p) for m in moe for p in (m.w13, m.w2)}
+        # an expert's bytes: its slice of the weights and of their scales (fp8 experts:
+        # a byte a weight, plus float32 scales)
+        stacked = [p for m in moe for p in m.expert_parameters()]
+        routed = {id(p) for p in stacked}
         dense = [p for p in model.parameters() if id(p) not in routed]
         expert_params = sum(m.w13[0].numel() + m.w2[0].numel() for m in moe[:1])
-        expert_bytes = expert_params * moe[0].w13.element_size() if moe else 0
+        expert_bytes = sum(p[0].numel() * p.element_size()
+                           for p in moe[0].expert_parameters()) if moe else 0
         top_k = moe[0].top_k if moe else 0
         return cls(hf_config.num_hidden_layers, hf_config.num_attention_heads // tp_size,
                    model.num_kv_heads, head_dim,
                    sum(p.numel() * p.element_size() for p in dense),
-                   sum(p.numel() for p in dense) + top_k * expert_params * len(moe),
+                   sum(values(p) for p in dense) + top_k * expert_params * len(moe),
                    kv_value_bytes, expert_bytes, len(moe),
                    moe[0].num_experts if moe else 0, top_k)
+
+
+def values(param: torch.Tensor) -> int:
+    """The parameter's values: an int4 weight (layers/quantization/int4.py) packs
+    `pack_factor` of them in each int32."""
+    return param.numel() * getattr(param, "pack_factor", 1)
 
 
 def routed_experts(model: torch.nn.Module) -> list[torch.nn.Module]:

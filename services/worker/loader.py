@@ -23,6 +23,7 @@ from common.model_files import gguf_to_hf_dir, resolve_model
 from common.quantization import GGUF_FILE_ATTR, gguf_default, quant_spec
 from services.worker.layers.checkpoint import CheckpointSlice, read_whole
 from services.worker.layers.linear import Checkpoint, LinearBase
+from services.worker.layers.moe import FusedMoE
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.quantization import (GGUFMethod, QuantMethod, building_with,
                                                  quant_method_for)
@@ -43,7 +44,7 @@ def load_model(config: EngineConfig, hf_config, device: torch.device, dtype: tor
     resolved model directory; without it `config.model` is resolved here."""
     cls = model_class(hf_config)
     quantization = gguf_default(hf_config, config.quantization, device.type == "cuda",
-                                config.load_format, config.enable_lora)
+                                config.load_format)
     method = quant_method_for(hf_config, quantization)
     with default_dtype(dtype), torch.device(device), building_with(method):
         model = cls(hf_config)
@@ -52,7 +53,7 @@ def load_model(config: EngineConfig, hf_config, device: torch.device, dtype: tor
     else:
         load_weights(model, checkpoint_tensors(config, hf_config, model_dir, method))
     for module in model.modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, (LinearBase, FusedMoE)):
             module.method.process_after_loading(module)
     log.info("%s weights: %s, %.3f GiB", cls.__name__, describe(hf_config, quantization),
              weight_bytes(model) / 2 ** 30)
@@ -97,13 +98,17 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 @torch.no_grad()
 def init_dummy_weights(model: CausalLM, seed: int) -> None:
     """Normal(0, 0.02) everywhere except RMSNorm weights, which scale by 1 (a weight of 1,
-    or 0 under Gemma's 1 + w): activations stay finite at any depth. Each checkpoint tensor is drawn whole on the parameters' device, from a
-    generator seeded by its name, and handed to its weight_loader like a loaded one."""
+    or 0 under Gemma's 1 + w): activations stay finite at any depth; and index tensors
+    (int4's g_idx), which keep the in-order values their method built. Each checkpoint
+    tensor is drawn whole on the parameters' device, from a generator seeded by its name,
+    and handed to its weight_loader like a loaded one."""
     norm_weights = {id(m.weight): 0.0 if m.gemma else 1.0
                     for m in model.modules() if isinstance(m, RMSNorm)}
     for name, param in model.named_parameters():
         if id(param) in norm_weights:
             param.fill_(norm_weights[id(param)])
+            continue
+        if getattr(param, "keep_for_dummy", False):  # an index (int4's g_idx): as built
             continue
         module = model.get_submodule(name.rpartition(".")[0])
         for shard_id, shape in module.checkpoint_shapes(param).items():
@@ -177,13 +182,17 @@ def load_kv_scale(buffers: dict[str, torch.Tensor], name: str,
 def route(name: str, model: CausalLM) -> tuple[str, ShardId]:
     """Checkpoint name -> (our parameter name, shard id). An expert's tensor
     (`...experts.{e}.<module>.weight`) goes to its stacked parameter with shard id
-    (e, part), before packed_modules sees a module name that dense MLPs share."""
+    (e, part), before packed_modules sees a module name that dense MLPs share; its
+    scales (`.weight_scale`, `.weight_scale_inv`, `.input_scale`) to the stacked scale of
+    that name (`w13_weight_scale`)."""
     parts = [model.module_renames.get(part, part) for part in name.split(".")]
     for i, part in enumerate(parts):
-        if (part == "experts" and len(parts) > i + 2 and parts[i + 1].isdigit()
+        if (part == "experts" and len(parts) > i + 3 and parts[i + 1].isdigit()
                 and parts[i + 2] in model.expert_weights):
             stacked, which = model.expert_weights[parts[i + 2]]
-            return ".".join(parts[:i + 1] + [stacked]), (int(parts[i + 1]), which)
+            tensor = ".".join(parts[i + 3:])
+            target = stacked if tensor == "weight" else f"{stacked}_{tensor}"
+            return ".".join(parts[:i + 1] + [target]), (int(parts[i + 1]), which)
         if part in model.packed_modules:
             fused, shard_id = model.packed_modules[part]
             return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard_id

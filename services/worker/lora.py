@@ -33,6 +33,7 @@ from common.lora import TARGET_MODULES, WEIGHTS_FILE, AdapterError, read_adapter
 from common.messages import LoRARequest
 from kernels.lora import lora_expand
 from services.worker.layers.linear import OutputShard, RowParallelLinear, ShardId
+from services.worker.layers.quantization import UnquantizedMethod
 
 _WEIGHT_NAME = re.compile(r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 ModuleKey = tuple[int, str]  # (decoder layer, PEFT module name)
@@ -57,7 +58,7 @@ class LoRALinear(nn.Module):
     it fuses, by name, with their place in this rank's output. The slots' A rows are
     stacked below the base weight, in one tensor whose top the base layer keeps as its
     weight, so one matmul does the base projection and every slot's shrink
-    (kernels/lora.py).
+    (kernels/lora.py); a quantized base runs its own matmul and the shrink is a second.
 
     Under tensor parallelism the adapters split as the projection does, so that no step
     communicates more than the base model: a column-parallel projection keeps the whole A
@@ -66,36 +67,46 @@ class LoRALinear(nn.Module):
     before the all-reduce, whose sum over the ranks is x A^T B^T (scaled once)."""
 
     def __init__(self, base: nn.Module, slices: dict[str, OutputShard], batch: LoRABatch,
-                 max_loras: int, max_rank: int) -> None:
+                 max_loras: int, max_rank: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.base, self.slices, self.batch = base, slices, batch
         self.row_parallel = isinstance(base, RowParallelLinear)
-        weight = base.weight
-        out_features, self.in_features = weight.shape
+        out_features, self.in_features = base.output_size, base.input_size
         # this rank's block of A's input columns (the whole A for a column-parallel layer)
         self.in_index = base.tp_rank if self.row_parallel else 0
         self.in_full = self.in_features * (base.tp_size if self.row_parallel else 1)
-        extended = torch.zeros(out_features + len(slices) * max_loras * max_rank,
-                               self.in_features, dtype=weight.dtype, device=weight.device)
-        extended[:out_features] = weight
-        base.weight.data = extended[:out_features]  # shared: the base layer's weight is a view
+        # a quantized base multiplies its own way (fp8, int8, int4): the shrink is a
+        # matmul of its own, in the model's dtype, beside it
+        self.stacked = isinstance(base.method, UnquantizedMethod)
+        device = base.bias.device if base.bias is not None else next(base.parameters()).device
+        a_rows = len(slices) * max_loras * max_rank
+        extended = torch.zeros((out_features if self.stacked else 0) + a_rows,
+                               self.in_features, dtype=dtype, device=device)
+        if self.stacked:
+            extended[:out_features] = base.weight
+            base.weight.data = extended[:out_features]  # shared: the base weight is a view
         # buffers, not parameters: the base weight is not counted twice
         self.register_buffer("weight", extended, persistent=False)
-        self.register_buffer("lora_a", extended[out_features:].view(
+        self.register_buffer("lora_a", extended[len(extended) - a_rows:].view(
             len(slices), max_loras, max_rank, self.in_features), persistent=False)
-        self.register_buffer("bias", None if base.bias is None or not base.bias_in_matmul
-                             else torch.cat([base.bias, extended.new_zeros(
-                                 len(extended) - out_features)]), persistent=False)
-        self.lora_b = _zeros(weight, max_loras, out_features, max_rank)
+        bias = base.bias if base.bias_in_matmul else None
+        if bias is not None and self.stacked:
+            bias = torch.cat([bias, extended.new_zeros(len(extended) - out_features)])
+        self.register_buffer("bias", bias, persistent=False)
+        self.lora_b = _zeros(extended, max_loras, out_features, max_rank)
         self.starts = tuple(shard.offset for shard in list(slices.values())[1:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The matmul gives the base projection (a row-parallel rank's partial sum) and the
         shrink; the expand adds the delta before `finish` reduces over the ranks."""
         rows = x.reshape(-1, self.in_features)
-        y = lora_expand(F.linear(rows, self.weight, self.bias), self.lora_b,
-                        self.batch.scaling, self.batch.token_slots[:rows.shape[0]],
-                        self.starts)
+        if self.stacked:
+            y = F.linear(rows, self.weight, self.bias)
+        else:
+            y = torch.cat([self.base.method.apply(self.base, rows, self.bias),
+                           F.linear(rows, self.weight)], dim=1)
+        y = lora_expand(y, self.lora_b, self.batch.scaling,
+                        self.batch.token_slots[:rows.shape[0]], self.starts)
         return self.base.finish(y.view(*x.shape[:-1], y.shape[-1]))
 
     def shard(self, name: str, a: torch.Tensor, b: torch.Tensor
@@ -140,14 +151,14 @@ _WRAPPED = {("self_attn", "qkv_proj"): {"q_proj": "q", "k_proj": "k", "v_proj": 
 
 def _slices(base: nn.Module, shard_ids: dict[str, ShardId]) -> dict[str, OutputShard]:
     if isinstance(base, RowParallelLinear):  # its output is whole on every rank
-        out = base.weight.shape[0]
+        out = base.output_size
         return {name: OutputShard(0, out, 0, out) for name in shard_ids}
     shards = base.output_shards()
     return {name: shards[shard_id] for name, shard_id in shard_ids.items()}
 
 
-def wrap_model(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int
-               ) -> list[list[LoRALinear]]:
+def wrap_model(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int,
+               dtype: torch.dtype) -> list[list[LoRALinear]]:
     """Replace every decoder layer's projections by LoRA-wrapped ones; a list by layer of
     its wrapped modules is returned (layer i's at index i)."""
     layers = []
@@ -156,7 +167,8 @@ def wrap_model(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int
         for (block, attr), shard_ids in _WRAPPED.items():
             parent = getattr(layer, block)
             base = getattr(parent, attr)
-            module = LoRALinear(base, _slices(base, shard_ids), batch, max_loras, max_rank)
+            module = LoRALinear(base, _slices(base, shard_ids), batch, max_loras, max_rank,
+                                dtype)
             setattr(parent, attr, module)
             modules.append(module)
         layers.append(modules)
@@ -212,7 +224,7 @@ class LoRAManager:
         self.batch = LoRABatch(
             token_slots=torch.full((max_tokens,), -1, dtype=torch.int32, device=device),
             scaling=torch.zeros(self.max_loras, dtype=torch.float32, device=device))
-        self.layers = wrap_model(model, self.batch, self.max_loras, self.max_rank)
+        self.layers = wrap_model(model, self.batch, self.max_loras, self.max_rank, dtype)
         self.modules = {(i, name): module for i, modules in enumerate(self.layers)
                         for module in modules for name in module.slices}
         self.shapes = {key: module.shapes()[key[1]] for key, module in self.modules.items()}

@@ -151,8 +151,8 @@ class LinearBase(nn.Module, abc.ABC):
         shape = list(param.shape)
         if self.input_split and param.input_dim is not None:
             shape[param.input_dim] *= self.tp_size
-        if param.output_dim is None:
-            return {None: tuple(shape)}
+        if param.output_dim is None:  # each fused part's checkpoint holds it whole (g_idx)
+            return {shard_id: tuple(shape) for shard_id in shards}
         result = {}
         for shard_id in shards:
             shape[param.output_dim] = scaled(param, shards, shard_id)[3]

@@ -14,10 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import fused_moe, select_experts
-from services.worker.layers.linear import (Checkpoint, copy_checked, new_parameter,
+from kernels.moe import select_experts
+from services.worker.layers.linear import (Checkpoint, copy_checked, new_parameter, scalar,
                                            take_shard)
 from services.worker.layers.parallel import divide, tp_rank, tp_size
+from services.worker.layers.quantization import current_method, experts_method_for
+from services.worker.layers.quantization.base import ceil_div
+from services.worker.layers.quantization.experts import GATE_UP
 
 # a checkpoint tensor of one expert: (expert index, "gate" | "up" | "down")
 ExpertShard = tuple[int, str]
@@ -44,7 +47,9 @@ class ReplicatedLinear(nn.Module):
 
 class FusedMoE(nn.Module):
     """Routed experts' gated SiLU MLPs: w13 [E, 2 * I/tp, H] (this rank's gate rows, then
-    its up rows), w2 [E, H, I/tp]. forward returns this rank's partial sum."""
+    its up rows), w2 [E, H, I/tp], in the model's dtype or fp8 with scales: the experts'
+    counterpart of the model's quantization method (quantization/experts.py) makes them.
+    forward returns this rank's partial sum."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int,
                  intermediate_size: int, renormalize: bool, round_weights: bool) -> None:
@@ -55,9 +60,10 @@ class FusedMoE(nn.Module):
         self.renormalize, self.round_weights = renormalize, round_weights
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.intermediate_full = intermediate_size
-        shard = divide(intermediate_size, self.tp_size, "expert intermediate size")
-        self.w13 = new_parameter(num_experts, 2 * shard, hidden_size, loader=self.weight_loader)
-        self.w2 = new_parameter(num_experts, hidden_size, shard, loader=self.weight_loader)
+        self.shard = divide(intermediate_size, self.tp_size, "expert intermediate size")
+        self.method = experts_method_for(current_method())
+        self.method.create_weights(self, num_experts, hidden_size, self.shard,
+                                   torch.get_default_dtype())
         # distinct experts read, summed over calls: benchmarks count the weights a run
         # really read (updated on the device, inside CUDA graphs too)
         self.register_buffer("experts_read", torch.zeros(1, dtype=torch.int64),
@@ -66,26 +72,41 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize,
                                       self.round_weights)
-        return fused_moe(x, self.w13, self.w2, weights, ids, self.experts_read)
+        return self.method.apply(self, x, weights, ids)
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The tensors stacked by expert (weights and their scales): a step reads an
+        expert's slice of each only if it routes a token there."""
+        return [p for p in self.parameters() if p.ndim == 3]  # [E, rows, cols]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id: ExpertShard) -> None:
+        """One expert's checkpoint tensor of one part into its slice of param: gate's and
+        up's rows of w13 (or their scales), or down's, this rank's intermediate features
+        of it taken along param.split_dim."""
         expert, which = shard_id
-        size = self.w2.shape[2]
         name = f"FusedMoE[{expert}, {which}]"
-        if which == "down":  # [H, I]: this rank's columns
-            copy_checked(param.data[expert], take_shard(loaded_weight, 1, self.tp_rank, size,
-                                                        self.intermediate_full, name), name)
+        dst = param.data[expert]
+        if param.per_part:  # a per-tensor scale
+            copy_checked(dst[param.parts.index(which)], scalar(loaded_weight, name), name)
             return
-        offset = {"gate": 0, "up": size}[which]
-        copy_checked(param.data[expert].narrow(0, offset, size),
-                     take_shard(loaded_weight, 0, self.tp_rank, size, self.intermediate_full,
-                                name), name)
+        if param.split_dim is None:
+            copy_checked(dst, loaded_weight, name)
+            return
+        size = ceil_div(self.shard, param.block)
+        full = ceil_div(self.intermediate_full, param.block)
+        if param.parts == GATE_UP:  # gate's rows, then up's
+            dst = dst.narrow(0, param.parts.index(which) * size, size)
+        copy_checked(dst, take_shard(loaded_weight, param.split_dim, self.tp_rank, size,
+                                     full, name), name)
 
     def checkpoint_shapes(self, param: nn.Parameter
-                          ) -> dict[ExpertShard, tuple[int, int]]:
-        hidden, full = self.w2.shape[1], self.intermediate_full
-        if param is self.w2:
-            return {(e, "down"): (hidden, full) for e in range(self.num_experts)}
-        return {(e, which): (full, hidden) for e in range(self.num_experts)
-                for which in ("gate", "up")}
+                          ) -> dict[ExpertShard, tuple[int, ...]]:
+        """Each expert's checkpoint tensor of each part param takes, by its shape."""
+        shape = list(param.shape[1:])
+        if param.per_part:
+            shape = [1]
+        elif param.split_dim is not None:
+            shape[param.split_dim] = ceil_div(self.intermediate_full, param.block)
+        return {(e, which): tuple(shape) for e in range(self.num_experts)
+                for which in param.parts}
