@@ -636,6 +636,33 @@ def test_a_rank_holds_its_rows_and_whole_blocks_of_a_gguf_model(tiny_gguf, monke
         assert all(torch.equal(a, b) for a, b in zip(mine, expected)), name
 
 
+def test_an_adapter_on_gguf_blocks_matches_peft(tiny_gguf, tmp_path):
+    """LoRA beside the blocks (the base's own matmul, then the adapter's shrink): prompt
+    logprobs of PEFT's merged adapter on the file's float32 conversion."""
+    from common.messages import LoRARequest
+    from common.model_files import gguf_to_hf_dir
+    from common.sampling_params import SamplingParams
+    from services.offline.llm import LLM
+    from tests.test_lora import make_adapter, merged_model
+
+    float_dir = gguf_to_hf_dir(tiny_gguf)
+    adapter = make_adapter(float_dir, tmp_path / "adapter", seed=3, rank=8, alpha=16,
+                           modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+                           rslora=False)
+    with torch.no_grad():
+        ref = torch.log_softmax(merged_model(float_dir, adapter)(
+            torch.tensor([PROMPT_IDS])).logits[0], dim=-1)
+    llm = LLM(str(tiny_gguf), quantization="gguf", dtype="float32", device="cpu",
+              block_size=4, num_gpu_blocks_override=32, enable_lora=True, max_lora_rank=8,
+              max_loras=1, max_num_seqs=4)
+    out = llm.generate([PROMPT_IDS], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False, lora_request=[LoRARequest("a", 1, adapter)])[0]
+    for pos in range(1, len(PROMPT_IDS)):
+        token = PROMPT_IDS[pos]
+        assert out.prompt_logprobs[pos][token].logprob == pytest.approx(
+            ref[pos - 1, token].item(), abs=LOGPROB_BOUND), pos
+
+
 def rank_gguf_logits(rank: int, world: int, init_file: str, path: str, ids: list[int],
                      results) -> None:
     """One gloo rank of the tiny GGUF model, kept quantized: its prefill logits."""
