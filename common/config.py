@@ -133,7 +133,8 @@ class EngineConfig:
         "The weights' quantized format: fp8 (a Hugging Face / vLLM fp8 checkpoint, or an "
         "unquantized one quantized to fp8 on load), compressed-tensors (FP8, "
         "FP8_DYNAMIC, INT8 W8A8, pack-quantized W4A16), awq or gptq (4-bit weights, "
-        "16-bit activations); left out, config.json's quantization_config decides."))
+        "16-bit activations), or gguf (a .gguf file's blocks, the default on CUDA); left "
+        "out, config.json's quantization_config decides."))
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = field(
         default="auto", metadata=_help(
             "Data type of the KV cache: auto is the model's dtype; fp8 (= fp8_e4m3) and "

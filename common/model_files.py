@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +33,22 @@ class ModelNotFound(FileNotFoundError):
     """The model names no local directory or .gguf file and the hub cannot provide it."""
 
 
-def resolve_model(model: str, load_format: str = "auto") -> Path:
-    """The local Hugging Face directory holding `model`'s files."""
-    return _resolve(model, load_format, weights=load_format != "dummy")
+def resolve_model(model: str, load_format: str = "auto", gguf_weights: bool = True
+                  ) -> Path:
+    """The local Hugging Face directory holding `model`'s files. gguf_weights=False: of a
+    GGUF file, only its config and tokenizer (a worker that reads the file's own blocks,
+    or a process that only tokenizes, needs no float32 conversion of its weights)."""
+    return _resolve(model, load_format, weights=load_format != "dummy",
+                    gguf_weights=gguf_weights)
 
 
-def _resolve(model: str, load_format: str, weights: bool) -> Path:
+def _resolve(model: str, load_format: str, weights: bool, gguf_weights: bool = True
+             ) -> Path:
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelNotFound(f"GGUF file {model!r} does not exist")
-        return gguf_to_hf_dir(path)
+        return gguf_to_hf_dir(path, weights=weights and gguf_weights)
     if load_format == "gguf":
         raise ModelNotFound(f"--load-format gguf needs a .gguf file, got {model!r}")
     if path.is_dir():
@@ -53,51 +59,86 @@ def _resolve(model: str, load_format: str, weights: bool) -> Path:
     return download_from_hub(model, weights)
 
 
+def is_gguf(model: str) -> bool:
+    return Path(model).suffix.lower() == ".gguf"
+
+
 # --- GGUF ------------------------------------------------------------------------------
 
 def cache_root() -> Path:
     return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR).expanduser()
 
 
-def gguf_to_hf_dir(path: Path) -> Path:
-    """The cached Hugging Face directory converted from the GGUF file at `path`. The first
-    caller converts it, under a file lock, into a temporary directory renamed into place;
-    later callers (and ones that waited on the lock) find it ready."""
+def gguf_to_hf_dir(path: Path, weights: bool = True) -> Path:
+    """The cached Hugging Face directory converted from the GGUF file at `path`: its
+    config, tokenizer and generation config, and with `weights` its weights dequantized
+    to float32. The first caller converts each, under a file lock, into a temporary
+    directory moved into place; later callers (and ones that waited on the lock) find it
+    ready."""
     from filelock import FileLock
 
     stat = path.stat()
     root = cache_root() / "gguf"
     target = root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-    if target.is_dir():
+    if target.is_dir() and (not weights or has_weights(target)):
         return target
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if not target.is_dir():
-            convert_gguf(path, target)
+            convert_gguf(path, target, write_hf_files)
+        if weights and not has_weights(target):
+            convert_gguf(path, target, write_float_weights)
     return target
 
 
-def convert_gguf(path: Path, target: Path) -> None:
-    log.info("converting %s into a Hugging Face directory at %s (once; later starts reuse "
-             "it)", path, target)
+def has_weights(directory: Path) -> bool:
+    """The float32 weights are complete: their index (or single file), moved in last."""
+    return any((directory / name).is_file() for name in SAFETENSORS_DONE)
+
+
+SAFETENSORS_DONE = ("model.safetensors", "model.safetensors.index.json")
+
+
+def convert_gguf(path: Path, target: Path, write: Callable[[Path, Path], None]) -> None:
+    """write(path, tmp) into a temporary directory beside target, then moved in: the
+    directory itself if target is new, else its files (the one SAFETENSORS_DONE names
+    last, so a crash leaves no complete-looking weights)."""
+    what = "weights" if target.is_dir() else "config and tokenizer"
+    log.info("converting %s's %s into a Hugging Face directory at %s (once; later starts "
+             "reuse it)", path, what, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        write_hf_dir(path, tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the cache from other users
-        os.rename(tmp, target)
-    except BaseException:
+        write(path, tmp)
+        if not target.is_dir():
+            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the cache from other users
+            os.rename(tmp, target)
+            return
+        for file in sorted(tmp.iterdir(), key=lambda f: f.name in SAFETENSORS_DONE):
+            os.replace(file, target / file.name)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
-def write_hf_dir(path: Path, out: Path) -> None:
-    """config.json, dequantized float32 model.safetensors, a fast tokenizer with the chat
-    template, and generation_config.json, all taken from the GGUF file."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def write_hf_files(path: Path, out: Path) -> None:
+    """config.json, a fast tokenizer with the chat template, and generation_config.json,
+    all taken from the GGUF file (transformers reads its metadata)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.save_pretrained(out)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    # what saving the model would record: the class transformers loads the file as
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    config.save_pretrained(out)
+
+
+def write_float_weights(path: Path, out: Path) -> None:
+    """The weights dequantized to float32 by transformers, as model*.safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                  dtype=torch.float32)
     # the weights are already dequantized to float32; without the GGUF quantizer's marks
@@ -105,7 +146,8 @@ def write_hf_dir(path: Path, out: Path) -> None:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    for name in ("config.json", "generation_config.json"):  # write_hf_files' own
+        (out / name).unlink(missing_ok=True)
 
 
 # --- the hub ---------------------------------------------------------------------------

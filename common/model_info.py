@@ -11,10 +11,11 @@ from typing import Any
 
 from common.config import ConfigError, EngineConfig, ServerConfig
 from common.lora import TARGET_MODULES
-from common.model_files import (load_generation_config, load_hf_config, load_tokenizer,
-                                read_chat_template, sliding_windows,
-                                max_model_len_of, resolve_model)
+from common.model_files import (is_gguf, load_generation_config, load_hf_config,
+                                load_tokenizer, max_model_len_of, read_chat_template,
+                                resolve_model, sliding_windows)
 from common.model_support import UnsupportedModel, check_model_support, num_experts_of
+from common.quantization import GGUF_FILE_ATTR
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
 
 
@@ -36,9 +37,13 @@ class ResolvedModel:
 def resolve_engine(config: EngineConfig) -> ResolvedModel:
     """The one place an engine config meets its model's files. A model headrace cannot
     run (after --hf-overrides and --rope-scaling) is refused here, with UnsupportedModel."""
-    model_dir = resolve_model(config.model, config.load_format)
-    hf_config = override(load_hf_config(model_dir), config.hf_config_overrides())
+    model_dir = resolve_model(config.model, config.load_format, gguf_weights=False)
+    hf_config = override(load_model_config(config.model, model_dir),
+                         config.hf_config_overrides())
     check_model_support(hf_config, config.quantization)
+    if config.quantization == "gguf" and config.load_format == "dummy":
+        raise ConfigError("--load-format dummy cannot fill GGUF blocks; leave out "
+                          "--quantization gguf to run random float weights")
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
     if config.enable_lora:
         check_lora(hf_config)
@@ -47,6 +52,16 @@ def resolve_engine(config: EngineConfig) -> ResolvedModel:
         model_max_len = without_sliding_windows(hf_config, model_max_len)
     return ResolvedModel(config.resolved(model_max_len), model_dir, hf_config,
                          resolve_draft(config, hf_config))
+
+
+def load_model_config(model: str, model_dir: Path) -> Any:
+    """The model's config; a GGUF file's marked with the file's path (GGUF_FILE_ATTR): its
+    converted directory holds no weights until a worker needs them as float32, and a
+    worker may read the file's blocks instead (services/worker/loader.py)."""
+    hf_config = load_hf_config(model_dir)
+    if is_gguf(model):
+        setattr(hf_config, GGUF_FILE_ATTR, str(Path(model).expanduser().resolve()))
+    return hf_config
 
 
 def without_sliding_windows(hf_config: Any, model_max_len: int) -> int:
@@ -64,8 +79,8 @@ def resolve_draft(config: EngineConfig, hf_config: Any) -> DraftModel | None:
     spec = config.speculative()
     if spec is None or spec.model is None:
         return None
-    draft_dir = resolve_model(spec.model, config.load_format)
-    draft_config = load_hf_config(draft_dir)
+    draft_dir = resolve_model(spec.model, config.load_format, gguf_weights=False)
+    draft_config = load_model_config(spec.model, draft_dir)
     try:
         check_model_support(draft_config)
     except UnsupportedModel as e:

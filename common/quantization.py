@@ -19,6 +19,13 @@ and W4A16, 4-bit integer weights times unquantized activations (kernels/int4.py)
 
 A mixture of experts' routed experts take the fp8 formats (common/model_support.py
 refuses int8 and int4 there); its router stays unquantized, as checkpoints leave it.
+
+Weights only, from a file format: `gguf` (llama.cpp's files, vLLM's --quantization gguf):
+a .gguf model's linear weights of types Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K stay in
+their blocks (other types, norms and embeddings are dequantized on load), for the Llama,
+Qwen2 and Qwen3 architectures. A GGUF file has no quantization_config: the worker reads its
+blocks by default on CUDA, and on CPU only with --quantization gguf (else its float32
+conversion); see `gguf_default`.
 """
 
 from __future__ import annotations
@@ -28,8 +35,13 @@ from typing import Any, Literal
 
 SUPPORTED_TEXT = ("fp8 (per-tensor, or 128x128-block weight scales; or an unquantized "
                   "checkpoint quantized on load), compressed-tensors (FP8, FP8_DYNAMIC, "
-                  "INT8 W8A8, pack-quantized W4A16), awq (4-bit, gemm) and gptq (4-bit, "
-                  "gptq or gptq_v2 format)")
+                  "INT8 W8A8, pack-quantized W4A16), awq (4-bit, gemm), gptq (4-bit, "
+                  "gptq or gptq_v2 format) and gguf (a .gguf file's "
+                  "Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights)")
+GGUF_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # whose GGUF tensors are read as they are
+# the config attribute that marks a model read from a GGUF file: the file's path (set by
+# common/model_info on loading the converted directory's config)
+GGUF_FILE_ATTR = "gguf_file"
 
 
 class QuantizationError(ValueError):
@@ -38,11 +50,11 @@ class QuantizationError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class QuantSpec:
-    method: str  # "fp8", "compressed-tensors", "awq" or "gptq"
-    weight_type: Literal["fp8", "int8", "int4"]
+    method: str  # "fp8", "compressed-tensors", "awq", "gptq" or "gguf"
+    weight_type: Literal["fp8", "int8", "int4", "gguf"]
     weight_strategy: Literal["tensor", "channel", "block", "group"]
     activations: Literal["token", "static", "group", "none"]  # dynamic per token / static
-    # per-tensor input_scale / dynamic per 1 x block_k group / unquantized (W4A16)
+    # per-tensor input_scale / dynamic per 1 x block_k group / unquantized (W4A16, gguf)
     online: bool = False  # weights quantized at load time from an unquantized checkpoint
     block: tuple[int, int] = (128, 128)  # (output, input) features of a weight block
     # int4 only:
@@ -53,6 +65,9 @@ class QuantSpec:
 
     def describe(self) -> str:
         """For the startup log."""
+        if self.method == "gguf":
+            return ("gguf (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linear weights kept in their "
+                    "blocks, other types dequantized)")
         weights = (f"{self.block[0]}x{self.block[1]} blocks" if self.weight_strategy == "block"
                    else f"per group of {self.group_size}" if self.weight_strategy == "group"
                    else f"per {self.weight_strategy}")
@@ -80,9 +95,11 @@ def quant_method_name(quantization: Any) -> str:
 
 def quant_spec(hf_config: Any, engine_quantization: str | None) -> QuantSpec | None:
     """The format of the model's weights (None: unquantized), or QuantizationError."""
-    if engine_quantization is not None and engine_quantization not in PARSERS:
+    if engine_quantization is not None and engine_quantization not in ENGINE_VALUES:
         raise QuantizationError(f"unsupported --quantization {engine_quantization!r}; "
                                 f"supported: {SUPPORTED_TEXT}")
+    if engine_quantization == "gguf" or getattr(hf_config, GGUF_FILE_ATTR, None):
+        return gguf_spec(hf_config, engine_quantization)
     quantization = getattr(hf_config, "quantization_config", None)
     if quantization is None:
         if engine_quantization == "fp8":
@@ -101,6 +118,37 @@ def quant_spec(hf_config: Any, engine_quantization: str | None) -> QuantSpec | N
         raise QuantizationError(f"unsupported quantization {method!r} (config.json "
                                 f"quantization_config); supported: {SUPPORTED_TEXT}")
     return PARSERS[method](config)
+
+
+def gguf_spec(hf_config: Any, engine_quantization: str | None) -> QuantSpec | None:
+    """A GGUF file's blocks (None: its float32 conversion, when --quantization is left
+    out and the worker's default, gguf_default, chose it)."""
+    if not getattr(hf_config, GGUF_FILE_ATTR, None):
+        raise QuantizationError("--quantization gguf needs a .gguf model file; this model "
+                                "is not one")
+    if engine_quantization is None:
+        return None
+    if engine_quantization != "gguf":
+        raise QuantizationError(f"--quantization {engine_quantization} does not apply to a "
+                                "GGUF file; use gguf, or leave it out")
+    if hf_config.model_type not in GGUF_MODEL_TYPES:
+        raise QuantizationError(f"--quantization gguf: a {hf_config.model_type!r} GGUF file "
+                                "is not read quantized; supported: "
+                                f"{', '.join(GGUF_MODEL_TYPES)} (leave the flag out to run "
+                                "its float32 conversion)")
+    return QuantSpec("gguf", "gguf", "block", "none")
+
+
+def gguf_default(hf_config: Any, engine_quantization: str | None, on_cuda: bool,
+                 load_format: str) -> str | None:
+    """The --quantization a worker runs: as given, else for a GGUF file on CUDA its blocks
+    (vLLM's default) where they can be read: an architecture read quantized, real weights
+    (dummy ones have no blocks). On CPU a GGUF file runs its float32 conversion unless
+    asked: a float matmul beats the torch twin's dequantizing one there."""
+    if (engine_quantization is None and on_cuda and getattr(hf_config, GGUF_FILE_ATTR, None)
+            and hf_config.model_type in GGUF_MODEL_TYPES and load_format != "dummy"):
+        return "gguf"
+    return engine_quantization
 
 
 def fp8_spec(config: dict[str, Any]) -> QuantSpec:
@@ -243,3 +291,5 @@ def check_ignored(modules: list[str], key: str) -> None:
 # quant_method -> what reads its quantization_config
 PARSERS = {"fp8": fp8_spec, "compressed-tensors": compressed_tensors_spec, "awq": awq_spec,
            "gptq": gptq_spec}
+# --quantization's values: those, and gguf (a file format, with no quantization_config)
+ENGINE_VALUES = (*PARSERS, "gguf")

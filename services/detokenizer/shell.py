@@ -53,7 +53,8 @@ def given_up(batch: TokenBatch, reason: str) -> list[Output]:
 
 
 async def serve(ctx: ServiceContext) -> None:
-    model_dir = resolve_model(ctx.engine.model, ctx.engine.load_format)
+    model_dir = resolve_model(ctx.engine.model, ctx.engine.load_format,
+                              gguf_weights=False)  # the tokenizer only
     detokenizer = Detokenizer(load_tokenizer(model_dir, ctx.engine.tokenizer))
     freeze_heap()
     await ctx.bus.consume(keys.DETOK, GROUP, ctx.consumer, handler(detokenizer),

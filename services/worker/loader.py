@@ -1,9 +1,9 @@
 """Building a model on its device and filling its weights: from a Hugging Face directory's
-*.safetensors (a GGUF file arrives here already converted to one, see common/model_files),
-or random at the real shapes (`load_format="dummy"`). Either way each parameter's own
-weight_loader takes its tensor-parallel shard: from a safetensors file a rank reads only
-those rows, and dummy weights are drawn whole, so every tensor-parallel size holds the same
-model."""
+*.safetensors (of a GGUF file, its float32 conversion, see common/model_files), from a
+GGUF file's own blocks (the gguf quant method), or random at the real shapes
+(`load_format="dummy"`). Either way each parameter's own weight_loader takes its
+tensor-parallel shard: from a safetensors or GGUF file a rank reads only those rows, and
+dummy weights are drawn whole, so every tensor-parallel size holds the same model."""
 
 from __future__ import annotations
 
@@ -19,13 +19,15 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from common.config import EngineConfig
-from common.model_files import resolve_model
-from common.quantization import quant_spec
+from common.model_files import gguf_to_hf_dir, resolve_model
+from common.quantization import GGUF_FILE_ATTR, gguf_default, quant_spec
 from services.worker.layers.checkpoint import CheckpointSlice, read_whole
-from services.worker.layers.linear import LinearBase
+from services.worker.layers.linear import Checkpoint, LinearBase
 from services.worker.layers.moe import FusedMoE
 from services.worker.layers.norm import RMSNorm
-from services.worker.layers.quantization import building_with, quant_method_for
+from services.worker.layers.quantization import (GGUFMethod, QuantMethod, building_with,
+                                                 quant_method_for)
+from services.worker.layers.quantization.gguf import iter_gguf
 from services.worker.models import CausalLM, model_class
 
 # a fused parameter's part (q/k/v, gate/up), or an expert's (expert, part)
@@ -41,25 +43,40 @@ def load_model(config: EngineConfig, hf_config, device: torch.device, dtype: tor
     """The model of `hf_config` on `device` in `dtype`, with its weights. `model_dir` is the
     resolved model directory; without it `config.model` is resolved here."""
     cls = model_class(hf_config)
-    method = quant_method_for(hf_config, config.quantization)
+    quantization = gguf_default(hf_config, config.quantization, device.type == "cuda",
+                                config.load_format)
+    method = quant_method_for(hf_config, quantization)
     with default_dtype(dtype), torch.device(device), building_with(method):
         model = cls(hf_config)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        directory = Path(model_dir) if model_dir is not None else resolve_model(
-            config.model, config.load_format)
-        load_weights(model, iter_safetensors(directory))
+        load_weights(model, checkpoint_tensors(config, hf_config, model_dir, method))
     for module in model.modules():
         if isinstance(module, (LinearBase, FusedMoE)):
             module.method.process_after_loading(module)
-    log.info("%s weights: %s, %.3f GiB", cls.__name__, describe(hf_config, config),
+    log.info("%s weights: %s, %.3f GiB", cls.__name__, describe(hf_config, quantization),
              weight_bytes(model) / 2 ** 30)
     return model.eval()
 
 
-def describe(hf_config, config: EngineConfig) -> str:
-    spec = quant_spec(hf_config, config.quantization)
+def checkpoint_tensors(config: EngineConfig, hf_config, model_dir: str | os.PathLike | None,
+                       method: QuantMethod) -> Iterator[tuple[str, Checkpoint]]:
+    """The checkpoint's tensors: a GGUF file's own (its blocks) for the gguf method, else
+    the directory's *.safetensors (of a GGUF file, its float32 conversion, written by the
+    first worker that needs it)."""
+    gguf_file = getattr(hf_config, GGUF_FILE_ATTR, None)
+    if isinstance(method, GGUFMethod):
+        return iter_gguf(gguf_file)
+    if gguf_file:
+        return iter_safetensors(gguf_to_hf_dir(Path(gguf_file)))
+    directory = Path(model_dir) if model_dir is not None else resolve_model(
+        config.model, config.load_format)
+    return iter_safetensors(directory)
+
+
+def describe(hf_config, quantization: str | None) -> str:
+    spec = quant_spec(hf_config, quantization)
     return "unquantized" if spec is None else spec.describe()
 
 

@@ -19,10 +19,11 @@ from services.worker.layers.quantization.base import (QuantMethod, UnquantizedMe
                                                       quant_parameter)
 from services.worker.layers.quantization.experts import (ExpertsMethod, Fp8Experts,
                                                          UnquantizedExperts)
+from services.worker.layers.quantization.gguf import GGUFMethod
 from services.worker.layers.quantization.int4 import INT4_METHODS
 from services.worker.layers.quantization.w8a8 import W8A8Method
 
-__all__ = ["ExpertsMethod", "QuantMethod", "UnquantizedMethod", "W8A8Method",
+__all__ = ["ExpertsMethod", "GGUFMethod", "QuantMethod", "UnquantizedMethod", "W8A8Method",
            "building_with", "current_method", "experts_method_for", "quant_method_for",
            "quant_parameter"]
 
@@ -37,6 +38,8 @@ def quant_method_for(hf_config: Any, engine_quantization: str | None) -> QuantMe
     spec = quant_spec(hf_config, engine_quantization)
     if spec is None:
         return UnquantizedMethod()
+    if spec.method == "gguf":
+        return GGUFMethod()
     if spec.weight_type == "int4":
         return INT4_METHODS[spec.method](spec)
     return W8A8Method(spec)
