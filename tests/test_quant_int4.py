@@ -33,14 +33,14 @@ from common.model_files import load_hf_config
 from common.model_support import UnsupportedModel, check_model_support
 from kernels.int4 import (Int4Tiles, dequantize_int4_ref, pack_int4_rows, unpack_int4_rows,
                           w4a16_gemm_ref, w4a16_gemm_triton)
-from services.worker.layers.linear import (LinearBase, MergedColumnParallelLinear,
-                                           RowParallelLinear)
+from services.worker.layers.linear import LinearBase, MergedColumnParallelLinear
 from services.worker.layers.quantization import building_with, quant_method_for
 from services.worker.layers.quantization.int4 import (Int4Method, Int4Weight, awq_to_int4,
                                                       compressed_tensors_to_int4,
                                                       gptq_to_int4)
 from services.worker.loader import default_dtype, load_model
 from tests.test_models import Paged, rel_err, token_ids
+from tests.test_quantization import expected_shard
 from tests.test_tensor_parallel import as_rank, run_ranks
 from tests.tiny_models import make_tiny_model, tiny_config
 
@@ -626,17 +626,6 @@ def dense_of(layer) -> torch.Tensor:
     return dense(weight, layer.qweight.shape[0] * 8 // layer.scales.shape[0])
 
 
-def expected_shard(whole, shard) -> torch.Tensor:
-    """The rows (column-parallel) or columns (row-parallel) of the one-rank layer's
-    weight that rank `shard.tp_rank` holds."""
-    full = dense_of(whole)
-    if isinstance(shard, RowParallelLinear):
-        return full.narrow(1, shard.tp_rank * shard.input_size, shard.input_size)
-    starts = {shard_id: part.offset for shard_id, part in whole.output_shards().items()}
-    return torch.cat([full.narrow(0, starts[shard_id] + part.index * part.size, part.size)
-                      for shard_id, part in shard.output_shards().items()])
-
-
 @pytest.mark.parametrize("fmt", ["awq", "gptq-v1-sym", "ct-asym-32"])
 def test_a_rank_holds_its_shard_of_every_int4_tensor(fmt, tmp_path, monkeypatch):
     """Rank 1 of 2: output dims packed eight to a word (AWQ's qweight and qzeros, GPTQ's
@@ -650,7 +639,7 @@ def test_a_rank_holds_its_shard_of_every_int4_tensor(fmt, tmp_path, monkeypatch)
     checked = 0
     for name, module in whole.named_modules():
         if isinstance(module, LinearBase):
-            assert torch.equal(dense_of(layers[name]), expected_shard(module, layers[name]))
+            assert torch.equal(dense_of(layers[name]), expected_shard(module, layers[name], dense_of(module)))
             checked += 1
     assert checked == 4 * whole.num_layers
 

@@ -153,6 +153,17 @@ def dequantize_checkpoint(model_dir: Path) -> None:
     (model_dir / "config.json").write_text(json.dumps(config))
 
 
+def fp8_per_channel_in_place(model_dir: Path) -> None:
+    """The checkpoint's projections as fp8 per output channel (online fp8) would hold
+    them, dequantized: the oracle's weights."""
+    tensors = load_file(model_dir / "model.safetensors")
+    for name, w in tensors.items():
+        if is_quantized_linear(name):
+            q, scale = quantize_weight(w, "float", per_channel=True)
+            tensors[name] = q.float() * scale
+    save_file(tensors, model_dir / "model.safetensors")
+
+
 def edit_config(model_dir: Path, **changes) -> None:
     path = model_dir / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
@@ -319,12 +330,7 @@ def test_online_fp8_quantizes_an_unquantized_checkpoint(tmp_path):
     assert model.model.layers[1].mlp.down_proj.weight.dtype == FP8
     assert ONLINE_BOUND > rel_err(logits, unquantized) > 1e-4
     # the same weights quantized per channel by the test, activations per token
-    tensors = load_file(model_dir / "model.safetensors")
-    for name, w in tensors.items():
-        if is_quantized_linear(name):
-            q, scale = quantize_weight(w, "float", per_channel=True)
-            tensors[name] = q.float() * scale
-    save_file(tensors, model_dir / "model.safetensors")
+    fp8_per_channel_in_place(model_dir)
     assert rel_err(logits, transformers_logits(model_dir, activation_group=None)) < EXACT
 
 
@@ -472,12 +478,7 @@ def test_online_fp8_quantizes_the_experts(tmp_path):
     moe = fused_moe_layers(model)[0]
     assert moe.w13.dtype == FP8 and moe.w13_scale.shape == (8, 64, 1)
     assert MOE_ONLINE_BOUND > rel_err(logits, unquantized) > 1e-4
-    tensors = load_file(model_dir / "model.safetensors")
-    for name, w in tensors.items():
-        if is_quantized_linear(name):
-            q, scale = quantize_weight(w, "float", per_channel=True)
-            tensors[name] = q.float() * scale
-    save_file(tensors, model_dir / "model.safetensors")
+    fp8_per_channel_in_place(model_dir)
     assert rel_err(logits, transformers_moe_logits(model_dir, None)) < EXACT
 
 
@@ -606,10 +607,11 @@ def dequantized(layer) -> torch.Tensor:
     return dequantize(layer.weight.data, layer.weight_scale.data, layer.block_n, layer.group_k)
 
 
-def expected_shard(whole, shard) -> torch.Tensor:
+def expected_shard(whole, shard, full: torch.Tensor | None = None) -> torch.Tensor:
     """The rows (column-parallel) or columns (row-parallel) of the one-rank layer's
-    dequantized weight that rank `shard.tp_rank` must hold."""
-    full = dequantized(whole)
+    dequantized weight (`full`, by default the W8A8 one) that rank `shard.tp_rank` must
+    hold."""
+    full = dequantized(whole) if full is None else full
     if isinstance(shard, RowParallelLinear):
         return full.narrow(1, shard.tp_rank * shard.input_size, shard.input_size)
     starts = {shard_id: part.offset for shard_id, part in whole.output_shards().items()}
