@@ -33,14 +33,14 @@ from common.model_files import load_hf_config
 from common.model_support import UnsupportedModel, check_model_support
 from kernels.int4 import (Int4Tiles, dequantize_int4_ref, pack_int4_rows, unpack_int4_rows,
                           w4a16_gemm_ref, w4a16_gemm_triton)
-from services.worker.layers.linear import LinearBase, MergedColumnParallelLinear
+from services.worker.layers.linear import MergedColumnParallelLinear
 from services.worker.layers.quantization import building_with, quant_method_for
 from services.worker.layers.quantization.int4 import (Int4Method, Int4Weight, awq_to_int4,
                                                       compressed_tensors_to_int4,
                                                       gptq_to_int4)
 from services.worker.loader import default_dtype, load_model
 from tests.test_models import Paged, rel_err, token_ids
-from tests.test_quantization import expected_shard
+from tests.test_quantization import expected_shard, projections_at_rank_1
 from tests.test_tensor_parallel import as_rank, run_ranks
 from tests.tiny_models import make_tiny_model, tiny_config
 
@@ -632,16 +632,9 @@ def test_a_rank_holds_its_shard_of_every_int4_tensor(fmt, tmp_path, monkeypatch)
     qzeros, compressed-tensors' weight_zero_point) take 1/8 of the rows, grouped input
     dims their groups, g_idx the rank's features."""
     model_dir = write_int4(make_tiny_model(tmp_path, "qwen3"), tmp_path / fmt, fmt)
-    whole = load(model_dir)
-    as_rank(monkeypatch, 1, 2)
-    shard = load(model_dir)
-    layers = dict(shard.named_modules())
-    checked = 0
-    for name, module in whole.named_modules():
-        if isinstance(module, LinearBase):
-            assert torch.equal(dense_of(layers[name]), expected_shard(module, layers[name], dense_of(module)))
-            checked += 1
-    assert checked == 4 * whole.num_layers
+    for module, rank_module in projections_at_rank_1(model_dir, monkeypatch):
+        assert torch.equal(dense_of(rank_module),
+                           expected_shard(module, rank_module, dense_of(module)))
 
 
 def test_int4_checkpoints_run_over_two_gloo_ranks(tmp_path):

@@ -607,6 +607,18 @@ def dequantized(layer) -> torch.Tensor:
     return dequantize(layer.weight.data, layer.weight_scale.data, layer.block_n, layer.group_k)
 
 
+def projections_at_rank_1(model_dir: Path, monkeypatch
+                          ) -> list[tuple[LinearBase, LinearBase]]:
+    """Each projection of the model loaded whole beside the same one at rank 1 of 2."""
+    whole = load(model_dir)
+    as_rank(monkeypatch, 1, 2)
+    layers = dict(load(model_dir).named_modules())
+    pairs = [(module, layers[name]) for name, module in whole.named_modules()
+             if isinstance(module, LinearBase)]
+    assert len(pairs) == 4 * whole.num_layers
+    return pairs
+
+
 def expected_shard(whole, shard, full: torch.Tensor | None = None) -> torch.Tensor:
     """The rows (column-parallel) or columns (row-parallel) of the one-rank layer's
     dequantized weight (`full`, by default the W8A8 one) that rank `shard.tp_rank` must
@@ -629,18 +641,10 @@ def test_a_rank_holds_its_shard_of_every_quantized_tensor(scheme, tmp_path, monk
         model_dir = write_fp8_blocks(src, tmp_path / "fp8")
     else:
         model_dir = write_compressed_tensors(make_tiny_model(tmp_path, "qwen3"), scheme)
-    whole = load(model_dir)
-    as_rank(monkeypatch, 1, 2)
-    shard = load(model_dir)
-    layers = dict(shard.named_modules())
-    checked = 0
-    for name, module in whole.named_modules():
-        if isinstance(module, LinearBase):
-            assert torch.equal(dequantized(layers[name]), expected_shard(module, layers[name]))
-            if scheme == "FP8":
-                assert torch.equal(layers[name].input_scale, module.input_scale)
-            checked += 1
-    assert checked == 4 * whole.num_layers
+    for module, rank_module in projections_at_rank_1(model_dir, monkeypatch):
+        assert torch.equal(dequantized(rank_module), expected_shard(module, rank_module))
+        if scheme == "FP8":
+            assert torch.equal(rank_module.input_scale, module.input_scale)
 
 
 def test_block_scales_that_a_rank_would_split_are_refused(tmp_path, monkeypatch):
