@@ -43,9 +43,8 @@ from common.token_text import TokenTexts
 from common.version import VERSION
 from common.tokens import check_vocabulary
 from services.gateway.adapters import Adapters, check_new_name
-from services.gateway.core import (SHUTTING_DOWN, Applied, Backend, Call, Echo, Observed,
-                                   Parsers,
-                                   admission_error, load_failure, queue_depth,
+from services.gateway.core import (SHUTTING_DOWN, STALE_S, Applied, Backend, Call, Echo,
+                                   Observed, Parsers, admission_error, load_failure, queue_depth,
                                    shard_states, shutting_down, worker_cannot_load)
 from services.gateway.embeddings import EmbeddingCall, check_dimensions
 from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
@@ -60,7 +59,10 @@ from services.gateway.response_bodies import (DetokenizeResponse, ErrorResponse,
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-REFRESH_TIMEOUT_S = 2.0
+# A look at the backend on a loop slowed by thousands of streams takes seconds; cut off
+# at 2 s, no look finished and the gateway refused requests as if the scheduler were gone.
+# Redis that does not answer still makes the state stale after STALE_S.
+REFRESH_TIMEOUT_S = STALE_S
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # No OpenAI request nests anywhere near this deep (a JSON schema for structured outputs
 # the most); deeper bodies would only reach recursion limits further on (the chat

@@ -28,6 +28,10 @@ WATCH_S = 0.25
 TRIM_EVERY_S = 5.0
 DEAD_REPLIES_IDLE_S = 60.0
 SHUTDOWN_S = 2.0  # after the drain, what aiohttp gives handlers still running
+# connects the kernel holds until the loop accepts them (the kernel caps it at somaxconn).
+# aiohttp's 128 dropped part of a burst of thousands of clients on a busy 2-core host:
+# their request sat unanswered for a minute and ended in a reset. uvicorn's is 2048.
+LISTEN_BACKLOG = 4096
 
 log = get_logger(__name__)
 
@@ -93,7 +97,8 @@ async def serve(ctx: ServiceContext) -> None:
             # several gateways share one port only when asked to: otherwise a second
             # server started on a busy port fails instead of silently splitting its clients
             await web.TCPSite(runner, ctx.server.host, ctx.server.port,
-                              reuse_port=ctx.server.api_server_count > 1).start()
+                              reuse_port=ctx.server.api_server_count > 1,
+                              backlog=LISTEN_BACKLOG).start()
             log.info("gateway listening", url=f"http://{ctx.server.host}:{ctx.server.port}",
                      gateway=gateway_id, models=gateway.names)
             await ctx.stop.wait()
