@@ -209,9 +209,12 @@ class Bus:
     async def ack(self, done: Sequence[Entry]) -> None:
         await self.write([], done)
 
-    async def bury(self, dead: Sequence[tuple[Entry, str]]) -> None:
-        """Copy entries to hr:dead with the reason, and acknowledge those read in a group."""
+    async def bury(self, dead: Sequence[tuple[Entry, str]],
+                   answers: Sequence[Output] = ()) -> None:
+        """Copy entries to hr:dead with the reason, and acknowledge those read in a group,
+        with `answers` (the errors that end their requests) in the same transaction."""
         records = [(keys.DEAD, _dead_fields(entry, reason)) for entry, reason in dead]
+        records += encode_outputs(answers)
         await self.write(records, [entry for entry, _ in dead if entry.group is not None])
         for entry, reason in dead:
             log.error("moved entry to the dead stream", stream=entry.stream,
@@ -403,7 +406,8 @@ class Bus:
             except messages.MessageError as e:
                 dead.append((Entry(stream, entry_id, fields, None, group), str(e)))
         if dead:
-            await self.bury(dead)
+            await self.bury(dead, [answer for entry, reason in dead
+                                   if (answer := unreadable_request(entry, reason))])
         return entries
 
     # --- the consumer loop ------------------------------------------------------------
@@ -612,6 +616,19 @@ class _ConsumeLoop:
         except Exception as e:  # the entry is in hr:dead either way; the stage goes on
             self.log.error("cannot end the requests of a dead entry", id=entry.id.decode(),
                            exc_info=e)
+
+
+def unreadable_request(entry: Entry, reason: str) -> Output | None:
+    """The error that ends the request of an entry no stage can read (a producer's bug, or
+    a version skew between replicas), when its body still says whose request it is."""
+    found = messages.requester(entry.fields.get(b"body", b""))
+    if found is None:
+        return None
+    rid, reply_to = found
+    stage = entry.group or "reading"
+    return (keys.replies(reply_to),
+            messages.ErrorReply(rid, 500, f"The {stage} stage could not read this request: "
+                                          f"{reason}", "InternalServerError"))
 
 
 def decode_value(key: str, raw: bytes | None) -> Any | None:

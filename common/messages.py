@@ -417,6 +417,21 @@ def decode(data: bytes) -> Any:
         raise MessageError(f"bad {cls.TYPE} message: {e}") from None
 
 
+def requester(data: bytes) -> tuple[str, str] | None:
+    """(rid, reply_to) of a request whose body did not decode as its type, when its map
+    still names both as strings: whoever gives up on it can still answer the client."""
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:  # msgpack raises several unrelated types on bad bytes
+        return None
+    if not isinstance(body, dict):
+        return None
+    rid, reply_to = body.get("rid"), body.get("reply_to")
+    if isinstance(rid, str) and isinstance(reply_to, str) and rid and reply_to:
+        return rid, reply_to
+    return None
+
+
 _CODECS: dict[Any, tuple[Converter, Converter]] = {}
 
 

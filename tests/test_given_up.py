@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import aiohttp
 import anyio
+import msgpack
 import pytest
 
 from common import keys
 from common.bus import Bus
-from common.messages import Abort, DetokItem, DetokParams, ErrorReply, TokenBatch
+from common.messages import (Abort, DetokItem, DetokParams, ErrorReply, GenerateRequest,
+                             TokenBatch, encode)
 from services.demo import demo_model_path
 from services.detokenizer.shell import given_up as detokenizer_gave_up
 from services.tokenizer.shell import GROUP, given_up
@@ -69,3 +71,28 @@ def test_a_batch_the_detokenizer_gives_up_on_ends_each_of_its_requests():
         (keys.replies("g2"), ErrorReply("b", 500, "The detokenizer could not process this "
                                         "request's tokens: KeyError: 7", "InternalServerError")),
         (keys.control(1), Abort("b"))]
+
+
+async def test_a_request_no_stage_can_read_ends_with_the_reason(embedded_redis):
+    """A body that names its requester but does not decode as its type (a producer's bug,
+    or replicas of two versions) ends that request; one that names nobody is only buried."""
+    good = msgpack.unpackb(encode(GenerateRequest("r1", "gw1", {})))
+    rdb = embedded_redis.client()
+    try:
+        async with Bus(embedded_redis.url) as bus:
+            await bus.ensure_group(keys.REQUESTS, GROUP)
+            rdb.xadd(keys.REQUESTS, {"body": msgpack.packb({**good, "params": "not a map"})})
+            rdb.xadd(keys.REQUESTS, {"body": msgpack.packb({**good, "reply_to": 7})})
+            rdb.xadd(keys.REQUESTS, {"body": b"\xc1 not msgpack"})
+            assert await bus.read(GROUP, "t1", {keys.REQUESTS: ">"}, count=10) == []
+            replies = await bus.tail({keys.replies("gw1"): "0"})
+        assert [entry.msg.rid for entry in replies] == ["r1"]
+        error = replies[0].msg
+        assert isinstance(error, ErrorReply) and error.status == 500
+        assert error.message.startswith("The tokenizer stage could not read this request: ")
+        assert "dict" in error.message and "got str" in error.message
+        assert rdb.xlen(keys.DEAD) == 3
+        assert rdb.xpending(keys.REQUESTS, GROUP)["pending"] == 0
+    finally:
+        rdb.delete(keys.REQUESTS, keys.DEAD, keys.replies("gw1"))
+        rdb.close()
