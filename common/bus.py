@@ -270,6 +270,22 @@ class Bus:
                 pipe.get(name)
             return list(await pipe.execute())
 
+    async def set_hash(self, key: str, fields: Mapping[str, str], ttl_ms: int) -> None:
+        """Set `fields` of hash `key`; Redis drops it unless set again within `ttl_ms`."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(key, mapping=dict(fields))
+            pipe.pexpire(key, ttl_ms)
+            await pipe.execute()
+
+    async def hashes(self, match: str) -> dict[str, dict[str, str]]:
+        """Every hash whose name matches `match`, with its fields (a SCAN, then HGETALLs)."""
+        found: dict[str, dict[str, str]] = {}
+        async for name in self.redis.scan_iter(match=match, _type="hash"):
+            fields = await self.redis.hgetall(name)
+            if fields:  # it lapsed between SCAN and HGETALL
+                found[_text(name)] = {_text(k): _text(v) for k, v in fields.items()}
+        return found
+
     async def store(self, key: str, msg: Any, ttl_s: float | None = None) -> None:
         """Set `key` to `msg`; with `ttl_s`, Redis drops it unless stored again by then."""
         await self.redis.set(key, messages.encode(msg),

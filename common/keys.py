@@ -17,6 +17,12 @@ DETOK = "hr:detok"  # schedulers -> detokenizers
 DEAD = "hr:dead"  # entries no stage could decode or handle, with the reason
 LORA_ADAPTERS = "hr:lora:adapters"  # hash: every gateway's LoRA adapters, name -> JSON
 LORA_IDS = "hr:lora:ids"  # counter: the last lora_int_id given to an adapter
+HEALTH_PATTERN = "hr:health:*"
+
+
+def health(process: str) -> str:
+    """hash: a process's recent stalls (common/stalls.py), for `headrace queues`"""
+    return f"hr:health:{process}"
 
 
 def replies(gateway_id: str) -> str:

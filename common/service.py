@@ -23,7 +23,7 @@ from common.config import (EngineConfig, ServerConfig, add_engine_args, add_serv
 from common.log import configure_logging, get_logger
 from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
 from common.redis_cluster import blocking_client
-from common.stalls import watch_collections, watch_loop
+from common.stalls import report_stalls, watch_collections, watch_loop
 
 HEARTBEAT_S = 1.0
 ALIVE_TTL_MS = 4000
@@ -125,6 +125,7 @@ async def _serve(name: str, replica: str, engine: EngineConfig, server: ServerCo
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, ctx.stop)
             tg.start_soon(watch_loop)
+            tg.start_soon(report_stalls, bus, f"{name}-{replica}")
             log.info("service starting", redis=bus.url)
             await body(ctx)
             tg.cancel_scope.cancel()

@@ -1,6 +1,8 @@
 """`headrace queues`: every hr:* stream with its length, consumer groups (pending, lag,
 last delivered id) and consumers (pending, idle time); the streams every shard shares come
-first (SHARD "-"), then each data-parallel shard's, shard by shard.
+first (SHARD "-"), then each data-parallel shard's, shard by shard. Above them, every live
+process with its event-loop stalls of the last few seconds: a slow stage shows as slow
+here, where its heartbeat (in a thread) still says alive.
 
     headrace queues [--redis-url URL] [--run-dir DIR] [--watch [SECONDS]]
 """
@@ -11,7 +13,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -22,6 +24,8 @@ from common.log import configure_logging
 from common.redis_server import SOCKET_NAME
 
 COLUMNS = ("SHARD", "STREAM", "LENGTH", "GROUP", "CONSUMER", "PENDING", "LAG", "IDLE", "LAST-DELIVERED")
+PROCESS_COLUMNS = ("PROCESS", "WORST-STALL", "STALLS", "SLOW-GC", "STATE")
+SLOW_MS = 1000  # a process whose loop stalled this long lately is marked slow (not gone)
 CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -30,11 +34,14 @@ class Snapshot:
     url: str
     taken_at: float
     streams: list[StreamInfo]
+    health: dict[str, dict[str, str]] = field(default_factory=dict)  # process -> its stalls
 
 
 async def take_snapshot(url: str) -> Snapshot:
     async with Bus(url) as bus:
-        return Snapshot(url, time.time(), await bus.stream_infos())
+        health = {name.removeprefix(keys.health("")): fields
+                  for name, fields in (await bus.hashes(keys.HEALTH_PATTERN)).items()}
+        return Snapshot(url, time.time(), await bus.stream_infos(), health)
 
 
 def format_table(snapshot: Snapshot) -> str:
@@ -53,9 +60,23 @@ def format_table(snapshot: Snapshot) -> str:
                      if s is not None})
     header = (f"{snapshot.url}  {when}  {len(snapshot.streams)} streams, "
               f"{len(shards)} shards")
+    processes = format_processes(snapshot.health)
     if not snapshot.streams:
-        return f"{header}\n(no hr:* streams yet)"
-    return header + "\n" + _aligned(rows)
+        return f"{header}\n{processes}(no hr:* streams yet)"
+    return header + "\n" + processes + _aligned(rows)
+
+
+def format_processes(health: dict[str, dict[str, str]]) -> str:
+    """Each live process's event-loop stalls over the last WINDOW_S (common/stalls.py),
+    then a blank line; nothing when no process reports."""
+    if not health:
+        return ""
+    rows = [list(PROCESS_COLUMNS)]
+    for process, fields in sorted(health.items()):
+        worst = int(fields.get("worst_stall_ms", "0"))
+        rows.append([process, f"{worst}ms", fields.get("stalls", "?"),
+                     fields.get("slow_collections", "?"), "slow" if worst >= SLOW_MS else "ok"])
+    return _aligned(rows) + "\n\n"
 
 
 def _by_shard(stream: StreamInfo) -> tuple[int, str]:
@@ -71,7 +92,7 @@ def _lag(lag: int | None) -> str:
 
 def _aligned(rows: list[list[str]]) -> str:
     # Every column starts where its header does, so `cut` and scripts can slice it.
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                      for row in rows)
 

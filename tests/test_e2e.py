@@ -498,6 +498,11 @@ def test_operators_see_the_consumer_groups(served):
     for stream, group in (("hr:requests", "tokenizer"), (keys.admit(), "scheduler"),
                           ("hr:detok", "detokenizer")):
         assert stream in queues.stdout and group in queues.stdout
+    # every process reports its recent stalls: a slow one would show "slow" in its row
+    processes = [line.split()[0] for line in queues.stdout.splitlines()[1:]
+                 if line.split()[-1:] in (["ok"], ["slow"])]
+    for stage in ("gateway", "tokenizer", "scheduler", "worker", "detokenizer"):
+        assert any(p.startswith(f"{stage}-") for p in processes), queues.stdout
 
 
 def test_the_gateway_logs_each_request_with_its_rid(served):

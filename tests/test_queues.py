@@ -11,6 +11,7 @@ import pytest
 from common import keys
 from common.bus import Bus
 from common.messages import Abort
+from common.stalls import WINDOW_S, Stalls
 from services.queues import COLUMNS, Snapshot, format_table, take_snapshot
 from tests.conftest import run_command
 
@@ -91,3 +92,34 @@ def test_the_command_explains_when_no_redis_answers(tmp_path):
     assert result.returncode == 1
     assert "no Redis answers" in result.stderr and str(tmp_path) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_stalls_are_counted_over_the_last_window_only():
+    stalls = Stalls()
+    stalls.note_loop(1.5, now=100.0)
+    stalls.note_loop(0.2, now=105.0)
+    stalls.note_collection(now=106.0)
+    assert stalls.summary(now=107.0) == {"worst_stall_ms": "1500", "stalls": "2",
+                                         "slow_collections": "1"}
+    # 1.5 s ago by more than WINDOW_S: only the 0.2 s stall and the collection remain
+    assert stalls.summary(now=100.0 + WINDOW_S + 1) == {
+        "worst_stall_ms": "200", "stalls": "1", "slow_collections": "1"}
+    assert stalls.summary(now=200.0)["stalls"] == "0"
+
+
+@pytest.mark.anyio
+async def test_a_slow_process_is_marked_slow_and_a_gone_one_vanishes(bus_url):
+    async with Bus(bus_url) as bus:
+        await bus.set_hash(keys.health("worker-a"), {"worst_stall_ms": "1800", "stalls": "3",
+                                                     "slow_collections": "0"}, ttl_ms=400)
+        await bus.set_hash(keys.health("gateway-b"), {"worst_stall_ms": "60", "stalls": "1",
+                                                      "slow_collections": "2"}, ttl_ms=60_000)
+        await fill_streams(bus_url, random.Random(2))
+        table = format_table(await take_snapshot(bus_url))
+        rows = {line.split()[0]: line.split() for line in table.splitlines()
+                if line.startswith(("worker-a", "gateway-b"))}
+        assert rows == {"worker-a": ["worker-a", "1800ms", "3", "0", "slow"],
+                        "gateway-b": ["gateway-b", "60ms", "1", "2", "ok"]}
+        assert len(parse_table(table)) > 3  # the stream table still parses below it
+        await anyio.sleep(0.6)
+        assert set((await take_snapshot(bus_url)).health) == {"gateway-b"}
