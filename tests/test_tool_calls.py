@@ -146,6 +146,8 @@ RECORDED = [  # (parser, output, content, calls)
     ("qwen3_coder", QWEN, "I will compute it.\n", [QWEN_AREA, WEATHER]),
     ("qwen3_coder", "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                     "</function>", None, [WEATHER]),  # no <tool_call> around it
+    ("qwen3_coder", "<tool_call>\n<function=now>\n</tool_call>\n<tool_call><function="
+                    "get_weather><parameter=city>Paris", None, [("now", {}), WEATHER]),  # unclosed
     ("deepseek_v3", DEEPSEEK, "Let me check.", [
         WEATHER, ("search_hotels", {"location": "Paris", "nights": 2})]),
     ("deepseek_v3", DEEPSEEK.removesuffix("<｜tool▁calls▁end｜>"), "Let me check.", [
@@ -201,6 +203,16 @@ def test_qwen3_coder_values_stay_text_without_a_schema():
     bad = QWEN.replace("\n3\n</parameter>", "\nthree\n</parameter>")
     assert calls(parse_tool_calls("qwen3_coder", bad, QWEN_TOOLS)[1])[0][1]["precision"] \
         == "three"  # not an integer: the text, as vLLM falls back
+
+
+@pytest.mark.parametrize("parser, text, content, expected",
+                         [case for case in RECORDED if case[2] is not None])
+def test_content_before_the_calls_streams_before_they_finish(parser, text, content, expected):
+    splitter = OutputSplitter(parser, tools=QWEN_TOOLS)
+    first = splitter.feed(text, finished=False)
+    assert first.content == content and first.tool_calls == []
+    last = splitter.feed("", finished=True)
+    assert last.content == "" and calls(last.tool_calls) == expected
 
 
 @pytest.mark.parametrize("parser, text", MALFORMED)

@@ -67,7 +67,8 @@ PYTHON_TAG = "<|python_tag|>"
 MISTRAL_START, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 MISTRAL_NAME = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*")
 QWEN_FUNCTION_START = "<function="
-QWEN_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.DOTALL)
+QWEN_FUNCTION = re.compile(  # one left open ends where the next block or function starts
+    r"<function=([^>\n]*)>(.*?)(?:</function>|(?=</tool_call>)|(?=<function=)|$)", re.DOTALL)
 QWEN_PARAMETER = re.compile(
     r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
