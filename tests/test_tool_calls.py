@@ -139,6 +139,10 @@ RECORDED = [  # (parser, output, content, calls)
     ("mistral", MISTRAL_V3, None, [WEATHER, ("now", {})]),
     ("mistral", MISTRAL_V11, "Sure.", [WEATHER, ("now", {})]),
     ("mistral", MISTRAL_ARGS, "Let me check.", [WEATHER, ("now", {})]),
+    # a detokenizer that puts spaces between special tokens
+    ("mistral", '[TOOL_CALLS] get_weather [ARGS] {"city": "Paris"}', None, [WEATHER]),
+    ("deepseek_v3", DEEPSEEK.replace("｜>", "｜> ").replace("<｜", " <｜"), "Let me check. ", [
+        WEATHER, ("search_hotels", {"location": "Paris", "nights": 2})]),
     ("pythonic", PYTHONIC, None, [WEATHER, ("register", {
         "name": "Jo 'J' Doe", "age": 37, "address": {"city": "Lyon", "zip": "69001"},
         "role": None, "ok": True, "aliases": ["Jo", "Joe"], "score": -1.5})]),
