@@ -219,10 +219,10 @@ def main(argv: list[str]) -> int:
     configure_logging("launcher")
     try:  # a GGUF converts once, here; a model, or a shard the model or machine cannot
         # hold, is refused before Redis or any child starts
+        check_tool_parsers(server)
         resolve_engine(engine)
         check_devices(engine, engine.data_parallel_size)
         check_lora_modules(engine, server)
-        check_tool_parsers(server)
     except UnsupportedModel as e:
         print(refusal_line(e), file=sys.stderr)
         return REFUSED_EXIT
