@@ -31,7 +31,8 @@ POLICIES = ("fcfs", "priority")
 ROUTINGS = ("prefix", "round_robin")
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
+                     "deepseek_v3")  # built in; --tool-parser-plugin registers more
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 POOLING_TYPES = ("LAST", "MEAN")
 POOLER_KEYS = ("pooling_type", "normalize")  # of vLLM's PoolerConfig, those honoured here
@@ -401,11 +402,17 @@ class ServerConfig:
     enable_auto_tool_choice: bool = field(default=False, metadata=_help(
         "Let the model decide when to call tools (tool_choice \"auto\", the default when a "
         "request has tools); needs --tool-call-parser."))
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = field(
+    tool_call_parser: str | None = field(
         default=None, metadata=_help(
             "How tool calls are read from the model's output: hermes (Hermes, Qwen2.5, "
-            "Qwen3: <tool_call> JSON blocks) or llama3_json (Llama 3.1 and 3.2: JSON "
-            "objects with name and parameters)."))
+            "Qwen3: <tool_call> JSON blocks), llama3_json (Llama 3.1 and 3.2: JSON "
+            "objects with name and parameters), mistral ([TOOL_CALLS]), pythonic "
+            "([f(a=1)]), qwen3_coder (<function=...><parameter=...>), deepseek_v3 "
+            "(<｜tool▁calls▁begin｜>), or a name --tool-parser-plugin registers."))
+    tool_parser_plugin: str | None = field(
+        default=None, metadata=_help(
+            "A Python file that registers tool parsers (register_tool_parser of "
+            "services/gateway/tool_calls.py), whose names --tool-call-parser then takes."))
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = field(
         default=None, metadata=_help(
             "Send a <think> model's reasoning as reasoning_content apart from the "
@@ -432,7 +439,10 @@ class ServerConfig:
         _positive("body_timeout", self.body_timeout)
         if self.redis_url is not None:
             _check_redis_url(self.redis_url)
-        if self.tool_call_parser is not None:
+        if self.tool_parser_plugin is not None and not os.path.isfile(self.tool_parser_plugin):
+            raise ConfigError(f"--tool-parser-plugin: no such file {self.tool_parser_plugin!r}")
+        if self.tool_call_parser is not None and self.tool_parser_plugin is None:
+            # a plugin's names are known once the gateway has run it
             _choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         if self.reasoning_parser is not None:
             _choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)

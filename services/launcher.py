@@ -23,6 +23,7 @@ from common.model_info import check_devices, resolve_engine, shard_gpus
 from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
 from common.redis_server import EmbeddedRedis, redis_url_or_embedded, spawn_child
 from common.service import LOAD_FAILED_EXIT, service_parser
+from services.gateway.tool_calls import check_tool_parser
 
 STOP_TIMEOUT_S = 15.0
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
@@ -203,12 +204,22 @@ def check_lora_modules(engine: EngineConfig, server: ServerConfig) -> None:
             raise ConfigError(f"--lora-modules: {e}") from None
 
 
+def check_tool_parsers(server: ServerConfig) -> None:
+    """A --tool-call-parser that neither headrace nor the --tool-parser-plugin file
+    registers stops serve here, with the names it knows, before the gateways start."""
+    try:
+        check_tool_parser(server.tool_call_parser, server.tool_parser_plugin)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def main(argv: list[str]) -> int:
     parser = service_parser("serve", __doc__ or "")
     args, engine, server = parse_configs(parser, argv)
     configure_logging("launcher")
     try:  # a GGUF converts once, here; a model, or a shard the model or machine cannot
         # hold, is refused before Redis or any child starts
+        check_tool_parsers(server)
         resolve_engine(engine)
         check_devices(engine, engine.data_parallel_size)
         check_lora_modules(engine, server)

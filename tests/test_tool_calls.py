@@ -1,16 +1,21 @@
-"""The tool-call and reasoning parsers: whole texts as vLLM's parsers read them, and a
-stream split anywhere releasing the same reasoning, content and calls."""
+"""The tool-call and reasoning parsers: whole texts as vLLM's parsers read them (outputs
+in each model family's format, as its chat template has it write calls), and a stream split
+anywhere releasing the same reasoning, content and calls; the plugin registry."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.tool_calls import (OutputSplitter, parse_tool_calls,
-                                         split_reasoning)
+from common.config import TOOL_CALL_PARSERS, ConfigError, ServerConfig
+from services.gateway import tool_calls
+from services.gateway.tool_calls import (TOOL_PARSERS, OutputSplitter, check_tool_parser,
+                                         parse_tool_calls, split_reasoning)
+from services.launcher import check_tool_parsers
 
 HERMES = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
           '\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
@@ -92,3 +97,236 @@ def test_content_before_a_call_streams_before_the_call_is_complete():
     assert splitter.feed('_call>{"name": "f", "arguments": {}}', False).content == ""
     last = splitter.feed("</tool_call>", True)
     assert last.content == "" and calls(last.tool_calls) == [("f", {})]
+
+
+# --- the parsers of issue 33 ----------------------------------------------------------------
+
+WEATHER = ("get_weather", {"city": "Paris"})
+MISTRAL_V3 = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+              '{"name": "now", "arguments": {}}]')
+MISTRAL_V11 = 'Sure.[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]now{}'
+MISTRAL_ARGS = ('Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+                '[TOOL_CALLS]now[ARGS]{}')
+PYTHONIC = ("[get_weather(city='Paris'), register(name='Jo \\'J\\' Doe', age=37, "
+            "address={'city': 'Lyon', 'zip': '69001'}, role=None, ok=True, "
+            "aliases=['Jo', \"Joe\"], score=-1.5)]")
+QWEN_TOOLS = [{"type": "function", "function": {"name": "area", "parameters": {
+    "type": "object", "properties": {
+        "shape": {"type": "string"}, "dims": {"type": "object"},
+        "precision": {"type": "integer"}, "scale": {"type": "number"},
+        "exact": {"type": "boolean"}, "tags": {"type": "array"},
+        "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "label": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+QWEN = ("I will compute it.\n<tool_call>\n<function=area>\n<parameter=shape>\ncircle\n"
+        "</parameter>\n<parameter=dims>\n{\"radius\": 15.5}\n</parameter>\n"
+        "<parameter=precision>\n3\n</parameter>\n<parameter=scale>\n2\n</parameter>\n"
+        "<parameter=exact>\nFalse\n</parameter>\n<parameter=tags>\n['a', 'b']\n</parameter>\n"
+        "<parameter=limit>\nnull\n</parameter>\n<parameter=label>\nnull\n</parameter>\n"
+        "<parameter=note>\nline 1\nline 2\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call>")
+QWEN_AREA = ("area", {"shape": "circle", "dims": {"radius": 15.5}, "precision": 3, "scale": 2,
+                      "exact": False, "tags": ["a", "b"], "limit": None, "label": "null",
+                      "note": "line 1\nline 2"})
+DEEPSEEK = ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+            "get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>"
+            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>search_hotels\n```json\n"
+            "{\"location\": \"Paris\", \"nights\": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+
+RECORDED = [  # (parser, output, content, calls)
+    ("mistral", MISTRAL_V3, None, [WEATHER, ("now", {})]),
+    ("mistral", MISTRAL_V11, "Sure.", [WEATHER, ("now", {})]),
+    ("mistral", MISTRAL_ARGS, "Let me check.", [WEATHER, ("now", {})]),
+    # a detokenizer that puts spaces between special tokens
+    ("mistral", '[TOOL_CALLS] get_weather [ARGS] {"city": "Paris"}', None, [WEATHER]),
+    ("deepseek_v3", DEEPSEEK.replace("｜>", "｜> ").replace("<｜", " <｜"), "Let me check. ", [
+        WEATHER, ("search_hotels", {"location": "Paris", "nights": 2})]),
+    ("pythonic", PYTHONIC, None, [WEATHER, ("register", {
+        "name": "Jo 'J' Doe", "age": 37, "address": {"city": "Lyon", "zip": "69001"},
+        "role": None, "ok": True, "aliases": ["Jo", "Joe"], "score": -1.5})]),
+    ("pythonic", " [now()]\n", None, [("now", {})]),
+    ("qwen3_coder", QWEN, "I will compute it.\n", [QWEN_AREA, WEATHER]),
+    ("qwen3_coder", "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "</function>", None, [WEATHER]),  # no <tool_call> around it
+    ("qwen3_coder", "<tool_call>\n<function=now>\n</tool_call>\n<tool_call><function="
+                    "get_weather><parameter=city>Paris", None, [("now", {}), WEATHER]),  # unclosed
+    ("deepseek_v3", DEEPSEEK, "Let me check.", [
+        WEATHER, ("search_hotels", {"location": "Paris", "nights": 2})]),
+    ("deepseek_v3", DEEPSEEK.removesuffix("<｜tool▁calls▁end｜>"), "Let me check.", [
+        WEATHER, ("search_hotels", {"location": "Paris", "nights": 2})]),  # cut by EOS
+]
+
+MALFORMED = [  # (parser, output): each must come back whole, as content
+    ("mistral", "Paris is sunny."),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Par'),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}'),
+    ("mistral", '[TOOL_CALLS] [{"arguments": {}}]'),
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS][1, 2]"),
+    ("pythonic", "The list is [1, 2]."),
+    ("pythonic", "[1, 2]"),
+    ("pythonic", "[get_weather(city='Paris')"),
+    ("pythonic", "[get_weather('Paris')]"),  # positional
+    ("pythonic", "[get_weather(city=__import__('os').getcwd())]"),  # never evaluated
+    ("pythonic", "[get_weather(city=CITY)]"),
+    ("pythonic", "[get_weather(**{'city': 'Paris'})]"),
+    ("pythonic", "[f(x=b'z')]"),  # bytes are not JSON
+    ("pythonic", "[f(x=1e999)]"),  # nor is infinity
+    ("pythonic", "[os.system(cmd='ls')]"),
+    ("qwen3_coder", "Use <tool_call> tags to call tools."),
+    ("qwen3_coder", "<tool_call>\n{\"name\": \"get_weather\"}\n</tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=>\n</function>\n</tool_call>"),
+    ("deepseek_v3", "No tools needed."),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather"
+                    "\n```json\n{\"city\": \"Paris\"\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                    "{\"city\": \"Paris\"}\n```<｜tool▁calls▁end｜>"),
+    ("deepseek_v3", DEEPSEEK.replace("<｜tool▁calls▁end｜>", "and then some")),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, expected", RECORDED)
+def test_recorded_outputs_parse_whole(parser, text, content, expected):
+    got_content, parsed = parse_tool_calls(parser, text, QWEN_TOOLS)
+    assert got_content == content
+    assert calls(parsed) == expected
+    assert len({c.id for c in parsed}) == len(parsed)
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits():
+    """Mistral's chat templates refuse other ids in the history."""
+    for text in (MISTRAL_V3, MISTRAL_V11, MISTRAL_ARGS):
+        assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c.id)
+                   for c in parse_tool_calls("mistral", text)[1])
+
+
+def test_qwen3_coder_values_stay_text_without_a_schema():
+    content, parsed = parse_tool_calls("qwen3_coder", QWEN, None)
+    assert calls(parsed)[0][1]["precision"] == "3" and calls(parsed)[0][1]["exact"] == "False"
+    bad = QWEN.replace("\n3\n</parameter>", "\nthree\n</parameter>")
+    assert calls(parse_tool_calls("qwen3_coder", bad, QWEN_TOOLS)[1])[0][1]["precision"] \
+        == "three"  # not an integer: the text, as vLLM falls back
+
+
+@pytest.mark.parametrize("parser, text, content, expected",
+                         [case for case in RECORDED if case[2] is not None])
+def test_content_before_the_calls_streams_before_they_finish(parser, text, content, expected):
+    splitter = OutputSplitter(parser, tools=QWEN_TOOLS)
+    first = splitter.feed(text, finished=False)
+    assert first.content == content and first.tool_calls == []
+    last = splitter.feed("", finished=True)
+    assert last.content == "" and calls(last.tool_calls) == expected
+
+
+@pytest.mark.parametrize("parser, text", MALFORMED)
+def test_malformed_outputs_stay_content(parser, text):
+    assert parse_tool_calls(parser, text, QWEN_TOOLS) == (text, [])
+
+
+STREAM_CASES = ([(parser, text) for parser, text, _, _ in RECORDED] + MALFORMED
+                + [("pythonic", "  [no"), ("mistral", "a [TOOL_CALL"),
+                   ("deepseek_v3", "x<｜tool▁calls▁be")])
+
+
+@settings(max_examples=400, deadline=None)
+@given(cuts=st.lists(st.integers(0, 900), max_size=16), case=st.sampled_from(STREAM_CASES),
+       think=st.booleans())
+def test_new_parsers_streamed_in_any_chunks_match_the_whole_text(cuts, case, think):
+    parser, text = case
+    reasoning_parser = "qwen3" if think else None
+    output = "<think>plan [f()] <tool_call></think>" + text if think else text
+    reasoning, content, parsed = streamed(
+        OutputSplitter(parser, reasoning_parser, tools=QWEN_TOOLS), output, cuts)
+    want_content, want_calls = parse_tool_calls(parser, text, QWEN_TOOLS)
+    assert reasoning == ("plan [f()] <tool_call>" if think else "")
+    assert content == (want_content or "")
+    assert calls(parsed) == calls(want_calls)
+
+
+@pytest.mark.parametrize("parser, text", [("hermes", HERMES), ("mistral", MISTRAL_ARGS),
+                                          ("pythonic", PYTHONIC), ("qwen3_coder", QWEN),
+                                          ("deepseek_v3", DEEPSEEK)])
+def test_parallel_tool_calls_false_keeps_the_first_call(parser, text):
+    whole = OutputSplitter(parser, tools=QWEN_TOOLS, single_call=True).feed(text, True)
+    _, all_calls = parse_tool_calls(parser, text, QWEN_TOOLS)
+    assert len(all_calls) == 2 and calls(whole.tool_calls) == calls(all_calls[:1])
+    _, _, parsed = streamed(OutputSplitter(parser, tools=QWEN_TOOLS, single_call=True),
+                            text, [3, 17, 40])
+    assert calls(parsed) == calls(all_calls[:1])
+    required = OutputSplitter(forced="required", single_call=True).feed(
+        '[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {}}]', True)
+    assert calls(required.tool_calls) == [("a", {})]
+
+
+# --- the registry and --tool-parser-plugin ----------------------------------------------------
+
+PLUGIN = """
+import json, re
+from services.gateway.tool_calls import ParsedCall, register_tool_parser
+
+@register_tool_parser("angle_calls", markers=("<<",))
+def parse(text, tools):
+    start = text.find("<<")
+    names = {t["function"]["name"] for t in tools or []}
+    found = re.findall(r"<<(\\w+) (.*?)>>", text[start:])
+    if start < 0 or not found or any(name not in names for name, _ in found):
+        return text, []
+    return text[:start] or None, [ParsedCall(n, json.dumps(json.loads(a))) for n, a in found]
+"""
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The registry as it is, restored after the test (a plugin adds to it)."""
+    monkeypatch.setattr(tool_calls, "TOOL_PARSERS", dict(TOOL_PARSERS))
+    monkeypatch.setattr(tool_calls, "_loaded_plugins", set())
+    return tool_calls
+
+
+def test_the_config_lists_the_built_in_parsers():
+    assert sorted(TOOL_CALL_PARSERS) == sorted(TOOL_PARSERS)
+
+
+def test_a_plugin_registers_a_parser_that_streams_like_the_built_in_ones(registry, tmp_path):
+    plugin = tmp_path / "my_parsers.py"
+    plugin.write_text(PLUGIN)
+    with pytest.raises(ValueError, match=r"'angle_calls' is not a known tool parser; known: "
+                                         r"\['deepseek_v3', 'hermes', 'llama3_json'"):
+        check_tool_parser("angle_calls")
+    check_tool_parser("angle_calls", str(plugin))
+    check_tool_parser("angle_calls", str(plugin))  # loaded once
+    text = 'Looking.<<get_weather {"city": "Paris"}>><<area {"shape": "square"}>>'
+    assert calls(parse_tool_calls("angle_calls", text, QWEN_TOOLS)[1]) == [
+        WEATHER, ("area", {"shape": "square"})]
+    reasoning, content, parsed = streamed(OutputSplitter("angle_calls", tools=QWEN_TOOLS),
+                                          text, [5, 9, 10, 30])
+    assert content == "Looking." and calls(parsed) == [WEATHER, ("area", {"shape": "square"})]
+    assert parse_tool_calls("angle_calls", text, None) == (text, [])  # the plugin's rule
+
+
+def test_bad_plugins_and_names_are_refused_at_startup(registry, tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('no such model family')\n")
+    with pytest.raises(ValueError, match="--tool-parser-plugin .*broken.py.* failed: "
+                                         "RuntimeError: no such model family"):
+        check_tool_parser("x", str(broken))
+    with pytest.raises(ValueError, match="no such file"):
+        check_tool_parser("x", str(tmp_path / "missing.py"))
+    with pytest.raises(ValueError, match="at least one non-empty marker"):
+        tool_calls.register_tool_parser("nothing")
+    empty = tmp_path / "empty.py"
+    empty.write_text("")
+    server = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="angle_calls",
+                          tool_parser_plugin=str(empty))  # the name is checked on load
+    with pytest.raises(ConfigError, match=r"'angle_calls' is not a known tool parser; known: "
+                                          r"\['deepseek_v3', 'hermes', 'llama3_json', "
+                                          r"'mistral', 'pythonic', 'qwen3_coder'\]"):
+        check_tool_parsers(server)
+    with pytest.raises(ConfigError, match=r"--tool-call-parser must be one of \['hermes', "
+                                          r"'llama3_json', 'mistral', 'pythonic'"):
+        ServerConfig(tool_call_parser="angle_calls")
+    with pytest.raises(ConfigError, match="--tool-parser-plugin: no such file"):
+        ServerConfig(tool_call_parser="x", tool_parser_plugin=str(tmp_path / "missing.py"))
+    for name in TOOL_CALL_PARSERS:
+        check_tool_parsers(ServerConfig(enable_auto_tool_choice=True, tool_call_parser=name))

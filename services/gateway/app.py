@@ -55,6 +55,7 @@ from services.gateway.request_bodies import (LoadLoRAAdapterRequest,
 from services.gateway.replies import Inbox, Replies, next_replies
 from services.gateway.response_bodies import (DetokenizeResponse, ErrorResponse, ModelCard,
                                               ModelList, TokenizeResponse, to_dict, to_json)
+from services.gateway.tool_calls import check_tool_parser
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -96,6 +97,7 @@ class Gateway:
         self.limits = Limits(server.max_prompts_per_request, server.max_stop_strings,
                              server.max_stop_length, server.max_stop_token_ids,
                              server.max_n)
+        check_tool_parser(server.tool_call_parser, server.tool_parser_plugin)
         self.parsers = Parsers(server.tool_call_parser, server.reasoning_parser)
         config = info.config
         self.adapters = (Adapters(bus, self.names[0], config.max_lora_rank)

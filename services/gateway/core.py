@@ -24,7 +24,7 @@ from services.gateway.protocol import Job
 from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice, ChatMessage,
                                               CompletionChoice, DeltaMessage,
                                               FunctionCallDelta, ToolCallDelta, Usage)
-from services.gateway.tool_calls import OutputSplitter, ParsedCall, Piece
+from services.gateway.tool_calls import OutputSplitter, ParsedCall, Piece, tool_parser
 from services.gateway.responses import Choice
 
 # How long the scheduler may go unseen (Redis unreachable) before in-flight requests end;
@@ -134,10 +134,11 @@ class Call:
     def _splitter(self) -> OutputSplitter | None:
         job, parsers = self.job, self.parsers
         if job.tool_choice == "auto":
-            return OutputSplitter(parsers.tool_call, parsers.reasoning)
+            return OutputSplitter(parsers.tool_call, parsers.reasoning, tools=job.tools,
+                                  single_call=not job.parallel_tool_calls)
         if job.tool_choice in ("required", "function"):
             return OutputSplitter(forced="required" if job.tool_choice == "required"
-                                  else job.tool_name)
+                                  else job.tool_name, single_call=not job.parallel_tool_calls)
         return OutputSplitter(None, parsers.reasoning) if parsers.reasoning else None
 
     # --- state --------------------------------------------------------------------------
@@ -172,7 +173,7 @@ class Call:
 
     def requests(self, reply_to: str, arrival_time: float) -> list[GenerateRequest]:
         job = self.job
-        common = dict(reply_to=reply_to, params=job.params, priority=job.priority,
+        common = dict(reply_to=reply_to, params=self._params(), priority=job.priority,
                       arrival_time=arrival_time, add_special_tokens=job.add_special_tokens,
                       truncate_prompt_tokens=job.truncate_prompt_tokens, lora=self.lora)
         if job.chat:
@@ -183,6 +184,16 @@ class Call:
         return [GenerateRequest(p.rid, prompt=p.source, **common) if isinstance(p.source, str)
                 else GenerateRequest(p.rid, prompt_token_ids=p.source, **common)
                 for p in self.prompts]
+
+    def _params(self) -> dict[str, Any]:
+        """The client's parameters; a tool parser whose markers are special tokens
+        ([TOOL_CALLS]) has the detokenizer keep them, unless the client said otherwise,
+        as vLLM's parsers adjust the request."""
+        job, name = self.job, self.parsers.tool_call
+        if (job.tool_choice != "auto" or name is None or not tool_parser(name).special_tokens
+                or "skip_special_tokens" in job.params):
+            return job.params
+        return {**job.params, "skip_special_tokens": False}
 
     def offer(self, msg: TextDelta | ErrorReply, stamps: Sequence[float] = ()
               ) -> list[Applied]:

@@ -52,6 +52,7 @@ class Job:
     tools: list[dict[str, Any]] | None = None  # for the chat template
     tool_choice: str = "none"  # "none", "auto", "required" or "function" (named)
     tool_name: str | None = None  # the function a named tool_choice calls
+    parallel_tool_calls: bool = True  # false: at most one call comes back (the first)
     include_reasoning: bool = True
     priority: int = 0
     ignored: list[str] = field(default_factory=list)  # unknown fields, for the warning
@@ -243,6 +244,7 @@ def _tool_choice(req: ChatCompletionRequest, job: Job) -> None:
     if choice != "none" and not tools:
         raise ApiError(400, "'tool_choice' needs 'tools'", "tool_choice")
     job.tools = tools or None
+    job.parallel_tool_calls = req.parallel_tool_calls is not False
     if isinstance(choice, str):
         job.tool_choice = choice
         return
@@ -257,7 +259,7 @@ def _forced_calls_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
     """The schema a tool_choice of "required" or of one function puts on the output."""
     choice, tools = req.tool_choice, [t.model_dump() for t in req.tools or []]
     if choice == "required" and tools:
-        return required_schema(tools)
+        return required_schema(tools, single=req.parallel_tool_calls is False)
     if isinstance(choice, NamedToolChoice):
         named = [t for t in tools if t["function"]["name"] == choice.function.name]
         return named[0]["function"]["parameters"] or {"type": "object"} if named else None

@@ -6,30 +6,76 @@ reasoning (`<think>` models), content, and, at the end, the tool calls. Text tha
 the start of a marker is held back, as stop strings are; once a tool call's marker shows,
 the rest is held until the choice finishes and is then parsed whole, so a client never
 sees a half-written call as content. Whole (non-streamed) responses split the final text
-the same way.
+the same way. A call section that does not parse whole stays content, all of it.
 
-Parsers, by vLLM's names:
+Tool parsers, by vLLM's names:
 - `hermes` (Hermes, Qwen2.5/Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
   blocks after optional content.
 - `llama3_json` (Llama 3.1/3.2): the output is one JSON object `{"name": ...,
   "parameters": {...}}`, or several joined by `;`, optionally after `<|python_tag|>`.
+- `mistral`: content, then `[TOOL_CALLS]` and a JSON list of {"name", "arguments"}
+  (tokenizers before v11), or one `[TOOL_CALLS]name{...}` / `[TOOL_CALLS]name[ARGS]{...}`
+  per call (v11 and later). Call ids are 9 letters and digits, which Mistral's templates
+  require.
+- `pythonic` (Llama 3.2/4 pythonic, ToolACE): the output is a Python list of calls,
+  `[f(a=1, b="x"), g()]`, keyword arguments only; read with `ast`, literals only.
+- `qwen3_coder` (Qwen3-Coder): `<tool_call><function=NAME><parameter=P>value</parameter>
+  ...</function></tool_call>` blocks; a value is typed by the request's JSON schema of that
+  parameter (integer, number, boolean, object, array; a string otherwise or without one).
+- `deepseek_v3` (DeepSeek-V3, R1-0528): `<｜tool▁calls▁begin｜>`, then per call
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and the arguments in a ```json fence,
+  `<｜tool▁call▁end｜>`; then `<｜tool▁calls▁end｜>`.
 Reasoning parsers: `deepseek_r1` (the prompt opened `<think>`: everything before
 `</think>` is reasoning, all of it if the end never comes) and `qwen3` (reasoning only
 between an explicit `<think>` and `</think>`).
+
+More tool parsers come from `--tool-parser-plugin PATH`, a Python file that registers them:
+
+    from services.gateway.tool_calls import ParsedCall, register_tool_parser
+
+    @register_tool_parser("my_format", markers=("<call>",))
+    def parse(text: str, tools: list[dict] | None) -> tuple[str | None, list[ParsedCall]]:
+        ...  # (content before the calls or None, the calls); ([text], []) when none parse
+
+`markers`: strings that open a call wherever they appear; `openers`: strings that make the
+whole output calls when it starts with one (after whitespace). The stream holds text from
+there to the finish and then calls `parse` on it, so `parse` must take a text that starts at
+the marker as well as a whole output. `tools` is the request's tools (OpenAI's shape).
+`--tool-call-parser my_format` then picks it; a name the server does not know stops
+startup with the list of those it does.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
+import random
 import re
+import string
+import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 THINK_START, THINK_END = "<think>", "</think>"
 HERMES_START = "<tool_call>"
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_START, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+MISTRAL_NAME = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*")
+QWEN_FUNCTION_START = "<function="
+QWEN_FUNCTION = re.compile(  # one left open ends where the next block or function starts
+    r"<function=([^>\n]*)>(.*?)(?:</function>|(?=</tool_call>)|(?=<function=)|$)", re.DOTALL)
+QWEN_PARAMETER = re.compile(
+    r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL = re.compile(
+    r"\s*<｜tool▁call▁begin｜>(?P<kind>[^<]*)<｜tool▁sep｜>(?P<name>[^\n<]*)\s*"
+    r"```(?:json)?\s*(?P<arguments>.*?)\s*```\s*<｜tool▁call▁end｜>", re.DOTALL)
+_LITERAL_ERRORS = (ValueError, TypeError, SyntaxError, MemoryError, RecursionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,17 +96,91 @@ class Piece:
     arguments: str = ""
 
 
+# --- the registry ---------------------------------------------------------------------------
+
+Tools = list[dict[str, Any]] | None
+Parse = Callable[[str, Tools], tuple[str | None, list[ParsedCall]]]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolParser:
+    """One model family's way of writing calls: `parse` reads a finished text, `markers`
+    and `openers` (see the module's docstring) tell the stream where calls begin.
+    `special_tokens`: the markers are special tokens, which the detokenizer must keep."""
+    name: str
+    parse: Parse
+    markers: tuple[str, ...] = ()
+    openers: tuple[str, ...] = ()
+    special_tokens: bool = False
+
+
+TOOL_PARSERS: dict[str, ToolParser] = {}
+_loaded_plugins: set[Path] = set()
+
+
+def register_tool_parser(name: str, *, markers: tuple[str, ...] = (),
+                         openers: tuple[str, ...] = (), special_tokens: bool = False
+                         ) -> Callable[[Parse], Parse]:
+    """A decorator that makes `parse` the tool parser `name` (replacing one of that name,
+    as vLLM's registry does)."""
+    if not name or not (markers or openers) or "" in (*markers, *openers):
+        raise ValueError(f"tool parser {name!r}: give a name and at least one non-empty "
+                         "marker or opener (where its calls begin)")
+
+    def register(parse: Parse) -> Parse:
+        TOOL_PARSERS[name] = ToolParser(name, parse, tuple(markers), tuple(openers),
+                                        special_tokens)
+        return parse
+    return register
+
+
+def load_tool_parser_plugin(path: str) -> None:
+    """Run a --tool-parser-plugin file once; its register_tool_parser calls add parsers."""
+    file = Path(path).resolve()
+    if file in _loaded_plugins:
+        return
+    if not file.is_file():
+        raise ValueError(f"--tool-parser-plugin: no such file {path!r}")
+    spec = importlib.util.spec_from_file_location(f"headrace_tool_parser_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--tool-parser-plugin: {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the plugin's own error, named, instead of a traceback
+        del sys.modules[spec.name]
+        raise ValueError(f"--tool-parser-plugin {path!r} failed: "
+                         f"{type(e).__name__}: {e}") from e
+    _loaded_plugins.add(file)
+
+
+def check_tool_parser(name: str | None, plugin: str | None = None) -> None:
+    """Load the plugin, if any, and refuse a parser name nobody registered: at startup,
+    not at a request's end."""
+    if plugin is not None:
+        load_tool_parser_plugin(plugin)
+    if name is not None and name not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser {name!r} is not a known tool parser; known: "
+                         f"{sorted(TOOL_PARSERS)} (--tool-parser-plugin registers more)")
+
+
+def tool_parser(name: str) -> ToolParser:
+    check_tool_parser(name)
+    return TOOL_PARSERS[name]
+
+
 # --- whole texts ---------------------------------------------------------------------------
 
-def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ParsedCall]]:
+def parse_tool_calls(parser: str, text: str, tools: Tools = None
+                     ) -> tuple[str | None, list[ParsedCall]]:
     """(content, calls) of a finished output; text that does not parse as calls stays
     content, as vLLM keeps it."""
-    if parser == "hermes":
-        return _hermes(text)
-    return _llama3_json(text)
+    return tool_parser(parser).parse(text, tools)
 
 
-def _hermes(text: str) -> tuple[str | None, list[ParsedCall]]:
+@register_tool_parser("hermes", markers=(HERMES_START,))
+def _hermes(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall]]:
     start = text.find(HERMES_START)
     if start < 0:
         return text, []
@@ -70,7 +190,8 @@ def _hermes(text: str) -> tuple[str | None, list[ParsedCall]]:
     return text[:start] or None, calls  # type: ignore[return-value]
 
 
-def _llama3_json(text: str) -> tuple[str | None, list[ParsedCall]]:
+@register_tool_parser("llama3_json", openers=("{", PYTHON_TAG))
+def _llama3_json(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall]]:
     body = text.strip()
     body = body.removeprefix(PYTHON_TAG).lstrip()
     if not body.startswith("{"):
@@ -88,6 +209,182 @@ def _llama3_json(text: str) -> tuple[str | None, list[ParsedCall]]:
         calls.append(call)
         at = _skip(body, at, ";")
     return None, calls
+
+
+@register_tool_parser("mistral", markers=(MISTRAL_START,), special_tokens=True)
+def _mistral(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall]]:
+    start = text.find(MISTRAL_START)
+    if start < 0:
+        return text, []
+    body = text[start + len(MISTRAL_START):]
+    if body.lstrip().startswith(("[", "{")):  # before v11: one JSON list of calls
+        calls = _json_calls(body.strip())
+    else:
+        calls = [_mistral_call(part) for part in body.split(MISTRAL_START)]
+    if not calls or None in calls:
+        return text, []
+    return text[:start] or None, [ParsedCall(c.name, c.arguments, _mistral_id())
+                                  for c in calls]  # type: ignore[union-attr]
+
+
+def _json_calls(body: str) -> list[ParsedCall | None]:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return []
+    return [_call_of(v, "arguments") for v in (value if isinstance(value, list) else [value])]
+
+
+def _mistral_call(part: str) -> ParsedCall | None:
+    """`name{...}` or `name[ARGS]{...}`: the name, then one JSON object."""
+    name = MISTRAL_NAME.match(part)
+    if name is None:
+        return None
+    rest = part[name.end():].removeprefix(MISTRAL_ARGS)
+    return _arguments_object(name.group(1), rest)
+
+
+def _arguments_object(name: str, text: str) -> ParsedCall | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    return ParsedCall(name, json.dumps(value, ensure_ascii=False))
+
+
+def _mistral_id() -> str:
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+@register_tool_parser("pythonic", openers=("[",))
+def _pythonic(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall]]:
+    body = text.strip()
+    if not body.startswith("["):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except _LITERAL_ERRORS:
+        return text, []
+    calls = [_python_call(node) for node in tree.elts] if isinstance(tree, ast.List) else []
+    if not calls or None in calls:
+        return text, []
+    return None, calls  # type: ignore[return-value]
+
+
+def _python_call(node: ast.expr) -> ParsedCall | None:
+    """`f(a=1, b="x")`: keyword arguments whose values are literals, nothing evaluated."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        return None
+    try:
+        arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords
+                     if kw.arg is not None}
+        if len(arguments) != len(node.keywords):
+            return None  # a **spread
+        return ParsedCall(node.func.id, json.dumps(arguments, ensure_ascii=False,
+                                                   allow_nan=False))
+    except _LITERAL_ERRORS:  # a name, an expression, bytes, a set, inf: not JSON
+        return None
+
+
+@register_tool_parser("qwen3_coder", markers=(HERMES_START, QWEN_FUNCTION_START))
+def _qwen3_coder(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall]]:
+    starts = [at for at in (text.find(HERMES_START), text.find(QWEN_FUNCTION_START)) if at >= 0]
+    if not starts:
+        return text, []
+    start = min(starts)
+    functions = list(QWEN_FUNCTION.finditer(text, start))
+    if not functions or len(functions) < text.count(HERMES_START, start):
+        return text, []  # a <tool_call> without a function
+    calls = [_qwen_call(f.group(1).strip(), f.group(2), tools) for f in functions]
+    if None in calls:
+        return text, []
+    return text[:start] or None, calls  # type: ignore[return-value]
+
+
+def _qwen_call(name: str, body: str, tools: Tools) -> ParsedCall | None:
+    if not name:
+        return None
+    schemas = _parameter_schemas(tools, name)
+    arguments = {}
+    for parameter in QWEN_PARAMETER.finditer(body):
+        key = parameter.group(1).strip()
+        value = parameter.group(2).removeprefix("\n").removesuffix("\n")
+        arguments[key] = _typed(value, schemas.get(key))
+    return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _parameter_schemas(tools: Tools, name: str) -> dict[str, Any]:
+    for tool in tools or []:
+        function = tool.get("function") or {}
+        if function.get("name") == name:
+            properties = (function.get("parameters") or {}).get("properties")
+            return properties if isinstance(properties, dict) else {}
+    return {}
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A parameter's text as its schema's type; the text itself where it does not read
+    as one (or there is no schema), as vLLM falls back."""
+    kind = _schema_type(schema)
+    if kind in (None, "string"):
+        return value
+    bare = value.strip()
+    if bare.lower() == "null":
+        return None
+    try:
+        if kind == "integer":
+            return int(bare)
+        if kind in ("number", "float"):
+            return int(bare) if re.fullmatch(r"-?\d+", bare) else float(bare)
+        if kind == "boolean":
+            return {"true": True, "false": False}[bare.lower()]
+    except (ValueError, KeyError):
+        return value
+    try:  # object, array and the rest: JSON, else a Python literal
+        return json.loads(bare)
+    except ValueError:
+        pass
+    try:
+        literal = ast.literal_eval(bare)
+        json.dumps(literal, allow_nan=False)
+        return literal
+    except _LITERAL_ERRORS:
+        return value
+
+
+def _schema_type(schema: Any) -> str | None:
+    """The first non-null type a schema allows (`type`, a list of types, or anyOf/oneOf)."""
+    if not isinstance(schema, dict):
+        return None
+    kinds = schema.get("type")
+    for kind in kinds if isinstance(kinds, list) else [kinds]:
+        if isinstance(kind, str) and kind != "null":
+            return kind
+    for option in (*schema.get("anyOf", ()), *schema.get("oneOf", ())):
+        if (kind := _schema_type(option)) is not None:
+            return kind
+    return None
+
+
+@register_tool_parser("deepseek_v3", markers=(DEEPSEEK_CALLS_BEGIN,), special_tokens=True)
+def _deepseek_v3(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall]]:
+    start = text.find(DEEPSEEK_CALLS_BEGIN)
+    if start < 0:
+        return text, []
+    at, calls = start + len(DEEPSEEK_CALLS_BEGIN), []
+    while (match := DEEPSEEK_CALL.match(text, at)) is not None:
+        call = (_arguments_object(match["name"].strip(), match["arguments"])
+                if match["kind"].strip() == "function" and match["name"].strip() else None)
+        if call is None:
+            return text, []
+        calls.append(call)
+        at = match.end()
+    rest = text[at:].strip()
+    if not calls or (rest and not rest.startswith(DEEPSEEK_CALLS_END)):
+        return text, []  # the end marker may be missing (cut by EOS), not other text
+    return text[:start] or None, calls
 
 
 def _skip(body: str, at: int, separator: str) -> int:
@@ -124,9 +421,11 @@ def parse_required(text: str) -> tuple[str | None, list[ParsedCall]]:
     return None, calls  # type: ignore[return-value]
 
 
-def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON schema that makes a model's output a list of calls of these tools."""
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+def required_schema(tools: list[dict[str, Any]], single: bool = False) -> dict[str, Any]:
+    """The JSON schema that makes a model's output a list of calls of these tools (one call
+    with `single`: parallel_tool_calls false)."""
+    most = {"maxItems": 1} if single else {}
+    return {"type": "array", "minItems": 1, **most, "items": {"anyOf": [
         {"type": "object", "required": ["name", "parameters"], "properties": {
             "name": {"type": "string", "enum": [tool["function"]["name"]]},
             "parameters": tool["function"].get("parameters") or {"type": "object"}}}
@@ -154,17 +453,26 @@ def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
 class OutputSplitter:
     """One choice's text, released as reasoning, content and tool calls. `forced` is a
     tool_choice that leaves the model no choice: "required", or the name of the one
-    function whose arguments the whole output is."""
+    function whose arguments the whole output is. `tools` are the request's (some parsers
+    type arguments by them); `single_call` keeps only the first call
+    (parallel_tool_calls false, as vLLM does)."""
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     forced: str | None = None
+    tools: Tools = None
+    single_call: bool = False
     text: str = ""  # everything so far
     released: int = 0  # how much of `text` went out
+    content_from: int = 0  # where the content starts: after a leading reasoning
     thinking: bool = False  # between the reasoning's markers
     holding_calls: bool = False  # a tool call started: the rest waits for the finish
+    opens_content: bool = False  # the reasoning under way came first
+    parser: ToolParser | None = None
 
     def __post_init__(self) -> None:
-        self.thinking = self.reasoning_parser == "deepseek_r1"
+        self.thinking = self.opens_content = self.reasoning_parser == "deepseek_r1"
+        if self.tool_parser is not None:
+            self.parser = tool_parser(self.tool_parser)
 
     def feed(self, new: str, finished: bool) -> Piece:
         self.text += new
@@ -179,18 +487,21 @@ class OutputSplitter:
                 self._release_content(piece, finished)
             if self.released == before:
                 break
-        if finished and self.holding_calls:
-            content, piece.tool_calls = parse_tool_calls(
-                self.tool_parser or "", self.text[self.released:])
+        if finished and self.holding_calls and self.parser is not None:
+            content, calls = self.parser.parse(self.text[self.released:], self.tools)
             piece.content += content or ""
+            piece.tool_calls = self._kept(calls)
             self.released = len(self.text)
         return piece
+
+    def _kept(self, calls: list[ParsedCall]) -> list[ParsedCall]:
+        return calls[:1] if self.single_call else calls
 
     def _forced(self, piece: Piece, finished: bool) -> Piece:
         if self.forced == "required":
             if finished:
-                piece.content, piece.tool_calls = parse_required(self.text)
-                piece.content = piece.content or ""
+                content, calls = parse_required(self.text)
+                piece.content, piece.tool_calls = content or "", self._kept(calls)
             return piece
         if not self.holding_calls:  # the named call opens with the first piece
             self.holding_calls = True
@@ -212,6 +523,8 @@ class OutputSplitter:
             piece.reasoning += rest[:end]
             self.released += end + len(THINK_END)
             self.thinking = False
+            if self.opens_content:
+                self.content_from = self.released
             return
         keep = 0 if finished else _partial_marker(rest, THINK_END)
         piece.reasoning += rest[:len(rest) - keep]
@@ -219,7 +532,7 @@ class OutputSplitter:
 
     def _release_content(self, piece: Piece, finished: bool) -> None:
         rest = self.text[self.released:]
-        if self._llama3_start(rest, finished):
+        if self._opened_by_calls(rest, finished):
             return
         markers = self._content_markers()
         starts = [(rest.find(m), m) for m in markers if m in rest]
@@ -228,6 +541,8 @@ class OutputSplitter:
             piece.content += rest[:at]
             self.released += at
             if marker == THINK_START:
+                # a reasoning that opens the content: the content starts after it
+                self.opens_content = at == 0 and self.released == self.content_from
                 self.released += len(marker)
                 self.thinking = True
             else:
@@ -237,23 +552,24 @@ class OutputSplitter:
         piece.content += rest[:len(rest) - keep]
         self.released += len(rest) - keep
 
-    def _llama3_start(self, rest: str, finished: bool) -> bool:
-        """Whether the output's start makes it Llama 3 tool calls, or may yet: then
-        nothing is released now."""
-        if self.tool_parser != "llama3_json" or self.released:
+    def _opened_by_calls(self, rest: str, finished: bool) -> bool:
+        """Whether the content's start makes it calls (a parser's openers: `{` of Llama 3,
+        `[` of pythonic), or may yet: then nothing is released now."""
+        openers = self.parser.openers if self.parser is not None else ()
+        if not openers or self.released != self.content_from:
             return False
         head = rest.lstrip()
-        if head.startswith(("{", PYTHON_TAG)):
+        if head.startswith(openers):
             self.holding_calls = True
             return True
-        return not finished and PYTHON_TAG.startswith(head)
+        return not finished and any(opener.startswith(head) for opener in openers)
 
     def _content_markers(self) -> list[str]:
         markers = []
         if self.reasoning_parser == "qwen3" and self.released == 0:
             markers.append(THINK_START)
-        if self.tool_parser == "hermes":
-            markers.append(HERMES_START)
+        if self.parser is not None:
+            markers += self.parser.markers
         return markers
 
 
