@@ -197,6 +197,8 @@ class EngineConfig:
         "vLLM's older flag: --speculative-config's prompt_lookup_min."))
 
     def __post_init__(self) -> None:
+        if isinstance(self.compilation_config, (int, dict)):  # vLLM's LLM takes these
+            self.compilation_config = json.dumps(self.compilation_config)
         self.validate()
         if not self.compilation()[0]:
             self.enforce_eager = True
@@ -490,6 +492,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             setattr(self, name, _words(name, getattr(self, name)))
+        if self.root_path is not None:  # "/llm/" is "/llm", "/" no prefix at all
+            self.root_path = self.root_path.rstrip("/") or None
         self.validate()
 
     def validate(self) -> None:
@@ -516,10 +520,9 @@ class ServerConfig:
             _choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         _choice("uvicorn_log_level", self.uvicorn_log_level, UVICORN_LOG_LEVELS)
         self._validate_tls()
-        if self.root_path is not None and (not self.root_path.startswith("/")
-                                           or self.root_path.endswith("/")):
-            raise ConfigError(f"--root-path must start with / and not end with one, e.g. "
-                              f"/llm; got {self.root_path!r}")
+        if self.root_path is not None and not self.root_path.startswith("/"):
+            raise ConfigError(f"--root-path must start with /, e.g. /llm; got "
+                              f"{self.root_path!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                               f"{list(TOOL_CALL_PARSERS)})")

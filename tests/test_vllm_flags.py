@@ -8,8 +8,9 @@ import logging
 
 import pytest
 
-from common.config import (ConfigError, EngineConfig, add_engine_args, add_server_args,
-                           engine_args_to_cli, engine_config_from_args)
+from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_args,
+                           add_server_args, engine_args_to_cli, engine_config_from_args,
+                           server_args_to_cli, server_config_from_args)
 from common.vllm_flags import FOREIGN_FLAGS
 
 # The serve flags named in ../shared/seeds (vLLM's docs of its serve arguments), as a
@@ -206,3 +207,32 @@ def test_pooler_flags_choose_the_embeddings_pooling():
         assert words in str(info.value)
     with pytest.raises(ConfigError, match="--task classify is not supported"):
         engine_config_from_args(parser().parse_args(["m", "--task", "classify"]))
+
+
+def test_the_offline_llm_may_give_the_compilation_level_as_vllm_does():
+    assert EngineConfig(model="m", compilation_config=0).enforce_eager
+    assert not EngineConfig(model="m", compilation_config={"level": 3}).enforce_eager
+
+
+def test_server_options_parse_as_vllm_spells_them():
+    args = parser().parse_args(["m", "--allowed-origins", '["https://a.example", "https://b"]',
+                                "--allowed-methods", "GET", "POST", "--root-path", "/llm/"])
+    server = server_config_from_args(args)
+    assert server.allowed_origins == ["https://a.example", "https://b"]
+    assert server.allowed_methods == ["GET", "POST"] and server.allowed_headers == ["*"]
+    assert server.root_path == "/llm" and server.scheme == "http"
+    again = server_config_from_args(parser().parse_args(["m", *server_args_to_cli(server)]))
+    assert again == server  # what the launcher hands its children
+    nobody = ServerConfig(allowed_origins=["[]"])
+    assert server_config_from_args(parser().parse_args(
+        ["m", *server_args_to_cli(nobody)])).allowed_origins == []
+    for bad, words in (({"ssl_keyfile": "k.pem"}, "go together"),
+                       ({"ssl_cert_reqs": 2}, "need --ssl-keyfile"),
+                       ({"ssl_keyfile": "k", "ssl_certfile": "c", "ssl_cert_reqs": 3},
+                        r"0 \(none\)"),
+                       ({"allowed_origins": ['["a", 1]']}, "JSON list of strings"),
+                       ({"root_path": "llm"}, "must start with /"),
+                       ({"uvicorn_log_level": "loud"}, "--uvicorn-log-level")):
+        with pytest.raises(ConfigError, match=words):
+            ServerConfig(**bad)
+    assert ServerConfig(ssl_keyfile="k", ssl_certfile="c").scheme == "https"
