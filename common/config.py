@@ -69,8 +69,9 @@ class EngineConfig:
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "Fraction of GPU memory for weights, activations and the KV cache (0, 1]."))
     kv_cache_memory: int | None = field(default=None, metadata=_help(
-        "KV cache size in bytes per GPU; overrides --gpu-memory-utilization (no memory "
-        "profile sizes the cache). Default on CPU: 1 GiB.",
+        "KV cache size in bytes per GPU, instead of what --gpu-memory-utilization leaves "
+        "(on a GPU the memory profile checks that it fits beside the weights, activations "
+        "and CUDA graphs). Default on CPU: 1 GiB.",
         aliases=("--kv-cache-memory-bytes",)))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_help(
         "Use exactly this many KV blocks (testing preemption, benchmarks)."))

@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 import torch
 from common import keys, messages
 from common.chat import render_chat
-from common.config import ServerConfig
+from common.config import EngineConfig, ServerConfig
 from common.errors import ApiError
 from common.messages import GenerateRequest, ReplyBatch, SchedulerStats, TextDelta, TokenLogprobs
 from common.metrics import Metrics
@@ -39,6 +39,7 @@ from services.gateway.core import Call
 from services.gateway.http_options import ACCESS_LOGGER, ALL_METHODS, with_http_options
 from services.gateway.protocol import parse_job
 from services.worker.loader import iter_safetensors
+from services.worker.memory import plan_num_blocks
 from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, start_server
 from tests.test_gateway import AUTH, fake_stages
 from tests.text_fixtures import SMOLLM2_TOKENIZER_DIR
@@ -351,3 +352,46 @@ def test_loading_shows_a_progress_bar_unless_told_not_to(tmp_path, capsys, progr
     names = [name for name, _ in iter_safetensors(tmp_path, progress)]
     assert names == ["a", "b"]
     assert ("Loading weights" in capsys.readouterr().err) is progress
+
+
+# --- --kv-cache-memory-bytes ---------------------------------------------------------------
+
+GIB = 2**30
+
+
+class ProfiledRunner:
+    """A runner on a device whose memory readings the test sets (no GPU here)."""
+    device = torch.device("cuda")
+
+    def __init__(self) -> None:
+        self.profiled = False
+
+    def profile_run(self) -> None:
+        self.profiled = True
+
+
+@pytest.fixture
+def device_memory(monkeypatch):
+    """80 GiB: 10 of weights, a 12 GiB peak with the activations, 1 GiB outside torch."""
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 10 * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 12 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 12 * GIB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (67 * GIB, 80 * GIB))
+
+
+def test_kv_cache_memory_bytes_sizes_the_cache_instead_of_the_utilization(device_memory):
+    per_block = 2**20
+    config = EngineConfig(model="m", max_model_len=64, enforce_eager=True,
+                          gpu_memory_utilization=0.5, kv_cache_memory=30 * GIB)
+    runner = ProfiledRunner()
+    assert plan_num_blocks(config, runner, per_block) == 30 * GIB // per_block
+    assert runner.profiled  # the profile still checks the fit
+    by_fraction = EngineConfig(model="m", max_model_len=64, enforce_eager=True)
+    assert plan_num_blocks(by_fraction, ProfiledRunner(), per_block) \
+        == (int(80 * GIB * 0.9) - 12 * GIB - GIB) // per_block
+    too_big = EngineConfig(model="m", max_model_len=64, enforce_eager=True,
+                           kv_cache_memory=68 * GIB)
+    with pytest.raises(MemoryError, match="--kv-cache-memory-bytes .* does not fit"):
+        plan_num_blocks(too_big, ProfiledRunner(), per_block)
