@@ -24,6 +24,7 @@ from common.model_info import check_devices, resolve_engine, shard_gpus
 from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
 from common.redis_server import EmbeddedRedis, redis_url_or_embedded, spawn_child
 from common.service import LOAD_FAILED_EXIT, service_parser
+from services.gateway.http_options import tls_context
 
 STOP_TIMEOUT_S = 15.0
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
@@ -208,12 +209,22 @@ def check_lora_modules(engine: EngineConfig, server: ServerConfig) -> None:
             raise ConfigError(f"--lora-modules: {e}") from None
 
 
+def check_tls(server: ServerConfig) -> None:
+    """A certificate or key the gateways cannot load stops serve here, before they are
+    restarted again and again."""
+    try:
+        tls_context(server)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"--ssl-certfile/--ssl-keyfile/--ssl-ca-certs: {e}") from None
+
+
 def main(argv: list[str]) -> int:
     parser = service_parser("serve", __doc__ or "")
     args, engine, server = parse_configs(parser, argv)
     configure_logging("launcher")
     try:  # a GGUF converts once, here; a model, or a shard the model or machine cannot
         # hold, is refused before Redis or any child starts
+        check_tls(server)
         resolve_engine(engine)
         check_devices(engine, engine.data_parallel_size)
         check_lora_modules(engine, server)

@@ -29,11 +29,12 @@ from transformers import AutoTokenizer
 import torch
 from common import keys, messages
 from common.chat import render_chat
-from common.config import EngineConfig, ServerConfig
+from common.config import ConfigError, EngineConfig, ServerConfig
 from common.errors import ApiError
 from common.messages import GenerateRequest, ReplyBatch, SchedulerStats, TextDelta, TokenLogprobs
 from common.metrics import Metrics
 from common.redis_server import EmbeddedRedis
+from services import launcher
 from services.demo import demo_model_path
 from services.gateway.core import Call
 from services.gateway.http_options import ACCESS_LOGGER, ALL_METHODS, with_http_options
@@ -395,3 +396,13 @@ def test_kv_cache_memory_bytes_sizes_the_cache_instead_of_the_utilization(device
                            kv_cache_memory=68 * GIB)
     with pytest.raises(MemoryError, match="--kv-cache-memory-bytes .* does not fit"):
         plan_num_blocks(too_big, ProfiledRunner(), per_block)
+
+
+def test_serve_refuses_a_certificate_it_cannot_load(tmp_path, certificate):
+    """Before any child starts (services/launcher.py main), in one line."""
+    launcher.check_tls(ServerConfig(ssl_keyfile=str(certificate.parent / "key.pem"),
+                                    ssl_certfile=str(certificate)))
+    for key, cert in ((tmp_path / "none.pem", tmp_path / "none.pem"),
+                      (certificate, certificate)):  # no key in it
+        with pytest.raises(ConfigError, match="--ssl-certfile"):
+            launcher.check_tls(ServerConfig(ssl_keyfile=str(key), ssl_certfile=str(cert)))
