@@ -461,6 +461,8 @@ class ServerConfig:
                                "trace"] = field(default="info", metadata=_help(
         "Log level of the gateway processes (vLLM's flag for its HTTP server); debug and "
         "trace also log one access line per HTTP request."))
+    disable_uvicorn_access_log: bool = field(default=False, metadata=_help(
+        "No access lines, whatever --uvicorn-log-level says."))
     root_path: str | None = field(default=None, metadata=_help(
         "The path prefix a path-based proxy serves this API under, e.g. /llm: every route "
         "answers both with the prefix and without it (a proxy that strips it)."))

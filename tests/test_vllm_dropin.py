@@ -8,6 +8,7 @@ httpx2)."""
 from __future__ import annotations
 
 import json
+import logging
 import ssl
 import subprocess
 import time
@@ -37,7 +38,8 @@ from common.redis_server import EmbeddedRedis
 from services import launcher
 from services.demo import demo_model_path
 from services.gateway.core import Call
-from services.gateway.http_options import ACCESS_LOGGER, ALL_METHODS, with_http_options
+from services.gateway.http_options import (ACCESS_LOGGER, ALL_METHODS, REQUEST_LOGGER,
+                                           apply_log_levels, with_http_options)
 from services.gateway.protocol import parse_job
 from services.worker.loader import iter_safetensors
 from services.worker.memory import plan_num_blocks
@@ -406,3 +408,19 @@ def test_serve_refuses_a_certificate_it_cannot_load(tmp_path, certificate):
                       (certificate, certificate)):  # no key in it
         with pytest.raises(ConfigError, match="--ssl-certfile"):
             launcher.check_tls(ServerConfig(ssl_keyfile=str(key), ssl_certfile=str(cert)))
+
+
+def test_log_levels_follow_the_flags():
+    root, requests = logging.getLogger(), logging.getLogger(REQUEST_LOGGER)
+    saved = root.level, requests.level
+    try:
+        assert apply_log_levels(ServerConfig()) is None and root.level == saved[0]
+        assert apply_log_levels(ServerConfig(uvicorn_log_level="trace")) is not None
+        assert root.level == logging.DEBUG
+        assert apply_log_levels(ServerConfig(uvicorn_log_level="debug",
+                                             disable_uvicorn_access_log=True)) is None
+        apply_log_levels(ServerConfig(uvicorn_log_level="error", disable_log_requests=True))
+        assert (root.level, requests.level) == (logging.ERROR, logging.WARNING)
+    finally:
+        root.setLevel(saved[0])
+        requests.setLevel(saved[1])

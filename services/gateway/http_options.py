@@ -119,11 +119,12 @@ def tls_context(server: ServerConfig) -> ssl.SSLContext | None:
 def apply_log_levels(server: ServerConfig) -> logging.Logger | None:
     """Set the process's levels from --uvicorn-log-level (when given: otherwise
     HEADRACE_LOG_LEVEL's stays) and --disable-log-requests; the access logger to give
-    aiohttp, at debug and trace (None: no access lines)."""
+    aiohttp, at debug and trace unless --disable-uvicorn-access-log (None: no access
+    lines)."""
     if server.uvicorn_log_level != "info":
         logging.getLogger().setLevel(LOG_LEVELS[server.uvicorn_log_level])
     if server.disable_log_requests:
         logging.getLogger(REQUEST_LOGGER).setLevel(logging.WARNING)
-    if LOG_LEVELS[server.uvicorn_log_level] <= logging.DEBUG:
-        return logging.getLogger(ACCESS_LOGGER)
-    return None
+    if server.disable_uvicorn_access_log or LOG_LEVELS[server.uvicorn_log_level] > logging.DEBUG:
+        return None
+    return logging.getLogger(ACCESS_LOGGER)
