@@ -457,6 +457,9 @@ class ServerConfig:
     disable_log_requests: bool = field(default=False, metadata=_help(
         "Leave out the gateway's log lines of each request (queued, finished, refused); "
         "its warnings and errors stay."))
+    enable_log_requests: bool | None = field(default=None, metadata=_help(
+        "vLLM's later spelling (off by default there): --no-enable-log-requests is "
+        "--disable-log-requests; headrace logs each request unless told not to."))
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug",
                                "trace"] = field(default="info", metadata=_help(
         "Log level of the gateway processes (vLLM's flag for its HTTP server); debug and "
@@ -541,6 +544,10 @@ class ServerConfig:
         if self.ssl_keyfile is None and (self.ssl_ca_certs or self.ssl_cert_reqs):
             raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and "
                               "--ssl-certfile")
+
+    @property
+    def logs_requests(self) -> bool:
+        return not self.disable_log_requests and self.enable_log_requests is not False
 
     @property
     def scheme(self) -> str:

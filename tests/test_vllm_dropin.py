@@ -421,6 +421,8 @@ def test_log_levels_follow_the_flags():
                                              disable_uvicorn_access_log=True)) is None
         apply_log_levels(ServerConfig(uvicorn_log_level="error", disable_log_requests=True))
         assert (root.level, requests.level) == (logging.ERROR, logging.WARNING)
+        assert ServerConfig(enable_log_requests=True).logs_requests
+        assert not ServerConfig(enable_log_requests=False).logs_requests
     finally:
         root.setLevel(saved[0])
         requests.setLevel(saved[1])

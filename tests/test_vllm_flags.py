@@ -102,7 +102,7 @@ def test_the_no_form_of_a_switch_without_effect_warns_as_the_switch_does(flag, c
 ISSUE_33_FLAGS = """
 disable-log-requests uvicorn-log-level allowed-origins allowed-methods allowed-headers
 allow-credentials ssl-keyfile ssl-certfile ssl-ca-certs ssl-cert-reqs root-path
-disable-uvicorn-access-log
+disable-uvicorn-access-log enable-log-requests
 return-tokens-as-token-ids enable-prompt-tokens-details kv-cache-memory-bytes
 async-scheduling compilation-config O
 """.split()

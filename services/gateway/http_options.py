@@ -123,7 +123,7 @@ def apply_log_levels(server: ServerConfig) -> logging.Logger | None:
     lines)."""
     if server.uvicorn_log_level != "info":
         logging.getLogger().setLevel(LOG_LEVELS[server.uvicorn_log_level])
-    if server.disable_log_requests:
+    if not server.logs_requests:
         logging.getLogger(REQUEST_LOGGER).setLevel(logging.WARNING)
     if server.disable_uvicorn_access_log or LOG_LEVELS[server.uvicorn_log_level] > logging.DEBUG:
         return None

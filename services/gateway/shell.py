@@ -107,7 +107,7 @@ async def serve(ctx: ServiceContext) -> None:
                          f"{server.root_path or ''}",
                      gateway=gateway_id, models=gateway.names,
                      allowed_origins=server.allowed_origins,
-                     log_requests=not server.disable_log_requests,
+                     log_requests=server.logs_requests,
                      log_level=server.uvicorn_log_level)
             await ctx.stop.wait()
             await gateway.drain(ctx.server.shutdown_timeout)
