@@ -22,11 +22,17 @@ def plain_conversation(messages: Any) -> list[dict[str, Any]]:
 def plain_message(message: Any, i: int) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ApiError(400, f"messages[{i}] must be an object with a string role.", "messages")
+    # Templates read message['content'] of every message, also of an assistant turn that
+    # only calls tools (content null or left out), and fail without the key. transformers
+    # drops None-valued keys before rendering, so such a turn gets "", as vLLM renders a
+    # null content for templates that take strings.
+    if message.get("content") is None:
+        message = {**message, "content": ""}
     if message.get("tool_calls"):
         calls = [_call_for_template(c) for c in message["tool_calls"]]
         message = {**message, "tool_calls": calls}
-    content = message.get("content")
-    if content is None or isinstance(content, str):
+    content = message["content"]
+    if isinstance(content, str):
         return message
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):

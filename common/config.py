@@ -36,6 +36,8 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_code
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 POOLING_TYPES = ("LAST", "MEAN")
 POOLER_KEYS = ("pooling_type", "normalize")  # of vLLM's PoolerConfig, those honoured here
+NGRAM_MODEL = "[ngram]"  # vLLM's older --speculative-model value for prompt lookup
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 class ConfigError(ValueError):
@@ -68,7 +70,10 @@ class EngineConfig:
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "Fraction of GPU memory for weights, activations and the KV cache (0, 1]."))
     kv_cache_memory: int | None = field(default=None, metadata=_help(
-        "KV cache size in bytes; overrides gpu_memory_utilization. Default on CPU: 1 GiB."))
+        "KV cache size in bytes per GPU, instead of what --gpu-memory-utilization leaves "
+        "(on a GPU the memory profile checks that it fits beside the weights, activations "
+        "and CUDA graphs). Default on CPU: 1 GiB.",
+        aliases=("--kv-cache-memory-bytes",)))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_help(
         "Use exactly this many KV blocks (testing preemption, benchmarks)."))
     max_num_batched_tokens: int | None = field(default=None, metadata=_help(
@@ -108,6 +113,14 @@ class EngineConfig:
         "--generation-config gives."))
     enforce_eager: bool = field(default=False, metadata=_help(
         "Never capture or replay CUDA graphs."))
+    compilation_config: str | None = field(default=None, metadata=_help(
+        "vLLM's compilation level or object (-O3, -O 0, -O.level=3, -O.mode=0, "
+        "'{\"level\": 3, \"cudagraph_mode\": \"NONE\"}'). headrace has no torch.compile: "
+        "level (or mode) 0, or cudagraph_mode NONE, turn CUDA graphs off as "
+        "--enforce-eager does; any other level keeps them on; other keys have no effect.",
+        aliases=("-O",)))
+    use_tqdm_on_load: bool = field(default=True, metadata=_help(
+        "Show a progress bar while the weights load (the safetensors tensors read)."))
     scheduling_policy: Literal["fcfs", "priority"] = field(default="fcfs", metadata=_help(
         "fcfs: first come first served; priority: lower value first, then arrival."))
     max_logprobs: int = field(default=20, metadata=_help(
@@ -175,6 +188,9 @@ class EngineConfig:
         "the target's vocabulary, e.g. '{\"method\": \"draft_model\", \"model\": DIR, "
         "\"num_speculative_tokens\": 3}' (loaded with --load-format and --dtype; "
         "tensor-parallel size 1 only)."))
+    speculative_model: str | None = field(default=None, metadata=_help(
+        "vLLM's older flag: --speculative-config's draft model (its directory, .gguf or "
+        "hub id), or '[ngram]' for the ngram method."))
     num_speculative_tokens: int | None = field(default=None, metadata=_help(
         "vLLM's older flag: --speculative-config's num_speculative_tokens."))
     ngram_prompt_lookup_max: int | None = field(default=None, metadata=_help(
@@ -183,7 +199,11 @@ class EngineConfig:
         "vLLM's older flag: --speculative-config's prompt_lookup_min."))
 
     def __post_init__(self) -> None:
+        if isinstance(self.compilation_config, (int, dict)):  # vLLM's LLM takes these
+            self.compilation_config = json.dumps(self.compilation_config)
         self.validate()
+        if not self.compilation()[0]:
+            self.enforce_eager = True
 
     def validate(self) -> None:
         if self.block_size not in BLOCK_SIZES:
@@ -213,6 +233,7 @@ class EngineConfig:
         self.pooling()
         self._validate_lora()
         self.speculative()
+        self.compilation()
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and not self.enable_chunked_prefill
                 and self.max_num_batched_tokens < self.max_model_len):
@@ -275,6 +296,10 @@ class EngineConfig:
         for key, given in older.items():
             if given is not None:
                 value.setdefault(key, given)
+        if self.speculative_model == NGRAM_MODEL:
+            value.setdefault("method", "ngram")
+        elif self.speculative_model is not None:
+            value.setdefault("model", self.speculative_model)
         if not value:
             return None
         if "model" not in value:
@@ -288,6 +313,25 @@ class EngineConfig:
                               "--tensor-parallel-size 1 only (the draft and its KV cache "
                               "live on the first GPU, which the other ranks cannot follow)")
         return spec
+
+    def compilation(self) -> tuple[bool, str | None]:
+        """(CUDA graphs allowed, what the log says of it) for --compilation-config / -O:
+        headrace has no torch.compile, so a level says only whether graphs run."""
+        text = self.compilation_config
+        if text is None:
+            return True, None
+        value = _compilation_object(text)
+        level = value.get("mode", value.get("level"))
+        if level is not None and (not isinstance(level, int) or not 0 <= level <= 3):
+            raise ConfigError(f"--compilation-config's level must be 0 to 3, got {level!r}")
+        graphs = level != 0 and str(value.get("cudagraph_mode", "")).upper() != "NONE"
+        others = sorted(set(value) - {"mode", "level", "cudagraph_mode"})
+        on = graphs and not self.enforce_eager
+        note = (f"--compilation-config {text}: no torch.compile here; CUDA graphs "
+                f"{'on' if on else 'off (as --enforce-eager)'}")
+        if others:
+            note += f"; no effect: {', '.join(others)}"
+        return graphs, note
 
     def _validate_partial_prefills(self) -> None:
         _positive("max_num_partial_prefills", self.max_num_partial_prefills)
@@ -417,8 +461,52 @@ class ServerConfig:
         default=None, metadata=_help(
             "Send a <think> model's reasoning as reasoning_content apart from the "
             "content: deepseek_r1 (the prompt opens <think>) or qwen3 (the output does)."))
+    disable_log_requests: bool = field(default=False, metadata=_help(
+        "Leave out the gateway's log lines of each request (queued, finished, refused); "
+        "its warnings and errors stay."))
+    enable_log_requests: bool | None = field(default=None, metadata=_help(
+        "vLLM's later spelling (off by default there): --no-enable-log-requests is "
+        "--disable-log-requests; headrace logs each request unless told not to."))
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug",
+                               "trace"] = field(default="info", metadata=_help(
+        "Log level of the gateway processes (vLLM's flag for its HTTP server); debug and "
+        "trace also log one access line per HTTP request."))
+    disable_uvicorn_access_log: bool = field(default=False, metadata=_help(
+        "No access lines, whatever --uvicorn-log-level says."))
+    root_path: str | None = field(default=None, metadata=_help(
+        "The path prefix a path-based proxy serves this API under, e.g. /llm: every route "
+        "answers both with the prefix and without it (a proxy that strips it)."))
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"], metadata=_help(
+        "CORS: origins a browser may call from, as a JSON list ('[\"https://a.example\"]') "
+        "or words; [\"*\"] is any."))
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"], metadata=_help(
+        "CORS: methods a browser may use (JSON list or words)."))
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"], metadata=_help(
+        "CORS: request headers a browser may send (JSON list or words)."))
+    allow_credentials: bool = field(default=False, metadata=_help(
+        "CORS: let browsers send cookies and authorization (the allowed origin is then "
+        "echoed, never *)."))
+    ssl_keyfile: str | None = field(default=None, metadata=_help(
+        "Serve HTTPS with this private key (PEM); needs --ssl-certfile."))
+    ssl_certfile: str | None = field(default=None, metadata=_help(
+        "Serve HTTPS with this certificate chain (PEM); needs --ssl-keyfile."))
+    ssl_ca_certs: str | None = field(default=None, metadata=_help(
+        "CA certificates (PEM) that client certificates are verified against."))
+    ssl_cert_reqs: int = field(default=0, metadata=_help(
+        "Client certificates: 0 not asked for, 1 optional, 2 required (Python's "
+        "ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)."))
+    return_tokens_as_token_ids: bool = field(default=False, metadata=_help(
+        "Name logprob tokens 'token_id:N' instead of their text (tokens that are not "
+        "whole UTF-8 stay identifiable); a request may also ask with the same field."))
+    enable_prompt_tokens_details: bool = field(default=False, metadata=_help(
+        "Report usage.prompt_tokens_details (cached_tokens: the prompt tokens the prefix "
+        "cache held); without it the field is null, as in vLLM."))
 
     def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            setattr(self, name, _words(name, getattr(self, name)))
+        if self.root_path is not None:  # "/llm/" is "/llm", "/" no prefix at all
+            self.root_path = self.root_path.rstrip("/") or None
         self.validate()
 
     def validate(self) -> None:
@@ -446,9 +534,47 @@ class ServerConfig:
             _choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         if self.reasoning_parser is not None:
             _choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        _choice("uvicorn_log_level", self.uvicorn_log_level, UVICORN_LOG_LEVELS)
+        self._validate_tls()
+        if self.root_path is not None and not self.root_path.startswith("/"):
+            raise ConfigError(f"--root-path must start with /, e.g. /llm; got "
+                              f"{self.root_path!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                               f"{list(TOOL_CALL_PARSERS)})")
+
+
+    def _validate_tls(self) -> None:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ConfigError("--ssl-keyfile and --ssl-certfile go together: give both to "
+                              "serve HTTPS")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ConfigError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 "
+                              f"(required), got {self.ssl_cert_reqs}")
+        if self.ssl_keyfile is None and (self.ssl_ca_certs or self.ssl_cert_reqs):
+            raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and "
+                              "--ssl-certfile")
+
+    @property
+    def logs_requests(self) -> bool:
+        return not self.disable_log_requests and self.enable_log_requests is not False
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
+
+
+def _words(name: str, given: list[str]) -> list[str]:
+    """A CORS list as vLLM takes it, one JSON list ('["a", "b"]'), or as words."""
+    if len(given) == 1 and given[0].lstrip().startswith("["):
+        try:
+            value = json.loads(given[0])
+        except ValueError as e:
+            raise ConfigError(f"{_flag(name)} is not a JSON list: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{_flag(name)} must be a JSON list of strings, got {given[0]}")
+        return value
+    return list(given)
 
 
 def _check_redis_url(url: str) -> None:
@@ -476,6 +602,18 @@ def _json_object(flag: str, text: str | None) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"{flag} must be a JSON object, got {text}")
     return value
+
+
+def _compilation_object(text: str) -> dict[str, Any]:
+    """vLLM's spellings: a level ("3"), a dotted key from -O.key=value (".level=3"), or a
+    JSON object."""
+    text = text.strip()
+    if text.isdigit():
+        return {"level": int(text)}
+    if text.startswith(".") and "=" in text:
+        key, _, raw = text[1:].partition("=")
+        return {key: int(raw) if raw.isdigit() else raw}
+    return _json_object("--compilation-config", text)
 
 
 def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:
@@ -571,6 +709,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     config = config_from_args(EngineConfig, args)
     if not config.model:
         raise ConfigError("a model is required: give MODEL or --model")
+    if (compiled := config.compilation()[1]) is not None:
+        warnings.append(compiled)
     for warning in warnings:
         logging.getLogger("headrace.config").warning(warning)
     return config
@@ -608,8 +748,8 @@ def _to_cli(config: Any, defaults: Any) -> list[str]:
             continue
         if isinstance(value, bool):
             argv.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
-        elif isinstance(value, list):
-            argv += [_flag(f.name), *map(str, value)]
+        elif isinstance(value, list):  # an empty list as JSON: the flag takes 1 or more
+            argv += [_flag(f.name), *(map(str, value) if value else ["[]"])]
         else:
             argv += [_flag(f.name), str(value)]
     return argv

@@ -1,5 +1,12 @@
-"""Prometheus metrics with vLLM's names under the `headrace:` prefix, every series labelled
-`model_name` (the served model name, as vLLM labels its own).
+"""Prometheus metrics with vLLM's names, every series labelled `model_name` (the served
+model name, as vLLM labels its own).
+
+Every series is exported under the `headrace:` prefix, and each of vLLM's series also under
+vLLM's own `vllm:` (the same samples, renamed at scrape time), with the older names that
+vLLM's published Grafana dashboard still queries (`vllm:gpu_cache_usage_perc`,
+`vllm:time_per_output_token_seconds`): dashboards, alerts and autoscalers written for vLLM
+work unchanged, and those written for headrace too. headrace's own series (the stage
+histogram, the stream gauges) have no vLLM name and stay `headrace:` only.
 
 Each `Metrics` owns its registries, so tests and several engines in one process never share
 counters. Totals that another process keeps (the scheduler's token and cache counters,
@@ -43,6 +50,11 @@ if TYPE_CHECKING:
     from common.bus import StreamInfo
 
 PREFIX = "headrace:"
+VLLM_PREFIX = "vllm:"
+OWN_SERIES = ("stage_seconds", "stream_length", "stream_pending", "stream_lag")  # not vLLM's
+# vLLM's older names of a series, which its published dashboard and many rules still read
+VLLM_ALIASES = {"kv_cache_usage_perc": ("gpu_cache_usage_perc",),
+                "inter_token_latency_seconds": ("time_per_output_token_seconds",)}
 MODEL_LABEL = "model_name"  # the served model name
 SHARD_LABEL = "shard"  # the data-parallel shard (scheduler and worker) a series is about
 REQUEST_LABELS = [MODEL_LABEL, SHARD_LABEL]
@@ -218,6 +230,9 @@ class Metrics:
         self.request_params_max_tokens = histogram(
             "request_params_max_tokens", "The max_tokens a finished request ran with.",
             tokens)
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "The most tokens one of a finished "
+            "request's n completions generated.", tokens)
 
     # --- what the gateway observes --------------------------------------------------------
 
@@ -243,9 +258,13 @@ class Metrics:
             if seconds is not None:
                 self.observe(histogram, shard, seconds)
 
-    def observe_params(self, shard: str, n: int, max_tokens: int) -> None:
+    def observe_params(self, shard: str, n: int, max_tokens: int,
+                       most_generated: int) -> None:
+        """A finished request (all n completions): its parameters, and the most tokens one
+        of its completions generated."""
         self.observe(self.request_params_n, shard, n)
         self.observe(self.request_params_max_tokens, shard, max_tokens)
+        self.observe(self.request_max_num_generation_tokens, shard, most_generated)
 
     def observe_stages(self, stages: Iterable[tuple[str, float]]) -> None:
         for stage, seconds in stages:
@@ -285,7 +304,37 @@ class Metrics:
                     self.stream_lag.labels(model, stream.name, group.name).set(group.lag)
 
     def render(self) -> bytes:
-        return generate_latest(self.state) + generate_latest(self._summed)
+        families = [*self.state.collect(), *self._summed.collect()]
+        return generate_latest(Families([*families, *vllm_families(families)]))
+
+
+class Families:
+    """Metric families collected once, as generate_latest takes a registry."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def vllm_families(families: Iterable[Metric]) -> Iterator[Metric]:
+    """vLLM's series among `families` under vLLM's names (and older aliases)."""
+    for family in families:
+        base = family.name.removeprefix(PREFIX)
+        if base == family.name or base in OWN_SERIES:
+            continue
+        for name in (base, *VLLM_ALIASES.get(base, ())):
+            yield renamed(family, VLLM_PREFIX + name)
+
+
+def renamed(family: Metric, name: str) -> Metric:
+    """A copy of `family` named `name`; its samples keep their suffixes (_total,
+    _bucket, ...)."""
+    copy = Metric(name, family.documentation, family.type, family.unit)
+    copy.samples = [sample._replace(name=name + sample.name[len(family.name):])
+                    for sample in family.samples]
+    return copy
 
 
 class ProcessFiles:

@@ -1,6 +1,7 @@
 """vLLM's `serve` flags that headrace has no setting for, so a vLLM command line still
-parses: each is either without effect here (a warning says why) or refused unless left at
-vLLM's default (a one-line error says why). The flags headrace implements are
+parses: each is either without effect here (a warning says why), always on here (a warning
+says so), or refused unless left at vLLM's default (a one-line error says why). A switch's
+--no- form is treated as the switch is. The flags headrace implements are
 EngineConfig's and ServerConfig's fields, with the same names."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Literal
 class ForeignFlag:
     name: str  # vLLM's flag without the dashes
     kind: type  # what its value parses as; bool for a switch
-    fate: Literal["ignored", "refused"]
+    fate: Literal["ignored", "refused", "always"]  # always: on here, whatever is given
     why: str
     default: Any = None  # vLLM's default: a refused flag is accepted at this value
     accepted: tuple[Any, ...] = ()  # other values a refused flag is accepted at
@@ -27,7 +28,8 @@ _PINNED = ("download that revision (`hf download MODEL --revision R`) and pass i
            "directory")
 _LORA = ("headrace's LoRA (--enable-lora) takes PEFT adapters of q/k/v/o and gate/up/down "
          "projections, without bias or extra vocabulary, in the model's dtype")
-_SPEC = "speculative decoding has the ngram method only (--speculative-config)"
+_SPEC = ("speculative decoding takes --speculative-config (or --speculative-model and "
+         "--num-speculative-tokens) with the methods ngram and draft_model")
 _MULTIMODAL = "only text models are supported"
 _PLUGINS = "headrace's classes are not pluggable"
 
@@ -40,6 +42,9 @@ FOREIGN_FLAGS = (
     ForeignFlag("preemption-mode", str, "refused", _RECOMPUTE, accepted=("recompute",)),
     ForeignFlag("use-v2-block-manager", bool, "ignored", "there is one block manager"),
     ForeignFlag("num-scheduler-steps", int, "ignored", _AHEAD),
+    ForeignFlag("async-scheduling", bool, "always", _AHEAD),
+    ForeignFlag("enable-ssl-refresh", bool, "ignored",
+                "the certificate files are read once, when the gateway starts"),
     ForeignFlag("multi-step-stream-outputs", bool, "ignored", _AHEAD),
     ForeignFlag("disable-async-output-proc", bool, "ignored", _AHEAD),
     ForeignFlag("scheduler-delay-factor", float, "ignored",
@@ -55,7 +60,6 @@ FOREIGN_FLAGS = (
     ForeignFlag("tokenizer-pool-size", int, "ignored", _TOKENIZERS),
     ForeignFlag("tokenizer-pool-type", str, "ignored", _TOKENIZERS),
     ForeignFlag("tokenizer-pool-extra-config", str, "ignored", _TOKENIZERS),
-    ForeignFlag("use-tqdm-on-load", bool, "ignored", "loading shows no progress bar"),
     ForeignFlag("disable-mm-preprocessor-cache", bool, "ignored", _MULTIMODAL),
     ForeignFlag("config-format", str, "refused", "configs are read as Hugging Face's",
                 default="auto", accepted=("hf",)),
@@ -86,7 +90,6 @@ FOREIGN_FLAGS = (
     ForeignFlag("max-prompt-adapters", int, "refused", "prompt adapters are not supported"),
     ForeignFlag("max-prompt-adapter-token", int, "refused",
                 "prompt adapters are not supported"),
-    ForeignFlag("speculative-model", str, "refused", _SPEC),
     ForeignFlag("speculative-max-model-len", int, "refused", _SPEC),
     ForeignFlag("speculative-draft-tensor-parallel-size", int, "refused", _SPEC),
     ForeignFlag("speculative-model-quantization", str, "refused", _SPEC),
@@ -107,8 +110,6 @@ FOREIGN_FLAGS = (
     ForeignFlag("logits-processor-pattern", str, "refused", "no custom logits processors"),
     ForeignFlag("model-loader-extra-config", str, "refused", _PLUGINS),
     ForeignFlag("additional-config", str, "refused", _PLUGINS),
-    ForeignFlag("compilation-config", str, "refused",
-                "CUDA graphs are on unless --enforce-eager; there is no torch.compile level"),
     ForeignFlag("hf-config-path", str, "refused", "the config is read from the model"),
     ForeignFlag("ignore-patterns", str, "refused", "hub downloads take the safetensors"),
     ForeignFlag("skip-tokenizer-init", bool, "refused", "every stage needs the tokenizer"),
@@ -129,10 +130,10 @@ def add_foreign_args(parser: argparse.ArgumentParser) -> None:
         if flag.kind is bool:
             group.add_argument("--" + flag.name, dest=dest, default=None,
                                action=argparse.BooleanOptionalAction,
-                               help=f"{flag.fate}: {flag.why}")
+                               help=_help(flag))
         else:
             group.add_argument("--" + flag.name, dest=dest, default=None, type=flag.kind,
-                               help=f"{flag.fate}: {flag.why}")
+                               help=_help(flag))
 
 
 def foreign_findings(args: argparse.Namespace) -> tuple[list[str], str | None]:
@@ -141,14 +142,24 @@ def foreign_findings(args: argparse.Namespace) -> tuple[list[str], str | None]:
     warnings = []
     for flag in FOREIGN_FLAGS:
         value = getattr(args, _dest(flag), None)
-        if value is None or value is False and flag.kind is bool:
+        if value is None:
             continue
-        if flag.fate == "ignored":
-            warnings.append(f"--{flag.name} has no effect: {flag.why}")
+        given = f"--{'no-' if value is False else ''}{flag.name}"
+        if flag.fate == "ignored" or flag.fate == "always" and value is False:
+            warnings.append(f"{given} has no effect: {flag.why}")
+        elif flag.fate == "always":
+            warnings.append(f"{given}: always on here, {flag.why}")
+        elif value is False:  # a refused switch turned off is vLLM's default
+            continue
         elif value != flag.default and value not in flag.accepted:
             shown = "" if flag.kind is bool else f" {value}"
             return warnings, f"--{flag.name}{shown} is not supported: {flag.why}"
     return warnings, None
+
+
+def _help(flag: ForeignFlag) -> str:
+    fate = "always on" if flag.fate == "always" else flag.fate
+    return f"{fate}: {flag.why}".replace("%", "%%")
 
 
 def _dest(flag: ForeignFlag) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from common.model_info import check_devices, resolve_engine, shard_gpus
 from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
 from common.redis_server import EmbeddedRedis, redis_url_or_embedded, spawn_child
 from common.service import LOAD_FAILED_EXIT, service_parser
+from services.gateway.http_options import tls_context
 from services.gateway.tool_calls import check_tool_parser
 
 STOP_TIMEOUT_S = 15.0
@@ -184,8 +186,12 @@ def _stop(processes: list[subprocess.Popen | None], timeout_s: float) -> None:
 
 
 def _healthy(url: str) -> bool:
+    context = None
+    if url.startswith("https:"):  # our own gateway: its certificate may be self-signed
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     try:
-        with urllib.request.urlopen(url, timeout=0.5) as response:
+        with urllib.request.urlopen(url, timeout=0.5, context=context) as response:
             return response.status == 200
     except OSError:
         return False
@@ -213,6 +219,15 @@ def check_tool_parsers(server: ServerConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_tls(server: ServerConfig) -> None:
+    """A certificate or key the gateways cannot load stops serve here, before they are
+    restarted again and again."""
+    try:
+        tls_context(server)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"--ssl-certfile/--ssl-keyfile/--ssl-ca-certs: {e}") from None
+
+
 def main(argv: list[str]) -> int:
     parser = service_parser("serve", __doc__ or "")
     args, engine, server = parse_configs(parser, argv)
@@ -220,6 +235,7 @@ def main(argv: list[str]) -> int:
     try:  # a GGUF converts once, here; a model, or a shard the model or machine cannot
         # hold, is refused before Redis or any child starts
         check_tool_parsers(server)
+        check_tls(server)
         resolve_engine(engine)
         check_devices(engine, engine.data_parallel_size)
         check_lora_modules(engine, server)
@@ -236,7 +252,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, supervisor.stop)
     signal.signal(signal.SIGINT, supervisor.stop)
     try:
-        supervisor.run(f"http://{server.host}:{server.port}/health")
+        supervisor.run(f"{server.scheme}://{server.host}:{server.port}/health")
     finally:
         supervisor.shutdown()
         if redis is not None:

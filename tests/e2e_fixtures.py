@@ -144,7 +144,7 @@ def serve_args(run_dir: Path) -> list[str]:
             "--run-dir", str(run_dir), "--api-key", API_KEY,
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
             "--max-queue-len", str(MAX_QUEUE_LEN),
-            "--max-request-body", str(MAX_REQUEST_BODY)]
+            "--max-request-body", str(MAX_REQUEST_BODY), "--enable-prompt-tokens-details"]
 
 
 @pytest.fixture(scope="module")

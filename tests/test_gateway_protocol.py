@@ -403,6 +403,8 @@ def test_choice_index_is_prompt_index_times_n_plus_i():
         for i in range(2):
             call.offer(delta(0, f"{rid}/{i}", "length", rid=rid, index=i,
                              num_cached_tokens=2 * k))
+    assert to_dict(call.response())["usage"].get("prompt_tokens_details") is None
+    call.job.prompt_tokens_details = True  # --enable-prompt-tokens-details
     body = to_dict(call.response())
     assert [(c["index"], c["text"]) for c in body["choices"]] == [
         (0, "cmpl-x-0/0"), (1, "cmpl-x-0/1"), (2, "cmpl-x-1/0"), (3, "cmpl-x-1/1")]

@@ -190,8 +190,9 @@ def record(metrics: Metrics, call: Call, batches: list[list[Delivery]]) -> None:
         for done in seen.finished:
             metrics.observe_finished("0", done.prompt_tokens, done.generation_tokens,
                                      done.times)
-        for _, prompt_tokens in seen.requests:
-            metrics.observe_params("0", call.job.n, 16 - prompt_tokens)
+        for rid, prompt_tokens in seen.requests:
+            metrics.observe_params("0", call.job.n, 16 - prompt_tokens,
+                                   call.most_generated(rid))
 
 
 def histogram(seen: dict, name: str) -> tuple[float, float] | None:
@@ -232,6 +233,7 @@ def test_each_completion_observes_its_phases_and_each_request_its_params():
     assert histogram(seen, "request_generation_tokens") == (2, 5)
     assert histogram(seen, "request_params_n") == (1, 2)
     assert histogram(seen, "request_params_max_tokens") == (1, 11)
+    assert histogram(seen, "request_max_num_generation_tokens") == (1, 3)  # of 3 and 2
     assert seen["headrace:request_params_n_bucket"][labels(0, le="1.0")] == 0
 
 

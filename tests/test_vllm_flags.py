@@ -8,8 +8,9 @@ import logging
 
 import pytest
 
-from common.config import (ConfigError, EngineConfig, add_engine_args, add_server_args,
-                           engine_config_from_args)
+from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_args,
+                           add_server_args, engine_args_to_cli, engine_config_from_args,
+                           server_args_to_cli, server_config_from_args)
 from common.vllm_flags import FOREIGN_FLAGS
 
 # The serve flags named in ../shared/seeds (vLLM's docs of its serve arguments), as a
@@ -82,7 +83,78 @@ def test_ignored_flags_warn_and_refused_ones_say_why(flag, caplog):
         return
     with caplog.at_level(logging.WARNING, logger="headrace.config"):
         assert engine_config_from_args(args).model == "m"
-    assert f"--{flag.name} has no effect: {flag.why}" in caplog.text
+    said = "has no effect:" if flag.fate == "ignored" else ": always on here,"
+    assert f"--{flag.name}{' ' if flag.fate == 'ignored' else ''}{said} {flag.why}" \
+        in caplog.text
+
+
+@pytest.mark.parametrize("flag", [f for f in FOREIGN_FLAGS
+                                  if f.kind is bool and f.fate != "refused"],
+                         ids=lambda f: f.name)
+def test_the_no_form_of_a_switch_without_effect_warns_as_the_switch_does(flag, caplog):
+    with caplog.at_level(logging.WARNING, logger="headrace.config"):
+        engine_config_from_args(parser().parse_args(["m", f"--no-{flag.name}"]))
+    assert f"--no-{flag.name} has no effect: {flag.why}" in caplog.text
+
+
+# The flags of issue 33 that vLLM launch scripts carry (--tool-parser-plugin is the tool
+# parsers' own change)
+ISSUE_33_FLAGS = """
+disable-log-requests uvicorn-log-level allowed-origins allowed-methods allowed-headers
+allow-credentials ssl-keyfile ssl-certfile ssl-ca-certs ssl-cert-reqs root-path
+disable-uvicorn-access-log enable-log-requests
+return-tokens-as-token-ids enable-prompt-tokens-details kv-cache-memory-bytes
+async-scheduling compilation-config O
+""".split()
+
+
+def test_every_issue_33_flag_is_known():
+    assert sorted(set(ISSUE_33_FLAGS) - known_flags()) == []
+
+
+@pytest.mark.parametrize("argv, graphs", [
+    (["-O3"], True), (["-O", "0"], False), (["-O0"], False), (["-O.level=0"], False),
+    (["-O.mode=3"], True), (["-O=3"], True), (["--compilation-config", '{"level": 3}'], True),
+    (["--compilation-config", '{"level": 3, "cudagraph_mode": "NONE"}'], False),
+    (["-O3", "--enforce-eager"], False)])
+def test_compilation_levels_map_to_cuda_graphs_and_say_so(argv, graphs, caplog):
+    with caplog.at_level(logging.WARNING, logger="headrace.config"):
+        config = engine_config_from_args(parser().parse_args(["m", *argv]))
+    assert config.enforce_eager is not graphs
+    assert "no torch.compile here; CUDA graphs " + ("on" if graphs else "off") in caplog.text
+    again = engine_config_from_args(parser().parse_args(["m", *engine_args_to_cli(config)]))
+    assert again.enforce_eager is not graphs  # a child process gets the same
+
+
+def test_compilation_config_keys_without_effect_are_named_and_bad_levels_refused(caplog):
+    with caplog.at_level(logging.WARNING, logger="headrace.config"):
+        engine_config_from_args(parser().parse_args(
+            ["m", "-O", '{"level": 3, "cudagraph_capture_sizes": [1, 2]}']))
+    assert "no effect: cudagraph_capture_sizes" in caplog.text
+    for bad in ("7", '{"level": "high"}', "[3]"):
+        with pytest.raises(ConfigError, match="--compilation-config"):
+            EngineConfig(model="m", compilation_config=bad)
+
+
+def test_speculative_model_is_the_draft_model_or_ngram_and_refusals_name_both():
+    draft = engine_config_from_args(parser().parse_args(
+        ["m", "--speculative-model", "/drafts/small", "--num-speculative-tokens", "4"]))
+    spec = draft.speculative()
+    assert spec is not None and spec.uses_draft_model
+    assert (spec.model, spec.num_speculative_tokens) == ("/drafts/small", 4)
+    ngram = engine_config_from_args(parser().parse_args(
+        ["m", "--speculative-model", "[ngram]", "--num-speculative-tokens", "2",
+         "--ngram-prompt-lookup-max", "3"])).speculative()
+    assert ngram is not None and (ngram.method, ngram.prompt_lookup_max) == ("ngram", 3)
+    with pytest.raises(ConfigError) as info:
+        engine_config_from_args(parser().parse_args(["m", "--speculative-max-model-len", "9"]))
+    assert "ngram and draft_model" in str(info.value)
+
+
+def test_kv_cache_memory_bytes_is_vllms_name_of_kv_cache_memory():
+    config = engine_config_from_args(parser().parse_args(
+        ["m", "--kv-cache-memory-bytes", str(3 << 20)]))
+    assert config.kv_cache_memory == 3 << 20
 
 
 @pytest.mark.parametrize("argv", [["--preemption-mode", "recompute"], ["--revision", "main"],
@@ -136,3 +208,32 @@ def test_pooler_flags_choose_the_embeddings_pooling():
         assert words in str(info.value)
     with pytest.raises(ConfigError, match="--task classify is not supported"):
         engine_config_from_args(parser().parse_args(["m", "--task", "classify"]))
+
+
+def test_the_offline_llm_may_give_the_compilation_level_as_vllm_does():
+    assert EngineConfig(model="m", compilation_config=0).enforce_eager
+    assert not EngineConfig(model="m", compilation_config={"level": 3}).enforce_eager
+
+
+def test_server_options_parse_as_vllm_spells_them():
+    args = parser().parse_args(["m", "--allowed-origins", '["https://a.example", "https://b"]',
+                                "--allowed-methods", "GET", "POST", "--root-path", "/llm/"])
+    server = server_config_from_args(args)
+    assert server.allowed_origins == ["https://a.example", "https://b"]
+    assert server.allowed_methods == ["GET", "POST"] and server.allowed_headers == ["*"]
+    assert server.root_path == "/llm" and server.scheme == "http"
+    again = server_config_from_args(parser().parse_args(["m", *server_args_to_cli(server)]))
+    assert again == server  # what the launcher hands its children
+    nobody = ServerConfig(allowed_origins=["[]"])
+    assert server_config_from_args(parser().parse_args(
+        ["m", *server_args_to_cli(nobody)])).allowed_origins == []
+    for bad, words in (({"ssl_keyfile": "k.pem"}, "go together"),
+                       ({"ssl_cert_reqs": 2}, "need --ssl-keyfile"),
+                       ({"ssl_keyfile": "k", "ssl_certfile": "c", "ssl_cert_reqs": 3},
+                        r"0 \(none\)"),
+                       ({"allowed_origins": ['["a", 1]']}, "JSON list of strings"),
+                       ({"root_path": "llm"}, "must start with /"),
+                       ({"uvicorn_log_level": "loud"}, "--uvicorn-log-level")):
+        with pytest.raises(ConfigError, match=words):
+            ServerConfig(**bad)
+    assert ServerConfig(ssl_keyfile="k", ssl_certfile="c").scheme == "https"

@@ -47,6 +47,7 @@ from services.gateway.core import (SHUTTING_DOWN, STALE_S, Applied, Backend, Cal
                                    Observed, Parsers, admission_error, load_failure, queue_depth,
                                    shard_states, shutting_down, worker_cannot_load)
 from services.gateway.embeddings import EmbeddingCall, check_dimensions
+from services.gateway.http_options import REQUEST_LOGGER, route_path, with_http_options
 from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
                                        parse_embedding, parse_job, parse_tokenize)
 from services.gateway.openapi import openapi_document
@@ -103,6 +104,8 @@ class Gateway:
         self.adapters = (Adapters(bus, self.names[0], config.max_lora_rank)
                          if config.enable_lora else None)  # None: LoRA is off
         self.log = get_logger(__name__, gateway=gateway_id)
+        # each request's lines, which --disable-log-requests silences (warnings stay)
+        self.request_log = get_logger(REQUEST_LOGGER, gateway=gateway_id)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.errors, self.auth],
@@ -121,7 +124,7 @@ class Gateway:
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
-        return app
+        return with_http_options(app, self.server)
 
     # --- middlewares ------------------------------------------------------------------
 
@@ -149,7 +152,7 @@ class Gateway:
     @web.middleware
     async def auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         key = self.server.api_key
-        if key and request.path.startswith("/v1/"):
+        if key and route_path(request, self.server.root_path).startswith("/v1/"):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 raise ApiError(401, "Missing or invalid API key: send the header "
@@ -158,8 +161,10 @@ class Gateway:
 
     def error_response(self, request: web.Request, error: ApiError,
                        headers: dict[str, str] | None = None) -> web.Response:
-        if request.path != "/health":  # probes ask often; 503 there is a state, not news
-            log = self.log.bind(rid=request["rid"]) if "rid" in request else self.log
+        if route_path(request, self.server.root_path) != "/health":  # probes ask often;
+            # 503 there is a state, not news
+            log = self.request_log.bind(rid=request["rid"]) if "rid" in request \
+                else self.request_log
             log.info("request refused", path=request.path, status=error.status,
                      error=error.message)
         return web.json_response(error.body(), status=error.status,
@@ -176,6 +181,8 @@ class Gateway:
     async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         job = parse_job(await read_json(request, self.server.body_timeout), chat,
                         self.limits)
+        job.tokens_as_ids = job.tokens_as_ids or self.server.return_tokens_as_token_ids
+        job.prompt_tokens_details = self.server.enable_prompt_tokens_details
         model, lora = await self.model_named(job.model)
         self.admit(job)
         call = await self.new_call(job, model, lora)
@@ -188,7 +195,7 @@ class Gateway:
         """The call's inbox and logger while it runs; on the way out, whatever the reason,
         its unfinished requests are aborted and its inbox closed."""
         request["rid"] = call.id  # for the error middleware's log line
-        log = self.log.bind(rid=call.id)
+        log = self.request_log.bind(rid=call.id)
         if ignored:
             log.warning("ignored unknown request fields", fields=ignored)
         inbox = self.replies.open(call.rids)
@@ -361,7 +368,8 @@ class Gateway:
                                      done.generation_tokens, done.times)
         for rid, prompt_tokens in seen.requests:
             metrics.observe_params(self.shard_label(rid), call.job.n,
-                                   self.max_tokens(call.job, prompt_tokens))
+                                   self.max_tokens(call.job, prompt_tokens),
+                                   call.most_generated(rid))
 
     def max_tokens(self, job: Job, prompt_tokens: int) -> int:
         """The max_tokens a request ran with, as the tokenizer resolved it: the client's

@@ -233,6 +233,10 @@ class Call:
                     seen.requests.append((delta.rid, choice.num_prompt_tokens))
         return seen
 
+    def most_generated(self, rid: str) -> int:
+        """The most tokens one of a request's n completions generated."""
+        return max(len(self.choices[rid, i].token_ids) for i in range(self.job.n))
+
     def _finished(self, choice: Choice, rid: str) -> Finished:
         timeline = self.timelines[choice.index]
         tokens = len(choice.token_ids)
@@ -248,8 +252,10 @@ class Call:
         firsts = [max((self.choices[p.rid, i] for i in range(self.job.n)),
                       key=lambda c: c.num_prompt_tokens) for p in self.prompts]
         completion_tokens = sum(len(c.token_ids) for c in self.choices.values())
+        cached = (sum(c.num_cached_tokens for c in firsts)
+                  if self.job.prompt_tokens_details else None)
         return shapes.usage(sum(c.num_prompt_tokens for c in firsts), completion_tokens,
-                            sum(c.num_cached_tokens for c in firsts))
+                            cached)
 
     def response(self) -> shapes.Body:
         choices = [self._final_choice(c) for c in self._sorted_choices()]
@@ -262,7 +268,8 @@ class Call:
 
     def _final_choice(self, choice: Choice) -> ChatChoice | CompletionChoice:
         if self.job.chat:
-            logprobs = shapes.chat_logprobs(choice.logprobs) if self.job.logprobs else None
+            logprobs = (shapes.chat_logprobs(choice.logprobs, self.job.tokens_as_ids)
+                        if self.job.logprobs else None)
             splitter = self._splitter()
             if splitter is None:
                 return shapes.chat_choice(choice.index, choice.text, logprobs,
@@ -282,7 +289,8 @@ class Call:
         logprobs = None
         if self.job.logprobs:
             entries = [*(choice.prompt_logprobs if echo else []), *choice.logprobs]
-            logprobs = shapes.completion_logprobs(entries, 0, echo.first_token if echo else "")
+            logprobs = shapes.completion_logprobs(entries, 0, echo.first_token if echo else "",
+                                                  self.job.tokens_as_ids)
         text = (echo.text if echo else "") + choice.text
         rows = None
         if "prompt_logprobs" in self.job.params and not self.job.echo:
@@ -343,14 +351,16 @@ class Call:
         # string, a partial character) or empty, as vLLM sends them: a client sees each step.
         self.opened.add(choice.index)
         if self.job.chat:
-            logprobs = shapes.chat_logprobs(entries) if self.job.logprobs else None
+            logprobs = (shapes.chat_logprobs(entries, self.job.tokens_as_ids)
+                        if self.job.logprobs else None)
             delta, called = self._delta(choice.index, text, finish is not None)
             return shapes.chat_delta(choice.index, delta, logprobs,
                                      self._finish(finish, called), stop_reason)
         logprobs = None
         if self.job.logprobs:
             offset = self.offsets.get(choice.index, 0)
-            logprobs = shapes.completion_logprobs(entries, offset, first_token)
+            logprobs = shapes.completion_logprobs(entries, offset, first_token,
+                                                  self.job.tokens_as_ids)
             self.offsets[choice.index] = offset + shapes.logprobs_text_length(logprobs)
         return shapes.completion_choice(choice.index, text, logprobs, finish, stop_reason)
 

@@ -55,6 +55,8 @@ class Job:
     parallel_tool_calls: bool = True  # false: at most one call comes back (the first)
     include_reasoning: bool = True
     priority: int = 0
+    tokens_as_ids: bool = False  # logprob tokens read token_id:N
+    prompt_tokens_details: bool = False  # usage has them (--enable-prompt-tokens-details)
     ignored: list[str] = field(default_factory=list)  # unknown fields, for the warning
 
     @property
@@ -143,6 +145,7 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
                        "prompt_logprobs")
     job.include_usage, job.continuous_usage = _usage_options(req, job.stream)
     job.priority = _given(req.priority, 0)
+    job.tokens_as_ids = _given(req.return_tokens_as_token_ids, False)
     if not fits_int64(job.priority):
         raise ApiError(400, f"priority must be a 64-bit integer, got {job.priority}",
                        "priority")

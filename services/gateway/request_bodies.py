@@ -111,6 +111,7 @@ class _Generation(SamplingFields):  # type: ignore[misc, valid-type]
     response_format: ResponseFormat | None = None
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's older spellings of structured output (`structured_outputs` is the field)
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None

@@ -80,20 +80,24 @@ class Choice:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = 0
+          ) -> Usage:
+    """cached_tokens None: no prompt_tokens_details (vLLM's default)."""
+    details = (None if cached_tokens is None
+               else PromptTokensDetails.model_construct(cached_tokens=cached_tokens))
     return Usage.model_construct(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails.model_construct(cached_tokens=cached_tokens))
+        total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 # --- logprobs -------------------------------------------------------------------------
 
 def completion_logprobs(entries: list[TokenLogprobs | None], offset: int,
-                        unscored_text: str = "") -> CompletionLogprobs:
+                        unscored_text: str = "", as_ids: bool = False) -> CompletionLogprobs:
     """The completions API's logprobs object for tokens whose text starts at `offset`. A
     None entry is the first prompt token, which has no logprob: it reads `unscored_text`
-    with null logprobs, as an echoed prompt's first token does."""
+    with null logprobs, as an echoed prompt's first token does. `as_ids`: tokens read
+    token_id:N (--return-tokens-as-token-ids)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
@@ -105,7 +109,7 @@ def completion_logprobs(entries: list[TokenLogprobs | None], offset: int,
             token_logprobs.append(None)
             top.append(None)
         else:
-            texts = token_texts(entry)
+            texts = token_texts(entry, as_ids)
             tokens.append(texts[0])
             token_logprobs.append(finite(entry.logprobs[0]))
             row: dict[str, float] = {}
@@ -122,14 +126,16 @@ def logprobs_text_length(logprobs: CompletionLogprobs) -> int:
     return sum(map(len, logprobs.tokens))
 
 
-def chat_logprobs(entries: list[TokenLogprobs]) -> ChatLogprobs:
+def chat_logprobs(entries: list[TokenLogprobs], as_ids: bool = False) -> ChatLogprobs:
+    """`as_ids`: tokens read token_id:N; their bytes stay the text's, as in vLLM."""
     content = []
     for entry in entries:
-        texts = token_texts(entry)
-        top = [TopLogprob.model_construct(token=t, logprob=finite(lp), bytes=list(t.encode()))
-               for t, lp in zip(texts[1:], entry.logprobs[1:])]
+        texts, names = token_texts(entry), token_texts(entry, as_ids)
+        top = [TopLogprob.model_construct(token=name, logprob=finite(lp),
+                                          bytes=list(text.encode()))
+               for name, text, lp in zip(names[1:], texts[1:], entry.logprobs[1:])]
         content.append(TokenLogprob.model_construct(
-            token=texts[0], logprob=finite(entry.logprobs[0]),
+            token=names[0], logprob=finite(entry.logprobs[0]),
             bytes=list(texts[0].encode()), top_logprobs=top))
     return ChatLogprobs.model_construct(content=content)
 
@@ -151,8 +157,10 @@ def prompt_logprobs(entries: list[TokenLogprobs | None]) -> PromptLogprobs:
     return rows
 
 
-def token_texts(entry: TokenLogprobs) -> list[str]:
-    return list(entry.texts) if entry.texts else [f"token_id:{t}" for t in entry.token_ids]
+def token_texts(entry: TokenLogprobs, as_ids: bool = False) -> list[str]:
+    if entry.texts and not as_ids:
+        return list(entry.texts)
+    return [f"token_id:{t}" for t in entry.token_ids]
 
 
 def finite(value: float) -> float:

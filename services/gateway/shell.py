@@ -21,6 +21,7 @@ from common.log import get_logger
 from common.model_info import load_model_info
 from common.service import ServiceContext, freeze_heap, heartbeat, run_service
 from services.gateway.app import Gateway
+from services.gateway.http_options import apply_log_levels, tls_context
 from services.gateway.core import (dead_reply_streams, load_failed, load_failure,
                                    scheduler_gone)
 
@@ -82,8 +83,9 @@ async def serve(ctx: ServiceContext) -> None:
     freeze_heap()
     # the keep-alive timer also runs from a connection's start until its first request's
     # headers are complete: a client that trickles them (or sends none) is cut off
+    access_log = apply_log_levels(ctx.server)
     runner = web.AppRunner(gateway.app(), handler_cancellation=True,
-                           shutdown_timeout=SHUTDOWN_S, access_log=None,
+                           shutdown_timeout=SHUTDOWN_S, access_log=access_log,
                            keepalive_timeout=ctx.server.timeout_keep_alive)
     await runner.setup()
     drained = anyio.Event()  # the liveness key outlives the drain: the calls still run
@@ -96,11 +98,17 @@ async def serve(ctx: ServiceContext) -> None:
         try:
             # several gateways share one port only when asked to: otherwise a second
             # server started on a busy port fails instead of silently splitting its clients
-            await web.TCPSite(runner, ctx.server.host, ctx.server.port,
-                              reuse_port=ctx.server.api_server_count > 1,
-                              backlog=LISTEN_BACKLOG).start()
-            log.info("gateway listening", url=f"http://{ctx.server.host}:{ctx.server.port}",
-                     gateway=gateway_id, models=gateway.names)
+            server = ctx.server
+            await web.TCPSite(runner, server.host, server.port,
+                              reuse_port=server.api_server_count > 1,
+                              backlog=LISTEN_BACKLOG, ssl_context=tls_context(server)).start()
+            log.info("gateway listening",
+                     url=f"{server.scheme}://{server.host}:{server.port}"
+                         f"{server.root_path or ''}",
+                     gateway=gateway_id, models=gateway.names,
+                     allowed_origins=server.allowed_origins,
+                     log_requests=server.logs_requests,
+                     log_level=server.uvicorn_log_level)
             await ctx.stop.wait()
             await gateway.drain(ctx.server.shutdown_timeout)
         finally:

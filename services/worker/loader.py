@@ -69,10 +69,10 @@ def checkpoint_tensors(config: EngineConfig, hf_config, model_dir: str | os.Path
     if isinstance(method, GGUFMethod):
         return iter_gguf(gguf_file)
     if gguf_file:
-        return iter_safetensors(gguf_to_hf_dir(Path(gguf_file)))
+        return iter_safetensors(gguf_to_hf_dir(Path(gguf_file)), config.use_tqdm_on_load)
     directory = Path(model_dir) if model_dir is not None else resolve_model(
         config.model, config.load_format)
-    return iter_safetensors(directory)
+    return iter_safetensors(directory, config.use_tqdm_on_load)
 
 
 def describe(hf_config, quantization: str | None) -> str:
@@ -122,7 +122,8 @@ def init_dummy_weights(model: CausalLM, seed: int) -> None:
                                 shard_id)
 
 
-def iter_safetensors(directory: Path) -> Iterator[tuple[str, CheckpointSlice]]:
+def iter_safetensors(directory: Path, progress: bool = True
+                     ) -> Iterator[tuple[str, CheckpointSlice]]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}; use "
@@ -131,7 +132,8 @@ def iter_safetensors(directory: Path) -> Iterator[tuple[str, CheckpointSlice]]:
     for path in files:
         with safe_open(path, framework="pt") as f:
             counts.append(len(f.keys()))
-    with tqdm(total=sum(counts), desc="Loading weights", unit="tensor") as bar:
+    with tqdm(total=sum(counts), desc="Loading weights", unit="tensor",
+              disable=not progress) as bar:
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():

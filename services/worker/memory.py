@@ -35,12 +35,10 @@ def plan_num_blocks(config: EngineConfig, runner: Profilable, bytes_per_block: i
     twice the blocks of a 16-bit one in the same budget."""
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
-    elif config.kv_cache_memory is not None:
-        num_blocks = config.kv_cache_memory // bytes_per_block
     elif runner.device.type == "cuda":
         num_blocks = _profiled_budget(config, runner) // bytes_per_block
     else:
-        num_blocks = CPU_DEFAULT_KV_BYTES // bytes_per_block
+        num_blocks = (config.kv_cache_memory or CPU_DEFAULT_KV_BYTES) // bytes_per_block
     if num_blocks < 1:
         raise MemoryError(
             "no memory is left for the KV cache: raise --gpu-memory-utilization or "
@@ -57,7 +55,9 @@ def plan_num_blocks(config: EngineConfig, runner: Profilable, bytes_per_block: i
 def _profiled_budget(config: EngineConfig, runner: Profilable) -> int:
     """gpu_memory_utilization of the device, minus what the weights, the largest step's
     activations, the CUDA graphs' own memory pool and everything outside torch's
-    allocator (CUDA context, library workspaces) take."""
+    allocator (CUDA context, library workspaces) take. --kv-cache-memory-bytes replaces
+    that budget (as in vLLM, gpu_memory_utilization no longer counts), once the same
+    profile shows that it fits beside the rest in the whole device."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -74,7 +74,15 @@ def _profiled_budget(config: EngineConfig, runner: Profilable) -> int:
              "CUDA graphs %.2f GiB, outside torch %.2f GiB, KV budget %.2f GiB",
              total / 2**30, weights / 2**30, (peak - weights) / 2**30, graphs / 2**30,
              outside_torch / 2**30, budget / 2**30)
-    return max(budget, 0)
+    if config.kv_cache_memory is None:
+        return max(budget, 0)
+    room = total - peak - outside_torch - graphs
+    if config.kv_cache_memory > room:
+        raise MemoryError(
+            f"--kv-cache-memory-bytes {config.kv_cache_memory} does not fit: the device "
+            f"has {max(room, 0)} bytes left beside the weights, activations and CUDA graphs; "
+            "lower it, or leave it out for --gpu-memory-utilization to size the cache")
+    return config.kv_cache_memory
 
 
 def _graph_reserve(config: EngineConfig, activations: int) -> int:
