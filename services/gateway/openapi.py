@@ -22,6 +22,8 @@ ROUTES: dict[str, tuple[str, str, type[BaseModel] | None, type[BaseModel] | None
                              resp.ChatCompletionResponse, resp.ChatCompletionChunk),
     "/v1/embeddings": ("post", "Embeddings of prompts", req.EmbeddingRequest,
                        resp.EmbeddingResponse, None),
+    "/v1/responses": ("post", "Responses (OpenAI's Responses API; stream: Responses "
+                      "events)", req.ResponsesRequest, resp.ResponseObject, None),
     "/v1/models": ("get", "The served models", None, resp.ModelList, None),
     "/tokenize": ("post", "Token ids of a prompt or a conversation", req.TokenizeRequest,
                   resp.TokenizeResponse, None),
