@@ -47,7 +47,9 @@ from services.gateway.core import (SHUTTING_DOWN, STALE_S, Applied, Backend, Cal
                                    Observed, Parsers, admission_error, load_failure, queue_depth,
                                    shard_states, shutting_down, worker_cannot_load)
 from services.gateway.embeddings import EmbeddingCall, check_dimensions
-from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
+from services.gateway.scoring import (check_scorable, parse_rerank, parse_score,
+                                      rerank_response, score_response, scores)
+from services.gateway.protocol import (EmbeddingJob, Job, Limits, TokenizeJob, parse_detokenize,
                                        parse_embedding, parse_job, parse_tokenize)
 from services.gateway.openapi import openapi_document
 from services.gateway.request_bodies import (LoadLoRAAdapterRequest,
@@ -113,6 +115,10 @@ class Gateway:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        for prefix in ("", "/v1"):  # vLLM serves both
+            app.router.add_post(prefix + "/score", self.score)
+            app.router.add_post(prefix + "/rerank", self.rerank)
+        app.router.add_post("/v2/rerank", self.rerank)  # Cohere's v2 path, as vLLM's
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{response_id}", self.retrieve_response)
         app.router.add_post("/tokenize", self.tokenize)
@@ -473,16 +479,37 @@ class Gateway:
     # --- embeddings -------------------------------------------------------------------
 
     async def embeddings(self, request: web.Request) -> web.Response:
+        job = parse_embedding(await read_json(request, self.server.body_timeout), self.limits)
+        call = await self.embed(request, job, "embd-")
+        return json_body(call.response())
+
+    async def score(self, request: web.Request) -> web.Response:
+        check_scorable(self.info.hf_config, request.path)
+        pairs = parse_score(await read_json(request, self.server.body_timeout), self.limits)
+        call = await self.embed(request, pairs.job, "score-")
+        values = scores(pairs, call.embeddings())
+        return json_body(score_response(call.id, call.created, call.model, values,
+                                        call.prompt_tokens()))
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        check_scorable(self.info.hf_config, request.path)
+        rerank = parse_rerank(await read_json(request, self.server.body_timeout), self.limits)
+        call = await self.embed(request, rerank.pairs.job, "rerank-")
+        values = scores(rerank.pairs, call.embeddings())
+        return json_body(rerank_response(call.id, call.model, rerank, values,
+                                         call.prompt_tokens()))
+
+    async def embed(self, request: web.Request, job: EmbeddingJob, prefix: str
+                    ) -> EmbeddingCall:
         """One request per input, each answered by its embedding; the first error ends the
         call, as a generation call's does."""
-        job = parse_embedding(await read_json(request, self.server.body_timeout), self.limits)
         model, lora = await self.model_named(job.model)
         check_dimensions(job.dimensions, self.info.hf_config.hidden_size)
         for given in job.inputs:
             if isinstance(given, list):
                 check_vocabulary(given, self.info.vocab_size, "input")
         self.check_admission()
-        call = EmbeddingCall(job, "embd-" + uuid.uuid4().hex, model, int(time.time()), lora)
+        call = EmbeddingCall(job, prefix + uuid.uuid4().hex, model, int(time.time()), lora)
         arrival = time.monotonic()
         async with self.open_call(request, call, job.ignored) as (inbox, log):
             await self.outbox.publish(keys.REQUESTS, *call.requests(self.id, time.time()))
@@ -494,7 +521,7 @@ class Gateway:
             if call.error is not None:
                 raise call.error
             log.info("request finished", prompt_tokens=call.prompt_tokens())
-            return json_body(call.response())
+            return call
 
     def record_embedding(self, rid: str, seconds: float) -> None:
         """An embedding request ends with its answer: vLLM counts it a success "stop"."""

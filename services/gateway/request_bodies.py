@@ -246,6 +246,34 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
+class ScoreRequest(BaseModel):
+    """vLLM's /score body: text_1 against each of text_2 (one to many), or pairwise."""
+    model_config = STRICT
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    user: str | None = None
+
+
+class RerankDocument(BaseModel):
+    model_config = STRICT
+    text: str
+
+
+class RerankRequest(BaseModel):
+    """vLLM's /rerank body (Jina's and Cohere's): documents ordered by relevance to the
+    query, the top_n first (0 or none: all)."""
+    model_config = STRICT
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: Annotated[int, Field(ge=0)] | None = None
+    return_documents: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    user: str | None = None
+
+
 # --- the Responses API --------------------------------------------------------------------
 
 class InputText(BaseModel):

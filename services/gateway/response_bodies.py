@@ -202,6 +202,38 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: dict[str, str] | None = _OMIT_NONE  # {"text": ...} with return_documents
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int
     input_tokens_details: dict[str, int]  # cached_tokens

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import ApiError
-from services.gateway.protocol import Job, Limits, parse_job
+from services.gateway.protocol import Job, Limits, parse_job, unknown_names
 from services.gateway.request_bodies import (InputItem, ResponsesRequest,
                                              ResponsesToolChoice, validate)
 from services.gateway.response_bodies import (ChatMessage, DeltaMessage, ResponseObject,
@@ -81,8 +81,7 @@ def responses_call(req: ResponsesRequest, history: list[dict[str, Any]],
         param = _RESPONSES_PARAM.get(e.param or "", e.param)
         message = re.sub(rf"\b{e.param}\b", param, e.message) if e.param else e.message
         raise ApiError(e.status, message, param, e.kind) from None
-    job.ignored = sorted(name for name, value in (req.model_extra or {}).items()
-                         if value is not None)
+    job.ignored = unknown_names(req)
     return ResponsesCall(req, job, conversation)
 
 

@@ -1,23 +1,40 @@
-"""/v1/responses through the official `openai` client (`client.responses.create`,
-`.stream`, `.retrieve`) against a real gateway process and the fake stages of
-test_gateway.py: the request reaches the stages as the chat conversation it stands for,
-the answer comes back as Responses output items (whole and as the Responses event stream),
-and a stored response is retrieved and continued by id."""
+"""The endpoints vLLM serves beside OpenAI's usual ones, against a real gateway process and
+the fake stages of test_gateway.py (one gateway for the module):
+
+- /v1/responses through the official `openai` client (`client.responses.create`,
+  `.stream`, `.retrieve`): the request reaches the stages as the chat conversation it stands
+  for, the answer comes back as Responses output items (whole and as the Responses event
+  stream), and a stored response is retrieved and continued by id.
+- /score and /rerank (and their /v1 and Cohere /v2 paths) over raw HTTP, the stages
+  answering each embedding request with a vector made from its text: each distinct text is
+  asked for once, and the scores are the cosine similarities of those vectors, computed here
+  the long way."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+from types import SimpleNamespace
 
+import aiohttp
+import numpy as np
 import openai
 import pytest
 
 from common import keys
+from common.errors import ApiError
+from common.messages import GenerateRequest, ReplyBatch, TextDelta
+from services.gateway.scoring import check_scorable
 from tests.e2e_fixtures import MODEL_NAME
-from tests.test_gateway import (CALLING, TOOLS, api, exact, fake_stages, gateway,  # noqa: F401
-                                in_order, rdb, redis_at, url)
+from tests.test_gateway import (AUTH, CALLING, TOOLS, api, exact, fake_stages,  # noqa: F401
+                                gateway, in_order, rdb, redis_at, url)
 
 pytestmark = pytest.mark.anyio
 FUNCTION_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]  # Responses' flat spelling
+
+
+# --- /v1/responses ---------------------------------------------------------------------
 
 
 async def test_create_retrieve_and_continue_a_stored_response(redis_at, api, rdb):
@@ -127,3 +144,99 @@ async def test_input_items_and_a_json_schema_format_reach_the_stages(redis_at, a
     assert json.loads(out.output_text) == {"x": 1}
     assert out.text.format.type == "json_schema"
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+
+
+# --- /score and /rerank ------------------------------------------------------------------
+
+DIM = 8
+
+
+def vector(text: str) -> list[float]:
+    """A text's made-up embedding: 8 numbers in [-1, 1) from its hash."""
+    digest = hashlib.sha256(text.encode()).digest()
+    return [b / 128 - 1 for b in digest[:DIM]]
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+def embed_script(req: GenerateRequest) -> list:
+    assert req.embed and req.prompt is not None
+    return [ReplyBatch([TextDelta(req.rid, 0, 0, "", [], len(req.prompt.split()), "stop",
+                                  embedding=np.asarray(vector(req.prompt), "<f4").tobytes())])]
+
+
+async def post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + path, json=body, headers=AUTH) as response:
+            return response.status, await response.json()
+
+
+async def test_score_one_to_many_and_pairwise(url, redis_at):
+    docs = ["Paris is in France.", "Brasilia is in Brazil.", "Paris is in France."]
+    async with fake_stages(redis_at, embed_script) as seen:
+        status, one = await post(url, "/score", {"model": MODEL_NAME, "text_1": "France?",
+                                                 "text_2": docs})
+        status_v1, pairwise = await post(url, "/v1/score", {
+            "text_1": ["a b", "c"], "text_2": ["c", "a b"]})
+    assert (status, status_v1) == (200, 200)
+    assert sorted(r.prompt for r in seen[:3]) == sorted({"France?", *docs})  # once each
+    assert one["object"] == "list" and one["id"].startswith("score-")
+    assert one["model"] == MODEL_NAME
+    assert [d["index"] for d in one["data"]] == [0, 1, 2]
+    assert all(d["object"] == "score" for d in one["data"])
+    expected = [cosine(vector("France?"), vector(d)) for d in docs]
+    assert [d["score"] for d in one["data"]] == pytest.approx(expected, abs=1e-6)
+    assert one["usage"] == {"prompt_tokens": 1 + 4 + 4, "total_tokens": 9}
+    same = cosine(vector("a b"), vector("c"))
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx([same, same], abs=1e-6)
+
+
+async def test_rerank_orders_documents_by_similarity(url, redis_at):
+    docs = [f"document number {i}" for i in range(5)]
+    query = "which document?"
+    expected = sorted(range(5), key=lambda i: -cosine(vector(query), vector(docs[i])))
+    async with fake_stages(redis_at, embed_script):
+        results = {}
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            status, results[path] = await post(url, path, {
+                "model": MODEL_NAME, "query": query,
+                "documents": docs[:2] + [{"text": d} for d in docs[2:]], "top_n": 3})
+            assert status == 200, results[path]
+        _, bare = await post(url, "/rerank", {"query": query, "documents": docs,
+                                              "return_documents": False})
+    got = results["/v1/rerank"]
+    assert got["id"].startswith("rerank-") and got["model"] == MODEL_NAME
+    assert [r["index"] for r in got["results"]] == expected[:3]
+    for r in got["results"]:
+        assert r["document"] == {"text": docs[r["index"]]}
+        assert r["relevance_score"] == pytest.approx(
+            cosine(vector(query), vector(docs[r["index"]])), abs=1e-6)
+    assert got["usage"] == {"total_tokens": 2 + 5 * 3}
+    assert [r["index"] for r in bare["results"]] == expected
+    assert all("document" not in r for r in bare["results"])
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+    ("/score", {"text_1": [], "text_2": "c"}, "text_1"),
+    ("/v1/score", {"text_1": "a"}, "text_2"),
+    ("/rerank", {"query": "q", "documents": []}, "documents"),
+    ("/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+])
+async def test_bad_score_and_rerank_bodies_are_400(url, rdb, path, body, param):
+    status, error = await post(url, path, body)
+    assert status == 400 and error["error"]["param"] == param, error
+    assert rdb.xlen("hr:requests") == 0
+
+
+def test_cross_encoders_are_refused_with_the_reason():
+    check_scorable(SimpleNamespace(architectures=["Qwen2ForCausalLM"]), "/score")
+    check_scorable(SimpleNamespace(), "/score")
+    with pytest.raises(ApiError, match="cross-encoder") as info:
+        check_scorable(SimpleNamespace(architectures=["XLMRobertaForSequenceClassification"]),
+                       "/rerank")
+    assert info.value.status == 400 and "XLMRobertaForSequenceClassification" in \
+        info.value.message
