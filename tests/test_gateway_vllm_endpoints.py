@@ -59,6 +59,25 @@ async def test_create_retrieve_and_continue_a_stored_response(redis_at, api, rdb
     got = await api.responses.retrieve(first.id)
     assert got.model_dump() == first.model_dump()
     assert 0 < rdb.ttl(keys.stored_response(first.id)) <= 24 * 3600
+    await api.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        await api.responses.retrieve(first.id)
+
+
+async def test_a_client_may_replay_the_output_items_instead_of_storing(redis_at, api):
+    """Clients that keep the conversation themselves (store: false) send earlier output
+    items back as input, reasoning items included."""
+    async with fake_stages(redis_at, exact(CALLING[:3])) as seen:
+        first = await api.responses.create(model=MODEL_NAME, input="Hi", store=False)
+        replay = [item.model_dump(exclude_none=True) for item in first.output]
+        await api.responses.create(model=MODEL_NAME, store=False,
+                                   input=[{"role": "user", "content": "Hi"}, *replay,
+                                          {"role": "user", "content": "More?"}])
+    assert [item["type"] for item in replay] == ["reasoning", "message"]
+    assert seen[1].messages == [{"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": [
+                                    {"type": "text", "text": "Let me look."}]},
+                                {"role": "user", "content": "More?"}]
 
 
 async def test_a_length_cut_answer_is_incomplete_and_store_false_keeps_nothing(redis_at, api):
@@ -85,6 +104,10 @@ async def test_unknown_ids_and_bad_fields_are_refused(api, rdb):
         await api.responses.create(model=MODEL_NAME, input=[{"type": "function_call_output",
                                                              "output": "x"}])
     assert "call_id" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # images: this server reads text
+        await api.responses.create(model=MODEL_NAME, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "http://x/y.png"}]}])
+    assert info.value.body["param"] == "input" and "input[0]" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
         await api.responses.create(model=MODEL_NAME, input="Hi", background=True)
     assert info.value.body["param"] == "background"

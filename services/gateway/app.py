@@ -121,6 +121,7 @@ class Gateway:
         app.router.add_post("/v2/rerank", self.rerank)  # Cohere's v2 path, as vLLM's
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses/{response_id}", self.retrieve_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -475,6 +476,13 @@ class Gateway:
     async def retrieve_response(self, request: web.Request) -> web.Response:
         stored = await self.stored_response(request.match_info["response_id"])
         return web.Response(text=stored.response, content_type="application/json")
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        await self.stored_response(response_id)  # 404 for one not stored
+        await self.bus.forget(keys.stored_response(response_id))
+        return web.json_response({"id": response_id, "object": "response.deleted",
+                                  "deleted": True})
 
     # --- embeddings -------------------------------------------------------------------
 

@@ -277,17 +277,20 @@ class RerankRequest(BaseModel):
 # --- the Responses API --------------------------------------------------------------------
 
 class InputText(BaseModel):
-    """A text part of an input message: input_text, or output_text in a replayed reply."""
+    """A text part of an input message: input_text, output_text in a replayed reply, or
+    reasoning_text in a replayed reasoning item."""
     model_config = STRICT
-    type: Literal["input_text", "output_text"]
+    type: Literal["input_text", "output_text", "reasoning_text"]
     text: str
 
 
 class InputItem(BaseModel):
     """One item of a Responses `input`: a message (`type` "message" or left out), a
-    function call the model made, or its output (function_call_output)."""
+    function call the model made, its output (function_call_output), or a reasoning item
+    that a client replays from an earlier output (dropped, as chat templates drop past
+    reasoning)."""
     model_config = STRICT
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputText] | None = None
     call_id: str | None = None
@@ -345,6 +348,12 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+
+
+class ResponsesItemsRequest(ResponsesRequest):
+    """A Responses body whose input is a list of items: validated as such, so that a wrong
+    item is named (rather than the union's "not a string")."""
+    input: list[InputItem]
 
 
 # --- errors -------------------------------------------------------------------------------

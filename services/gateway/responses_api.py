@@ -18,8 +18,8 @@ from typing import Any
 
 from common.errors import ApiError
 from services.gateway.protocol import Job, Limits, parse_job, unknown_names
-from services.gateway.request_bodies import (InputItem, ResponsesRequest,
-                                             ResponsesToolChoice, validate)
+from services.gateway.request_bodies import (InputItem, ResponsesItemsRequest,
+                                             ResponsesRequest, ResponsesToolChoice, validate)
 from services.gateway.response_bodies import (ChatMessage, DeltaMessage, ResponseObject,
                                               ResponseUsage, Usage)
 
@@ -64,7 +64,8 @@ def parse_responses(body: Any) -> ResponsesRequest:
             if body.get(name) not in (None, False):
                 raise ApiError(400, f"{name!r}: {what} are not supported by this server",
                                name)
-    req = validate(ResponsesRequest, body)
+    items = isinstance(body, dict) and isinstance(body.get("input"), list)
+    req = validate(ResponsesItemsRequest if items else ResponsesRequest, body)
     if req.previous_response_id is not None:
         check_response_id(req.previous_response_id, "previous_response_id")
     return req
@@ -115,6 +116,8 @@ def input_messages(given: str | list[InputItem]) -> list[dict[str, Any]]:
         raise ApiError(400, "'input' must be a string or a non-empty list of items", "input")
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(given):
+        if item.type == "reasoning":
+            continue
         if item.type == "message":
             messages.append(_message(item, i))
         elif item.type == "function_call":
@@ -138,6 +141,9 @@ def _message(item: InputItem, i: int) -> dict[str, Any]:
     role = "system" if item.role == "developer" else item.role
     content = item.content
     if isinstance(content, list):
+        if any(part.type == "reasoning_text" for part in content):
+            raise ApiError(400, f"'input[{i}].content' holds reasoning_text, which only a "
+                                "reasoning item has", "input")
         content = [{"type": "text", "text": part.text} for part in content]
     return {"role": role, "content": content}
 
