@@ -24,7 +24,7 @@ import pytest
 
 from common import keys
 from common.errors import ApiError
-from common.messages import GenerateRequest, ReplyBatch, TextDelta
+from common.messages import ErrorReply, GenerateRequest, ReplyBatch, TextDelta
 from services.gateway.scoring import check_scorable
 from tests.e2e_fixtures import MODEL_NAME
 from tests.test_gateway import (AUTH, CALLING, TOOLS, api, exact, fake_stages,  # noqa: F401
@@ -167,6 +167,26 @@ async def test_input_items_and_a_json_schema_format_reach_the_stages(redis_at, a
     assert json.loads(out.output_text) == {"x": 1}
     assert out.text.format.type == "json_schema"
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+
+
+async def test_an_error_while_streaming_ends_with_error_and_response_failed(url, redis_at):
+    def script(req: GenerateRequest) -> list:
+        return [ReplyBatch([TextDelta(req.rid, 0, 0, "a", [10], 3)]), 0.1,
+                ErrorReply(req.rid, 503, "The worker died.", "ServiceUnavailableError")]
+    async with fake_stages(redis_at, script), aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/responses", headers=AUTH, json={
+                "model": MODEL_NAME, "input": "Hi", "stream": True}) as response:
+            text = await response.text()
+    assert response.status == 200
+    events = [(lines[0].removeprefix("event: "), json.loads(lines[1].removeprefix("data: ")))
+              for lines in (event.split("\n") for event in text.split("\n\n") if event)]
+    assert all(name == data["type"] for name, data in events)
+    (error_name, error), (failed_name, failed) = events[-2:]
+    assert (error_name, failed_name) == ("error", "response.failed")
+    assert error["message"] == "The worker died." and error["code"] == "503"
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["message"] == "The worker died."
+    assert "".join(d["delta"] for n, d in events if n == "response.output_text.delta") == "a"
 
 
 # --- /score and /rerank ------------------------------------------------------------------

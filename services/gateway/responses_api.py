@@ -285,8 +285,14 @@ class ResponseEvents:
         return events + [self._event(kind, response=body.model_dump(mode="json"))]
 
     def failed(self, error: ApiError) -> list[dict[str, Any]]:
+        """An error event, then response.failed with what had come (as OpenAI ends a
+        stream that fails)."""
+        body = response_object(self.call, self.model, self.created_at, "failed", self.items)
+        body.error = {"code": "server_error" if error.status >= 500 else "invalid_prompt",
+                      "message": error.message}
         return [self._event("error", code=str(error.status), message=error.message,
-                            param=error.param)]
+                            param=error.param),
+                self._event("response.failed", response=body.model_dump(mode="json"))]
 
     def _where(self) -> dict[str, Any]:
         assert self.open is not None
