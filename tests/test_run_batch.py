@@ -1,6 +1,7 @@
-"""`headrace run-batch`: a batch file of 200 requests (chat, completions and embeddings,
-mixed) on a tiny model, each output line OpenAI's batch output whose body holds what the
-offline LLM gives for the same request; lines the server would refuse are answered with
+"""`headrace run-batch`: a batch file of 200 requests (chat, completions, embeddings, score
+and rerank, mixed) on a tiny model, each output line OpenAI's batch output whose body holds
+what the offline LLM gives for the same request (for score and rerank: the cosine
+similarities of the offline LLM's embeddings, computed here); lines the server would refuse are answered with
 its status and error; malformed files are refused whole, naming the line."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 
 from services import LLM, SamplingParams
@@ -23,10 +25,13 @@ ENGINE = ["--dtype", "float32", "--block-size", "4", "--num-gpu-blocks-override"
 
 def batch_lines(count: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
+
+    def words() -> str:
+        return " ".join(rng.choices(WORDS, k=rng.randint(2, 9)))
     lines = []
     for i in range(count):
-        text = " ".join(rng.choices(WORDS, k=rng.randint(2, 9)))
-        kind = i % 3
+        text = words()
+        kind = i % 5
         if kind == 0:
             url, body = "/v1/chat/completions", {
                 "model": "tiny", "messages": [{"role": "user", "content": text}],
@@ -34,8 +39,14 @@ def batch_lines(count: int, seed: int = 0) -> list[dict]:
         elif kind == 1:
             url, body = "/v1/completions", {"model": "tiny", "prompt": text,
                                             "max_tokens": rng.randint(1, 6), "temperature": 0}
-        else:
+        elif kind == 2:
             url, body = "/v1/embeddings", {"model": "tiny", "input": text}
+        elif kind == 3:
+            url, body = "/v1/score", {"model": "tiny", "text_1": text,
+                                      "text_2": [words(), words()]}
+        else:
+            url, body = "/v1/rerank", {"model": "tiny", "query": text,
+                                       "documents": [words() for _ in range(3)], "top_n": 2}
         lines.append({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body})
     return lines
 
@@ -81,11 +92,21 @@ def test_a_mixed_batch_answers_what_the_offline_llm_does(model_dir, tmp_path, ca
         assert response["status_code"] == 200, response
         body = response["body"]
         assert response["request_id"] == body["id"] and body["model"] == "tiny"
-        assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
         if line["url"] == "/v1/embeddings":
+            assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
             assert body["data"][0]["embedding"] == pytest.approx(ref.outputs.embedding,
                                                                  abs=1e-5)
             continue
+        if line["url"] == "/v1/score":
+            assert [d["score"] for d in body["data"]] == pytest.approx(ref, abs=1e-5)
+            continue
+        if line["url"] == "/v1/rerank":
+            order = sorted(range(len(ref)), key=lambda i: -ref[i])[:2]
+            assert [r["index"] for r in body["results"]] == order
+            assert [r["relevance_score"] for r in body["results"]] == pytest.approx(
+                [ref[i] for i in order], abs=1e-5)
+            continue
+        assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
         choice = body["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
         assert text == ref.outputs[0].text
@@ -107,8 +128,20 @@ def offline_answers(llm: LLM, lines: list[dict]) -> list:
                          [SamplingParams(temperature=0.0, max_tokens=b["max_tokens"])
                           for b in bodies["/v1/completions"]], use_tqdm=False)
     embeddings = llm.embed([b["input"] for b in bodies["/v1/embeddings"]], use_tqdm=False)
+    pairs = [(b["text_1"], t) for b in bodies["/v1/score"] for t in b["text_2"]]
+    pairs += [(b["query"], d) for b in bodies["/v1/rerank"] for d in b["documents"]]
+    texts_to_embed = sorted({t for pair in pairs for t in pair})
+    vectors = {t: np.asarray(out.outputs.embedding, np.float64) for t, out in
+               zip(texts_to_embed, llm.embed(texts_to_embed, use_tqdm=False))}
+
+    def cosine(a: str, b: str) -> float:
+        x, y = vectors[a], vectors[b]
+        return float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
+    score = [[cosine(b["text_1"], t) for t in b["text_2"]] for b in bodies["/v1/score"]]
+    rerank = [[cosine(b["query"], d) for d in b["documents"]] for b in bodies["/v1/rerank"]]
     for url, outputs in (("/v1/chat/completions", chats), ("/v1/completions", texts),
-                         ("/v1/embeddings", embeddings)):
+                         ("/v1/embeddings", embeddings), ("/v1/score", score),
+                         ("/v1/rerank", rerank)):
         for i, output in zip(by_url[url], outputs):
             answers[i] = output
     return answers

@@ -2,7 +2,8 @@
 the offline engine, as `vllm run-batch` does.
 
 Each input line is a request of OpenAI's batch format, `{"custom_id", "method": "POST",
-"url", "body"}`, for /v1/chat/completions, /v1/completions or /v1/embeddings. A body goes
+"url", "body"}`, for /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score or
+/v1/rerank (as vLLM's run-batch takes them). A body goes
 the way a served request goes: the gateway's parsing and its call (services/gateway), the
 tokenizer stage's processing, the engine's scheduler, executor and detokenizer; so an output
 body is what the server would have answered. All requests run together (continuous
@@ -19,9 +20,12 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel
 
 from common.config import ConfigError, add_engine_args, engine_config_from_args
 from common.errors import ApiError
@@ -30,9 +34,12 @@ from services.gateway.core import Call
 from services.gateway.embeddings import EmbeddingCall, check_dimensions
 from services.gateway.protocol import parse_embedding, parse_job
 from services.gateway.response_bodies import to_dict
+from services.gateway.scoring import (check_scorable, parse_rerank, parse_score,
+                                      rerank_response, score_response, scores)
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
-URLS = (CHAT, COMPLETIONS, EMBEDDINGS)
+SCORE, RERANK = "/v1/score", "/v1/rerank"
+URLS = (CHAT, COMPLETIONS, EMBEDDINGS, SCORE, RERANK)
 LOCAL_REPLY = "batch"  # the reply_to of the requests; nothing reads it offline
 # fields the gateway takes that a batch cannot honour
 _REFUSED = {"stream": "a batch answers whole responses",
@@ -84,6 +91,8 @@ class BatchRun:
     def __init__(self, engine: Any, names: list[str]) -> None:
         self.engine, self.names = engine, names
         self.created = int(time.time())
+        # by call id: what a score or rerank call answers from its embeddings
+        self.shapes: dict[str, Callable[[EmbeddingCall], BaseModel]] = {}
 
     def run(self, lines: list[BatchLine], use_tqdm: bool = True) -> list[dict[str, Any]]:
         from tqdm import tqdm
@@ -121,6 +130,8 @@ class BatchRun:
             job = parse_embedding(line.body)
             check_dimensions(job.dimensions, self.engine.info.hf_config.hidden_size)
             call = EmbeddingCall(job, "embd-" + uuid.uuid4().hex, model, self.created)
+        elif line.url in (SCORE, RERANK):
+            call = self.scoring_call(line, model)
         else:
             chat = line.url == CHAT
             job = parse_job(line.body, chat)
@@ -136,17 +147,34 @@ class BatchRun:
             self.engine.scheduler.add_request(admit)
         return call
 
+    def scoring_call(self, line: BatchLine, model: str) -> EmbeddingCall:
+        """The embeddings a score or rerank line needs, and how its answer is made."""
+        check_scorable(self.engine.info.hf_config, line.url)
+        if line.url == SCORE:
+            pairs = parse_score(line.body)
+            call = EmbeddingCall(pairs.job, "score-" + uuid.uuid4().hex, model, self.created)
+            self.shapes[call.id] = lambda c: score_response(
+                c.id, c.created, c.model, scores(pairs, c.embeddings()), c.prompt_tokens())
+            return call
+        rerank = parse_rerank(line.body)
+        call = EmbeddingCall(rerank.pairs.job, "rerank-" + uuid.uuid4().hex, model,
+                             self.created)
+        self.shapes[call.id] = lambda c: rerank_response(
+            c.id, c.model, rerank, scores(rerank.pairs, c.embeddings()), c.prompt_tokens())
+        return call
+
     def model(self, name: Any) -> str:
         if name is not None and name not in self.names:
             raise ApiError(404, f"The model `{name}` does not exist; this batch runs "
                                 f"{', '.join(map(repr, self.names))}.", "model")
         return self.names[0]
 
-    @staticmethod
-    def answer(line: BatchLine, call: Call | EmbeddingCall) -> dict[str, Any]:
+    def answer(self, line: BatchLine, call: Call | EmbeddingCall) -> dict[str, Any]:
         if call.error is not None:
             return output_line(line, call.id, call.error.status, call.error.body())
-        return output_line(line, call.id, 200, to_dict(call.response()))
+        shape = self.shapes.pop(call.id, None)
+        body = shape(call) if shape is not None else call.response()  # type: ignore[arg-type]
+        return output_line(line, call.id, 200, to_dict(body))
 
 
 def build_parser() -> argparse.ArgumentParser:
