@@ -47,10 +47,10 @@ from services.gateway.core import (SHUTTING_DOWN, STALE_S, Applied, Backend, Cal
                                    Observed, Parsers, admission_error, load_failure, queue_depth,
                                    shard_states, shutting_down, worker_cannot_load)
 from services.gateway.embeddings import EmbeddingCall, check_dimensions
-from services.gateway.scoring import (check_scorable, parse_rerank, parse_score,
-                                      rerank_response, score_response, scores)
 from services.gateway.protocol import (EmbeddingJob, Job, Limits, TokenizeJob, parse_detokenize,
                                        parse_embedding, parse_job, parse_tokenize)
+from services.gateway.scoring import (check_scorable, parse_rerank, parse_score,
+                                      rerank_response, score_response, scores)
 from services.gateway.openapi import openapi_document
 from services.gateway.request_bodies import (LoadLoRAAdapterRequest,
                                              UnloadLoRAAdapterRequest, validate)
@@ -412,7 +412,8 @@ class Gateway:
         async with self.open_call(request, call, rcall.job.ignored) as (inbox, log):
             applied, sent = await self.start(call, inbox, log)
             if rcall.job.stream:
-                return await self.stream_response(request, rcall, call, inbox, applied, log)
+                return await self.stream_response(request, rcall, call, inbox, applied, sent,
+                                                  log)
             while not call.done:
                 await self.receive(call, inbox)
             if call.error is not None:
@@ -427,8 +428,8 @@ class Gateway:
             return json_body(body)
 
     async def stream_response(self, request: web.Request, rcall: ResponsesCall, call: Call,
-                              inbox: Inbox, applied: list[Applied], log: BoundLogger
-                              ) -> web.StreamResponse:
+                              inbox: Inbox, applied: list[Applied], sent: float,
+                              log: BoundLogger) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         events = ResponseEvents(rcall, call.model, call.created)
@@ -438,6 +439,7 @@ class Gateway:
                     for event in events.feed(choice.delta)]
         try:
             await send_events(response, events.opening() + moved(applied))
+            self.delivered(sent)
             while not call.done:
                 applied, sent = await self.receive(call, inbox)
                 await send_events(response, moved(applied))
