@@ -91,3 +91,9 @@ def worker_failed(shard: int = 0) -> str:
 
 def scheduler_stats(shard: int = 0) -> str:
     return f"{_shard(shard)}:stats:scheduler"
+
+
+def stored_response(response_id: str) -> str:
+    """gateways -> gateways: a stored /v1/responses answer (common.messages.StoredResponse),
+    dropped after its TTL."""
+    return f"hr:response:{response_id}"

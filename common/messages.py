@@ -363,6 +363,19 @@ class SchedulerStats:
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
+@message("response")
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """gateway -> gateways (a key with a TTL): a /v1/responses answer, so that any replica
+    can retrieve it or continue from it (previous_response_id). `messages` is the
+    conversation up to and including the answer, as chat messages, without instructions
+    (OpenAI does not carry a response's instructions over to the next)."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    response: str  # the response object's JSON, as it was answered
+    messages: list[dict[str, Any]]
+
+
 Message = (GenerateRequest | AdmitRequest | Abort | Routed | ErrorReply | StepPlan
            | StepResult | WorkerReady | TokenBatch | ReplyBatch | SchedulerStats)
 

@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("services.worker.shell", "run the GPU worker process"),
     "detokenizer": ("services.detokenizer.shell", "run one detokenizer process"),
     "generate": ("services.offline.generate", "generate completions offline and print them"),
+    "run-batch": ("services.offline.run_batch", "run an OpenAI batch file (JSON lines) offline"),
     "queues": ("services.queues", "show every hr:* stream: length, groups, pending, lag"),
     "bench": ("services.bench", "benchmarks: bus, throughput, latency, serve, soak"),
     "profile": ("services.profiler.run", "layerwise profile of prefill and decode steps"),

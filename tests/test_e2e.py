@@ -310,6 +310,38 @@ async def test_embedding_requests_that_cannot_be_answered_are_400s(api):
         assert info.value.body["param"] == param and words in info.value.message, body
 
 
+async def test_responses_and_score_run_the_chat_and_embedding_paths(api, served):
+    """Greedy, a Responses answer is the chat completion of the conversation it stands for
+    (also continued by previous_response_id); a /v1/score is the cosine similarity of the
+    /v1/embeddings vectors of its texts."""
+    greedy = dict(model=MODEL_NAME, temperature=0)
+    first = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": PROMPTS[0]}]
+    chat = await api.chat.completions.create(messages=first, max_completion_tokens=8,
+                                             **greedy)
+    answer = await api.responses.create(instructions="Be brief.", input=PROMPTS[0],
+                                        max_output_tokens=8, **greedy)
+    assert answer.output_text and answer.output_text == chat.choices[0].message.content
+    history = [first[1], {"role": "assistant", "content": answer.output_text},
+               {"role": "user", "content": "And then?"}]
+    chat = await api.chat.completions.create(messages=history, max_completion_tokens=6,
+                                             **greedy)
+    later = await api.responses.create(input="And then?", previous_response_id=answer.id,
+                                       max_output_tokens=6, **greedy)
+    assert later.output_text == chat.choices[0].message.content
+
+    embedded = await api.embeddings.create(model=MODEL_NAME, input=PROMPTS[:3],
+                                           encoding_format="float")
+    vectors = torch.tensor([d.embedding for d in embedded.data], dtype=torch.float64)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(served.url + "/v1/score", headers={
+                "Authorization": f"Bearer {API_KEY}"}, json={
+                "model": MODEL_NAME, "text_1": PROMPTS[0], "text_2": PROMPTS[1:3]}) as response:
+            scored = await response.json()
+    expected = torch.nn.functional.cosine_similarity(vectors[:1], vectors[1:]).tolist()
+    assert [d["score"] for d in scored["data"]] == pytest.approx(expected, abs=1e-4)
+
+
 # --- errors through the pipeline ---------------------------------------------------------
 
 async def test_a_prompt_longer_than_the_model_is_400_naming_both_numbers(api, served):

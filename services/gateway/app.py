@@ -35,7 +35,7 @@ from common.config import ServerConfig
 from common.errors import ApiError
 from common.hops import DELIVERY_STAGE
 from common.log import get_logger
-from common.messages import Abort, LoRARequest, SchedulerStats, WorkerFailed
+from common.messages import Abort, LoRARequest, SchedulerStats, StoredResponse, WorkerFailed
 from common.metrics import Metrics
 from common.model_info import ModelInfo
 from common.outbox import Outbox
@@ -48,11 +48,17 @@ from services.gateway.core import (SHUTTING_DOWN, STALE_S, Applied, Backend, Cal
                                    shard_states, shutting_down, worker_cannot_load)
 from services.gateway.embeddings import EmbeddingCall, check_dimensions
 from services.gateway.http_options import REQUEST_LOGGER, route_path, with_http_options
-from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
+from services.gateway.protocol import (EmbeddingJob, Job, Limits, TokenizeJob, parse_detokenize,
                                        parse_embedding, parse_job, parse_tokenize)
+from services.gateway.scoring import (check_scorable, parse_rerank, parse_score,
+                                      rerank_response, score_response, scores)
 from services.gateway.openapi import openapi_document
 from services.gateway.request_bodies import (LoadLoRAAdapterRequest,
                                              UnloadLoRAAdapterRequest, validate)
+from services.gateway.responses_api import (STORE_TTL_S, ResponseEvents, ResponsesCall,
+                                            answered_messages, check_response_id,
+                                            output_items, parse_responses, response_object,
+                                            responses_call)
 from services.gateway.replies import Inbox, Replies, next_replies
 from services.gateway.response_bodies import (DetokenizeResponse, ErrorResponse, ModelCard,
                                               ModelList, TokenizeResponse, to_dict, to_json)
@@ -114,6 +120,13 @@ class Gateway:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        for prefix in ("", "/v1"):  # vLLM serves both
+            app.router.add_post(prefix + "/score", self.score)
+            app.router.add_post(prefix + "/rerank", self.rerank)
+        app.router.add_post("/v2/rerank", self.rerank)  # Cohere's v2 path, as vLLM's
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.retrieve_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete_response)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -231,16 +244,7 @@ class Gateway:
 
     async def answer(self, request: web.Request, call: Call, inbox: Inbox,
                      log: BoundLogger) -> web.StreamResponse:
-        await self.outbox.publish(keys.REQUESTS, *call.requests(self.id, time.time()))
-        log.info("request queued", prompts=len(call.prompts), n=call.job.n,
-                 stream=call.job.stream)
-        applied: list[Applied] = []
-        sent = 0.0
-        while not call.started:  # the first replies decide the status
-            more, sent = await self.receive(call, inbox)
-            applied += more
-        if call.error is not None:
-            raise call.error
+        applied, sent = await self.start(call, inbox, log)
         if call.job.stream:
             return await self.stream(request, call, inbox, applied, sent, log)
         while not call.done:
@@ -249,6 +253,22 @@ class Gateway:
             raise call.error
         log.info("request finished", **to_dict(call.usage()))
         return json_body(call.response())
+
+    async def start(self, call: Call, inbox: Inbox, log: BoundLogger
+                    ) -> tuple[list[Applied], float]:
+        """Publish the call's requests and wait for their first replies, which decide the
+        status; returns the deltas applied so far and when the oldest was sent."""
+        await self.outbox.publish(keys.REQUESTS, *call.requests(self.id, time.time()))
+        log.info("request queued", prompts=len(call.prompts), n=call.job.n,
+                 stream=call.job.stream)
+        applied: list[Applied] = []
+        sent = 0.0
+        while not call.started:
+            more, sent = await self.receive(call, inbox)
+            applied += more
+        if call.error is not None:
+            raise call.error
+        return applied, sent
 
     async def new_call(self, job: Job, model: str, lora: LoRARequest | None) -> Call:
         call_id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
@@ -384,19 +404,132 @@ class Gateway:
         shard = self.replies.shard_of(rid)
         return "" if shard is None else str(shard)
 
+    # --- the Responses API --------------------------------------------------------------
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """/v1/responses: a chat call on the conversation the request and its
+        previous_response_id make; the answer is stored (store: true, the default) for
+        retrieval and continuation by any gateway of this Redis."""
+        req = parse_responses(await read_json(request, self.server.body_timeout))
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            history = (await self.stored_response(req.previous_response_id,
+                                                  "previous_response_id")).messages
+        rcall = responses_call(req, history, self.limits)
+        model, lora = await self.model_named(rcall.job.model)
+        self.admit(rcall.job)
+        call = await self.new_call(rcall.job, model, lora)
+        async with self.open_call(request, call, rcall.job.ignored) as (inbox, log):
+            applied, sent = await self.start(call, inbox, log)
+            if rcall.job.stream:
+                return await self.stream_response(request, rcall, call, inbox, applied, sent,
+                                                  log)
+            while not call.done:
+                await self.receive(call, inbox)
+            if call.error is not None:
+                raise call.error
+            chat = call.response()
+            choice = chat.choices[0]
+            body = response_object(rcall, model, call.created, "completed",
+                                   output_items(choice.message), chat.usage,
+                                   choice.finish_reason)
+            log.info("request finished", **to_dict(chat.usage))
+            await self.store_response(rcall, body.model_dump(mode="json"))
+            return json_body(body)
+
+    async def stream_response(self, request: web.Request, rcall: ResponsesCall, call: Call,
+                              inbox: Inbox, applied: list[Applied], sent: float,
+                              log: BoundLogger) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        events = ResponseEvents(rcall, call.model, call.created)
+
+        def moved(applied: list[Applied]) -> list[dict[str, Any]]:
+            return [event for chunk in call.chunks(applied) for choice in chunk.choices
+                    for event in events.feed(choice.delta)]
+        try:
+            await send_events(response, events.opening() + moved(applied))
+            self.delivered(sent)
+            while not call.done:
+                applied, sent = await self.receive(call, inbox)
+                await send_events(response, moved(applied))
+                self.delivered(sent)
+            if call.error is not None:
+                log.warning("request failed while streaming", status=call.error.status,
+                            error=call.error.message)
+                await send_events(response, events.failed(call.error))
+            else:
+                finish = next(iter(call.choices.values())).finish_reason
+                last = events.completed(call.usage(), finish)
+                await send_events(response, last)
+                log.info("request finished", **to_dict(call.usage()))
+                await self.store_response(rcall, last[-1]["response"])
+            await response.write_eof()
+        except ConnectionResetError:
+            log.info("client disconnected")
+        return response
+
+    async def store_response(self, rcall: ResponsesCall, body: dict[str, Any]) -> None:
+        if rcall.store:
+            stored = StoredResponse(json.dumps(body),
+                                    rcall.conversation + answered_messages(body["output"]))
+            await self.bus.store(keys.stored_response(rcall.id), stored, STORE_TTL_S)
+
+    async def stored_response(self, response_id: str, param: str | None = None
+                              ) -> StoredResponse:
+        check_response_id(response_id, param)
+        stored = await self.bus.load(keys.stored_response(response_id))
+        if not isinstance(stored, StoredResponse):
+            raise ApiError(404, f"No response with id {response_id!r}: it was not stored "
+                                f"(store: false), or it is older than {STORE_TTL_S:g} s.",
+                           param)
+        return stored
+
+    async def retrieve_response(self, request: web.Request) -> web.Response:
+        stored = await self.stored_response(request.match_info["response_id"])
+        return web.Response(text=stored.response, content_type="application/json")
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        await self.stored_response(response_id)  # 404 for one not stored
+        await self.bus.forget(keys.stored_response(response_id))
+        return web.json_response({"id": response_id, "object": "response.deleted",
+                                  "deleted": True})
+
     # --- embeddings -------------------------------------------------------------------
 
     async def embeddings(self, request: web.Request) -> web.Response:
+        job = parse_embedding(await read_json(request, self.server.body_timeout), self.limits)
+        call = await self.embed(request, job, "embd-")
+        return json_body(call.response())
+
+    async def score(self, request: web.Request) -> web.Response:
+        check_scorable(self.info.hf_config, request.path)
+        pairs = parse_score(await read_json(request, self.server.body_timeout), self.limits)
+        call = await self.embed(request, pairs.job, "score-")
+        values = scores(pairs, call.embeddings())
+        return json_body(score_response(call.id, call.created, call.model, values,
+                                        call.prompt_tokens()))
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        check_scorable(self.info.hf_config, request.path)
+        rerank = parse_rerank(await read_json(request, self.server.body_timeout), self.limits)
+        call = await self.embed(request, rerank.pairs.job, "rerank-")
+        values = scores(rerank.pairs, call.embeddings())
+        return json_body(rerank_response(call.id, call.model, rerank, values,
+                                         call.prompt_tokens()))
+
+    async def embed(self, request: web.Request, job: EmbeddingJob, prefix: str
+                    ) -> EmbeddingCall:
         """One request per input, each answered by its embedding; the first error ends the
         call, as a generation call's does."""
-        job = parse_embedding(await read_json(request, self.server.body_timeout), self.limits)
         model, lora = await self.model_named(job.model)
         check_dimensions(job.dimensions, self.info.hf_config.hidden_size)
         for given in job.inputs:
             if isinstance(given, list):
                 check_vocabulary(given, self.info.vocab_size, "input")
         self.check_admission()
-        call = EmbeddingCall(job, "embd-" + uuid.uuid4().hex, model, int(time.time()), lora)
+        call = EmbeddingCall(job, prefix + uuid.uuid4().hex, model, int(time.time()), lora)
         arrival = time.monotonic()
         async with self.open_call(request, call, job.ignored) as (inbox, log):
             await self.outbox.publish(keys.REQUESTS, *call.requests(self.id, time.time()))
@@ -408,7 +541,7 @@ class Gateway:
             if call.error is not None:
                 raise call.error
             log.info("request finished", prompt_tokens=call.prompt_tokens())
-            return json_body(call.response())
+            return call
 
     def record_embedding(self, rid: str, seconds: float) -> None:
         """An embedding request ends with its answer: vLLM counts it a success "stop"."""
@@ -612,6 +745,14 @@ def check_nesting_and_integers(body: Any) -> None:
         if not level:
             return
     raise ApiError(400, too_deep())
+
+
+async def send_events(response: web.StreamResponse, events: list[dict[str, Any]]) -> None:
+    """Server-sent events named by their type, as the Responses API streams them."""
+    if events:
+        await response.write(b"".join(
+            b"event: " + e["type"].encode() + b"\ndata: " + json.dumps(e).encode() + b"\n\n"
+            for e in events))
 
 
 async def send(response: web.StreamResponse, events: list[BaseModel]) -> None:

@@ -74,6 +74,10 @@ class EmbeddingCall:
         self.answers[msg.rid] = (msg.embedding, msg.num_prompt_tokens)
         return msg
 
+    def embeddings(self) -> list[bytes]:
+        """Each input's embedding (float32 bytes), in input order, once done."""
+        return [self.answers[rid][0] for rid in self.rids]
+
     def prompt_tokens(self) -> int:
         return sum(tokens for _, tokens in self.answers.values())
 

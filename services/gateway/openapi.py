@@ -22,6 +22,13 @@ ROUTES: dict[str, tuple[str, str, type[BaseModel] | None, type[BaseModel] | None
                              resp.ChatCompletionResponse, resp.ChatCompletionChunk),
     "/v1/embeddings": ("post", "Embeddings of prompts", req.EmbeddingRequest,
                        resp.EmbeddingResponse, None),
+    "/v1/score": ("post", "Cosine similarity of text pairs' embeddings (vLLM's; also at "
+                  "/score)", req.ScoreRequest, resp.ScoreResponse, None),
+    "/v1/rerank": ("post", "Documents ordered by embedding similarity to a query (vLLM's, "
+                   "Jina's, Cohere's; also at /rerank and /v2/rerank)", req.RerankRequest,
+                   resp.RerankResponse, None),
+    "/v1/responses": ("post", "Responses (OpenAI's Responses API; stream: Responses "
+                      "events)", req.ResponsesRequest, resp.ResponseObject, None),
     "/v1/models": ("get", "The served models", None, resp.ModelList, None),
     "/tokenize": ("post", "Token ids of a prompt or a conversation", req.TokenizeRequest,
                   resp.TokenizeResponse, None),

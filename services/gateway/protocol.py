@@ -106,17 +106,17 @@ class Limits:
         n = job.params.get("n", 1)
         if isinstance(n, int) and n > self.max_n:  # a wrong type is SamplingParams' to name
             raise ApiError(400, f"'n' is {n}, more than --max-n {self.max_n}", "n")
-        _within("prompt", len(job.prompts), self.max_prompts_per_request,
+        within("prompt", len(job.prompts), self.max_prompts_per_request,
                 "prompts", "max-prompts-per-request")
-        _within("stop", len(stop), self.max_stop_strings, "strings", "max-stop-strings")
-        _within("stop", max(map(len, stop), default=0), self.max_stop_length,
+        within("stop", len(stop), self.max_stop_strings, "strings", "max-stop-strings")
+        within("stop", max(map(len, stop), default=0), self.max_stop_length,
                 "characters in a string", "max-stop-length")
         if isinstance(stop_ids, list):  # a wrong type is SamplingParams' to name
-            _within("stop_token_ids", len(stop_ids), self.max_stop_token_ids, "ids",
+            within("stop_token_ids", len(stop_ids), self.max_stop_token_ids, "ids",
                     "max-stop-token-ids")
 
 
-def _within(param: str, count: int, bound: int, unit: str, flag: str) -> None:
+def within(param: str, count: int, bound: int, unit: str, flag: str) -> None:
     if count > bound:
         raise ApiError(400, f"'{param}' has {count} {unit}, more than --{flag} {bound}",
                        param)
@@ -135,7 +135,7 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
         req = validate(CompletionRequest, body)
         job = Job(chat=False, model=req.model, prompts=_prompts(req.prompt),
                   echo=_given(req.echo, False))
-    job.ignored = _unknown_names(req)
+    job.ignored = unknown_names(req)
     job.add_special_tokens = req.add_special_tokens
     job.truncate_prompt_tokens = req.truncate_prompt_tokens
     job.params = _sampling_overrides(req, chat, job.echo)
@@ -173,7 +173,7 @@ def _given(value: Any, default: Any) -> Any:
 
 def parse_tokenize(body: Any) -> TokenizeJob:
     req = validate(TokenizeRequest, body)
-    job = TokenizeJob(req.model, ignored=_unknown_names(req),
+    job = TokenizeJob(req.model, ignored=unknown_names(req),
                       chat_template_kwargs=req.chat_template_kwargs)
     if (req.prompt is None) == (req.messages is None):
         raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
@@ -193,8 +193,8 @@ def parse_embedding(body: Any, limits: Limits = Limits()) -> EmbeddingJob:
                        encoding_format=_given(req.encoding_format, "float"),
                        dimensions=req.dimensions, add_special_tokens=req.add_special_tokens,
                        truncate_prompt_tokens=req.truncate_prompt_tokens,
-                       ignored=_unknown_names(req))
-    _within("input", len(job.inputs), limits.max_prompts_per_request, "inputs",
+                       ignored=unknown_names(req))
+    within("input", len(job.inputs), limits.max_prompts_per_request, "inputs",
             "max-prompts-per-request")
     return job
 
@@ -212,7 +212,7 @@ def _refuse_unsupported(body: Any) -> None:
             raise ApiError(400, f"{name!r} is not supported by this server", name)
 
 
-def _unknown_names(req: BaseModel) -> list[str]:
+def unknown_names(req: BaseModel) -> list[str]:
     """The fields no model defines (sorted), to be ignored."""
     return sorted(name for name, value in (req.model_extra or {}).items()
                   if value is not None)

@@ -247,6 +247,116 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
+class ScoreRequest(BaseModel):
+    """vLLM's /score body: text_1 against each of text_2 (one to many), or pairwise."""
+    model_config = STRICT
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    user: str | None = None
+
+
+class RerankDocument(BaseModel):
+    model_config = STRICT
+    text: str
+
+
+class RerankRequest(BaseModel):
+    """vLLM's /rerank body (Jina's and Cohere's): documents ordered by relevance to the
+    query, the top_n first (0 or none: all)."""
+    model_config = STRICT
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: Annotated[int, Field(ge=0)] | None = None
+    return_documents: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    user: str | None = None
+
+
+# --- the Responses API --------------------------------------------------------------------
+
+class InputText(BaseModel):
+    """A text part of an input message: input_text, output_text in a replayed reply, or
+    reasoning_text in a replayed reasoning item."""
+    model_config = STRICT
+    type: Literal["input_text", "output_text", "reasoning_text"]
+    text: str
+
+
+class InputItem(BaseModel):
+    """One item of a Responses `input`: a message (`type` "message" or left out), a
+    function call the model made, its output (function_call_output), or a reasoning item
+    that a client replays from an earlier output (dropped, as chat templates drop past
+    reasoning)."""
+    model_config = STRICT
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[InputText] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class FunctionTool(BaseModel):
+    """A Responses function tool: the chat API's function definition, flattened."""
+    model_config = STRICT
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(BaseModel):
+    model_config = STRICT
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's /v1/responses body: what this server takes of it (text in and out, function
+    tools, structured output, a stored history)."""
+    model_config = STRICT
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    stream: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+
+class ResponsesItemsRequest(ResponsesRequest):
+    """A Responses body whose input is a list of items: validated as such, so that a wrong
+    item is named (rather than the union's "not a string")."""
+    input: list[InputItem]
+
+
 # --- errors -------------------------------------------------------------------------------
 
 _KINDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",

@@ -202,6 +202,72 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: dict[str, str] | None = _OMIT_NONE  # {"text": ...} with return_documents
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]  # cached_tokens
+    output_tokens: int
+    output_tokens_details: dict[str, int]  # reasoning_tokens
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """OpenAI's Responses object. `output` holds its items (message, reasoning,
+    function_call) as OpenAI spells them."""
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    model: str
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, str] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] = []
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] = {}
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, str] = {}
+    user: str | None = None
+    output: list[dict[str, Any]] = []
+    usage: ResponseUsage | None = None
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
