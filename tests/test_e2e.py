@@ -540,6 +540,7 @@ def test_operators_see_the_consumer_groups(served):
 def test_the_gateway_logs_each_request_with_its_rid(served):
     records = [r for r in served.log_records() if r.get("service") == "gateway"]
     finished = [r for r in records if r.get("event") == "request finished"]
-    assert finished and all(r["rid"].startswith(("cmpl-", "chatcmpl-", "embd-"))
+    assert finished and all(r["rid"].startswith(("cmpl-", "chatcmpl-", "embd-", "score-",
+                                                 "rerank-"))
                             for r in finished)
     assert any(r.get("event") == "client disconnected" for r in records)
