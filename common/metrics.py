@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 
 PREFIX = "headrace:"
 VLLM_PREFIX = "vllm:"
-OWN_SERIES = ("stage_seconds", "stream_length", "stream_pending", "stream_lag")  # not vLLM's
+OWN_SERIES = ("stage_seconds", "stream_length", "stream_pending", "stream_lag",  # not vLLM's
+              "process_worst_stall_seconds", "process_stalls")
 # vLLM's older names of a series, which its published dashboard and many rules still read
 VLLM_ALIASES = {"kv_cache_usage_perc": ("gpu_cache_usage_perc",),
                 "inter_token_latency_seconds": ("time_per_output_token_seconds",)}
@@ -181,6 +182,14 @@ class Metrics:
         self.stream_lag = Gauge(
             PREFIX + "stream_lag", "Entries not yet delivered to a group.",
             [MODEL_LABEL, "stream", "group"], registry=reg)
+        # a slow stage shows here (its heartbeat, in a thread, still says alive)
+        self.process_worst_stall = Gauge(
+            PREFIX + "process_worst_stall_seconds",
+            "A live process's longest event-loop stall of the last 10 s.",
+            [MODEL_LABEL, "process"], registry=reg)
+        self.process_stalls = Gauge(
+            PREFIX + "process_stalls", "A live process's event-loop stalls of the last 10 s.",
+            [MODEL_LABEL, "process"], registry=reg)
 
     def _latency_series(self, reg: CollectorRegistry) -> None:
         self.request_success = Counter(
@@ -302,6 +311,17 @@ class Metrics:
                 self.stream_pending.labels(model, stream.name, group.name).set(group.pending)
                 if group.lag is not None:
                     self.stream_lag.labels(model, stream.name, group.name).set(group.lag)
+
+    def set_process_stalls(self, health: Mapping[str, Mapping[str, str]]) -> None:
+        """Replace the per-process stall gauges from each live process's hr:health hash
+        (common/stalls.py); a process that died drops out with its hash."""
+        self.process_worst_stall.clear()
+        self.process_stalls.clear()
+        for process, fields in health.items():
+            worst_ms = float(fields.get("worst_stall_ms", 0))
+            self.process_worst_stall.labels(self.model_name, process).set(worst_ms / 1000)
+            self.process_stalls.labels(self.model_name, process).set(
+                float(fields.get("stalls", 0)))
 
     def render(self) -> bytes:
         families = [*self.state.collect(), *self._summed.collect()]

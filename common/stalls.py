@@ -95,3 +95,9 @@ async def report_stalls(bus: Bus, process: str, every_s: float = REPORT_S) -> No
         except UNAVAILABLE:
             pass
         await anyio.sleep(every_s)
+
+
+async def processes_health(bus: Bus) -> dict[str, dict[str, str]]:
+    """Every live process's latest report, by process name."""
+    return {name.removeprefix(keys.health("")): fields
+            for name, fields in (await bus.hashes(keys.HEALTH_PATTERN)).items()}

@@ -21,6 +21,7 @@ import anyio
 from common import keys
 from common.bus import LAG_COUNT_LIMIT, UNAVAILABLE, Bus, StreamInfo
 from common.log import configure_logging
+from common.stalls import processes_health
 from common.redis_server import SOCKET_NAME
 
 COLUMNS = ("SHARD", "STREAM", "LENGTH", "GROUP", "CONSUMER", "PENDING", "LAG", "IDLE", "LAST-DELIVERED")
@@ -39,9 +40,8 @@ class Snapshot:
 
 async def take_snapshot(url: str) -> Snapshot:
     async with Bus(url) as bus:
-        health = {name.removeprefix(keys.health("")): fields
-                  for name, fields in (await bus.hashes(keys.HEALTH_PATTERN)).items()}
-        return Snapshot(url, time.time(), await bus.stream_infos(), health)
+        return Snapshot(url, time.time(), await bus.stream_infos(),
+                        await processes_health(bus))
 
 
 def format_table(snapshot: Snapshot) -> str:

@@ -535,6 +535,12 @@ def test_operators_see_the_consumer_groups(served):
                  if line.split()[-1:] in (["ok"], ["slow"])]
     for stage in ("gateway", "tokenizer", "scheduler", "worker", "detokenizer"):
         assert any(p.startswith(f"{stage}-") for p in processes), queues.stdout
+    # and so does /metrics, process by process
+    scraped = anyio.run(metrics, served.url)
+    stalled = {dict(labels)["process"] for name, labels in scraped
+               if name == "headrace:process_worst_stall_seconds"}
+    for stage in ("gateway", "tokenizer", "scheduler", "worker", "detokenizer"):
+        assert any(p.startswith(f"{stage}-") for p in stalled), stalled
 
 
 def test_the_gateway_logs_each_request_with_its_rid(served):

@@ -39,6 +39,7 @@ from common.messages import Abort, LoRARequest, SchedulerStats, StoredResponse, 
 from common.metrics import Metrics
 from common.model_info import ModelInfo
 from common.outbox import Outbox
+from common.stalls import processes_health
 from common.token_text import TokenTexts
 from common.version import VERSION
 from common.tokens import check_vocabulary
@@ -685,6 +686,7 @@ class Gateway:
                  if s is not None}
         self.metrics.set_scheduler_stats(stats)
         self.metrics.set_streams(await self.bus.stream_infos())
+        self.metrics.set_process_stalls(await processes_health(self.bus))
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
 
