@@ -36,17 +36,16 @@ from common.errors import ApiError
 from common.hops import DELIVERY_STAGE
 from common.log import get_logger
 from common.messages import Abort, LoRARequest, SchedulerStats, WorkerFailed
-from common.metrics import Metrics
 from common.model_info import ModelInfo
-from common.outbox import Outbox
 from common.token_text import TokenTexts
-from common.version import VERSION
 from common.tokens import check_vocabulary
 from services.gateway.adapters import Adapters, check_new_name
 from services.gateway.core import (SHUTTING_DOWN, STALE_S, Applied, Backend, Call, Echo,
                                    Observed, Parsers, admission_error, load_failure, queue_depth,
                                    shard_states, shutting_down, worker_cannot_load)
 from services.gateway.embeddings import EmbeddingCall, check_dimensions
+from services.gateway.metrics import Metrics
+from services.gateway.outbox import Outbox
 from services.gateway.protocol import (Job, Limits, TokenizeJob, parse_detokenize,
                                        parse_embedding, parse_job, parse_tokenize)
 from services.gateway.openapi import openapi_document
@@ -55,6 +54,7 @@ from services.gateway.request_bodies import (LoadLoRAAdapterRequest,
 from services.gateway.replies import Inbox, Replies, next_replies
 from services.gateway.response_bodies import (DetokenizeResponse, ErrorResponse, ModelCard,
                                               ModelList, TokenizeResponse, to_dict, to_json)
+from services.gateway.version import VERSION
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
