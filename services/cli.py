@@ -6,6 +6,11 @@ from __future__ import annotations
 import importlib
 import sys
 
+# The tools (benchmarks/) sit above the services: they import services' public entry
+# points, never the other way round. The CLI may still name them because it names every
+# command only as a module path, imported when that command runs; no service, and not the
+# CLI itself at import time, depends on benchmarks/, and one `headrace` script keeps every
+# command in one place.
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("services.launcher", "start Redis (embedded unless --redis-url) and every service"),
     "gateway": ("services.gateway.shell", "run the HTTP gateway process"),
@@ -16,10 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("services.offline.generate", "generate completions offline and print them"),
     "run-batch": ("services.offline.run_batch", "run an OpenAI batch file (JSON lines) offline"),
     "queues": ("services.queues", "show every hr:* stream: length, groups, pending, lag"),
-    "bench": ("services.bench", "benchmarks: bus, throughput, latency, serve, soak"),
-    "profile": ("services.profiler.run", "layerwise profile of prefill and decode steps"),
-    "profile-table": ("services.profiler.table", "print a table from a saved profile JSON"),
-    "profile-plot": ("services.profiler.plot", "plot a saved profile JSON as stacked bars"),
+    "bench": ("benchmarks.bench", "benchmarks: bus, throughput, latency, serve, soak"),
+    "profile": ("benchmarks.profiler.run", "layerwise profile of prefill and decode steps"),
+    "profile-table": ("benchmarks.profiler.table", "print a table from a saved profile JSON"),
+    "profile-plot": ("benchmarks.profiler.plot", "plot a saved profile JSON as stacked bars"),
 }
 
 

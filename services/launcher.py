@@ -61,7 +61,7 @@ def child_specs(engine: EngineConfig, server: ServerConfig, redis_url: str,
     """Every child's command line: a worker and a scheduler per shard, each worker on its
     shard's GPUs, then the shared stages. The gateways share `metrics_dir`, where each
     writes its counters and histograms so that a scrape of any of them sums all
-    (common/metrics.py)."""
+    (services/gateway/metrics.py)."""
     flags = engine_args_to_cli(engine) + server_args_to_cli(server)
     env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
     gateway_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir.absolute())}

@@ -1,61 +1,164 @@
-"""The layout is the architecture: a service package imports only common/ and kernels/
-(what two services share lives in common/), common/ and kernels/ never import services/,
-and the gateway and tokenizer shells do not import torch."""
+"""The layout is the architecture:
+
+- a service package imports only common/, kernels/ and itself (what two services share
+  lives in common/);
+- common/ and kernels/ import no service and no tool;
+- the tools (benchmarks/) sit above the services: nothing in services/, common/ or
+  kernels/ imports them, and they reach the services only through the public entry points
+  named in TOOL_ENTRY_POINTS;
+- relative imports are resolved and checked like absolute ones;
+- the gateway and tokenizer shells, the CLI and the launcher do not import torch."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PROJECT = ("benchmarks", "common", "kernels", "services", "tests")  # our top-level packages
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
+# What a tool may import from services/: a name here, and names imported from it, but no
+# module below it (`from services.gateway import Choice`, not services.gateway.responses).
+TOOL_ENTRY_POINTS = (
+    "services",                  # LLM, SamplingParams, LoRARequest
+    "services.offline.engine",   # Engine: the cores in one process, stepped by the caller
+    "services.offline.llm",      # LLM
+    "services.launcher",         # child_specs, fresh_metrics_dir: the served processes
+    "services.demo",             # demo_model_path
+    "services.gateway",          # services/gateway/public.py: Choice, parse_job,
+                                 # validate_body, chunk_writer
+    "services.worker",           # services/worker/__init__.py: load_weights
+)
+# Libraries every tool may use whole: the corridor, the kernels, the tools themselves.
+TOOL_LIBRARIES = ("benchmarks", "common", "kernels")
+
+Allowed = Callable[[str], bool]
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every module a file imports, at any depth (function-level imports included)."""
+def is_module(dotted: str) -> bool:
+    """Whether `dotted` names a module or package of this repository (not a name in one)."""
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def package_of(path: Path, root: Path) -> str:
+    """The dotted package a file belongs to (a package's __init__ is in the package)."""
+    return ".".join(path.relative_to(root).parent.parts)
+
+
+def absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module `from ... import` reads, relative levels resolved against `package`."""
+    if node.level == 0:
+        return node.module or ""
+    parts = package.split(".")
+    if node.level - 1 >= len(parts):
+        raise ValueError(f"relative import of level {node.level} above {package!r}")
+    base = parts[:len(parts) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imported_modules(path: Path, package: str) -> set[str]:
+    """Every module a file imports, at any depth (function-level imports included), with
+    relative imports made absolute; `from m import n` counts m.n when n is a module."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute(node, package)
+            submodules = {f"{module}.{a.name}" for a in node.names
+                          if is_module(f"{module}.{a.name}")}
+            names.update(submodules or {module})
+            if len(submodules) < len(node.names):  # some names are attributes of module
+                names.add(module)
     return names
 
 
-def violations(package: Path, allowed: tuple[str, ...]) -> list[str]:
-    """`file: module` for each import of services/ outside `allowed` prefixes."""
+def violations(directory: Path, allowed: Allowed, root: Path = ROOT) -> list[str]:
+    """`file: module` for each import of one of our packages that `allowed` refuses."""
     found = []
-    for path in sorted(package.rglob("*.py")):
-        for name in sorted(imported_modules(path)):
-            top = name.split(".")
-            if top[0] == "services" and not any(name == a or name.startswith(a + ".")
-                                                for a in allowed):
-                found.append(f"{path.relative_to(package.parent)}: {name}")
+    for path in sorted(directory.rglob("*.py")):
+        for name in sorted(imported_modules(path, package_of(path, root))):
+            if name.split(".")[0] in PROJECT and not allowed(name):
+                found.append(f"{path.relative_to(root)}: {name}")
     return found
 
 
+def within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def service_may_import(service: str) -> Allowed:
+    return lambda name: within(name, ("common", "kernels", f"services.{service}"))
+
+
+def tool_may_import(name: str) -> bool:
+    return within(name, TOOL_LIBRARIES) or name in TOOL_ENTRY_POINTS
+
+
 @pytest.mark.parametrize("service", SERVICES)
-def test_a_service_imports_no_other_service(service):
-    assert violations(ROOT / "services" / service, (f"services.{service}",)) == []
+def test_a_service_imports_only_common_kernels_and_itself(service):
+    assert violations(ROOT / "services" / service, service_may_import(service)) == []
 
 
 @pytest.mark.parametrize("package", ["common", "kernels"])
-def test_common_and_kernels_import_no_service(package):
-    assert violations(ROOT / package, ()) == []
+def test_common_and_kernels_import_no_service_and_no_tool(package):
+    assert violations(ROOT / package, lambda name: within(name, ("common", "kernels"))) == []
+
+
+def test_nothing_below_the_tools_imports_them():
+    """The CLI names the tools' modules as strings (imported when a command runs)."""
+    for package in ("services", "common", "kernels"):
+        assert violations(ROOT / package, lambda name: not within(name, ("benchmarks",))) == []
+
+
+def test_the_tools_use_only_public_entry_points():
+    assert violations(ROOT / "benchmarks", tool_may_import) == []
+
+
+def test_every_entry_point_exists():
+    assert [name for name in TOOL_ENTRY_POINTS if not is_module(name)] == []
 
 
 def test_the_check_sees_a_crossing(tmp_path):
-    """The walk finds imports inside functions and `from services import x` forms."""
-    bad = tmp_path / "tokenizer"
-    bad.mkdir()
-    (bad / "core.py").write_text("def f():\n    from services.scheduler import core\n"
-                                 "import services.worker.shell as w\n")
-    assert len(violations(bad, ("services.tokenizer",))) == 3
+    """The walk finds imports inside functions, `from services import x` forms and
+    relative imports, and lets a package's relative imports of itself pass."""
+    bad = tmp_path / "services" / "tokenizer"
+    bad.mkdir(parents=True)
+    (bad / "core.py").write_text(
+        "def f():\n    from services.scheduler import core\n"
+        "import services.worker.shell as w\n"
+        "from ..detokenizer import core as d\n"
+        "from benchmarks.bench import serve\n"
+        "from . import shell\n"
+        "from .core import InputProcessor\n")
+    assert violations(bad, service_may_import("tokenizer"), root=tmp_path) == [
+        "services/tokenizer/core.py: benchmarks.bench.serve",
+        "services/tokenizer/core.py: services.detokenizer.core",
+        "services/tokenizer/core.py: services.scheduler.core",
+        "services/tokenizer/core.py: services.worker.shell"]
+
+
+def test_the_check_sees_a_tool_past_an_entry_point(tmp_path):
+    tool = tmp_path / "benchmarks" / "bench"
+    tool.mkdir(parents=True)
+    (tool / "probe.py").write_text(
+        "from services.gateway import Choice, core\n"
+        "from services.worker.loader import load_weights\n"
+        "from services.worker import load_weights\n"
+        "from services.offline.engine import Engine\n"
+        "from services.scheduler.core import Scheduler\n"
+        "from .workloads import fixed_workload\n"
+        "from common.config import EngineConfig\n")
+    assert violations(tool, tool_may_import, root=tmp_path) == [
+        "benchmarks/bench/probe.py: services.gateway.core",
+        "benchmarks/bench/probe.py: services.scheduler.core",
+        "benchmarks/bench/probe.py: services.worker.loader"]
 
 
 @pytest.mark.parametrize("modules", [

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.bench.throughput import parse_paths
+from benchmarks.bench.workloads import (WARMUP_OUTPUT_LEN, WARMUP_SEED, ModelShape, Trace,
+                                        fixed_workload, nano_workload, warmup_twin,
+                                        with_output_len)
 from common.messages import StepPlan
-from services.bench.throughput import parse_paths
-from services.bench.workloads import (WARMUP_OUTPUT_LEN, WARMUP_SEED, ModelShape, Trace,
-                                      fixed_workload, nano_workload, warmup_twin,
-                                      with_output_len)
 from tests.conftest import run_command
 from tests.tiny_models import make_tiny_model
 
@@ -181,7 +181,7 @@ def test_random_adapters_are_peft_adapters_the_engine_serves(tiny, tmp_path):
 
     from common.sampling_params import SamplingParams
     from services import LLM
-    from services.bench.adapters import random_adapters
+    from benchmarks.bench.adapters import random_adapters
     from tests.test_lora import MAX_TOKENS, merged_greedy
 
     adapters = random_adapters(AutoConfig.from_pretrained(tiny), 2, 8, tmp_path,
@@ -221,7 +221,7 @@ def test_the_copy_model_continues_the_latency_prompts_cycle(tmp_path):
 
     from common.sampling_params import SamplingParams
     from services import LLM
-    from services.bench.latency import repeated
+    from benchmarks.bench.latency import repeated
     from tests.conftest import repo_env
 
     config_dir = make_tiny_model(tmp_path, "llama", tie_word_embeddings=False)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
-from services.bench.throughput import drive_http
-from services.bench.workloads import fixed_workload
+from benchmarks.bench.throughput import drive_http
+from benchmarks.bench.workloads import fixed_workload
 from tests.e2e_fixtures import write_event
 
 pytestmark = pytest.mark.anyio

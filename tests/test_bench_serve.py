@@ -32,13 +32,13 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from services.bench import serve
+from benchmarks.bench import serve
+from benchmarks.bench.serve import (RequestResult, SseDecoder, StreamTimer, arrival_offsets,
+                                    plan_requests, random_lengths, sharegpt_lengths, summarize)
+from benchmarks.bench.server_stages import (STAGE_HISTOGRAM, bucket_quantile, parse_stages,
+                                            prefix_cache_use, format_prefix_cache,
+                                            stage_breakdown)
 from common.net import free_port
-from services.bench.serve import (RequestResult, SseDecoder, StreamTimer, arrival_offsets,
-                                  plan_requests, random_lengths, sharegpt_lengths, summarize)
-from services.bench.server_stages import (STAGE_HISTOGRAM, bucket_quantile, parse_stages,
-                                          prefix_cache_use, format_prefix_cache,
-                                          stage_breakdown)
 from tests.conftest import REPO, repo_env
 from tests.e2e_fixtures import write_event
 from tests.tiny_models import TOKENIZER_DIR, make_tiny_model

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.bench.soak import metrics_gauges, process_label, redis_state, restart_target
+from benchmarks.bench.soak_report import (MIB, Growth, Limits, Restart, Sample, Tally,
+                                          rss_checks, verdicts)
 from common import keys
 from common.bus import Bus
 from common.messages import Abort
 from common.redis_cluster import plain_client
-from services.bench.soak import metrics_gauges, process_label, redis_state, restart_target
-from services.bench.soak_report import (MIB, Growth, Limits, Restart, Sample, Tally,
-                                        rss_checks, verdicts)
 from tests.conftest import run_command
 
 SOAK_TIMEOUT_S = 300

@@ -583,12 +583,12 @@ def test_bench_bus_pauses_before_each_round_trip(redis_url, tmp_path):
 
 
 def test_bench_dispatcher_names_unknown_and_missing_benchmarks(monkeypatch, capsys):
-    from services import bench
+    from benchmarks import bench
     assert bench.main(["nope"]) == 2
     assert "unknown benchmark 'nope'" in capsys.readouterr().err
     monkeypatch.setitem(bench.BENCHMARKS, "ghost", "a benchmark nobody wrote")
     assert bench.main(["ghost"]) == 2
-    assert "services.bench.ghost is missing" in capsys.readouterr().err
+    assert "benchmarks.bench.ghost is missing" in capsys.readouterr().err
     assert bench.main([]) == 0
     listing = capsys.readouterr().out
     assert all(name in listing for name in ("bus", "throughput", "latency", "serve"))

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.bus import Bus
 from common.hops import request_times
 from common.messages import Abort, SchedulerStats, TextDelta
-from common.metrics import Metrics
 from services.gateway.core import Call
+from services.gateway.metrics import Metrics
 from services.gateway.protocol import parse_job
 from tests.conftest import REPO, repo_env
 

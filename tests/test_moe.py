@@ -35,8 +35,8 @@ from tests.test_models import (  # noqa: F401  (collected here, on this module's
     Paged, ours_and_reference, rel_err, test_chunked_prefill_through_the_cache,
     test_steps_padded_into_the_graph_buffers_compute_the_same, test_teacher_forced_decode,
     test_varlen_batches_with_shared_prefix_blocks, test_whole_prompt_prefill, token_ids)
-from services.bench.workloads import (ModelShape, StepCost, Trace, experts_read,
-                                      reset_experts_read)
+from benchmarks.bench.workloads import (ModelShape, StepCost, Trace, experts_read,
+                                        reset_experts_read)
 from tests.test_bench_engine import run_throughput
 from tests.test_tensor_parallel import SAME_AS_ONE_RANK, logits_of, run_ranks
 from tests.tiny_models import make_tiny_model, tiny_config

@@ -14,13 +14,13 @@ from pathlib import Path
 import anyio
 import pytest
 
+from benchmarks.bench.pipeline import CLIENT, LocalPipeline, Outcome, drive
 from common import messages
 from common import keys
 from common.bus import Bus
 from common.config import EngineConfig, ServerConfig
 from common.messages import Abort, ErrorReply, GenerateRequest
 from common.sampling_params import SamplingParams
-from services.bench.pipeline import CLIENT, LocalPipeline, Outcome, drive
 from services.offline.llm import LLM
 from services.scheduler.shell import STATS_TTL_S
 from tests.redis_cluster import LocalCluster

@@ -12,13 +12,13 @@ import torch
 from torch import nn
 from torch.autograd import DeviceType
 
+from benchmarks.profiler import plot, run, table
+from benchmarks.profiler.layerwise import (PYTHON_ROW, REST_OF_STEP, STEP_RANGE, Kernel,
+                                           ModelRow, ModuleRanges, PhaseStats, device_work,
+                                           phase_stats, profile_step)
+from benchmarks.profiler.run import (ProfileSettings, fit_error, kv_error, output_lengths,
+                                     requests_per_step)
 from common.config import EngineConfig
-from services.profiler import plot, run, table
-from services.profiler.layerwise import (PYTHON_ROW, REST_OF_STEP, STEP_RANGE, Kernel,
-                                         ModelRow, ModuleRanges, PhaseStats, device_work,
-                                         phase_stats, profile_step)
-from services.profiler.run import (ProfileSettings, fit_error, kv_error, output_lengths,
-                                   requests_per_step)
 from tests.conftest import run_command
 from tests.tiny_models import make_tiny_model
 

@@ -605,7 +605,7 @@ def test_the_benchmarks_count_the_values_of_packed_weights(tmp_path):
     """ModelShape.num_params (the products per token) counts an int4 weight's values,
     eight a word: the unquantized model's count plus the scales, zeros and act-order's
     permutation."""
-    from services.bench.workloads import ModelShape
+    from benchmarks.bench.workloads import ModelShape
 
     src = make_tiny_model(tmp_path, "llama")
     unquantized = ModelShape.of(load(src), load_hf_config(src), 1, 4).num_params

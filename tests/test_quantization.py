@@ -569,7 +569,7 @@ def test_dummy_weights_run_fp8_experts(scheme, tmp_path):
 
 def test_the_floor_counts_fp8_experts_bytes(tmp_path):
     """An fp8 expert is a byte a weight plus its float32 scales (per output channel)."""
-    from services.bench.workloads import ModelShape
+    from benchmarks.bench.workloads import ModelShape
 
     model_dir = make_tiny_model(tmp_path, "qwen3_moe")
     _, model = ours(model_dir, quantization="fp8")

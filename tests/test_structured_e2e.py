@@ -16,12 +16,12 @@ from typing import Any
 import jsonschema
 import pytest
 
+from benchmarks.bench.pipeline import CLIENT, LocalPipeline, drive
 from common.config import EngineConfig, ServerConfig
 from common.errors import ApiError
 from common.messages import GenerateRequest
 from common.sampling_params import SamplingParams
 from services import LLM
-from services.bench.pipeline import CLIENT, LocalPipeline, drive
 from services.demo import demo_model_path
 from tests.tiny_models import make_tiny_model
 

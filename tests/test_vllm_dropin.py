@@ -33,7 +33,7 @@ from common.chat import render_chat
 from common.config import ConfigError, EngineConfig, ServerConfig
 from common.errors import ApiError
 from common.messages import GenerateRequest, ReplyBatch, SchedulerStats, TextDelta, TokenLogprobs
-from common.metrics import Metrics
+from services.gateway.metrics import Metrics
 from common.redis_server import EmbeddedRedis
 from services import launcher
 from services.demo import demo_model_path

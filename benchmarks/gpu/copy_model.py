@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from services.bench.adapters import projection_shapes
-from services.bench.workloads import fixed_workload
+from benchmarks.bench.adapters import projection_shapes
+from benchmarks.bench.workloads import fixed_workload
 
 STD = 0.02
 ZEROED = ("o_proj", "down_proj")

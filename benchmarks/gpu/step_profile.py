@@ -22,9 +22,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.bench.throughput import run_inprocess  # noqa: E402
+from benchmarks.bench.workloads import fixed_workload, nano_workload, with_output_len  # noqa: E402
 from common.config import add_engine_args, engine_config_from_args  # noqa: E402
-from services.bench.throughput import run_inprocess  # noqa: E402
-from services.bench.workloads import fixed_workload, nano_workload, with_output_len  # noqa: E402
 from services.offline.engine import Engine  # noqa: E402
 
 

@@ -36,12 +36,9 @@ from common.errors import ApiError
 from common.hops import DELIVERY_STAGE
 from common.log import get_logger
 from common.messages import Abort, LoRARequest, SchedulerStats, StoredResponse, WorkerFailed
-from common.metrics import Metrics
 from common.model_info import ModelInfo
-from common.outbox import Outbox
 from common.stalls import processes_health
 from common.token_text import TokenTexts
-from common.version import VERSION
 from common.tokens import check_vocabulary
 from services.gateway.adapters import Adapters, check_new_name
 from services.gateway.core import (SHUTTING_DOWN, STALE_S, Applied, Backend, Call, Echo,
@@ -49,6 +46,8 @@ from services.gateway.core import (SHUTTING_DOWN, STALE_S, Applied, Backend, Cal
                                    shard_states, shutting_down, worker_cannot_load)
 from services.gateway.embeddings import EmbeddingCall, check_dimensions
 from services.gateway.http_options import REQUEST_LOGGER, route_path, with_http_options
+from services.gateway.metrics import Metrics
+from services.gateway.outbox import Outbox
 from services.gateway.protocol import (EmbeddingJob, Job, Limits, TokenizeJob, parse_detokenize,
                                        parse_embedding, parse_job, parse_tokenize)
 from services.gateway.scoring import (check_scorable, parse_rerank, parse_score,
@@ -64,6 +63,7 @@ from services.gateway.replies import Inbox, Replies, next_replies
 from services.gateway.response_bodies import (DetokenizeResponse, ErrorResponse, ModelCard,
                                               ModelList, TokenizeResponse, to_dict, to_json)
 from services.gateway.tool_calls import check_tool_parser
+from services.gateway.version import VERSION
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}

@@ -18,7 +18,7 @@ from common.bus import Backoff, Bus
 from common.hops import request_stages, step_stages
 from common.log import get_logger
 from common.messages import ErrorReply, ReplyBatch, Routed, TextDelta
-from common.metrics import Metrics
+from services.gateway.metrics import Metrics
 
 Reply = TextDelta | ErrorReply
 Delivery = tuple[Reply, Sequence[float]]  # a reply, and its step's stamps (none: unknown)

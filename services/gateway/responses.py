@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.messages import TextDelta, TokenLogprobs
-from common.version import VERSION
 from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice,
                                               ChatCompletionChunk, ChatCompletionResponse,
                                               ChatLogprobs, ChatMessage, CompletionChoice,
@@ -22,6 +21,7 @@ from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice,
                                               PromptTokensDetails, TokenLogprob, ToolCall,
                                               ToolCallDelta, TopLogprob, Usage)
 from services.gateway.tool_calls import ParsedCall
+from services.gateway.version import VERSION
 
 Body = CompletionResponse | ChatCompletionResponse | ChatCompletionChunk
 

@@ -1,1 +1,23 @@
-"""The worker service: its core (state and decisions, no I/O) and its asyncio shell."""
+"""The worker service: its core (state and decisions, no I/O) and its asyncio shell.
+
+What code outside the services (benchmarks/) may use is defined here; the modules behind
+it may change shape."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors, (name, tensor) pairs named as in a transformers checkpoint,
+    into a model the worker built (the engine's `runner.model`), through the same loader
+    that reads checkpoint files: fused and sharded parameters are filled as at start-up.
+    Raises ValueError for a tensor with no parameter or a parameter left without one."""
+    # Imported here: this package's __init__ runs before any of its modules, and the
+    # loader imports the models and layers, which must not all load for each one of them.
+    from services.worker.loader import load_weights as load_into
+    load_into(model, weights)

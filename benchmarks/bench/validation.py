@@ -21,11 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.messages import TextDelta, TokenLogprobs
-from services.gateway.core import Call
-from services.gateway.protocol import parse_job
-from services.gateway.request_bodies import (ChatCompletionRequest, CompletionRequest,
-                                             validate)
-from services.gateway.response_bodies import to_json
+from services.gateway import chunk_writer, parse_job, validate_body
 
 TARGET_US = 50.0
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
@@ -53,9 +49,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--iterations", type=int, default=20_000)
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
-    models = {name: timed(lambda c=chat, b=body: validate(
-        ChatCompletionRequest if c else CompletionRequest, b), args.iterations)
-        for name, (chat, body) in BODIES.items()}
+    models = {name: timed(lambda c=chat, b=body: validate_body(b, c), args.iterations)
+              for name, (chat, body) in BODIES.items()}
     whole = {name: timed(lambda c=chat, b=body: parse_job(b, c), args.iterations)
              for name, (chat, body) in BODIES.items()}
     chunks = chunk_rows(args.iterations)
@@ -86,14 +81,11 @@ def chunk_rows(iterations: int) -> dict[str, dict[str, float]]:
                                   [TokenLogprobs(list(range(6)), [-0.5] * 6, 1,
                                                  ["tok"] * 6)])):
         job = parse_job({"messages": TURNS[:1], "stream": True, **body}, chat=True)
-        call = Call(job, "chatcmpl-x", "m", 0, 0.0)
+        write = chunk_writer(job, "chatcmpl-x", "m")
         seq = iter(range(10**9))
 
         def chunk() -> None:
-            applied = call.offer(TextDelta("chatcmpl-x", 0, next(seq), " word", [5], 4,
-                                           logprobs=logprobs))
-            for body in call.chunks(applied):
-                to_json(body)
+            write(TextDelta("chatcmpl-x", 0, next(seq), " word", [5], 4, logprobs=logprobs))
         rows[name] = timed(chunk, iterations)
     return rows
 

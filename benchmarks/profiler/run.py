@@ -28,13 +28,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from benchmarks.profiler.layerwise import ModuleRanges, StepProfile, profile_step
+from benchmarks.profiler.table import format_phase_table, write_model_csv, write_summary_csv
 from common.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args
 from common.log import configure_logging
-from common.sampling_params import SamplingParams
 from common.model_info import resolve_engine
+from common.sampling_params import SamplingParams
 from services.offline.engine import Engine
-from services.profiler.layerwise import ModuleRanges, StepProfile, profile_step
-from services.profiler.table import format_phase_table, write_model_csv, write_summary_csv
 
 BATCH_SIZE_DEFAULT = 1
 PROMPT_LEN_DEFAULT = 256

@@ -9,7 +9,7 @@ Each iteration prefills `batch-size` prompts of `context-len` tokens and decodes
 between one request's consecutive tokens (ms per output token). The floor
 of a batch-1 decode is the weights plus the KV cache read once, over the copy bandwidth.
 With --lora-adapters N, request i decodes under random adapter i mod N of rank
---max-lora-rank over every projection (services/bench/adapters.py).
+--max-lora-rank over every projection (benchmarks/bench/adapters.py).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench.adapters import random_adapters
+from benchmarks.bench.throughput import _sync, machine_info
+from benchmarks.bench.workloads import ModelShape, fixed_workload, measure_ceilings
 from common.config import ConfigError, add_engine_args, engine_config_from_args
 from common.log import configure_logging
 from common.messages import LoRARequest
 from common.sampling_params import SamplingParams
-from services.bench.adapters import random_adapters
-from services.bench.throughput import _sync, machine_info
-from services.bench.workloads import ModelShape, fixed_workload, measure_ceilings
 from services.offline.engine import Engine
 
 

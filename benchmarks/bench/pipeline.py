@@ -23,7 +23,7 @@ from common.config import EngineConfig, ServerConfig
 from common.messages import ErrorReply, GenerateRequest, ReplyBatch, Routed
 from common.net import free_port
 from common.redis_server import EmbeddedRedis, spawn_child
-from services.gateway.responses import Choice
+from services.gateway import Choice
 from services.launcher import child_specs, fresh_metrics_dir
 
 CLIENT = "bench-client"

@@ -39,19 +39,20 @@ import aiohttp
 import anyio
 import torch
 
+from benchmarks.bench.pipeline import CLIENT, LocalPipeline, drive
+from benchmarks.bench.serve import RequestResult, first_model, send_request
+from benchmarks.bench.workloads import (WARMUP_SEED, Ceilings, ModelShape, Trace, Workload,
+                                        experts_read, fixed_workload, kv_waste,
+                                        measure_ceilings, nano_workload, reset_experts_read,
+                                        warmup_twin, with_output_len)
 from common.config import (EngineConfig, ServerConfig, add_engine_args, add_server_args,
                            parse_configs)
 from common.log import configure_logging
 from common.messages import GenerateRequest
 from common.sampling_params import SamplingParams
 from common.timing import PhaseClock
-from services.bench.pipeline import CLIENT, LocalPipeline, drive
-from services.bench.serve import RequestResult, first_model, send_request
-from services.bench.workloads import (WARMUP_SEED, Ceilings, ModelShape, Trace, Workload,
-                                      experts_read, fixed_workload, kv_waste,
-                                      measure_ceilings, nano_workload, reset_experts_read,
-                                      warmup_twin, with_output_len)
 from services.offline.engine import Engine
+from services.worker import load_weights
 
 SERVED_PATHS = ("pipeline", "http")  # through service processes
 PATHS = ("inprocess", *SERVED_PATHS)
@@ -255,7 +256,6 @@ def run_transformers(engine: Engine, workload: Workload, attn: str) -> RunResult
 def copy_weights(ours: torch.nn.Module, hf: torch.nn.Module) -> None:
     """transformers' (random) weights into ours through our checkpoint loader, so both
     engines hold identical values."""
-    from services.worker.loader import load_weights
     load_weights(ours, hf.state_dict().items())
 
 

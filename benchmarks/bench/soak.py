@@ -14,7 +14,7 @@ Every --sample-every-s: the RSS of the launcher, every service replica and redis
 Redis's used_memory, XLEN of every hr:* stream, and the scheduler's gauges and the
 consumer groups' backlog from /metrics. After the traffic and --idle-s of quiet, the last
 sample must show the gauges at 0, nothing left in a consumer group and no process or
-Redis grown past the tolerance since the warm-up (services/bench/soak_report.py says how).
+Redis grown past the tolerance since the warm-up (benchmarks/bench/soak_report.py says how).
 Writes samples.csv, report.md and soak.png into --out; exits 1 on any FAIL. Ctrl-C ends
 the traffic early; the idle wait, the last sample and the report still follow.
 """
@@ -45,15 +45,15 @@ import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
 
+from benchmarks.bench.serve import WORDS, SseDecoder, metrics_url, redacted, scrape
+from benchmarks.bench.soak_report import (ABORTED, BACKLOG, BAD_ANSWER, CLIENT_ERROR,
+                                          CONNECTION, INVALID, MIB, OK, SERVER_ERROR,
+                                          STREAM_ERROR, TIMEOUT, Check, Growth, Limits,
+                                          Restart, Sample, Tally, format_report, plot,
+                                          verdicts, write_csv)
+from common.net import free_port
 from common.redis_cluster import RedisCluster, plain_client, used_memory
 from common.redis_server import SOCKET_NAME, spawn_child
-from common.net import free_port
-from services.bench.serve import WORDS, SseDecoder, metrics_url, redacted, scrape
-from services.bench.soak_report import (ABORTED, BACKLOG, BAD_ANSWER, CLIENT_ERROR,
-                                        CONNECTION, INVALID, MIB, OK, SERVER_ERROR,
-                                        STREAM_ERROR, TIMEOUT, Check, Growth, Limits,
-                                        Restart, Sample, Tally, format_report, plot,
-                                        verdicts, write_csv)
 
 REPO = Path(__file__).resolve().parents[2]
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

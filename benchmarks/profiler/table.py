@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from services.profiler.layerwise import ModelRow, PhaseStats
+from benchmarks.profiler.layerwise import ModelRow, PhaseStats
 
 NAME_WIDTH = 64
 MODEL_COLUMNS = ["name", "module", "cuda_time_us", "pct_cuda_time", "cpu_time_us",

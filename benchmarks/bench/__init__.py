@@ -1,4 +1,4 @@
-"""`headrace bench <name> [args]`: each benchmark lives in services/bench/<name>.py and is
+"""`headrace bench <name> [args]`: each benchmark lives in benchmarks/bench/<name>.py and is
 imported only when run, so `headrace bench bus` does not import torch."""
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ import numpy as np
 import uvloop
 from tqdm import tqdm
 
-from services.bench.server_stages import (PrefixCache, StageStats, format_prefix_cache,
-                                          format_stages, prefix_cache_use, stage_breakdown)
+from benchmarks.bench.server_stages import (PrefixCache, StageStats, format_prefix_cache,
+                                            format_stages, prefix_cache_use, stage_breakdown)
 
 # Common English words, each one token (with its leading space) in the Llama 3, Qwen2/3
 # and SmolLM2 vocabularies, so a prompt of N words is about N tokens in them; the

@@ -26,9 +26,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first)
 
-from services.profiler.layerwise import (PYTHON_ROW, RUNTIME_CALL, ModelRow,  # noqa: E402
-                                         PhaseStats)
-from services.profiler.table import load_phases  # noqa: E402
+from benchmarks.profiler.layerwise import (PYTHON_ROW, RUNTIME_CALL, ModelRow,  # noqa: E402
+                                           PhaseStats)
+from benchmarks.profiler.table import load_phases  # noqa: E402
 
 METRICS = ("pct_cuda_time", "cuda_time_us", "pct_cpu_time", "cpu_time_us")
 MAX_GROUPS = 12  # beyond these the smallest groups merge into "other", so a legend stays legible
