@@ -214,12 +214,10 @@ PROMPTS = [token_ids(n, seed=n) for n in (5, 17, 3, 40)]
 
 def generate(model_dir: Path, size: int, params: SamplingParams,
              **engine_args) -> list[list[int]]:
-    llm = LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3, **engine_args)
-    try:
+    with LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3,
+             **engine_args) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                                use_tqdm=False)
-    finally:
-        llm.engine.close()
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -250,12 +248,9 @@ def test_calculated_kv_scales_at_two_ranks_give_one_ranks_tokens(tmp_path):
 
 
 def embed(model_dir: Path, size: int) -> torch.Tensor:
-    llm = LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3,
-              pooling_type="MEAN", max_num_batched_tokens=16, max_num_seqs=4)
-    try:
+    with LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3,
+             pooling_type="MEAN", max_num_batched_tokens=16, max_num_seqs=4) as llm:
         outputs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
-    finally:
-        llm.engine.close()
     return torch.tensor([o.outputs.embedding for o in outputs])
 
 
@@ -267,14 +262,66 @@ def test_embeddings_at_two_ranks_are_one_ranks(tmp_path):
 
 
 def test_an_engine_of_another_size_waits_for_the_group_to_close(tmp_path):
+    """Until the LLM is collected: then its follower and its process group are gone. A
+    model built meanwhile outside the executor is whole: layers take the group they are
+    built for, not torch.distributed's world."""
+    import gc
+
+    import torch.distributed as dist
+
     model_dir = make_tiny_model(tmp_path, "llama")
+    hf_config = load_hf_config(model_dir)
     llm = LLM(str(model_dir), tensor_parallel_size=2, device="cpu")
-    try:
-        with pytest.raises(RuntimeError, match="close its engine first"):
-            LLM(str(model_dir), device="cpu")
-    finally:
-        llm.engine.close()
-    LLM(str(model_dir), device="cpu")  # once closed, the group is gone
+    followers = llm.engine.executor.followers.processes
+    with pytest.raises(RuntimeError, match="close its engine first"):
+        LLM(str(model_dir), device="cpu")
+    whole = load_model(EngineConfig(model=str(model_dir)), hf_config, CPU, torch.float32)
+    assert whole.num_kv_heads == hf_config.num_key_value_heads == 2
+    del llm
+    gc.collect()
+    assert not dist.is_initialized() and all(p.exitcode == 0 for p in followers)
+    LLM(str(model_dir), device="cpu")
+
+
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                           use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_tensor_parallel_llms_one_after_another_give_one_ranks_tokens(tmp_path):
+    """close(), then a `with` block: each lets its follower and its process group go, so
+    the next tensor-parallel LLM of the script starts (it raised "a tensor-parallel group
+    is open" before LLM could be closed)."""
+    import torch.distributed as dist
+
+    model_dir = str(make_tiny_model(tmp_path, "qwen3"))
+    with LLM(model_dir, device="cpu", seed=3) as one:
+        want = greedy_tokens(one)
+    first = LLM(model_dir, tensor_parallel_size=2, device="cpu", seed=3)
+    followers = first.engine.executor.followers.processes
+    assert greedy_tokens(first) == want
+    first.close()
+    first.close()  # a second close does nothing
+    assert not dist.is_initialized() and all(p.exitcode == 0 for p in followers)
+    with LLM(model_dir, tensor_parallel_size=2, pipeline_parallel_size=1,
+             data_parallel_size=1, device="cpu", seed=3) as second:
+        followers = second.engine.executor.followers.processes
+        assert greedy_tokens(second) == want
+    assert not dist.is_initialized() and all(p.exitcode == 0 for p in followers)
+
+
+def test_parallel_sizes_one_engine_cannot_run_are_refused(tmp_path):
+    """As vLLM's LLM takes them; refused before any model loads (the directory is empty)."""
+    with pytest.raises(ValueError, match=r"^pipeline_parallel_size=2: pipeline parallelism "
+                                         "is not built yet; split the model with "
+                                         "tensor_parallel_size$"):
+        LLM(str(tmp_path), pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^data_parallel_size=2: an LLM is one engine"):
+        LLM(str(tmp_path), tensor_parallel_size=2, data_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^pipeline_parallel_size=0"):
+        LLM(str(tmp_path), pipeline_parallel_size=0)
 
 
 # --- peer-memory all-reduce: two GPUs only ----------------------------------------------
