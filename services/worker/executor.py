@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
+from common.config import EngineConfig
 from common.messages import StepPlan, StepResult
 from common.model_info import ResolvedModel, check_devices
 from services.worker.layers.parallel import TPGroup, building_for
@@ -22,6 +23,7 @@ from services.worker.ranks import (FLUSH, FORGET, Followers, OnLost, exit_on_ran
 
 
 class Executor(Protocol):
+    config: EngineConfig  # the engine's, as the model's resolution completed it
     runner: ModelRunner  # the rank in this process: tools inspect its model
 
     @property
@@ -66,6 +68,7 @@ class OneRankExecutor:
     """The model whole in this process: each call is the runner's."""
 
     def __init__(self, model: ResolvedModel) -> None:
+        self.config = model.config
         self.runner = ModelRunner(model.config, model.hf_config, model.model_dir, model.draft)
 
     @property

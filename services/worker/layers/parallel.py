@@ -169,6 +169,8 @@ def building_for(group: TPGroup) -> Iterator[TPGroup]:
         _BUILDING.reset(token)
 
 
+# For the runner's set-up (its KV cache size, its peer buffers), which the executor runs
+# inside building_for, as it does the model's construction.
 def tp_size() -> int:
     """The size of the group a model is being built for."""
     return current_group().size
