@@ -668,14 +668,17 @@ def rank_gguf_logits(rank: int, world: int, init_file: str, path: str, ids: list
     """One gloo rank of the tiny GGUF model, kept quantized: its prefill logits."""
     import torch.distributed as dist
 
+    from services.worker.layers.parallel import building_for
     from tests.test_models import Paged
+    from tests.test_tensor_parallel import world_group
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
-        model, model_dir = load_gguf(Path(path), quantization="gguf",
-                                     tensor_parallel_size=world)
+        with building_for(world_group(world)):
+            model, model_dir = load_gguf(Path(path), quantization="gguf",
+                                         tensor_parallel_size=world)
         paged = Paged(model, load_hf_config(model_dir), block_size=4, tp_size=world)
         (logits,) = paged.step([(paged.blocks(len(ids)), ids, 0)])
         results.put((rank, logits.numpy()))

@@ -585,14 +585,10 @@ def test_the_floor_counts_fp8_experts_bytes(tmp_path):
 def test_a_rank_holds_its_shard_of_the_experts(tmp_path, monkeypatch):
     """Rank 1 of 2: its half of every expert's gate and up rows (and their per-channel
     scales) and of its down columns; the down scales whole."""
-    from services.worker.layers import moe as moe_layers
-
     model_dir = write_compressed_tensors(make_tiny_model(tmp_path, "qwen3_moe"),
                                          "FP8_DYNAMIC")
     whole = fused_moe_layers(load(model_dir))[0]
     as_rank(monkeypatch, 1, 2)
-    monkeypatch.setattr(moe_layers, "tp_rank", lambda: 1)
-    monkeypatch.setattr(moe_layers, "tp_size", lambda: 2)
     shard = fused_moe_layers(load(model_dir))[0]
     rows = torch.cat([torch.arange(16, 32), torch.arange(48, 64)])  # gate's, up's
     assert torch.equal(shard.w13.float(), whole.w13.float()[:, rows])

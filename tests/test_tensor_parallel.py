@@ -10,6 +10,7 @@ import os
 import queue
 import time
 from collections import Counter
+from contextvars import ContextVar
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from common.model_files import load_hf_config
 from common.model_info import check_tensor_parallel
 from common.sampling_params import SamplingParams
 from services import LLM
-from services.worker.layers import embedding, linear
+from services.worker.layers import parallel
 from services.worker.layers.checkpoint import CheckpointSlice
 from services.worker.loader import load_model
 from tests.test_models import Paged, rel_err, token_ids
@@ -34,10 +35,10 @@ SAME_AS_ONE_RANK = 1e-5  # the largest logit difference to the single-rank model
 # --- loading: rank 1 of 2, in this process ----------------------------------------------
 
 def as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, size: int) -> None:
-    """The layers built next take rank `rank` of `size`, with no process group."""
-    for module in (linear, embedding):
-        monkeypatch.setattr(module, "tp_rank", lambda: rank)
-        monkeypatch.setattr(module, "tp_size", lambda: size)
+    """The layers built next, for the rest of the test, take rank `rank` of `size`, with no
+    process group."""
+    monkeypatch.setattr(parallel, "_BUILDING",
+                        ContextVar("tp_group", default=parallel.TPGroup(rank, size)))
 
 
 def count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter:
@@ -126,10 +127,18 @@ def logits_of(model_dir: str, load_format: str, ids: list[int], world: int = 1
     hf_config = load_hf_config(model_dir)
     config = EngineConfig(model=model_dir, tensor_parallel_size=world,
                           load_format=load_format)
-    model = load_model(config, hf_config, CPU, torch.float32)
+    with parallel.building_for(world_group(world)):
+        model = load_model(config, hf_config, CPU, torch.float32)
     paged = Paged(model, hf_config, block_size=4, tp_size=world)
     (logits,) = paged.step([(paged.blocks(len(ids)), ids, 0)])
     return model.num_kv_heads, logits.numpy()
+
+
+def world_group(world: int) -> parallel.TPGroup:
+    """The ranks' group: torch.distributed's world, or a group of one."""
+    import torch.distributed as dist
+
+    return parallel.TPGroup.of(dist.group.WORLD) if world > 1 else parallel.TPGroup()
 
 
 def run_ranks(world: int, model_dirs: list[Path], load_format: str, ids: list[int],
@@ -205,12 +214,10 @@ PROMPTS = [token_ids(n, seed=n) for n in (5, 17, 3, 40)]
 
 def generate(model_dir: Path, size: int, params: SamplingParams,
              **engine_args) -> list[list[int]]:
-    llm = LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3, **engine_args)
-    try:
+    with LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3,
+             **engine_args) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                                use_tqdm=False)
-    finally:
-        llm.engine.close()
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -241,12 +248,9 @@ def test_calculated_kv_scales_at_two_ranks_give_one_ranks_tokens(tmp_path):
 
 
 def embed(model_dir: Path, size: int) -> torch.Tensor:
-    llm = LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3,
-              pooling_type="MEAN", max_num_batched_tokens=16, max_num_seqs=4)
-    try:
+    with LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3,
+             pooling_type="MEAN", max_num_batched_tokens=16, max_num_seqs=4) as llm:
         outputs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
-    finally:
-        llm.engine.close()
     return torch.tensor([o.outputs.embedding for o in outputs])
 
 
@@ -258,42 +262,94 @@ def test_embeddings_at_two_ranks_are_one_ranks(tmp_path):
 
 
 def test_an_engine_of_another_size_waits_for_the_group_to_close(tmp_path):
+    """Until the LLM is collected: then its follower and its process group are gone. A
+    model built meanwhile outside the executor is whole: layers take the group they are
+    built for, not torch.distributed's world."""
+    import gc
+
+    import torch.distributed as dist
+
     model_dir = make_tiny_model(tmp_path, "llama")
+    hf_config = load_hf_config(model_dir)
     llm = LLM(str(model_dir), tensor_parallel_size=2, device="cpu")
-    try:
-        with pytest.raises(RuntimeError, match="close its engine first"):
-            LLM(str(model_dir), device="cpu")
-    finally:
-        llm.engine.close()
-    LLM(str(model_dir), device="cpu")  # once closed, the group is gone
+    followers = llm.engine.executor.followers.processes
+    with pytest.raises(RuntimeError, match="close its engine first"):
+        LLM(str(model_dir), device="cpu")
+    whole = load_model(EngineConfig(model=str(model_dir)), hf_config, CPU, torch.float32)
+    assert whole.num_kv_heads == hf_config.num_key_value_heads == 2
+    del llm
+    gc.collect()
+    assert not dist.is_initialized() and all(p.exitcode == 0 for p in followers)
+    LLM(str(model_dir), device="cpu")
+
+
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                           use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_tensor_parallel_llms_one_after_another_give_one_ranks_tokens(tmp_path):
+    """close(), then a `with` block: each lets its follower and its process group go, so
+    the next tensor-parallel LLM of the script starts (it raised "a tensor-parallel group
+    is open" before LLM could be closed)."""
+    import torch.distributed as dist
+
+    model_dir = str(make_tiny_model(tmp_path, "qwen3"))
+    with LLM(model_dir, device="cpu", seed=3) as one:
+        want = greedy_tokens(one)
+    first = LLM(model_dir, tensor_parallel_size=2, device="cpu", seed=3)
+    followers = first.engine.executor.followers.processes
+    assert greedy_tokens(first) == want
+    first.close()
+    first.close()  # a second close does nothing
+    assert not dist.is_initialized() and all(p.exitcode == 0 for p in followers)
+    with LLM(model_dir, tensor_parallel_size=2, pipeline_parallel_size=1,
+             data_parallel_size=1, device="cpu", seed=3) as second:
+        followers = second.engine.executor.followers.processes
+        assert greedy_tokens(second) == want
+    assert not dist.is_initialized() and all(p.exitcode == 0 for p in followers)
+
+
+def test_parallel_sizes_one_engine_cannot_run_are_refused(tmp_path):
+    """As vLLM's LLM takes them; refused before any model loads (the directory is empty)."""
+    with pytest.raises(ValueError, match=r"^pipeline_parallel_size=2: pipeline parallelism "
+                                         "is not built yet; split the model with "
+                                         "tensor_parallel_size$"):
+        LLM(str(tmp_path), pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^data_parallel_size=2: an LLM is one engine"):
+        LLM(str(tmp_path), tensor_parallel_size=2, data_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^pipeline_parallel_size=0"):
+        LLM(str(tmp_path), pipeline_parallel_size=0)
 
 
 # --- peer-memory all-reduce: two GPUs only ----------------------------------------------
 
 def on_gpu_rank(rank: int, init_file: str, results, body) -> None:
     """Rank `rank` of an NCCL group of two with peer-memory all-reduces set up for 512
-    rows of 4096: puts `body(device)`'s numpy arrays in `results`."""
+    rows of 4096: puts `body(group, device)`'s numpy arrays in `results`."""
     import torch.distributed as dist
 
-    from services.worker.layers import parallel
+    from services.worker.ranks import leave_group
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
                             world_size=2)
     device = torch.device("cuda", rank)
+    group = parallel.TPGroup.of(dist.group.WORLD)
     try:
-        assert parallel.use_peer_all_reduce(512, HIDDEN, torch.bfloat16, device)
-        out = body(device)
+        assert group.use_peer_all_reduce(512, HIDDEN, torch.bfloat16, device)
+        out = body(group, device)
         torch.cuda.synchronize()
         results.put((rank, [[t.float().cpu().numpy() for t in row] for row in out]))
         dist.barrier()
     finally:
-        parallel.stop_peer_all_reduce()
-        dist.destroy_process_group()
+        leave_group(group)
 
 
 def on_two_gpus(body, tmp_path: Path) -> dict[int, list]:
-    """Each rank's rows of tensors from `body(device)` (a module-level function)."""
+    """Each rank's rows of tensors from `body(group, device)` (a module-level function)."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=on_gpu_rank, args=(rank, str(tmp_path / "init"), results,
@@ -314,21 +370,20 @@ def nccl_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def peer_sums(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def peer_sums(group: parallel.TPGroup, device: torch.device
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Sums of every message size through peer memory and through NCCL, eagerly and
     replayed from a CUDA graph with new inputs each time."""
-    from services.worker.layers import parallel
-
     generator = torch.Generator(device).manual_seed(device.index)
     out = []
     for numel in (1, HIDDEN, 7 * HIDDEN, 512 * HIDDEN):  # 1: too short, NCCL's
         x = torch.randn(numel, generator=generator, device=device, dtype=torch.bfloat16)
-        out.append((parallel.all_reduce(x.clone()), nccl_sum(x)))
+        out.append((group.all_reduce(x.clone()), nccl_sum(x)))
     static = torch.zeros(HIDDEN, dtype=torch.bfloat16, device=device)
-    parallel.all_reduce(static.clone())  # warm-up outside capture
+    group.all_reduce(static.clone())  # warm-up outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        summed = parallel.all_reduce(static)
+        summed = group.all_reduce(static)
     for _ in range(3):
         static.copy_(torch.randn(HIDDEN, generator=generator, device=device,
                                  dtype=torch.bfloat16))
@@ -348,7 +403,8 @@ def test_the_peer_all_reduce_sums_like_nccl(tmp_path):
         assert all((a == b).all() for (a, _), (b, _) in zip(sums[0], sums[1]))
 
 
-def fused_norms(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+def fused_norms(group: parallel.TPGroup, device: torch.device
+                ) -> list[tuple[torch.Tensor, ...]]:
     """The all-reduce fused with the residual add and RMSNorm, against its torch twin on
     every rank's parts (gathered through NCCL): eagerly for several row counts (more rows
     than programs among them), then replayed from a CUDA graph with new inputs, between
@@ -357,7 +413,6 @@ def fused_norms(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
 
     from kernels.all_reduce import all_reduce_rms_norm_ref
     from kernels.norm import rms_norm_ref
-    from services.worker.layers import parallel
 
     eps = 1e-5
     shared = torch.Generator(device).manual_seed(7)  # the same on both ranks
@@ -375,15 +430,15 @@ def fused_norms(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
     out = []
     for rows in (1, 7, 64, 100, 512):
         x, residual = draw(rows, own), draw(rows, shared)
-        out.append((*parallel.all_reduce_rms_norm(x, residual, weight, eps),
+        out.append((*group.all_reduce_rms_norm(x, residual, weight, eps),
                     *twin(x, residual)))
     x, residual = draw(16, own), draw(16, shared)
-    parallel.all_reduce_rms_norm(x, residual, weight, eps)  # warm-up outside capture
+    group.all_reduce_rms_norm(x, residual, weight, eps)  # warm-up outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        first = parallel.all_reduce_rms_norm(x, residual, weight, eps)
-        bare = parallel.all_reduce(first[0])
-        second = parallel.all_reduce_rms_norm(bare, first[1], weight, eps)
+        first = group.all_reduce_rms_norm(x, residual, weight, eps)
+        bare = group.all_reduce(first[0])
+        second = group.all_reduce_rms_norm(bare, first[1], weight, eps)
     for _ in range(3):
         x.copy_(draw(16, own))
         residual.copy_(draw(16, shared))

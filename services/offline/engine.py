@@ -17,7 +17,7 @@ from common.timing import PhaseClock
 from services.detokenizer.core import Detokenizer
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.tokenizer.core import InputProcessor
-from services.worker.executor import Executor
+from services.worker.executor import start_executor
 from services.worker.model_runner import ModelRunner
 
 LOCAL_REPLY = "local"
@@ -28,7 +28,7 @@ class Engine:
         self.info = load_model_info(config)
         self.config = self.info.config
         self.processor = InputProcessor.from_info(self.info)
-        self.executor = Executor(self.info.resolved)
+        self.executor = start_executor(self.info.resolved)
         self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config,
                                                                self.executor.num_blocks))
         self.detokenizer = Detokenizer(self.info.tokenizer)

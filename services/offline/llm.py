@@ -1,10 +1,15 @@
 """The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))` and
-`LLM(model=...).embed(prompts)`, as in vLLM."""
+`LLM(model=...).embed(prompts)`, as in vLLM.
+
+An LLM holds its engine's ranks (and, at a tensor-parallel size above 1, the process's
+torch.distributed group) until `close()`, the end of a `with LLM(...)` block, or its
+collection, whichever comes first: then a script can build the next one."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +17,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
 from common.messages import LoRARequest, TextDelta, TokenLogprobs
 from common.sampling_params import SamplingParams
 from services.offline.engine import Engine
@@ -71,11 +76,28 @@ class EmbeddingRequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str, **engine_args: Any) -> None:
+    def __init__(self, model: str, *, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
+                 **engine_args: Any) -> None:
+        """The parallel sizes are vLLM's: only the tensor-parallel size may be above 1."""
+        check_offline_sizes(pipeline_parallel_size, data_parallel_size)
         if isinstance(engine_args.get("speculative_config"), dict):  # vLLM takes a dict
             engine_args["speculative_config"] = json.dumps(engine_args["speculative_config"])
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self.engine = Engine(EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size,
+                                          **engine_args))
+        # a bound method of the engine, not of self: the LLM can still be collected
+        self._release = weakref.finalize(self, self.engine.close)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Let the engine's ranks and process group go (a second call does nothing)."""
+        self._release()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.info.tokenizer
@@ -172,6 +194,18 @@ class LLM:
                     bar.update(1)
         bar.close()
         return list(outputs.values())
+
+
+def check_offline_sizes(pipeline_parallel_size: int, data_parallel_size: int) -> None:
+    """Refuse the sizes vLLM's LLM takes that one offline engine cannot run."""
+    if pipeline_parallel_size != 1:
+        raise ConfigError(f"pipeline_parallel_size={pipeline_parallel_size}: pipeline "
+                          "parallelism is not built yet; split the model with "
+                          "tensor_parallel_size")
+    if data_parallel_size != 1:  # vLLM's LLM refuses it too
+        raise ConfigError(f"data_parallel_size={data_parallel_size}: an LLM is one engine; "
+                          "run one LLM per process, or `headrace serve "
+                          "--data-parallel-size N` for N shards behind one endpoint")
 
 
 def _apply(out: RequestOutput, delta: TextDelta) -> None:

@@ -1,67 +1,139 @@
 """The executor: the one seam through which the worker shell and the offline engine drive
 the model. It takes step plans and hands back step results; how many ranks compute them is
-its business. Rank 0 is a ModelRunner in this process; with a tensor-parallel size above 1
-it also drives one follower process per further rank (services/worker/ranks.py)."""
+its business. `start_executor` picks the implementation for the engine's sizes: the model
+whole in this process (OneRankExecutor), or rank 0 of a tensor-parallel group here with
+one follower process per further rank (TensorParallelExecutor, services/worker/ranks.py).
+A group's layers get their TPGroup from the executor that builds them
+(layers/parallel.building_for), never from torch.distributed's global state.
+"""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch.distributed as dist
 
+from common.config import EngineConfig
 from common.messages import StepPlan, StepResult
 from common.model_info import ResolvedModel, check_devices
+from services.worker.layers.parallel import TPGroup, building_for
 from services.worker.model_runner import ModelRunner, resolve_device
-from services.worker.ranks import FLUSH, FORGET, Followers, OnLost, exit_on_rank_lost, join_group
+from services.worker.ranks import (FLUSH, FORGET, Followers, OnLost, exit_on_rank_lost,
+                                   join_group, leave_group)
 
 
-class Executor:
-    def __init__(self, model: ResolvedModel, on_rank_lost: OnLost = exit_on_rank_lost) -> None:
-        config = self.config = model.config
-        check_devices(config)
-        if dist.is_initialized():  # the layers would shard for that group
-            raise RuntimeError("a tensor-parallel group is open in this process already: "
-                               "close its engine first")
-        self.followers: Followers | None = None
-        if config.tensor_parallel_size > 1:
-            self.followers = Followers(model, on_rank_lost)
-            join_group(0, config.tensor_parallel_size, self.followers.init_method,
-                       resolve_device(config))
-        try:
-            self.runner = ModelRunner(config, model.hf_config, model.model_dir, model.draft)
-        except BaseException:
-            self.close()
-            raise
+class Executor(Protocol):
+    config: EngineConfig  # the engine's, as the model's resolution completed it
+    runner: ModelRunner  # the rank in this process: tools inspect its model
+
+    @property
+    def num_blocks(self) -> int:
+        """KV cache blocks, the same on every rank."""
+
+    def submit(self, plan: StepPlan) -> list[StepResult]:
+        """Launch `plan`; returns the results of earlier steps it completed (at most one)."""
+
+    def flush(self) -> list[StepResult]:
+        """The last launched step's result, once it is complete."""
+
+    def step_done(self) -> bool:
+        """Whether the last launched step's tokens are back (flush would not wait)."""
+
+    def wait_step_done(self) -> None:
+        """Block (in a thread of the caller's) until the last step's tokens are back."""
+
+    def forget_requests(self) -> None:
+        """A new scheduler took over: drop every request's state (flush first)."""
+
+    def close(self) -> None:
+        """Let the ranks and their process group go, so another executor can start here."""
+
+
+def start_executor(model: ResolvedModel, on_rank_lost: OnLost = exit_on_rank_lost
+                   ) -> Executor:
+    """The executor for `model`'s engine config, its model loaded. `on_rank_lost` runs when
+    a follower rank dies (the default ends this process)."""
+    config = model.config
+    check_devices(config)
+    # torch.distributed holds one world per process: the group's ranks could not join
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel group is open in this process already: "
+                           "close its engine first")
+    if config.tensor_parallel_size > 1:
+        return TensorParallelExecutor(model, on_rank_lost)
+    return OneRankExecutor(model)
+
+
+class OneRankExecutor:
+    """The model whole in this process: each call is the runner's."""
+
+    def __init__(self, model: ResolvedModel) -> None:
+        self.config = model.config
+        self.runner = ModelRunner(model.config, model.hf_config, model.model_dir, model.draft)
 
     @property
     def num_blocks(self) -> int:
         return self.runner.num_blocks
 
     def submit(self, plan: StepPlan) -> list[StepResult]:
-        """Launch `plan`; returns the results of earlier steps it completed (at most one)."""
-        if self.followers is not None:
-            self.followers.submit(plan)
         return self.runner.submit(plan)
 
     def flush(self) -> list[StepResult]:
-        """The last launched step's result, once it is complete."""
-        if self.followers is not None:
-            self.followers.send(FLUSH)
         return self.runner.flush()
 
     def step_done(self) -> bool:
         return self.runner.step_done()
 
     def wait_step_done(self) -> None:
-        """Block (in a thread of the caller's) until the last step's tokens are back."""
         self.runner.wait_step_done()
 
     def forget_requests(self) -> None:
-        """A new scheduler took over: drop every request's state (flush first)."""
-        if self.followers is not None:
-            self.followers.send(FORGET)
         self.runner.forget_requests()
 
     def close(self) -> None:
-        """Let the follower ranks go (they exit with this process anyway)."""
-        if self.followers is not None:
-            self.followers.close()
-            self.followers = None
+        """Nothing to let go: the runner's memory goes with the executor."""
+
+
+class TensorParallelExecutor(OneRankExecutor):
+    """Rank 0 of a tensor-parallel group in this process, ranks 1..N-1 in follower
+    processes that make every call rank 0 makes, in the same order: each call goes down
+    their pipes before rank 0 makes it."""
+
+    def __init__(self, model: ResolvedModel, on_rank_lost: OnLost) -> None:
+        config = model.config
+        self.followers: Followers | None = Followers(model, on_rank_lost)
+        self.group: TPGroup | None = None
+        try:
+            self.group = join_group(0, config.tensor_parallel_size,
+                                    self.followers.init_method, resolve_device(config))
+            with building_for(self.group):
+                super().__init__(model)
+        except BaseException:
+            self.close()
+            raise
+
+    def submit(self, plan: StepPlan) -> list[StepResult]:
+        assert self.followers is not None, "closed"
+        self.followers.submit(plan)
+        return super().submit(plan)
+
+    def flush(self) -> list[StepResult]:
+        assert self.followers is not None, "closed"
+        self.followers.send(FLUSH)
+        return super().flush()
+
+    def forget_requests(self) -> None:
+        assert self.followers is not None, "closed"
+        self.followers.send(FORGET)
+        super().forget_requests()
+
+    def close(self) -> None:
+        """The followers finish their calls and exit; then the group goes (a second close
+        does nothing)."""
+        if self.followers is None:
+            return
+        self.followers.close()
+        self.followers = None
+        if self.group is not None:
+            leave_group(self.group)
+            self.group = None

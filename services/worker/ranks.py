@@ -33,7 +33,7 @@ import torch.distributed as dist
 from common.messages import StepPlan, decode, encode
 from common.model_info import ResolvedModel
 from common.net import free_port
-from services.worker.layers.parallel import stop_peer_all_reduce
+from services.worker.layers.parallel import TPGroup, building_for
 from services.worker.model_runner import ModelRunner, resolve_device
 
 log = logging.getLogger("headrace.worker")
@@ -47,7 +47,8 @@ CLOSE_TIMEOUT_S = 10.0
 OnLost = Callable[[str], None]
 
 
-def join_group(rank: int, world: int, init_method: str, device: torch.device) -> None:
+def join_group(rank: int, world: int, init_method: str, device: torch.device) -> TPGroup:
+    """Joins the process group of `world` ranks as `rank`: the tensor-parallel group."""
     if device.type == "cuda":
         torch.cuda.set_device(rank)
     else:  # the ranks share the CPU's cores
@@ -55,6 +56,14 @@ def join_group(rank: int, world: int, init_method: str, device: torch.device) ->
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=init_method, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)
+    return TPGroup.of(dist.group.WORLD)
+
+
+def leave_group(group: TPGroup) -> None:
+    """Tears the process group down, so that another can start in this process."""
+    group.peer = None  # its symmetric buffers are the group's
+    if dist.is_initialized():  # not if joining it failed
+        dist.destroy_process_group()
 
 
 def exit_on_rank_lost(reason: str) -> None:
@@ -95,7 +104,8 @@ class Followers:
         self.send(SUBMIT, encode(plan))
 
     def close(self) -> None:
-        """An orderly end: each follower finishes its calls, reads EOF and exits."""
+        """An orderly end: each follower finishes its calls, reads EOF and exits (the
+        process group is rank 0's to leave)."""
         if self.closing:
             return
         self.closing = True
@@ -107,8 +117,6 @@ class Followers:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
-        stop_peer_all_reduce()
-        dist.destroy_process_group()
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: p for p in self.processes}
@@ -125,8 +133,8 @@ def follow(rank: int, world: int, init_method: str, model: ResolvedModel,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: rank 0 ends us
     threading.Thread(target=exit_with, args=(parent,), name="parent-watch",
                      daemon=True).start()
-    join_group(rank, world, init_method, resolve_device(model.config))
-    runner = ModelRunner(model.config, model.hf_config, model.model_dir)
+    with building_for(join_group(rank, world, init_method, resolve_device(model.config))):
+        runner = ModelRunner(model.config, model.hf_config, model.model_dir)
     while True:
         try:
             order = inbox.recv_bytes()

@@ -22,7 +22,7 @@ from common.messages import StepResult, WorkerFailed, WorkerReady
 from common.model_info import check_shard, resolve_engine
 from common.service import (ALIVE_TTL_MS, ModelLoadFailed, ServiceContext, freeze_heap,
                             heartbeat, run_service)
-from services.worker.executor import Executor
+from services.worker.executor import Executor, start_executor
 from services.worker.step_thread import StepThread
 
 GROUP = "worker"
@@ -113,7 +113,7 @@ async def load(ctx: ServiceContext) -> Executor:
     before = await ctx.bus.load(key)
     await ctx.bus.forget(key)
     try:
-        return await anyio.to_thread.run_sync(Executor, resolve_engine(ctx.engine))
+        return await anyio.to_thread.run_sync(start_executor, resolve_engine(ctx.engine))
     except Exception as e:
         reason = one_line(e)
         same_model = isinstance(before, WorkerFailed) and before.model == ctx.engine.model

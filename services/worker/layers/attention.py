@@ -14,7 +14,7 @@ from torch import nn
 
 from kernels.attention import paged_attention
 from kernels.cache import write_kv
-from services.worker.layers.parallel import max_over_ranks
+from services.worker.layers.parallel import current_group
 
 
 @dataclass
@@ -55,6 +55,7 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32))
         self.calculate_scales = False
+        self.tp = current_group()
 
     def _calculate_scales(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           slot_mapping: torch.Tensor) -> None:
@@ -63,7 +64,8 @@ class Attention(nn.Module):
             return
         limit = torch.finfo(k_cache.dtype).max
         # every rank holds some heads: one scale over all of them, as one rank would have
-        amax = max_over_ranks(torch.stack([k[keep].abs().amax(), v[keep].abs().amax()]).float())
+        amax = self.tp.max_over_ranks(
+            torch.stack([k[keep].abs().amax(), v[keep].abs().amax()]).float())
         # a zero amax would divide by zero at the write; any positive scale stores zeros
         k_scale, v_scale = (amax / limit).clamp(min=1e-12)
         self.k_scale.copy_(k_scale)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.layers.linear import Checkpoint, ShardShapes, copy_checked, new_parameter
-from services.worker.layers.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from services.worker.layers.parallel import current_group
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -19,7 +19,8 @@ class VocabParallelEmbedding(nn.Module):
                  shared_weight: nn.Parameter | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp = current_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.rows_per_rank = -(-vocab_size // self.tp_size)
         self.vocab_start = min(self.tp_rank * self.rows_per_rank, vocab_size)
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
@@ -45,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         ids = torch.where(local, input_ids - self.vocab_start, 0)
         out = F.embedding(ids, self.weight) * local[:, None].to(self.weight.dtype)
-        return all_reduce(out)
+        return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -58,5 +59,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, shared)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
         return logits[..., :self.vocab_size].float()

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from services.worker.layers.checkpoint import CheckpointSlice, read_whole
-from services.worker.layers.parallel import (all_reduce, divide, kv_heads_per_rank, tp_rank,
-                                              tp_size)
+from services.worker.layers.parallel import current_group, divide, kv_heads_per_rank
 from services.worker.layers.quantization import current_method, quant_parameter
 from services.worker.layers.quantization.base import ceil_div
 
@@ -74,7 +73,8 @@ class LinearBase(nn.Module, abc.ABC):
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         """input_size, output_size: this rank's features."""
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp = current_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.input_size, self.output_size = input_size, output_size
         self.method = current_method()
         parts = [shard.size for shard in self.output_shards().values()]
@@ -197,7 +197,8 @@ class ColumnParallelLinear(LinearBase):
     """y = x W^T with W's rows (output features) split across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, divide(output_size, tp_size(), "output size"), bias)
+        super().__init__(input_size, divide(output_size, current_group().size, "output size"),
+                         bias)
 
     def output_shards(self) -> dict[ShardId, OutputShard]:
         size = self.output_size
@@ -223,7 +224,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False) -> None:
-        size = tp_size()
+        size = current_group().size
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, size, "number of attention heads")
         self.num_kv_heads = kv_heads_per_rank(total_num_kv_heads, size)
@@ -251,7 +252,8 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  reduce_results: bool = True) -> None:
-        super().__init__(divide(input_size, tp_size(), "input size"), output_size, bias)
+        super().__init__(divide(input_size, current_group().size, "input size"), output_size,
+                         bias)
         assert reduce_results or not bias, "the bias goes on the reduced sum"
         self.reduce_results = reduce_results
 
@@ -269,5 +271,5 @@ class RowParallelLinear(LinearBase):
         norm); a LoRA wrapper adds its partial delta before."""
         if not self.reduce_results:
             return y
-        y = all_reduce(y)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -17,7 +17,7 @@ from torch import nn
 from kernels.moe import select_experts
 from services.worker.layers.linear import (Checkpoint, copy_checked, new_parameter, scalar,
                                            take_shard)
-from services.worker.layers.parallel import divide, tp_rank, tp_size
+from services.worker.layers.parallel import current_group, divide
 from services.worker.layers.quantization import current_method, experts_method_for
 from services.worker.layers.quantization.base import ceil_div
 from services.worker.layers.quantization.experts import GATE_UP
@@ -58,7 +58,8 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.round_weights = renormalize, round_weights
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        group = current_group()
+        self.tp_rank, self.tp_size = group.rank, group.size
         self.intermediate_full = intermediate_size
         self.shard = divide(intermediate_size, self.tp_size, "expert intermediate size")
         self.method = experts_method_for(current_method())

@@ -9,7 +9,7 @@ from torch import nn
 
 from kernels.norm import rms_norm
 from services.worker.layers.linear import Checkpoint, ShardShapes, copy_checked, new_parameter
-from services.worker.layers.parallel import all_reduce_rms_norm
+from services.worker.layers.parallel import current_group
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +21,7 @@ class RMSNorm(nn.Module):
         # the fused all-reduce kernel has Llama's weighting only
         assert not (sums_ranks and gemma), "a Gemma norm takes reduced inputs"
         self.eps, self.sums_ranks, self.gemma = eps, sums_ranks, gemma
+        self.tp = current_group()
         self.weight = new_parameter(hidden_size, loader=self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
@@ -33,5 +34,5 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.sums_ranks and residual is not None:
-            return all_reduce_rms_norm(x, residual, self.weight, self.eps)
+            return self.tp.all_reduce_rms_norm(x, residual, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps, residual, gemma=self.gemma)

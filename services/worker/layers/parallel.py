@@ -1,6 +1,9 @@
 """The tensor-parallel group: rank, size and the collectives the layers use.
 
-Without an initialized torch.distributed process group a model runs as rank 0 of 1.
+A TPGroup is passed, not looked up: the layers built inside `building_for(group)` keep it
+and communicate through its torch.distributed group only, so several groups (a pipeline's
+stages) can live beside one another in one world. Outside any `building_for` a model is
+built as rank 0 of 1, and its layers never communicate.
 
 A decode step of a big model all-reduces a few kilobytes twice a layer, where the latency
 of a call costs more than the data: on two H200s, about 9 us through NCCL inside a CUDA
@@ -14,7 +17,11 @@ messages, and every message on the CPU, go through the group.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,25 +32,17 @@ from kernels.norm import rms_norm
 log = logging.getLogger(__name__)
 
 
-def tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def tp_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 class PeerAllReduce:
     """All-reduces through symmetric buffers every rank maps (torch's symm_mem): torch's
     one-shot kernel for a bare all-reduce, and kernels/all_reduce.py's for one fused with
     the residual add and RMSNorm. Each has its own buffer, as neither knows when a peer
     has finished reading the other's."""
 
-    def __init__(self, rows: int, hidden: int, dtype: torch.dtype,
+    def __init__(self, group: dist.ProcessGroup, rows: int, hidden: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
-        self.group_name = dist.group.WORLD.group_name
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group_name = group.group_name
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.hidden, self.half = hidden, rows * hidden
         self.buffer = symm_mem.empty(self.half, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
@@ -60,7 +59,7 @@ class PeerAllReduce:
         self._symmetric = (fused, flags)  # the peers map them: they live as long as we do
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)
-        dist.barrier()  # every rank's flags are zero before any rank signals
+        dist.barrier(group)  # every rank's flags are zero before any rank signals
 
     def fits(self, x: torch.Tensor) -> bool:
         """The kernels read 16-byte vectors: a message must be whole ones."""
@@ -82,69 +81,110 @@ class PeerAllReduce:
                                           self.flags, self.counters, self.rank, self.world)
 
 
-_peer: PeerAllReduce | None = None
+@dataclass(slots=True, eq=False)
+class TPGroup:
+    """One tensor-parallel group as its layers see it: this process's rank in it, its size,
+    and the torch.distributed group its collectives go through (None for a group of one,
+    which never communicates)."""
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+    peer: PeerAllReduce | None = None  # small all-reduces over peer memory, once set up
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> TPGroup:
+        """This process's place in `group`, a torch.distributed group it belongs to."""
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+
+    def use_peer_all_reduce(self, rows: int, hidden: int, dtype: torch.dtype,
+                            device: torch.device) -> bool:
+        """Route all-reduces of up to `rows` rows of `hidden` elements of `dtype` through
+        peer memory; False (and NCCL for everything) where symmetric memory cannot be set
+        up."""
+        assert self.group is not None, "a group of one reduces nothing"
+        try:
+            self.peer = PeerAllReduce(self.group, rows, hidden, dtype, device)
+        except (RuntimeError, ImportError) as e:  # no P2P between the GPUs, an old torch
+            log.warning("peer-memory all-reduce unavailable (%s); using NCCL for every size",
+                        e)
+            self.peer = None
+        return self.peer is not None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        if self.peer is not None and self.peer.fits(x):
+            return self.peer(x)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                            weight: torch.Tensor, eps: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rms_norm(x summed over the ranks + residual): the end of a row-parallel
+        projection whose reduction was left to the norm that follows it."""
+        if self.peer is not None and self.peer.fits_norm(x, residual):
+            return self.peer.reduce_norm(x, residual, weight, eps)
+        return rms_norm(self.all_reduce(x), weight, eps, residual)
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenates every rank's x along the last dimension, in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """x, elementwise the largest over the ranks (in place)."""
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (a KV cache all ranks can hold)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+
+# the group the layers built now belong to: set around a model's construction (as
+# quantization.building_with sets their method) so that every model's code builds its
+# layers unchanged; each layer keeps the group it was built in
+_BUILDING: ContextVar[TPGroup] = ContextVar("tp_group", default=TPGroup())
+
+
+def current_group() -> TPGroup:
+    return _BUILDING.get()
+
+
+@contextlib.contextmanager
+def building_for(group: TPGroup) -> Iterator[TPGroup]:
+    token = _BUILDING.set(group)
+    try:
+        yield group
+    finally:
+        _BUILDING.reset(token)
+
+
+# For the runner's set-up (its KV cache size, its peer buffers), which the executor runs
+# inside building_for, as it does the model's construction.
+def tp_size() -> int:
+    """The size of the group a model is being built for."""
+    return current_group().size
+
+
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest of the building group's ranks' `value`s."""
+    return current_group().min_over_ranks(value, device)
 
 
 def use_peer_all_reduce(rows: int, hidden: int, dtype: torch.dtype,
                         device: torch.device) -> bool:
-    """Route all-reduces of up to `rows` rows of `hidden` elements of `dtype` through peer
-    memory; False (and NCCL for everything) where symmetric memory cannot be set up."""
-    global _peer
-    try:
-        _peer = PeerAllReduce(rows, hidden, dtype, device)
-    except (RuntimeError, ImportError) as e:  # no P2P between the GPUs, an old torch
-        log.warning("peer-memory all-reduce unavailable (%s); using NCCL for every size", e)
-        _peer = None
-    return _peer is not None
-
-
-def stop_peer_all_reduce() -> None:
-    global _peer
-    _peer = None
-
-
-def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm(x summed over the ranks + residual): the end of a row-parallel projection
-    whose reduction was left to the norm that follows it."""
-    if _peer is not None and _peer.fits_norm(x, residual):
-        return _peer.reduce_norm(x, residual, weight, eps)
-    return rms_norm(all_reduce(x), weight, eps, residual)
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if tp_size() == 1:
-        return x
-    if _peer is not None and _peer.fits(x):
-        return _peer(x)
-    dist.all_reduce(x)
-    return x
-
-
-def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """Concatenates every rank's x along the last dimension, in rank order."""
-    size = tp_size()
-    if size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
-
-
-def max_over_ranks(x: torch.Tensor) -> torch.Tensor:
-    """x, elementwise the largest over the ranks (in place)."""
-    if tp_size() > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x
-
-
-def min_over_ranks(value: int, device: torch.device) -> int:
-    """The smallest of every rank's `value` (a KV cache all ranks can hold)."""
-    if tp_size() == 1:
-        return value
-    tensor = torch.tensor([value], device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())
+    """TPGroup.use_peer_all_reduce for the group a model is being built for."""
+    return current_group().use_peer_all_reduce(rows, hidden, dtype, device)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
