@@ -4,40 +4,41 @@ The worker knows every request's tokens itself (it sampled them), so a plan only
 which requests compute how many tokens from which position; the worker appends what it
 samples before the scheduler hears of it (services/worker/request_state.py). A step reads
 as a straight line: apply the plan's deltas, prepare the flattened inputs
-(services/worker/inputs.py), run the model, sample, and finish the step before it, whose
-tokens are copied back while this one runs. Structured outputs' grammar state lives here
-too (services/worker/grammar.py says why), and so do embedding requests' running sums: an
-embedding request samples nothing; the step that computes its prompt's last token pools
-the hidden states into its embedding instead (services/worker/pooler.py). A speculating
-request's step carries the scheduler's drafts after its last token: the logits at those
-1 + k positions are verified by rejection sampling (services/worker/spec_verify.py), and
-it returns 1 to k + 1 tokens; the scheduler never plans it while that step is in flight.
-Such steps have queries longer than one token, so they replay the mixed CUDA graphs (or
-run eagerly past their largest size), never the decode ones. With a draft model
-(services/worker/draft.py) every step also runs the draft over the same inputs, and then
-k greedy draft tokens after each sampled token of a request that may speculate; they
-return with the step's tokens.
+(services/worker/inputs.py), run the model, sample, and finish the step before it
+(services/worker/launched.py), whose tokens are copied back while this one runs.
+Structured outputs' grammar state lives here too (services/worker/grammar.py says why),
+and so do embedding requests' running sums: an embedding request samples nothing; the step
+that computes its prompt's last token pools the hidden states into its embedding instead
+(services/worker/pooler.py). A speculating request's step carries the scheduler's drafts
+after its last token: the logits at those 1 + k positions are verified by rejection
+sampling (services/worker/spec_verify.py), and it returns 1 to k + 1 tokens; the scheduler
+never plans it while that step is in flight. Such steps have queries longer than one
+token, so they replay the mixed CUDA graphs (or run eagerly past their largest size),
+never the decode ones. With a draft model (services/worker/draft.py) every step also runs
+the draft over the same inputs, and then k greedy draft tokens after each sampled token of
+a request that may speculate; they return with the step's tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from common.config import EngineConfig
-from common.messages import PooledOutput, PromptLogprobs, StepPlan, StepResult
+from common.messages import PromptLogprobs, StepPlan, StepResult
 from common.model_files import load_tokenizer
 from common.model_info import DraftModel
 from common.sampling_params import SamplingParams
 from common.speculative import may_speculate
 from services.worker.cuda_graphs import StepGraphs, graph_tokens
 from services.worker.draft import DraftRunner
-from services.worker.grammar import Grammars, MaskRow, accept
+from services.worker.grammar import Grammars, MaskRow
 from services.worker.inputs import StepInputs, prepare_inputs, to_device
+from services.worker.launched import Launched, finish
 from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
 from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_all_reduce
 from services.worker.loader import load_model
@@ -47,30 +48,9 @@ from services.worker.models import kv_cache_shape
 from services.worker.pooler import Pooler
 from services.worker.request_state import RequestState
 from services.worker.sampler import GrammarMask, Sampler, SamplingRow, prompt_logprobs
-from services.worker.spec_verify import emitted_tokens, last_emitted, verify
+from services.worker.spec_verify import last_emitted, verify
 
 log = logging.getLogger("headrace.worker")
-
-
-@dataclass(slots=True)
-class Launched:
-    """A step whose work is queued on the device; its tokens land in `host` when `done`
-    fires (an event recorded after the step's last copy to the host, so it stands for
-    them all)."""
-    step: int
-    started: float
-    prompt_logprobs: list[PromptLogprobs]
-    sampling: list[RequestState] = field(default_factory=list)
-    host: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    done: torch.cuda.Event | None = None
-    logprobs: list = field(default_factory=list)
-    on_host_at: float = 0.0  # wall clock; set at launch on a synchronous device (the CPU)
-    pooled_states: list[RequestState] = field(default_factory=list)
-    pooled: torch.Tensor | None = None  # their embeddings, a row each, on the host when done
-    spec: list[RequestState] = field(default_factory=list)  # verified drafts' requests
-    spec_host: torch.Tensor | None = None  # spec_verify.verify's rows for them
-    drafted: list[RequestState] = field(default_factory=list)  # the draft model's rows
-    drafts_host: torch.Tensor | None = None  # their proposals, k each
 
 
 @dataclass(slots=True)
@@ -182,7 +162,8 @@ class ModelRunner:
         hidden = self._run(inputs)
         # Penalties, min_tokens and grammars need the last step's tokens to sample: wait
         # for them now, while the device runs this step's forward pass.
-        done += self._finish_last(any(s.pending and s.needs_history() for s in inputs.sampling))
+        done += self._finish_last(any(s.pending and s.needs_history()
+                                      for s in inputs.sampling))
         launched = self._sample(plan.step, inputs, hidden, started)
         self._pool(launched, inputs.pooling_rows, hidden)
         done += self._finish_last()
@@ -269,7 +250,7 @@ class ModelRunner:
             state.pending += 1
             state.sample_row = row
         launched.sampling = inputs.sampling
-        launched.host = self._copy_to_host(launched, out.token_ids)
+        launched.host = launched.to_host(out.token_ids)
         launched.logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
         return out.token_ids
 
@@ -285,7 +266,7 @@ class ModelRunner:
         for state in states:
             state.pending += 1
         launched.spec = states
-        launched.spec_host = self._copy_to_host(launched, out)
+        launched.spec_host = launched.to_host(out)
         return out
 
     def _propose(self, launched: Launched, inputs: StepInputs, sampled: torch.Tensor | None,
@@ -307,7 +288,7 @@ class ModelRunner:
             self._tensor(np.asarray([len(s.block_ids) for s in states])),
             int(inputs.seq_lens[rows].max()))
         launched.drafted = states
-        launched.drafts_host = self._copy_to_host(launched, drafts)
+        launched.drafts_host = launched.to_host(drafts)
 
     def _after_sampled(self, inputs: StepInputs, sampled: torch.Tensor | None
                        ) -> ProposalStarts | None:
@@ -350,8 +331,7 @@ class ModelRunner:
         if not vectors:
             return
         launched.pooled_states = states
-        launched.pooled = self._copy_to_host(
-            launched, self.pooler.normalized(torch.stack(vectors)))
+        launched.pooled = launched.to_host(self.pooler.normalized(torch.stack(vectors)))
 
     def _grammar_mask(self, sampling: list[RequestState]) -> GrammarMask | None:
         """The mask of this step's structured rows, None when it has none. Their tokens
@@ -377,47 +357,16 @@ class ModelRunner:
         return PromptLogprobs(state.req_id, start + 1, k, ids.flatten().tolist(),
                               lps.flatten().tolist(), ranks.tolist())
 
-    def _copy_to_host(self, launched: Launched, values: torch.Tensor) -> torch.Tensor:
-        """`values` on the host once launched.done fires: the event is recorded again
-        after each copy, so it stands for all of the step's."""
-        if values.device.type != "cuda":
-            return values
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        launched.done = torch.cuda.Event()
-        launched.done.record()
-        return host
-
     # --- finishing a step ----------------------------------------------------------------
 
     def _finish_last(self, now: bool = True) -> list[StepResult]:
-        """The last launched step's result, when there is one and `now`."""
-        return [self._complete()] if now and self._pending is not None else []
-
-    def _complete(self) -> StepResult:
-        launched, self._pending = self._pending, None
-        assert launched is not None
-        if launched.done is not None:
-            launched.done.synchronize()
-        # when the tokens reached the host: the worker shell adds the plan's and the start's
-        on_host = launched.on_host_at or time.time()
-        token_ids = _append_sampled(launched)
-        req_ids = [s.req_id for s in launched.sampling]
-        logprobs, num_tokens = launched.logprobs, []
-        if launched.spec_host is not None:  # then 1 + accepted tokens per speculating row
-            emitted = _append_verified(launched)
-            num_tokens = [1] * len(token_ids) + [len(tokens) for tokens in emitted]
-            req_ids += [s.req_id for s in launched.spec]
-            token_ids += [token for tokens in emitted for token in tokens]
-            logprobs = logprobs and logprobs + [None] * len(launched.spec)
-        num_drafts, drafts = _proposals(launched, req_ids)
-        return StepResult(step=launched.step, req_ids=req_ids,
-                          token_ids=token_ids, logprobs=logprobs,
-                          prompt_logprobs=launched.prompt_logprobs,
-                          execute_ms=1000 * (time.perf_counter() - launched.started),
-                          stamps=[on_host], embeddings=_embeddings(launched),
-                          num_tokens=num_tokens, num_draft_tokens=num_drafts,
-                          draft_token_ids=drafts)
+        """The last launched step's result (its tokens appended to their requests), when
+        there is one and `now`."""
+        launched = self._pending
+        if not now or launched is None:
+            return []
+        self._pending = None
+        return [finish(launched)]
 
     # --- set-up -------------------------------------------------------------------------
 
@@ -486,42 +435,3 @@ def _drafts_for(state: RequestState) -> bool:
     sampled, which the worker holds as pending)."""
     return not state.embed and may_speculate(state.params,
                                              len(state.output_ids) + state.pending)
-
-
-def _append_sampled(launched: Launched) -> list[int]:
-    """The sampled tokens, each appended to its request (and its grammar)."""
-    token_ids = launched.host.tolist()
-    for state, token in zip(launched.sampling, token_ids):
-        state.output_ids.append(token)
-        state.pending -= 1
-        if state.matcher is not None:
-            accept(state.matcher, token, state.req_id)
-    return token_ids
-
-
-def _append_verified(launched: Launched) -> list[list[int]]:
-    """Each speculating request's accepted drafts and own token, appended to it."""
-    assert launched.spec_host is not None
-    emitted = [emitted_tokens(row) for row in launched.spec_host.tolist()]
-    for state, tokens in zip(launched.spec, emitted):
-        state.output_ids += tokens
-        state.pending -= 1
-    return emitted
-
-
-def _proposals(launched: Launched, req_ids: list[str]) -> tuple[list[int], list[int]]:
-    """StepResult's num_draft_tokens and draft_token_ids, in the order of req_ids."""
-    if launched.drafts_host is None:
-        return [], []
-    by_id = dict(zip((s.req_id for s in launched.drafted), launched.drafts_host.tolist()))
-    drafts = [by_id.get(req_id, []) for req_id in req_ids]
-    return [len(d) for d in drafts], [t for d in drafts for t in d]
-
-
-def _embeddings(launched: Launched) -> list[PooledOutput]:
-    """A completed step's embeddings, each as its little-endian float32 bytes."""
-    if launched.pooled is None:
-        return []
-    vectors = launched.pooled.numpy().astype("<f4", copy=False)
-    return [PooledOutput(state.req_id, vector.tobytes())
-            for state, vector in zip(launched.pooled_states, vectors)]
