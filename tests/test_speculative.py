@@ -4,9 +4,7 @@ import pytest
 import torch
 
 from common.config import ConfigError, EngineConfig
-from common.sampling_params import SamplingParams
 from common.speculative import NgramIndex, SpeculativeConfig, propose_ngram
-from services.worker.sampler import Sampler, SamplingRow, make_generator
 
 
 def test_propose_takes_the_longest_suffix_and_its_latest_occurrence():
@@ -76,66 +74,3 @@ def test_config_refusals(value, words):
 def test_config_not_json():
     with pytest.raises(ConfigError, match="not JSON"):
         EngineConfig(speculative_config="{")
-
-
-# --- rejection sampling (services/worker/sampler.py) -------------------------------------
-
-LOGITS = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, -1.0, 0.7, 0.3],
-                       [0.1, 1.5, -0.3, 0.0, 0.9, -2.0, 0.4, 1.1]])
-
-
-def target(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The sampler's own processed distribution for one position, normalized."""
-    sampler = Sampler(torch.device("cpu"), 0)
-    probs = sampler._probs(row.unsqueeze(0), [SamplingRow(params, [], [], None)])[0]
-    return probs / probs.sum()
-
-
-def tv_bound(probs: torch.Tensor, n: int) -> float:
-    """Six standard deviations of each frequency, summed: a TV distance this large has a
-    probability far below 1e-6 for a correct sampler (and the seed is fixed anyway)."""
-    return 0.5 * float((6 * (probs * (1 - probs) / n).sqrt()).sum()) + 1e-9
-
-
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=0.8, top_k=4),
-                                    SamplingParams(temperature=1.2, top_p=0.8, min_p=0.05)],
-                         ids=["t1", "topk", "topp-minp"])
-@pytest.mark.parametrize("draft", [3, 1, 5])  # likely, middling, unlikely (maybe cut off)
-def test_rejection_sampling_keeps_the_target_distribution(params, draft):
-    n = 30_000
-    sampler = Sampler(torch.device("cpu"), 1234)
-    logits = LOGITS.repeat(n, 1)  # each row: its draft position, then its bonus position
-    out = sampler.verify(logits, [SamplingRow(params, [], [], None)] * n, [[draft]] * n)
-    emitted, first, second = out[:, 0], out[:, 1], out[:, 2]
-    p0, p1 = target(LOGITS[0], params), target(LOGITS[1], params)
-    freq0 = torch.bincount(first, minlength=8).double() / n
-    assert 0.5 * (freq0 - p0).abs().sum() < tv_bound(p0, n)
-    # the bonus token after an accepted draft is a draw from the next position
-    bonus = second[emitted == 2]
-    assert torch.equal(emitted == 2, first == draft)
-    if p0[draft] == 0:  # cut off by top-k/top-p/min-p: never accepted
-        assert len(bonus) == 0
-        return
-    freq1 = torch.bincount(bonus, minlength=8).double() / len(bonus)
-    assert 0.5 * (freq1 - p1).abs().sum() < tv_bound(p1, len(bonus))
-
-
-def test_greedy_verification_is_exact_and_seeded_rows_repeat():
-    sampler = Sampler(torch.device("cpu"), 0)
-    logits = torch.randn(10, 50, generator=torch.Generator().manual_seed(0))
-    best = logits.argmax(dim=-1).tolist()
-    greedy = SamplingRow(SamplingParams(temperature=0.0), [], [], None)
-    wrong = (best[1] + 1) % 50
-    drafts = [[best[0], wrong], [best[3], best[4], best[5]], [], [(best[8] + 1) % 50]]
-    out = sampler.verify(logits, [greedy] * 4, drafts).tolist()
-    assert out[0][:1 + out[0][0]] == [2, best[0], best[1]]
-    assert out[1][:1 + out[1][0]] == [4, best[3], best[4], best[5], best[6]]
-    assert out[2][:1 + out[2][0]] == [1, best[7]]
-    assert out[3][:1 + out[3][0]] == [1, best[8]]
-
-    def seeded() -> list[list[int]]:
-        row = SamplingRow(SamplingParams(temperature=1.0, seed=7), [], [],
-                          make_generator(7, torch.device("cpu")))
-        return Sampler(torch.device("cpu"), 99).verify(logits[:3], [row], [[1, 2]]).tolist()
-    assert seeded() == seeded()

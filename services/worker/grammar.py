@@ -1,7 +1,7 @@
 """Structured outputs on the worker: where the grammar state lives, and why.
 
 The worker holds it. Each structured completion (each of n > 1 its own) has an xgrammar
-GrammarMatcher beside the rest of its state (RequestState in model_runner.py), advanced
+GrammarMatcher beside the rest of its state (services/worker/request_state.py), advanced
 with every token it samples as the token reaches the host; its compiled grammar comes from
 a cache keyed by the spec, compiled with the model's tokenizer over the logits' width.
 

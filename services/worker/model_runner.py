@@ -2,40 +2,43 @@
 
 The worker knows every request's tokens itself (it sampled them), so a plan only says
 which requests compute how many tokens from which position; the worker appends what it
-samples before the scheduler hears of it. A step is: apply the plan's deltas, prepare the
-flattened inputs, run the model, sample. Structured outputs' grammar state lives here too
-(services/worker/grammar.py says why), and so do embedding requests' running sums: an
-embedding request samples nothing; the step that computes its prompt's last token pools
-the hidden states into its embedding instead (services/worker/pooler.py). A speculating
-request's step carries the scheduler's drafts after its last token: the logits at those
-1 + k positions are verified by rejection sampling (Sampler.verify), and it returns 1 to
-k + 1 tokens; the scheduler never plans it while that step is in flight. Such steps have
-queries longer than one token, so they replay the mixed CUDA graphs (or run eagerly past
-their largest size), never the decode ones. With a draft model (services/worker/draft.py)
-every step also runs the draft over the same inputs, and then k greedy draft tokens after
-each sampled token of a request that may speculate; they return with the step's tokens.
+samples before the scheduler hears of it (services/worker/request_state.py). A step reads
+as a straight line: apply the plan's deltas, prepare the flattened inputs
+(services/worker/inputs.py), run the model, sample, and finish the step before it
+(services/worker/launched.py), whose tokens are copied back while this one runs.
+Structured outputs' grammar state lives here too (services/worker/grammar.py says why),
+and so do embedding requests' running sums: an embedding request samples nothing; the step
+that computes its prompt's last token pools the hidden states into its embedding instead
+(services/worker/pooler.py). A speculating request's step carries the scheduler's drafts
+after its last token: the logits at those 1 + k positions are verified by rejection
+sampling (services/worker/spec_verify.py), and it returns 1 to k + 1 tokens; the scheduler
+never plans it while that step is in flight. Such steps have queries longer than one
+token, so they replay the mixed CUDA graphs (or run eagerly past their largest size),
+never the decode ones. With a draft model (services/worker/draft.py) every step also runs
+the draft over the same inputs, and then k greedy draft tokens after each sampled token of
+a request that may speculate; they return with the step's tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from common.config import EngineConfig
-from common.messages import LoRARequest, PooledOutput, PromptLogprobs, StepPlan, StepResult
+from common.messages import PromptLogprobs, StepPlan, StepResult
 from common.model_files import load_tokenizer
 from common.model_info import DraftModel
 from common.sampling_params import SamplingParams
-from common.speculative import may_speculate, split_drafts
-from common.tokens import slice_tokens
+from common.speculative import may_speculate
 from services.worker.cuda_graphs import StepGraphs, graph_tokens
 from services.worker.draft import DraftRunner
-from services.worker.grammar import Grammars, MaskRow, accept
+from services.worker.grammar import Grammars, MaskRow
+from services.worker.inputs import StepInputs, prepare_inputs, to_device
+from services.worker.launched import Launched, finish
 from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
 from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_all_reduce
 from services.worker.loader import load_model
@@ -43,89 +46,21 @@ from services.worker.lora import LoRAManager
 from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
 from services.worker.models import kv_cache_shape
 from services.worker.pooler import Pooler
-from services.worker.sampler import (GrammarMask, Sampler, SamplingRow, make_generator,
-                                     prompt_logprobs)
+from services.worker.request_state import RequestState
+from services.worker.sampler import GrammarMask, Sampler, SamplingRow, prompt_logprobs
+from services.worker.spec_verify import last_emitted, verify
 
 log = logging.getLogger("headrace.worker")
 
 
 @dataclass(slots=True)
-class RequestState:
-    req_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    block_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    pending: int = 0  # tokens sampled by launched steps, not yet copied back to the host
-    sample_row: int = 0  # this request's row in the last launched step's samples
-    structured: bool = False  # has a grammar (cleared if it fails to compile)
-    matcher: Any = None  # its xgrammar GrammarMatcher, made at its first sampling step
-    embed: bool = False  # an embedding request: pooled, never sampled
-    pooled: torch.Tensor | None = None  # its pooling's running state (Pooler.add_chunk)
-    lora: LoRARequest | None = None  # the adapter it runs under, None: the base model
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens known on the host (the pending one excluded)."""
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def needs_history(self) -> bool:
-        """Penalties, min_tokens and grammars read the output so far."""
-        p = self.params
-        return (self.structured or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                or p.repetition_penalty != 1.0 or p.min_tokens > len(self.output_ids))
-
-    def held_back(self) -> tuple[int, ...]:
-        """The ids min_tokens keeps a structured request from sampling yet."""
-        p = self.params
-        if len(self.output_ids) >= p.min_tokens:
-            return ()
-        return (*p.eos_token_ids, *p.stop_token_ids)
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        return slice_tokens(self.prompt_ids, self.output_ids, start, end)
-
-    def sampling_row(self) -> SamplingRow:
-        return SamplingRow(self.params, self.prompt_ids, self.output_ids, self.generator)
-
-
-@dataclass(slots=True)
-class Launched:
-    """A step whose work is queued on the device; its tokens land in `host` when `done`
-    fires."""
-    step: int
-    sampling: list[RequestState]
-    host: torch.Tensor
-    done: torch.cuda.Event | None
-    logprobs: list
-    prompt_logprobs: list[PromptLogprobs]
-    started: float
-    on_host_at: float = 0.0  # wall clock; set at launch on a synchronous device (the CPU)
-    pooled_states: list[RequestState] = field(default_factory=list)
-    pooled: torch.Tensor | None = None  # their embeddings, a row each, on the host when done
-    spec: list[RequestState] = field(default_factory=list)  # verified drafts' requests
-    spec_host: torch.Tensor | None = None  # Sampler.verify's rows for them
-    drafted: list[RequestState] = field(default_factory=list)  # the draft model's rows
-    drafts_host: torch.Tensor | None = None  # their proposals, k each
-
-
-@dataclass(slots=True)
-class StepInputs:
-    input_ids: torch.Tensor
+class ProposalStarts:
+    """Where the draft model's proposals start for some rows of a step: the token each
+    just got and its position, on the device."""
+    rows: list[int]  # batch rows
+    states: list[RequestState]
+    tokens: torch.Tensor
     positions: torch.Tensor
-    attn: AttentionMetadata
-    sample_indices: torch.Tensor  # token index of each sampling request's last token
-    sampling: list[RequestState] = field(default_factory=list)
-    prompt_logprob_rows: list[tuple[RequestState, int, int, int]] = field(default_factory=list)
-    # (state, first token index in the batch, first position, count) per prompt-logprob chunk
-    pooling_rows: list[tuple[RequestState, int, int, bool]] = field(default_factory=list)
-    # (state, first token index in the batch, count, its prompt's last chunk) per embedding
-    spec: list[tuple[RequestState, list[int]]] = field(default_factory=list)  # with drafts
-    spec_indices: torch.Tensor | None = None  # their 1 + k token indices each, in order
-    seq_lens: np.ndarray | None = None  # each request's context length after this step
-    sample_rows: list[int] = field(default_factory=list)  # batch rows of `sampling`
-    spec_rows: list[int] = field(default_factory=list)  # batch rows of `spec`
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -175,23 +110,23 @@ class ModelRunner:
         self._pending: Launched | None = None
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._connect_peers()
-        bytes_per_block = kv_cache_bytes_per_block(
-            hf_config, config.block_size, self.kv_cache_dtype, config.tensor_parallel_size)
-        if self.draft is not None:
-            bytes_per_block += self.draft.bytes_per_block()
-        self.num_blocks = min_over_ranks(plan_num_blocks(config, self, bytes_per_block),
-                                         self.device)
+        self.num_blocks = min_over_ranks(self._plan_num_blocks(), self.device)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         if self.draft is not None:
             self.draft.kv_caches = self.draft.allocate_kv_caches(self.num_blocks)
         self.graphs = self._capture_graphs()
-        # after the capture: the graphs hold no scale calculation, and _forward runs the
-        # steps eagerly until the first real one has set the scales
-        self.scales_pending: list[Attention] = []
-        if config.calculate_kv_scales and config.kv_cache_dtype != "auto":
-            self.scales_pending = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for attn in self.scales_pending:
-            attn.calculate_scales = True
+        # after the capture: the graphs hold no scale calculation, and _run runs the steps
+        # eagerly until the first real one has set the scales
+        self.scales_pending = self._calculate_kv_scales()
+
+    def _plan_num_blocks(self) -> int:
+        config = self.config
+        bytes_per_block = kv_cache_bytes_per_block(
+            self.hf_config, config.block_size, self.kv_cache_dtype,
+            config.tensor_parallel_size)
+        if self.draft is not None:
+            bytes_per_block += self.draft.bytes_per_block()
+        return plan_num_blocks(config, self, bytes_per_block)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = kv_cache_shape(self.hf_config, num_blocks, self.block_size,
@@ -199,6 +134,16 @@ class ModelRunner:
         return [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
                  torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
                 for _ in range(self.model.num_layers)]
+
+    def _calculate_kv_scales(self) -> list[Attention]:
+        """The attention layers that set their fp8 KV scales from the first step's keys
+        and values (--calculate-kv-scales)."""
+        if not self.config.calculate_kv_scales or self.config.kv_cache_dtype == "auto":
+            return []
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for attn in layers:
+            attn.calculate_scales = True
+        return layers
 
     # --- one step -----------------------------------------------------------------------
 
@@ -208,33 +153,27 @@ class ModelRunner:
         complete (at most one). A decode input whose token is still being copied back is
         gathered on the device from the previous step's samples, so the host prepares and
         launches this step while the device finishes the last one."""
-        done = []
         self._apply_plan(plan)
         # On a synchronous device (the CPU) the last step is computed already: its tokens
         # go out now rather than after this step's compute.
-        if self._pending is not None and self._pending.done is None:
-            done.append(self._complete())
+        done = self._finish_last(self._pending is not None and self._pending.done is None)
         started = time.perf_counter()
         inputs = self._prepare(plan)
-        hidden = self._forward(inputs)
-        if self.draft is not None:
-            self.draft.sync(inputs.input_ids, inputs.positions, inputs.attn)
+        hidden = self._run(inputs)
         # Penalties, min_tokens and grammars need the last step's tokens to sample: wait
         # for them now, while the device runs this step's forward pass.
-        if self._pending is not None and any(s.pending and s.needs_history()
-                                             for s in inputs.sampling):
-            done.append(self._complete())
+        done += self._finish_last(any(s.pending and s.needs_history()
+                                      for s in inputs.sampling))
         launched = self._sample(plan.step, inputs, hidden, started)
         self._pool(launched, inputs.pooling_rows, hidden)
-        if self._pending is not None:
-            done.append(self._complete())
+        done += self._finish_last()
         self._pending = launched
         return done
 
     @torch.inference_mode()
     def flush(self) -> list[StepResult]:
         """The result of the last submitted step, once it is complete."""
-        return [self._complete()] if self._pending is not None else []
+        return self._finish_last()
 
     def step_done(self) -> bool:
         """Whether the last submitted step's tokens are on the host (flush won't wait)."""
@@ -247,84 +186,136 @@ class ModelRunner:
         if pending is not None and pending.done is not None:
             pending.done.synchronize()
 
+    def forget_requests(self) -> None:
+        """Drop every request's state (a new scheduler took over); flush first."""
+        assert self._pending is None, "a launched step still refers to these requests"
+        self.requests.clear()
+
+    def _apply_plan(self, plan: StepPlan) -> None:
+        for req_id in plan.finished:
+            self.requests.pop(req_id, None)
+        for new in plan.new:
+            self.requests[new.req_id] = RequestState.new(new, self.device)
+        for cached in plan.cached:
+            self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
+
+    def _prepare(self, plan: StepPlan) -> StepInputs:
+        states = [self.requests[req_id] for req_id in plan.req_ids]
+        if self.lora is not None:
+            self.lora.prepare([state.lora for state in states],
+                              np.asarray(plan.num_scheduled_tokens, dtype=np.int64))
+        return prepare_inputs(plan, states, self.block_size, self._last_tokens, self.device)
+
+    def _run(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's hidden states, from a captured graph where one fits; the draft model
+        computes the same inputs into its own KV cache."""
+        graphs, attn = self.graphs, inputs.attn
+        self.scales_pending = [m for m in self.scales_pending if m.calculate_scales]
+        if self.scales_pending:
+            graphs = None
+        key = None if graphs is None else graphs.key(attn, inputs.input_ids.shape[0])
+        if key is not None:
+            hidden = graphs.run(key, inputs.input_ids, inputs.positions, attn)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions,
+                                ForwardContext(attn, self.kv_caches))
+        if self.draft is not None:
+            self.draft.sync(inputs.input_ids, inputs.positions, attn)
+        return hidden
+
     def _sample(self, step: int, inputs: StepInputs, hidden: torch.Tensor, started: float
                 ) -> Launched:
-        chunks = [self._prompt_logprobs(hidden, *row) for row in inputs.prompt_logprob_rows]
+        """Queue the step's tokens: sampled, verified drafts, and the draft model's
+        proposals after them, each copied to the host behind the launched step's event."""
+        launched = Launched(step, started, [self._prompt_logprobs(hidden, *row)
+                                            for row in inputs.prompt_logprob_rows])
         if not inputs.sampling and not inputs.spec:
-            return Launched(step, [], torch.empty(0, dtype=torch.int64), None, [], chunks,
-                            started)
-        host, done, logprobs = torch.empty(0, dtype=torch.int64), None, []
-        sampled = verified = None
-        if inputs.sampling:
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])
-            out = self.sampler.sample(logits, [s.sampling_row() for s in inputs.sampling],
-                                      self._grammar_mask(inputs.sampling))
-            self._last_tokens = out.token_ids
-            for row, state in enumerate(inputs.sampling):
-                state.pending += 1
-                state.sample_row = row
-            host, done = self._copy_to_host(out.token_ids)
-            logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
-            sampled = out.token_ids
-        launched = Launched(step, inputs.sampling, host, done, logprobs, chunks, started)
-        if inputs.spec:
-            verified = self._verify(launched, inputs, hidden)
+            return launched
+        sampled = self._sample_tokens(launched, inputs, hidden) if inputs.sampling else None
+        verified = self._verify(launched, inputs, hidden) if inputs.spec else None
         if self.draft is not None:
             self._propose(launched, inputs, sampled, verified)
         launched.on_host_at = time.time() if launched.done is None else 0.0
         return launched
 
+    def _sample_tokens(self, launched: Launched, inputs: StepInputs, hidden: torch.Tensor
+                       ) -> torch.Tensor:
+        """The tokens of the rows that reached their last token; they stay on the device
+        too, for the next step's gathers. Returns them."""
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        out = self.sampler.sample(logits, [s.sampling_row() for s in inputs.sampling],
+                                  self._grammar_mask(inputs.sampling))
+        self._last_tokens = out.token_ids
+        for row, state in enumerate(inputs.sampling):
+            state.pending += 1
+            state.sample_row = row
+        launched.sampling = inputs.sampling
+        launched.host = launched.to_host(out.token_ids)
+        launched.logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
+        return out.token_ids
+
     def _verify(self, launched: Launched, inputs: StepInputs, hidden: torch.Tensor
                 ) -> torch.Tensor:
-        """Rejection-sample the drafts of this step's speculating requests; their tokens
-        are copied to the host with the step's others. Returns Sampler.verify's rows."""
+        """Verify the drafts of this step's speculating requests. Returns spec_verify's
+        rows, on the device."""
         assert inputs.spec_indices is not None
         logits = self.model.compute_logits(hidden[inputs.spec_indices])
         states = [state for state, _ in inputs.spec]
-        out = self.sampler.verify(logits, [s.sampling_row() for s in states],
-                                  [draft for _, draft in inputs.spec])
+        out = verify(self.sampler, logits, [s.sampling_row() for s in states],
+                     [draft for _, draft in inputs.spec])
         for state in states:
             state.pending += 1
         launched.spec = states
-        launched.spec_host, done = self._copy_to_host(out)
-        if done is not None:  # recorded after the other tokens' copy: it stands for both
-            launched.done = done
+        launched.spec_host = launched.to_host(out)
         return out
 
     def _propose(self, launched: Launched, inputs: StepInputs, sampled: torch.Tensor | None,
                  verified: torch.Tensor | None) -> None:
         """The draft model's proposals after this step's tokens, for the requests that may
-        speculate next. A verified row's last token is its replacement or bonus token, at
-        the position after its accepted drafts: both read on the device."""
-        assert self.draft is not None and inputs.seq_lens is not None
-        seq_lens, rows, tokens, positions, states = inputs.seq_lens, [], [], [], []
-        keep = [j for j, s in enumerate(inputs.sampling) if _drafts_for(s)]
-        if keep:
-            rows += [inputs.sample_rows[j] for j in keep]
-            states += [inputs.sampling[j] for j in keep]
-            tokens.append(sampled[self._tensor(np.asarray(keep))])
-            positions.append(self._tensor(seq_lens[rows]))
-        keep = [j for j, (s, _) in enumerate(inputs.spec) if _drafts_for(s)]
-        if keep:
-            spec_rows = [inputs.spec_rows[j] for j in keep]
-            out = verified[self._tensor(np.asarray(keep))]
-            emitted = out[:, 0]
-            tokens.append(out.gather(1, emitted[:, None])[:, 0])
-            num_drafts = np.asarray([len(inputs.spec[j][1]) for j in keep])
-            positions.append(self._tensor(seq_lens[spec_rows] - num_drafts - 1) + emitted)
-            rows += spec_rows
-            states += [inputs.spec[j][0] for j in keep]
-        if not rows:
+        speculate next."""
+        assert self.draft is not None
+        parts = [part for part in (self._after_sampled(inputs, sampled),
+                                   self._after_verified(inputs, verified))
+                 if part is not None]
+        if not parts:
             return
-        index = self._tensor(np.asarray(rows))
-        num_blocks = self._tensor(np.asarray([len(s.block_ids) for s in states]))
-        drafts = self.draft.propose(torch.cat(tokens), torch.cat(positions),
-                                    inputs.attn.block_tables[index], num_blocks,
-                                    int(seq_lens[rows].max()))
+        rows = [row for part in parts for row in part.rows]
+        states = [state for part in parts for state in part.states]
+        drafts = self.draft.propose(
+            torch.cat([part.tokens for part in parts]),
+            torch.cat([part.positions for part in parts]),
+            inputs.attn.block_tables[self._tensor(np.asarray(rows))],
+            self._tensor(np.asarray([len(s.block_ids) for s in states])),
+            int(inputs.seq_lens[rows].max()))
         launched.drafted = states
-        launched.drafts_host, done = self._copy_to_host(drafts)
-        if done is not None:  # recorded after the tokens' copies: it stands for them all
-            launched.done = done
+        launched.drafts_host = launched.to_host(drafts)
+
+    def _after_sampled(self, inputs: StepInputs, sampled: torch.Tensor | None
+                       ) -> ProposalStarts | None:
+        """A sampled row's token is at the position after its computed ones."""
+        keep = [j for j, s in enumerate(inputs.sampling) if _drafts_for(s)]
+        if not keep:
+            return None
+        assert sampled is not None
+        rows = [inputs.sample_rows[j] for j in keep]
+        return ProposalStarts(rows, [inputs.sampling[j] for j in keep],
+                              sampled[self._tensor(np.asarray(keep))],
+                              self._tensor(inputs.seq_lens[rows]))
+
+    def _after_verified(self, inputs: StepInputs, verified: torch.Tensor | None
+                        ) -> ProposalStarts | None:
+        """A verified row's last token is its replacement or bonus token, at the position
+        after its accepted drafts: both read on the device, so the host does not wait for
+        the verification."""
+        keep = [j for j, (s, _) in enumerate(inputs.spec) if _drafts_for(s)]
+        if not keep:
+            return None
+        assert verified is not None
+        rows = [inputs.spec_rows[j] for j in keep]
+        tokens, emitted = last_emitted(verified[self._tensor(np.asarray(keep))])
+        num_drafts = np.asarray([len(inputs.spec[j][1]) for j in keep])
+        return ProposalStarts(rows, [inputs.spec[j][0] for j in keep], tokens,
+                              self._tensor(inputs.seq_lens[rows] - num_drafts - 1) + emitted)
 
     def _pool(self, launched: Launched, rows: list[tuple[RequestState, int, int, bool]],
               hidden: torch.Tensor) -> None:
@@ -339,10 +330,8 @@ class ModelRunner:
                                                   len(state.prompt_ids)))
         if not vectors:
             return
-        host, done = self._copy_to_host(self.pooler.normalized(torch.stack(vectors)))
-        launched.pooled_states, launched.pooled = states, host
-        if done is not None:  # recorded after the tokens' copy, so it stands for both
-            launched.done = done
+        launched.pooled_states = states
+        launched.pooled = launched.to_host(self.pooler.normalized(torch.stack(vectors)))
 
     def _grammar_mask(self, sampling: list[RequestState]) -> GrammarMask | None:
         """The mask of this step's structured rows, None when it has none. Their tokens
@@ -359,59 +348,27 @@ class ModelRunner:
                 rows.append((i, state.matcher, state.held_back()))
         return self.grammars.mask(rows) if rows else None
 
-    def _complete(self) -> StepResult:
-        launched, self._pending = self._pending, None
-        assert launched is not None
-        if launched.done is not None:
-            launched.done.synchronize()
-        # when the tokens reached the host: the worker shell adds the plan's and the start's
-        on_host = launched.on_host_at or time.time()
-        token_ids = launched.host.tolist()
-        for state, token in zip(launched.sampling, token_ids):
-            state.output_ids.append(token)
-            state.pending -= 1
-            if state.matcher is not None:
-                accept(state.matcher, token, state.req_id)
-        req_ids = [s.req_id for s in launched.sampling]
-        logprobs, num_tokens = launched.logprobs, []
-        if launched.spec_host is not None:  # then 1 + accepted tokens per speculating row
-            num_tokens = [1] * len(token_ids)
-            for state, row in zip(launched.spec, launched.spec_host.tolist()):
-                emitted = row[1:1 + row[0]]
-                state.output_ids += emitted
-                state.pending -= 1
-                req_ids.append(state.req_id)
-                token_ids += emitted
-                num_tokens.append(len(emitted))
-            logprobs = logprobs and logprobs + [None] * len(launched.spec)
-        num_drafts, drafts = _proposals(launched, req_ids)
-        return StepResult(step=launched.step, req_ids=req_ids,
-                          token_ids=token_ids, logprobs=logprobs,
-                          prompt_logprobs=launched.prompt_logprobs,
-                          execute_ms=1000 * (time.perf_counter() - launched.started),
-                          stamps=[on_host], embeddings=_embeddings(launched),
-                          num_tokens=num_tokens, num_draft_tokens=num_drafts,
-                          draft_token_ids=drafts)
+    def _prompt_logprobs(self, hidden: torch.Tensor, state: RequestState, first: int,
+                         start: int, count: int) -> PromptLogprobs:
+        logits = self.model.compute_logits(hidden[first:first + count])
+        targets = torch.tensor(state.prompt_ids[start + 1:start + 1 + count], device=self.device)
+        k = state.params.prompt_logprobs
+        ids, lps, ranks = prompt_logprobs(logits, targets, k)
+        return PromptLogprobs(state.req_id, start + 1, k, ids.flatten().tolist(),
+                              lps.flatten().tolist(), ranks.tolist())
 
-    def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        if tokens.device.type != "cuda":
-            return tokens, None
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
+    # --- finishing a step ----------------------------------------------------------------
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        graphs, attn = self.graphs, inputs.attn
-        self.scales_pending = [m for m in self.scales_pending if m.calculate_scales]
-        if self.scales_pending:
-            graphs = None
-        key = None if graphs is None else graphs.key(attn, inputs.input_ids.shape[0])
-        if key is not None:
-            return graphs.run(key, inputs.input_ids, inputs.positions, attn)
-        return self.model(inputs.input_ids, inputs.positions,
-                          ForwardContext(attn, self.kv_caches))
+    def _finish_last(self, now: bool = True) -> list[StepResult]:
+        """The last launched step's result (its tokens appended to their requests), when
+        there is one and `now`."""
+        launched = self._pending
+        if not now or launched is None:
+            return []
+        self._pending = None
+        return [finish(launched)]
+
+    # --- set-up -------------------------------------------------------------------------
 
     def _connect_peers(self) -> None:
         """Small all-reduces over peer memory: those of every step a graph replays."""
@@ -438,107 +395,6 @@ class ModelRunner:
         log.info("captured CUDA graphs for steps of %s tokens in %.1f s", graphs.sizes,
                  time.perf_counter() - start)
         return graphs
-
-    def forget_requests(self) -> None:
-        """Drop every request's state (a new scheduler took over); flush first."""
-        assert self._pending is None, "a launched step still refers to these requests"
-        self.requests.clear()
-
-    def _apply_plan(self, plan: StepPlan) -> None:
-        for req_id in plan.finished:
-            self.requests.pop(req_id, None)
-        for new in plan.new:
-            params = new.params
-            generator = None if params.seed is None else make_generator(params.seed, self.device)
-            self.requests[new.req_id] = RequestState(
-                new.req_id, list(new.token_ids[:new.num_prompt_tokens]),
-                list(new.token_ids[new.num_prompt_tokens:]), list(new.block_ids), params,
-                generator, structured=params.structured_outputs is not None, embed=new.embed,
-                lora=new.lora)
-        for cached in plan.cached:
-            self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
-
-    def _prepare(self, plan: StepPlan) -> StepInputs:
-        states = [self.requests[req_id] for req_id in plan.req_ids]
-        num_scheduled = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
-        starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
-        cu = np.zeros(len(states) + 1, dtype=np.int64)
-        np.cumsum(num_scheduled, out=cu[1:])
-        positions = np.arange(cu[-1]) + np.repeat(starts - cu[:-1], num_scheduled)
-        drafts = split_drafts(plan.num_draft_tokens, plan.draft_token_ids,
-                              len(plan.req_ids))
-        num_drafts = np.asarray([len(d) for d in drafts], dtype=np.int64)
-        token_ids: list[int] = []
-        gathers: list[tuple[int, int]] = []  # (input index, row of the previous samples)
-        for state, start, n, draft in zip(states, starts.tolist(), num_scheduled.tolist(),
-                                          drafts):
-            end = start + n - len(draft)
-            known = min(end, state.num_tokens)
-            token_ids += state.tokens(start, known)
-            if known < end:  # the token sampled by the step still in flight
-                assert state.pending == 1 and known + 1 == end, "one token ahead at most"
-                gathers.append((len(token_ids), state.sample_row))
-                token_ids.append(0)
-            token_ids += draft
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((len(states), max_blocks), dtype=np.int32)
-        for i, state in enumerate(states):
-            block_table[i, :len(state.block_ids)] = state.block_ids
-        req_of_token = np.repeat(np.arange(len(states)), num_scheduled)
-        slots = (block_table[req_of_token, positions // self.block_size].astype(np.int64)
-                 * self.block_size + positions % self.block_size)
-        seq_lens = starts + num_scheduled
-        if self.lora is not None:
-            self.lora.prepare([state.lora for state in states], num_scheduled)
-        samples = [i for i, s in enumerate(states)
-                   if seq_lens[i] - num_drafts[i] == s.num_tokens + s.pending and not s.embed]
-        spec = [i for i in samples if num_drafts[i]]
-        samples = [i for i in samples if not num_drafts[i]]
-        attn = AttentionMetadata(
-            slot_mapping=self._tensor(slots), block_tables=self._tensor(block_table),
-            query_start_loc=self._tensor(cu.astype(np.int32)),
-            seq_lens=self._tensor(seq_lens.astype(np.int32)),
-            max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()))
-        input_ids = self._tensor(np.asarray(token_ids, dtype=np.int64))
-        if gathers:
-            dst, src = zip(*gathers)
-            input_ids[self._tensor(np.asarray(dst))] = self._last_tokens[
-                self._tensor(np.asarray(src))]
-        return StepInputs(
-            input_ids=input_ids,
-            positions=self._tensor(positions),
-            attn=attn,
-            sample_indices=self._tensor(cu[1:][samples] - 1),
-            sampling=[states[i] for i in samples],
-            prompt_logprob_rows=self._prompt_logprob_rows(states, starts, num_scheduled, cu),
-            pooling_rows=[(state, int(cu[i]), int(num_scheduled[i]),
-                           bool(seq_lens[i] == state.num_tokens))
-                          for i, state in enumerate(states) if state.embed],
-            spec=[(states[i], drafts[i]) for i in spec],
-            spec_indices=self._tensor(np.concatenate(
-                [np.arange(cu[i + 1] - 1 - num_drafts[i], cu[i + 1]) for i in spec]))
-            if spec else None,
-            seq_lens=seq_lens, sample_rows=samples, spec_rows=spec)
-
-    def _prompt_logprob_rows(self, states, starts, num_scheduled, cu) -> list:
-        rows = []
-        for i, state in enumerate(states):
-            if state.params.prompt_logprobs is None:
-                continue
-            start, end = int(starts[i]), int(starts[i] + num_scheduled[i])
-            end = min(end, len(state.prompt_ids) - 1)  # the last prompt token predicts output
-            if end > start:
-                rows.append((state, int(cu[i]), start, end - start))
-        return rows
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, state: RequestState, first: int,
-                         start: int, count: int) -> PromptLogprobs:
-        logits = self.model.compute_logits(hidden[first:first + count])
-        targets = torch.tensor(state.prompt_ids[start + 1:start + 1 + count], device=self.device)
-        k = state.params.prompt_logprobs
-        ids, lps, ranks = prompt_logprobs(logits, targets, k)
-        return PromptLogprobs(state.req_id, start + 1, k, ids.flatten().tolist(),
-                              lps.flatten().tolist(), ranks.tolist())
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -570,7 +426,7 @@ class ModelRunner:
         self.sampler.sample(logits, [SamplingRow(params, [], [], None)] * num_reqs)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return to_device(array, self.device)
 
 
 def _drafts_for(state: RequestState) -> bool:
@@ -579,21 +435,3 @@ def _drafts_for(state: RequestState) -> bool:
     sampled, which the worker holds as pending)."""
     return not state.embed and may_speculate(state.params,
                                              len(state.output_ids) + state.pending)
-
-
-def _proposals(launched: Launched, req_ids: list[str]) -> tuple[list[int], list[int]]:
-    """StepResult's num_draft_tokens and draft_token_ids, in the order of req_ids."""
-    if launched.drafts_host is None:
-        return [], []
-    by_id = dict(zip((s.req_id for s in launched.drafted), launched.drafts_host.tolist()))
-    drafts = [by_id.get(req_id, []) for req_id in req_ids]
-    return [len(d) for d in drafts], [t for d in drafts for t in d]
-
-
-def _embeddings(launched: Launched) -> list[PooledOutput]:
-    """A completed step's embeddings, each as its little-endian float32 bytes."""
-    if launched.pooled is None:
-        return []
-    vectors = launched.pooled.numpy().astype("<f4", copy=False)
-    return [PooledOutput(state.req_id, vector.tobytes())
-            for state, vector in zip(launched.pooled_states, vectors)]

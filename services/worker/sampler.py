@@ -10,6 +10,8 @@ for one step: each seeded request draws its noise from its own generator, so its
 depends on its own logits and seed alone, never on the rest of the batch. On CUDA, a step
 whose rows ask for temperature alone (no top-k/p, min-p, penalties, logprobs or seeds)
 samples in one Triton pass instead (kernels/sampling.py: the Gumbel-max form of the race).
+Speculative decoding's rejection sampling draws from the same distributions with the same
+noise (services/worker/spec_verify.py).
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ class Sampler:
         if all(_plain_greedy(row) for row in rows):
             return SamplerOutput(logits.argmax(dim=-1), [None] * len(rows))
         if logits.is_cuda and all(_plain_random(row) for row in rows):
-            temperature = _to_device([row.params.temperature for row in rows], torch.float32,
-                                     self.device)
+            temperature = to_device([row.params.temperature for row in rows], torch.float32,
+                                    self.device)
             token_ids = gumbel_argmax_triton(logits, temperature,
                                              self._kernel_seeds.getrandbits(31))
             return SamplerOutput(token_ids, [None] * len(rows))
@@ -104,12 +106,13 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
                        ) -> torch.Tensor:
-        probs = self._probs(logits, rows)
-        return probs.div_(self._exponential_noise(probs, rows)).argmax(dim=-1)
+        probs = self.probs(logits, rows)
+        return probs.div_(self.exponential_noise(probs, rows)).argmax(dim=-1)
 
-    def _probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """The distribution each random row draws from: temperature, top-k, top-p, min-p
-        (unnormalized: top-p and min-p zero entries without rescaling the rest)."""
+    def probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The distribution each random row draws from, and speculative verification's p:
+        temperature, top-k, top-p, min-p (unnormalized: top-p and min-p zero entries without
+        rescaling the rest)."""
         logits = logits / self._column([row.params.temperature for row in rows])
         params = [row.params for row in rows]
         max_k = min(max(p.top_k for p in params), logits.shape[1])
@@ -128,72 +131,8 @@ class Sampler:
             probs = apply_min_p(probs, self._column([p.min_p for p in params]))
         return probs
 
-    # --- speculative decoding --------------------------------------------------------------
-
-    def verify(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-               drafts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Rejection sampling of deterministic (ngram) drafts that keeps each row's own
-        distribution p exactly: draft d is accepted with probability p(d) (greedy: when it
-        is p's argmax); the first rejected one is replaced by a draw from p without d,
-        renormalized (greedy: the argmax); when every draft is accepted a bonus token is
-        drawn at the last position. `logits` holds 1 + len(drafts[i]) positions of each
-        row, in order; rows need raw logits (no penalties, bias, min_tokens, logprobs).
-        Returns int64 [rows, 1 + max drafts + 1]: the number of tokens each row emits, then
-        its tokens: the accepted drafts and the replacement or bonus token."""
-        counts = [1 + len(d) for d in drafts]
-        width = max(counts)
-        # each row's positions in `logits`, padded by repeating its last one
-        position = [[start + min(j, n - 1) for j in range(width)]
-                    for start, n in zip(itertools.accumulate([0] + counts), counts)]
-        padded = [list(d) + [-1] * (width - len(d)) for d in drafts]  # -1 never matches
-        draft = self._tensor(padded, torch.int64)
-        position_rows = [row for row, n in zip(rows, counts) for _ in range(n)]
-        # position j of a row checks its draft j; its last position has none (-1)
-        targets = self._targets(logits, position_rows, self._tensor(
-            [t for d, n in zip(padded, counts) for t in d[:n]], torch.int64))
-        flat = self._tensor(position, torch.int64)
-        accepted, replacement = (t[flat] for t in targets)
-        tokens = torch.where(accepted, draft, replacement)
-        emitted = accepted.long().cumprod(dim=1).sum(dim=1, keepdim=True) + 1
-        return torch.cat([emitted, tokens], dim=1)
-
-    def _targets(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-                 drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per position (one row each, its draft or -1): whether the draft is accepted,
-        and the token that replaces it if not (the draw from p without the draft)."""
-        greedy = logits.argmax(dim=-1)
-        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-        accepted = greedy == drafts
-        if not random_rows:
-            return accepted, greedy
-        index = self._tensor(random_rows, torch.int64)
-        sub = [rows[i] for i in random_rows]
-        probs = self._probs(logits.float()[index], sub)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-        draft = drafts[index]
-        has_draft = draft >= 0
-        p_draft = probs.gather(1, draft.clamp_min(0).unsqueeze(1)).squeeze(1)
-        uniform = self._uniform(probs.shape[0], sub, probs.device)
-        accepted.index_copy_(0, index, has_draft & (uniform < p_draft))
-        # p - onehot(d), floored at 0, is p with d's entry zeroed: draw from that
-        residual = probs.scatter(1, draft.clamp_min(0).unsqueeze(1),
-                                 torch.where(has_draft, 0.0, p_draft).unsqueeze(1))
-        drawn = residual.div_(self._exponential_noise(residual, sub)).argmax(dim=-1)
-        return accepted, greedy.index_copy(0, index, drawn)
-
-    def _uniform(self, n: int, rows: Sequence[SamplingRow], device: torch.device
-                 ) -> torch.Tensor:
-        """U[0, 1) per position, a seeded row's from its own generator."""
-        uniform = torch.empty(n, device=device)
-        if any(row.generator is None for row in rows):
-            uniform.uniform_(generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.generator is not None:
-                uniform[i:i + 1].uniform_(generator=row.generator)
-        return uniform
-
-    def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]
-                           ) -> torch.Tensor:
+    def exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]
+                          ) -> torch.Tensor:
         """q ~ Exp(1) per entry: argmax(probs / q) is a draw from probs (unnormalised)."""
         noise = torch.empty_like(probs)
         if any(row.generator is None for row in rows):
@@ -224,7 +163,7 @@ class Sampler:
         return tensor[self._tensor(wanted, torch.int64)]
 
     def _tensor(self, values: Sequence, dtype: torch.dtype) -> torch.Tensor:
-        return _to_device(values, dtype, self.device)
+        return to_device(values, dtype, self.device)
 
     def _column(self, values: Sequence[float]) -> torch.Tensor:
         return _column(values, self.device)
@@ -242,7 +181,7 @@ def apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]
             for t in rows[i].params.allowed_token_ids if t < vocab_size]
     forbidden = torch.ones(len(limited) * vocab_size, dtype=torch.bool)
     forbidden[flat] = False  # built on the host: one copy to the device, not one per row
-    index = _to_device(limited, torch.int64, logits.device)
+    index = to_device(limited, torch.int64, logits.device)
     out = logits.clone()
     out[index] = logits[index].masked_fill(
         forbidden.view(len(limited), vocab_size).to(logits.device, non_blocking=True),
@@ -260,8 +199,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
         return logits
     flat, biases = zip(*pairs)
     out = logits.clone()
-    out.view(-1).index_add_(0, _to_device(flat, torch.int64, logits.device),
-                            _to_device(biases, logits.dtype, logits.device))
+    out.view(-1).index_add_(0, to_device(flat, torch.int64, logits.device),
+                            to_device(biases, logits.dtype, logits.device))
     return out
 
 
@@ -298,7 +237,7 @@ def block_early_stops(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     blocked = logits.clone()
     # index_fill_ takes the value as a scalar; item assignment would copy it to the device
     # as a tensor, a blocking copy.
-    blocked.view(-1).index_fill_(0, _to_device(flat, torch.int64, logits.device), float("-inf"))
+    blocked.view(-1).index_fill_(0, to_device(flat, torch.int64, logits.device), float("-inf"))
     return blocked
 
 
@@ -353,7 +292,7 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int
     return top_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, k)
 
 
-def _to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # non_blocking: a pageable host->device copy is staged by the driver, so unlike a
     # blocking copy it does not wait for the GPU queue to drain.
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -361,7 +300,7 @@ def _to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> to
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
     """float32 [rows, 1], to broadcast one value per row over the vocabulary."""
-    return _to_device(values, torch.float32, device).unsqueeze(1)
+    return to_device(values, torch.float32, device).unsqueeze(1)
 
 
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int,

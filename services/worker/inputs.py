@@ -1,0 +1,182 @@
+"""A step's inputs: the plan's requests laid end to end, as the model reads them.
+
+Request i computes num_scheduled_tokens[i] tokens from position num_computed_tokens[i];
+the batch holds them request after request (query_start_loc: where each begins), each
+token with its position and its KV cache slot, block_table[i][position // block_size] *
+block_size + position % block_size. A speculating request's tokens end with its drafts.
+A decode input whose token the step in flight sampled is not on the host yet: it is a
+placeholder that the device fills in from that step's samples (`gathers`), so the host
+prepares this step without waiting for the last. A request samples when the step reaches
+its last token (the pending one counted), an embedding request never; one with drafts
+verifies them at its 1 + k last positions instead (services/worker/spec_verify.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.messages import StepPlan
+from common.speculative import split_drafts
+from services.worker.layers.attention import AttentionMetadata
+from services.worker.request_state import RequestState
+
+
+@dataclass(slots=True)
+class FlatBatch:
+    """The host side of a step's inputs (numpy), before they go to the device."""
+    token_ids: np.ndarray  # int64 [tokens]; 0 where `gathers` fills one in on the device
+    gathers: list[tuple[int, int]]  # (token index, row of the previous step's samples)
+    positions: np.ndarray  # int64 [tokens]
+    slot_mapping: np.ndarray  # int64 [tokens]: each token's KV cache slot
+    block_table: np.ndarray  # int32 [requests, most blocks of one], zero-padded
+    query_start_loc: np.ndarray  # int64 [requests + 1]: each request's first token index
+    num_computed: np.ndarray  # int64 [requests]: each request's first position
+    num_scheduled: np.ndarray  # int64 [requests]
+    seq_lens: np.ndarray  # int64 [requests]: context length after this step
+    drafts: list[list[int]]  # each request's drafts, the last len(drafts[i]) of its tokens
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    sample_indices: torch.Tensor  # token index of each sampling request's last token
+    seq_lens: np.ndarray  # each request's context length after this step
+    sampling: list[RequestState]
+    sample_rows: list[int]  # batch rows of `sampling`
+    prompt_logprob_rows: list[tuple[RequestState, int, int, int]]
+    # (state, first token index in the batch, first position, count) per prompt-logprob chunk
+    pooling_rows: list[tuple[RequestState, int, int, bool]]
+    # (state, first token index in the batch, count, its prompt's last chunk) per embedding
+    spec: list[tuple[RequestState, list[int]]]  # with drafts
+    spec_rows: list[int]  # batch rows of `spec`
+    spec_indices: torch.Tensor | None  # their 1 + k token indices each, in order
+
+
+def prepare_inputs(plan: StepPlan, states: list[RequestState], block_size: int,
+                   last_tokens: torch.Tensor, device: torch.device) -> StepInputs:
+    """The inputs of `plan`, whose requests are `states`; last_tokens: the samples of the
+    step in flight, on the device."""
+    batch = flatten(plan, states, block_size)
+    samples, spec = sampling_rows(states, batch)
+    return StepInputs(
+        input_ids=_input_ids(batch, last_tokens, device),
+        positions=to_device(batch.positions, device),
+        attn=_attention_metadata(batch, device),
+        sample_indices=to_device(batch.query_start_loc[1:][samples] - 1, device),
+        seq_lens=batch.seq_lens,
+        sampling=[states[i] for i in samples], sample_rows=samples,
+        prompt_logprob_rows=prompt_logprob_rows(states, batch),
+        pooling_rows=pooling_rows(states, batch),
+        spec=[(states[i], batch.drafts[i]) for i in spec], spec_rows=spec,
+        spec_indices=_spec_indices(batch, spec, device) if spec else None)
+
+
+def flatten(plan: StepPlan, states: list[RequestState], block_size: int) -> FlatBatch:
+    num_scheduled = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
+    starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+    cu = np.zeros(len(states) + 1, dtype=np.int64)
+    np.cumsum(num_scheduled, out=cu[1:])
+    positions = np.arange(cu[-1]) + np.repeat(starts - cu[:-1], num_scheduled)
+    drafts = split_drafts(plan.num_draft_tokens, plan.draft_token_ids, len(states))
+    token_ids, gathers = _token_ids(states, starts, num_scheduled, drafts)
+    table = block_table(states)
+    return FlatBatch(token_ids, gathers, positions,
+                     slot_mapping(table, positions, num_scheduled, block_size), table, cu,
+                     starts, num_scheduled, starts + num_scheduled, drafts)
+
+
+def _token_ids(states: list[RequestState], starts: np.ndarray, num_scheduled: np.ndarray,
+               drafts: list[list[int]]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Each request's scheduled tokens, its drafts last, and the placeholders to gather."""
+    token_ids: list[int] = []
+    gathers: list[tuple[int, int]] = []
+    for state, start, n, draft in zip(states, starts.tolist(), num_scheduled.tolist(),
+                                      drafts):
+        end = start + n - len(draft)
+        known = min(end, state.num_tokens)
+        token_ids += state.tokens(start, known)
+        if known < end:  # the token sampled by the step still in flight
+            assert state.pending == 1 and known + 1 == end, "one token ahead at most"
+            gathers.append((len(token_ids), state.sample_row))
+            token_ids.append(0)
+        token_ids += draft
+    return np.asarray(token_ids, dtype=np.int64), gathers
+
+
+def block_table(states: list[RequestState]) -> np.ndarray:
+    table = np.zeros((len(states), max(len(s.block_ids) for s in states)), dtype=np.int32)
+    for i, state in enumerate(states):
+        table[i, :len(state.block_ids)] = state.block_ids
+    return table
+
+
+def slot_mapping(table: np.ndarray, positions: np.ndarray, num_scheduled: np.ndarray,
+                 block_size: int) -> np.ndarray:
+    req_of_token = np.repeat(np.arange(len(table)), num_scheduled)
+    return (table[req_of_token, positions // block_size].astype(np.int64) * block_size
+            + positions % block_size)
+
+
+def sampling_rows(states: list[RequestState], batch: FlatBatch
+                  ) -> tuple[list[int], list[int]]:
+    """The rows that sample a token, and the rows that verify their drafts instead."""
+    num_drafts = [len(d) for d in batch.drafts]
+    reach = [i for i, s in enumerate(states)
+             if batch.seq_lens[i] - num_drafts[i] == s.num_tokens + s.pending and not s.embed]
+    return [i for i in reach if not num_drafts[i]], [i for i in reach if num_drafts[i]]
+
+
+def prompt_logprob_rows(states: list[RequestState], batch: FlatBatch
+                        ) -> list[tuple[RequestState, int, int, int]]:
+    rows = []
+    for i, state in enumerate(states):
+        if state.params.prompt_logprobs is None:
+            continue
+        start = int(batch.num_computed[i])
+        # the last prompt token predicts output, not a prompt token
+        end = min(start + int(batch.num_scheduled[i]), len(state.prompt_ids) - 1)
+        if end > start:
+            rows.append((state, int(batch.query_start_loc[i]), start, end - start))
+    return rows
+
+
+def pooling_rows(states: list[RequestState], batch: FlatBatch
+                 ) -> list[tuple[RequestState, int, int, bool]]:
+    return [(state, int(batch.query_start_loc[i]), int(batch.num_scheduled[i]),
+             bool(batch.seq_lens[i] == state.num_tokens))
+            for i, state in enumerate(states) if state.embed]
+
+
+def _input_ids(batch: FlatBatch, last_tokens: torch.Tensor, device: torch.device
+               ) -> torch.Tensor:
+    input_ids = to_device(batch.token_ids, device)
+    if batch.gathers:
+        dst, src = zip(*batch.gathers)
+        input_ids[to_device(np.asarray(dst), device)] = last_tokens[
+            to_device(np.asarray(src), device)]
+    return input_ids
+
+
+def _attention_metadata(batch: FlatBatch, device: torch.device) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=to_device(batch.slot_mapping, device),
+        block_tables=to_device(batch.block_table, device),
+        query_start_loc=to_device(batch.query_start_loc.astype(np.int32), device),
+        seq_lens=to_device(batch.seq_lens.astype(np.int32), device),
+        max_query_len=int(batch.num_scheduled.max()), max_seq_len=int(batch.seq_lens.max()))
+
+
+def _spec_indices(batch: FlatBatch, spec: list[int], device: torch.device) -> torch.Tensor:
+    """The token indices of each speculating row's last token and its drafts."""
+    ends = batch.query_start_loc[1:]
+    return to_device(np.concatenate([np.arange(ends[i] - 1 - len(batch.drafts[i]), ends[i])
+                                     for i in spec]), device)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)

@@ -1,0 +1,66 @@
+"""What the worker keeps of each request between steps: its tokens (it sampled them, so a
+plan carries none), its blocks, and the per-request state of sampling, grammars, pooling
+and adapters. Made from a plan's NewRequest, grown by its CachedRequest and by the tokens
+the worker samples, dropped when the plan lists it as finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from common.messages import LoRARequest, NewRequest
+from common.sampling_params import SamplingParams
+from common.tokens import slice_tokens
+from services.worker.sampler import SamplingRow, make_generator
+
+
+@dataclass(slots=True)
+class RequestState:
+    req_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    block_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    pending: int = 0  # tokens sampled by launched steps, not yet copied back to the host
+    sample_row: int = 0  # this request's row in the last launched step's samples
+    structured: bool = False  # has a grammar (cleared if it fails to compile)
+    matcher: Any = None  # its xgrammar GrammarMatcher, made at its first sampling step
+    embed: bool = False  # an embedding request: pooled, never sampled
+    pooled: torch.Tensor | None = None  # its pooling's running state (Pooler.add_chunk)
+    lora: LoRARequest | None = None  # the adapter it runs under, None: the base model
+
+    @classmethod
+    def new(cls, new: NewRequest, device: torch.device) -> RequestState:
+        params = new.params
+        generator = None if params.seed is None else make_generator(params.seed, device)
+        return cls(new.req_id, list(new.token_ids[:new.num_prompt_tokens]),
+                   list(new.token_ids[new.num_prompt_tokens:]), list(new.block_ids), params,
+                   generator, structured=params.structured_outputs is not None,
+                   embed=new.embed, lora=new.lora)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known on the host (the pending one excluded)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def needs_history(self) -> bool:
+        """Penalties, min_tokens and grammars read the output so far."""
+        p = self.params
+        return (self.structured or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                or p.repetition_penalty != 1.0 or p.min_tokens > len(self.output_ids))
+
+    def held_back(self) -> tuple[int, ...]:
+        """The ids min_tokens keeps a structured request from sampling yet."""
+        p = self.params
+        if len(self.output_ids) >= p.min_tokens:
+            return ()
+        return (*p.eos_token_ids, *p.stop_token_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return slice_tokens(self.prompt_ids, self.output_ids, start, end)
+
+    def sampling_row(self) -> SamplingRow:
+        return SamplingRow(self.params, self.prompt_ids, self.output_ids, self.generator)
