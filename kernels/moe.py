@@ -331,10 +331,12 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     assert x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
     # the up rows' scales start a block after the gate rows' (ExpertScales)
     assert scales is None or intermediate % scales.block_n == 0
-    blocks = blocks or moe_blocks(num_tokens, top_k, num_experts)
     if num_tokens == 0:
         return torch.zeros_like(x)
     num_slots = num_tokens * top_k
+    if scales is None and blocks is None and num_slots <= GEMV_MAX_SLOTS:
+        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, experts_read)
+    blocks = blocks or moe_blocks(num_tokens, top_k, num_experts)
     act = torch.empty(num_slots, intermediate, dtype=x.dtype, device=x.device)
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     align = moe_align(topk_ids, num_experts, blocks.block_m, experts_read)
@@ -441,3 +443,86 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
         result *= tl.load(weights_ptr + slots, mask=live, other=0.0)[:, None]
     tl.store(out_ptr + slots.to(tl.int64)[:, None] * out_stride + cols[None, :],
              result.to(dtype), mask=live[:, None] & cols_ok[None, :])
+
+
+# Up to this many token slots (a decode step of a token or two under top-8 routing) the
+# experts run as GEMVs straight off topk_ids: no align launch, and no tile padded from one
+# real row to block_m. Above it the grouped GEMMs reuse each weight tile over several rows.
+GEMV_MAX_SLOTS = 16
+# BLOCK_N, BLOCK_K, warps: the best of sweeps on the H100 and the H200
+# (benchmarks/issue29-h100/moe-decode*.txt)
+GEMV_TILES = (8, 128, 8)
+
+
+def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   experts_read: torch.Tensor | None = None,
+                   tiles: tuple[int, int, int] = GEMV_TILES) -> torch.Tensor:
+    """fused_moe for a few token slots (unquantized experts): one program per (slot, N
+    block) reads its slot's expert rows directly; roundings as the grouped GEMMs make them,
+    the k slots' weighted outputs summed in float32 and rounded once. (A down kernel that
+    also summed each token's k slots ran a third slower on the H200: one program per token
+    walks its k experts in turn.)"""
+    num_tokens, hidden = x.shape
+    intermediate, top_k = w2.shape[2], topk_ids.shape[1]
+    num_slots = num_tokens * top_k
+    assert x.stride(1) == 1 and w13.is_contiguous() and w2.is_contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).float().contiguous()
+    act = torch.empty(num_slots, intermediate, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = tiles
+    _moe_gemv_kernel[(num_slots, triton.cdiv(intermediate, block_n))](
+        x, w13, act, ids, weights, experts_read, intermediate, hidden, x.stride(0),
+        num_slots, ROWS_PER_A=top_k, GATED=True, COUNT=experts_read is not None,
+        SLOTS=triton.next_power_of_2(num_slots), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps)
+    down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    _moe_gemv_kernel[(num_slots, triton.cdiv(hidden, block_n))](
+        act, w2, down, ids, weights, experts_read, hidden, intermediate, act.stride(0),
+        num_slots, ROWS_PER_A=1, GATED=False, COUNT=False,
+        SLOTS=triton.next_power_of_2(num_slots), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps)
+    return down.view(num_tokens, top_k, hidden).sum(1)
+
+
+@triton.jit
+def _moe_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, experts_read_ptr, n, k,
+                     a_stride, num_slots, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr,
+                     COUNT: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """out[slot, cols] = a[slot // ROWS_PER_A] . w[expert(slot), cols] (GATED: silu(gate)
+    * up, the up rows n below the gate rows; else times the slot's routing weight)."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if COUNT:
+        if slot == 0 and pid_n == 0:  # the distinct experts of all slots, counted once
+            lanes = tl.arange(0, SLOTS)
+            all_ids = tl.load(ids_ptr + lanes, mask=lanes < num_slots, other=-1)
+            earlier = (all_ids[:, None] == all_ids[None, :]) & (lanes[None, :] < lanes[:, None])
+            first = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & (lanes < num_slots)
+            tl.atomic_add(experts_read_ptr, tl.sum(first.to(tl.int64), axis=0))
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < n
+    ks = tl.arange(0, BLOCK_K)
+    a_row = a_ptr + (slot // ROWS_PER_A).to(tl.int64) * a_stride
+    w_rows = w_ptr + expert * (2 * n if GATED else n) * k + cols.to(tl.int64)[:, None] * k
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_ok = ks < k - k0
+        a = tl.load(a_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        mask = cols_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + k0 + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+        if GATED:
+            w_up = tl.load(w_rows + n * k + k0 + ks[None, :], mask=mask, other=0.0)
+            acc_up += tl.sum(w_up.to(tl.float32) * a[None, :], axis=1)
+    dtype = out_ptr.dtype.element_ty
+    result = acc.to(dtype).to(tl.float32)
+    if GATED:
+        silu = (result / (1.0 + tl.exp(-result))).to(dtype).to(tl.float32)
+        result = silu * acc_up.to(dtype).to(tl.float32)
+    else:
+        result *= tl.load(weights_ptr + slot)
+    tl.store(out_ptr + slot.to(tl.int64) * n + cols, result.to(dtype), mask=cols_ok)

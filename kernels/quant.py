@@ -47,7 +47,10 @@ def quantize_per_token_ref(x: torch.Tensor, dtype: torch.dtype, group: int | Non
     groups = triton.cdiv(cols, group)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - cols))
     parts = padded.view(rows, groups, group)
-    scale = (parts.abs().amax(dim=2) / QUANT_MAX[dtype]).clamp(min=MIN_SCALE)
+    amax = parts.abs().amax(dim=2)
+    # over a tensor, not the Python number: CUDA torch multiplies by a scalar divisor's
+    # reciprocal, a rounding off the kernel's (and the CPU's) correctly rounded division
+    scale = (amax / torch.full_like(amax, QUANT_MAX[dtype])).clamp(min=MIN_SCALE)
     q = to_quantized(parts / scale[:, :, None], dtype).view(rows, -1)[:, :cols]
     return q.contiguous(), scale
 

@@ -93,14 +93,20 @@ def default_config(q: torch.Tensor, cache_dtype: torch.dtype | None = None
     per SM. Chosen by the H100 sweeps in benchmarks/gpu/kernels.md. An fp8 cache's decode
     tiles hold half the bytes: five stages and four programs per SM keep more of them in
     flight (17% faster than the bf16 config at 32 x 8000 keys on the H100,
-    benchmarks/gpu/fp8_attention_sweep.py)."""
+    benchmarks/gpu/fp8_attention_sweep.py). bf16 decodes split to about two programs per
+    SM in parts of at least 128 keys: on the H100 as fast as one program per SM and 64
+    keys, or faster (Phi-3 at batch 1: 10.8 against 12.1 us; Qwen3-30B-A3B at 32 x 4000
+    keys: 100 against 133 us), in all of benchmarks/gpu/attention_splits.py's 32 cases but
+    two, batch 1 at 4000 keys for Qwen3-30B-A3B and Llama-3.1-8B (1.3 and 0.5 us slower;
+    benchmarks/issue29-h100/attention-splits.txt)."""
     programs = sm_count(q.device.index or 0) if q.is_cuda else 1
     if q.dtype == torch.float32:  # exact fp32 dots: 16 x 16 tiles, larger ones spill
         return AttentionConfig(TileConfig(16, 16, 4, 2), TileConfig(16, 16, 4, 2), programs, 64)
     if cache_dtype in FP8_DTYPES:
         return AttentionConfig(TileConfig(16, 64, 4, 5), TileConfig(64, 64, 4, 2),
                                4 * programs, 64)
-    return AttentionConfig(TileConfig(16, 64, 4, 3), TileConfig(64, 64, 4, 2), programs, 64)
+    return AttentionConfig(TileConfig(16, 64, 4, 3), TileConfig(64, 64, 4, 2), 2 * programs,
+                           128)
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

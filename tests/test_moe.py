@@ -24,7 +24,7 @@ import torch
 from common.config import ConfigError, EngineConfig
 from common.model_files import load_hf_config
 from common.model_info import check_tensor_parallel, resolve_engine
-from kernels.moe import (ExpertScales, MoEBlocks, fused_moe, fused_moe_ref,
+from kernels.moe import (ExpertScales, MoEBlocks, fused_moe, fused_moe_gemv, fused_moe_ref,
                          fused_moe_triton, max_aligned_rows, moe_align, moe_align_ref,
                          moe_align_triton, moe_blocks, select_experts_ref,
                          select_experts_triton)
@@ -351,6 +351,16 @@ def check_select_experts(num_tokens: int, num_experts: int, top_k: int, dtype: t
             assert torch.allclose(ours, ref, rtol=rtol, atol=0), (renormalize, round_weights)
 
 
+def check_gemv_counts_experts() -> None:
+    """The GEMV path adds the distinct experts of its slots to experts_read, as the align
+    kernel does: token 0 and token 1 share expert 3."""
+    x, w13, w2, weights, _ = moe_inputs(2, 64, 32, 8, 2, torch.float32, "cpu", 7)
+    ids = torch.tensor([[3, 5], [3, 0]])
+    counter = torch.zeros(1, dtype=torch.int64)
+    fused_moe_gemv(x, w13, w2, weights, ids, counter)
+    assert counter.item() == 3
+
+
 def interpreter_checks() -> None:
     """The fused kernel: partial K and N tiles, padding rows, idle experts, a decode token
     alone; fp32 and fp16 (the interpreter multiplies bf16 as raw bits, see
@@ -364,6 +374,10 @@ def interpreter_checks() -> None:
                     skewed=True)
     for num_tokens in (3, 100, 300):  # moe_blocks' own tiles: decode, middle, prefill
         check_fused_moe(num_tokens, 160, 96, 8, 2, torch.float16, "cpu")
+    # a few slots take the GEMVs: partial K and N blocks, up to GEMV_MAX_SLOTS slots
+    check_fused_moe(1, 300, 40, 16, 4, torch.float32, "cpu")
+    check_fused_moe(2, 96, 264, 16, 8, torch.float16, "cpu")
+    check_gemv_counts_experts()
     # fp8 experts: partial tiles and blocks (H 320: three K groups, the last partial),
     # per-channel scales in the epilogue, block scales per K tile, static input scales
     for dtype, mode, blocks in ((torch.float32, "channel", MoEBlocks(16, 32, 32)),
@@ -397,7 +411,7 @@ MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096,
 
 
 @needs_cuda
-@pytest.mark.parametrize("num_tokens", [1, 8, 256, 2048])
+@pytest.mark.parametrize("num_tokens", [1, 2, 8, 256, 2048])
 @pytest.mark.parametrize("model", sorted(MOE_SHAPES))
 def test_fused_moe_cuda(model: str, num_tokens: int) -> None:
     num_experts, top_k, hidden, intermediate = MOE_SHAPES[model]

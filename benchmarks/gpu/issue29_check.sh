@@ -1,33 +1,45 @@
 #!/usr/bin/env bash
 # The device script for issue 29 (MoE, Gemma, Phi-3, sliding windows, RoPE scaling), every
-# output under $OUT/r, one device call per stage (each inside the 10-minute limit):
+# output under $OUT/r, one device call per stage or two (each inside the 10-minute limit):
 #   source .devkit/env.sh && bash benchmarks/gpu/issue29_check.sh 1
 set -uo pipefail
 source benchmarks/gpu/common.sh
 T=$M/qwen3-0.6b-shape  # the stand-in tokenizer for shapes without one
 case "$1" in
-1)  # the GPU tests of the new kernels and models, then one Qwen3-30B-A3B MoE layer's decode
-    # against reading its routed experts' weights once
+1)  # the GPU tests of the new kernels and models
   timeout 170 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
     -k "cuda and not interpreter" > "$R/pytest-kernels.txt" 2>&1
-  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_moe.py -k "cuda or gpu" \
-    > "$R/pytest-moe.txt" 2>&1
   timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k tiny_models \
     > "$R/pytest-models.txt" 2>&1
-  PYTHONPATH=$PWD:$PYTHONPATH timeout 60 python benchmarks/gpu/moe_decode.py > "$R/moe-decode.txt" 2>&1
   ;;
-2)  # real widths cut to a few layers against transformers (prompts past each window), then
-    # batch-1 decode against its floor
-  for spec in "qwen3-30b-a3b-shape 2 1000" "gemma-2-9b-shape 4 5000" \
-      "phi-3-mini-4k-shape 2 3000" "mistral-7b-v0.1-shape 2 5000"; do
+moe)  # the MoE kernels against their twin, then one Qwen3-30B-A3B MoE layer's parts at
+      # decode sizes against reading its routed experts' weights once
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_moe.py -k "cuda or gpu" \
+    > "$R/pytest-moe.txt" 2>&1
+  PYTHONPATH=$PWD:$PYTHONPATH timeout 150 python benchmarks/gpu/moe_decode.py \
+    > "$R/moe-decode.txt" 2>&1
+  ;;
+2)  # real widths cut to a few layers against transformers (prompts past each window)
+  # SPECS: "shape layers prompt-len" entries, comma-separated
+  IFS=, read -ra specs <<< "${SPECS:-qwen3-30b-a3b-shape 2 1000,gemma-2-9b-shape 4 5000,phi-3-mini-4k-shape 2 3000,mistral-7b-v0.1-shape 2 5000}"
+  for spec in "${specs[@]}"; do
     set -- $spec
-    PYTHONPATH=$PWD:$PYTHONPATH timeout 80 python benchmarks/gpu/model_check.py --model $M/$1 \
+    PYTHONPATH=$PWD:$PYTHONPATH timeout 150 python benchmarks/gpu/model_check.py --model $M/$1 \
       --layers $2 --prompt-len $3 --json "$R/check-$1.json" >> "$R/model-check.txt" 2>&1
   done
+  ;;
+latency)  # batch-1 decode against its floor
   for model in qwen3-30b-a3b-shape gemma-2-9b-shape phi-3-mini-4k-shape; do
     bench 100 latency --model $M/$model --tokenizer $T --load-format dummy --context-len 1000 \
       --batch-size 1 --output-len 64 --iterations 2 --max-model-len 2048 \
       --json "$R/latency-$model-b1.json" >> "$R/latency.txt" 2>&1
+  done
+  ;;
+profile)  # where a batch-1 decode step's device time goes, kernel by kernel (eager)
+  for model in ${MODELS:-qwen3-30b-a3b-shape phi-3-mini-4k-shape gemma-2-9b-shape}; do
+    timeout 100 python -m services.cli profile --model $M/$model --tokenizer $T \
+      --load-format dummy --batch-size 1 --prompt-len 1000 --max-model-len 2048 \
+      --json "$R/profile-$model-b1.json" run_num_steps -n 3 > "$R/profile-$model.txt" 2>&1
   done
   ;;
 3)  # the nano workload's lengths on Qwen3-30B-A3B, the floor counting the experts read

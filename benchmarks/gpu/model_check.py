@@ -36,14 +36,17 @@ def write_checkpoint(shape_dir: Path, layers: int, tokenizer_dir: Path, out: Pat
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:layers]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
-                                             attn_implementation="eager")
+    # initialised on the GPU: a CPU init of Qwen3-30B-A3B's two layers of 128 experts
+    # outlasted the script's time limit
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                 attn_implementation="eager")
     model.save_pretrained(out)
     source = shape_dir if (shape_dir / "tokenizer.json").is_file() else tokenizer_dir
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy(source / name, out / name)
-    return model.cuda().eval()
+    return model.eval()
 
 
 @torch.no_grad()

@@ -1,7 +1,8 @@
-"""The device script for the MoE performance goal: one Qwen3-30B-A3B MoE layer (router,
-routing, align, both grouped GEMMs, the top-k sum) at decode batch sizes, replayed in a
-CUDA graph, against the time to read the weights of the experts its tokens picked once at
-the machine's measured copy bandwidth. The goal is batch 1 within 1.6x of that floor.
+"""The device script for the MoE performance goal: one Qwen3-30B-A3B MoE layer's parts at
+decode batch sizes, each replayed in a CUDA graph: the router GEMM and routing kernel, and
+the experts (the grouped GEMMs with their align, and for a few slots the GEMVs), against
+the time to read the weights of the experts its tokens picked once at the machine's
+measured copy bandwidth. The goal is batch 1 within 1.6x of that floor.
 First H100 run: benchmarks/issue29-h100/moe-decode.txt.
 
     source .devkit/env.sh && python benchmarks/gpu/moe_decode.py
@@ -16,10 +17,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels.moe import fused_moe  # noqa: E402
+from kernels.moe import (GEMV_MAX_SLOTS, fused_moe_gemv, fused_moe_triton,  # noqa: E402
+                         moe_blocks, select_experts)
 
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 2048, 768  # Qwen3-30B-A3B
 REPLAYS, STEPS_PER_GRAPH = 20, 20
+GEMV_SWEEP = [(n, k, w) for n in (8, 16) for k in (128, 256) for w in (4, 8)]
 
 
 def copy_bandwidth() -> float:
@@ -58,20 +61,23 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     for tokens in (1, 2, 4, 8, 16, 64):
         x = torch.randn(tokens, HIDDEN, **bf16)
-
-        def layer() -> torch.Tensor:
-            probs = torch.softmax((x @ gate.T).float(), dim=-1)
-            weights, ids = torch.topk(probs, TOP_K, dim=-1)
-            weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype).float()
-            return fused_moe(x, w13, w2, weights, ids)
-
-        us = time_of(layer, STEPS_PER_GRAPH)
-        ids = torch.topk(x @ gate.T, TOP_K, dim=-1).indices
+        weights, ids = select_experts(x @ gate.T, TOP_K, True, True)
         touched = ids.unique().numel()
         floor = touched * 3 * INTERMEDIATE * HIDDEN * 2 / bandwidth * 1e6
-        print(f"tokens {tokens:3d}: {us:7.1f} us a layer, {touched:3d} experts read, "
-              f"floor {floor:6.1f} us, ratio {us / floor:.2f}")
-
+        paths = {"grouped": lambda: fused_moe_triton(
+                     x, w13, w2, weights, ids, blocks=moe_blocks(tokens, TOP_K, EXPERTS)),
+                 "routing": lambda: select_experts(x @ gate.T, TOP_K, True, True)}
+        if tokens * TOP_K <= GEMV_MAX_SLOTS:
+            paths["gemv"] = lambda: fused_moe_gemv(x, w13, w2, weights, ids)
+        if tokens * TOP_K <= GEMV_MAX_SLOTS:
+            for tiles in GEMV_SWEEP:
+                paths[f"gemv{tiles}"] = (lambda t=tiles: fused_moe_gemv(x, w13, w2, weights,
+                                                                       ids, tiles=t))
+        times = {name: time_of(fn, STEPS_PER_GRAPH) for name, fn in paths.items()}
+        experts = " ".join(f"{name} {us:6.1f} us ({us / floor:.2f}x)"
+                           for name, us in times.items() if name != "routing")
+        print(f"tokens {tokens:3d}: {touched:3d} experts read, floor {floor:6.1f} us; "
+              f"router + routing {times['routing']:5.1f} us; experts: {experts}")
 
 if __name__ == "__main__":
     main()
