@@ -217,6 +217,20 @@ def test_beam_search_ends_beams_at_eos_and_stops_early():
     assert e.value.param == "beam_width"
 
 
+def test_beam_search_fields_parse_into_its_params():
+    job = parse_job({"prompt": "x", "n": 3, "max_tokens": 5, "use_beam_search": True,
+                     "length_penalty": 2, "early_stopping": True, "temperature": 0.5},
+                    chat=False)
+    assert job.beam == BeamSearchParams(beam_width=3, max_tokens=5, temperature=0.5,
+                                        length_penalty=2.0, early_stopping=True)
+    chat = parse_job({"messages": [{"role": "user", "content": "hi"}],
+                      "use_beam_search": True, "max_completion_tokens": 7}, chat=True)
+    assert (chat.beam.beam_width, chat.beam.max_tokens) == (1, 7)
+    plain = parse_job({"prompt": "x", "length_penalty": 1.0, "use_beam_search": False},
+                      chat=False)
+    assert plain.beam is None  # vLLM's defaults, sent without a beam search, mean nothing
+
+
 # --- served ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

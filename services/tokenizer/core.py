@@ -2,9 +2,9 @@
 
 It applies the chat template, tokenizes, checks lengths against max_model_len, resolves
 sampling values (client over generation config over SamplingParams defaults), fills in
-the EOS ids and the token ids of bad_words, and has xgrammar parse a structured-output spec. Anything wrong with the
-request raises ApiError, which the shell turns into an ErrorReply; nothing invalid reaches
-the scheduler. An embedding request is only tokenized: it samples nothing, so its prompt
+the EOS ids and the token ids of bad_words, and has xgrammar parse a structured-output
+spec. Anything wrong with the request raises ApiError, which the shell turns into an
+ErrorReply; nothing invalid reaches the scheduler. An embedding request is only tokenized: it samples nothing, so its prompt
 may fill the whole context.
 """
 
