@@ -271,6 +271,14 @@ def test_served_beam_search_equals_the_offline_one(api, served, llm):
     assert [c.text for c in out.choices] == [
         tokenizer.decode(s.tokens[3:], skip_special_tokens=True) for s in best]
     assert out.usage.completion_tokens == sum(len(s.tokens) - 3 for s in best)
+    scored = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, n=3,
+                                    logprobs=2, extra_body={"use_beam_search": True,
+                                                            "length_penalty": 0.5})
+    for choice, seq in zip(scored.choices, best):  # each token's logprob, and the top 2
+        assert sum(choice.logprobs.token_logprobs) == pytest.approx(seq.cum_logprob,
+                                                                    abs=1e-3)
+        assert all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
+        assert len(choice.logprobs.tokens) == len(seq.tokens) - 3
     # the chat API, streamed over raw HTTP: one chunk per beam, then [DONE]
     status, text = post(served, "/v1/chat/completions", {
         "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "n": 2,
@@ -319,7 +327,7 @@ def test_served_best_of_and_bad_words(api, served, llm):
     ({"best_of": 2, "stream": True}, "best_of"),
     ({"best_of": 1, "n": 2}, "best_of"),
     ({"use_beam_search": True, "top_p": 0.5}, "top_p"),
-    ({"use_beam_search": True, "logprobs": 2}, "logprobs"),
+    ({"use_beam_search": True, "stop": ["x"]}, "stop"),
     ({"length_penalty": 0.7}, "length_penalty"),
     ({"logits_processors": ["x"]}, "logits_processors"),
     ({"cache_salt": "s"}, "cache_salt"),

@@ -18,7 +18,8 @@ from aiohttp import web
 from common.beam_search import BeamSearch
 from common.chat import render_chat
 from common.errors import ApiError
-from common.messages import LoRARequest, TextDelta
+from common.messages import LoRARequest, TextDelta, TokenLogprobs
+from common.token_text import TokenTexts
 from services.gateway.core import Applied, Call
 from services.gateway.protocol import Job
 
@@ -46,7 +47,8 @@ async def search_beams(gateway: Gateway, request: web.Request, job: Job, model: 
         for search in live:
             search.advance([next(answers) for _ in search.live])
     call = await gateway.new_call(job, model, lora)
-    deltas = await anyio.to_thread.run_sync(final_deltas, info.tokenizer, call, searches)
+    deltas = await anyio.to_thread.run_sync(final_deltas, info.tokenizer, gateway.token_text,
+                                            call, searches)
     applied = []
     for delta in deltas:
         choice = call.choices[delta.rid, delta.index]
@@ -103,15 +105,32 @@ def offered(logprobs: list[Any]) -> dict[int, float]:
     return out
 
 
-def final_deltas(tokenizer: Any, call: Call, searches: list[BeamSearch]) -> list[TextDelta]:
+def final_deltas(tokenizer: Any, token_text: TokenTexts, call: Call,
+                 searches: list[BeamSearch]) -> list[TextDelta]:
     """Each prompt's best beams as the one delta of each of its choices."""
     params = call.job.params
     skip = params.get("skip_special_tokens", True)
+    top = params.get("logprobs")
     deltas = []
     for prompt, search in zip(call.prompts, searches):
         for index, beam in enumerate(search.best()):
             ids = search.output_ids(beam)
             text = tokenizer.decode(ids, skip_special_tokens=skip) if ids else ""
+            logprobs = ([] if top is None else
+                        [chosen_logprobs(t, options, top, token_text)
+                         for t, options in zip(ids, beam.logprobs)])
             deltas.append(TextDelta(prompt.rid, index, 0, text, ids, search.num_prompt,
-                                    beam.finish_reason, None))
+                                    beam.finish_reason, None, logprobs))
     return deltas
+
+
+def chosen_logprobs(token: int, offered: dict[int, float], top: int,
+                    token_text: TokenTexts) -> TokenLogprobs:
+    """A beam's token and the `top` likeliest of those its round offered (at most 2n: a
+    round asks for no more, as vLLM's), with their texts; the rank is among those."""
+    chosen = offered[token]
+    ranked = sorted(offered.items(), key=lambda item: -item[1])[:top]
+    ids = [token] + [t for t, _ in ranked]
+    return TokenLogprobs(ids, [chosen] + [lp for _, lp in ranked],
+                         1 + sum(lp > chosen for lp in offered.values()),
+                         [token_text(t) for t in ids])

@@ -36,7 +36,7 @@ _UNSUPPORTED = {"suffix", "functions", "function_call", "audio", "modalities",
                 "thinking_token_budget"}
 # What a beam search honours (common/beam_search.py), beside the beam fields themselves.
 _BEAM_PARAMS = {"n", "max_tokens", "temperature", "ignore_eos", "include_stop_str_in_output",
-                "skip_special_tokens", "spaces_between_special_tokens"}
+                "skip_special_tokens", "spaces_between_special_tokens", "logprobs"}
 _SAMPLING_FIELDS = tuple(SamplingFields.model_fields)
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}  # vLLM's older names -> structured_outputs' keys

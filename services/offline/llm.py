@@ -127,12 +127,13 @@ class LLM:
         return self._run(encoded, sampling_params, use_tqdm, None)
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
-                    params: BeamSearchParams, use_tqdm: bool = False,
-                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                    ) -> list[BeamSearchOutput]:
-        """vLLM's: each prompt's beam_width best beams (common/beam_search.py), each with
-        the prompt's and its own tokens and their text. Every round runs the live beams of
-        all prompts as one batch of one-token requests."""
+                    params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's (its argument order): each prompt's beam_width best beams
+        (common/beam_search.py), each with the prompt's and its own tokens and their text.
+        Every round runs the live beams of all prompts as one batch of one-token
+        requests."""
         encoded = [self._encode(p)[1] for p in _as_list(prompts)]
         loras = _per_prompt_lora(lora_request, len(encoded)) or [None] * len(encoded)
         eos = self.engine.info.eos_token_ids
