@@ -32,8 +32,7 @@ _UNSUPPORTED = {"suffix", "functions", "function_call", "audio", "modalities",
                 # vLLM's
                 "prompt_embeds", "logits_processors", "cache_salt", "kv_transfer_params",
                 "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs", "documents",
-                "chat_template", "continue_final_message", "return_token_ids",
-                "thinking_token_budget"}
+                "chat_template", "continue_final_message", "return_token_ids"}
 # What a beam search honours (common/beam_search.py), beside the beam fields themselves.
 _BEAM_PARAMS = {"n", "max_tokens", "temperature", "ignore_eos", "include_stop_str_in_output",
                 "skip_special_tokens", "spaces_between_special_tokens", "logprobs"}
