@@ -8,6 +8,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 _GREEDY_EPS = 1e-5
@@ -59,9 +60,16 @@ class SamplingParams:
     # does; JSON's string keys ("50256") become ids.
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: sample only among these
+    # vLLM's: generate best_of completions, return the n of highest cumulative logprob
+    # (the gateway and the offline LLM choose; the engine runs best_of completions).
+    best_of: int | None = None
+    # vLLM's: words never generated. The tokenizer stage spells each as token ids
+    # (bad_words_token_ids), with and without a leading space, as vLLM does.
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("stop", "stop_token_ids", "eos_token_ids"):
+        for name in ("stop", "stop_token_ids", "eos_token_ids", "bad_words"):
             value = getattr(self, name)
             if value is None:
                 value = ()
@@ -85,6 +93,10 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if isinstance(self.allowed_token_ids, list):
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if not isinstance(self.bad_words_token_ids, tuple) or any(
+                not isinstance(w, tuple) for w in self.bad_words_token_ids):
+            object.__setattr__(self, "bad_words_token_ids",
+                               tuple(tuple(w) for w in self.bad_words_token_ids))
         self._validate()
 
     def _validate(self) -> None:
@@ -141,6 +153,21 @@ class SamplingParams:
             and all(_is_int(t) and 0 <= t < _INT32 for t in self.allowed_token_ids)),
             "allowed_token_ids must be a non-empty list of token ids (integers in "
             "[0, 2**31))", "allowed_token_ids", self.allowed_token_ids)
+        _check(self.best_of is None or (_is_int(self.best_of) and self.n <= self.best_of
+                                        <= MAX_N),
+               f"best_of must be an integer in [n, {MAX_N}] (n is {self.n})", "best_of",
+               self.best_of)
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words),
+               "bad_words must be non-empty strings", "bad_words", self.bad_words)
+        _check(all(w and all(_is_int(t) and 0 <= t < _INT32 for t in w)
+                   for w in self.bad_words_token_ids),
+               "bad_words_token_ids must be non-empty lists of token ids",
+               "bad_words_token_ids", self.bad_words_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """How many completions the engine runs: best_of, or n."""
+        return self.best_of or self.n
 
     @property
     def greedy(self) -> bool:
@@ -160,7 +187,7 @@ _INT_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)
                     if f.type in ("int", "int | None"))
 _FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.type == "float")
 # Set by the tokenizer stage from the model, never by a client.
-INTERNAL_PARAMS = frozenset({"eos_token_ids"})
+INTERNAL_PARAMS = frozenset({"eos_token_ids", "bad_words_token_ids"})
 # Every parameter a client may set, in field order: the one list the gateway, the tokenizer
 # stage and `headrace generate` derive theirs from.
 CLIENT_PARAMS = tuple(f.name for f in dataclasses.fields(SamplingParams)
@@ -188,6 +215,13 @@ def check_json_type(name: str, value: Any, kinds: tuple[type, ...]) -> None:
         wanted = " or ".join(_JSON_NAMES[k] for k in kinds)
         got = _JSON_NAMES.get(type(value), type(value).__name__)
         raise SamplingError(f"{name!r} must be {wanted}, got {got}", name)
+
+
+def best_of_indices(cumulative_logprobs: Sequence[float], n: int) -> list[int]:
+    """The indices of the n completions of highest cumulative logprob, best first (the
+    earlier of a tie first): what best_of returns."""
+    order = sorted(range(len(cumulative_logprobs)), key=lambda i: -cumulative_logprobs[i])
+    return order[:n]
 
 
 def fits_int64(value: int) -> bool:

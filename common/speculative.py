@@ -99,12 +99,13 @@ def _check_keys(method: str, value: dict[str, Any], known: tuple[str, ...]) -> N
 def may_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a request's next step may carry drafts: the worker's verification
     (services/worker/spec_verify.py) needs raw logits, so none of the per-token state
-    (penalties, min_tokens, logprobs, bias, allowed ids, grammars) that the worker applies
-    one token at a time."""
+    (penalties, min_tokens, logprobs, bias, allowed ids, bad words, grammars) that the
+    worker applies one token at a time."""
     return (params.structured_outputs is None and params.logprobs is None
             and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
             and params.repetition_penalty == 1.0 and params.min_tokens <= num_output_tokens
-            and params.logit_bias is None and params.allowed_token_ids is None)
+            and params.logit_bias is None and params.allowed_token_ids is None
+            and not params.bad_words_token_ids)
 
 
 class NgramIndex:

@@ -110,7 +110,8 @@ def test_temperature_nan_and_inf_are_refused():
         assert refused(completion(temperature=value)).param == "temperature"
 
 
-@pytest.mark.parametrize("name", ["suffix", "best_of", "functions"])
+@pytest.mark.parametrize("name", ["suffix", "functions", "logits_processors", "cache_salt",
+                                  "prompt_embeds", "vllm_xargs"])
 def test_features_this_server_lacks_are_refused_by_name(name):
     error = refused(chat(**{name: {"x": 1}}), is_chat=True)
     assert error.param == name and "not supported" in error.message

@@ -68,7 +68,9 @@ def test_a_mixed_batch_answers_what_the_offline_llm_does(model_dir, tmp_path, ca
         {"custom_id": "bad-body", "url": "/v1/chat/completions",
          "body": {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}},
         {"custom_id": "stream", "url": "/v1/completions",
-         "body": {"prompt": "hi", "stream": True}}]
+         "body": {"prompt": "hi", "stream": True}},
+        {"custom_id": "beam", "url": "/v1/completions",
+         "body": {"prompt": "hi", "use_beam_search": True}}]
     write_lines(tmp_path / "in.jsonl", lines[:100] + refused + lines[100:])
     assert cli(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o",
                 str(tmp_path / "out.jsonl"), "--model", str(model_dir),
@@ -79,8 +81,8 @@ def test_a_mixed_batch_answers_what_the_offline_llm_does(model_dir, tmp_path, ca
                                              lines[:100] + refused + lines[100:]]
     by_id = {o["custom_id"]: o for o in out}
     assert {name: by_id[name]["response"]["status_code"] for name in
-            ("bad-model", "bad-body", "stream")} == {"bad-model": 404, "bad-body": 400,
-                                                     "stream": 400}
+            ("bad-model", "bad-body", "stream", "beam")} == {
+                "bad-model": 404, "bad-body": 400, "stream": 400, "beam": 400}
     assert by_id["bad-body"]["response"]["body"]["error"]["param"] == "temperature"
 
     llm = LLM(str(model_dir), dtype="float32", block_size=4, num_gpu_blocks_override=1024)

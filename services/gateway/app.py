@@ -41,6 +41,7 @@ from common.stalls import processes_health
 from common.token_text import TokenTexts
 from common.tokens import check_vocabulary
 from services.gateway.adapters import Adapters, check_new_name
+from services.gateway.beam import search_beams
 from services.gateway.core import (SHUTTING_DOWN, STALE_S, Applied, Backend, Call, Echo,
                                    Observed, Parsers, admission_error, load_failure, queue_depth,
                                    shard_states, shutting_down, worker_cannot_load)
@@ -199,9 +200,22 @@ class Gateway:
         job.prompt_tokens_details = self.server.enable_prompt_tokens_details
         model, lora = await self.model_named(job.model)
         self.admit(job)
+        if job.beam is not None:
+            return await self.beam_search(request, job, model, lora)
         call = await self.new_call(job, model, lora)
         async with self.open_call(request, call, job.ignored) as (inbox, log):
             return await self.answer(request, call, inbox, log)
+
+    async def beam_search(self, request: web.Request, job: Job, model: str,
+                          lora: LoRARequest | None) -> web.StreamResponse:
+        """use_beam_search: rounds of one-token calls, then the best beams as the call's
+        choices (services/gateway/beam.py)."""
+        call, applied = await search_beams(self, request, job, model, lora)
+        async with self.open_call(request, call, job.ignored) as (inbox, log):
+            if job.stream:
+                return await self.stream(request, call, inbox, applied, 0.0, log)
+            log.info("request finished", **to_dict(call.usage()))
+            return json_body(call.response())
 
     @asynccontextmanager
     async def open_call(self, request: web.Request, call: Call | EmbeddingCall,

@@ -3,11 +3,14 @@ answers (one response, or chunks), its latencies, and the admission decision. No
 shell feeds it messages and the clock, and writes what it returns.
 
 A completions call with several prompts publishes one request per prompt; choice
-`prompt_index * n + i` is completion `i` of prompt `prompt_index`.
+`prompt_index * n + i` is completion `i` of prompt `prompt_index`. With best_of above n,
+each request generates best_of completions (with their logprobs, the score), and the
+response keeps the n of highest cumulative logprob, numbered as above.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +22,7 @@ from common.errors import ApiError
 from common.hops import RequestTimes, request_times, step_done
 from common.messages import (ErrorReply, GenerateRequest, LoRARequest, SchedulerStats,
                              TextDelta, WorkerFailed)
+from common.sampling_params import best_of_indices
 from services.gateway import responses as shapes
 from services.gateway.protocol import Job
 from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice, ChatMessage,
@@ -113,8 +117,9 @@ class Call:
         self.prompts = [Prompt(rid, source, echo) for rid, source, echo in
                         zip(request_ids(call_id, len(sources)), sources, echoes)]
         self.by_rid = {p.rid: p for p in self.prompts}
-        self.choices = {(p.rid, i): Choice(k * job.n + i)
-                        for k, p in enumerate(self.prompts) for i in range(job.n)}
+        self.width = job.num_generated  # completions generated per prompt
+        self.choices = {(p.rid, i): Choice(k * self.width + i)
+                        for k, p in enumerate(self.prompts) for i in range(self.width)}
         self.error: ApiError | None = None
         self.last_token_at: dict[int, float] = {}  # by choice index
         self.timelines = {c.index: Timeline() for c in self.choices.values()}
@@ -164,7 +169,7 @@ class Call:
         return [p.rid for p in self.prompts if not self._rid_finished(p.rid)]
 
     def _rid_finished(self, rid: str) -> bool:
-        return all(self.choices[rid, i].finished for i in range(self.job.n))
+        return all(self.choices[rid, i].finished for i in range(self.width))
 
     def _sorted_choices(self) -> list[Choice]:
         return sorted(self.choices.values(), key=lambda c: c.index)
@@ -188,12 +193,17 @@ class Call:
     def _params(self) -> dict[str, Any]:
         """The client's parameters; a tool parser whose markers are special tokens
         ([TOOL_CALLS]) has the detokenizer keep them, unless the client said otherwise,
-        as vLLM's parsers adjust the request."""
+        as vLLM's parsers adjust the request. best_of above n runs best_of completions
+        with their logprobs."""
         job, name = self.job, self.parsers.tool_call
+        params = job.params
+        if self.width > job.n:
+            params = {**params, "n": self.width, "logprobs": params.get("logprobs") or 0}
+            del params["best_of"]
         if (job.tool_choice != "auto" or name is None or not tool_parser(name).special_tokens
                 or "skip_special_tokens" in job.params):
-            return job.params
-        return {**job.params, "skip_special_tokens": False}
+            return params
+        return {**params, "skip_special_tokens": False}
 
     def offer(self, msg: TextDelta | ErrorReply, stamps: Sequence[float] = ()
               ) -> list[Applied]:
@@ -235,7 +245,7 @@ class Call:
 
     def most_generated(self, rid: str) -> int:
         """The most tokens one of a request's n completions generated."""
-        return max(len(self.choices[rid, i].token_ids) for i in range(self.job.n))
+        return max(len(self.choices[rid, i].token_ids) for i in range(self.width))
 
     def _finished(self, choice: Choice, rid: str) -> Finished:
         timeline = self.timelines[choice.index]
@@ -248,8 +258,8 @@ class Call:
 
     def usage(self) -> Usage:
         """A prompt's counts come from one of its completions that answered: the n
-        siblings share the prompt."""
-        firsts = [max((self.choices[p.rid, i] for i in range(self.job.n)),
+        siblings share the prompt. Every generated completion counts, best_of's too."""
+        firsts = [max((self.choices[p.rid, i] for i in range(self.width)),
                       key=lambda c: c.num_prompt_tokens) for p in self.prompts]
         completion_tokens = sum(len(c.token_ids) for c in self.choices.values())
         cached = (sum(c.num_cached_tokens for c in firsts)
@@ -257,8 +267,21 @@ class Call:
         return shapes.usage(sum(c.num_prompt_tokens for c in firsts), completion_tokens,
                             cached)
 
+    def _returned_choices(self) -> list[Choice]:
+        """The choices a response shows, in order: with best_of above n, each prompt's n
+        of highest cumulative logprob, renumbered."""
+        if self.width == self.job.n:
+            return self._sorted_choices()
+        kept = []
+        for k, prompt in enumerate(self.prompts):
+            generated = [self.choices[prompt.rid, i] for i in range(self.width)]
+            scores = [sum(lp.logprobs[0] for lp in c.logprobs) for c in generated]
+            kept += [dataclasses.replace(generated[i], index=k * self.job.n + j)
+                     for j, i in enumerate(best_of_indices(scores, self.job.n))]
+        return kept
+
     def response(self) -> shapes.Body:
-        choices = [self._final_choice(c) for c in self._sorted_choices()]
+        choices = [self._final_choice(c) for c in self._returned_choices()]
         body = shapes.envelope(self.id, self.job.chat, self.created, self.model, choices,
                                stream=False, usage_counts=self.usage())
         if self.job.chat and "prompt_logprobs" in self.job.params:

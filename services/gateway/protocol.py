@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from common.beam_search import BeamSearchParams
 from common.chat import plain_conversation
 from common.errors import ApiError
 from common.sampling_params import MAX_N, SamplingError, SamplingParams, fits_int64
@@ -24,9 +25,17 @@ from services.gateway.request_bodies import (ChatCompletionRequest, CompletionRe
                                              TokenizeRequest, validate)
 from services.gateway.tool_calls import required_schema
 
-# Known OpenAI fields whose features this server does not have.
-_UNSUPPORTED = {"suffix", "best_of", "functions", "function_call", "audio", "modalities",
-                "prediction", "reasoning_effort", "web_search_options"}
+# Known OpenAI and vLLM fields whose features this server does not have: refused by name,
+# never dropped.
+_UNSUPPORTED = {"suffix", "functions", "function_call", "audio", "modalities",
+                "prediction", "reasoning_effort", "web_search_options",
+                # vLLM's
+                "prompt_embeds", "logits_processors", "cache_salt", "kv_transfer_params",
+                "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs", "documents",
+                "chat_template", "continue_final_message", "return_token_ids"}
+# What a beam search honours (common/beam_search.py), beside the beam fields themselves.
+_BEAM_PARAMS = {"n", "max_tokens", "temperature", "ignore_eos", "include_stop_str_in_output",
+                "skip_special_tokens", "spaces_between_special_tokens", "logprobs"}
 _SAMPLING_FIELDS = tuple(SamplingFields.model_fields)
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}  # vLLM's older names -> structured_outputs' keys
@@ -58,10 +67,16 @@ class Job:
     tokens_as_ids: bool = False  # logprob tokens read token_id:N
     prompt_tokens_details: bool = False  # usage has them (--enable-prompt-tokens-details)
     ignored: list[str] = field(default_factory=list)  # unknown fields, for the warning
+    beam: BeamSearchParams | None = None  # use_beam_search: services/gateway/beam.py
 
     @property
     def n(self) -> int:
         return self.params.get("n", 1)
+
+    @property
+    def num_generated(self) -> int:
+        """Completions generated per prompt: best_of (the n best are returned), or n."""
+        return self.params.get("best_of") or self.n
 
     @property
     def logprobs(self) -> bool:
@@ -103,9 +118,10 @@ class Limits:
 
     def check(self, job: Job) -> None:
         stop, stop_ids = job.params.get("stop", []), job.params.get("stop_token_ids") or []
-        n = job.params.get("n", 1)
-        if isinstance(n, int) and n > self.max_n:  # a wrong type is SamplingParams' to name
-            raise ApiError(400, f"'n' is {n}, more than --max-n {self.max_n}", "n")
+        for name in ("n", "best_of"):
+            n = job.params.get(name, 1)
+            if isinstance(n, int) and n > self.max_n:  # a wrong type is SamplingParams'
+                raise ApiError(400, f"{name!r} is {n}, more than --max-n {self.max_n}", name)
         within("prompt", len(job.prompts), self.max_prompts_per_request,
                 "prompts", "max-prompts-per-request")
         within("stop", len(stop), self.max_stop_strings, "strings", "max-stop-strings")
@@ -143,6 +159,9 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
     if job.stream and req.prompt_logprobs is not None:
         raise ApiError(400, "'prompt_logprobs' is not available with 'stream' set to true",
                        "prompt_logprobs")
+    if job.stream and (job.params.get("best_of") or 1) > job.n:
+        raise ApiError(400, "'best_of' above 'n' is not available with 'stream' set to "
+                            "true", "best_of")
     job.include_usage, job.continuous_usage = _usage_options(req, job.stream)
     job.priority = _given(req.priority, 0)
     job.tokens_as_ids = _given(req.return_tokens_as_token_ids, False)
@@ -157,7 +176,35 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
     # the stages get the values checked: a JSON integer for a float parameter leaves as
     # the float SamplingParams made of it (one past 64 bits cannot cross the bus)
     job.params = {name: _plain(getattr(checked, name)) for name in job.params}
+    job.beam = _beam_search(req, job)
     return job
+
+
+def _beam_search(req: Any, job: Job) -> BeamSearchParams | None:
+    """use_beam_search's settings (n beams), or None; a beam field without it, or a
+    parameter a beam search does not honour beside it, is a 400 naming it."""
+    if not req.use_beam_search:
+        for name, default in (("length_penalty", 1.0), ("early_stopping", False)):
+            if getattr(req, name) not in (None, default):
+                raise ApiError(400, f"{name!r} needs 'use_beam_search' set to true", name)
+        return None
+    refused = sorted(set(job.params) - _BEAM_PARAMS)
+    if req.truncate_prompt_tokens is not None:
+        refused.append("truncate_prompt_tokens")
+    if refused:
+        raise ApiError(400, f"{refused[0]!r} is not available with 'use_beam_search' (a beam "
+                            f"search honours {', '.join(sorted(_BEAM_PARAMS))}, "
+                            "length_penalty and early_stopping)", refused[0])
+    try:
+        return BeamSearchParams(
+            beam_width=job.n, max_tokens=job.params.get("max_tokens") or 2**31 - 1,
+            ignore_eos=job.params.get("ignore_eos", False),
+            temperature=job.params.get("temperature", 0.0),
+            length_penalty=_given(req.length_penalty, 1.0),
+            include_stop_str_in_output=job.params.get("include_stop_str_in_output", False),
+            early_stopping=_given(req.early_stopping, False))
+    except SamplingError as e:
+        raise ApiError(400, str(e), e.param) from None
 
 
 def _plain(value: Any) -> Any:

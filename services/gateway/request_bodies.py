@@ -119,6 +119,10 @@ class _Generation(SamplingFields):  # type: ignore[misc, valid-type]
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    # vLLM's beam search (services/gateway/beam.py): n beams
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
 
 
 class CompletionRequest(_Generation):

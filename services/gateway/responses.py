@@ -67,6 +67,11 @@ class Choice:
             self.early.clear()
         return ready
 
+    def settle(self, delta: TextDelta) -> None:
+        """Apply a whole completion at once (a beam search's), even one without tokens."""
+        self.early.clear()
+        self._apply(delta)
+
     def _apply(self, delta: TextDelta) -> None:
         self.text += delta.text
         self.token_ids += delta.token_ids

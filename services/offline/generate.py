@@ -39,7 +39,7 @@ def add_sampling_args(group: argparse._ArgumentGroup) -> None:
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                                default=None, help=text)
         elif kinds == (list,):
-            item = str if name == "stop" else int
+            item = str if name in ("stop", "bad_words") else int
             group.add_argument(flag, dest=dest, action="append", type=item, default=None,
                                help=text + " (repeat the flag for several)")
         elif kinds == (dict,):

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from common.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from common.config import ConfigError, EngineConfig
 from common.messages import LoRARequest, TextDelta, TokenLogprobs
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, best_of_indices
 from services.offline.engine import Engine
 
 PromptInput = str | list[int] | dict[str, Any]
@@ -125,6 +126,38 @@ class LLM:
                    for conv in conversations]
         return self._run(encoded, sampling_params, use_tqdm, None)
 
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
+                    params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's (its argument order): each prompt's beam_width best beams
+        (common/beam_search.py), each with the prompt's and its own tokens and their text.
+        Every round runs the live beams of all prompts as one batch of one-token
+        requests."""
+        encoded = [self._encode(p)[1] for p in _as_list(prompts)]
+        loras = _per_prompt_lora(lora_request, len(encoded)) or [None] * len(encoded)
+        eos = self.engine.info.eos_token_ids
+        searches = [BeamSearch(ids, params, eos, self.engine.config.max_model_len)
+                    for ids in encoded]
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        while live := [(s, lora) for s, lora in zip(searches, loras) if not s.done]:
+            beams = [(beam, lora) for s, lora in live for beam in s.live]
+            answers = iter(self._run([(None, beam.tokens) for beam, _ in beams],
+                                     params.round_params(), False, None,
+                                     [lora for _, lora in beams]))
+            for search, _ in live:
+                search.advance([_offered(next(answers)) for _ in search.live])
+            bar.update(1)
+        bar.close()
+        tokenizer = self.get_tokenizer()
+        outputs = []
+        for search in searches:
+            best = search.best()
+            for beam in best:  # as vLLM's: the prompt's text and the beam's
+                beam.text = tokenizer.decode(beam.tokens)
+            outputs.append(BeamSearchOutput(best))
+        return outputs
+
     def embed(self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = True,
               truncate_prompt_tokens: int | None = None,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
@@ -176,10 +209,11 @@ class LLM:
         try:
             for i, ((text, ids), params) in enumerate(zip(encoded, params_list)):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, params, priority[i] if priority else 0,
+                self.engine.add_request(rid, ids, _generated(params),
+                                        priority[i] if priority else 0,
                                         loras[i] if loras else None)
-                outputs[rid] = RequestOutput(rid, text, ids, [CompletionOutput(j)
-                                                              for j in range(params.n)])
+                outputs[rid] = RequestOutput(rid, text, ids, [
+                    CompletionOutput(j) for j in range(params.num_generated)])
         except BaseException:  # a request refused (a bad grammar): none of the call runs
             for rid in outputs:
                 self.engine.abort(rid)
@@ -193,6 +227,9 @@ class LLM:
                 if out.finished and not was_finished:
                     bar.update(1)
         bar.close()
+        for out, params in zip(outputs.values(), params_list):
+            if params.num_generated > params.n:
+                _keep_best(out, params)
         return list(outputs.values())
 
 
@@ -224,6 +261,32 @@ def _apply(out: RequestOutput, delta: TextDelta) -> None:
                                for lp in delta.prompt_logprobs]
     if delta.finish_reason is not None:
         completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def _generated(params: SamplingParams) -> SamplingParams:
+    """What the engine runs: best_of completions, each scored by its tokens' logprobs."""
+    if params.num_generated == params.n:
+        return params
+    logprobs = 0 if params.logprobs is None else params.logprobs
+    return params.replace(n=params.num_generated, best_of=None, logprobs=logprobs)
+
+
+def _keep_best(out: RequestOutput, params: SamplingParams) -> None:
+    """best_of's choice: the n completions of highest cumulative logprob, renumbered; the
+    logprobs only if asked for (the cumulative logprob stays, as the score)."""
+    scores = [c.cumulative_logprob or 0.0 for c in out.outputs]
+    out.outputs = [out.outputs[i] for i in best_of_indices(scores, params.n)]
+    for index, completion in enumerate(out.outputs):
+        completion.index = index
+        if params.logprobs is None:
+            completion.logprobs = None
+
+
+def _offered(out: RequestOutput) -> dict[int, float]:
+    """A beam's round: the next tokens the engine offered and their logprobs."""
+    logprobs = out.outputs[0].logprobs
+    entries = logprobs[0] if logprobs else {}
+    return {token: lp.logprob for token, lp in entries.items()}
 
 
 def _logprob_dict(lp: TokenLogprobs) -> LogprobsDict:

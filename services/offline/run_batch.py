@@ -43,7 +43,9 @@ URLS = (CHAT, COMPLETIONS, EMBEDDINGS, SCORE, RERANK)
 LOCAL_REPLY = "batch"  # the reply_to of the requests; nothing reads it offline
 # fields the gateway takes that a batch cannot honour
 _REFUSED = {"stream": "a batch answers whole responses",
-            "echo": "run-batch does not echo prompts"}
+            "echo": "run-batch does not echo prompts",
+            "use_beam_search": "a beam search runs as rounds of requests, which a batch "
+                               "line does not (LLM.beam_search runs one offline)"}
 
 
 @dataclass(frozen=True, slots=True)

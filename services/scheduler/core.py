@@ -18,7 +18,7 @@ plan-ahead, the other requests of the batch keep it. On the result its accepted
 tokens are appended one by one (a stop condition among them ends it there) and
 `num_computed_tokens` moves back over the rejected drafts, whose KV slots the next steps
 simply overwrite. Requests that need per-token state on the worker (grammars, penalties,
-min_tokens, logprobs, logit_bias, allowed ids) decode one token at a time, as without it.
+min_tokens, logprobs, logit_bias, allowed ids, bad words) decode one token at a time, as without it.
 """
 
 from __future__ import annotations

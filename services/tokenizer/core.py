@@ -2,9 +2,9 @@
 
 It applies the chat template, tokenizes, checks lengths against max_model_len, resolves
 sampling values (client over generation config over SamplingParams defaults), fills in
-the EOS ids and has xgrammar parse a structured-output spec. Anything wrong with the
-request raises ApiError, which the shell turns into an ErrorReply; nothing invalid reaches
-the scheduler. An embedding request is only tokenized: it samples nothing, so its prompt
+the EOS ids and the token ids of bad_words, and has xgrammar parse a structured-output
+spec. Anything wrong with the request raises ApiError, which the shell turns into an
+ErrorReply; nothing invalid reaches the scheduler. An embedding request is only tokenized: it samples nothing, so its prompt
 may fill the whole context.
 """
 
@@ -191,19 +191,41 @@ class InputProcessor:
         if params.allowed_token_ids:
             check_vocabulary(params.allowed_token_ids, self.vocab_size, "allowed_token_ids")
 
+    def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        out = bad_words_token_ids(self.tokenizer, words)
+        for ids in out:
+            check_vocabulary(ids, self.vocab_size, "bad_words")
+        return out
+
     def _admit(self, rid: str, reply_to: str, ids: list[int], params: SamplingParams,
                arrival_time: float, priority: int, lora: LoRARequest | None = None
                ) -> AdmitRequest:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         with sampling_checks():
-            params = params.replace(max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
+            params = params.replace(max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+                                    bad_words_token_ids=self._bad_words_ids(params.bad_words))
             params.check_logprobs(self.max_logprobs)
             if params.structured_outputs is not None:
                 to_grammar(params.structured_outputs)  # a bad one stops here, not in a worker
         self._check_sampling_ids(params)
         return AdmitRequest(rid=rid, reply_to=reply_to, prompt_token_ids=ids, params=params,
                             arrival_time=arrival_time, priority=priority, lora=lora)
+
+
+def bad_words_token_ids(tokenizer: Any, words: tuple[str, ...]
+                        ) -> tuple[tuple[int, ...], ...]:
+    """Each word's ids as the word opens a text, and, where that is another token at the
+    word's start but as many tokens (a tokenizer that spells a leading space into the
+    token), as it follows another word: vLLM's two spellings of a bad word."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out += [ids for ids in (bare,) if ids]
+        if bare and spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(out)
 
 
 @contextmanager

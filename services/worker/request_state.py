@@ -47,10 +47,12 @@ class RequestState:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def needs_history(self) -> bool:
-        """Penalties, min_tokens and grammars read the output so far."""
+        """Penalties, min_tokens, grammars and bad words of several tokens read the output
+        so far."""
         p = self.params
         return (self.structured or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                or p.repetition_penalty != 1.0 or p.min_tokens > len(self.output_ids))
+                or p.repetition_penalty != 1.0 or p.min_tokens > len(self.output_ids)
+                or any(len(word) > 1 for word in p.bad_words_token_ids))
 
     def held_back(self) -> tuple[int, ...]:
         """The ids min_tokens keeps a structured request from sampling yet."""

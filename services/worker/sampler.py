@@ -1,7 +1,7 @@
 """Turns one step's logits into tokens (and logprobs), the way vLLM v1 does.
 
-Order: grammar mask -> raw logprobs -> allowed_token_ids -> logit_bias -> penalties ->
-min_tokens -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> exponential
+Order: grammar mask -> raw logprobs -> allowed_token_ids -> bad_words -> logit_bias ->
+penalties -> min_tokens -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> exponential
 race. The grammar mask (structured outputs, services/worker/grammar.py) comes first, as
 in vLLM, whose model runner masks the logits before its sampler sees them: logprobs are
 those of the masked distribution, and a structured row's min_tokens is in its mask rather
@@ -83,7 +83,8 @@ class Sampler:
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         # Taken before any processing: logprobs describe the model's raw distribution.
         raw = self._rows(logits, wanted, len(rows)) if wanted else None
-        processed = apply_logit_bias(apply_allowed_token_ids(logits, rows), rows)
+        processed = apply_bad_words(apply_allowed_token_ids(logits, rows), rows)
+        processed = apply_logit_bias(processed, rows)
         processed = block_early_stops(apply_penalties(processed, rows), rows)
         token_ids = self._choose(processed, rows)
         if raw is None:
@@ -186,6 +187,34 @@ def apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]
     out[index] = logits[index].masked_fill(
         forbidden.view(len(limited), vocab_size).to(logits.device, non_blocking=True),
         float("-inf"))
+    return out
+
+
+def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """-inf on the last token of each bad word whose other tokens are the row's latest
+    output tokens (a one-token word: always). The indices are found on the host, from
+    the tokens the row already has, so nothing waits for the device. Returns `logits`
+    itself when nothing is banned."""
+    vocab_size = logits.shape[1]
+    flat = [i * vocab_size + t for i, row in enumerate(rows)
+            for t in banned_tokens(row.params.bad_words_token_ids, row.output_token_ids)
+            if t < vocab_size]
+    if not flat:
+        return logits
+    banned = logits.clone()
+    banned.view(-1).index_fill_(0, to_device(flat, torch.int64, logits.device), float("-inf"))
+    return banned
+
+
+def banned_tokens(words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The last token of each word whose prefix ends `output`."""
+    out = []
+    for word in words:
+        prefix = len(word) - 1
+        if prefix > len(output):
+            continue
+        if prefix == 0 or list(output[len(output) - prefix:]) == list(word[:-1]):
+            out.append(word[-1])
     return out
 
 
@@ -343,4 +372,4 @@ def _raw_logits(row: SamplingRow) -> bool:
     params = row.params
     return (params.logprobs is None and not _has_penalty(params)
             and not _blocks_early_stops(row) and not params.logit_bias
-            and not params.allowed_token_ids)
+            and not params.allowed_token_ids and not params.bad_words_token_ids)
