@@ -25,8 +25,9 @@ rounded once to the activation dtype, as the reference twin does.
 
 Two kernels: a GEMV for a few rows (decode, M <= GEMV_MAX_ROWS) where the weight read is
 everything, one program per (row, N stripe) accumulating without tl.dot; and a tiled GEMM
-with tl.dot for prefill and large batches. Neither has been run on a GPU yet: the tile
-sizes are first guesses, not a sweep. The choice between them reads only x's shape, so a
+with tl.dot for prefill and large batches. The GEMV's tiles come from a sweep on the H100
+(benchmarks/gpu/int4_gemv_sweep.py): 570 to 770 GB/s of packed weights, under cuBLAS's
+bf16 GEMV in time except for the widest projection; the GEMM's are first guesses. The choice between them reads only x's shape, so a
 step replays in a CUDA graph.
 """
 
@@ -52,7 +53,7 @@ class Int4Tiles:
     num_stages: int = 3
 
 
-GEMV_TILES = Int4Tiles(1, 64, 128, num_warps=4, num_stages=3)
+GEMV_TILES = Int4Tiles(1, 16, 512, num_warps=4, num_stages=2)  # the sweep's best overall
 GEMM_TILES = Int4Tiles(64, 128, 64, num_warps=4, num_stages=3)
 
 
@@ -118,7 +119,8 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     chosen by the row count."""
     k, n = qweight.shape[0] * PACK_FACTOR, qweight.shape[1]
     assert x.shape[-1] == k and qweight.is_contiguous() and scales.is_contiguous()
-    assert zeros.is_contiguous() and k % group_size == 0
+    # the GEMV reads a word's eight rows as one group's
+    assert zeros.is_contiguous() and k % group_size == 0 and group_size % 8 == 0
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -128,13 +130,15 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     args = (x2, qweight, scales, zeros, perm if perm is not None else x2,
             bias if bias is not None else x2, y, m, n, k, group_size)
     flags = dict(HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
-                 BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                 BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+                 num_stages=tiles.num_stages)
     if tiles.block_m == 1:
-        _w4a16_gemv_kernel[(triton.cdiv(n, tiles.block_n), m)](*args, **flags)
+        _w4a16_gemv_kernel[(triton.cdiv(n, tiles.block_n), m)](*args, BLOCK_K=tiles.block_k,
+                                                                **flags)
     else:
         grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
-        _w4a16_gemm_kernel[grid](*args, BLOCK_M=tiles.block_m, **flags)
+        _w4a16_gemm_kernel[grid](*args, BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k,
+                                 **flags)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -167,25 +171,39 @@ def _x_columns(perm_ptr, offs_k, k, HAS_PERM: tl.constexpr):
 def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, y_ptr,
                        m, n, k, group_size, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row of x times a BLOCK_N stripe of W^T: products summed in a [BLOCK_K, BLOCK_N]
-    float32 accumulator, reduced over K once at the end."""
+    """One row of x times a BLOCK_N stripe of W^T, BLOCK_K input features a step: each
+    packed word is read once as a [BLOCK_K / 8, BLOCK_N] tile and shifted into its eight
+    nibbles (a word's eight rows share a group: groups are multiples of 8 rows), and the
+    products go into a BLOCK_N float32 accumulator. (Taking the scale and zero out of the
+    sum over a word's rows, with nibbles turned to floats by a bit trick, ran 3 to 5 times
+    slower on the H100: benchmarks/issue30-h100/int4-gemv-sweep*.txt.)"""
     block, row = tl.program_id(0), tl.program_id(1)
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n
+    word_rows = tl.arange(0, BLOCK_K // 8)
+    nibbles = tl.arange(0, 8)
     x_row = x_ptr + row.to(tl.int64) * k
-    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    dtype = y_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)
-        cols = _x_columns(perm_ptr, offs_k, k, HAS_PERM)
-        xs = tl.load(x_row + cols, mask=offs_k < k, other=0.0)
-        w = _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_k, offs_n, n, k,
-                              group_size)
+        rows_ok = start // 8 + word_rows < k // 8
+        words = tl.load(qweight_ptr + (start // 8 + word_rows)[:, None] * n + offs_n[None, :],
+                        mask=rows_ok[:, None] & n_ok[None, :], other=0)
+        q = (words[:, None, :] >> (nibbles * 4)[None, :, None]) & 0xF
+        at_group = ((start + word_rows * 8) // group_size)[:, None] * n + offs_n[None, :]
+        z = tl.load(zeros_ptr + at_group, mask=rows_ok[:, None] & n_ok[None, :],
+                    other=0).to(tl.int32)
+        s = tl.load(scales_ptr + at_group, mask=rows_ok[:, None] & n_ok[None, :],
+                    other=0.0).to(tl.float32)
         # rounded to the activation dtype as the twin's dequantized weight is
-        acc += xs.to(tl.float32)[:, None] * w.to(y_ptr.dtype.element_ty).to(tl.float32)
-    out = tl.sum(acc, axis=0)
+        w = ((q - z[:, None, :]).to(tl.float32) * s[:, None, :]).to(dtype)
+        offs_k = start + word_rows[:, None] * 8 + nibbles[None, :]
+        xs = tl.load(x_row + _x_columns(perm_ptr, offs_k, k, HAS_PERM), mask=offs_k < k,
+                     other=0.0).to(tl.float32)
+        acc += tl.sum(tl.sum(w.to(tl.float32) * xs[:, :, None], axis=0), axis=0)
     if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=offs_n < n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row.to(tl.int64) * n + offs_n, out.to(y_ptr.dtype.element_ty),
-             mask=offs_n < n)
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row.to(tl.int64) * n + offs_n, acc.to(dtype), mask=n_ok)
 
 
 @triton.jit
