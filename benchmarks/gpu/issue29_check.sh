@@ -42,6 +42,16 @@ profile)  # where a batch-1 decode step's device time goes, kernel by kernel (ea
       --json "$R/profile-$model-b1.json" run_num_steps -n 3 > "$R/profile-$model.txt" 2>&1
   done
   ;;
+tp2)  # on two GPUs: Mixtral-8x7B's real widths (two layers) against transformers at TP=2,
+     # then the whole model's batch-1 decode at TP=2 against its floor
+  PYTHONPATH=$PWD:$PYTHONPATH timeout 200 python benchmarks/gpu/model_check.py \
+    --model $M/mixtral-8x7b-shape --layers 2 --prompt-len 1000 --tensor-parallel-size 2 \
+    --json "$R/check-mixtral-8x7b-tp2.json" > "$R/model-check-mixtral-tp2.txt" 2>&1
+  bench 300 latency --model $M/mixtral-8x7b-shape --tokenizer $T --load-format dummy \
+    --context-len 1000 --batch-size 1 --output-len 64 --iterations 2 --max-model-len 2048 \
+    --tensor-parallel-size 2 --json "$R/latency-mixtral-8x7b-tp2-b1.json" \
+    > "$R/latency-mixtral-tp2.txt" 2>&1
+  ;;
 3)  # the nano workload's lengths on Qwen3-30B-A3B, the floor counting the experts read
   bench 400 throughput --model $M/qwen3-30b-a3b-shape --load-format dummy --workload nano \
     --path inprocess --json "$R/throughput-nano-qwen3-30b-a3b.json" \

@@ -26,7 +26,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 TOLERANCE = {"max": 0.5, "mean": 0.05}
 
 
-def write_checkpoint(shape_dir: Path, layers: int, tokenizer_dir: Path, out: Path):
+def write_checkpoint(shape_dir: Path, layers: int, tokenizer_dir: Path, out: Path,
+                     dtype: torch.dtype = torch.bfloat16):
     """transformers' own random initialisation at the real widths, `layers` deep, saved as a
     model directory; returns the transformers model (bf16, on the GPU, eager attention)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -39,7 +40,7 @@ def write_checkpoint(shape_dir: Path, layers: int, tokenizer_dir: Path, out: Pat
     # initialised on the GPU: a CPU init of Qwen3-30B-A3B's two layers of 128 experts
     # outlasted the script's time limit
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                  attn_implementation="eager")
     model.save_pretrained(out)
     source = shape_dir if (shape_dir / "tokenizer.json").is_file() else tokenizer_dir
@@ -59,9 +60,10 @@ def reference(model, prompt: list[int], output_len: int) -> tuple[list[float], l
     return prompt_lp, tokens
 
 
-def ours(model_dir: Path, prompt: list[int], output_len: int) -> tuple[list[float], list[int]]:
-    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=len(prompt) + output_len + 16,
-              gpu_memory_utilization=0.5)
+def ours(model_dir: Path, prompt: list[int], output_len: int, tensor_parallel_size: int = 1,
+         dtype: str = "bfloat16") -> tuple[list[float], list[int]]:
+    llm = LLM(str(model_dir), dtype=dtype, max_model_len=len(prompt) + output_len + 16,
+              gpu_memory_utilization=0.5, tensor_parallel_size=tensor_parallel_size)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
                             prompt_logprobs=0)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
@@ -81,22 +83,30 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="float32: both sides exact enough that a router's near-tie "
+                             "cannot flip an expert")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     tokenizer_dir = args.tokenizer or args.model.parent / "qwen3-0.6b-shape"
     prompt = torch.randint(3, 10000, (args.prompt_len,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     with tempfile.TemporaryDirectory() as tmp:
-        hf = write_checkpoint(args.model, args.layers, tokenizer_dir, Path(tmp))
+        hf = write_checkpoint(args.model, args.layers, tokenizer_dir, Path(tmp),
+                              getattr(torch, args.dtype))
         ref_lp, ref_tokens = reference(hf, prompt, args.output_len)
         del hf
         torch.cuda.empty_cache()
-        our_lp, our_tokens = ours(Path(tmp), prompt, args.output_len)
+        our_lp, our_tokens = ours(Path(tmp), prompt, args.output_len,
+                                  args.tensor_parallel_size, args.dtype)
     diffs = [abs(a - b) for a, b in zip(our_lp, ref_lp)]
     same = next((i for i, (a, b) in enumerate(zip(our_tokens, ref_tokens)) if a != b),
                 len(our_tokens))
     result = {"model": args.model.name, "layers": args.layers, "prompt_len": args.prompt_len,
+              "tensor_parallel_size": args.tensor_parallel_size, "dtype": args.dtype,
               "max_abs_logprob_diff": max(diffs), "mean_abs_logprob_diff": sum(diffs) / len(diffs),
+              "positions_over_0.5": sum(d > 0.5 for d in diffs),
               "greedy_tokens_equal_before_first_difference": same,
               "output_len": args.output_len,
               "ours": our_tokens, "transformers": ref_tokens}
