@@ -582,6 +582,48 @@ async def test_tool_calls_and_reasoning_through_the_openai_client(redis_at, api)
         ("get_weather", {"city": "Paris"})]
 
 
+def one_per_step(texts: list[str], pause_s: float = 0.03) -> Script:
+    """One completion whose deltas are `texts`, each in a step of its own, paused so that
+    the gateway writes a chunk for each."""
+    def script(req: GenerateRequest) -> list[Step]:
+        steps: list[Step] = []
+        for seq, text in enumerate(texts):
+            steps += [ReplyBatch([TextDelta(req.rid, 0, seq, text, [10 + seq], 3, "stop"
+                                            if seq == len(texts) - 1 else None)]), pause_s]
+        return steps
+    return script
+
+
+async def test_tool_calls_stream_as_they_are_written(redis_at, api):
+    """A hermes call streamed as vLLM streams one: a delta opens it (id, type, name, no
+    arguments yet), its arguments follow as they are written, and they add up to the whole
+    response's arguments exactly; the second call opens after the first is complete."""
+    texts = ["Sure.<tool_call>", '\n{"name": "get_weather", ', '"arguments": {"ci', 'ty":',
+             ' "Par', 'is"}}\n</tool_call><tool_call>{"name": "get_weather", "arg',
+             'uments": {"city": "Oslo"}}', "</tool_call>"]
+    hi = [{"role": "user", "content": "Paris and Oslo?"}]
+    async with fake_stages(redis_at, one_per_step(texts)):
+        whole = await api.chat.completions.create(model=MODEL_NAME, messages=hi, tools=TOOLS)
+        stream = await api.chat.completions.create(model=MODEL_NAME, messages=hi,
+                                                   tools=TOOLS, stream=True)
+        chunks = [chunk async for chunk in stream]
+    calls = [call for chunk in chunks for choice in chunk.choices
+             for call in choice.delta.tool_calls or []]
+    opening = calls[0].model_dump(exclude_none=True)
+    assert opening["type"] == "function" and opening["id"].startswith("chatcmpl-tool-")
+    assert opening["function"] == {"name": "get_weather", "arguments": ""}
+    first = [c.function.arguments for c in calls[1:] if c.index == 0]
+    assert len(first) >= 2 and "".join(first) == '{"city": "Paris"}'  # as the text came
+    assert all(c.model_dump(exclude_none=True).keys() == {"index", "function"}
+               and c.function.name is None for c in calls[1:] if c.id is None)
+    assert [c.index for c in calls if c.id is not None] == [0, 1]
+    got = streamed_message(chunks)
+    assert (got["content"], got["finish"]) == ("Sure.", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert len(got["calls"]) == 2 and got["calls"][1]["arguments"] == '{"city": "Oslo"}'
+
+
 async def test_a_named_tool_choice_makes_the_output_the_call_arguments(redis_at, api):
     named = {"type": "function", "function": {"name": "get_weather"}}
     async with fake_stages(redis_at, exact(['{"city": ', '"Oslo"}'])) as seen:
