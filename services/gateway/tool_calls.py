@@ -2,11 +2,13 @@
 --reasoning-parser, as pure functions of the text so far.
 
 A streamed choice feeds its text to `OutputSplitter`, which says what may go out now:
-reasoning (`<think>` models), content, and, at the end, the tool calls. Text that might be
-the start of a marker is held back, as stop strings are; once a tool call's marker shows,
-the rest is held until the choice finishes and is then parsed whole, so a client never
-sees a half-written call as content. Whole (non-streamed) responses split the final text
-the same way. A call section that does not parse whole stays content, all of it.
+reasoning (`<think>` models), content, and tool calls. Text that might be the start of a
+marker is held back, as stop strings are; once a tool call's marker shows, the rest is the
+call section: the parser's `CallStream` reads it as it grows (each character once) and
+sends each call as vLLM streams them, opened with its name, then its arguments in parts.
+At the finish the section is parsed whole: what the stream has not sent yet goes out, and
+a whole (non-streamed) response takes its calls from this parse. A section that does not
+parse whole stays content, all of it, unless a call already went out.
 
 Tool parsers, by vLLM's names:
 - `hermes` (Hermes, Qwen2.5/Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
@@ -42,7 +44,8 @@ whole output calls when it starts with one (after whitespace). The stream holds 
 there to the finish and then calls `parse` on it, so `parse` must take a text that starts at
 the marker as well as a whole output. `tools` is the request's tools (OpenAI's shape).
 `--tool-call-parser my_format` then picks it; a name the server does not know stops
-startup with the list of those it does.
+startup with the list of those it does. `stream=` may name a `CallStream` subclass that
+reads the calls as they are written; without one, a stream gets each call whole at the end.
 """
 
 from __future__ import annotations
