@@ -183,6 +183,17 @@ async def test_https_round_trip_under_the_root_path_and_without_it(gateway, embe
     assert any(f"{ROOT}/v1/completions" in r["event"] for r in access)
 
 
+async def test_the_openapi_document_names_the_root_path_as_its_server(gateway):
+    """As FastAPI's root_path (vLLM's) writes it: a client generated from the document,
+    fetched through the proxy or not, calls the routes under the prefix."""
+    async with aiohttp.ClientSession() as session:
+        for base in (gateway.url + ROOT, gateway.url):
+            async with session.get(base + "/openapi.json", ssl=gateway.tls) as r:
+                doc = await r.json()
+                assert r.status == 200 and doc["servers"] == [{"url": ROOT}]
+                assert "/v1/chat/completions" in doc["paths"]  # paths stay unprefixed
+
+
 # --- CORS ----------------------------------------------------------------------------------
 
 async def test_configured_cors_allows_only_its_origins_methods_and_headers(
