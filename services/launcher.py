@@ -23,8 +23,8 @@ from redis.exceptions import RedisError
 from common import keys
 from common.bus import Bus
 
-from common.config import (ConfigError, EngineConfig, ServerConfig, engine_args_to_cli,
-                           parse_configs, server_args_to_cli)
+from common.config import (STAGE_COUNTS, ConfigError, EngineConfig, ServerConfig,
+                           engine_args_to_cli, parse_configs, server_args_to_cli)
 from common.lora import AdapterError, read_adapter_config
 from common.log import configure_logging, get_logger
 from common.model_info import check_devices, resolve_engine, shard_gpus
@@ -246,6 +246,19 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def sized_stages(server: ServerConfig, shards: int) -> ServerConfig:
+    """The gateways, tokenizers and detokenizers not given as flags, sized from the cores
+    this process may run on (a container's or taskset's share, not the host's), said in
+    the log."""
+    cores = len(os.sched_getaffinity(0))
+    sized = server.sized(cores, shards)
+    log.info("stages", cores=cores, gateways=sized.api_server_count,
+             tokenizers=sized.tokenizer_replicas, detokenizers=sized.detokenizer_replicas,
+             from_cores=["--" + name.replace("_", "-") for name in STAGE_COUNTS
+                         if getattr(server, name) is None])
+    return sized
+
+
 def check_lora_modules(engine: EngineConfig, server: ServerConfig) -> None:
     """A bad --lora-modules adapter stops serve here, before a gateway that cannot start
     is restarted again and again."""
@@ -293,6 +306,7 @@ def main(argv: list[str]) -> int:
         return REFUSED_EXIT
     except ConfigError as e:
         parser.error(str(e))
+    server = sized_stages(server, engine.data_parallel_size)
     run_dir = Path(server.run_dir)
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     redis_url, redis = redis_url_or_embedded(server.redis_url, run_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import ssl
 import subprocess
 import time
@@ -30,7 +31,7 @@ from transformers import AutoTokenizer
 import torch
 from common import keys, messages
 from common.chat import render_chat
-from common.config import ConfigError, EngineConfig, ServerConfig
+from common.config import ConfigError, EngineConfig, ServerConfig, stage_counts
 from common.errors import ApiError
 from common.messages import GenerateRequest, ReplyBatch, SchedulerStats, TextDelta, TokenLogprobs
 from services.gateway.metrics import Metrics
@@ -322,6 +323,12 @@ def test_serve_with_client_certificates_required_says_serving(tmp_path, certific
         with httpx2.Client(verify=mutual) as client:
             health = client.get(f"https://127.0.0.1:{server.port}/health", timeout=5)
         assert health.status_code == 200 and health.json()["status"] == "ok"
+        stages, = [r for r in server.log_records() if r.get("event") == "stages"]
+        counts = stage_counts(len(os.sched_getaffinity(0)))  # no stage flags: all sized
+        assert (stages["gateways"], stages["tokenizers"], stages["detokenizers"]) == (
+            counts["api_server_count"], counts["tokenizer_replicas"],
+            counts["detokenizer_replicas"])
+        assert len(stages["from_cores"]) == 3
     finally:
         assert not server.stop(), server.log_tail()
 
