@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from common.config import TOOL_CALL_PARSERS, ConfigError, ServerConfig
 from services.gateway import tool_calls
+from services.gateway.json_text import JsonText
 from services.gateway.tool_calls import (TOOL_PARSERS, OutputSplitter, check_tool_parser,
                                          parse_tool_calls, split_reasoning)
 from services.launcher import check_tool_parsers
@@ -305,6 +306,31 @@ def test_calls_stream_as_they_are_written(parser, text):
         assert len(first_call) >= 3
     assert "".join(d.arguments for d in first_call) == \
         parse_tool_calls(parser, text, QWEN_TOOLS)[1][0].arguments
+
+
+def test_a_long_call_streams_reading_each_character_once(monkeypatch):
+    """A character at a time, the JSON reader sees each character once: no delta
+    re-reads the text so far (which would make a long call quadratic)."""
+    read: list[int] = []
+    feed = JsonText.feed
+
+    def counted(self, text, at):
+        out, end = feed(self, text, at)
+        read.append(end - at)
+        return out, end
+    monkeypatch.setattr(JsonText, "feed", counted)
+    value = "Paris " * 4000
+    for parser, text in (
+            ("hermes", f'<tool_call>{{"name": "f", "arguments": {{"s": "{value}"}}}}'),
+            ("mistral", f'[TOOL_CALLS]f[ARGS]{{"s": "{value}"}}'),
+            ("deepseek_v3", DEEPSEEK.replace('"Paris"', f'"{value}"'))):
+        read.clear()
+        splitter = OutputSplitter(parser)
+        deltas = [d for c in text for d in splitter.feed(c, False).calls]
+        deltas += splitter.feed("", True).calls
+        assert len(read) > len(value) and sum(read) < len(text)
+        assert "".join(d.arguments for d in deltas if d.index == 0) == \
+            json.dumps({"s" if parser != "deepseek_v3" else "city": value})
 
 
 def test_json_arguments_stream_as_json_dumps_writes_them():

@@ -150,7 +150,8 @@ class CallObject:
     argument_keys: tuple[str, ...]
     state: str = "open"  # open, key, colon, value, next; done or failed at the end
     value: JsonText | None = None  # the key or value being read
-    read: str = ""  # its canonical text so far
+    read: str = ""  # its canonical text so far (not kept for arguments that stream)
+    streaming: bool = False  # the value being read is the arguments, streaming
     key: str = ""
     name: str | None = None
     arguments_key: str | None = None
@@ -194,20 +195,24 @@ class CallObject:
         value = self.value
         assert value is not None
         piece, at = value.feed(text, at)
-        self.read += piece
         if value.failed:
             self.state = "failed"
-        elif self.state == "key":
-            if value.done:
-                self.key, self.value, self.state = json.loads(self.read), None, "colon"
+            return at
+        if (self.state != "key" and not self.read and piece[:1] not in ("", '"')
+                and self._is_arguments()):
+            self.streaming = True  # arguments that are not a string go out as they come
+        if self.streaming:
+            self._arguments(piece, events)
         else:
-            if self._is_arguments():
-                if not self.read.startswith('"'):
-                    self._arguments(piece, events)
-                elif value.done:
-                    self._arguments(json.loads(self.read), events)
-            if value.done:
-                self._value_read(events)
+            self.read += piece
+        if not value.done:
+            return at
+        if self.state == "key":
+            self.key, self.value, self.state = json.loads(self.read), None, "colon"
+            return at
+        if not self.streaming and self._is_arguments():
+            self._arguments(json.loads(self.read), events)
+        self._value_read(events)
         return at
 
     def _is_arguments(self) -> bool:
@@ -226,6 +231,7 @@ class CallObject:
             events += [("arguments", part) for part in self.waiting]
             self.waiting.clear()
         self.value, self.read, self.key, self.state = None, "", "", "next"
+        self.streaming = False
 
     def _arguments(self, part: str, events: list[tuple[str, str]]) -> None:
         if not part:
