@@ -294,8 +294,9 @@ ARGUMENTS_STREAM = [("hermes", HERMES), ("llama3_json", LLAMA), ("mistral", MIST
 @pytest.mark.parametrize("parser, text", ARGUMENTS_STREAM + [("pythonic", PYTHONIC)])
 def test_calls_stream_as_they_are_written(parser, text):
     """Fed a character at a time, a call opens before the output ends and its arguments
-    follow in parts (JSON as it comes, qwen3_coder a parameter at a time; pythonic a call
-    at a time, its arguments being Python literals), before the next call opens."""
+    follow in parts (JSON as it comes, qwen3_coder's string values as they come and typed
+    ones each whole; pythonic a call at a time, its arguments being Python literals),
+    before the next call opens."""
     splitter = OutputSplitter(parser, tools=QWEN_TOOLS)
     arrivals = [(at, d) for at, c in enumerate(text) for d in splitter.feed(c, False).calls]
     last = splitter.feed("", True).calls
@@ -331,6 +332,22 @@ def test_a_long_call_streams_reading_each_character_once(monkeypatch):
         assert len(read) > len(value) and sum(read) < len(text)
         assert "".join(d.arguments for d in deltas if d.index == 0) == \
             json.dumps({"s" if parser != "deepseek_v3" else "city": value})
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.lists(st.sampled_from(["a", "\n", "<", "</", "</parameter", "<parameter=x>",
+                                       "</tool_call>", "é", '"', "\\", " "]),
+                      max_size=12).map("".join),
+       cuts=st.lists(st.integers(0, 200), max_size=12), closed=st.booleans())
+def test_qwen3_coder_string_values_stream_as_the_whole_parse_reads_them(value, cuts, closed):
+    """Line breaks at a value's ends dropped, tags that end it (or only look like it)
+    told apart across any cut, escapes as json.dumps writes them."""
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>" + value
+            + ("</parameter>\n</function>\n</tool_call>" if closed else ""))
+    _, want = parse_tool_calls("qwen3_coder", text, QWEN_TOOLS)
+    _, _, parsed, deltas = streamed(OutputSplitter("qwen3_coder", tools=QWEN_TOOLS), text,
+                                    cuts)
+    assert deltas == sent(want) == sent(parsed)
 
 
 def test_json_arguments_stream_as_json_dumps_writes_them():

@@ -60,6 +60,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +74,10 @@ MISTRAL_START, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 MISTRAL_NAME = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*")
 QWEN_FUNCTION_START = "<function="
 QWEN_FUNCTION = re.compile(  # one left open ends where the next block or function starts
-    r"<function=([^>\n]*)>(.*?)(?:</function>|(?=</tool_call>)|(?=<function=)|$)", re.DOTALL)
+    r"<function=([^>\n]*)>(.*?)(?:</function>|(?=</tool_call>)|(?=<function=)|\Z)", re.DOTALL)
+# \Z, not $: a value runs to its body's very end ($ would stop before a last line break)
 QWEN_PARAMETER = re.compile(
-    r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+    r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
 DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DEEPSEEK_CALL = re.compile(
     r"\s*<｜tool▁call▁begin｜>(?P<kind>[^<]*)<｜tool▁sep｜>(?P<name>[^\n<]*)\s*"
@@ -612,12 +614,15 @@ def _python_call(node: ast.expr) -> ParsedCall | None:
 
 class Qwen3CoderCalls(CallStream):
     """`<function=NAME>`, `<parameter=KEY>value</parameter>`s, `</function>`: a call opens
-    with its name, and each parameter goes out once its value ends (typed by the tools'
-    schemas, which need all of it)."""
+    with its name; a string parameter (by the tools' schema, or without one) streams as it
+    is written, a typed one goes out once its value ends (typing needs all of it)."""
     FUNCTION_ENDS = ("</function>", "</tool_call>", QWEN_FUNCTION_START)
+    VALUE_ENDS = ("</parameter>", "<parameter=", *FUNCTION_ENDS)
     function = key = ""
     value_start = 0
     written = 0  # parameters of the open call
+    as_text = False  # the value being read is a string
+    sent_to = -1  # how much of a string value went out; -1: not begun
 
     def _step(self, text: str) -> bool:
         return getattr(self, f"_{self.state}")(text)
@@ -668,21 +673,52 @@ class Qwen3CoderCalls(CallStream):
         if key is None:
             return False
         self.key, self.value_start, self.state = key, self.at, "value"
+        schema = _parameter_schemas(self.tools, self.function).get(key)
+        self.as_text, self.sent_to = _schema_type(schema) in (None, "string"), -1
         return True
 
     def _value(self, text: str) -> bool:
-        found = self._find(text, ("</parameter>", "<parameter=", *self.FUNCTION_ENDS))
+        found = self._find(text, self.VALUE_ENDS)
+        if self.as_text:
+            self._text_value(text, found)
         if found is None:
             return False
         at, marker = found
-        value = text[self.value_start:at].removeprefix("\n").removesuffix("\n")
-        typed = _typed(value, _parameter_schemas(self.tools, self.function).get(self.key))
-        self._arguments(("{" if not self.written else ", ") + json.dumps(self.key) + ": "
-                        + json.dumps(typed, ensure_ascii=False))
+        if not self.as_text:
+            value = text[self.value_start:at].removeprefix("\n").removesuffix("\n")
+            schema = _parameter_schemas(self.tools, self.function).get(self.key)
+            self._arguments(self._key_text() + json.dumps(_typed(value, schema),
+                                                          ensure_ascii=False))
         self.written += 1
         self.at = at + len(marker) if marker == "</parameter>" else at
         self.state = "body"
         return True
+
+    def _key_text(self) -> str:
+        return ("{" if not self.written else ", ") + json.dumps(self.key, ensure_ascii=False) \
+            + ": "
+
+    def _text_value(self, text: str, found: tuple[int, str] | None) -> None:
+        """Send what is certain of a string value: not its first and last line break
+        (the whole parse drops them) nor what may begin the tag that ends it."""
+        end = len(text) if found is None else found[0]
+        if self.sent_to < 0:
+            if found is None and end == self.value_start:
+                return  # a line break may yet come first
+            if text.startswith("\n", self.value_start) and self.value_start < end:
+                self.value_start += 1
+            self._arguments(self._key_text() + '"')
+            self.sent_to = self.value_start
+        if found is None:
+            tail = text[max(self.sent_to, end - 12):]
+            end -= max(_partial_marker(tail, marker) for marker in self.VALUE_ENDS)
+        if end > self.sent_to and text[end - 1] == "\n":
+            end -= 1
+        if end > self.sent_to:
+            self._arguments(encode_basestring(text[self.sent_to:end])[1:-1])
+            self.sent_to = end
+        if found is not None:
+            self._arguments('"')
 
 
 @register_tool_parser("qwen3_coder", markers=(HERMES_START, QWEN_FUNCTION_START),
@@ -705,12 +741,12 @@ def _qwen_call(name: str, body: str, tools: Tools) -> ParsedCall | None:
     if not name:
         return None
     schemas = _parameter_schemas(tools, name)
-    arguments = {}
+    arguments = []  # a parameter written twice stays twice, as a stream sent it
     for parameter in QWEN_PARAMETER.finditer(body):
         key = parameter.group(1).strip()
         value = parameter.group(2).removeprefix("\n").removesuffix("\n")
-        arguments[key] = _typed(value, schemas.get(key))
-    return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+        arguments.append((key, _typed(value, schemas.get(key))))
+    return ParsedCall(name, json.dumps(Pairs(arguments), ensure_ascii=False))
 
 
 def _parameter_schemas(tools: Tools, name: str) -> dict[str, Any]:
