@@ -625,6 +625,30 @@ async def test_tool_calls_stream_as_they_are_written(redis_at, api):
     assert len(got["calls"]) == 2 and got["calls"][1]["arguments"] == '{"city": "Oslo"}'
 
 
+async def test_required_tool_calls_come_whole_and_streamed_alike(redis_at, api):
+    """tool_choice "required": the output is a JSON list of calls, read at the finish; a
+    stream opens each call (id, name) and then sends its arguments."""
+    output = ['[{"name": "get_weather", "parameters": {"city": ', '"Oslo"}}, {"name": ',
+              '"get_weather", "parameters": {"city": "Rome"}}]']
+    hi = [{"role": "user", "content": "Oslo and Rome?"}]
+    async with fake_stages(redis_at, one_per_step(output)):
+        whole = await api.chat.completions.create(model=MODEL_NAME, messages=hi, tools=TOOLS,
+                                                  tool_choice="required")
+        stream = await api.chat.completions.create(model=MODEL_NAME, messages=hi,
+                                                   tools=TOOLS, tool_choice="required",
+                                                   stream=True)
+        chunks = [chunk async for chunk in stream]
+    calls = [(c.function.name, c.function.arguments)
+             for c in whole.choices[0].message.tool_calls]
+    assert calls == [("get_weather", '{"city": "Oslo"}'), ("get_weather", '{"city": "Rome"}')]
+    got = streamed_message(chunks)
+    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == calls
+    assert got["finish"] == "tool_calls" and got["content"] == ""
+    openings = [c for chunk in chunks for choice in chunk.choices
+                for c in choice.delta.tool_calls or [] if c.id is not None]
+    assert [c.function.arguments for c in openings] == ["", ""]
+
+
 async def test_a_named_tool_choice_makes_the_output_the_call_arguments(redis_at, api):
     named = {"type": "function", "function": {"name": "get_weather"}}
     async with fake_stages(redis_at, exact(['{"city": ', '"Oslo"}'])) as seen:
