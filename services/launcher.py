@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -16,14 +17,21 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import (ConfigError, EngineConfig, ServerConfig, engine_args_to_cli,
-                           parse_configs, server_args_to_cli)
+import anyio
+from redis.exceptions import RedisError
+
+from common import keys
+from common.bus import Bus
+
+from common.config import (STAGE_COUNTS, ConfigError, EngineConfig, ServerConfig,
+                           engine_args_to_cli, parse_configs, server_args_to_cli)
 from common.lora import AdapterError, read_adapter_config
 from common.log import configure_logging, get_logger
 from common.model_info import check_devices, resolve_engine, shard_gpus
 from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
 from common.redis_server import EmbeddedRedis, redis_url_or_embedded, spawn_child
 from common.service import LOAD_FAILED_EXIT, service_parser
+from services.gateway.core import shard_states
 from services.gateway.http_options import tls_context
 from services.gateway.tool_calls import check_tool_parser
 
@@ -101,15 +109,15 @@ class Supervisor:
         self.drain_s = drain_s  # the gateways' --shutdown-timeout
         self.stopping = False
 
-    def run(self, health_url: str) -> None:
+    def run(self, serving: Readiness) -> None:
         for child in self.children:
             child.start()
         announced = False
         while not self.stopping:
             self._restart_redis()
             self._restart_crashed()
-            if not announced and _healthy(health_url):
-                log.info("serving", url=health_url.rsplit("/", 1)[0])
+            if not announced and serving.ready():
+                log.info("serving", url=serving.url)
                 announced = True
             time.sleep(0.2)
 
@@ -185,6 +193,47 @@ def _stop(processes: list[subprocess.Popen | None], timeout_s: float) -> None:
             process.wait()
 
 
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """When the launcher says "serving": once the gateways' /health answers 200. A gateway
+    that requires client certificates (--ssl-cert-reqs 2) refuses the launcher, which has
+    none: its --ssl-certfile is a server's, signed by whoever signs servers, and the
+    --ssl-ca-certs file holds certificates, not the keys to sign one. Then the launcher
+    reads what /health reads: a gateway takes connections on the port, and Redis has a
+    shard whose scheduler and worker are alive."""
+    server: ServerConfig
+    redis_url: str
+    shards: int = 1
+
+    @property
+    def url(self) -> str:
+        return f"{self.server.scheme}://{self.server.host}:{self.server.port}"
+
+    def ready(self) -> bool:
+        if self.server.ssl_cert_reqs != ssl.CERT_REQUIRED:
+            return _healthy(self.url + "/health")
+        return _listening(self.server.host, self.server.port) and anyio.run(self._a_shard_up)
+
+    async def _a_shard_up(self) -> bool:
+        n = self.shards
+        try:
+            with anyio.fail_after(2):
+                async with Bus(self.redis_url, retry_timeout_s=0.5) as bus:
+                    alive = await bus.values(*map(keys.alive_scheduler, range(n)),
+                                             *map(keys.alive_worker, range(n)))
+        except (TimeoutError, OSError, RedisError):  # Redis not (yet) there: not serving
+            return False
+        return any(shard.up for shard in shard_states(alive))
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
 def _healthy(url: str) -> bool:
     context = None
     if url.startswith("https:"):  # our own gateway: its certificate may be self-signed
@@ -195,6 +244,19 @@ def _healthy(url: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+def sized_stages(server: ServerConfig, shards: int) -> ServerConfig:
+    """The gateways, tokenizers and detokenizers not given as flags, sized from the cores
+    this process may run on (a container's or taskset's share, not the host's), said in
+    the log."""
+    cores = len(os.sched_getaffinity(0))
+    sized = server.sized(cores, shards)
+    log.info("stages", cores=cores, gateways=sized.api_server_count,
+             tokenizers=sized.tokenizer_replicas, detokenizers=sized.detokenizer_replicas,
+             from_cores=["--" + name.replace("_", "-") for name in STAGE_COUNTS
+                         if getattr(server, name) is None])
+    return sized
 
 
 def check_lora_modules(engine: EngineConfig, server: ServerConfig) -> None:
@@ -244,6 +306,7 @@ def main(argv: list[str]) -> int:
         return REFUSED_EXIT
     except ConfigError as e:
         parser.error(str(e))
+    server = sized_stages(server, engine.data_parallel_size)
     run_dir = Path(server.run_dir)
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     redis_url, redis = redis_url_or_embedded(server.redis_url, run_dir)
@@ -252,7 +315,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, supervisor.stop)
     signal.signal(signal.SIGINT, supervisor.stop)
     try:
-        supervisor.run(f"{server.scheme}://{server.host}:{server.port}/health")
+        supervisor.run(Readiness(server, redis_url, engine.data_parallel_size))
     finally:
         supervisor.shutdown()
         if redis is not None:

@@ -4,6 +4,7 @@ line, and a clear error (flag, value, what is allowed) for every invalid value."
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 from common.config import (ConfigError, EngineConfig, ServerConfig, add_engine_args,
                            config_from_args,
                            add_server_args, engine_args_to_cli, engine_config_from_args,
-                           server_args_to_cli, server_config_from_args)
+                           server_args_to_cli, server_config_from_args, stage_counts)
 from common.model_files import read_chat_template
 from services.demo import demo_model_path
 from tests.conftest import REPO, repo_env
@@ -118,6 +119,47 @@ def test_configs_travel_to_child_processes_as_flags():
     server = ServerConfig(served_model_name=["x"], detokenizer_replicas=2)
     rebuilt = parse([*engine_args_to_cli(engine), *server_args_to_cli(server)])
     assert rebuilt == (engine, server)
+
+
+@pytest.mark.parametrize("cores, shards, gateways, tokenizers, detokenizers", [
+    (1, 1, 1, 1, 1), (2, 1, 1, 1, 1), (4, 1, 1, 1, 1),  # CI boxes: one of each, as before
+    (8, 1, 1, 1, 1), (12, 1, 3, 1, 1),
+    (16, 1, 4, 2, 2),  # a GPU host: the layout issue 31 measured at 1.5x one of each
+    (16, 4, 2, 1, 1), (32, 1, 8, 4, 4), (64, 1, 8, 4, 4), (128, 8, 8, 4, 4)])
+def test_stage_counts_grow_with_the_cores_left_after_the_shards(
+        cores, shards, gateways, tokenizers, detokenizers):
+    assert stage_counts(cores, shards) == {"api_server_count": gateways,
+                                           "tokenizer_replicas": tokenizers,
+                                           "detokenizer_replicas": detokenizers}
+    counts = stage_counts(cores, shards)
+    assert sum(counts.values()) + 1 + 2 * shards <= max(cores, 6)  # no host oversubscribed
+
+
+def test_stage_flags_given_win_over_the_cores():
+    _, server = parse(["m", "--tokenizer-replicas", "3"])
+    assert (server.tokenizer_replicas, server.api_server_count) == (3, None)
+    sized = server.sized(16)
+    assert (sized.api_server_count, sized.tokenizer_replicas, sized.detokenizer_replicas) \
+        == (4, 3, 2)
+    assert server.sized(2) == ServerConfig(tokenizer_replicas=3, api_server_count=1,
+                                           detokenizer_replicas=1)
+    assert "--api-server-count 4" in " ".join(server_args_to_cli(sized))  # to the children
+    with pytest.raises(ConfigError, match="--detokenizer-replicas must be positive"):
+        ServerConfig(detokenizer_replicas=0)
+
+
+def test_serve_help_says_the_stages_are_sized_from_the_cores():
+    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--help"], cwd=REPO,
+                         env=repo_env(COLUMNS="200"), capture_output=True, text=True,
+                         timeout=120).stdout
+    for flag, rule in (("--api-server-count", "1 per 3 cores left"),
+                       ("--tokenizer-replicas", "1 per 6 cores left"),
+                       ("--detokenizer-replicas", "sized from the cores")):
+        entry = re.search(rf"^ +{flag} [A-Z_]+\s+(.*?)\[env", out, re.MULTILINE | re.DOTALL)
+        assert entry is not None, out
+        line = " ".join(entry.group(1).split())
+        assert "Default for serve: sized from the cores" in line and rule in line, line
+    assert "os.sched_getaffinity" in out and "printed at startup" in out
 
 
 @pytest.mark.parametrize("command, extra", [("serve", []), ("generate", ["--prompt", "hi"])])

@@ -497,6 +497,7 @@ async def test_openapi_documents_the_bodies_the_gateway_takes_and_sends(url, red
         async with session.get(url + "/openapi.json") as response:
             assert response.status == 200
             doc = await response.json()
+    assert "servers" not in doc  # no --root-path: the routes are where the document is
     schemas = doc["components"]["schemas"]
     chat = doc["paths"]["/v1/chat/completions"]["post"]
     body_ref = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"]
@@ -580,6 +581,72 @@ async def test_tool_calls_and_reasoning_through_the_openai_client(redis_at, api)
         "Let me look.", "Paris needs a look", "tool_calls")
     assert [(c["name"], json.loads(c["arguments"])) for c in got["calls"].values()] == [
         ("get_weather", {"city": "Paris"})]
+
+
+def one_per_step(texts: list[str], pause_s: float = 0.03) -> Script:
+    """One completion whose deltas are `texts`, each in a step of its own, paused so that
+    the gateway writes a chunk for each."""
+    def script(req: GenerateRequest) -> list[Step]:
+        steps: list[Step] = []
+        for seq, text in enumerate(texts):
+            steps += [ReplyBatch([TextDelta(req.rid, 0, seq, text, [10 + seq], 3, "stop"
+                                            if seq == len(texts) - 1 else None)]), pause_s]
+        return steps
+    return script
+
+
+async def test_tool_calls_stream_as_they_are_written(redis_at, api):
+    """A hermes call streamed as vLLM streams one: a delta opens it (id, type, name, no
+    arguments yet), its arguments follow as they are written, and they add up to the whole
+    response's arguments exactly; the second call opens after the first is complete."""
+    texts = ["Sure.<tool_call>", '\n{"name": "get_weather", ', '"arguments": {"ci', 'ty":',
+             ' "Par', 'is"}}\n</tool_call><tool_call>{"name": "get_weather", "arg',
+             'uments": {"city": "Oslo"}}', "</tool_call>"]
+    hi = [{"role": "user", "content": "Paris and Oslo?"}]
+    async with fake_stages(redis_at, one_per_step(texts)):
+        whole = await api.chat.completions.create(model=MODEL_NAME, messages=hi, tools=TOOLS)
+        stream = await api.chat.completions.create(model=MODEL_NAME, messages=hi,
+                                                   tools=TOOLS, stream=True)
+        chunks = [chunk async for chunk in stream]
+    calls = [call for chunk in chunks for choice in chunk.choices
+             for call in choice.delta.tool_calls or []]
+    opening = calls[0].model_dump(exclude_none=True)
+    assert opening["type"] == "function" and opening["id"].startswith("chatcmpl-tool-")
+    assert opening["function"] == {"name": "get_weather", "arguments": ""}
+    first = [c.function.arguments for c in calls[1:] if c.index == 0]
+    assert len(first) >= 2 and "".join(first) == '{"city": "Paris"}'  # as the text came
+    assert all(c.model_dump(exclude_none=True).keys() == {"index", "function"}
+               and c.function.name is None for c in calls[1:] if c.id is None)
+    assert [c.index for c in calls if c.id is not None] == [0, 1]
+    got = streamed_message(chunks)
+    assert (got["content"], got["finish"]) == ("Sure.", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert len(got["calls"]) == 2 and got["calls"][1]["arguments"] == '{"city": "Oslo"}'
+
+
+async def test_required_tool_calls_come_whole_and_streamed_alike(redis_at, api):
+    """tool_choice "required": the output is a JSON list of calls, read at the finish; a
+    stream opens each call (id, name) and then sends its arguments."""
+    output = ['[{"name": "get_weather", "parameters": {"city": ', '"Oslo"}}, {"name": ',
+              '"get_weather", "parameters": {"city": "Rome"}}]']
+    hi = [{"role": "user", "content": "Oslo and Rome?"}]
+    async with fake_stages(redis_at, one_per_step(output)):
+        whole = await api.chat.completions.create(model=MODEL_NAME, messages=hi, tools=TOOLS,
+                                                  tool_choice="required")
+        stream = await api.chat.completions.create(model=MODEL_NAME, messages=hi,
+                                                   tools=TOOLS, tool_choice="required",
+                                                   stream=True)
+        chunks = [chunk async for chunk in stream]
+    calls = [(c.function.name, c.function.arguments)
+             for c in whole.choices[0].message.tool_calls]
+    assert calls == [("get_weather", '{"city": "Oslo"}'), ("get_weather", '{"city": "Rome"}')]
+    got = streamed_message(chunks)
+    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == calls
+    assert got["finish"] == "tool_calls" and got["content"] == ""
+    openings = [c for chunk in chunks for choice in chunk.choices
+                for c in choice.delta.tool_calls or [] if c.id is not None]
+    assert [c.function.arguments for c in openings] == ["", ""]
 
 
 async def test_a_named_tool_choice_makes_the_output_the_call_arguments(redis_at, api):

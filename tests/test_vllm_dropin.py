@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import ssl
 import subprocess
 import time
@@ -30,7 +31,7 @@ from transformers import AutoTokenizer
 import torch
 from common import keys, messages
 from common.chat import render_chat
-from common.config import ConfigError, EngineConfig, ServerConfig
+from common.config import ConfigError, EngineConfig, ServerConfig, stage_counts
 from common.errors import ApiError
 from common.messages import GenerateRequest, ReplyBatch, SchedulerStats, TextDelta, TokenLogprobs
 from services.gateway.metrics import Metrics
@@ -43,7 +44,7 @@ from services.gateway.http_options import (ACCESS_LOGGER, ALL_METHODS, REQUEST_L
 from services.gateway.protocol import parse_job
 from services.worker.loader import iter_safetensors
 from services.worker.memory import plan_num_blocks
-from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, start_server
+from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serve_args, start_server
 from tests.test_gateway import AUTH, fake_stages
 from tests.text_fixtures import SMOLLM2_TOKENIZER_DIR
 
@@ -183,6 +184,17 @@ async def test_https_round_trip_under_the_root_path_and_without_it(gateway, embe
     assert any(f"{ROOT}/v1/completions" in r["event"] for r in access)
 
 
+async def test_the_openapi_document_names_the_root_path_as_its_server(gateway):
+    """As FastAPI's root_path (vLLM's) writes it: a client generated from the document,
+    fetched through the proxy or not, calls the routes under the prefix."""
+    async with aiohttp.ClientSession() as session:
+        for base in (gateway.url + ROOT, gateway.url):
+            async with session.get(base + "/openapi.json", ssl=gateway.tls) as r:
+                doc = await r.json()
+                assert r.status == 200 and doc["servers"] == [{"url": ROOT}]
+                assert "/v1/chat/completions" in doc["paths"]  # paths stay unprefixed
+
+
 # --- CORS ----------------------------------------------------------------------------------
 
 async def test_configured_cors_allows_only_its_origins_methods_and_headers(
@@ -236,6 +248,89 @@ async def test_default_cors_lets_any_origin_call():
         assert "Access-Control-Allow-Origin" not in r.headers
         r = await client.options("/v1/x")  # not a preflight: the route has no OPTIONS
         assert r.status == 405
+
+
+# --- client certificates required: the launcher's readiness ---------------------------------
+
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def client_ca(tmp_path_factory) -> Path:
+    """A CA (ca.pem) and a client certificate it signed (client.pem, client.key)."""
+    root = tmp_path_factory.mktemp("client_ca")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *ec, "-keyout", str(root / "ca.key"), "-out", str(root / "ca.pem"),
+            "-days", "1", "-subj", "/CN=test clients CA")
+    openssl("req", *ec, "-keyout", str(root / "client.key"), "-out", str(root / "client.csr"),
+            "-subj", "/CN=a client")
+    openssl("x509", "-req", "-in", str(root / "client.csr"), "-CA", str(root / "ca.pem"),
+            "-CAkey", str(root / "ca.key"), "-CAcreateserial", "-days", "1",
+            "-out", str(root / "client.pem"))
+    return root
+
+
+def test_with_client_certificates_required_the_launcher_sees_readiness_without_one(
+        embedded_redis, tmp_path, certificate, client_ca):
+    """--ssl-cert-reqs 2: the gateway refuses a /health without a client certificate (the
+    launcher's own check, which has none), so the launcher reads what /health reads: the
+    port taking connections and a shard's scheduler and worker alive in Redis."""
+    tls = {"ssl_keyfile": str(certificate.parent / "key.pem"),
+           "ssl_certfile": str(certificate), "ssl_ca_certs": str(client_ca / "ca.pem")}
+    redis = embedded_redis.client()
+    redis.set(keys.alive_scheduler(), "fake")
+    redis.set(keys.alive_worker(), "fake")
+    server = start_server(["gateway", demo_model_path(), "--redis-url", embedded_redis.url,
+                           "--ssl-keyfile", tls["ssl_keyfile"], "--ssl-certfile",
+                           tls["ssl_certfile"], "--ssl-ca-certs", tls["ssl_ca_certs"],
+                           "--ssl-cert-reqs", "2"], tmp_path / "gateway.log")
+    config = ServerConfig(host="127.0.0.1", port=server.port, ssl_cert_reqs=2, **tls)
+    readiness = launcher.Readiness(config, embedded_redis.url)
+    try:
+        mutual = ssl.create_default_context(cafile=str(certificate))
+        mutual.load_cert_chain(str(client_ca / "client.pem"), str(client_ca / "client.key"))
+        wait_until_up(Gateway(server, readiness.url, mutual))
+        assert not launcher._healthy(readiness.url + "/health")  # refused: no certificate
+        assert readiness.ready()
+        redis.delete(keys.alive_worker())  # /health would say 503 now; so does readiness
+        assert not readiness.ready()
+        redis.set(keys.alive_worker(), "fake")
+        assert readiness.ready()
+        assert not launcher.Readiness(config, "redis://127.0.0.1:1").ready()  # no Redis
+    finally:
+        assert not server.stop(), server.log_tail()
+        redis.close()
+    assert not readiness.ready()  # nothing listens on the port
+
+
+def test_serve_with_client_certificates_required_says_serving(tmp_path, certificate,
+                                                               client_ca):
+    """The whole pipeline behind a gateway that requires client certificates: the
+    launcher's "serving" line comes, and a client with a certificate is served."""
+    server = start_server([*serve_args(tmp_path / "run"), "--ssl-keyfile",
+                           str(certificate.parent / "key.pem"), "--ssl-certfile",
+                           str(certificate), "--ssl-ca-certs", str(client_ca / "ca.pem"),
+                           "--ssl-cert-reqs", "2"], tmp_path / "serve.log")
+    try:
+        deadline = time.monotonic() + 180
+        while not any(r.get("event") == "serving" for r in server.log_records()):
+            assert server.process.poll() is None and time.monotonic() < deadline, \
+                server.log_tail()
+            time.sleep(0.5)
+        mutual = ssl.create_default_context(cafile=str(certificate))
+        mutual.load_cert_chain(str(client_ca / "client.pem"), str(client_ca / "client.key"))
+        with httpx2.Client(verify=mutual) as client:
+            health = client.get(f"https://127.0.0.1:{server.port}/health", timeout=5)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        stages, = [r for r in server.log_records() if r.get("event") == "stages"]
+        counts = stage_counts(len(os.sched_getaffinity(0)))  # no stage flags: all sized
+        assert (stages["gateways"], stages["tokenizers"], stages["detokenizers"]) == (
+            counts["api_server_count"], counts["tokenizer_replicas"],
+            counts["detokenizer_replicas"])
+        assert len(stages["from_cores"]) == 3
+    finally:
+        assert not server.stop(), server.log_tail()
 
 
 # --- logprob tokens, usage details, request logs ------------------------------------------

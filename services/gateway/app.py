@@ -53,7 +53,7 @@ from services.gateway.protocol import (EmbeddingJob, Job, Limits, TokenizeJob, p
                                        parse_embedding, parse_job, parse_tokenize)
 from services.gateway.scoring import (check_scorable, parse_rerank, parse_score,
                                       rerank_response, score_response, scores)
-from services.gateway.openapi import openapi_document
+from services.gateway.openapi import openapi_document, with_root_path
 from services.gateway.request_bodies import (LoadLoRAAdapterRequest,
                                              UnloadLoRAAdapterRequest, validate)
 from services.gateway.responses_api import (STORE_TTL_S, ResponseEvents, ResponsesCall,
@@ -691,7 +691,7 @@ class Gateway:
         return web.json_response({"version": VERSION})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(OPENAPI)
+        return web.json_response(with_root_path(OPENAPI, self.server.root_path))
 
     async def prometheus(self, request: web.Request) -> web.Response:
         shards = range(self.info.config.data_parallel_size)

@@ -26,8 +26,7 @@ from common.sampling_params import best_of_indices
 from services.gateway import responses as shapes
 from services.gateway.protocol import Job
 from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice, ChatMessage,
-                                              CompletionChoice, DeltaMessage,
-                                              FunctionCallDelta, ToolCallDelta, Usage)
+                                              CompletionChoice, DeltaMessage, Usage)
 from services.gateway.tool_calls import OutputSplitter, ParsedCall, Piece, tool_parser
 from services.gateway.responses import Choice
 
@@ -400,12 +399,11 @@ class Call:
         if piece.opened is not None:
             calls.append(shapes.tool_call_delta(0, piece.opened, piece.arguments))
         elif piece.arguments:
-            calls.append(ToolCallDelta.model_construct(
-                index=0, function=FunctionCallDelta.model_construct(arguments=piece.arguments)))
-        sent = self.calls_sent.get(index, 0)
-        for i, call in enumerate(piece.tool_calls, start=sent):
-            calls.append(shapes.tool_call_delta(i, call, call.arguments))
-        self.calls_sent[index] = sent + len(piece.tool_calls)
+            calls.append(shapes.arguments_delta(0, piece.arguments))
+        calls += [shapes.tool_call_delta(d.index, d.opened, "") if d.opened is not None
+                  else shapes.arguments_delta(d.index, d.arguments) for d in piece.calls]
+        self.calls_sent[index] = (self.calls_sent.get(index, 0)
+                                  + sum(d.opened is not None for d in piece.calls))
         reasoning = self._reasoning(piece)
         content = piece.content if piece.content or not (calls or reasoning) else None
         return DeltaMessage.model_construct(content=content, reasoning_content=reasoning,

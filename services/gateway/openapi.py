@@ -55,6 +55,12 @@ def openapi_document(version: str) -> dict[str, Any]:
             "paths": paths, "components": {"schemas": schemas["$defs"]}}
 
 
+def with_root_path(document: dict[str, Any], root_path: str | None) -> dict[str, Any]:
+    """The document as served under --root-path: its `servers` name the prefix, as
+    FastAPI's root_path (vLLM's) has it, so a client built from it calls through the proxy."""
+    return {**document, "servers": [{"url": root_path}]} if root_path else document
+
+
 def _operation(summary: str, body: type[BaseModel] | None, answer: type[BaseModel] | None,
                chunk: type[BaseModel] | None, refs: dict[Any, Any]) -> dict[str, Any]:
     def ref(model: type[BaseModel]) -> dict[str, Any]:

@@ -201,6 +201,12 @@ def tool_call_delta(index: int, call: ParsedCall, arguments: str) -> ToolCallDel
         function=FunctionCallDelta.model_construct(name=call.name, arguments=arguments))
 
 
+def arguments_delta(index: int, arguments: str) -> ToolCallDelta:
+    """More of a streamed call's arguments."""
+    return ToolCallDelta.model_construct(
+        index=index, function=FunctionCallDelta.model_construct(arguments=arguments))
+
+
 def chat_delta(index: int, delta: DeltaMessage, logprobs: ChatLogprobs | None = None,
                finish_reason: str | None = None, stop_reason: str | int | None = None
                ) -> ChatChunkChoice:

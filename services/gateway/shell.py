@@ -100,7 +100,7 @@ async def serve(ctx: ServiceContext) -> None:
             # server started on a busy port fails instead of silently splitting its clients
             server = ctx.server
             await web.TCPSite(runner, server.host, server.port,
-                              reuse_port=server.api_server_count > 1,
+                              reuse_port=(server.api_server_count or 1) > 1,
                               backlog=LISTEN_BACKLOG, ssl_context=tls_context(server)).start()
             log.info("gateway listening",
                      url=f"{server.scheme}://{server.host}:{server.port}"

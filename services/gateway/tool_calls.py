@@ -2,11 +2,13 @@
 --reasoning-parser, as pure functions of the text so far.
 
 A streamed choice feeds its text to `OutputSplitter`, which says what may go out now:
-reasoning (`<think>` models), content, and, at the end, the tool calls. Text that might be
-the start of a marker is held back, as stop strings are; once a tool call's marker shows,
-the rest is held until the choice finishes and is then parsed whole, so a client never
-sees a half-written call as content. Whole (non-streamed) responses split the final text
-the same way. A call section that does not parse whole stays content, all of it.
+reasoning (`<think>` models), content, and tool calls. Text that might be the start of a
+marker is held back, as stop strings are; once a tool call's marker shows, the rest is the
+call section: the parser's `CallStream` reads it as it grows (each character once) and
+sends each call as vLLM streams them, opened with its name, then its arguments in parts.
+At the finish the section is parsed whole: what the stream has not sent yet goes out, and
+a whole (non-streamed) response takes its calls from this parse. A section that does not
+parse whole stays content, all of it, unless a call already went out.
 
 Tool parsers, by vLLM's names:
 - `hermes` (Hermes, Qwen2.5/Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
@@ -42,7 +44,8 @@ whole output calls when it starts with one (after whitespace). The stream holds 
 there to the finish and then calls `parse` on it, so `parse` must take a text that starts at
 the marker as well as a whole output. `tools` is the request's tools (OpenAI's shape).
 `--tool-call-parser my_format` then picks it; a name the server does not know stops
-startup with the list of those it does.
+startup with the list of those it does. `stream=` may name a `CallStream` subclass that
+reads the calls as they are written; without one, a stream gets each call whole at the end.
 """
 
 from __future__ import annotations
@@ -57,8 +60,11 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any
+
+from services.gateway.json_text import CallObject, JsonText, Pairs, loads
 
 THINK_START, THINK_END = "<think>", "</think>"
 HERMES_START = "<tool_call>"
@@ -68,9 +74,10 @@ MISTRAL_START, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 MISTRAL_NAME = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*")
 QWEN_FUNCTION_START = "<function="
 QWEN_FUNCTION = re.compile(  # one left open ends where the next block or function starts
-    r"<function=([^>\n]*)>(.*?)(?:</function>|(?=</tool_call>)|(?=<function=)|$)", re.DOTALL)
+    r"<function=([^>\n]*)>(.*?)(?:</function>|(?=</tool_call>)|(?=<function=)|\Z)", re.DOTALL)
+# \Z, not $: a value runs to its body's very end ($ would stop before a last line break)
 QWEN_PARAMETER = re.compile(
-    r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+    r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
 DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DEEPSEEK_CALL = re.compile(
     r"\s*<｜tool▁call▁begin｜>(?P<kind>[^<]*)<｜tool▁sep｜>(?P<name>[^\n<]*)\s*"
@@ -86,11 +93,23 @@ class ParsedCall:
 
 
 @dataclass(slots=True)
+class CallDelta:
+    """A streamed call's next part: its opening (`opened`: id and name) or more of its
+    arguments' text."""
+    index: int
+    opened: ParsedCall | None = None
+    arguments: str = ""
+
+
+@dataclass(slots=True)
 class Piece:
-    """What one step of a choice's text releases: `arguments` continue the call a named
-    tool_choice opened (`opened`, on its first piece)."""
+    """What one step of a choice's text releases: `calls`, the parser's calls as a stream
+    sends them; at the finish `tool_calls`, the calls the whole text parses to (a whole
+    response's). `arguments` continue the call a named tool_choice opened (`opened`, on
+    its first piece)."""
     reasoning: str = ""
     content: str = ""
+    calls: list[CallDelta] = field(default_factory=list)
     tool_calls: list[ParsedCall] = field(default_factory=list)
     opened: ParsedCall | None = None
     arguments: str = ""
@@ -112,6 +131,7 @@ class ToolParser:
     markers: tuple[str, ...] = ()
     openers: tuple[str, ...] = ()
     special_tokens: bool = False
+    stream: type[CallStream] | None = None
 
 
 TOOL_PARSERS: dict[str, ToolParser] = {}
@@ -119,17 +139,19 @@ _loaded_plugins: set[Path] = set()
 
 
 def register_tool_parser(name: str, *, markers: tuple[str, ...] = (),
-                         openers: tuple[str, ...] = (), special_tokens: bool = False
+                         openers: tuple[str, ...] = (), special_tokens: bool = False,
+                         stream: type[CallStream] | None = None
                          ) -> Callable[[Parse], Parse]:
     """A decorator that makes `parse` the tool parser `name` (replacing one of that name,
-    as vLLM's registry does)."""
+    as vLLM's registry does). `stream` reads its calls as they are written; without one
+    a stream gets each call whole at the finish."""
     if not name or not (markers or openers) or "" in (*markers, *openers):
         raise ValueError(f"tool parser {name!r}: give a name and at least one non-empty "
                          "marker or opener (where its calls begin)")
 
     def register(parse: Parse) -> Parse:
         TOOL_PARSERS[name] = ToolParser(name, parse, tuple(markers), tuple(openers),
-                                        special_tokens)
+                                        special_tokens, stream)
         return parse
     return register
 
@@ -170,6 +192,97 @@ def tool_parser(name: str) -> ToolParser:
     return TOOL_PARSERS[name]
 
 
+# --- calls as they are written ---------------------------------------------------------------
+
+class CallStream:
+    """Reads a call section as the model writes it (from its marker on) and says what of
+    its calls is certain: a call opens once its name is read, its arguments follow as they
+    grow. Each character is read once (`at` only moves forward); the subclass's `_step`
+    reads what it can in its `state` and says whether it moved. A section that stops
+    reading as calls is left to the whole text's parse at the finish."""
+
+    def __init__(self, start: int, tools: Tools = None) -> None:
+        self.at = start
+        self.tools = tools
+        self.state = "start"
+        self.stopped = False
+        self.sent: list[list[str]] = []  # by call: the arguments' parts sent
+        self.scanned = start  # no marker being looked for starts before this
+        self.json: JsonText | None = None  # arguments being read
+        self.object: CallObject | None = None  # a call being read
+        self.out: list[CallDelta] = []
+
+    def read(self, text: str) -> list[CallDelta]:
+        """The new parts of the calls in the output `text` (all of it so far)."""
+        while not self.stopped and self._step(text):
+            pass
+        out, self.out = self.out, []
+        return out
+
+    def _step(self, text: str) -> bool:
+        raise NotImplementedError
+
+    def new_id(self) -> str:
+        return ParsedCall("", "").id
+
+    def _open(self, name: str) -> None:
+        self.sent.append([])
+        self.out.append(CallDelta(len(self.sent) - 1, ParsedCall(name, "", self.new_id())))
+
+    def _arguments(self, part: str) -> None:
+        if part:
+            self.sent[-1].append(part)
+            self.out.append(CallDelta(len(self.sent) - 1, arguments=part))
+
+    def _stop(self) -> bool:
+        self.stopped = True
+        return False
+
+    def _space(self, text: str, also: str = "") -> bool:
+        """Skip white space (and `also`): whether a character follows."""
+        while self.at < len(text) and (text[self.at].isspace() or text[self.at] in also):
+            self.at += 1
+        return self.at < len(text)
+
+    def _literal(self, text: str, literal: str) -> bool | None:
+        """Consume `literal` where reading is: True, False if something else is there,
+        None if the text so far may yet be it."""
+        if text.startswith(literal, self.at):
+            self.at += len(literal)
+            return True
+        return None if literal.startswith(text[self.at:]) else False
+
+    def _find(self, text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
+        """The first of `markers` from where reading is, looking at each character once."""
+        since = max(self.at, self.scanned)
+        found = [(at, m) for m in markers if (at := text.find(m, since)) >= 0]
+        if found:
+            return min(found)
+        self.scanned = max(since, len(text) - max(map(len, markers)) + 1)
+        return None
+
+    def _read_json(self, text: str) -> bool:
+        """Stream the arguments' JSON; True once it ended."""
+        assert self.json is not None
+        part, self.at = self.json.feed(text, self.at)
+        self._arguments(part)
+        if self.json.failed:
+            return self._stop()
+        done, self.json = self.json.done, None if self.json.done else self.json
+        return done
+
+    def _read_object(self, text: str) -> bool:
+        """Stream a call written as one JSON object; True once it ended."""
+        assert self.object is not None
+        events, self.at = self.object.feed(text, self.at)
+        for kind, value in events:
+            self._open(value) if kind == "open" else self._arguments(value)
+        if self.object.failed:
+            return self._stop()
+        done, self.object = self.object.done, None if self.object.done else self.object
+        return done
+
+
 # --- whole texts ---------------------------------------------------------------------------
 
 def parse_tool_calls(parser: str, text: str, tools: Tools = None
@@ -179,7 +292,27 @@ def parse_tool_calls(parser: str, text: str, tools: Tools = None
     return tool_parser(parser).parse(text, tools)
 
 
-@register_tool_parser("hermes", markers=(HERMES_START,))
+class HermesCalls(CallStream):
+    """`<tool_call>`, a call object, (`</tool_call>` and anything up to the next)."""
+
+    def _step(self, text: str) -> bool:
+        if self.object is not None:
+            return self._read_object(text)
+        if self.state == "start":
+            found = self._find(text, (HERMES_START,))
+            if found is None:
+                return False
+            self.at, self.state = found[0] + len(HERMES_START), "call"
+            return True
+        if not self._space(text):
+            return False
+        if text[self.at] != "{":
+            return self._stop()
+        self.object, self.state = CallObject(("arguments",)), "start"
+        return True
+
+
+@register_tool_parser("hermes", markers=(HERMES_START,), stream=HermesCalls)
 def _hermes(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall]]:
     start = text.find(HERMES_START)
     if start < 0:
@@ -190,14 +323,36 @@ def _hermes(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall
     return text[:start] or None, calls  # type: ignore[return-value]
 
 
-@register_tool_parser("llama3_json", openers=("{", PYTHON_TAG))
+class Llama3Calls(CallStream):
+    """(`<|python_tag|>`), call objects joined by `;`."""
+
+    def _step(self, text: str) -> bool:
+        if self.object is not None:
+            return self._read_object(text)
+        if self.state == "start":
+            if not self._space(text):
+                return False
+            tag = self._literal(text, PYTHON_TAG)
+            if tag is None:
+                return False
+            self.state = "call"
+            return True
+        if not self._space(text, ";" if self.sent else ""):
+            return False
+        if text[self.at] != "{":
+            return self._stop()
+        self.object = CallObject(("parameters", "arguments"))
+        return True
+
+
+@register_tool_parser("llama3_json", openers=("{", PYTHON_TAG), stream=Llama3Calls)
 def _llama3_json(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall]]:
     body = text.strip()
     body = body.removeprefix(PYTHON_TAG).lstrip()
     if not body.startswith("{"):
         return text, []
     calls: list[ParsedCall] = []
-    decoder, at = json.JSONDecoder(), 0
+    decoder, at = json.JSONDecoder(object_pairs_hook=Pairs), 0
     while at < len(body):
         try:
             value, at = decoder.raw_decode(body, at)
@@ -211,7 +366,105 @@ def _llama3_json(text: str, tools: Tools = None) -> tuple[str | None, list[Parse
     return None, calls
 
 
-@register_tool_parser("mistral", markers=(MISTRAL_START,), special_tokens=True)
+class MistralCalls(CallStream):
+    """`[TOOL_CALLS]` and a JSON list of call objects (or one), or per call
+    `[TOOL_CALLS]name([ARGS]){...}`."""
+    name = ""
+
+    def new_id(self) -> str:
+        return _mistral_id()
+
+    def _step(self, text: str) -> bool:
+        if self.object is not None:
+            if not self._read_object(text):
+                return False
+            self.state = "list_next" if self.state == "list" else "end"
+            return True
+        if self.json is not None:
+            if not self._read_json(text):
+                return False
+            self.state = "next"
+            return True
+        return getattr(self, f"_{self.state}")(text)
+
+    def _start(self, text: str) -> bool:
+        self.at += len(MISTRAL_START)
+        self.state = "first"
+        return True
+
+    def _first(self, text: str) -> bool:
+        if not self._space(text):
+            return False
+        if text[self.at] == "{":
+            self.object, self.state = CallObject(("arguments",)), "single"
+        elif text[self.at] == "[":
+            self.at += 1
+            self.state = "list_item"
+        else:
+            self.state = "name"
+        return True
+
+    def _list_item(self, text: str) -> bool:
+        if not self._space(text):
+            return False
+        if text[self.at] != "{":
+            return self._stop()
+        self.object, self.state = CallObject(("arguments",)), "list"
+        return True
+
+    def _list_next(self, text: str) -> bool:
+        if not self._space(text):
+            return False
+        if text[self.at] != ",":
+            return self._stop()  # `]`: the list ended
+        self.at += 1
+        self.state = "list_item"
+        return True
+
+    def _name(self, text: str) -> bool:
+        if not self._space(text):
+            return False
+        name = MISTRAL_NAME.match(text, self.at)
+        if name is None or not name.group(1):
+            return self._stop()
+        if name.end() == len(text):
+            return False  # the name may go on
+        self.name, self.at, self.state = name.group(1), name.end(), "args_marker"
+        return True
+
+    def _args_marker(self, text: str) -> bool:
+        if self._literal(text, MISTRAL_ARGS) is None:
+            return False
+        self.state = "args"
+        return True
+
+    def _args(self, text: str) -> bool:
+        if not self._space(text):
+            return False
+        if text[self.at] != "{":
+            return self._stop()
+        self._open(self.name)
+        self.json = JsonText()
+        return True
+
+    def _next(self, text: str) -> bool:
+        if not self._space(text):
+            return False
+        marker = self._literal(text, MISTRAL_START)
+        if marker is None:
+            return False
+        if not marker:
+            return self._stop()
+        self.state = "name"
+        return True
+
+    def _end(self, text: str) -> bool:
+        return self._stop()
+
+
+
+@register_tool_parser("mistral", markers=(MISTRAL_START,), special_tokens=True,
+                      stream=MistralCalls)
 def _mistral(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall]]:
     start = text.find(MISTRAL_START)
     if start < 0:
@@ -229,7 +482,7 @@ def _mistral(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCal
 
 def _json_calls(body: str) -> list[ParsedCall | None]:
     try:
-        value = json.loads(body)
+        value = loads(body)
     except ValueError:
         return []
     return [_call_of(v, "arguments") for v in (value if isinstance(value, list) else [value])]
@@ -246,7 +499,7 @@ def _mistral_call(part: str) -> ParsedCall | None:
 
 def _arguments_object(name: str, text: str) -> ParsedCall | None:
     try:
-        value = json.loads(text)
+        value = loads(text)
     except ValueError:
         return None
     if not isinstance(value, dict):
@@ -258,7 +511,78 @@ def _mistral_id() -> str:
     return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
-@register_tool_parser("pythonic", openers=("[",))
+class PythonicCalls(CallStream):
+    """`[f(a=1), g()]`: each call goes out whole once its parentheses close (its
+    arguments are Python literals, read only once complete)."""
+    call_start = depth = 0
+    quote = ""
+
+    def _step(self, text: str) -> bool:
+        if self.state == "call":
+            return self._call(text)
+        if not self._space(text):
+            return False
+        c = text[self.at]
+        if self.state == "start" and c == "[":
+            self.at += 1
+            self.state = "next"
+        elif self.state == "next" and c not in ",]":
+            self.call_start, self.depth, self.state = self.at, 0, "call"
+        elif self.state == "after" and c == ",":
+            self.at += 1
+            self.state = "next"
+        else:  # the list's end, or not a list of calls
+            return self._stop()
+        return True
+
+    def _call(self, text: str) -> bool:
+        """Read up to the call's closing parenthesis, past strings and brackets."""
+        while self.at < len(text):
+            c = text[self.at]
+            if self.quote:
+                if c == "\\":
+                    if self.at + 1 == len(text):
+                        return False
+                    self.at += 2
+                    continue
+                ahead = text[self.at:self.at + len(self.quote)]
+                if len(ahead) < len(self.quote) and self.quote.startswith(ahead):
+                    return False  # maybe a triple quote's end
+                if ahead == self.quote:
+                    self.at += len(self.quote) - 1
+                    self.quote = ""
+            elif c in "'\"":
+                rest = text[self.at:self.at + 3]
+                if rest != c * 3 and rest == c * len(rest):
+                    return False  # '' or a triple quote's start
+                self.quote = c * 3 if rest == c * 3 else c
+                self.at += len(self.quote) - 1
+            elif c in ",)]}" and self.depth == 0:
+                return self._stop()  # no parentheses: not a call
+            elif c in "([{":
+                self.depth += 1
+            elif c in ")]}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.at += 1
+                    return self._called(text[self.call_start:self.at])
+            self.at += 1
+        return False
+
+    def _called(self, source: str) -> bool:
+        try:
+            call = _python_call(ast.parse(source, mode="eval").body)
+        except _LITERAL_ERRORS:
+            call = None
+        if call is None:
+            return self._stop()
+        self._open(call.name)
+        self._arguments(call.arguments)
+        self.state = "after"
+        return True
+
+
+@register_tool_parser("pythonic", openers=("[",), stream=PythonicCalls)
 def _pythonic(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall]]:
     body = text.strip()
     if not body.startswith("["):
@@ -288,7 +612,117 @@ def _python_call(node: ast.expr) -> ParsedCall | None:
         return None
 
 
-@register_tool_parser("qwen3_coder", markers=(HERMES_START, QWEN_FUNCTION_START))
+class Qwen3CoderCalls(CallStream):
+    """`<function=NAME>`, `<parameter=KEY>value</parameter>`s, `</function>`: a call opens
+    with its name; a string parameter (by the tools' schema, or without one) streams as it
+    is written, a typed one goes out once its value ends (typing needs all of it)."""
+    FUNCTION_ENDS = ("</function>", "</tool_call>", QWEN_FUNCTION_START)
+    VALUE_ENDS = ("</parameter>", "<parameter=", *FUNCTION_ENDS)
+    function = key = ""
+    value_start = 0
+    written = 0  # parameters of the open call
+    as_text = False  # the value being read is a string
+    sent_to = -1  # how much of a string value went out; -1: not begun
+
+    def _step(self, text: str) -> bool:
+        return getattr(self, f"_{self.state}")(text)
+
+    def _start(self, text: str) -> bool:
+        found = self._find(text, (QWEN_FUNCTION_START,))
+        if found is None:
+            return False
+        self.at, self.state = found[0] + len(QWEN_FUNCTION_START), "name"
+        return True
+
+    def _name(self, text: str) -> bool:
+        name = self._up_to_bracket(text)
+        if name is None:
+            return False
+        if not name:
+            return self._stop()
+        self._open(name)
+        self.function, self.written, self.state = name, 0, "body"
+        return True
+
+    def _up_to_bracket(self, text: str) -> str | None:
+        """A tag's name up to its `>` (stops reading at a line break: no tag)."""
+        found = self._find(text, (">", "\n"))
+        if found is None:
+            return None
+        if found[1] == "\n":
+            self._stop()
+            return None
+        name, self.at = text[self.at:found[0]].strip(), found[0] + 1
+        return name
+
+    def _body(self, text: str) -> bool:
+        found = self._find(text, ("<parameter=", *self.FUNCTION_ENDS))
+        if found is None:
+            return False
+        at, marker = found
+        if marker == "<parameter=":
+            self.at, self.state = at + len(marker), "key"
+            return True
+        self._arguments("}" if self.written else "{}")
+        self.at = at + len(marker) if marker == "</function>" else at
+        self.state = "start"
+        return True
+
+    def _key(self, text: str) -> bool:
+        key = self._up_to_bracket(text)
+        if key is None:
+            return False
+        self.key, self.value_start, self.state = key, self.at, "value"
+        schema = _parameter_schemas(self.tools, self.function).get(key)
+        self.as_text, self.sent_to = _schema_type(schema) in (None, "string"), -1
+        return True
+
+    def _value(self, text: str) -> bool:
+        found = self._find(text, self.VALUE_ENDS)
+        if self.as_text:
+            self._text_value(text, found)
+        if found is None:
+            return False
+        at, marker = found
+        if not self.as_text:
+            value = text[self.value_start:at].removeprefix("\n").removesuffix("\n")
+            schema = _parameter_schemas(self.tools, self.function).get(self.key)
+            self._arguments(self._key_text() + json.dumps(_typed(value, schema),
+                                                          ensure_ascii=False))
+        self.written += 1
+        self.at = at + len(marker) if marker == "</parameter>" else at
+        self.state = "body"
+        return True
+
+    def _key_text(self) -> str:
+        return ("{" if not self.written else ", ") + json.dumps(self.key, ensure_ascii=False) \
+            + ": "
+
+    def _text_value(self, text: str, found: tuple[int, str] | None) -> None:
+        """Send what is certain of a string value: not its first and last line break
+        (the whole parse drops them) nor what may begin the tag that ends it."""
+        end = len(text) if found is None else found[0]
+        if self.sent_to < 0:
+            if found is None and end == self.value_start:
+                return  # a line break may yet come first
+            if text.startswith("\n", self.value_start) and self.value_start < end:
+                self.value_start += 1
+            self._arguments(self._key_text() + '"')
+            self.sent_to = self.value_start
+        if found is None:
+            tail = text[max(self.sent_to, end - 12):]
+            end -= max(_partial_marker(tail, marker) for marker in self.VALUE_ENDS)
+        if end > self.sent_to and text[end - 1] == "\n":
+            end -= 1
+        if end > self.sent_to:
+            self._arguments(encode_basestring(text[self.sent_to:end])[1:-1])
+            self.sent_to = end
+        if found is not None:
+            self._arguments('"')
+
+
+@register_tool_parser("qwen3_coder", markers=(HERMES_START, QWEN_FUNCTION_START),
+                      stream=Qwen3CoderCalls)
 def _qwen3_coder(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall]]:
     starts = [at for at in (text.find(HERMES_START), text.find(QWEN_FUNCTION_START)) if at >= 0]
     if not starts:
@@ -307,12 +741,12 @@ def _qwen_call(name: str, body: str, tools: Tools) -> ParsedCall | None:
     if not name:
         return None
     schemas = _parameter_schemas(tools, name)
-    arguments = {}
+    arguments = []  # a parameter written twice stays twice, as a stream sent it
     for parameter in QWEN_PARAMETER.finditer(body):
         key = parameter.group(1).strip()
         value = parameter.group(2).removeprefix("\n").removesuffix("\n")
-        arguments[key] = _typed(value, schemas.get(key))
-    return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+        arguments.append((key, _typed(value, schemas.get(key))))
+    return ParsedCall(name, json.dumps(Pairs(arguments), ensure_ascii=False))
 
 
 def _parameter_schemas(tools: Tools, name: str) -> dict[str, Any]:
@@ -368,7 +802,82 @@ def _schema_type(schema: Any) -> str | None:
     return None
 
 
-@register_tool_parser("deepseek_v3", markers=(DEEPSEEK_CALLS_BEGIN,), special_tokens=True)
+class DeepSeekV3Calls(CallStream):
+    """`<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`, a ```json fence around the
+    arguments, `<｜tool▁call▁end｜>`, per call."""
+    name = ""
+
+    def _step(self, text: str) -> bool:
+        if self.json is not None:
+            if not self._read_json(text):
+                return False
+            self.state = "fence_end"
+            return True
+        return getattr(self, f"_{self.state}")(text)
+
+    def _start(self, text: str) -> bool:
+        self.at += len(DEEPSEEK_CALLS_BEGIN)
+        self.state = "call"
+        return True
+
+    def _marker(self, text: str, marker: str, state: str) -> bool:
+        """Skip space, then `marker`, then go on in `state`."""
+        if not self._space(text):
+            return False
+        found = self._literal(text, marker)
+        if not found:
+            return False if found is None else self._stop()
+        self.state = state
+        return True
+
+    def _call(self, text: str) -> bool:
+        return self._marker(text, "<｜tool▁call▁begin｜>", "kind")
+
+    def _kind(self, text: str) -> bool:
+        found = self._find(text, ("<｜tool▁sep｜>",))
+        if found is None:
+            return False
+        kind, self.at = text[self.at:found[0]], found[0] + len(found[1])
+        if kind.strip() != "function" or "<" in kind:
+            return self._stop()
+        self.state = "name"
+        return True
+
+    def _name(self, text: str) -> bool:
+        found = self._find(text, ("\n", "<"))
+        if found is None:
+            return False
+        self.name, self.at = text[self.at:found[0]].strip(), found[0]
+        self.state = "fence"
+        return True if self.name else self._stop()
+
+    def _fence(self, text: str) -> bool:
+        return self._marker(text, "```", "language")
+
+    def _language(self, text: str) -> bool:
+        if self._literal(text, "json") is None:
+            return False
+        self.state = "object"
+        return True
+
+    def _object(self, text: str) -> bool:
+        if not self._space(text):
+            return False
+        if text[self.at] != "{":
+            return self._stop()
+        self._open(self.name)
+        self.json = JsonText()
+        return True
+
+    def _fence_end(self, text: str) -> bool:
+        return self._marker(text, "```", "call_end")
+
+    def _call_end(self, text: str) -> bool:
+        return self._marker(text, "<｜tool▁call▁end｜>", "call")
+
+
+@register_tool_parser("deepseek_v3", markers=(DEEPSEEK_CALLS_BEGIN,), special_tokens=True,
+                      stream=DeepSeekV3Calls)
 def _deepseek_v3(text: str, tools: Tools = None) -> tuple[str | None, list[ParsedCall]]:
     start = text.find(DEEPSEEK_CALLS_BEGIN)
     if start < 0:
@@ -395,7 +904,7 @@ def _skip(body: str, at: int, separator: str) -> int:
 
 def _call(text: str, arguments_key: str) -> ParsedCall | None:
     try:
-        return _call_of(json.loads(text), arguments_key)
+        return _call_of(loads(text), arguments_key)
     except ValueError:
         return None
 
@@ -465,9 +974,11 @@ class OutputSplitter:
     released: int = 0  # how much of `text` went out
     content_from: int = 0  # where the content starts: after a leading reasoning
     thinking: bool = False  # between the reasoning's markers
-    holding_calls: bool = False  # a tool call started: the rest waits for the finish
+    holding_calls: bool = False  # a tool call started: the rest is calls (or, if they
+    # never parse, content at the finish)
     opens_content: bool = False  # the reasoning under way came first
     parser: ToolParser | None = None
+    stream: CallStream | None = None  # the calls as they are written
 
     def __post_init__(self) -> None:
         self.thinking = self.opens_content = self.reasoning_parser == "deepseek_r1"
@@ -487,12 +998,44 @@ class OutputSplitter:
                 self._release_content(piece, finished)
             if self.released == before:
                 break
-        if finished and self.holding_calls and self.parser is not None:
-            content, calls = self.parser.parse(self.text[self.released:], self.tools)
-            piece.content += content or ""
-            piece.tool_calls = self._kept(calls)
-            self.released = len(self.text)
+        if not self.holding_calls or self.parser is None:
+            return piece
+        if self.stream is None and self.parser.stream is not None and not finished:
+            self.stream = self.parser.stream(self.released, self.tools)
+        if self.stream is not None:
+            piece.calls = [d for d in self.stream.read(self.text)
+                           if not self.single_call or d.index == 0]
+        if finished:
+            self._finish_calls(piece)
         return piece
+
+    def _finish_calls(self, piece: Piece) -> None:
+        """The whole call section parsed: a whole response's calls, and what the stream
+        has not sent of them. A section that does not parse is content, as long as no call
+        went out; calls sent stay as sent (a stream cannot take them back)."""
+        assert self.parser is not None
+        content, calls = self.parser.parse(self.text[self.released:], self.tools)
+        calls = self._kept(calls)
+        self.released = len(self.text)
+        sent = self.stream.sent if self.stream is not None else []
+        if not calls and sent:
+            return
+        piece.content += content or ""
+        piece.tool_calls = calls
+        piece.calls += self._rest_of(calls, sent)
+
+    @staticmethod
+    def _rest_of(calls: list[ParsedCall], sent: list[list[str]]) -> list[CallDelta]:
+        rest = []
+        for i, call in enumerate(calls):
+            if i >= len(sent):
+                rest.append(CallDelta(i, ParsedCall(call.name, "", call.id)))
+                streamed = ""
+            else:
+                streamed = "".join(sent[i])
+            if call.arguments.startswith(streamed) and len(call.arguments) > len(streamed):
+                rest.append(CallDelta(i, arguments=call.arguments[len(streamed):]))
+        return rest
 
     def _kept(self, calls: list[ParsedCall]) -> list[ParsedCall]:
         return calls[:1] if self.single_call else calls
@@ -502,6 +1045,7 @@ class OutputSplitter:
             if finished:
                 content, calls = parse_required(self.text)
                 piece.content, piece.tool_calls = content or "", self._kept(calls)
+                piece.calls = self._rest_of(piece.tool_calls, [])
             return piece
         if not self.holding_calls:  # the named call opens with the first piece
             self.holding_calls = True
