@@ -41,6 +41,7 @@ from services.worker.inputs import StepInputs, prepare_inputs, to_device
 from services.worker.launched import Launched, finish
 from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
 from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_all_reduce
+from services.worker.layers.pipeline import append_result, current_stage
 from services.worker.loader import load_model
 from services.worker.lora import LoRAManager
 from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
@@ -92,6 +93,7 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
+        self.stage = current_stage()  # the executor builds us inside building_stage
         torch.manual_seed(config.seed)
         self.model = load_model(config, hf_config, self.device, self.dtype, model_dir)
         # before the memory plan: its weights and its KV bytes per block count
@@ -110,7 +112,8 @@ class ModelRunner:
         self._pending: Launched | None = None
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._connect_peers()
-        self.num_blocks = min_over_ranks(self._plan_num_blocks(), self.device)
+        self.num_blocks = self.stage.min_over_stages(
+            min_over_ranks(self._plan_num_blocks(), self.device), self.device)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         if self.draft is not None:
             self.draft.kv_caches = self.draft.allocate_kv_caches(self.num_blocks)
@@ -123,7 +126,7 @@ class ModelRunner:
         config = self.config
         bytes_per_block = kv_cache_bytes_per_block(
             self.hf_config, config.block_size, self.kv_cache_dtype,
-            config.tensor_parallel_size)
+            config.tensor_parallel_size, self.model.num_layers)
         if self.draft is not None:
             bytes_per_block += self.draft.bytes_per_block()
         return plan_num_blocks(config, self, bytes_per_block)
@@ -155,11 +158,16 @@ class ModelRunner:
         launches this step while the device finishes the last one."""
         self._apply_plan(plan)
         # On a synchronous device (the CPU) the last step is computed already: its tokens
-        # go out now rather than after this step's compute.
-        done = self._finish_last(self._pending is not None and self._pending.done is None)
+        # go out now rather than after this step's compute. Pipeline stages finish it here
+        # always, all at the same point, the first for the tokens it embeds next.
+        done = self._finish_last(self.stage.size > 1 or (
+            self._pending is not None and self._pending.done is None))
         started = time.perf_counter()
         inputs = self._prepare(plan)
         hidden = self._run(inputs)
+        if not self.stage.is_last:  # the last stage samples, and shares the result
+            self._pending = Launched(plan.step, started, [])
+            return done
         # Penalties, min_tokens and grammars need the last step's tokens to sample: wait
         # for them now, while the device runs this step's forward pass.
         done += self._finish_last(any(s.pending and s.needs_history()
@@ -217,8 +225,13 @@ class ModelRunner:
         if key is not None:
             hidden = graphs.run(key, inputs.input_ids, inputs.positions, attn)
         else:
+            sent = None if self.stage.is_first else self.stage.recv_prev(
+                (inputs.positions.shape[0], self.hf_config.hidden_size), self.dtype,
+                self.device)
             hidden = self.model(inputs.input_ids, inputs.positions,
-                                ForwardContext(attn, self.kv_caches))
+                                ForwardContext(attn, self.kv_caches), sent)
+            if not self.stage.is_last:
+                self.stage.send_next(hidden)
         if self.draft is not None:
             self.draft.sync(inputs.input_ids, inputs.positions, attn)
         return hidden
@@ -366,7 +379,13 @@ class ModelRunner:
         if not now or launched is None:
             return []
         self._pending = None
-        return [finish(launched)]
+        if self.stage.size == 1:
+            return [finish(launched)]
+        result = self.stage.share_result(finish(launched) if self.stage.is_last else None,
+                                         self.device)
+        if not self.stage.is_last:
+            append_result(self.requests, result)
+        return [result]
 
     # --- set-up -------------------------------------------------------------------------
 
@@ -382,7 +401,8 @@ class ModelRunner:
 
     def _capture_graphs(self) -> StepGraphs | None:
         config = self.config
-        if self.device.type != "cuda" or config.enforce_eager:
+        # a stage's forward pass sends and receives between graphs: eager
+        if self.device.type != "cuda" or config.enforce_eager or self.stage.size > 1:
             return None
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         graphs = StepGraphs(self.model, self.kv_caches, config.max_num_seqs,
@@ -418,7 +438,11 @@ class ModelRunner:
             max_query_len=int(q_lens.max()), max_seq_len=int(q_lens.max()))
         input_ids = torch.randint(0, self.model.vocab_size, (num_tokens,), device=self.device)
         positions = self._tensor(np.arange(num_tokens) - np.repeat(cu[:-1], q_lens))
-        hidden = self.model(input_ids, positions, ForwardContext(attn, caches))
+        sent = None if self.stage.is_first else torch.randn(
+            num_tokens, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        hidden = self.model(input_ids, positions, ForwardContext(attn, caches), sent)
+        if not self.stage.is_last:  # no logits to sample
+            return
         if self.draft is not None:  # its sync pass over the same step
             self.draft.forward(input_ids, positions, attn, self.draft.allocate_kv_caches(1))
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:] - 1)])
