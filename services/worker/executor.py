@@ -149,8 +149,8 @@ class PipelineExecutor(TensorParallelExecutor):
     every rank of the later stages in follower processes, each building only its stage's
     layers and KV cache (layers/pipeline.py). Each call goes to every rank, as for tensor
     parallelism; hidden states pass stage to stage inside the step, and the last stage's
-    StepResult comes back over the pipeline group when the next call finishes the step.
-
-    One step at a time: a step's tokens are back on the first stage before it embeds the
-    next step's, so the stages do not overlap (no micro-batches in flight yet). The
-    calls are the tensor-parallel group's: what differs is inside each rank's runner."""
+    StepResult comes back over the pipeline group. With N stages, submit returns the
+    result of the step N - 1 before the one it launches (once the stages after the first
+    have finished it), so up to N steps of different requests are in flight; flush
+    returns every one still out. The calls are the tensor-parallel group's: what differs
+    is inside each rank's runner."""

@@ -110,6 +110,7 @@ class ModelRunner:
                                  self.model.vocab_size, self.device)
         self.requests: dict[str, RequestState] = {}
         self._pending: Launched | None = None
+        self._unshared = 0  # a pipeline stage's launched steps whose results are not back
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._connect_peers()
         self.num_blocks = self.stage.min_over_stages(
@@ -157,17 +158,14 @@ class ModelRunner:
         gathered on the device from the previous step's samples, so the host prepares and
         launches this step while the device finishes the last one."""
         self._apply_plan(plan)
+        if self.stage.size > 1:
+            return self._submit_stage(plan)
         # On a synchronous device (the CPU) the last step is computed already: its tokens
-        # go out now rather than after this step's compute. Pipeline stages finish it here
-        # always, all at the same point, the first for the tokens it embeds next.
-        done = self._finish_last(self.stage.size > 1 or (
-            self._pending is not None and self._pending.done is None))
+        # go out now rather than after this step's compute.
+        done = self._finish_last(self._pending is not None and self._pending.done is None)
         started = time.perf_counter()
         inputs = self._prepare(plan)
         hidden = self._run(inputs)
-        if not self.stage.is_last:  # the last stage samples, and shares the result
-            self._pending = Launched(plan.step, started, [])
-            return done
         # Penalties, min_tokens and grammars need the last step's tokens to sample: wait
         # for them now, while the device runs this step's forward pass.
         done += self._finish_last(any(s.pending and s.needs_history()
@@ -178,9 +176,40 @@ class ModelRunner:
         self._pending = launched
         return done
 
+    def _submit_stage(self, plan: StepPlan) -> list[StepResult]:
+        """A pipeline stage's part of `plan` (layers/pipeline.py). The last stage samples,
+        finishes the step at once and broadcasts its result; a stage before it sends its
+        hidden states on and takes the results of the steps that the stages after it have
+        finished meanwhile: all but the newest `behind` of those it launched, so up to
+        `behind` + 1 steps are in flight. None of this plan's requests has a token in
+        flight (the scheduler plans none such), so the first stage knows every input."""
+        started = time.perf_counter()
+        inputs = self._prepare(plan)
+        hidden = self._run(inputs)
+        if not self.stage.is_last:
+            self._unshared += 1
+            return self._take_results(self.stage.behind)
+        launched = self._sample(plan.step, inputs, hidden, started)
+        self._pool(launched, inputs.pooling_rows, hidden)
+        return [self.stage.share_result(finish(launched), self.device)]
+
+    def _take_results(self, keep: int) -> list[StepResult]:
+        """The last stage's results of this stage's oldest launched steps, leaving `keep` in
+        flight; their tokens are appended to their requests."""
+        done = []
+        while self._unshared > keep:
+            result = self.stage.share_result(None, self.device)
+            append_result(self.requests, result)
+            self._unshared -= 1
+            done.append(result)
+        return done
+
     @torch.inference_mode()
     def flush(self) -> list[StepResult]:
-        """The result of the last submitted step, once it is complete."""
+        """The result of the last submitted step, once it is complete (on a pipeline
+        stage, of every step still in flight)."""
+        if self.stage.size > 1:
+            return self._take_results(0)
         return self._finish_last()
 
     def step_done(self) -> bool:
@@ -196,7 +225,8 @@ class ModelRunner:
 
     def forget_requests(self) -> None:
         """Drop every request's state (a new scheduler took over); flush first."""
-        assert self._pending is None, "a launched step still refers to these requests"
+        assert self._pending is None and not self._unshared, \
+            "a launched step still refers to these requests"
         self.requests.clear()
 
     def _apply_plan(self, plan: StepPlan) -> None:
@@ -379,13 +409,7 @@ class ModelRunner:
         if not now or launched is None:
             return []
         self._pending = None
-        if self.stage.size == 1:
-            return [finish(launched)]
-        result = self.stage.share_result(finish(launched) if self.stage.is_last else None,
-                                         self.device)
-        if not self.stage.is_last:
-            append_result(self.requests, result)
-        return [result]
+        return [finish(launched)]
 
     # --- set-up -------------------------------------------------------------------------
 

@@ -10,10 +10,14 @@ partial) to the residual, so the next stage starts like the first with one tenso
 [tokens, hidden_size]. Each tensor-parallel rank of a stage sends to the rank of the same
 index in the next one, over the default group (gloo on the CPU, NCCL on GPUs).
 
-The last stage samples. It finishes each step at the start of the next call (submit or
-flush), on every stage at the same point, and broadcasts the StepResult over its
-pipeline group: the other stages append its tokens to their requests, so the first stage
-embeds the next step's tokens and plans still carry no token ids.
+The last stage samples, finishes each step at once and broadcasts its StepResult over its
+pipeline group; the other stages take it (in step order) and append its tokens to their
+requests, so the first stage embeds those tokens later and plans still carry no token
+ids. A stage sends without waiting for the next one to receive, and takes a result only
+once it has launched as many steps after it as there are stages behind it: with N stages
+up to N steps are in flight, each stage computing another. The scheduler makes that
+possible (services/scheduler/core.py): it plans no request whose sampled token is still
+in flight, and gives each step at most 1/N of the running requests.
 
 A stage is passed, not looked up: the layers built inside `building_stage(stage)` read it,
 as they read their tensor-parallel group (layers/parallel.py). Outside any, a model is
@@ -71,6 +75,12 @@ class PPStage:
     layers: range | None = None  # None: every layer
     ranks: list[int] = field(default_factory=lambda: [0])
     group: dist.ProcessGroup | None = None
+    sending: tuple[dist.Work, torch.Tensor] | None = None  # the last send, and its tensor
+
+    @property
+    def behind(self) -> int:
+        """The stages after this one: steps whose results it may leave in flight."""
+        return self.size - 1 - self.index
 
     @property
     def is_first(self) -> bool:
@@ -84,7 +94,12 @@ class PPStage:
         return self.layers is None or layer in self.layers
 
     def send_next(self, hidden: torch.Tensor) -> None:
-        dist.send(hidden.contiguous(), dst=self.ranks[self.index + 1])
+        """Sends without waiting for the next stage to take it (it may still be computing
+        the step before): the send before this one must be complete first."""
+        if self.sending is not None:
+            self.sending[0].wait()
+        hidden = hidden.contiguous()
+        self.sending = (dist.isend(hidden, dst=self.ranks[self.index + 1]), hidden)
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                   ) -> torch.Tensor:
