@@ -201,3 +201,17 @@ def test_an_uneven_split_from_the_environment_gives_one_ranks_tokens(tmp_path, m
         outputs = [o for _ in range(2) for o in llm.generate(
             [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)]
     assert_same([(o.outputs[0].token_ids, o.prompt_logprobs) for o in outputs], want)
+
+
+def embed(model_dir: Path, **sizes) -> torch.Tensor:
+    with LLM(str(model_dir), device="cpu", seed=3, pooling_type="MEAN",
+             max_num_batched_tokens=16, max_num_seqs=4, **sizes) as llm:
+        outputs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    return torch.tensor([o.outputs.embedding for o in outputs])
+
+
+def test_embeddings_at_two_stages_are_one_ranks(tmp_path):
+    """The last stage pools its final hidden states over the prompts' chunks."""
+    model_dir = make_tiny_model(tmp_path, "llama")
+    torch.testing.assert_close(embed(model_dir, pipeline_parallel_size=2), embed(model_dir),
+                               atol=SAME_AS_ONE_RANK, rtol=0)
