@@ -93,6 +93,10 @@ class EngineConfig:
         "is none, or 4%% of --max-model-len with --max-num-partial-prefills above 1."))
     tensor_parallel_size: int = field(default=1, metadata=_help(
         "Number of GPUs the model is split over."))
+    pipeline_parallel_size: int = field(default=1, metadata=_help(
+        "Number of pipeline stages, each holding a share of the layers on "
+        "--tensor-parallel-size GPUs of its own (VLLM_PP_LAYER_PARTITION, e.g. '10,11,11', "
+        "sets each stage's share)."))
     data_parallel_size: int = field(default=1, metadata=_help(
         "Number of GPU shards, each a scheduler and a worker (of --tensor-parallel-size "
         "GPUs) with its own KV cache, behind the same gateways, tokenizers and "
@@ -211,6 +215,7 @@ class EngineConfig:
                               f"{self.block_size}")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
         _positive("max_logprobs", self.max_logprobs, allow_zero=True)
         self._validate_partial_prefills()
@@ -233,6 +238,7 @@ class EngineConfig:
         self.pooling()
         self._validate_lora()
         self.speculative()
+        self._validate_pipeline()
         self.compilation()
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and not self.enable_chunked_prefill
@@ -278,6 +284,17 @@ class EngineConfig:
             raise ConfigError(f"--override-pooler-config's normalize must be true or false, "
                               f"got {normalize!r}")
         return kind.upper(), normalize
+
+    def _validate_pipeline(self) -> None:
+        """What the pipeline stages do not run yet (the stages lack the draft model's and
+        the adapters' plumbing)."""
+        if self.pipeline_parallel_size == 1:
+            return
+        if self.speculative() is not None:
+            raise ConfigError("--speculative-config runs with --pipeline-parallel-size 1 "
+                              "only")
+        if self.enable_lora:
+            raise ConfigError("--enable-lora runs with --pipeline-parallel-size 1 only")
 
     def speculative(self) -> SpeculativeConfig | None:
         """--speculative-config, with the older flags filling in what it leaves out."""

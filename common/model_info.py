@@ -45,6 +45,7 @@ def resolve_engine(config: EngineConfig) -> ResolvedModel:
         raise ConfigError("--load-format dummy cannot fill GGUF blocks; leave out "
                           "--quantization gguf to run random float weights")
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
+    check_pipeline_parallel(hf_config, config.pipeline_parallel_size)
     if config.enable_lora:
         check_lora(hf_config)
     model_max_len = max_model_len_of(hf_config)
@@ -133,6 +134,14 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
             f"{kv_heads} KV heads must divide by {size} or into it")
 
 
+def check_pipeline_parallel(hf_config: Any, size: int) -> None:
+    """Each stage holds one decoder layer at least."""
+    layers = hf_config.num_hidden_layers
+    if size > layers:
+        raise ConfigError(f"--pipeline-parallel-size {size} exceeds the model's {layers} "
+                          "layers: each stage needs one at least")
+
+
 def check_lora(hf_config: Any) -> None:
     """LoRA wraps the separate dense projections: adapters of fused ones (Phi-3) target
     modules headrace does not have, and the experts' stacked weights have no adapter path,
@@ -153,7 +162,8 @@ def check_devices(config: EngineConfig, shards: int = 1) -> None:
     """A tensor-parallel rank per GPU, for each of `shards` shards: refuse what this
     machine cannot hold. Imports torch, so only the processes that run (or start) the
     model call it."""
-    needed = config.tensor_parallel_size * shards
+    per_shard = config.tensor_parallel_size * config.pipeline_parallel_size
+    needed = per_shard * shards
     if needed == 1 or config.device == "cpu":
         return
     import torch
@@ -161,6 +171,7 @@ def check_devices(config: EngineConfig, shards: int = 1) -> None:
     gpus = torch.cuda.device_count()
     if (config.device == "cuda" or gpus) and gpus < needed:
         raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size} x "
+                          f"--pipeline-parallel-size {config.pipeline_parallel_size} x "
                           f"{shards} shard(s) needs {needed} GPUs; this machine has {gpus}")
 
 
@@ -171,8 +182,9 @@ def check_shard(engine: EngineConfig, server: ServerConfig) -> None:
 
 
 def shard_gpus(config: EngineConfig, shard: int) -> str:
-    """CUDA_VISIBLE_DEVICES for a shard's worker: its own tensor-parallel-size GPUs."""
-    size = config.tensor_parallel_size
+    """CUDA_VISIBLE_DEVICES for a shard's worker: its own tensor x pipeline parallel size
+    GPUs."""
+    size = config.tensor_parallel_size * config.pipeline_parallel_size
     return ",".join(str(gpu) for gpu in range(shard * size, (shard + 1) * size))
 
 

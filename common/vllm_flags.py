@@ -69,8 +69,6 @@ FOREIGN_FLAGS = (
                 default="auto", accepted=("vllm",)),
     ForeignFlag("distributed-executor-backend", str, "refused",
                 "ranks are processes linked by NCCL", accepted=("mp",)),
-    ForeignFlag("pipeline-parallel-size", int, "refused",
-                "use --tensor-parallel-size and --data-parallel-size", default=1),
     ForeignFlag("revision", str, "refused", _PINNED, accepted=("main",)),
     ForeignFlag("code-revision", str, "refused", _PINNED, accepted=("main",)),
     ForeignFlag("tokenizer-revision", str, "refused", _PINNED, accepted=("main",)),

@@ -211,6 +211,30 @@ def test_batch_matches_reference_and_wastes_no_step(lag):
     assert sched.kv.usage == 0.0 and not sched.running
 
 
+def test_pipeline_stages_get_steps_of_other_requests_than_the_step_in_flight():
+    """With two stages and two plans in flight, a request that samples in one plan is not
+    in the next (the first stage would lack its token), and a step takes at most half of
+    the running requests, so that decodes alternate between two steps."""
+    sched, worker = make()
+    sched.config = dataclasses.replace(sched.config, pipeline_stages=2)
+    ps = prompts(6)
+    for i, p in enumerate(ps):
+        admit(sched, f"r{i}", p, max_tokens=8)
+    run = drive(sched, worker, lag=1)
+    for i, p in enumerate(ps):
+        assert run.outputs[(f"r{i}", 0)] == reference(p, 8)
+    lengths = {f"r{i}#0": len(p) for i, p in enumerate(ps)}
+    for before, plan in zip(run.plans, run.plans[1:]):
+        sampled = {r for r, start, n in zip(before.req_ids, before.num_computed_tokens,
+                                            before.num_scheduled_tokens)
+                   if start + n >= lengths[r]}
+        assert not sampled & set(plan.req_ids), (before, plan)
+    decodes = [plan for plan in run.plans
+               if all(start >= lengths[r] for r, start in zip(plan.req_ids,
+                                                                plan.num_computed_tokens))]
+    assert decodes and max(len(plan.req_ids) for plan in decodes) <= 3
+
+
 def test_chunked_prefill_respects_the_budget_and_runs_decodes_first():
     sched, worker = make(budget=8, num_blocks=64)
     admit(sched, "short", [5, 6, 7], max_tokens=12)

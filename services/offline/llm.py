@@ -80,11 +80,12 @@ class LLM:
     def __init__(self, model: str, *, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
                  **engine_args: Any) -> None:
-        """The parallel sizes are vLLM's: only the tensor-parallel size may be above 1."""
-        check_offline_sizes(pipeline_parallel_size, data_parallel_size)
+        """The parallel sizes are vLLM's: the data-parallel size must be 1."""
+        check_offline_sizes(data_parallel_size)
         if isinstance(engine_args.get("speculative_config"), dict):  # vLLM takes a dict
             engine_args["speculative_config"] = json.dumps(engine_args["speculative_config"])
         self.engine = Engine(EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size,
+                                          pipeline_parallel_size=pipeline_parallel_size,
                                           **engine_args))
         # a bound method of the engine, not of self: the LLM can still be collected
         self._release = weakref.finalize(self, self.engine.close)
@@ -233,12 +234,8 @@ class LLM:
         return list(outputs.values())
 
 
-def check_offline_sizes(pipeline_parallel_size: int, data_parallel_size: int) -> None:
+def check_offline_sizes(data_parallel_size: int) -> None:
     """Refuse the sizes vLLM's LLM takes that one offline engine cannot run."""
-    if pipeline_parallel_size != 1:
-        raise ConfigError(f"pipeline_parallel_size={pipeline_parallel_size}: pipeline "
-                          "parallelism is not built yet; split the model with "
-                          "tensor_parallel_size")
     if data_parallel_size != 1:  # vLLM's LLM refuses it too
         raise ConfigError(f"data_parallel_size={data_parallel_size}: an LLM is one engine; "
                           "run one LLM per process, or `headrace serve "

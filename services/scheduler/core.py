@@ -19,6 +19,12 @@ tokens are appended one by one (a stop condition among them ends it there) and
 `num_computed_tokens` moves back over the rejected drafts, whose KV slots the next steps
 simply overwrite. Requests that need per-token state on the worker (grammars, penalties,
 min_tokens, logprobs, logit_bias, allowed ids, bad words) decode one token at a time, as without it.
+
+Pipeline stages (pipeline_stages > 1): a request's next input is the token its step in
+flight samples, which only the last stage holds, so no request is planned while one of its
+sampling steps is in flight; and a step takes at most 1/stages of the running requests, so
+that consecutive steps hold different requests and every stage has a step to compute
+(services/worker/layers/pipeline.py).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: no prompt is long, no chunk is capped
     max_loras: int = 1  # distinct LoRA adapters in one step
     speculative: SpeculativeConfig | None = None
+    pipeline_stages: int = 1
 
     @classmethod
     def from_engine(cls, config: EngineConfig, num_blocks: int) -> SchedulerConfig:
@@ -72,7 +79,8 @@ class SchedulerConfig:
                    max_long_partial_prefills=config.max_long_partial_prefills,
                    long_prefill_token_threshold=config.long_prefill_token_threshold,
                    max_loras=config.max_loras,
-                   speculative=config.speculative())
+                   speculative=config.speculative(),
+                   pipeline_stages=config.pipeline_parallel_size)
 
 
 @dataclass(slots=True)
@@ -303,8 +311,9 @@ class Scheduler:
     def _schedule_running(self, budget: int, adapters: StepAdapters
                           ) -> tuple[list[tuple[Request, int, list]], int]:
         batch: list[tuple[Request, int, list]] = []
+        share = -(-len(self.running) // self.config.pipeline_stages)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(batch) < share:
             req = self.running[i]
             n = self._num_to_schedule(req, budget)
             if n == 0 or not adapters.admits(req):
@@ -361,6 +370,8 @@ class Scheduler:
         remaining = req.num_tokens - req.num_computed_tokens
         if remaining <= 0 or not self._may_sample(req):
             return 0
+        if req.num_pending and self.config.pipeline_stages > 1:
+            return 0  # the first stage embeds the token in flight only once it is back
         if self._speculates(req):
             if req.num_pending:  # its drafts must follow the token still in flight
                 return 0

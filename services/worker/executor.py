@@ -1,10 +1,12 @@
 """The executor: the one seam through which the worker shell and the offline engine drive
 the model. It takes step plans and hands back step results; how many ranks compute them is
 its business. `start_executor` picks the implementation for the engine's sizes: the model
-whole in this process (OneRankExecutor), or rank 0 of a tensor-parallel group here with
-one follower process per further rank (TensorParallelExecutor, services/worker/ranks.py).
-A group's layers get their TPGroup from the executor that builds them
-(layers/parallel.building_for), never from torch.distributed's global state.
+whole in this process (OneRankExecutor), rank 0 of a tensor-parallel group here with one
+follower process per further rank (TensorParallelExecutor, services/worker/ranks.py), or
+rank 0 of the first of a pipeline's stages, each stage a tensor-parallel group
+(PipelineExecutor). A group's layers get their TPGroup and their PPStage from the executor
+that builds them (layers/parallel.building_for, layers/pipeline.building_stage), never
+from torch.distributed's global state.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from common.config import EngineConfig
 from common.messages import StepPlan, StepResult
 from common.model_info import ResolvedModel, check_devices
 from services.worker.layers.parallel import TPGroup, building_for
+from services.worker.layers.pipeline import building_stage
 from services.worker.model_runner import ModelRunner, resolve_device
 from services.worker.ranks import (FLUSH, FORGET, Followers, OnLost, exit_on_rank_lost,
                                    join_group, leave_group)
@@ -59,6 +62,8 @@ def start_executor(model: ResolvedModel, on_rank_lost: OnLost = exit_on_rank_los
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel group is open in this process already: "
                            "close its engine first")
+    if config.pipeline_parallel_size > 1:
+        return PipelineExecutor(model, on_rank_lost)
     if config.tensor_parallel_size > 1:
         return TensorParallelExecutor(model, on_rank_lost)
     return OneRankExecutor(model)
@@ -104,9 +109,9 @@ class TensorParallelExecutor(OneRankExecutor):
         self.followers: Followers | None = Followers(model, on_rank_lost)
         self.group: TPGroup | None = None
         try:
-            self.group = join_group(0, config.tensor_parallel_size,
-                                    self.followers.init_method, resolve_device(config))
-            with building_for(self.group):
+            self.group, stage = join_group(0, model, self.followers.init_method,
+                                           resolve_device(config))
+            with building_for(self.group), building_stage(stage):
                 super().__init__(model)
         except BaseException:
             self.close()
@@ -137,3 +142,15 @@ class TensorParallelExecutor(OneRankExecutor):
         if self.group is not None:
             leave_group(self.group)
             self.group = None
+
+
+class PipelineExecutor(TensorParallelExecutor):
+    """The first stage's rank 0 here; the further ranks of its tensor-parallel group and
+    every rank of the later stages in follower processes, each building only its stage's
+    layers and KV cache (layers/pipeline.py). Each call goes to every rank, as for tensor
+    parallelism; hidden states pass stage to stage inside the step, and the last stage's
+    StepResult comes back over the pipeline group. With N stages, submit returns the
+    result of the step N - 1 before the one it launches (once the stages after the first
+    have finished it), so up to N steps of different requests are in flight; flush
+    returns every one still out. The calls are the tensor-parallel group's: what differs
+    is inside each rank's runner."""

@@ -3,7 +3,8 @@
 GGUF file's own blocks (the gguf quant method), or random at the real shapes
 (`load_format="dummy"`). Either way each parameter's own weight_loader takes its
 tensor-parallel shard: from a safetensors or GGUF file a rank reads only those rows, and
-dummy weights are drawn whole, so every tensor-parallel size holds the same model."""
+dummy weights are drawn whole, so every tensor-parallel size holds the same model. A
+pipeline stage skips the tensors of the layers other stages hold (CausalLM.stage_name)."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def init_dummy_weights(model: CausalLM, seed: int) -> None:
             continue
         module = model.get_submodule(name.rpartition(".")[0])
         for shard_id, shape in module.checkpoint_shapes(param).items():
-            key = f"{name}[{shard_id}]".encode()
+            key = f"{model.checkpoint_name(name)}[{shard_id}]".encode()
             generator = torch.Generator(param.device).manual_seed(seed ^ zlib.crc32(key))
             # fp8 and integer tensors have no normal_: drawn in float32, cast on copy
             draw = param.dtype if param.element_size() > 1 and param.is_floating_point() \
@@ -152,6 +153,9 @@ def load_weights(model: CausalLM,
     for name, tensor in weights:
         if name.endswith(IGNORED_SUFFIXES) or (
                 model.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        name = model.stage_name(name)
+        if name is None:  # another pipeline stage's
             continue
         if name.endswith(KV_SCALE_SUFFIXES):
             load_kv_scale(buffers, name, tensor)

@@ -22,12 +22,14 @@ class Profilable(Protocol):
 
 
 def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype,
-                             tp_size: int = 1) -> int:
+                             tp_size: int = 1, num_layers: int | None = None) -> int:
+    """num_layers: those of a pipeline stage; the model's by default."""
+    num_layers = num_layers or hf_config.num_hidden_layers
     num_kv_heads = max(1, hf_config.num_key_value_heads // tp_size)
     head_dim = getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads)
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * hf_config.num_hidden_layers * block_size * num_kv_heads * head_dim * element
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
 
 def plan_num_blocks(config: EngineConfig, runner: Profilable, bytes_per_block: int) -> int:

@@ -41,6 +41,7 @@ from services.worker.inputs import StepInputs, prepare_inputs, to_device
 from services.worker.launched import Launched, finish
 from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
 from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_all_reduce
+from services.worker.layers.pipeline import append_result, current_stage
 from services.worker.loader import load_model
 from services.worker.lora import LoRAManager
 from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
@@ -92,6 +93,7 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
+        self.stage = current_stage()  # the executor builds us inside building_stage
         torch.manual_seed(config.seed)
         self.model = load_model(config, hf_config, self.device, self.dtype, model_dir)
         # before the memory plan: its weights and its KV bytes per block count
@@ -108,9 +110,11 @@ class ModelRunner:
                                  self.model.vocab_size, self.device)
         self.requests: dict[str, RequestState] = {}
         self._pending: Launched | None = None
+        self._unshared = 0  # a pipeline stage's launched steps whose results are not back
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._connect_peers()
-        self.num_blocks = min_over_ranks(self._plan_num_blocks(), self.device)
+        self.num_blocks = self.stage.min_over_stages(
+            min_over_ranks(self._plan_num_blocks(), self.device), self.device)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         if self.draft is not None:
             self.draft.kv_caches = self.draft.allocate_kv_caches(self.num_blocks)
@@ -123,7 +127,7 @@ class ModelRunner:
         config = self.config
         bytes_per_block = kv_cache_bytes_per_block(
             self.hf_config, config.block_size, self.kv_cache_dtype,
-            config.tensor_parallel_size)
+            config.tensor_parallel_size, self.model.num_layers)
         if self.draft is not None:
             bytes_per_block += self.draft.bytes_per_block()
         return plan_num_blocks(config, self, bytes_per_block)
@@ -154,6 +158,8 @@ class ModelRunner:
         gathered on the device from the previous step's samples, so the host prepares and
         launches this step while the device finishes the last one."""
         self._apply_plan(plan)
+        if self.stage.size > 1:
+            return self._submit_stage(plan)
         # On a synchronous device (the CPU) the last step is computed already: its tokens
         # go out now rather than after this step's compute.
         done = self._finish_last(self._pending is not None and self._pending.done is None)
@@ -170,9 +176,40 @@ class ModelRunner:
         self._pending = launched
         return done
 
+    def _submit_stage(self, plan: StepPlan) -> list[StepResult]:
+        """A pipeline stage's part of `plan` (layers/pipeline.py). The last stage samples,
+        finishes the step at once and broadcasts its result; a stage before it sends its
+        hidden states on and takes the results of the steps that the stages after it have
+        finished meanwhile: all but the newest `behind` of those it launched, so up to
+        `behind` + 1 steps are in flight. None of this plan's requests has a token in
+        flight (the scheduler plans none such), so the first stage knows every input."""
+        started = time.perf_counter()
+        inputs = self._prepare(plan)
+        hidden = self._run(inputs)
+        if not self.stage.is_last:
+            self._unshared += 1
+            return self._take_results(self.stage.behind)
+        launched = self._sample(plan.step, inputs, hidden, started)
+        self._pool(launched, inputs.pooling_rows, hidden)
+        return [self.stage.share_result(finish(launched), self.device)]
+
+    def _take_results(self, keep: int) -> list[StepResult]:
+        """The last stage's results of this stage's oldest launched steps, leaving `keep` in
+        flight; their tokens are appended to their requests."""
+        done = []
+        while self._unshared > keep:
+            result = self.stage.share_result(None, self.device)
+            append_result(self.requests, result)
+            self._unshared -= 1
+            done.append(result)
+        return done
+
     @torch.inference_mode()
     def flush(self) -> list[StepResult]:
-        """The result of the last submitted step, once it is complete."""
+        """The result of the last submitted step, once it is complete (on a pipeline
+        stage, of every step still in flight)."""
+        if self.stage.size > 1:
+            return self._take_results(0)
         return self._finish_last()
 
     def step_done(self) -> bool:
@@ -188,7 +225,8 @@ class ModelRunner:
 
     def forget_requests(self) -> None:
         """Drop every request's state (a new scheduler took over); flush first."""
-        assert self._pending is None, "a launched step still refers to these requests"
+        assert self._pending is None and not self._unshared, \
+            "a launched step still refers to these requests"
         self.requests.clear()
 
     def _apply_plan(self, plan: StepPlan) -> None:
@@ -217,8 +255,13 @@ class ModelRunner:
         if key is not None:
             hidden = graphs.run(key, inputs.input_ids, inputs.positions, attn)
         else:
+            sent = None if self.stage.is_first else self.stage.recv_prev(
+                (inputs.positions.shape[0], self.hf_config.hidden_size), self.dtype,
+                self.device)
             hidden = self.model(inputs.input_ids, inputs.positions,
-                                ForwardContext(attn, self.kv_caches))
+                                ForwardContext(attn, self.kv_caches), sent)
+            if not self.stage.is_last:
+                self.stage.send_next(hidden)
         if self.draft is not None:
             self.draft.sync(inputs.input_ids, inputs.positions, attn)
         return hidden
@@ -382,7 +425,8 @@ class ModelRunner:
 
     def _capture_graphs(self) -> StepGraphs | None:
         config = self.config
-        if self.device.type != "cuda" or config.enforce_eager:
+        # a stage's forward pass sends and receives between graphs: eager
+        if self.device.type != "cuda" or config.enforce_eager or self.stage.size > 1:
             return None
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         graphs = StepGraphs(self.model, self.kv_caches, config.max_num_seqs,
@@ -418,7 +462,11 @@ class ModelRunner:
             max_query_len=int(q_lens.max()), max_seq_len=int(q_lens.max()))
         input_ids = torch.randint(0, self.model.vocab_size, (num_tokens,), device=self.device)
         positions = self._tensor(np.arange(num_tokens) - np.repeat(cu[:-1], q_lens))
-        hidden = self.model(input_ids, positions, ForwardContext(attn, caches))
+        sent = None if self.stage.is_first else torch.randn(
+            num_tokens, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        hidden = self.model(input_ids, positions, ForwardContext(attn, caches), sent)
+        if not self.stage.is_last:  # no logits to sample
+            return
         if self.draft is not None:  # its sync pass over the same step
             self.draft.forward(input_ids, positions, attn, self.draft.allocate_kv_caches(1))
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:] - 1)])

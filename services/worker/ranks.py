@@ -1,8 +1,11 @@
-"""Tensor-parallel ranks: one torch.distributed group (NCCL on CUDA, gloo on the CPU) whose
-rank 0 lives in the process that drives the executor (the worker, or the offline engine).
-Rank 0 starts a follower process for every further rank. Each rank builds the same
-ModelRunner on its own device and runs the same calls in the same order: rank 0 forwards
-each executor call down a pipe to the followers before making it itself.
+"""Tensor- and pipeline-parallel ranks: one torch.distributed world (NCCL on CUDA, gloo on
+the CPU) whose rank 0 lives in the process that drives the executor (the worker, or the
+offline engine). Rank 0 starts a follower process for every further rank. Each rank builds
+its ModelRunner (its stage's layers, its tensor-parallel shard) on its own device and runs
+the same calls in the same order: rank 0 forwards each executor call down a pipe to the
+followers before making it itself. Global rank r is tensor-parallel rank r % tp of
+pipeline stage r // tp; each stage's ranks form a tensor-parallel group, and the ranks of
+one tensor-parallel index across the stages a pipeline group (layers/pipeline.py).
 
 Every rank samples. The LM head gathers the whole logits on each rank, and the samplers are
 seeded alike, so all draw the same tokens; each keeps them for the decode inputs it gathers
@@ -34,6 +37,7 @@ from common.messages import StepPlan, decode, encode
 from common.model_info import ResolvedModel
 from common.net import free_port
 from services.worker.layers.parallel import TPGroup, building_for
+from services.worker.layers.pipeline import PPStage, building_stage, stage_layers
 from services.worker.model_runner import ModelRunner, resolve_device
 
 log = logging.getLogger("headrace.worker")
@@ -47,8 +51,16 @@ CLOSE_TIMEOUT_S = 10.0
 OnLost = Callable[[str], None]
 
 
-def join_group(rank: int, world: int, init_method: str, device: torch.device) -> TPGroup:
-    """Joins the process group of `world` ranks as `rank`: the tensor-parallel group."""
+def world_size(model: ResolvedModel) -> int:
+    return model.config.tensor_parallel_size * model.config.pipeline_parallel_size
+
+
+def join_group(rank: int, model: ResolvedModel, init_method: str, device: torch.device
+               ) -> tuple[TPGroup, PPStage]:
+    """Joins the world of ranks as `rank`; returns its tensor-parallel group and its
+    pipeline stage. Every rank creates every subgroup, in the same order (as
+    torch.distributed requires)."""
+    world, tp = world_size(model), model.config.tensor_parallel_size
     if device.type == "cuda":
         torch.cuda.set_device(rank)
     else:  # the ranks share the CPU's cores
@@ -56,7 +68,18 @@ def join_group(rank: int, world: int, init_method: str, device: torch.device) ->
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=init_method, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)
-    return TPGroup.of(dist.group.WORLD)
+    if world == tp:
+        return TPGroup.of(dist.group.WORLD), PPStage()
+    stages = world // tp
+    index, tp_rank = divmod(rank, tp)
+    tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) if tp > 1 else None
+                 for s in range(stages)]
+    pipelines = [list(range(t, world, tp)) for t in range(tp)]
+    pp_groups = [dist.new_group(ranks) for ranks in pipelines]
+    group = tp_groups[index]
+    layers = stage_layers(model.hf_config.num_hidden_layers, stages, index)
+    return (TPGroup.of(group) if group is not None else TPGroup(),
+            PPStage(index, stages, layers, pipelines[tp_rank], pp_groups[tp_rank]))
 
 
 def leave_group(group: TPGroup) -> None:
@@ -77,7 +100,7 @@ class Followers:
     """Rank 0's handle on ranks 1..N-1: their processes and the pipes to them."""
 
     def __init__(self, model: ResolvedModel, on_lost: OnLost = exit_on_rank_lost) -> None:
-        world = model.config.tensor_parallel_size
+        world = world_size(model)
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self.on_lost = on_lost
         self.closing = False
@@ -86,8 +109,8 @@ class Followers:
         self.processes: list[multiprocessing.process.BaseProcess] = []
         for rank in range(1, world):
             inbox, pipe = spawn.Pipe(duplex=False)
-            process = spawn.Process(target=follow, name=f"tp-rank-{rank}", daemon=True,
-                                    args=(rank, world, self.init_method, model, inbox,
+            process = spawn.Process(target=follow, name=rank_name(rank, model), daemon=True,
+                                    args=(rank, self.init_method, model, inbox,
                                           os.getpid()))
             process.start()
             inbox.close()  # the follower holds the only read end: our exit is its EOF
@@ -123,17 +146,25 @@ class Followers:
         dead = sentinels[wait(list(sentinels))[0]]
         if not self.closing:
             dead.join()
-            self.on_lost(f"tensor-parallel {dead.name} died (exit code {dead.exitcode})")
+            self.on_lost(f"{dead.name} died (exit code {dead.exitcode})")
 
 
-def follow(rank: int, world: int, init_method: str, model: ResolvedModel,
-           inbox: Connection, parent: int) -> None:
+def rank_name(rank: int, model: ResolvedModel) -> str:
+    tp = model.config.tensor_parallel_size
+    if model.config.pipeline_parallel_size == 1:
+        return f"tp-rank-{rank}"
+    return f"pp-stage-{rank // tp}-tp-rank-{rank % tp}"
+
+
+def follow(rank: int, init_method: str, model: ResolvedModel, inbox: Connection,
+           parent: int) -> None:
     """A follower's life: join the group, build the rank's runner, then make rank 0's
     calls until its pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: rank 0 ends us
     threading.Thread(target=exit_with, args=(parent,), name="parent-watch",
                      daemon=True).start()
-    with building_for(join_group(rank, world, init_method, resolve_device(model.config))):
+    group, stage = join_group(rank, model, init_method, resolve_device(model.config))
+    with building_for(group), building_stage(stage):
         runner = ModelRunner(model.config, model.hf_config, model.model_dir)
     while True:
         try:

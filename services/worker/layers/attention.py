@@ -15,6 +15,7 @@ from torch import nn
 from kernels.attention import paged_attention
 from kernels.cache import write_kv
 from services.worker.layers.parallel import current_group
+from services.worker.layers.pipeline import current_stage
 
 
 @dataclass
@@ -56,6 +57,8 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32))
         self.calculate_scales = False
         self.tp = current_group()
+        layers = current_stage().layers  # the KV cache holds the stage's layers only
+        self.cache_index = layer_idx - (layers.start if layers is not None else 0)
 
     def _calculate_scales(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           slot_mapping: torch.Tensor) -> None:
@@ -77,7 +80,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        k_cache, v_cache = ctx.kv_caches[self.cache_index]
         meta = ctx.attn
         if self.calculate_scales:
             self._calculate_scales(k, v, k_cache, meta.slot_mapping)

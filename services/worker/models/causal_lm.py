@@ -37,8 +37,19 @@ class CausalLM(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden_size]."""
+                ctx: ForwardContext, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden_size]. On a
+        pipeline stage (layers/pipeline.py) after the first, `hidden` is the residual
+        stream the stage before sent; a stage before the last returns its own."""
+
+    def stage_name(self, name: str) -> str | None:
+        """A checkpoint tensor's parameter name on this pipeline stage; None where another
+        stage holds it. A whole model holds every tensor."""
+        return name
+
+    def checkpoint_name(self, param_name: str) -> str:
+        """The checkpoint tensor a parameter is drawn as by dummy weights."""
+        return param_name
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 [N, vocab_size]."""

@@ -24,6 +24,8 @@ from services.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedd
 from services.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
 from services.worker.layers.norm import RMSNorm
+from services.worker.layers.parallel import current_group
+from services.worker.layers.pipeline import current_stage
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.models.causal_lm import CausalLM, head_dim_of
 
@@ -164,11 +166,20 @@ def rotary_by_layer(hf_config) -> list[RotaryEmbedding]:
 MLPFactory = Callable[[object, DecoderFlags, int], nn.Module]
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no weights, keeps the layers' names."""
+
+
 class LlamaModel(nn.Module):
+    """The stage's part of the decoder (layers/pipeline.py): the embedding on the first
+    stage, the final norm on the last, and its own layers, the others MissingLayer."""
+
     def __init__(self, hf_config, flags: DecoderFlags, make_mlp: MLPFactory) -> None:
         """make_mlp(hf_config, flags, layer_idx): each layer's MLP."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.stage, self.tp = current_stage(), current_group()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size) \
+            if self.stage.is_first else None
         # rounded to the activation dtype (the default one while the model is built), as
         # transformers multiplies by a tensor of that dtype
         self.embed_scale = float(torch.tensor(hf_config.hidden_size ** 0.5, device="cpu")) \
@@ -177,17 +188,29 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, flags, rotary, i, windows[i],
                               make_mlp(hf_config, flags, i))
+            if self.stage.holds(i) else MissingLayer()
             for i, rotary in enumerate(rotary_by_layer(hf_config)))
+        self.own_layers = [layer for layer in self.layers
+                           if not isinstance(layer, MissingLayer)]
+        self.partial_output = not flags.mlp_reduces  # each rank's share of a sum
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps,
-                            sums_ranks=not flags.mlp_reduces, gemma=flags.gemma_norm)
+                            sums_ranks=not flags.mlp_reduces, gemma=flags.gemma_norm) \
+            if self.stage.is_last else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        if self.embed_scale is not None:
-            hidden = hidden * self.embed_scale
-        for layer in self.layers:
+                ctx: ForwardContext, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: the residual stream the stage before sent (every stage but the first).
+        The last stage returns the final hidden states, the others the residual stream."""
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:
+                hidden = hidden * self.embed_scale
+        assert hidden is not None, "a stage after the first takes the hidden states sent"
+        residual = None
+        for layer in self.own_layers:
             hidden, residual = layer(positions, hidden, residual, ctx)
+        if self.norm is None:
+            return (self.tp.all_reduce(hidden) if self.partial_output else hidden) + residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -200,14 +223,41 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, hf_config) -> None:
         super().__init__()
         self.model = LlamaModel(hf_config, self.decoder_flags(hf_config), self.make_mlp)
+        self.stage = self.model.stage
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        tied = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tied)
-        self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        if self.stage.is_last:  # tied to an embedding on this stage, or its own weight
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                          self.model.embed_tokens
+                                          if self.tie_word_embeddings else None)
+        self.num_layers = len(self.model.own_layers)
+        self.num_kv_heads = self.model.own_layers[0].self_attn.num_kv_heads
         self.head_dim = head_dim_of(hf_config)
         self.hidden_size = hf_config.hidden_size
         self.vocab_size = hf_config.vocab_size
+
+    def stage_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name on this pipeline stage, None where another stage
+        holds it. A last stage without the embedding loads a tied LM head from it."""
+        stage = self.stage
+        if stage.size == 1:
+            return name
+        if name.startswith("model.layers."):
+            return name if stage.holds(int(name.split(".")[2])) else None
+        if name.startswith("model.embed_tokens."):
+            if stage.is_first:
+                return name
+            return "lm_head." + name.partition("model.embed_tokens.")[2] \
+                if stage.is_last and self.tie_word_embeddings else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if stage.is_last else None
+        return name
+
+    def checkpoint_name(self, param_name: str) -> str:
+        """The checkpoint tensor a parameter is drawn as (dummy weights): the embedding
+        for a tied LM head that has its own weight on a stage without the embedding."""
+        if param_name.startswith("lm_head.") and self.tie_word_embeddings:
+            return "model.embed_tokens." + param_name.partition("lm_head.")[2]
+        return param_name
 
     @staticmethod
     def decoder_flags(hf_config) -> DecoderFlags:
@@ -220,8 +270,8 @@ class LlamaForCausalLM(CausalLM):
         return LlamaMLP(hf_config, flags)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+                ctx: ForwardContext, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx, hidden)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
