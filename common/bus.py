@@ -37,6 +37,7 @@ from common import keys, messages
 from common.log import get_logger
 from common.redis_cluster import ClusterLanes, RedisCluster, cluster_client, is_cluster_url
 from common.redis_lanes import Command, Lanes
+from common.redis_urls import redacted
 
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
 LAG_COUNT_LIMIT = 10_000
@@ -250,7 +251,7 @@ class Bus:
             except UNAVAILABLE as e:
                 delay = backoff.next()
                 if time.monotonic() + delay > deadline:
-                    raise BusUnavailable(f"{what}: Redis at {self.url} unreachable for "
+                    raise BusUnavailable(f"{what}: Redis at {redacted(self.url)} unreachable for "
                                          f"{self.retry_timeout_s}s: {e}") from e
                 log.warning("redis unreachable, retrying", op=what, error=str(e),
                             retry_in_s=delay)

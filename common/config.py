@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from common.lora import LoRAModule, parse_lora_module
 from common.redis_cluster import cluster_addresses, is_cluster_url
+from common.redis_urls import redacted
 from common.sampling_params import MAX_N
 from common.speculative import SpeculativeConfig, SpeculativeConfigError
 from common.structured_outputs import BACKENDS
@@ -581,7 +582,7 @@ def _check_redis_url(url: str) -> None:
     scheme = url.partition("://")[0]
     if scheme not in REDIS_SCHEMES:
         raise ConfigError(f"--redis-url must start with one of "
-                          f"{', '.join(s + '://' for s in REDIS_SCHEMES)}; got {url!r}")
+                          f"{', '.join(s + '://' for s in REDIS_SCHEMES)}; got {redacted(url)!r}")
     if is_cluster_url(url):
         try:
             cluster_addresses(url)
