@@ -37,6 +37,7 @@ from common import keys, messages
 from common.log import get_logger
 from common.redis_cluster import ClusterLanes, RedisCluster, cluster_client, is_cluster_url
 from common.redis_lanes import Command, Lanes
+from common.redis_sentinel import is_sentinel_url, sentinel_pool
 from common.redis_urls import redacted
 
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
@@ -175,9 +176,10 @@ class Bus:
             # Bounded pools that make a caller wait for a free connection: however many
             # requests a process serves, it holds at most `max_connections` (named in
             # CLIENT LIST), and a busy pool slows callers down instead of failing them.
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url, max_connections=max_connections - LANES, timeout=socket_timeout_s,
-                **options)
+            pool = (sentinel_pool(url, max_connections - LANES, socket_timeout_s, options)
+                    if is_sentinel_url(url) else aioredis.BlockingConnectionPool.from_url(
+                        url, max_connections=max_connections - LANES,
+                        timeout=socket_timeout_s, **options))
             self.redis = aioredis.Redis.from_pool(pool)
             self.lanes = Lanes(pool.connection_class, pool.connection_kwargs, LANES)
         self._count_after = self.redis.register_script(_COUNT_AFTER)
