@@ -29,8 +29,8 @@ import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys, messages
@@ -40,7 +40,9 @@ from common.redis_lanes import Command, Lanes
 from common.redis_sentinel import is_sentinel_url, sentinel_pool
 from common.redis_urls import redacted
 
-UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
+# A Redis Cluster between two slot maps (a master failing over) answers CLUSTERDOWN or
+# TRYAGAIN for a second or two: an outage like an unreachable server, retried the same way.
+UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError)
 LAG_COUNT_LIMIT = 10_000
 MAX_CONNECTIONS = 16
 LANES = 4  # of MAX_CONNECTIONS, held for the hot calls (common/redis_lanes.py)
