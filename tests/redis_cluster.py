@@ -1,6 +1,7 @@
 """A local Redis Cluster for the tests: three masters of the same redis-server binary on
 free TCP ports of 127.0.0.1, joined with `redis-cli --cluster create`; with `replicas=1`,
-a replica for each master, and `kill_master_of(key)` to make one fail over."""
+a replica for each master, and `kill(master_of(key))` then `wait_failed_over` to make
+one fail over."""
 
 from __future__ import annotations
 
