@@ -1,6 +1,6 @@
 """`headrace serve` on a Redis Cluster of 3 masters and 3 replicas: a master killed with
 SIGKILL under load fails over to its replica (cluster-node-timeout 1 s), and the pipeline
-carries on. What README.md promises ("Redis Cluster failover"), tested here:
+carries on; the same on one master watched by Sentinel (down-after 1 s). What README.md promises ("Redis Cluster failover"), tested here:
 
 - every stream in flight when the master dies ends, with its text or an error event,
   within END_S of the kill: none waits for ever;
@@ -23,6 +23,7 @@ import pytest
 from common import keys
 from tests.e2e_fixtures import API_KEY, ServerProcess, serving, tiny_serve_args
 from tests.redis_cluster import LocalCluster
+from tests.redis_sentinel import LocalSentinel
 from tests.sse_client import Streamed, stream_one
 from tests.tiny_models import make_tiny_model
 
@@ -83,13 +84,48 @@ async def test_a_master_killed_under_load_fails_over_and_serving_goes_on(served,
         killed_at.append(time.monotonic())
         await anyio.to_thread.run_sync(cluster.wait_failed_over, key, victim)
     during = await stream_all(server.url, kill_master)
+    assert_ended_with_their_text_or_an_error(before, during, killed_at[0])
+    await assert_recovers(server, before)
+
+
+def assert_ended_with_their_text_or_an_error(before: list[Streamed], during: list[Streamed],
+                                             killed_at: float) -> None:
     for prompt, then, now in zip(PROMPTS, before, during):
-        assert now.ended_at - killed_at[0] < END_S, (prompt, now)
+        assert now.ended_at - killed_at < END_S, (prompt, now)
         if now.error is None:
             assert now.done and now.text == then.text, (prompt, then.text, now.text)
 
+
+async def assert_recovers(server: ServerProcess, before: list[Streamed]) -> None:
     start = time.monotonic()
     while not all_served(after := await stream_all(server.url)):
         assert time.monotonic() - start < RECOVER_S, (after, server.log_tail())
         await anyio.sleep(1)
     assert [o.text for o in after] == [o.text for o in before]
+
+
+@pytest.fixture
+def served_on_sentinel(model_dir: Path, tmp_path: Path
+                       ) -> Iterator[tuple[LocalSentinel, ServerProcess]]:
+    with LocalSentinel(tmp_path / "sentinel") as sentinel:
+        args = tiny_serve_args(model_dir, tmp_path / "run", "--max-model-len", "512",
+                               "--redis-url", sentinel.url)
+        with serving(args, tmp_path / "serve.log", tmp_path / "run") as server:
+            yield sentinel, server
+
+
+async def test_a_sentinel_master_killed_under_load_fails_over_and_serving_goes_on(
+        served_on_sentinel):
+    """The same promise on one master watched by Sentinel (`redis+sentinel://`)."""
+    sentinel, server = served_on_sentinel
+    before = await stream_all(server.url)
+    assert all_served(before), before
+    killed_at: list[float] = []
+
+    async def kill_master() -> None:
+        dead = sentinel.kill_master()
+        killed_at.append(time.monotonic())
+        await anyio.to_thread.run_sync(sentinel.wait_failed_over, dead)
+    during = await stream_all(server.url, kill_master)
+    assert_ended_with_their_text_or_an_error(before, during, killed_at[0])
+    await assert_recovers(server, before)
