@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -105,7 +106,7 @@ class LocalSentinel:
             self.processes[port] = spawn_child(args, cwd=node_dir, stdin=subprocess.DEVNULL,
                                                stdout=log, stderr=subprocess.STDOUT)
 
-    def _wait(self, ready, timeout_s: float | None = None) -> None:
+    def _wait(self, ready: Callable[[], bool], timeout_s: float | None = None) -> None:
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
         while True:
             try:
