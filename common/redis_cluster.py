@@ -30,9 +30,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.redis_lanes import Command, Lanes
+from common.redis_sentinel import (blocking_sentinel_client, is_sentinel_url,
+                                   sentinel_client)
 
 SCHEME = "redis+cluster"
 _REDIRECTED = (AskError, ClusterDownError, TryAgainError)  # MovedError is an AskError
+
+
+class ClusterUnsettled(RedisConnectionError):
+    """A slot's master is failing over or moving; retry after a pause."""
 
 
 def is_cluster_url(url: str) -> bool:
@@ -68,6 +74,8 @@ def plain_client(url: str) -> aioredis.Redis | RedisCluster:
     """A redis-py client of a server or of a cluster, for tools that inspect it."""
     if is_cluster_url(url):
         return RedisCluster(startup_nodes=startup_nodes(url))
+    if is_sentinel_url(url):
+        return sentinel_client(url)
     return aioredis.from_url(url)
 
 
@@ -79,6 +87,8 @@ def blocking_client(url: str, name: str | None,
     if is_cluster_url(url):
         nodes = [redis.cluster.ClusterNode(host, port) for host, port in cluster_addresses(url)]
         return redis.cluster.RedisCluster(startup_nodes=nodes, **options)
+    if is_sentinel_url(url):
+        return blocking_sentinel_client(url, options)
     return redis.Redis.from_url(url, **options)
 
 
@@ -147,12 +157,17 @@ class ClusterLanes:
     async def _on_slot(self, slot: int, commands: Sequence[Command], timeout_s: float, *,
                        transact: bool) -> list[Any]:
         """Send to the slot's master; after a redirection (a slot moved, a failover) read
-        the slot map again and retry once."""
+        the slot map again and retry once. Still redirected, the cluster is between two
+        maps (a failover under way): that is an outage the caller's retries wait out."""
         try:
             return await self._send(slot, commands, timeout_s, transact)
         except _REDIRECTED:
             self._refresh = True
+        try:
             return await self._send(slot, commands, timeout_s, transact)
+        except _REDIRECTED as e:
+            self._refresh = True
+            raise ClusterUnsettled(f"hash slot {slot}: {e}") from e
 
     async def _send(self, slot: int, commands: Sequence[Command], timeout_s: float,
                     transact: bool) -> list[Any]:

@@ -23,12 +23,14 @@ from common.config import (EngineConfig, ServerConfig, add_engine_args, add_serv
 from common.log import configure_logging, get_logger
 from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
 from common.redis_cluster import blocking_client
+from common.redis_urls import RedisRefused, check_credentials, redacted
 from common.stalls import report_stalls, watch_collections, watch_loop
 
 HEARTBEAT_S = 1.0
 ALIVE_TTL_MS = 4000
 TAKEN_FOR_DEAD_EXIT = 3
 LOAD_FAILED_EXIT = 4  # the launcher stops restarting a worker after a few of these in a row
+REDIS_REFUSED_EXIT = 5  # Redis rejected the process's credentials (or its ACL user's rights)
 GIL_SWITCH_S = 0.0005  # measured on the H100: one chat's ITL p50 1.76 ms at 5 ms, 1.63 at this
 
 
@@ -79,6 +81,11 @@ def run_service(name: str, argv: list[str], body: Body, description: str = "",
         except UnsupportedModel as e:
             print(refusal_line(e), file=sys.stderr)
             return REFUSED_EXIT
+    try:  # before logging starts: wrong credentials end the process with this one line
+        check_credentials(bus_url(server))
+    except RedisRefused as e:
+        print(f"headrace {name}: {e}", file=sys.stderr)
+        return REDIS_REFUSED_EXIT
     replica = args.replica or f"{socket.gethostname()}-{os.getpid()}"
     configure_logging(name, replica)
     freeze_heap()
@@ -126,7 +133,7 @@ async def _serve(name: str, replica: str, engine: EngineConfig, server: ServerCo
             tg.start_soon(_stop_on_signal, ctx.stop)
             tg.start_soon(watch_loop)
             tg.start_soon(report_stalls, bus, f"{name}-{replica}")
-            log.info("service starting", redis=bus.url)
+            log.info("service starting", redis=redacted(bus.url))
             await body(ctx)
             tg.cancel_scope.cancel()
     log.info("service stopped")

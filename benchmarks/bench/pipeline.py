@@ -16,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import anyio
+from redis.exceptions import RedisError
 
 from common import keys
 from common.bus import Bus
@@ -69,8 +70,13 @@ async def drive(url: str, requests: list[GenerateRequest], timeout: float = 600.
         await bus.publish(keys.REQUESTS, *requests)
         with anyio.fail_after(timeout):
             while remaining:
-                for entry in await bus.tail({keys.replies(CLIENT): last}, count=1000,
-                                            block_ms=100):
+                try:
+                    entries = await bus.tail({keys.replies(CLIENT): last}, count=1000,
+                                             block_ms=100)
+                except RedisError:  # Redis restarts or fails over: read again, as a gateway
+                    entries = []
+                    await anyio.sleep(0.1)
+                for entry in entries:
                     last = entry.id
                     absorb(outcomes, entry.msg)
                 now = time.monotonic()
