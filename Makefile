@@ -10,7 +10,7 @@ PORT   ?= 8000
 DEMO_NAME := SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: test serve install clean redis-tls
+.PHONY: test test-long serve install clean redis-tls
 
 install: $(STAMP)
 
@@ -33,8 +33,12 @@ redis-tls:
 		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		--no-install-recommends redis-tools >/dev/null; } || echo "no TLS redis-server installed"
 
+# the long suite (fault scenarios of minutes each) stays out of `make test`, which CI runs
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not long" $(PYTEST_ARGS)
+
+test-long: $(STAMP)
+	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/headrace serve "$$($(PY) -m services.demo)" --served-model-name $(DEMO_NAME) \

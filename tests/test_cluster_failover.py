@@ -27,7 +27,7 @@ from tests.redis_sentinel import LocalSentinel
 from tests.sse_client import Streamed, stream_one
 from tests.tiny_models import make_tiny_model
 
-pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.long]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,",
            "Once upon a time", "Roses are red,", "import numpy as np"]

@@ -21,7 +21,7 @@ from tests.test_tensor_parallel_serve import (END_S, PROMPTS, RECOVER_S, one_ran
                                               worker_and_ranks)
 from tests.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 @pytest.fixture(scope="module")
