@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 from common import keys
 from common.bus import Bus, Output, decode_value
 from common.errors import ApiError
+from common.image_blobs import detach_pixels
 from common.log import get_logger
 from common.messages import ErrorReply, GenerateRequest, Routed
 from common.model_info import load_model_info
@@ -28,7 +29,7 @@ WATCH_S = 0.25
 log = get_logger("headrace.tokenizer")
 
 
-def handler(processor: InputProcessor, router: Router):
+def handler(processor: InputProcessor, router: Router, bus: Bus):
     sharded = len(router.loads) > 1
 
     async def handle(req: GenerateRequest) -> list[Output]:
@@ -41,6 +42,8 @@ def handler(processor: InputProcessor, router: Router):
         finally:
             if light and xgrammar_loaded():  # the first structured request brought it in
                 freeze_heap()
+        if admit.images:
+            admit = await detach_pixels(bus, admit)
         stamps = [req.arrival_time, received, time.time()]
         admit = dataclasses.replace(admit, stamps=stamps)
         if not sharded:
@@ -90,7 +93,8 @@ async def serve(ctx: ServiceContext) -> None:
     async with anyio.create_task_group() as tasks:
         if config.data_parallel_size > 1:
             tasks.start_soon(watch_shards, ctx.bus, router, ctx.stop)
-        await ctx.bus.consume(keys.REQUESTS, GROUP, ctx.consumer, handler(processor, router),
+        await ctx.bus.consume(keys.REQUESTS, GROUP, ctx.consumer,
+                              handler(processor, router, ctx.bus),
                               stop=ctx.stop, min_idle_ms=ctx.server.reclaim_idle_ms,
                               reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000),
                               on_dead=given_up)

@@ -11,6 +11,8 @@ from services.worker.models.phi3 import Phi3ForCausalLM
 from services.worker.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
                                         Qwen3MoeForCausalLM)
 from services.worker.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from services.worker.models.qwen2_vl import (Qwen2_5_VLForConditionalGeneration,
+                                             Qwen2VLForConditionalGeneration)
 
 __all__ = ["ARCHITECTURES", "CausalLM", "kv_cache_shape", "model_class"]
 
@@ -25,6 +27,8 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 

@@ -24,7 +24,7 @@ from services.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedd
 from services.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
 from services.worker.layers.norm import RMSNorm
-from services.worker.layers.rotary import RotaryEmbedding
+from services.worker.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from services.worker.models.causal_lm import CausalLM, head_dim_of
 
 
@@ -156,7 +156,9 @@ def rotary_by_layer(hf_config) -> list[RotaryEmbedding]:
     layer_types = getattr(hf_config, "layer_types", None) or \
         [None] * hf_config.num_hidden_layers
     keys = [kind if kind in params else None for kind in layer_types]
-    caches = {key: RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config), key)
+    # Qwen2-VL's decoder: three positions per token (services/worker/models/qwen2_vl.py)
+    cls = MRotaryEmbedding if "mrope_section" in params else RotaryEmbedding
+    caches = {key: cls.from_config(hf_config, head_dim_of(hf_config), key)
               for key in dict.fromkeys(keys)}
     return [caches[key] for key in keys]
 
@@ -182,8 +184,12 @@ class LlamaModel(nn.Module):
                             sums_ranks=not flags.mlp_reduces, gemma=flags.gemma_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+                ctx: ForwardContext, inputs_embeds: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """inputs_embeds: the embeddings to run instead of input_ids' (a vision-language
+        model's, with its images' rows merged in)."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         for layer in self.layers:
