@@ -19,8 +19,9 @@ import openai
 import pytest
 from PIL import Image
 
-from services.offline.llm import LLM
+from common import keys
 from common.sampling_params import SamplingParams
+from services.offline.llm import LLM
 from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serving, tiny_serve_args
 from tests.tiny_models import make_tiny_vl_model
 
@@ -94,7 +95,7 @@ def test_base64_and_url_images_answer_as_the_offline_engine(client, files, model
     _, base = files
     conversations = [
         user(text("What is this?"), image(data_url(png(1)))),
-        user(image(f"{base}/cat.png", "high"), text("And this?")),
+        user(text("What is this?"), image(f"{base}/cat.png", "high")),
         user(text("Compare"), image(data_url(png(2))), image(data_url(png(1)), "low")),
     ]
     answers = [ask(client, messages) for messages in conversations]
@@ -107,8 +108,26 @@ def test_base64_and_url_images_answer_as_the_offline_engine(client, files, model
             # 20 placeholders per 112x140 image, counted as prompt tokens
             assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
             assert answer.usage.prompt_tokens > 20 * (len(messages[0]["content"]) - 1)
+
     # the URL and the base64 of the same file are the same image
-    assert answers[1].choices[0].message.content is not None
+    assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+
+
+def test_large_pixels_travel_as_their_own_keys(client, served):
+    """A 112x140 image's patches (376 KB of float32) leave the tokenizer as a key named by
+    the image's hash, with a TTL; the streams carry only the key."""
+    import redis
+
+    from common.image_blobs import INLINE_MAX_BYTES
+
+    ask(client, user(text("Keys?"), image(data_url(png(9)))))
+    store = redis.Redis(unix_socket_path=str(served.run_dir / "redis.sock"))
+    names = store.keys("hr:image:*")
+    assert names and all(store.strlen(n) > INLINE_MAX_BYTES for n in names)
+    assert all(0 < store.ttl(n) <= 3600 for n in names)
+    for stream in (keys.admit(), keys.steps()):  # what is left of them
+        assert all(len(fields[b"body"]) < INLINE_MAX_BYTES
+                   for _, fields in store.xrange(stream))
 
 
 @pytest.mark.parametrize("parts, message", [
