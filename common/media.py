@@ -1,8 +1,8 @@
 """Image URLs into images: base64 `data:` URLs always; http(s) URLs only on a host of
 --allowed-media-domains, file:// URLs only under --allowed-local-media-path; each within
 --max-image-bytes and (fetched) --media-fetch-timeout. Every refusal is a 400 naming the
-image and the reason. A fetch blocks the caller: the tokenizer shell runs requests off its
-event loop (one replica's images wait for each other, not for other stages)."""
+image and the reason. A fetch blocks its caller, which the tokenizer shell runs in a
+thread, off its event loop; the gateway's /tokenize runs it in a thread too."""
 
 from __future__ import annotations
 
@@ -76,16 +76,32 @@ def _data_url(url: str, i: int, rules: MediaRules) -> bytes:
 
 
 def _fetch(url: str, i: int, rules: MediaRules) -> bytes:
-    host = (urlparse(url).hostname or "").lower()
-    if host not in {d.lower() for d in rules.allowed_domains}:
-        raise ApiError(400, f"Image {i}: fetching from {host!r} is not allowed (the server "
-                            "takes image URLs only from --allowed-media-domains).", FIELD)
+    _check_host(url, i, rules)
+    opener = urllib.request.build_opener(_CheckedRedirects(i, rules))
     try:
-        with urllib.request.urlopen(url, timeout=rules.timeout) as response:
+        with opener.open(url, timeout=rules.timeout) as response:
             data = response.read(rules.max_bytes + 1)
     except (urllib.error.URLError, TimeoutError, OSError) as e:
         raise ApiError(400, f"Image {i}: could not fetch {url}: {e}", FIELD) from None
     return data
+
+
+def _check_host(url: str, i: int, rules: MediaRules) -> None:
+    host = (urlparse(url).hostname or "").lower()
+    if host not in {d.lower() for d in rules.allowed_domains}:
+        raise ApiError(400, f"Image {i}: fetching from {host!r} is not allowed (the server "
+                            "takes image URLs only from --allowed-media-domains).", FIELD)
+
+
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is followed only to an allowed host too."""
+
+    def __init__(self, i: int, rules: MediaRules) -> None:
+        self.i, self.rules = i, rules
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        _check_host(newurl, self.i, self.rules)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 def _local_file(url: str, i: int, rules: MediaRules) -> bytes:

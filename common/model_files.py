@@ -193,7 +193,10 @@ def load_hf_config(path: str | os.PathLike):
 # what a vision-language model's decoder config takes over from the whole config
 VISION_LANGUAGE_KEYS = ("architectures", "vision_config", "image_token_id", "video_token_id",
                         "vision_start_token_id", "vision_end_token_id",
-                        "tie_word_embeddings", "quantization_config")
+                        "tie_word_embeddings", "quantization_config",
+                        # LLaVA's
+                        "projector_hidden_act", "multimodal_projector_bias",
+                        "vision_feature_layer", "vision_feature_select_strategy")
 
 
 def language_view(config):

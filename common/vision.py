@@ -24,6 +24,7 @@ class ImageTokens:
     merge_size: int
     min_pixels: int
     max_pixels: int
+    fixed: int | None = None  # LLaVA: every image is one crop of this many tokens
 
     @classmethod
     def for_model(cls, model_dir: Path, hf_config: Any) -> ImageTokens | None:
@@ -31,6 +32,12 @@ class ImageTokens:
         if getattr(hf_config, "vision_config", None) is None:
             return None
         settings = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+        vision = hf_config.vision_config
+        if getattr(vision, "spatial_merge_size", None) is None:  # LLaVA's crops
+            crop = settings.get("crop_size") or {}
+            side = crop.get("height", vision.image_size) // vision.patch_size
+            return cls(hf_config.image_token_id, vision.patch_size, 1, 0, 0,
+                       fixed=side * (crop.get("width", vision.image_size) // vision.patch_size))
         size = settings.get("size") or {}
         return cls(hf_config.image_token_id, settings.get("patch_size", 14),
                    settings.get("merge_size", 2),
@@ -39,6 +46,8 @@ class ImageTokens:
 
     def count(self, width: int, height: int) -> int:
         """Placeholders of one image: its patches after resizing, merged."""
+        if self.fixed is not None:
+            return self.fixed
         h, w = self.resized(height, width)
         return (h // self.patch_size) * (w // self.patch_size) // self.merge_size ** 2
 

@@ -139,3 +139,41 @@ def test_two_ranks_over_gloo_match_transformers(tiny_vl):
              max_num_seqs=2) as llm:
         check_against_reference(llm, hf, chat(f"Look: {IMAGE} then {IMAGE}."),
                                 [random_image(4), random_image(5)])
+
+
+# --- LLaVA ---------------------------------------------------------------------------------
+
+def test_llava_matches_transformers(tmp_path):
+    """LLaVA: CLIP features of the layer before the last (class token dropped) through the
+    projector; one and two images, a 16-token budget cutting the second image."""
+    from transformers import LlavaForConditionalGeneration
+
+    from tests.tiny_models import make_tiny_llava
+
+    model_dir = make_tiny_llava(tmp_path)
+    hf = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    image_token = hf.config.image_token_id
+    with LLM(str(model_dir), dtype="float32", block_size=4, num_gpu_blocks_override=128,
+             max_num_batched_tokens=16, max_num_seqs=2) as llm:
+        for prompt, images in ((chat("<|image_pad|>What is it?"), [random_image(1)]),
+                               (chat("A <|image_pad|> or <|image_pad|>?"),
+                                [random_image(2), random_image(3, (84, 56))])):
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                    prompt_logprobs=0)
+            out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
+                               params, use_tqdm=False)[0]
+            ids = out.prompt_token_ids
+            assert ids.count(image_token) == 16 * len(images)
+            pixels = llm.engine.processor.images.image_processor(
+                images=images, return_tensors="pt")["pixel_values"]
+            seq = list(ids)
+            with torch.no_grad():
+                for step in range(MAX_TOKENS):
+                    logits = hf(input_ids=torch.tensor([seq]), pixel_values=pixels).logits[0]
+                    if step == 0:
+                        lp = torch.log_softmax(logits[:-1], dim=-1)
+                        ref = lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+                    seq.append(int(logits[-1].argmax()))
+            ours = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])]
+            np.testing.assert_allclose(ours, ref.tolist(), atol=2e-4, rtol=0)
+            assert out.outputs[0].token_ids == seq[len(ids):]

@@ -84,3 +84,51 @@ def test_the_gateways_image_token_count_is_the_image_processors(size):
     assert tokens.expand([1, 7, 2], [size]) == [1] + [7] * tokens.count(*size) + [2]
     with pytest.raises(ApiError, match="too elongated"):
         tokens.count(2010, 10)
+
+
+def test_llava_images_count_one_crop_each(tmp_path):
+    from common.model_files import load_hf_config
+    from common.vision import ImageTokens
+    from tests.tiny_models import make_tiny_llava
+
+    model_dir = make_tiny_llava(tmp_path)
+    tokens = ImageTokens.for_model(model_dir, load_hf_config(model_dir))
+    assert tokens is not None and tokens.count(500, 30) == tokens.count(56, 56) == 16
+
+
+def test_urls_fetch_from_allowed_hosts_and_redirects_stay_there(tmp_path):
+    """A local HTTP server: its image loads when 127.0.0.1 is allowed; a redirect from it to
+    a host that is not allowed is refused, as a URL to that host would be."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", "http://localhost:1/x.png")
+                self.end_headers()
+                return
+            body = png_bytes((40, 30))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        rules = MediaRules(allowed_domains=["127.0.0.1"])
+        image, = load_images([f"{base}/cat.png"], rules)
+        assert image.size == (40, 30)
+        with pytest.raises(ApiError, match="'localhost' is not allowed"):
+            load_images([f"{base}/away"], rules)
+        with pytest.raises(ApiError, match="too large"):
+            load_images([f"{base}/cat.png"], MediaRules(allowed_domains=["127.0.0.1"],
+                                                        max_bytes=50))
+    finally:
+        server.shutdown()

@@ -204,3 +204,35 @@ def make_tiny_vl_model(tmp_path: Path, arch: str = "qwen2_5_vl", *, seed: int = 
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": 2}, indent=2))
     return out
+
+
+def make_tiny_llava(tmp_path: Path, *, seed: int = 0) -> Path:
+    """A tiny LLaVA directory: a CLIP tower of 56 px crops in 14 px patches (16 tokens an
+    image), the Llama decoder, the test tokenizer with `<|image_pad|>` as LLaVA's image
+    token. Returns it."""
+    from transformers import (AutoTokenizer, CLIPImageProcessor, LlavaConfig,
+                              LlavaForConditionalGeneration)
+
+    out = Path(tmp_path) / "tiny-llava"
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    image = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    text = {**COMMON, "vocab_size": 49216, "tie_word_embeddings": False,
+            "rope_theta": 10000.0, "model_type": "llama"}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=2, image_size=56, patch_size=14, projection_dim=32,
+                  model_type="clip_vision_model")
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_id=image,
+                         architectures=["LlavaForConditionalGeneration"],
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    randomize(model, seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}
+                       ).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2}, indent=2))
+    return out

@@ -21,10 +21,13 @@ from common.messages import ImageInput
 
 
 class ImagePrompts:
-    def __init__(self, image_processor: Any, image_token_id: int, merge: int) -> None:
+    def __init__(self, image_processor: Any, image_token_id: int, merge: int,
+                 patch_size: int) -> None:
+        """merge: patches per token along each side (Qwen2-VL's 2, LLaVA's 1)."""
         self.image_processor = image_processor
         self.image_token_id = image_token_id
         self.merge = merge
+        self.patch_size = patch_size
 
     @classmethod
     def for_model(cls, model_dir: Path, hf_config: Any) -> ImagePrompts | None:
@@ -35,7 +38,7 @@ class ImagePrompts:
         from transformers import AutoImageProcessor
 
         return cls(AutoImageProcessor.from_pretrained(model_dir), hf_config.image_token_id,
-                   vision.spatial_merge_size)
+                   getattr(vision, "spatial_merge_size", 1), vision.patch_size)
 
     def expand(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
         """The prompt with each image's placeholder repeated for its tokens, and the
@@ -51,23 +54,34 @@ class ImagePrompts:
             processed = self.image_processor(images=images, return_tensors="np")
         except ValueError as e:  # e.g. an image too elongated for the processor
             raise ApiError(400, f"An image could not be processed: {e}", "messages") from None
-        pixels = np.ascontiguousarray(processed["pixel_values"], dtype="<f4")
-        grids = np.asarray(processed["image_grid_thw"]).tolist()
         out_ids: list[int] = []
         inputs: list[ImageInput] = []
-        done, first_patch = 0, 0
-        for slot, grid in zip(slots, grids):
-            t, h, w = (int(x) for x in grid)
-            patches = pixels[first_patch:first_patch + t * h * w]
-            first_patch += t * h * w
-            length = t * h * w // self.merge ** 2
+        done = 0
+        for slot, (grid, pixels) in zip(slots, self._per_image(processed)):
+            t, h, w = grid
             out_ids += ids[done:slot]
-            inputs.append(ImageInput(hash=image_hash(patches, (t, h, w)),
-                                     offset=len(out_ids), length=length,
-                                     grid_thw=[t, h, w], pixels=patches.tobytes()))
+            length = t * h * w // self.merge ** 2
+            inputs.append(ImageInput(hash=image_hash(pixels, grid), offset=len(out_ids),
+                                     length=length, grid_thw=list(grid),
+                                     pixels=pixels.tobytes()))
             out_ids += [self.image_token_id] * length
             done = slot + 1
         return out_ids + ids[done:], inputs
+
+    def _per_image(self, processed: Any) -> list[tuple[tuple[int, int, int], np.ndarray]]:
+        """Each image's patch grid (time, rows, columns) and pixels: Qwen2-VL's processor
+        gives every image's patches as rows of one array, with the grids; a CLIP
+        processor (LLaVA) one [C, H, W] crop per image."""
+        pixels = np.ascontiguousarray(processed["pixel_values"], dtype="<f4")
+        if "image_grid_thw" not in processed:
+            _, _, height, width = pixels.shape
+            grid = (1, height // self.patch_size, width // self.patch_size)
+            return [(grid, image) for image in pixels]
+        out, first = [], 0
+        for t, h, w in np.asarray(processed["image_grid_thw"]).tolist():
+            out.append(((t, h, w), pixels[first:first + t * h * w]))
+            first += t * h * w
+        return out
 
 
 def image_hash(patches: np.ndarray, grid: tuple[int, int, int]) -> str:

@@ -13,6 +13,7 @@ from redis.exceptions import RedisError
 
 from common import keys
 from common.bus import Bus, Output, decode_value
+from common.chat import chat_image_urls
 from common.errors import ApiError
 from common.image_blobs import detach_pixels
 from common.log import get_logger
@@ -36,7 +37,11 @@ def handler(processor: InputProcessor, router: Router, bus: Bus):
         received = time.time()
         light = not xgrammar_loaded()
         try:
-            admit = processor.process(req)
+            if req.messages is not None and chat_image_urls(req.messages):
+                # fetching and resizing images would hold the event loop for long
+                admit = await anyio.to_thread.run_sync(processor.process, req)
+            else:
+                admit = processor.process(req)
         except ApiError as e:
             return [(keys.replies(req.reply_to), e.reply(req.rid))]
         finally:

@@ -204,7 +204,7 @@ class ModelRunner:
                 self.images.release(state)
         for new in plan.new:
             state = self.requests[new.req_id] = RequestState.new(new, self.device)
-            if self.images is not None and state.images:
+            if self.images is not None and state.images and self.model.mrope:
                 state.mrope, state.mrope_delta = mrope_positions(
                     len(state.prompt_ids), state.images, self.model.merge)
                 self.images.hold(state)
@@ -223,15 +223,17 @@ class ModelRunner:
 
     def _add_images(self, plan: StepPlan, states: list[RequestState], inputs: StepInputs
                     ) -> None:
-        """A vision-language step: three positions per token, and the embedding rows of
-        the image placeholders it computes (encoded here where no live request did)."""
+        """A vision-language step: the embedding rows of the image placeholders it
+        computes (encoded here where no live request did), and three positions per token
+        under M-RoPE."""
         assert self.images is not None
         num_scheduled = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
         num_computed = np.asarray(plan.num_computed_tokens, dtype=np.int64)
         cu = np.concatenate([[0], np.cumsum(num_scheduled)])
         positions = np.arange(cu[-1]) + np.repeat(num_computed - cu[:-1], num_scheduled)
-        inputs.positions = self._tensor(mrope_step_positions(states, positions,
-                                                             num_scheduled))
+        if self.model.mrope:
+            inputs.positions = self._tensor(mrope_step_positions(states, positions,
+                                                                 num_scheduled))
         inputs.image_rows = self.images.rows(
             step_image_slices(states, cu, num_computed, num_scheduled),
             self.model.encode_images)

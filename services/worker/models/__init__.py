@@ -7,6 +7,7 @@ from services.worker.layers.parallel import kv_heads_per_rank
 from services.worker.models.causal_lm import CausalLM, head_dim_of
 from services.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from services.worker.models.llama import LlamaForCausalLM, MistralForCausalLM
+from services.worker.models.llava import LlavaForConditionalGeneration
 from services.worker.models.phi3 import Phi3ForCausalLM
 from services.worker.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
                                         Qwen3MoeForCausalLM)
@@ -29,6 +30,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 

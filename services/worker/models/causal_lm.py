@@ -37,6 +37,7 @@ class CausalLM(nn.Module, abc.ABC):
 
     # a vision-language model: takes images' embeddings and three positions per token
     multimodal: ClassVar[bool] = False
+    mrope: ClassVar[bool] = False  # three positions per token (Qwen2-VL's M-RoPE)
 
     @staticmethod
     def checkpoint_name(name: str) -> str:

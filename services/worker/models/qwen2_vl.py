@@ -81,25 +81,26 @@ class WholeRMSNorm(Whole, nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class WholeGateUp(Whole, nn.Module):
-    """gate_proj and up_proj of Qwen2.5-VL's vision MLP in one matrix (the loader routes
-    every `gate_proj`/`up_proj` tensor to a fused `gate_up_proj`, shard 0 and 1)."""
+class WholeMerged(Whole, nn.Module):
+    """Several projections of one input, whole, in one matrix with biases: the loader
+    routes q/k/v_proj and gate/up_proj tensors (anywhere in a model) to fused modules,
+    each with its shard id (`parts`, in order)."""
 
-    def __init__(self, input_size: int, intermediate: int) -> None:
+    def __init__(self, input_size: int, output_size: int, parts: tuple) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.weight = nn.Parameter(torch.empty(2 * intermediate, input_size))
-        self.bias = nn.Parameter(torch.empty(2 * intermediate))
+        self.size, self.parts = output_size, parts
+        self.weight = nn.Parameter(torch.empty(len(parts) * output_size, input_size))
+        self.bias = nn.Parameter(torch.empty(len(parts) * output_size))
 
-    def checkpoint_shapes(self, param: nn.Parameter) -> dict[int, tuple[int, ...]]:
-        return {i: (self.intermediate, *param.shape[1:]) for i in (0, 1)}
+    def checkpoint_shapes(self, param: nn.Parameter) -> dict:
+        return {part: (self.size, *param.shape[1:]) for part in self.parts}
 
-    def load(self, param: nn.Parameter, loaded: Checkpoint, shard_id: int) -> None:
-        rows = param.data.narrow(0, shard_id * self.intermediate, self.intermediate)
-        copy_checked(rows, loaded, "vision gate_up_proj")
+    def load(self, param: nn.Parameter, loaded: Checkpoint, shard_id) -> None:
+        rows = param.data.narrow(0, self.parts.index(shard_id) * self.size, self.size)
+        copy_checked(rows, loaded, f"vision {shard_id} projection")
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return F.linear(x, self.weight, self.bias).split(self.intermediate, dim=-1)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.size, dim=-1)
 
 
 class WholeConv3d(Whole, nn.Conv3d):
@@ -157,7 +158,7 @@ class VisionMLP(nn.Module):
 
     def __init__(self, dim: int, intermediate: int, act: str) -> None:
         super().__init__()
-        self.gate_up_proj = WholeGateUp(dim, intermediate)
+        self.gate_up_proj = WholeMerged(dim, intermediate, (0, 1))
         self.down_proj = WholeLinear(intermediate, dim)
         self.act = ACT2FN[act]
 
@@ -353,6 +354,7 @@ class Qwen2VLModel(nn.Module):
 class Qwen2VLForConditionalGeneration(CausalLM):
     packed_modules = LlamaForCausalLM.packed_modules
     multimodal: ClassVar[bool] = True
+    mrope: ClassVar[bool] = True
     qwen25: ClassVar[bool] = False
 
     def __init__(self, hf_config) -> None:
