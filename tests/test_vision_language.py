@@ -177,3 +177,14 @@ def test_llava_matches_transformers(tmp_path):
             ours = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])]
             np.testing.assert_allclose(ours, ref.tolist(), atol=2e-4, rtol=0)
             assert out.outputs[0].token_ids == seq[len(ids):]
+
+
+def test_lora_and_draft_models_are_refused_for_vision_language_models(tmp_path):
+    from common.config import ConfigError
+
+    model_dir = make_tiny_vl_model(tmp_path, "qwen2_5_vl")
+    with pytest.raises(ConfigError, match="LoRA is not supported on vision-language"):
+        LLM(str(model_dir), enable_lora=True)
+    with pytest.raises(ConfigError, match="draft model is not supported"):
+        LLM(str(model_dir), speculative_config={"method": "draft_model", "model": str(model_dir),
+                                                "num_speculative_tokens": 2})
