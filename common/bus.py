@@ -275,6 +275,13 @@ class Bus:
                 pipe.get(name)
             return list(await pipe.execute())
 
+    async def store_blobs(self, blobs: Mapping[str, bytes], ttl_s: float) -> None:
+        """Set each key to its bytes for `ttl_s` (one round trip)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name, data in blobs.items():
+                pipe.set(name, data, px=int(ttl_s * 1000))
+            await pipe.execute()
+
     async def set_hash(self, key: str, fields: Mapping[str, str], ttl_ms: int) -> None:
         """Set `fields` of hash `key`; Redis drops it unless set again within `ttl_ms`."""
         async with self.redis.pipeline(transaction=False) as pipe:

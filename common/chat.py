@@ -37,8 +37,43 @@ def plain_message(message: Any, i: int) -> dict[str, Any]:
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         return {**message, "content": "\n".join(p["text"] for p in content)}
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts "
-                        "(this server takes text only).", "messages")
+    if isinstance(content, list) and all(_is_part(p) for p in content):
+        # with images: the parts as Qwen-style templates read them, {"type": "image"}
+        return {**message, "content": [p if p["type"] == "text" else {"type": "image"}
+                                       for p in content]}
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text and "
+                        "image_url parts.", "messages")
+
+
+IMAGE_DETAILS = ("auto", "low", "high")
+
+
+def _is_part(part: Any) -> bool:
+    if not isinstance(part, dict):
+        return False
+    if part.get("type") == "text":
+        return isinstance(part.get("text"), str)
+    return part.get("type") == "image_url" and image_url_of(part) is not None
+
+
+def image_url_of(part: dict[str, Any]) -> str | None:
+    """An image_url part's URL: OpenAI's {"url": ..., "detail": ...} object, or the URL
+    string itself (vLLM takes both); None if it is neither."""
+    value = part.get("image_url")
+    if isinstance(value, str):
+        return value
+    if (isinstance(value, dict) and isinstance(value.get("url"), str)
+            and value.get("detail", "auto") in IMAGE_DETAILS):
+        return value["url"]
+    return None
+
+
+def chat_image_urls(messages: list[dict[str, Any]]) -> list[str]:
+    """The URLs of the conversation's image_url parts, in order."""
+    return [image_url_of(part) or "" for message in messages
+            if isinstance(message, dict) and isinstance(message.get("content"), list)
+            for part in message["content"]
+            if isinstance(part, dict) and part.get("type") == "image_url"]
 
 
 def _call_for_template(call: Any) -> Any:

@@ -131,6 +131,18 @@ class EngineConfig:
         "fcfs: first come first served; priority: lower value first, then arrival."))
     max_logprobs: int = field(default=20, metadata=_help(
         "Most logprobs or prompt_logprobs a request may ask for."))
+    limit_mm_per_prompt: str | None = field(default=None, metadata=_help(
+        "Most items of each modality in one prompt, as vLLM's JSON object, e.g. "
+        "'{\"image\": 2}'; unlimited where not set."))
+    allowed_media_domains: list[str] = field(default_factory=list, metadata=_help(
+        "Hosts whose http(s) image URLs the tokenizer stage may fetch; none by default, "
+        "so only data: URLs are taken."))
+    allowed_local_media_path: str | None = field(default=None, metadata=_help(
+        "A directory whose files file:// image URLs may read."))
+    media_fetch_timeout: float = field(default=5.0, metadata=_help(
+        "Seconds an image URL may take to fetch."))
+    max_image_bytes: int = field(default=20 * 2 ** 20, metadata=_help(
+        "Largest encoded image a request may give (a data: URL's or a fetched one's)."))
     device: Literal["auto", "cuda", "cpu"] = field(default="auto", metadata=_help(
         "Where the model runs; auto takes CUDA when there is one."))
     guided_decoding_backend: Literal["auto", "xgrammar"] = field(default="auto", metadata=_help(
@@ -211,6 +223,20 @@ class EngineConfig:
         if not self.compilation()[0]:
             self.enforce_eager = True
 
+    def mm_limits(self) -> dict[str, int]:
+        """--limit-mm-per-prompt as {modality: most items}; an empty dict: no limits."""
+        if self.limit_mm_per_prompt is None:
+            return {}
+        try:
+            limits = json.loads(self.limit_mm_per_prompt)
+        except ValueError:
+            limits = None
+        if not isinstance(limits, dict) or not all(
+                isinstance(v, int) and v >= 0 for v in limits.values()):
+            raise ConfigError("--limit-mm-per-prompt must be a JSON object of counts, e.g. "
+                              f"'{{\"image\": 2}}', got {self.limit_mm_per_prompt!r}")
+        return limits
+
     def validate(self) -> None:
         if self.block_size not in BLOCK_SIZES:
             raise ConfigError(f"--block-size must be one of {list(BLOCK_SIZES)}, got "
@@ -220,6 +246,7 @@ class EngineConfig:
         _positive("pipeline_parallel_size", self.pipeline_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
         _positive("max_logprobs", self.max_logprobs, allow_zero=True)
+        self.mm_limits()
         self._validate_partial_prefills()
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory"):

@@ -25,6 +25,11 @@ def health(process: str) -> str:
     return f"hr:health:{process}"
 
 
+def image(content_hash: str) -> str:
+    """An image's pixels, by its content hash (common/image_blobs.py)."""
+    return f"hr:image:{content_hash}"
+
+
 def replies(gateway_id: str) -> str:
     """detokenizers and any stage's errors -> one gateway"""
     return f"hr:replies:{gateway_id}"

@@ -93,6 +93,22 @@ class LoRARequest:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image of a prompt, as the tokenizer stage processed it: its placeholder tokens
+    are prompt_token_ids[offset:offset + length], and its patches (the model's image
+    processor's pixel_values rows) are float32 [t * h * w, patch_dim]. The patches travel
+    inline (`pixels`) or, when large, as a Redis key of their own (`key`) that the worker
+    reads. `hash` names the image's content: the worker's encoder cache and the prefix
+    cache key on it."""
+    hash: str
+    offset: int
+    length: int
+    grid_thw: Tokens  # patches in time, height and width, before merging
+    pixels: bytes = b""  # little-endian float32, row-major
+    key: str = ""  # where the pixels are when they are not inline
+
+
+@dataclass(frozen=True, slots=True)
 class NewRequest:
     """A request the worker has not seen (or sees again after preemption)."""
     req_id: str
@@ -102,6 +118,7 @@ class NewRequest:
     params: SamplingParams
     embed: bool = False  # an embedding request: pool its prompt, sample nothing
     lora: LoRARequest | None = None  # its adapter; the worker loads it on first use
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +223,7 @@ class AdmitRequest:
     stamps: Times = field(default_factory=list)  # arrival, tokenizer in, tokenizer out
     embed: bool = False  # an embedding request: its params are never read
     lora: LoRARequest | None = None  # generate under this adapter, None: the base model
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order
 
 
 @message("abort")

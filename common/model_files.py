@@ -187,7 +187,31 @@ def load_hf_config(path: str | os.PathLike):
 
     if not (Path(path) / "config.json").is_file():
         raise ModelNotFound(f"{path} has no config.json: not a Hugging Face model directory")
-    return AutoConfig.from_pretrained(path)
+    return language_view(AutoConfig.from_pretrained(path))
+
+
+# what a vision-language model's decoder config takes over from the whole config
+VISION_LANGUAGE_KEYS = ("architectures", "vision_config", "image_token_id", "video_token_id",
+                        "vision_start_token_id", "vision_end_token_id",
+                        "tie_word_embeddings", "quantization_config",
+                        # LLaVA's
+                        "projector_hidden_act", "multimodal_projector_bias",
+                        "vision_feature_layer", "vision_feature_select_strategy")
+
+
+def language_view(config):
+    """A vision-language model's config as its decoder's (text_config), carrying the
+    architecture, the vision config and the image token ids: every stage reads the
+    decoder's sizes where it reads a text model's, and only the worker's model and the
+    tokenizer's image processing look at the rest. Other configs are returned as they are."""
+    text = getattr(config, "text_config", None)
+    if text is None or getattr(config, "vision_config", None) is None:
+        return config
+    for key in VISION_LANGUAGE_KEYS:
+        value = getattr(config, key, None)
+        if value is not None:
+            setattr(text, key, value)
+    return text
 
 
 def load_tokenizer(path: str | os.PathLike, tokenizer: str | None = None,

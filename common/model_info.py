@@ -80,6 +80,10 @@ def resolve_draft(config: EngineConfig, hf_config: Any) -> DraftModel | None:
     spec = config.speculative()
     if spec is None or spec.model is None:
         return None
+    if getattr(hf_config, "vision_config", None) is not None:
+        raise ConfigError("--speculative-config: a draft model is not supported for a "
+                          "vision-language target yet (its positions and images are the "
+                          "target's alone); ngram speculation is")
     draft_dir = resolve_model(spec.model, config.load_format, gguf_weights=False)
     draft_config = load_model_config(spec.model, draft_dir)
     try:
@@ -135,11 +139,15 @@ def check_tensor_parallel(hf_config: Any, size: int) -> None:
 
 
 def check_pipeline_parallel(hf_config: Any, size: int) -> None:
-    """Each stage holds one decoder layer at least."""
+    """Each stage holds one decoder layer at least; a vision-language model runs whole
+    (its encoder and image rows feed the first stage alone, not built yet)."""
     layers = hf_config.num_hidden_layers
     if size > layers:
         raise ConfigError(f"--pipeline-parallel-size {size} exceeds the model's {layers} "
                           "layers: each stage needs one at least")
+    if size > 1 and getattr(hf_config, "vision_config", None) is not None:
+        raise ConfigError("--pipeline-parallel-size: vision-language models run with "
+                          "--pipeline-parallel-size 1 only")
 
 
 def check_lora(hf_config: Any) -> None:
@@ -156,6 +164,9 @@ def check_lora(hf_config: Any) -> None:
     if experts:
         raise ConfigError(f"--enable-lora: LoRA is not supported on mixture-of-experts "
                           f"models ({architecture} has {experts} experts per layer)")
+    if getattr(hf_config, "vision_config", None) is not None:
+        raise ConfigError(f"--enable-lora: LoRA is not supported on vision-language models "
+                          f"({architecture}) yet")
 
 
 def check_devices(config: EngineConfig, shards: int = 1) -> None:

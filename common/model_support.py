@@ -19,7 +19,9 @@ from common.quantization import QuantizationError, quant_spec
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                           "Qwen3MoeForCausalLM")
+                           "Qwen3MoeForCausalLM", "Qwen2VLForConditionalGeneration",
+                           "Qwen2_5_VLForConditionalGeneration",
+                           "LlavaForConditionalGeneration")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 REFUSED_EXIT = 2  # a usage error, as argparse's
 

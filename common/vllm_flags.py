@@ -30,7 +30,8 @@ _LORA = ("headrace's LoRA (--enable-lora) takes PEFT adapters of q/k/v/o and gat
          "projections, without bias or extra vocabulary, in the model's dtype")
 _SPEC = ("speculative decoding takes --speculative-config (or --speculative-model and "
          "--num-speculative-tokens) with the methods ngram and draft_model")
-_MULTIMODAL = "only text models are supported"
+_MULTIMODAL = ("images are processed as the model's preprocessor_config.json says, "
+               "with no options or cache of their own")
 _PLUGINS = "headrace's classes are not pluggable"
 
 FOREIGN_FLAGS = (
@@ -98,9 +99,7 @@ FOREIGN_FLAGS = (
     ForeignFlag("typical-acceptance-sampler-posterior-alpha", float, "refused", _SPEC),
     ForeignFlag("disable-logprobs-during-spec-decoding", bool, "refused", _SPEC),
     ForeignFlag("num-lookahead-slots", int, "refused", _SPEC, default=0),
-    ForeignFlag("limit-mm-per-prompt", str, "refused", _MULTIMODAL),
     ForeignFlag("mm-processor-kwargs", str, "refused", _MULTIMODAL),
-    ForeignFlag("allowed-local-media-path", str, "refused", _MULTIMODAL),
     ForeignFlag("kv-transfer-config", str, "refused", "KV transfer is not supported"),
     ForeignFlag("worker-cls", str, "refused", _PLUGINS, default="auto"),
     ForeignFlag("worker-extension-cls", str, "refused", _PLUGINS),

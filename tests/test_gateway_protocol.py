@@ -187,7 +187,9 @@ def test_chat_messages():
     job = parse_job(chat(messages=parts), chat=True)
     assert job.messages == parts and job.prompts == [] and job.add_generation_prompt
     for messages in (None, [], [{"content": "x"}], ["x"], [{"role": "user", "content": 3}],
-                     [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]):
+                     [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
+                     [{"role": "user", "content": [{"type": "image_url",
+                                                    "image_url": {"url": "u", "detail": "x"}}]}]):
         assert refused(chat(messages=messages), is_chat=True).param == "messages"
     job = parse_job(chat(add_generation_prompt=False), chat=True)
     assert not job.add_generation_prompt

@@ -142,3 +142,97 @@ def make_tiny_model(tmp_path: Path, arch: str, *, seed: int = 0,
            **(generation or {})}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
+
+
+# --- vision-language models ---------------------------------------------------------------
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VL_TEXT: dict[str, Any] = dict(
+    COMMON, vocab_size=49216,  # the test tokenizer's 49,152 tokens and the vision ones
+    tie_word_embeddings=False,
+    # head_dim 16: 8 rotary frequencies, 2 of time, 3 of height, 3 of width
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
+# Qwen2.5-VL: windows of 2x2 merged tokens (56 px), full attention in block 1 only
+VL_VISION: dict[str, dict[str, Any]] = {
+    "qwen2_5_vl": dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                       out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                       temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+                       hidden_act="silu", in_channels=3),
+    "qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2,
+                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                     hidden_act="quick_gelu", in_channels=3),
+}
+VL_CLASSES = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+              "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration")}
+# Qwen's chat template's image parts, on the test tokenizer's ChatML
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tiny_vl_model(tmp_path: Path, arch: str = "qwen2_5_vl", *, seed: int = 0,
+                       **text_overrides: Any) -> Path:
+    """A tiny Qwen2-VL / Qwen2.5-VL directory: the test tokenizer with the vision tokens
+    added, Qwen's image processor settings (min_pixels small enough for 56 px images) and
+    random weights. Returns it."""
+    import transformers
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor
+
+    out = Path(tmp_path) / f"tiny-{arch}"
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    start, end, image, video = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    config_name, model_name = VL_CLASSES[arch]
+    config = getattr(transformers, config_name)(
+        text_config={**VL_TEXT, **text_overrides}, vision_config=VL_VISION[arch],
+        image_token_id=image, video_token_id=video, vision_start_token_id=start,
+        vision_end_token_id=end, architectures=[model_name], tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(torch.float32)
+    randomize(model, seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 64, patch_size=14,
+                          temporal_patch_size=2, merge_size=2).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2}, indent=2))
+    return out
+
+
+def make_tiny_llava(tmp_path: Path, *, seed: int = 0) -> Path:
+    """A tiny LLaVA directory: a CLIP tower of 56 px crops in 14 px patches (16 tokens an
+    image), the Llama decoder, the test tokenizer with `<|image_pad|>` as LLaVA's image
+    token. Returns it."""
+    from transformers import (AutoTokenizer, CLIPImageProcessor, LlavaConfig,
+                              LlavaForConditionalGeneration)
+
+    out = Path(tmp_path) / "tiny-llava"
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    image = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    text = {**COMMON, "vocab_size": 49216, "tie_word_embeddings": False,
+            "rope_theta": 10000.0, "model_type": "llama"}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=2, image_size=56, patch_size=14, projection_dim=32,
+                  model_type="clip_vision_model")
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_id=image,
+                         architectures=["LlavaForConditionalGeneration"],
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    randomize(model, seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}
+                       ).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2}, indent=2))
+    return out

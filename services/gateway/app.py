@@ -30,16 +30,18 @@ from structlog.stdlib import BoundLogger
 
 from common import keys
 from common.bus import UNAVAILABLE, Bus, decode_value
-from common.chat import render_chat
+from common.chat import chat_image_urls, render_chat
 from common.config import ServerConfig
 from common.errors import ApiError
 from common.hops import DELIVERY_STAGE
 from common.log import get_logger
+from common.media import MediaRules, load_images
 from common.messages import Abort, LoRARequest, SchedulerStats, StoredResponse, WorkerFailed
 from common.model_info import ModelInfo
 from common.stalls import processes_health
 from common.token_text import TokenTexts
 from common.tokens import check_vocabulary
+from common.vision import ImageTokens
 from services.gateway.adapters import Adapters, check_new_name
 from services.gateway.beam import search_beams
 from services.gateway.core import (SHUTTING_DOWN, STALE_S, Applied, Backend, Call, Echo,
@@ -93,6 +95,8 @@ class Gateway:
         self.model_path = model
         self.names = list(server.served_model_name) or [model]
         self.max_model_len = info.max_model_len
+        # /tokenize counts a vision-language model's image tokens (None: text only)
+        self.image_tokens = ImageTokens.for_model(info.model_dir, info.hf_config)
         self.metrics = Metrics(self.names[0], info.max_model_len)
         self.backend = Backend()
         # one reader of this gateway's replies
@@ -658,7 +662,15 @@ class Gateway:
         if job.messages is not None:
             text = render_chat(tokenizer, job.messages, job.add_generation_prompt,
                                job.chat_template_kwargs)
-        return list(tokenizer.encode(text, add_special_tokens=job.add_special_tokens))
+        ids = list(tokenizer.encode(text, add_special_tokens=job.add_special_tokens))
+        urls = chat_image_urls(job.messages) if job.messages is not None else []
+        if not urls:
+            return ids
+        if self.image_tokens is None:
+            raise ApiError(400, "This model takes no images (it is not a vision-language "
+                                "model).", "messages")
+        images = load_images(urls, MediaRules.from_config(self.info.config))
+        return self.image_tokens.expand(ids, [image.size for image in images])
 
     async def detokenize(self, request: web.Request) -> web.Response:
         name, tokens = parse_detokenize(await read_json(request, self.server.body_timeout))

@@ -152,9 +152,23 @@ class RequestToolCall(BaseModel):
     function: RequestFunctionCall
 
 
+class ImageURL(BaseModel):
+    model_config = STRICT
+    url: str
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class ImageURLPart(BaseModel):
+    """An image (a vision-language model's tokenizer stage loads it: services/tokenizer/
+    media.py); the URL alone or OpenAI's object."""
+    model_config = STRICT
+    type: Literal["image_url"]
+    image_url: str | ImageURL
+
+
 # Not `explained`: that costs a Python call per message; api_error words its failures.
-Content = str | list[TextPart]
-CONTENT_ERROR = "must be a string or a list of text parts (this server takes text only)"
+Content = str | list[TextPart | ImageURLPart]
+CONTENT_ERROR = "must be a string or a list of text and image_url parts"
 
 
 class RequestMessage(BaseModel):

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from common.config import ConfigError, EngineConfig
 from common.lora import read_adapter_config
-from common.messages import DetokItem, LoRARequest, StepPlan, TextDelta
+from common.messages import DetokItem, ImageInput, LoRARequest, StepPlan, TextDelta
 from common.model_info import load_model_info
 from common.sampling_params import SamplingParams
 from common.timing import PhaseClock
@@ -37,11 +37,13 @@ class Engine:
         self._adapters: dict[int, str] = {}  # LoRA id -> the path checked under it
 
     def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, lora: LoRARequest | None = None) -> None:
+                    priority: int = 0, lora: LoRARequest | None = None,
+                    images: list[ImageInput] | None = None) -> None:
+        """images: the prompt's, from processor.with_images."""
         if lora is not None:
             self._check_adapter(lora)
         admit = self.processor.admit(rid, LOCAL_REPLY, prompt_token_ids, params,
-                                     priority=priority, lora=lora)
+                                     priority=priority, lora=lora, images=images)
         self.scheduler.add_request(admit)
 
     def _check_adapter(self, lora: LoRARequest) -> None:

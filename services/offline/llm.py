@@ -19,11 +19,13 @@ from tqdm import tqdm
 
 from common.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from common.config import ConfigError, EngineConfig
-from common.messages import LoRARequest, TextDelta, TokenLogprobs
+from common.messages import ImageInput, LoRARequest, TextDelta, TokenLogprobs
 from common.sampling_params import SamplingParams, best_of_indices
 from services.offline.engine import Engine
 
 PromptInput = str | list[int] | dict[str, Any]
+# a prompt's text (None for token ids), its token ids and its processed images
+Encoded = tuple[str | None, list[int], list[ImageInput]]
 
 
 @dataclass(slots=True)
@@ -123,8 +125,9 @@ class LLM:
              ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         processor = self.engine.processor
-        encoded = [(None, processor.prompt_ids(None, None, list(conv), add_generation_prompt))
-                   for conv in conversations]
+        encoded = [(None, *processor.chat_images(
+            processor.prompt_ids(None, None, list(conv), add_generation_prompt), list(conv)))
+            for conv in conversations]
         return self._run(encoded, sampling_params, use_tqdm, None)
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
@@ -135,15 +138,17 @@ class LLM:
         (common/beam_search.py), each with the prompt's and its own tokens and their text.
         Every round runs the live beams of all prompts as one batch of one-token
         requests."""
-        encoded = [self._encode(p)[1] for p in _as_list(prompts)]
+        encoded = [self._encode(p) for p in _as_list(prompts)]
+        if any(images for _, _, images in encoded):
+            raise ValueError("beam_search: prompts with images are not supported")
         loras = _per_prompt_lora(lora_request, len(encoded)) or [None] * len(encoded)
         eos = self.engine.info.eos_token_ids
         searches = [BeamSearch(ids, params, eos, self.engine.config.max_model_len)
-                    for ids in encoded]
+                    for _, ids, _ in encoded]
         bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
         while live := [(s, lora) for s, lora in zip(searches, loras) if not s.done]:
             beams = [(beam, lora) for s, lora in live for beam in s.live]
-            answers = iter(self._run([(None, beam.tokens) for beam, _ in beams],
+            answers = iter(self._run([(None, beam.tokens, []) for beam, _ in beams],
                                      params.round_params(), False, None,
                                      [lora for _, lora in beams]))
             for search, _ in live:
@@ -190,17 +195,23 @@ class LLM:
         bar.close()
         return list(outputs.values())
 
-    def _encode(self, prompt: PromptInput, **options: Any) -> tuple[str | None, list[int]]:
-        """`options` go to InputProcessor.prompt_ids (truncation, room)."""
+    def _encode(self, prompt: PromptInput, **options: Any) -> Encoded:
+        """`options` go to InputProcessor.prompt_ids (truncation, room). A dict prompt
+        may carry vLLM's {"multi_modal_data": {"image": image or [images]}} (PIL images),
+        one per image placeholder of the prompt."""
+        images: list[Any] = []
         if isinstance(prompt, dict):
             text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            images = _images_of(prompt.get("multi_modal_data"))
         elif isinstance(prompt, str):
             text, ids = prompt, None
         else:
             text, ids = None, list(prompt)
-        return text, self.engine.processor.prompt_ids(text, ids, None, **options)
+        processor = self.engine.processor
+        ids = processor.prompt_ids(text, ids, None, **options)
+        return (text, *processor.with_images(ids, images))
 
-    def _run(self, encoded: list[tuple[str | None, list[int]]],
+    def _run(self, encoded: list[Encoded],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool, priority: Sequence[int] | None,
              loras: Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
@@ -208,11 +219,11 @@ class LLM:
                                   len(encoded))
         outputs: dict[str, RequestOutput] = {}
         try:
-            for i, ((text, ids), params) in enumerate(zip(encoded, params_list)):
+            for i, ((text, ids, images), params) in enumerate(zip(encoded, params_list)):
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, ids, _generated(params),
                                         priority[i] if priority else 0,
-                                        loras[i] if loras else None)
+                                        loras[i] if loras else None, images)
                 outputs[rid] = RequestOutput(rid, text, ids, [
                     CompletionOutput(j) for j in range(params.num_generated)])
         except BaseException:  # a request refused (a bad grammar): none of the call runs
@@ -293,6 +304,16 @@ def _logprob_dict(lp: TokenLogprobs) -> LogprobsDict:
     for token_id, logprob, rank, text in zip(lp.token_ids, lp.logprobs, ranks, texts):
         entries.setdefault(token_id, Logprob(logprob, rank, text))
     return entries
+
+
+def _images_of(data: dict[str, Any] | None) -> list[Any]:
+    if not data:
+        return []
+    unknown = sorted(set(data) - {"image"})
+    if unknown:
+        raise ValueError(f"multi_modal_data: only 'image' is supported, got {unknown}")
+    images = data["image"]
+    return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
 def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

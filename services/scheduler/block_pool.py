@@ -17,7 +17,7 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
-    token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to confirm a hit
+    token_ids: tuple = ()  # tokens (and image hashes) behind block_hash, to confirm a hit
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
 

@@ -472,7 +472,8 @@ class Scheduler:
                 new.append(NewRequest(req_id=req.req_id, token_ids=req.known_token_ids(),
                                       num_prompt_tokens=req.num_prompt_tokens,
                                       block_ids=self.kv.block_ids(req.req_id),
-                                      params=req.params, embed=req.embed, lora=req.lora))
+                                      params=req.params, embed=req.embed, lora=req.lora,
+                                      images=req.images))
                 req.on_worker = True
                 if len(req.stamps) == NUM_REQUEST_STAMPS - 1:  # its first plan
                     req.stamps.append(now)
@@ -540,7 +541,7 @@ class Scheduler:
                        reply_to=admit.reply_to, prompt_token_ids=list(admit.prompt_token_ids),
                        params=params, arrival_time=admit.arrival_time or time.time(),
                        priority=admit.priority, stamps=list(admit.stamps), embed=admit.embed,
-                       lora=admit.lora,
+                       lora=admit.lora, images=list(admit.images),
                        # the first prompt token has no logprob; the worker scores the rest
                        prompt_logprobs=[] if params.prompt_logprobs is None else [None])
 

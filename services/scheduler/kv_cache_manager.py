@@ -101,8 +101,14 @@ class KVCacheManager:
             parent = req.block_hashes[i - 1] if i else _root_hash(req)
             req.block_hashes.append(hash((parent, self._block_tokens(req, i))))
 
-    def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
-        return tuple(req.token_slice(i * self.block_size, (i + 1) * self.block_size))
+    def _block_tokens(self, req: Request, i: int) -> tuple:
+        """The block's token ids, then the hashes of the images whose placeholders it
+        holds: equal placeholders of different images are different KV."""
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        tokens = tuple(req.token_slice(start, end))
+        images = tuple(image.hash for image in req.images
+                       if image.offset < end and image.offset + image.length > start)
+        return tokens + images if images else tokens
 
 
 def _root_hash(req: Request) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.detok_window import detok_params, stop_lookback
-from common.messages import DetokParams, LoRARequest, TokenLogprobs
+from common.messages import DetokParams, ImageInput, LoRARequest, TokenLogprobs
 from common.sampling_params import SamplingParams
 from common.speculative import NgramIndex
 from common.tokens import slice_tokens
@@ -52,6 +52,7 @@ class Request:
     stamps: list[float] = field(default_factory=list)  # its way in, see common/hops.py
     embed: bool = False  # an embedding request (see the module doc)
     lora: LoRARequest | None = None  # its adapter, None: the base model
+    images: list[ImageInput] = field(default_factory=list)  # its prompt's, in order
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next plan
     num_drafts_in_flight: int = 0  # drafts of the step whose result has not come back
     # its known tokens, indexed for ngram proposals as they become known

@@ -14,16 +14,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from common.chat import render_chat
+from common.chat import chat_image_urls, render_chat
 from common.errors import ApiError
 from common.lora import AdapterError, read_adapter_config
-from common.messages import AdmitRequest, GenerateRequest, LoRARequest
+from common.messages import AdmitRequest, GenerateRequest, ImageInput, LoRARequest
 from common.model_info import ModelInfo
 from common.sampling_defaults import SamplingDefaults
 from common.sampling_params import (CLIENT_PARAMS, SamplingError, SamplingParams,
                                     check_json_type, json_kinds)
 from common.structured_outputs import to_grammar
 from common.tokens import check_vocabulary
+from services.tokenizer.images import ImagePrompts
+from common.media import MediaRules, load_images
 
 # What an embedding request's AdmitRequest carries: nothing is sampled, so nothing reads it.
 EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
@@ -32,8 +34,14 @@ EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
 class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, defaults: SamplingDefaults,
                  max_logprobs: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 max_lora_rank: int | None = None) -> None:
+                 max_lora_rank: int | None = None,
+                 images: ImagePrompts | None = None,
+                 media: MediaRules | None = None) -> None:
+        """images: a vision-language model's image processing (None: text only); media:
+        where its image URLs may come from."""
         self.tokenizer = tokenizer
+        self.images = images
+        self.media = media or MediaRules()
         self.max_model_len = max_model_len
         self.defaults = defaults
         self.max_logprobs = max_logprobs
@@ -47,7 +55,9 @@ class InputProcessor:
         config = info.config
         return cls(info.tokenizer, info.max_model_len, info.defaults, config.max_logprobs,
                    info.vocab_size, info.eos_token_ids,
-                   config.max_lora_rank if config.enable_lora else None)
+                   config.max_lora_rank if config.enable_lora else None,
+                   ImagePrompts.for_model(info.model_dir, info.hf_config),
+                   MediaRules.from_config(config))
 
     def process(self, req: GenerateRequest) -> AdmitRequest:
         if req.embed:
@@ -63,13 +73,16 @@ class InputProcessor:
         ids = self.prompt_ids(req.prompt, req.prompt_token_ids, req.messages,
                               req.add_generation_prompt, req.add_special_tokens,
                               req.chat_template_kwargs, req.truncate_prompt_tokens, req.tools)
+        images: list[ImageInput] = []
+        if req.messages is not None:
+            ids, images = self.chat_images(ids, req.messages)
         with sampling_checks():
             params = self.defaults.params_for(req.params)
         requested = req.params.get("max_tokens")
         if requested is not None:
             self._check_fits(len(ids), requested)
         admit = self._admit(req.rid, req.reply_to, ids, params, req.arrival_time,
-                            req.priority, req.lora)
+                            req.priority, req.lora, images)
         if req.lora is not None:
             self.check_adapter(req.lora)
         return admit
@@ -90,15 +103,41 @@ class InputProcessor:
 
     def admit(self, rid: str, reply_to: str, prompt_token_ids: list[int],
               params: SamplingParams, arrival_time: float = 0.0, priority: int = 0,
-              lora: LoRARequest | None = None) -> AdmitRequest:
-        """Checks and resolves an already-built SamplingParams (the offline API path)."""
+              lora: LoRARequest | None = None, images: list[ImageInput] | None = None
+              ) -> AdmitRequest:
+        """Checks and resolves an already-built SamplingParams (the offline API path).
+        images: the prompt's, as with_images made them."""
         ids = list(prompt_token_ids)
         self._check_token_ids(ids)
         if params.max_tokens is not None:
             self._check_fits(len(ids), params.max_tokens)
         with sampling_checks():
             params = params.replace(max_tokens=self.defaults.cap(params.max_tokens))
-        return self._admit(rid, reply_to, ids, params, arrival_time, priority, lora)
+        return self._admit(rid, reply_to, ids, params, arrival_time, priority, lora,
+                           images or [])
+
+    def chat_images(self, ids: list[int], messages: list[dict[str, Any]]
+                    ) -> tuple[list[int], list[ImageInput]]:
+        """A chat prompt with its image_url parts' images loaded and placed."""
+        urls = chat_image_urls(messages)
+        if not urls:
+            return ids, []
+        if self.images is None:
+            raise ApiError(400, "This model takes no images (it is not a vision-language "
+                                "model).", "messages")
+        return self.with_images(ids, load_images(urls, self.media))
+
+    def with_images(self, ids: list[int], images: list[Any]
+                    ) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with its image placeholders expanded, and its images processed."""
+        if self.images is None:
+            if images:
+                raise ApiError(400, "This model takes no images (it is not a "
+                                    "vision-language model).", "messages")
+            return ids, []
+        ids, inputs = self.images.expand(ids, images)
+        self._check_token_ids(ids)
+        return ids, inputs
 
     def admit_embedding(self, rid: str, reply_to: str, prompt_token_ids: list[int],
                         arrival_time: float = 0.0, priority: int = 0,
@@ -198,8 +237,8 @@ class InputProcessor:
         return out
 
     def _admit(self, rid: str, reply_to: str, ids: list[int], params: SamplingParams,
-               arrival_time: float, priority: int, lora: LoRARequest | None = None
-               ) -> AdmitRequest:
+               arrival_time: float, priority: int, lora: LoRARequest | None = None,
+               images: list[ImageInput] | None = None) -> AdmitRequest:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         with sampling_checks():
@@ -210,7 +249,8 @@ class InputProcessor:
                 to_grammar(params.structured_outputs)  # a bad one stops here, not in a worker
         self._check_sampling_ids(params)
         return AdmitRequest(rid=rid, reply_to=reply_to, prompt_token_ids=ids, params=params,
-                            arrival_time=arrival_time, priority=priority, lora=lora)
+                            arrival_time=arrival_time, priority=priority, lora=lora,
+                            images=images or [])
 
 
 def bad_words_token_ids(tokenizer: Any, words: tuple[str, ...]

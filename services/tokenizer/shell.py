@@ -13,7 +13,9 @@ from redis.exceptions import RedisError
 
 from common import keys
 from common.bus import Bus, Output, decode_value
+from common.chat import chat_image_urls
 from common.errors import ApiError
+from common.image_blobs import detach_pixels
 from common.log import get_logger
 from common.messages import ErrorReply, GenerateRequest, Routed
 from common.model_info import load_model_info
@@ -28,19 +30,25 @@ WATCH_S = 0.25
 log = get_logger("headrace.tokenizer")
 
 
-def handler(processor: InputProcessor, router: Router):
+def handler(processor: InputProcessor, router: Router, bus: Bus):
     sharded = len(router.loads) > 1
 
     async def handle(req: GenerateRequest) -> list[Output]:
         received = time.time()
         light = not xgrammar_loaded()
         try:
-            admit = processor.process(req)
+            if req.messages is not None and chat_image_urls(req.messages):
+                # fetching and resizing images would hold the event loop for long
+                admit = await anyio.to_thread.run_sync(processor.process, req)
+            else:
+                admit = processor.process(req)
         except ApiError as e:
             return [(keys.replies(req.reply_to), e.reply(req.rid))]
         finally:
             if light and xgrammar_loaded():  # the first structured request brought it in
                 freeze_heap()
+        if admit.images:
+            admit = await detach_pixels(bus, admit)
         stamps = [req.arrival_time, received, time.time()]
         admit = dataclasses.replace(admit, stamps=stamps)
         if not sharded:
@@ -90,7 +98,8 @@ async def serve(ctx: ServiceContext) -> None:
     async with anyio.create_task_group() as tasks:
         if config.data_parallel_size > 1:
             tasks.start_soon(watch_shards, ctx.bus, router, ctx.stop)
-        await ctx.bus.consume(keys.REQUESTS, GROUP, ctx.consumer, handler(processor, router),
+        await ctx.bus.consume(keys.REQUESTS, GROUP, ctx.consumer,
+                              handler(processor, router, ctx.bus),
                               stop=ctx.stop, min_idle_ms=ctx.server.reclaim_idle_ms,
                               reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000),
                               on_dead=given_up)

@@ -55,6 +55,9 @@ class StepInputs:
     spec: list[tuple[RequestState, list[int]]]  # with drafts
     spec_rows: list[int]  # batch rows of `spec`
     spec_indices: torch.Tensor | None  # their 1 + k token indices each, in order
+    # a vision-language step's (token indices, image embedding rows) (services/worker/
+    # images.py); its positions are then [3, T]
+    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def prepare_inputs(plan: StepPlan, states: list[RequestState], block_size: int,

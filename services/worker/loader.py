@@ -151,6 +151,7 @@ def load_weights(model: CausalLM,
     buffers = dict(model.named_buffers())
     loaded: set[tuple[str, ShardId]] = set()
     for name, tensor in weights:
+        name = model.checkpoint_name(name)
         if name.endswith(IGNORED_SUFFIXES) or (
                 model.tie_word_embeddings and name == "lm_head.weight"):
             continue

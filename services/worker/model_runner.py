@@ -37,6 +37,7 @@ from common.speculative import may_speculate
 from services.worker.cuda_graphs import StepGraphs, graph_tokens
 from services.worker.draft import DraftRunner
 from services.worker.grammar import Grammars, MaskRow
+from services.worker.images import EncoderCache, mrope_step_positions, step_image_slices
 from services.worker.inputs import StepInputs, prepare_inputs, to_device
 from services.worker.launched import Launched, finish
 from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
@@ -46,6 +47,7 @@ from services.worker.loader import load_model
 from services.worker.lora import LoRAManager
 from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
 from services.worker.models import kv_cache_shape
+from services.worker.models.qwen2_vl import mrope_positions
 from services.worker.pooler import Pooler
 from services.worker.request_state import RequestState
 from services.worker.sampler import GrammarMask, Sampler, SamplingRow, prompt_logprobs
@@ -109,6 +111,8 @@ class ModelRunner:
         self.grammars = Grammars(lambda: load_tokenizer(model_dir, config.tokenizer),
                                  self.model.vocab_size, self.device)
         self.requests: dict[str, RequestState] = {}
+        self.images = EncoderCache(self.model.patch_dim, self.device) \
+            if self.model.multimodal else None
         self._pending: Launched | None = None
         self._unshared = 0  # a pipeline stage's launched steps whose results are not back
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -228,12 +232,20 @@ class ModelRunner:
         assert self._pending is None and not self._unshared, \
             "a launched step still refers to these requests"
         self.requests.clear()
+        if self.images is not None:
+            self.images = EncoderCache(self.model.patch_dim, self.device)
 
     def _apply_plan(self, plan: StepPlan) -> None:
         for req_id in plan.finished:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None and self.images is not None:
+                self.images.release(state)
         for new in plan.new:
-            self.requests[new.req_id] = RequestState.new(new, self.device)
+            state = self.requests[new.req_id] = RequestState.new(new, self.device)
+            if self.images is not None and state.images and self.model.mrope:
+                state.mrope, state.mrope_delta = mrope_positions(
+                    len(state.prompt_ids), state.images, self.model.merge)
+                self.images.hold(state)
         for cached in plan.cached:
             self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
 
@@ -242,7 +254,27 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare([state.lora for state in states],
                               np.asarray(plan.num_scheduled_tokens, dtype=np.int64))
-        return prepare_inputs(plan, states, self.block_size, self._last_tokens, self.device)
+        inputs = prepare_inputs(plan, states, self.block_size, self._last_tokens, self.device)
+        if self.images is not None:
+            self._add_images(plan, states, inputs)
+        return inputs
+
+    def _add_images(self, plan: StepPlan, states: list[RequestState], inputs: StepInputs
+                    ) -> None:
+        """A vision-language step: the embedding rows of the image placeholders it
+        computes (encoded here where no live request did), and three positions per token
+        under M-RoPE."""
+        assert self.images is not None
+        num_scheduled = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
+        num_computed = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+        cu = np.concatenate([[0], np.cumsum(num_scheduled)])
+        positions = np.arange(cu[-1]) + np.repeat(num_computed - cu[:-1], num_scheduled)
+        if self.model.mrope:
+            inputs.positions = self._tensor(mrope_step_positions(states, positions,
+                                                                 num_scheduled))
+        inputs.image_rows = self.images.rows(
+            step_image_slices(states, cu, num_computed, num_scheduled),
+            self.model.encode_images)
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         """The step's hidden states, from a captured graph where one fits; the draft model
@@ -254,6 +286,9 @@ class ModelRunner:
         key = None if graphs is None else graphs.key(attn, inputs.input_ids.shape[0])
         if key is not None:
             hidden = graphs.run(key, inputs.input_ids, inputs.positions, attn)
+        elif self.images is not None:
+            hidden = self.model(inputs.input_ids, inputs.positions,
+                                ForwardContext(attn, self.kv_caches), inputs.image_rows)
         else:
             sent = None if self.stage.is_first else self.stage.recv_prev(
                 (inputs.positions.shape[0], self.hf_config.hidden_size), self.dtype,
@@ -424,9 +459,13 @@ class ModelRunner:
             log.info("all-reduces of up to %d tokens go over peer memory", tokens)
 
     def _capture_graphs(self) -> StepGraphs | None:
+        """None on the CPU, under --enforce-eager and for a vision-language model (its
+        steps' positions and image rows are not graph inputs yet)."""
         config = self.config
-        # a stage's forward pass sends and receives between graphs: eager
-        if self.device.type != "cuda" or config.enforce_eager or self.stage.size > 1:
+        # a stage's forward pass sends and receives between graphs, and a vision-language
+        # step's encoder runs on its images: eager
+        if (self.device.type != "cuda" or config.enforce_eager or self.stage.size > 1
+                or self.model.multimodal):
             return None
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         graphs = StepGraphs(self.model, self.kv_caches, config.max_num_seqs,

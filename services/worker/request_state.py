@@ -6,11 +6,13 @@ the worker samples, dropped when the plan lists it as finished."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
+import numpy as np
 import torch
 
-from common.messages import LoRARequest, NewRequest
+from common.messages import ImageInput, LoRARequest, NewRequest
 from common.sampling_params import SamplingParams
 from common.tokens import slice_tokens
 from services.worker.sampler import SamplingRow, make_generator
@@ -31,6 +33,12 @@ class RequestState:
     embed: bool = False  # an embedding request: pooled, never sampled
     pooled: torch.Tensor | None = None  # its pooling's running state (Pooler.add_chunk)
     lora: LoRARequest | None = None  # the adapter it runs under, None: the base model
+    images: list[ImageInput] = field(default_factory=list)  # its prompt's, in order
+    # a vision-language model's three positions of each prompt token, and what later
+    # tokens add to their index (services/worker/models/qwen2_vl.mrope_positions);
+    # None: every axis is the token's index
+    mrope: np.ndarray | None = None
+    mrope_delta: int = 0
 
     @classmethod
     def new(cls, new: NewRequest, device: torch.device) -> RequestState:
@@ -39,7 +47,7 @@ class RequestState:
         return cls(new.req_id, list(new.token_ids[:new.num_prompt_tokens]),
                    list(new.token_ids[new.num_prompt_tokens:]), list(new.block_ids), params,
                    generator, structured=params.structured_outputs is not None,
-                   embed=new.embed, lora=new.lora)
+                   embed=new.embed, lora=new.lora, images=list(new.images))
 
     @property
     def num_tokens(self) -> int:

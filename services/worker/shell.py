@@ -11,6 +11,7 @@ host ships step N's result.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 import anyio
@@ -18,7 +19,8 @@ import anyio
 from common import keys
 from common.bus import Entry
 from common.log import get_logger
-from common.messages import StepResult, WorkerFailed, WorkerReady
+from common.image_blobs import attach_pixels
+from common.messages import StepPlan, StepResult, WorkerFailed, WorkerReady
 from common.model_info import check_shard, resolve_engine
 from common.service import (ALIVE_TTL_MS, ModelLoadFailed, ServiceContext, freeze_heap,
                             heartbeat, run_service)
@@ -72,6 +74,9 @@ class WorkerShell:
                                                  {keys.steps(self.shard): ">"},
                                                  count=PREFETCH,
                                                  block_ms=200):
+                    if isinstance(entry.msg, StepPlan) and entry.msg.new:
+                        entry = dataclasses.replace(
+                            entry, msg=await attach_pixels(self.bus, entry.msg))
                     steps.put(entry)
         finally:
             steps.stop()

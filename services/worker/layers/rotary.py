@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from common.model_files import max_model_len_of
-from kernels.rotary import apply_rotary, rope_cos_sin_cache, rope_type_of
+from kernels.rotary import apply_rotary, rope_cos_sin_cache, rope_type_of, rotate
 
 DEFAULT_ROPE_THETA = 10000.0
 # the schemes whose parameters include the pretraining context length
@@ -85,3 +85,29 @@ class RotaryEmbedding(nn.Module):
         """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]; only the first
         rotary_dim dims of each head rotate where the config has a partial_rotary_factor."""
         return apply_rotary(positions, q, k, self.cos_sin_cache)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's multimodal rotary embedding (M-RoPE): each token has three positions
+    (time, height, width; equal for text), and the rotated dims are split in sections
+    (`mrope_section`, in pairs) that take their angles from one of the three in turn."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: dict[str, Any] | None = None,
+                 num_positions: int | None = None) -> None:
+        super().__init__(head_dim, max_position, theta, scaling, num_positions)
+        sections = list((scaling or {})["mrope_section"])
+        # the axis (0 time, 1 height, 2 width) each frequency takes its position from
+        self.register_buffer("axis_of_freq", torch.repeat_interleave(
+            torch.arange(len(sections)) % 3, torch.tensor(sections)), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [3, T], or [T] for text alone (every axis the same)."""
+        if positions.ndim == 1:
+            return super().forward(positions, q, k)
+        cos, sin = self.cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [3, T, half]
+        assert cos.shape[-1] == self.axis_of_freq.numel(), "mrope_section must cover half a head"
+        index = self.axis_of_freq[None, None, :].expand(1, *cos.shape[1:])
+        cos, sin = cos.gather(0, index)[0], sin.gather(0, index)[0]
+        return rotate(q, cos, sin), rotate(k, cos, sin)

@@ -7,10 +7,13 @@ from services.worker.layers.parallel import kv_heads_per_rank
 from services.worker.models.causal_lm import CausalLM, head_dim_of
 from services.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from services.worker.models.llama import LlamaForCausalLM, MistralForCausalLM
+from services.worker.models.llava import LlavaForConditionalGeneration
 from services.worker.models.phi3 import Phi3ForCausalLM
 from services.worker.models.moe import (MixtralForCausalLM, Qwen2MoeForCausalLM,
                                         Qwen3MoeForCausalLM)
 from services.worker.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from services.worker.models.qwen2_vl import (Qwen2_5_VLForConditionalGeneration,
+                                             Qwen2VLForConditionalGeneration)
 
 __all__ = ["ARCHITECTURES", "CausalLM", "kv_cache_shape", "model_class"]
 
@@ -25,6 +28,9 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 

@@ -35,6 +35,15 @@ class CausalLM(nn.Module, abc.ABC):
     tie_word_embeddings: bool
     lm_head: ParallelLMHead
 
+    # a vision-language model: takes images' embeddings and three positions per token
+    multimodal: ClassVar[bool] = False
+    mrope: ClassVar[bool] = False  # three positions per token (Qwen2-VL's M-RoPE)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """The checkpoint's name for a tensor, in this model's naming (older layouts)."""
+        return name
+
     @abc.abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext, hidden: torch.Tensor | None = None) -> torch.Tensor:

@@ -26,7 +26,7 @@ from services.worker.layers.linear import (MergedColumnParallelLinear, QKVParall
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.parallel import current_group
 from services.worker.layers.pipeline import current_stage
-from services.worker.layers.rotary import RotaryEmbedding
+from services.worker.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from services.worker.models.causal_lm import CausalLM, head_dim_of
 
 
@@ -158,7 +158,9 @@ def rotary_by_layer(hf_config) -> list[RotaryEmbedding]:
     layer_types = getattr(hf_config, "layer_types", None) or \
         [None] * hf_config.num_hidden_layers
     keys = [kind if kind in params else None for kind in layer_types]
-    caches = {key: RotaryEmbedding.from_config(hf_config, head_dim_of(hf_config), key)
+    # Qwen2-VL's decoder: three positions per token (services/worker/models/qwen2_vl.py)
+    cls = MRotaryEmbedding if "mrope_section" in params else RotaryEmbedding
+    caches = {key: cls.from_config(hf_config, head_dim_of(hf_config), key)
               for key in dict.fromkeys(keys)}
     return [caches[key] for key in keys]
 
@@ -198,11 +200,14 @@ class LlamaModel(nn.Module):
             if self.stage.is_last else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                ctx: ForwardContext, hidden: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: the residual stream the stage before sent (every stage but the first).
-        The last stage returns the final hidden states, the others the residual stream."""
+        The last stage returns the final hidden states, the others the residual stream.
+        inputs_embeds: the embeddings to run instead of input_ids' (a vision-language
+        model's, with its images' rows merged in)."""
         if self.embed_tokens is not None:
-            hidden = self.embed_tokens(input_ids)
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             if self.embed_scale is not None:
                 hidden = hidden * self.embed_scale
         assert hidden is not None, "a stage after the first takes the hidden states sent"
