@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from common.config import ConfigError, EngineConfig
 from common.model_files import load_hf_config
+from common.model_info import check_pipeline_parallel
 from common.sampling_params import SamplingParams
 from services import LLM
 from services.worker.executor import PipelineExecutor
@@ -52,6 +54,15 @@ def test_more_stages_than_layers_are_refused_before_any_rank_starts(tmp_path):
         LLM(str(model_dir), pipeline_parallel_size=3, device="cpu")
     with pytest.raises(ConfigError, match="--enable-lora runs with --pipeline-parallel-size 1"):
         EngineConfig(model="m", pipeline_parallel_size=2, enable_lora=True)
+
+
+def test_a_vision_language_model_is_refused_stages():
+    """Its encoder and image rows feed a whole model; stages of one are not built."""
+    config = SimpleNamespace(num_hidden_layers=4, vision_config=SimpleNamespace())
+    check_pipeline_parallel(config, 1)
+    with pytest.raises(ConfigError, match="vision-language models run with "
+                                          "--pipeline-parallel-size 1 only"):
+        check_pipeline_parallel(config, 2)
 
 
 # --- loading: one stage in this process --------------------------------------------------
