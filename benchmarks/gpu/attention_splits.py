@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from benchmarks.gpu.graph_timing import graph_us
 from kernels.triton_attention import default_config, paged_attention_triton, sm_count
 
 BLOCK = 16
@@ -34,23 +35,6 @@ def inputs(heads: int, kv_heads: int, head_dim: int, batch: int, context: int) -
                 query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
                 seq_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
                 scale=head_dim ** -0.5, max_query_len=1, max_seq_len=2 * context)
-
-
-def graph_us(fn, calls: int = 20, replays: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (calls * replays)
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.gpu.attention_splits import graph_us
+from benchmarks.gpu.graph_timing import graph_us
 from kernels.int4 import Int4Tiles, w4a16_gemm_triton
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),

@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.gpu.graph_timing import graph_us  # noqa: E402
 from kernels.moe import (GEMV_MAX_SLOTS, fused_moe_gemv, fused_moe_triton,  # noqa: E402
                          moe_blocks, select_experts)
 
@@ -29,25 +30,7 @@ def copy_bandwidth() -> float:
     """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
     src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / (time_of(lambda: dst.copy_(src), 1) / 1e6)
-
-
-def time_of(fn, per_replay: int) -> float:
-    """Microseconds per call of fn, replayed in a CUDA graph of STEPS_PER_GRAPH calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_replay):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (REPLAYS * per_replay)
+    return 2 * src.numel() * 2 / (graph_us(lambda: dst.copy_(src), 1, REPLAYS) / 1e6)
 
 
 def main() -> None:
@@ -73,7 +56,7 @@ def main() -> None:
             for tiles in GEMV_SWEEP:
                 paths[f"gemv{tiles}"] = (lambda t=tiles: fused_moe_gemv(x, w13, w2, weights,
                                                                        ids, tiles=t))
-        times = {name: time_of(fn, STEPS_PER_GRAPH) for name, fn in paths.items()}
+        times = {name: graph_us(fn, STEPS_PER_GRAPH, REPLAYS) for name, fn in paths.items()}
         experts = " ".join(f"{name} {us:6.1f} us ({us / floor:.2f}x)"
                            for name, us in times.items() if name != "routing")
         print(f"tokens {tokens:3d}: {touched:3d} experts read, floor {floor:6.1f} us; "

@@ -271,6 +271,17 @@ class CallStream:
         done, self.json = self.json.done, None if self.json.done else self.json
         return done
 
+    def _open_json_arguments(self, text: str) -> bool:
+        """The call named self.name opens at a JSON object of arguments (after spaces);
+        anything else ends the section."""
+        if not self._space(text):
+            return False
+        if text[self.at] != "{":
+            return self._stop()
+        self._open(self.name)
+        self.json = JsonText()
+        return True
+
     def _read_object(self, text: str) -> bool:
         """Stream a call written as one JSON object; True once it ended."""
         assert self.object is not None
@@ -439,13 +450,7 @@ class MistralCalls(CallStream):
         return True
 
     def _args(self, text: str) -> bool:
-        if not self._space(text):
-            return False
-        if text[self.at] != "{":
-            return self._stop()
-        self._open(self.name)
-        self.json = JsonText()
-        return True
+        return self._open_json_arguments(text)
 
     def _next(self, text: str) -> bool:
         if not self._space(text):
@@ -861,13 +866,7 @@ class DeepSeekV3Calls(CallStream):
         return True
 
     def _object(self, text: str) -> bool:
-        if not self._space(text):
-            return False
-        if text[self.at] != "{":
-            return self._stop()
-        self._open(self.name)
-        self.json = JsonText()
-        return True
+        return self._open_json_arguments(text)
 
     def _fence_end(self, text: str) -> bool:
         return self._marker(text, "```", "call_end")

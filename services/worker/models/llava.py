@@ -11,19 +11,14 @@ tower is whole on every tensor-parallel rank (models/qwen2_vl.py's Whole layers)
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from services.worker.layers.attention import ForwardContext
-from services.worker.layers.embedding import ParallelLMHead
-from services.worker.models.causal_lm import CausalLM, head_dim_of
 from services.worker.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
-from services.worker.models.qwen2_vl import (Whole, WholeLayerNorm, WholeLinear,
-                                             WholeMerged, attach_whole_loaders)
+from services.worker.models.qwen2_vl import (VisionLanguageLM, Whole, WholeLayerNorm,
+                                             WholeLinear, WholeMerged, attach_whole_loaders)
 
 
 class WholeConv2d(Whole, nn.Conv2d):
@@ -139,9 +134,7 @@ class LlavaModel(nn.Module):
                                          lambda cfg, fl, i: LlamaMLP(cfg, fl))
 
 
-class LlavaForConditionalGeneration(CausalLM):
-    packed_modules = LlamaForCausalLM.packed_modules
-    multimodal: ClassVar[bool] = True
+class LlavaForConditionalGeneration(VisionLanguageLM):
 
     def __init__(self, hf_config) -> None:
         super().__init__()
@@ -154,15 +147,7 @@ class LlavaForConditionalGeneration(CausalLM):
         self.model = LlavaModel(hf_config)
         # hidden_states[layer] of the tower: its input is entry 0
         self.feature_layers = layer if layer >= 0 else vision.num_hidden_layers + 1 + layer
-        decoder = self.model.language_model
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        tied = decoder.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tied)
-        self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = decoder.layers[0].self_attn.num_kv_heads
-        self.head_dim = head_dim_of(hf_config)
-        self.hidden_size = hf_config.hidden_size
-        self.vocab_size = hf_config.vocab_size
+        self.build_head(hf_config)
         self.image_size, self.channels = vision.image_size, vision.num_channels
         self.patch_dim = vision.num_channels * vision.patch_size ** 2
 
@@ -189,13 +174,3 @@ class LlavaForConditionalGeneration(CausalLM):
         features = self.model.vision_tower.features(pixels, self.feature_layers)
         embeds = self.model.multi_modal_projector(features[:, 1:])  # the class token dropped
         return list(embeds.to(self.lm_head.weight.dtype))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext,
-                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        decoder = self.model.language_model
-        embeds = decoder.embed_tokens(input_ids)
-        if image_rows is not None:
-            index, rows = image_rows
-            embeds = embeds.index_copy(0, index, rows.to(embeds.dtype))
-        return decoder(input_ids, positions, ctx, inputs_embeds=embeds)

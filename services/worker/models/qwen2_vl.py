@@ -351,15 +351,14 @@ class Qwen2VLModel(nn.Module):
                                          lambda cfg, flags, i: LlamaMLP(cfg, flags))
 
 
-class Qwen2VLForConditionalGeneration(CausalLM):
+class VisionLanguageLM(CausalLM):
+    """A vision tower's embeddings in place of the image tokens' before a Llama-style
+    decoder (self.model.language_model), whose LM head this builds."""
     packed_modules = LlamaForCausalLM.packed_modules
     multimodal: ClassVar[bool] = True
-    mrope: ClassVar[bool] = True
-    qwen25: ClassVar[bool] = False
+    model: nn.Module
 
-    def __init__(self, hf_config) -> None:
-        super().__init__()
-        self.model = Qwen2VLModel(hf_config, self.qwen25)
+    def build_head(self, hf_config) -> None:
         decoder = self.model.language_model
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         tied = decoder.embed_tokens if self.tie_word_embeddings else None
@@ -369,6 +368,28 @@ class Qwen2VLForConditionalGeneration(CausalLM):
         self.head_dim = head_dim_of(hf_config)
         self.hidden_size = hf_config.hidden_size
         self.vocab_size = hf_config.vocab_size
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext,
+                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """positions: [3, T] with M-RoPE, else [T]; image_rows: (token indices, their
+        image embeddings) to put in place of those tokens' embeddings."""
+        decoder = self.model.language_model
+        embeds = decoder.embed_tokens(input_ids)
+        if image_rows is not None:
+            index, rows = image_rows
+            embeds = embeds.index_copy(0, index, rows.to(embeds.dtype))
+        return decoder(input_ids, positions, ctx, inputs_embeds=embeds)
+
+
+class Qwen2VLForConditionalGeneration(VisionLanguageLM):
+    mrope: ClassVar[bool] = True
+    qwen25: ClassVar[bool] = False
+
+    def __init__(self, hf_config) -> None:
+        super().__init__()
+        self.model = Qwen2VLModel(hf_config, self.qwen25)
+        self.build_head(hf_config)
         self.merge = hf_config.vision_config.spatial_merge_size
         self.patch_dim = self.model.visual.patch_dim
 
@@ -389,18 +410,6 @@ class Qwen2VLForConditionalGeneration(CausalLM):
         merged = self.model.visual(patches, grids)
         sizes = [t * h * w // self.merge ** 2 for t, h, w in grids]
         return list(merged.to(self.lm_head.weight.dtype).split(sizes))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext,
-                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """positions: [3, T] (or [T] for text alone); image_rows: (token indices, their
-        image embeddings) to put in place of those tokens' embeddings."""
-        decoder = self.model.language_model
-        embeds = decoder.embed_tokens(input_ids)
-        if image_rows is not None:
-            index, rows = image_rows
-            embeds = embeds.index_copy(0, index, rows.to(embeds.dtype))
-        return decoder(input_ids, positions, ctx, inputs_embeds=embeds)
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
