@@ -115,7 +115,7 @@ def test_the_loop_runs_ahead_of_the_detokenizer_process(tiny):
     expected = by_completion(run(inline, requests))
     inline.close()
     engine = make_engine(tiny)
-    background = engine.background
+    background = engine.detokenizer_process
     assert background is not None
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(str(i), prompt, params)
@@ -227,7 +227,7 @@ def test_an_abort_with_a_step_in_flight_drops_that_steps_tokens(tiny):
 
 def test_a_dead_detokenizer_process_is_an_error_and_close_ends_it(tiny):
     engine = make_engine(tiny)
-    background = engine.background
+    background = engine.detokenizer_process
     assert background is not None
     engine.add_request("x", prompts(1)[0], SamplingParams(temperature=0.0, max_tokens=40))
     background.process.kill()
@@ -238,8 +238,8 @@ def test_a_dead_detokenizer_process_is_an_error_and_close_ends_it(tiny):
     engine.close()
 
     engine = make_engine(tiny)
-    assert engine.background is not None
-    process = engine.background.process
+    assert engine.detokenizer_process is not None
+    process = engine.detokenizer_process.process
     run(engine, [(prompts(1)[0], SamplingParams(max_tokens=3))])
     engine.close()
     assert process.poll() == 0

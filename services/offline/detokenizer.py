@@ -23,6 +23,7 @@ input pipe closes, so it ends with the engine or with the process that started i
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import queue
 import subprocess
@@ -60,9 +61,12 @@ class DetokenizerProcess:
         self._replies: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self.pending = 0  # batches sent whose deltas are not collected yet
         # Reads every reply as it comes, so that the child never blocks on a full pipe
-        # while the engine blocks sending it a large batch.
-        self._reader = threading.Thread(target=self._read, name="detokenizer-replies",
-                                        daemon=True)
+        # while the engine blocks sending it a large batch. It holds no reference to self:
+        # an engine dropped without close() closes its end of the pipe, the child exits,
+        # and so does the thread.
+        self._reader = threading.Thread(target=_read_replies,
+                                        args=(self._receive, self._replies),
+                                        name="detokenizer-replies", daemon=True)
         self._reader.start()
 
     def submit(self, items: list[DetokItem]) -> None:
@@ -105,13 +109,15 @@ class DetokenizerProcess:
         return RuntimeError("the offline detokenizer process exited (code "
                             f"{self.process.wait()}): see its error above")
 
-    def _read(self) -> None:
-        while True:
-            try:
-                self._replies.put(self._receive.recv_bytes())
-            except (EOFError, OSError):  # the child exited, or close() ended the reads
-                self._replies.put(None)
-                return
+
+def _read_replies(receive: Connection, replies: queue.SimpleQueue[bytes | None]) -> None:
+    """Queue each reply; None once the child has exited."""
+    while True:
+        try:
+            replies.put(receive.recv_bytes())
+        except (EOFError, OSError):
+            replies.put(None)
+            return
 
 
 def _pipe() -> tuple[int, int]:
@@ -156,12 +162,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args(argv)
     from common.model_files import load_tokenizer
-    from common.service import freeze_heap
 
     receive = Connection(args.input_fd, writable=False)
     send = Connection(args.output_fd, readable=False)
     tokenizer = load_tokenizer(args.model_dir, args.tokenizer, args.trust_remote_code)
-    freeze_heap()  # full collections would walk the tokenizer's objects at every pass
+    # full collections would walk the tokenizer's objects (common.service.freeze_heap
+    # says what that cost the services; its log line would only be noise under a script)
+    gc.collect()
+    gc.freeze()
     serve(receive, send, tokenizer)
     return 0
 

@@ -31,19 +31,20 @@ LOCAL_REPLY = "local"
 
 class Engine:
     def __init__(self, config: EngineConfig, detokenizer_process: bool = True) -> None:
-        """detokenizer_process=False detokenizes every step in this loop (the same texts,
-        later: tests compare the two)."""
+        """detokenizer_process=False detokenizes every item in this loop, as the engine
+        did before the process: the same deltas, each returned by the step that made it
+        (tests compare the two)."""
         self.info = load_model_info(config)
         self.config = self.info.config
         self.processor = InputProcessor.from_info(self.info)
         # started first, so that its imports run while the model loads
-        self.background = DetokenizerProcess(
+        self.detokenizer_process = DetokenizerProcess(
             self.info.model_dir, config.tokenizer,
             config.trust_remote_code) if detokenizer_process else None
         try:
             self.executor = start_executor(self.info.resolved)
         except BaseException:
-            self._close_background()
+            self._close_detokenizer_process()
             raise
         self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config,
                                                                self.executor.num_blocks))
@@ -90,19 +91,19 @@ class Engine:
         """Let the tensor-parallel ranks and the detokenizer process go, so that another
         engine can start here."""
         self.executor.close()
-        self._close_background()
+        self._close_detokenizer_process()
 
-    def _close_background(self) -> None:
-        if self.background is not None:
-            self.background.close()
+    def _close_detokenizer_process(self) -> None:
+        if self.detokenizer_process is not None:
+            self.detokenizer_process.close()
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
 
     def has_unfinished(self) -> bool:
         """Requests still running, or text still being detokenized."""
-        return self.scheduler.has_unfinished() or bool(self.background
-                                                        and self.background.pending)
+        process = self.detokenizer_process
+        return self.scheduler.has_unfinished() or (process is not None and process.pending > 0)
 
     def step(self) -> list[TextDelta]:
         """Plan and launch the next step, then finish the previous one: the scheduler plans
@@ -124,18 +125,18 @@ class Engine:
             clock.lap("update")
             deltas += self.postprocess(items)
             clock.lap("postprocess")
-        if self.background is not None:
-            deltas += self.background.collect(wait=plan is None and not results)
+        if self.detokenizer_process is not None:
+            deltas += self.detokenizer_process.collect(wait=plan is None and not results)
             clock.lap("collect")
         return deltas
 
     def postprocess(self, items: list[DetokItem]) -> list[TextDelta]:
         """The deltas of the items that must be detokenized before the next plan; the
         others go to the detokenizer process."""
-        if self.background is not None:
+        if self.detokenizer_process is not None:
             beside = [item for item in items if not _decides_course(item)]
             if beside:
-                self.background.submit(beside)
+                self.detokenizer_process.submit(beside)
                 items = [item for item in items if _decides_course(item)]
         deltas = []
         for item in items:
