@@ -129,6 +129,8 @@ def test_throughput_command_times_the_http_path(tiny, tmp_path):
     inprocess, http = data["results"]
     ratio = http["tokens_per_s"] / inprocess["tokens_per_s"]
     assert f"http / inprocess: {ratio:.2f}x" in stdout.splitlines()
+    over_http = inprocess["tokens_per_s"] / http["tokens_per_s"]
+    assert f"inprocess / http: {over_http:.2f}x (goal: 0.97x or more)" in stdout.splitlines()
     # the gateway drove the same services: their loop clocks ran the warm-up and the run
     assert http["phases"]["worker.loops"] >= 12 and http["phases"]["scheduler.loops"] >= 12
 

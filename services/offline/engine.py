@@ -1,7 +1,12 @@
 """The in-process engine: the same cores the services run, wired without Redis.
 
 A step is schedule, execute, postprocess. The Redis pipeline runs exactly these cores; only
-the transport between them differs.
+the transport between them differs. Two things keep the device busy while the host works,
+as the served pipeline's processes do: the scheduler plans step N+1 and the executor
+launches it before step N's tokens are applied and detokenized (the plan-ahead of
+services/scheduler/request.py), and a detokenizer process (services/offline/detokenizer.py)
+turns the tokens into text beside this loop, so `step` returns the text of earlier steps
+as it comes back.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from common.model_info import load_model_info
 from common.sampling_params import SamplingParams
 from common.timing import PhaseClock
 from services.detokenizer.core import Detokenizer
+from services.offline.detokenizer import DetokenizerProcess
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.tokenizer.core import InputProcessor
 from services.worker.executor import start_executor
@@ -24,11 +30,22 @@ LOCAL_REPLY = "local"
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenizer_process: bool = True) -> None:
+        """detokenizer_process=False detokenizes every item in this loop, as the engine
+        did before the process: the same deltas, each returned by the step that made it
+        (tests compare the two)."""
         self.info = load_model_info(config)
         self.config = self.info.config
         self.processor = InputProcessor.from_info(self.info)
-        self.executor = start_executor(self.info.resolved)
+        # started first, so that its imports run while the model loads
+        self.detokenizer_process = DetokenizerProcess(
+            self.info.model_dir, config.tokenizer,
+            config.trust_remote_code) if detokenizer_process else None
+        try:
+            self.executor = start_executor(self.info.resolved)
+        except BaseException:
+            self._close_detokenizer_process()
+            raise
         self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config,
                                                                self.executor.num_blocks))
         self.detokenizer = Detokenizer(self.info.tokenizer)
@@ -73,19 +90,29 @@ class Engine:
         return self.executor.runner
 
     def close(self) -> None:
-        """Let the tensor-parallel ranks go, so that another engine can start here."""
+        """Let the tensor-parallel ranks and the detokenizer process go, so that another
+        engine can start here."""
         self.executor.close()
+        self._close_detokenizer_process()
+
+    def _close_detokenizer_process(self) -> None:
+        if self.detokenizer_process is not None:
+            self.detokenizer_process.close()
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still running, or text still being detokenized."""
+        process = self.detokenizer_process
+        return self.scheduler.has_unfinished() or (process is not None and process.pending > 0)
 
     def step(self) -> list[TextDelta]:
         """Plan and launch the next step, then finish the previous one: the scheduler plans
         ahead of the tokens (see services/scheduler/request.py), so the host updates and
-        detokenizes step N while the device runs step N+1."""
+        detokenizes step N while the device runs step N+1. Returns the text of this step
+        that the loop detokenized and whatever the detokenizer process has sent back; with
+        nothing left to run, it waits for the process."""
         clock = self.clock
         clock.start()
         plan = self.scheduler.schedule()
@@ -100,9 +127,19 @@ class Engine:
             clock.lap("update")
             deltas += self.postprocess(items)
             clock.lap("postprocess")
+        if self.detokenizer_process is not None:
+            deltas += self.detokenizer_process.collect(wait=plan is None and not results)
+            clock.lap("collect")
         return deltas
 
     def postprocess(self, items: list[DetokItem]) -> list[TextDelta]:
+        """The deltas of the items that must be detokenized before the next plan; the
+        others go to the detokenizer process."""
+        if self.detokenizer_process is not None:
+            beside = [item for item in items if not _decides_course(item)]
+            if beside:
+                self.detokenizer_process.submit(beside)
+                items = [item for item in items if _decides_course(item)]
         deltas = []
         for item in items:
             delta, abort = self.detokenizer.process(item)
@@ -110,3 +147,11 @@ class Engine:
                 self.scheduler.abort(abort.rid, abort.index, abort.reason, abort.stop_reason)
             deltas.append(delta)
         return deltas
+
+
+def _decides_course(item: DetokItem) -> bool:
+    """Whether detokenizing `item` may change what the scheduler plans next: a stop string
+    found in its text aborts the request. Such items are detokenized in the loop, as
+    before the process existed, so the next plan is the same; an embedding's item is only
+    passed through."""
+    return bool(item.params.stop) or item.embedding is not None

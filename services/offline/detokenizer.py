@@ -1,0 +1,178 @@
+"""The offline engine's detokenizer process: the served pipeline's detokenizer core, run
+beside the engine's loop rather than inside it.
+
+Detokenization is pure host work, most of it Python holding the GIL, and on a GPU the
+in-process loop is host-bound: its schedule, launch, update and detokenization run one after
+another while the device waits (issue 31: detokenization was the largest part). A thread
+would share the GIL with the loop; a process does not. So the engine sends each step's
+DetokItems (one TokenBatch, as the scheduler sends hr:detok) down a pipe and takes the
+TextDeltas (one ReplyBatch per batch, in order) when they are back, while it plans and
+launches the next steps.
+
+Only items whose text cannot change the scheduler's course come here: a stop string's abort
+must reach the scheduler before it plans again, so those items stay in the engine's own
+detokenizer (services/offline/engine.py), and every batch, hence every token, is the one the
+in-line engine makes.
+
+The child is `python -m services.offline.detokenizer`, not a multiprocessing child: spawn
+would import the user's script again in the child, and fork would copy a process that
+holds CUDA and torch's threads. It loads only the tokenizer (no torch), and exits when its
+input pipe closes, so it ends with the engine or with the process that started it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import queue
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from common.messages import DetokItem, ReplyBatch, TextDelta, TokenBatch, decode, encode
+
+EXIT_WAIT_S = 10.0
+
+
+class DetokenizerProcess:
+    """The parent's end: `submit` a step's items, `collect` the deltas that are back."""
+
+    def __init__(self, model_dir: Path, tokenizer: str | None = None,
+                 trust_remote_code: bool = False) -> None:
+        to_child, from_parent = _pipe()
+        to_parent, from_child = _pipe()
+        args = [sys.executable, "-m", __name__, str(model_dir),
+                str(from_parent), str(to_parent)]
+        if tokenizer is not None:
+            args += ["--tokenizer", tokenizer]
+        if trust_remote_code:
+            args.append("--trust-remote-code")
+        try:
+            self.process = subprocess.Popen(args, pass_fds=(from_parent, to_parent),
+                                            env=_child_env())
+        finally:
+            os.close(from_parent)
+            os.close(to_parent)
+        self._send = Connection(to_child, readable=False)
+        self._receive = Connection(from_child, writable=False)
+        self._replies: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.pending = 0  # batches sent whose deltas are not collected yet
+        # Reads every reply as it comes, so that the child never blocks on a full pipe
+        # while the engine blocks sending it a large batch. It holds no reference to self:
+        # an engine dropped without close() closes its end of the pipe, the child exits,
+        # and so does the thread.
+        self._reader = threading.Thread(target=_read_replies,
+                                        args=(self._receive, self._replies),
+                                        name="detokenizer-replies", daemon=True)
+        self._reader.start()
+
+    def submit(self, items: list[DetokItem]) -> None:
+        try:
+            self._send.send_bytes(encode(TokenBatch(step=0, items=items)))
+        except BrokenPipeError:
+            raise self._exited() from None
+        self.pending += 1
+
+    def collect(self, wait: bool = False) -> list[TextDelta]:
+        """The deltas of the batches back so far, in the order they were sent; with `wait`,
+        of one batch at least, when one is pending."""
+        deltas: list[TextDelta] = []
+        while self.pending:
+            try:
+                data = self._replies.get(block=wait and not deltas)
+            except queue.Empty:
+                break
+            if data is None:
+                raise self._exited()
+            self.pending -= 1
+            reply: ReplyBatch = decode(data)
+            deltas += reply.items
+        return deltas
+
+    def close(self) -> None:
+        """The child sees its input end and exits (a second call does nothing)."""
+        if self._send.closed:
+            return
+        self._send.close()
+        try:
+            self.process.wait(EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._reader.join(EXIT_WAIT_S)
+        self._receive.close()
+
+    def _exited(self) -> RuntimeError:
+        return RuntimeError("the offline detokenizer process exited (code "
+                            f"{self.process.wait()}): see its error above")
+
+
+def _read_replies(receive: Connection, replies: queue.SimpleQueue[bytes | None]) -> None:
+    """Queue each reply; None once the child has exited."""
+    while True:
+        try:
+            replies.put(receive.recv_bytes())
+        except (EOFError, OSError):
+            replies.put(None)
+            return
+
+
+def _pipe() -> tuple[int, int]:
+    """(write end, read end) of a new pipe."""
+    read_end, write_end = os.pipe()
+    return write_end, read_end
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment, with the directory that holds `services` first on the
+    child's path: the child imports the same code however this process found it."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+# --- the child --------------------------------------------------------------------------
+
+def serve(receive: Connection, send: Connection, tokenizer) -> None:
+    """Answer each TokenBatch with a ReplyBatch of its deltas, until the input closes."""
+    from services.detokenizer.core import Detokenizer
+
+    detokenizer = Detokenizer(tokenizer)
+    while True:
+        try:
+            batch: TokenBatch = decode(receive.recv_bytes())
+        except EOFError:
+            return
+        # no item here has stop strings (the engine keeps those), so none aborts
+        send.send_bytes(encode(ReplyBatch([detokenizer.process(item)[0]
+                                           for item in batch.items])))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.offline.detokenizer",
+                                     description="the offline engine's detokenizer process")
+    parser.add_argument("model_dir")
+    parser.add_argument("input_fd", type=int)
+    parser.add_argument("output_fd", type=int)
+    parser.add_argument("--tokenizer")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    args = parser.parse_args(argv)
+    from common.model_files import load_tokenizer
+
+    receive = Connection(args.input_fd, writable=False)
+    send = Connection(args.output_fd, readable=False)
+    tokenizer = load_tokenizer(args.model_dir, args.tokenizer, args.trust_remote_code)
+    # full collections would walk the tokenizer's objects (common.service.freeze_heap
+    # says what that cost the services; its log line would only be noise under a script)
+    gc.collect()
+    gc.freeze()
+    serve(receive, send, tokenizer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,246 @@
+"""The offline engine overlaps its host work with the device's step, and its answers are the
+in-line engine's to the token (issue 31 item 1).
+
+Two overlaps, each observed through the engine's cores rather than through timing: step
+N+1 is launched before step N's tokens are applied and detokenized (the scheduler's
+plan-ahead), and the detokenizer process turns tokens into text while the loop goes on
+(stopped with SIGSTOP, it holds no step back). Stop strings, max_tokens, aborts and
+preemption stay exact with a step in flight: a stop string's item is detokenized in the
+loop, so the scheduler plans exactly what the in-line engine plans.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import signal
+
+import pytest
+
+from common.config import EngineConfig
+from common.messages import StepPlan, TextDelta
+from common.sampling_params import SamplingParams
+from services.offline import llm as llm_module
+from services.offline.engine import Engine
+from services.offline.llm import LLM
+from tests.tiny_models import make_tiny_model
+
+VOCAB = 512  # the tiny model's
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("overlap"), "llama"))
+
+
+def make_engine(tiny: str, detokenizer_process: bool = True, **config) -> Engine:
+    return Engine(EngineConfig(model=tiny, dtype="float32", device="cpu", **config),
+                  detokenizer_process=detokenizer_process)
+
+
+def inline_llm(monkeypatch, tiny: str, **config) -> LLM:
+    """An LLM whose engine detokenizes in its loop: what every step returned before the
+    detokenizer process."""
+    with monkeypatch.context() as patch:
+        patch.setattr(llm_module, "Engine",
+                      functools.partial(Engine, detokenizer_process=False))
+        return LLM(tiny, dtype="float32", device="cpu", **config)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
+
+
+def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[TextDelta]:
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), prompt, params)
+    deltas: list[TextDelta] = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    return deltas
+
+
+def by_completion(deltas: list[TextDelta]) -> dict[tuple[str, int], list[tuple]]:
+    """Each completion's deltas in order, without the (wall-clock) request stamps."""
+    out: dict[tuple[str, int], list[tuple]] = {}
+    for d in deltas:
+        out.setdefault((d.rid, d.index), []).append(
+            (d.seq, d.text, list(d.token_ids), d.finish_reason, d.stop_reason, d.logprobs))
+    return out
+
+
+def outputs(results) -> list[tuple]:
+    return [(r.request_id, r.prompt_token_ids,
+             [(c.index, c.text, c.token_ids, c.logprobs, c.cumulative_logprob,
+               c.finish_reason, c.stop_reason) for c in r.outputs]) for r in results]
+
+
+def test_each_step_is_launched_before_the_previous_ones_tokens_are_applied(tiny):
+    engine = make_engine(tiny)
+    events: list[tuple[str, int]] = []
+    submit, update, postprocess = (engine.executor.submit, engine.scheduler.update,
+                                   engine.postprocess)
+
+    def launch(plan: StepPlan):
+        events.append(("launch", plan.step))
+        return submit(plan)
+
+    def apply(result):
+        events.append(("apply", result.step))
+        return update(result)
+
+    def detokenize(items):
+        events.append(("detokenize", len(items)))
+        return postprocess(items)
+
+    engine.executor.submit, engine.scheduler.update, engine.postprocess = (
+        launch, apply, detokenize)
+    run(engine, [(p, SamplingParams(temperature=0.0, max_tokens=8)) for p in prompts(4)])
+    engine.close()
+    launched = [step for kind, step in events if kind == "launch"]
+    applied = [step for kind, step in events if kind == "apply"]
+    assert applied == launched  # every step's tokens, in order
+    for step in launched[:-1]:  # the last one has no successor to overlap
+        apply_at = events.index(("apply", step))
+        assert events.index(("launch", step + 1)) < apply_at
+        assert events[apply_at + 1][0] == "detokenize"  # after the next launch too
+
+
+def test_the_loop_runs_ahead_of_the_detokenizer_process(tiny):
+    requests = [(p, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1))
+                for p in prompts(4, seed=1)]
+    inline = make_engine(tiny, detokenizer_process=False)
+    expected = by_completion(run(inline, requests))
+    inline.close()
+    engine = make_engine(tiny)
+    background = engine.detokenizer_process
+    assert background is not None
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), prompt, params)
+    deltas: list[TextDelta] = []
+    os.kill(background.process.pid, signal.SIGSTOP)
+    try:
+        steps = 0
+        while engine.scheduler.has_unfinished():
+            deltas += engine.step()
+            steps += 1
+        # every token was sampled and applied with no text back: nothing waited for it
+        assert deltas == [] and steps >= 6
+        assert background.pending >= 6 and engine.has_unfinished()
+    finally:
+        os.kill(background.process.pid, signal.SIGCONT)
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert background.pending == 0
+    assert by_completion(deltas) == expected
+    engine.close()
+
+
+def test_outputs_equal_the_inline_engines_with_preemption(tiny, monkeypatch):
+    """Greedy, seeded and unseeded sampling, n=2, logprobs, stop strings and max_tokens,
+    on a KV cache so small that requests are preempted and recomputed."""
+    config = {"num_gpu_blocks_override": 16, "block_size": 4}  # 64 token slots
+    reference = inline_llm(monkeypatch, tiny, **config)
+    batch = prompts(12, seed=2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20)
+    texts = [o.outputs[0].text for o in reference.generate(batch, greedy, use_tqdm=False)]
+    stops = [text[6:8] for text in texts]  # strings the greedy answers do contain
+    params = [SamplingParams(temperature=0.0, max_tokens=20, stop=[stops[0]]),
+              SamplingParams(temperature=0.0, max_tokens=7),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=16, n=2, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=20, stop=[stops[3]],
+                             include_stop_str_in_output=True),
+              SamplingParams(temperature=0.8, max_tokens=12),
+              SamplingParams(temperature=0.0, max_tokens=20, logprobs=0, stop=[stops[5]]),
+              ] * 2
+    expected = outputs(reference.generate(batch, params, use_tqdm=False))
+    assert reference.engine.scheduler.num_preemptions > 0
+    reference.close()
+    llm = LLM(tiny, dtype="float32", device="cpu", **config)
+    llm.generate(batch, greedy, use_tqdm=False)  # the same ids as the reference's calls
+    got = outputs(llm.generate(batch, params, use_tqdm=False))
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm.close()
+    assert got == expected
+    assert any(isinstance(c[6], str) for _, _, cs in got for c in cs)  # stop strings hit
+
+
+def test_a_stop_string_ends_the_plans_as_in_the_loop(tiny):
+    """A stop string's abort reaches the scheduler before it plans again: the request is in
+    exactly one plan after the step whose token completed the string (the step in flight),
+    and a max_tokens request in exactly max_tokens plans."""
+    engine = make_engine(tiny)
+    plans: list[StepPlan] = []
+    engine.on_plan = plans.append
+    batch = prompts(3, seed=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20)
+    texts = {}
+    for d in run(engine, [(p, greedy) for p in batch]):
+        texts[d.rid] = texts.get(d.rid, "") + d.text
+    stop = texts["0"][8:10]
+    plans.clear()
+    requests = [(batch[0], SamplingParams(temperature=0.0, max_tokens=20, stop=[stop])),
+                (batch[1], SamplingParams(temperature=0.0, max_tokens=9)),
+                (batch[2], greedy)]
+    rids = ["a", "b", "c"]
+    for rid, (prompt, params) in zip(rids, requests):
+        engine.add_request(rid, prompt, params)
+    deltas: list[TextDelta] = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    engine.close()
+    tokens = {rid: sum(len(d.token_ids) for d in deltas if d.rid == rid) for rid in rids}
+    finish = {d.rid: (d.finish_reason, d.stop_reason) for d in deltas if d.finish_reason}
+    in_plans = {rid: sum(f"{rid}#0" in p.req_ids for p in plans) for rid in rids}
+    assert finish["a"] == ("stop", stop) and "".join(
+        d.text for d in deltas if d.rid == "a") == texts["0"][:texts["0"].index(stop)]
+    assert tokens["a"] < 20
+    # the step that completed the stop string, and the one in flight when its text came
+    assert in_plans["a"] == tokens["a"] + 1
+    assert finish["b"] == ("length", None) and tokens["b"] == 9 and in_plans["b"] == 9
+
+
+def test_an_abort_with_a_step_in_flight_drops_that_steps_tokens(tiny):
+    engine = make_engine(tiny)
+    plans: list[StepPlan] = []
+    engine.on_plan = plans.append
+    for rid, prompt in zip("ab", prompts(2, seed=5)):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=30))
+    deltas: list[TextDelta] = []
+    for _ in range(5):
+        deltas += engine.step()
+    applied = len(engine.scheduler.by_rid["a"][0].output_token_ids)
+    in_flight = sum("a#0" in p.req_ids for p in plans)
+    assert in_flight == applied + 1  # one step of it is launched and not applied
+    engine.abort("a")
+    plans_at_abort = len(plans)
+    while engine.has_unfinished():
+        deltas += engine.step()
+    engine.close()
+    assert not any("a#0" in p.req_ids for p in plans[plans_at_abort:])
+    # the tokens applied before the abort come back as text; the in-flight step's do not
+    assert sum(len(d.token_ids) for d in deltas if d.rid == "a") == applied
+    assert sum(len(d.token_ids) for d in deltas if d.rid == "b") == 30
+
+
+def test_a_dead_detokenizer_process_is_an_error_and_close_ends_it(tiny):
+    engine = make_engine(tiny)
+    background = engine.detokenizer_process
+    assert background is not None
+    engine.add_request("x", prompts(1)[0], SamplingParams(temperature=0.0, max_tokens=40))
+    background.process.kill()
+    background.process.wait()
+    with pytest.raises(RuntimeError, match="detokenizer process exited"):
+        while engine.has_unfinished():
+            engine.step()
+    engine.close()
+
+    engine = make_engine(tiny)
+    assert engine.detokenizer_process is not None
+    process = engine.detokenizer_process.process
+    run(engine, [(prompts(1)[0], SamplingParams(max_tokens=3))])
+    engine.close()
+    assert process.poll() == 0
+    engine.close()  # a second close does nothing
