@@ -25,7 +25,7 @@ from common.messages import ErrorReply, GenerateRequest, ReplyBatch, Routed
 from common.net import free_port
 from common.redis_server import EmbeddedRedis, spawn_child
 from services.gateway import Choice
-from services.launcher import child_specs, fresh_metrics_dir
+from services.launcher import child_specs, fresh_metrics_dir, sized_stages
 
 CLIENT = "bench-client"
 
@@ -99,6 +99,8 @@ class LocalPipeline:
         self.root = root
         self.gateway = gateway
         self.shards = engine.data_parallel_size
+        # the stage counts not given, from the cores, as `serve` sizes them
+        server = sized_stages(server, self.shards)
         if gateway:
             server = dataclasses.replace(server, host="127.0.0.1", port=free_port())
         self.http_url = f"http://{server.host}:{server.port}"
