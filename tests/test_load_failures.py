@@ -161,7 +161,9 @@ def test_serve_stops_a_worker_that_cannot_load_and_answers_503(tmp_path: Path):
     server = start_server(tiny_serve_args(model_dir, tmp_path / "run", "--max-model-len",
                                           "64", "--num-gpu-blocks-override", "8"),
                           tmp_path / "serve.log")
-    completion = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    # token ids inside the tiny model's 512: its test tokenizer spells "hi" as 6004, which
+    # the tokenizer stage refuses (400) whenever it is up before the worker gives up
+    completion = {"model": MODEL_NAME, "prompt": [5, 6], "max_tokens": 2}
     try:
         server.wait_for("/health", (503,), timeout_s=GIVE_UP_S)  # no worker yet
         with ThreadPoolExecutor(1) as pool:
