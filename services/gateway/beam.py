@@ -46,7 +46,7 @@ async def search_beams(gateway: Gateway, request: web.Request, job: Job, model: 
                                        [beam.tokens for s in live for beam in s.live]))
         for search in live:
             search.advance([next(answers) for _ in search.live])
-    call = await gateway.new_call(job, model, lora)
+    call = await gateway.new_call(job, model, lora, request)
     deltas = await anyio.to_thread.run_sync(final_deltas, info.tokenizer, gateway.token_text,
                                             call, searches)
     applied = []

@@ -68,6 +68,7 @@ class Job:
     prompt_tokens_details: bool = False  # usage has them (--enable-prompt-tokens-details)
     ignored: list[str] = field(default_factory=list)  # unknown fields, for the warning
     beam: BeamSearchParams | None = None  # use_beam_search: services/gateway/beam.py
+    request_id: str | None = None  # the client's id for the response (vLLM's field)
 
     @property
     def n(self) -> int:
@@ -104,6 +105,7 @@ class EmbeddingJob:
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
     ignored: list[str] = field(default_factory=list)
+    request_id: str | None = None  # the client's id for the response (vLLM's field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +154,7 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
         job = Job(chat=False, model=req.model, prompts=_prompts(req.prompt),
                   echo=_given(req.echo, False))
     job.ignored = unknown_names(req)
+    job.request_id = req.request_id
     job.add_special_tokens = req.add_special_tokens
     job.truncate_prompt_tokens = req.truncate_prompt_tokens
     job.params = _sampling_overrides(req, chat, job.echo)
@@ -240,7 +243,7 @@ def parse_embedding(body: Any, limits: Limits = Limits()) -> EmbeddingJob:
                        encoding_format=_given(req.encoding_format, "float"),
                        dimensions=req.dimensions, add_special_tokens=req.add_special_tokens,
                        truncate_prompt_tokens=req.truncate_prompt_tokens,
-                       ignored=unknown_names(req))
+                       ignored=unknown_names(req), request_id=req.request_id)
     within("input", len(job.inputs), limits.max_prompts_per_request, "inputs",
             "max-prompts-per-request")
     return job
