@@ -39,13 +39,15 @@ async def search_beams(gateway: Gateway, request: web.Request, job: Job, model: 
         raise ApiError(400, f"a beam search of n={job.beam.beam_width} beams asks for "
                             f"{2 * job.beam.beam_width} logprobs a round, more than "
                             f"--max-logprobs {info.config.max_logprobs}", "n")
-    searches = [BeamSearch(ids, job.beam, info.eos_token_ids, info.max_model_len)
+    skip = job.params.get("skip_special_tokens", True)
+    searches = [BeamSearch(ids, job.beam, info.eos_token_ids, info.max_model_len,
+                           lambda ids: info.tokenizer.decode(ids, skip_special_tokens=skip))
                 for ids in prompts]
     while live := [s for s in searches if not s.done]:
-        answers = iter(await run_round(gateway, request, job, model, lora,
-                                       [beam.tokens for s in live for beam in s.live]))
-        for search in live:
-            search.advance([next(answers) for _ in search.live])
+        answers = await run_round(gateway, request, job, model, lora,
+                                  [beam.tokens for s in live for beam in s.live])
+        # off the event loop: stop strings decode every candidate
+        await anyio.to_thread.run_sync(advance, live, answers)
     call = await gateway.new_call(job, model, lora, request)
     deltas = await anyio.to_thread.run_sync(final_deltas, info.tokenizer, gateway.token_text,
                                             call, searches)
@@ -55,6 +57,13 @@ async def search_beams(gateway: Gateway, request: web.Request, job: Job, model: 
         choice.settle(delta)
         applied.append((choice, delta))
     return call, applied
+
+
+def advance(searches: list[BeamSearch], answers: list[dict[int, float]]) -> None:
+    """Each search's round, from the answers of all their live beams in order."""
+    offered = iter(answers)
+    for search in searches:
+        search.advance([next(offered) for _ in search.live])
 
 
 def prompt_ids(tokenizer: Any, job: Job) -> list[list[int]]:
@@ -115,12 +124,14 @@ def final_deltas(tokenizer: Any, token_text: TokenTexts, call: Call,
     for prompt, search in zip(call.prompts, searches):
         for index, beam in enumerate(search.best()):
             ids = search.output_ids(beam)
-            text = tokenizer.decode(ids, skip_special_tokens=skip) if ids else ""
+            text = beam.output_text
+            if text is None:
+                text = tokenizer.decode(ids, skip_special_tokens=skip) if ids else ""
             logprobs = ([] if top is None else
                         [chosen_logprobs(t, options, top, token_text)
                          for t, options in zip(ids, beam.logprobs)])
             deltas.append(TextDelta(prompt.rid, index, 0, text, ids, search.num_prompt,
-                                    beam.finish_reason, None, logprobs))
+                                    beam.finish_reason, beam.stop_reason, logprobs))
     return deltas
 
 

@@ -35,7 +35,7 @@ _UNSUPPORTED = {"suffix", "functions", "function_call", "audio", "modalities",
                 "chat_template", "continue_final_message", "return_token_ids"}
 # What a beam search honours (common/beam_search.py), beside the beam fields themselves.
 _BEAM_PARAMS = {"n", "max_tokens", "temperature", "ignore_eos", "include_stop_str_in_output",
-                "skip_special_tokens", "spaces_between_special_tokens", "logprobs"}
+                "skip_special_tokens", "spaces_between_special_tokens", "logprobs", "stop"}
 _SAMPLING_FIELDS = tuple(SamplingFields.model_fields)
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}  # vLLM's older names -> structured_outputs' keys
@@ -191,7 +191,7 @@ def _beam_search(req: Any, job: Job) -> BeamSearchParams | None:
             if getattr(req, name) not in (None, default):
                 raise ApiError(400, f"{name!r} needs 'use_beam_search' set to true", name)
         return None
-    refused = sorted(set(job.params) - _BEAM_PARAMS)
+    refused = sorted(_client_name(req, name) for name in set(job.params) - _BEAM_PARAMS)
     if req.truncate_prompt_tokens is not None:
         refused.append("truncate_prompt_tokens")
     if refused:
@@ -205,9 +205,20 @@ def _beam_search(req: Any, job: Job) -> BeamSearchParams | None:
             temperature=job.params.get("temperature", 0.0),
             length_penalty=_given(req.length_penalty, 1.0),
             include_stop_str_in_output=job.params.get("include_stop_str_in_output", False),
-            early_stopping=_given(req.early_stopping, False))
+            early_stopping=_given(req.early_stopping, False),
+            stop=tuple(job.params.get("stop", ())))
     except SamplingError as e:
         raise ApiError(400, str(e), e.param) from None
+
+
+def _client_name(req: Any, param: str) -> str:
+    """The field the client sent for a parameter: structured_outputs comes of several."""
+    if param != "structured_outputs":
+        return param
+    for name in ("structured_outputs", "response_format", *_GUIDED, "tool_choice"):
+        if getattr(req, name, None) is not None:
+            return name
+    return param
 
 
 def _plain(value: Any) -> Any:
