@@ -21,6 +21,7 @@ from common.sampling_params import SamplingError, SamplingParams
 from services import LLM
 from services.gateway.core import Call
 from services.gateway.protocol import parse_job
+from services.offline.run_batch import BatchLine, BatchRun
 from services.tokenizer.core import bad_words_token_ids
 from services.worker.sampler import SamplingRow, apply_bad_words
 from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serving, tiny_serve_args
@@ -389,6 +390,42 @@ def test_served_beam_search_ends_beams_at_stop_strings_as_the_offline_one(api, l
          else tokenizer.decode(s.tokens[3:], skip_special_tokens=True), s.finish_reason)
         for s in best]
     assert [c.stop_reason for c in out.choices] == [s.stop_reason for s in best]
+
+
+@pytest.mark.slow
+def test_a_batch_line_with_beam_search_answers_as_the_server(served, llm):
+    """run-batch's beam search (its rounds among the batch's other requests) against the
+    served endpoint's, line by line."""
+    beam = {"model": MODEL_NAME, "n": 2, "use_beam_search": True}
+    lines = [BatchLine("completions", "/v1/completions",
+                       {**beam, "prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 2,
+                        "length_penalty": 0.5, "request_id": "mine"}),
+             BatchLine("plain", "/v1/completions",
+                       {"model": MODEL_NAME, "prompt": [9, 10], "max_tokens": 3,
+                        "temperature": 0}),
+             BatchLine("chat", "/v1/chat/completions",
+                       {**beam, "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 3}),
+             BatchLine("too wide", "/v1/completions",
+                       {**beam, "prompt": [5], "n": 50, "max_tokens": 2})]
+    outputs = BatchRun(llm.engine, [MODEL_NAME]).run(lines, use_tqdm=False)
+    for line, output in zip(lines, outputs):
+        status, expected = post(served, line.url, line.body)
+        response = output["response"]
+        assert (output["custom_id"], response["status_code"]) == (line.custom_id, status)
+        if status != 200:
+            assert response["body"]["error"]["param"] == expected["error"]["param"] == "n"
+            continue
+        got = response["body"]
+        assert got["usage"] == expected["usage"]
+        for mine, theirs in zip(got["choices"], expected["choices"], strict=True):
+            logprobs = mine.pop("logprobs"), theirs.pop("logprobs")
+            assert mine == theirs
+            if logprobs[0] is not None:
+                assert logprobs[0]["tokens"] == logprobs[1]["tokens"]
+                assert logprobs[0]["token_logprobs"] == pytest.approx(
+                    logprobs[1]["token_logprobs"], abs=1e-3)
+    assert outputs[0]["response"]["body"]["id"] == "cmpl-mine"
 
 
 @pytest.mark.slow
