@@ -7,12 +7,17 @@ whose prompts share their prefixes, which its prefix cache holds.
 it (services/offline/llm.py, services/gateway/beam.py), sending each round's requests and
 handing back what they answered. Beams are ranked by vLLM's score, the cumulative logprob
 over the length ** length_penalty, the length counting the prompt (an EOS aside).
+
+Stop strings (beyond vLLM's beam search, which has none) end a beam as an EOS does: a
+candidate whose generated text, decoded by the driver's `decode`, contains one is set
+aside as ended, its text cut before the stop string (or after it, with
+include_stop_str_in_output); its tokens stay whole, as a sampled request's do.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.sampling_params import SamplingError, SamplingParams
@@ -29,8 +34,13 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     early_stopping: bool = False
+    stop: Sequence[str] = ()  # strings that end a beam (a list is kept as a tuple)
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.stop, (list, tuple)) and all(
+               isinstance(s, str) and s for s in self.stop),
+               "stop must be a list of non-empty strings", "stop", self.stop)
+        object.__setattr__(self, "stop", tuple(self.stop))
         _check(_is_int(self.beam_width) and self.beam_width >= 1,
                "beam_width must be a positive integer", "beam_width", self.beam_width)
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
@@ -62,6 +72,7 @@ class BeamSearchSequence:
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    output_text: str | None = None  # a stop string ended it: the generated text, cut
 
 
 @dataclass(slots=True)
@@ -80,9 +91,13 @@ def beam_search_score(tokens: Sequence[int], cum_logprob: float,
 
 class BeamSearch:
     def __init__(self, prompt_ids: Sequence[int], params: BeamSearchParams,
-                 eos_token_ids: Sequence[int], max_model_len: int | None = None) -> None:
-        """`max_model_len`: a beam stops ("length") where the context is full."""
+                 eos_token_ids: Sequence[int], max_model_len: int | None = None,
+                 decode: Callable[[Sequence[int]], str] | None = None) -> None:
+        """`max_model_len`: a beam stops ("length") where the context is full. `decode`:
+        generated tokens -> text, for the stop strings (needed when there are some)."""
+        assert decode is not None or not params.stop, "stop strings need a decode"
         self.params = params
+        self.decode = decode
         self.eos = tuple(eos_token_ids)
         self.num_prompt = len(prompt_ids)
         room = params.max_tokens if max_model_len is None else max_model_len - len(prompt_ids)
@@ -108,10 +123,25 @@ class BeamSearch:
                 if token in self.eos and not self.params.ignore_eos:
                     seq.finish_reason, seq.stop_reason = "stop", token
                     self.completed.append(seq)
+                elif self.params.stop and self._stopped(seq):
+                    self.completed.append(seq)
                 else:
                     grown.append(seq)
         self.live = sorted(grown, key=self.score, reverse=True)[:self.params.beam_width]
         self.rounds += 1
+
+    def _stopped(self, seq: BeamSearchSequence) -> bool:
+        """Whether a stop string is in the beam's text (its parent's had none: any is new);
+        the first of the list that is, as vLLM's detokenizer checks them, ends it."""
+        assert self.decode is not None
+        text = self.decode(seq.tokens[self.num_prompt:])
+        for stop in self.params.stop:
+            at = text.find(stop)
+            if at >= 0:
+                end = at + len(stop) if self.params.include_stop_str_in_output else at
+                seq.finish_reason, seq.stop_reason, seq.output_text = "stop", stop, text[:end]
+                return True
+        return False
 
     def best(self) -> list[BeamSearchSequence]:
         """The beam_width best beams, ended or not, best first."""

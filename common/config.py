@@ -553,6 +553,10 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = field(default=False, metadata=_help(
         "Name logprob tokens 'token_id:N' instead of their text (tokens that are not "
         "whole UTF-8 stay identifiable); a request may also ask with the same field."))
+    enable_request_id_headers: bool = field(default=False, metadata=_help(
+        "Answer every HTTP request with an X-Request-Id header: the request's own, or a "
+        "fresh id (a response's id follows X-Request-Id, or the body's request_id, "
+        "either way)."))
     enable_prompt_tokens_details: bool = field(default=False, metadata=_help(
         "Report usage.prompt_tokens_details (cached_tokens: the prompt tokens the prefix "
         "cache held); without it the field is null, as in vLLM."))

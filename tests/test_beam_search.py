@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from common.beam_search import BeamSearch, BeamSearchParams, beam_search_score
+from common.errors import ApiError
 from common.messages import TextDelta, TokenLogprobs
 from common.sampling_params import SamplingError, SamplingParams
 from services import LLM
 from services.gateway.core import Call
 from services.gateway.protocol import parse_job
+from services.offline.run_batch import BatchLine, BatchRun
 from services.tokenizer.core import bad_words_token_ids
 from services.worker.sampler import SamplingRow, apply_bad_words
 from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serving, tiny_serve_args
@@ -169,18 +171,24 @@ def test_a_served_best_of_keeps_the_top_n_and_counts_every_token():
 # --- beam search ----------------------------------------------------------------------------
 
 def naive_beam_search(hf, prompt: list[int], width: int, max_tokens: int,
-                      length_penalty: float = 1.0) -> list[tuple[list[int], float]]:
+                      length_penalty: float = 1.0, stop: tuple[str, ...] = (),
+                      decode=None) -> list[tuple[list[int], float]]:
     """Every live beam extended by its 2 * width likeliest tokens under transformers,
-    the width best kept by vLLM's score; ended beams wait aside."""
+    the width best kept by vLLM's score; ended beams (an EOS, or generated text that
+    `decode` spells with a stop string in it) wait aside."""
     def score(beam):
         return beam_search_score(beam[0], beam[1], (EOS,), length_penalty)
+
+    def ends(tokens: list[int]) -> bool:
+        return tokens[-1] == EOS or any(s in decode(tokens[len(prompt):]) for s in stop)
     live, ended = [(list(prompt), 0.0)], []
     for _ in range(max_tokens):
         grown = []
         for tokens, cum in live:
             top = next_logprobs(hf, tokens).topk(2 * width)
             for token, logprob in zip(top.indices.tolist(), top.values.tolist()):
-                (ended if token == EOS else grown).append((tokens + [token], cum + logprob))
+                beam = (tokens + [token], cum + logprob)
+                (ended if ends(beam[0]) else grown).append(beam)
         live = sorted(grown, key=score, reverse=True)[:width]
     return sorted(ended + live, key=score, reverse=True)[:width]
 
@@ -201,6 +209,43 @@ def test_offline_beam_search_equals_a_naive_one_on_transformers(llm, hf, width,
             assert seq.finish_reason == "length" and len(seq.logprobs) == 5
 
 
+def a_stop_string(tokenizer, sequences, num_prompt: int) -> str:
+    """A piece of text some best beam generates in its second token or later."""
+    for seq in sequences:
+        for token in seq.tokens[num_prompt + 1:]:
+            piece = tokenizer.decode([token], skip_special_tokens=True).strip()
+            if piece:
+                return piece[:3]
+    raise AssertionError("no beam generated a visible piece of text")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_offline_beam_search_ends_beams_at_stop_strings_as_a_naive_one(llm, hf, include):
+    prompt, width = [5, 6, 7], 2
+    tokenizer = llm.get_tokenizer()
+    free = llm.beam_search([{"prompt_token_ids": prompt}],
+                           BeamSearchParams(beam_width=width, max_tokens=5))[0].sequences
+    stop = a_stop_string(tokenizer, free, len(prompt))
+    params = BeamSearchParams(beam_width=width, max_tokens=5, stop=[stop],
+                              include_stop_str_in_output=include)
+    out = llm.beam_search([{"prompt_token_ids": prompt}], params)[0].sequences
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    expected = naive_beam_search(hf, prompt, width, 5, stop=(stop,), decode=decode)
+    assert [s.tokens for s in out] == [t for t, _ in expected] != [s.tokens for s in free]
+    stopped = [s for s in out if s.finish_reason == "stop"]
+    assert stopped and all(s.stop_reason == stop for s in stopped)
+    for seq, (_, cum) in zip(out, expected):
+        assert seq.cum_logprob == pytest.approx(cum, abs=1e-3)
+        generated = decode(seq.tokens[len(prompt):])
+        if seq in stopped:  # the text cut at the stop string, after it with the flag
+            end = generated.index(stop) + (len(stop) if include else 0)
+            assert seq.text == tokenizer.decode(prompt) + generated[:end]
+        else:
+            assert stop not in generated
+
+
 def test_beam_search_ends_beams_at_eos_and_stops_early():
     params = BeamSearchParams(beam_width=2, max_tokens=10, early_stopping=True)
     search = BeamSearch([1], params, (EOS,))
@@ -215,6 +260,27 @@ def test_beam_search_ends_beams_at_eos_and_stops_early():
     with pytest.raises(SamplingError) as e:
         BeamSearchParams(beam_width=0, max_tokens=3)
     assert e.value.param == "beam_width"
+    for bad in (["ok", ""], "ok", [3]):
+        with pytest.raises(SamplingError) as e:
+            BeamSearchParams(beam_width=1, max_tokens=3, stop=bad)
+        assert e.value.param == "stop"
+
+
+def test_a_stop_string_ends_a_beam_whatever_token_completes_it():
+    texts = {5: "a", 6: "b", 7: "XY", 8: "Y!"}
+    decode = lambda ids: "".join(texts[t] for t in ids)  # noqa: E731
+    for include, shown in ((False, "b"), (True, "bXY")):
+        params = BeamSearchParams(beam_width=2, max_tokens=5, stop=["XY"],
+                                  include_stop_str_in_output=include)
+        search = BeamSearch([1], params, (EOS,), decode=decode)
+        search.advance([{5: -0.5, 6: -0.6}])
+        search.advance([{7: -0.1, 8: -0.2}, {7: -0.3, 5: -2.0}])
+        # "aXY" and "bXY" end there; "aY!" and "ba" go on
+        assert sorted(b.tokens for b in search.live) == [[1, 5, 8], [1, 6, 5]]
+        ended = {tuple(b.tokens): b for b in search.completed}
+        assert set(ended) == {(1, 5, 7), (1, 6, 7)}
+        assert (ended[1, 6, 7].output_text, ended[1, 6, 7].stop_reason) == (shown, "XY")
+        assert search.output_ids(ended[1, 6, 7]) == [6, 7]  # the tokens stay whole
 
 
 def test_beam_search_fields_parse_into_its_params():
@@ -229,6 +295,15 @@ def test_beam_search_fields_parse_into_its_params():
     plain = parse_job({"prompt": "x", "length_penalty": 1.0, "use_beam_search": False},
                       chat=False)
     assert plain.beam is None  # vLLM's defaults, sent without a beam search, mean nothing
+    stops = parse_job({"prompt": "x", "use_beam_search": True, "stop": "a",
+                       "include_stop_str_in_output": True}, chat=False)
+    assert stops.beam.stop == ("a",) and stops.beam.include_stop_str_in_output
+    for fields, param in (({"top_p": 0.5}, "top_p"), ({"seed": 3}, "seed"),
+                          ({"guided_regex": "a+"}, "guided_regex"),
+                          ({"prompt_logprobs": 1}, "prompt_logprobs")):
+        with pytest.raises(ApiError) as e:
+            parse_job({"prompt": "x", "use_beam_search": True, **fields}, chat=False)
+        assert e.value.param == param
 
 
 # --- served ---------------------------------------------------------------------------------
@@ -299,6 +374,61 @@ def test_served_beam_search_equals_the_offline_one(api, served, llm):
 
 
 @pytest.mark.slow
+def test_served_beam_search_ends_beams_at_stop_strings_as_the_offline_one(api, llm):
+    prompt = [5, 6, 7]
+    tokenizer = llm.get_tokenizer()
+    free = llm.beam_search([{"prompt_token_ids": prompt}],
+                           BeamSearchParams(beam_width=2, max_tokens=5))[0].sequences
+    stop = a_stop_string(tokenizer, free, len(prompt))
+    best = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(
+        beam_width=2, max_tokens=5, stop=[stop]))[0].sequences
+    out = api.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, n=2,
+                                 stop=[stop], extra_body={"use_beam_search": True})
+    assert any(s.finish_reason == "stop" for s in best)
+    assert [(c.text, c.finish_reason) for c in out.choices] == [
+        (s.output_text if s.output_text is not None
+         else tokenizer.decode(s.tokens[3:], skip_special_tokens=True), s.finish_reason)
+        for s in best]
+    assert [c.stop_reason for c in out.choices] == [s.stop_reason for s in best]
+
+
+@pytest.mark.slow
+def test_a_batch_line_with_beam_search_answers_as_the_server(served, llm):
+    """run-batch's beam search (its rounds among the batch's other requests) against the
+    served endpoint's, line by line."""
+    beam = {"model": MODEL_NAME, "n": 2, "use_beam_search": True}
+    lines = [BatchLine("completions", "/v1/completions",
+                       {**beam, "prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 2,
+                        "length_penalty": 0.5, "request_id": "mine"}),
+             BatchLine("plain", "/v1/completions",
+                       {"model": MODEL_NAME, "prompt": [9, 10], "max_tokens": 3,
+                        "temperature": 0}),
+             BatchLine("chat", "/v1/chat/completions",
+                       {**beam, "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 3}),
+             BatchLine("too wide", "/v1/completions",
+                       {**beam, "prompt": [5], "n": 50, "max_tokens": 2})]
+    outputs = BatchRun(llm.engine, [MODEL_NAME]).run(lines, use_tqdm=False)
+    for line, output in zip(lines, outputs):
+        status, expected = post(served, line.url, line.body)
+        response = output["response"]
+        assert (output["custom_id"], response["status_code"]) == (line.custom_id, status)
+        if status != 200:
+            assert response["body"]["error"]["param"] == expected["error"]["param"] == "n"
+            continue
+        got = response["body"]
+        assert got["usage"] == expected["usage"]
+        for mine, theirs in zip(got["choices"], expected["choices"], strict=True):
+            logprobs = mine.pop("logprobs"), theirs.pop("logprobs")
+            assert mine == theirs
+            if logprobs[0] is not None:
+                assert logprobs[0]["tokens"] == logprobs[1]["tokens"]
+                assert logprobs[0]["token_logprobs"] == pytest.approx(
+                    logprobs[1]["token_logprobs"], abs=1e-3)
+    assert outputs[0]["response"]["body"]["id"] == "cmpl-mine"
+
+
+@pytest.mark.slow
 def test_served_best_of_and_bad_words(api, served, llm):
     out = api.completions.create(model=MODEL_NAME, prompt=[9, 10, 11], max_tokens=4,
                                  best_of=3, temperature=1.0,
@@ -327,7 +457,10 @@ def test_served_best_of_and_bad_words(api, served, llm):
     ({"best_of": 2, "stream": True}, "best_of"),
     ({"best_of": 1, "n": 2}, "best_of"),
     ({"use_beam_search": True, "top_p": 0.5}, "top_p"),
-    ({"use_beam_search": True, "stop": ["x"]}, "stop"),
+    ({"use_beam_search": True, "seed": 1}, "seed"),
+    ({"use_beam_search": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"use_beam_search": True, "response_format": {"type": "json_object"}},
+     "response_format"),
     ({"length_penalty": 0.7}, "length_penalty"),
     ({"logits_processors": ["x"]}, "logits_processors"),
     ({"cache_salt": "s"}, "cache_salt"),

@@ -69,8 +69,8 @@ def test_a_mixed_batch_answers_what_the_offline_llm_does(model_dir, tmp_path, ca
          "body": {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}},
         {"custom_id": "stream", "url": "/v1/completions",
          "body": {"prompt": "hi", "stream": True}},
-        {"custom_id": "beam", "url": "/v1/completions",
-         "body": {"prompt": "hi", "use_beam_search": True}}]
+        {"custom_id": "beam", "url": "/v1/completions",  # beam search ignores top_p
+         "body": {"prompt": "hi", "use_beam_search": True, "top_p": 0.5}}]
     write_lines(tmp_path / "in.jsonl", lines[:100] + refused + lines[100:])
     assert cli(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o",
                 str(tmp_path / "out.jsonl"), "--model", str(model_dir),
@@ -84,6 +84,7 @@ def test_a_mixed_batch_answers_what_the_offline_llm_does(model_dir, tmp_path, ca
             ("bad-model", "bad-body", "stream", "beam")} == {
                 "bad-model": 404, "bad-body": 400, "stream": 400, "beam": 400}
     assert by_id["bad-body"]["response"]["body"]["error"]["param"] == "temperature"
+    assert by_id["beam"]["response"]["body"]["error"]["param"] == "top_p"
 
     llm = LLM(str(model_dir), dtype="float32", block_size=4, num_gpu_blocks_override=1024)
     references = offline_answers(llm, lines)

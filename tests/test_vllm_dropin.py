@@ -7,9 +7,11 @@ httpx2)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import re
 import ssl
 import subprocess
 import time
@@ -104,7 +106,8 @@ def gateway(embedded_redis: EmbeddedRedis, tmp_path_factory, certificate) -> Ite
          "--allowed-origins", json.dumps([ORIGIN]), "--allowed-methods", '["GET", "POST"]',
          "--allowed-headers", '["authorization", "content-type"]', "--allow-credentials",
          "--root-path", ROOT, "--disable-log-requests", "--return-tokens-as-token-ids",
-         "--enable-prompt-tokens-details", "--uvicorn-log-level", "debug"],
+         "--enable-prompt-tokens-details", "--uvicorn-log-level", "debug",
+         "--enable-request-id-headers"],
         tmp_path_factory.mktemp("gateway") / "gateway.log")
     up = Gateway(server, f"https://127.0.0.1:{server.port}",
                  ssl.create_default_context(cafile=str(certificate)))
@@ -366,6 +369,47 @@ def test_a_request_may_ask_for_token_ids_itself():
         call.offer(TextDelta("cmpl-x", 0, 0, "t0", [10], 3, "length", logprobs=[
             TokenLogprobs([10], [-0.5], 1, ["t0"])]))
         assert call.response().choices[0].logprobs.tokens == tokens
+
+
+# --- request ids --------------------------------------------------------------------------
+
+def answer_or_embed(req: GenerateRequest) -> list[ReplyBatch]:
+    if req.embed:
+        vector = torch.tensor([1.0, 0.0], dtype=torch.float32).numpy().tobytes()
+        return [ReplyBatch([TextDelta(req.rid, 0, 0, "", [], 3, "stop", embedding=vector)])]
+    return answer(req)
+
+
+async def test_a_clients_request_id_names_its_response_and_comes_back_in_the_header(
+        gateway, embedded_redis):
+    """As vLLM's: the response id is the prefix and X-Request-Id, else the body's
+    request_id; --enable-request-id-headers echoes X-Request-Id (or a fresh id). Two
+    calls with the same id run side by side, each answered in full."""
+    chat_body = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                     max_tokens=2)
+    async with fake_stages(embedded_redis.url, answer_or_embed) as seen, \
+            openai_client(gateway, gateway.url) as client:
+        chat = await client.chat.completions.create(**chat_body,
+                                                    extra_body={"request_id": "mine"})
+        raw = await client.completions.with_raw_response.create(
+            model=MODEL_NAME, prompt="p", max_tokens=2, extra_body={"request_id": "body"},
+            extra_headers={"X-Request-Id": "header"})
+        twins = await asyncio.gather(*(client.completions.create(
+            model=MODEL_NAME, prompt="p", max_tokens=2, extra_body={"request_id": "same"})
+            for _ in range(2)))
+        stream = await client.chat.completions.create(**chat_body, stream=True,
+                                                      extra_body={"request_id": "s"})
+        chunk_ids = {chunk.id async for chunk in stream}
+        plain = await client.embeddings.with_raw_response.create(
+            model=MODEL_NAME, input=["a", "b"], extra_body={"request_id": "e"})
+    assert chat.id == "chatcmpl-mine" and chunk_ids == {"chatcmpl-s"}
+    assert raw.parse().id == "cmpl-header" and raw.headers["X-Request-Id"] == "header"
+    assert [t.id for t in twins] == ["cmpl-same"] * 2
+    assert [t.choices[0].text for t in twins] == ["t0t1"] * 2
+    assert plain.parse().id == "embd-e" and len(plain.parse().data) == 2
+    assert re.fullmatch("[0-9a-f]{32}", plain.headers["X-Request-Id"])  # none given: fresh
+    rids = [req.rid for req in seen]
+    assert len(rids) == len(set(rids)) == 7  # the bus's ids stay unique
 
 
 # --- vllm: metric names --------------------------------------------------------------------

@@ -206,7 +206,7 @@ class Gateway:
         self.admit(job)
         if job.beam is not None:
             return await self.beam_search(request, job, model, lora)
-        call = await self.new_call(job, model, lora)
+        call = await self.new_call(job, model, lora, request)
         async with self.open_call(request, call, job.ignored) as (inbox, log):
             return await self.answer(request, call, inbox, log)
 
@@ -228,6 +228,8 @@ class Gateway:
         its unfinished requests are aborted and its inbox closed."""
         request["rid"] = call.id  # for the error middleware's log line
         log = self.request_log.bind(rid=call.id)
+        if call.response_id != call.id:
+            log = log.bind(request_id=call.response_id)
         if ignored:
             log.warning("ignored unknown request fields", fields=ignored)
         inbox = self.replies.open(call.rids)
@@ -289,11 +291,16 @@ class Gateway:
             raise call.error
         return applied, sent
 
-    async def new_call(self, job: Job, model: str, lora: LoRARequest | None) -> Call:
-        call_id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+    async def new_call(self, job: Job, model: str, lora: LoRARequest | None,
+                       request: web.Request | None = None) -> Call:
+        """`request`: the client's, whose X-Request-Id (or the body's request_id) names
+        the response; the requests on the bus keep an id of their own, unique even when
+        two clients send the same one."""
+        prefix = "chatcmpl-" if job.chat else "cmpl-"
         echoes = await anyio.to_thread.run_sync(self.echoes, job) if job.echo else None
-        return Call(job, call_id, model, int(time.time()), time.monotonic(), echoes,
-                    self.parsers, lora)
+        return Call(job, prefix + uuid.uuid4().hex, model, int(time.time()),
+                    time.monotonic(), echoes, self.parsers, lora,
+                    response_id(prefix, request, job.request_id))
 
     def echoes(self, job: Job) -> list[Echo]:
         tokenizer = self.info.tokenizer
@@ -527,7 +534,7 @@ class Gateway:
         pairs = parse_score(await read_json(request, self.server.body_timeout), self.limits)
         call = await self.embed(request, pairs.job, "score-")
         values = scores(pairs, call.embeddings())
-        return json_body(score_response(call.id, call.created, call.model, values,
+        return json_body(score_response(call.response_id, call.created, call.model, values,
                                         call.prompt_tokens()))
 
     async def rerank(self, request: web.Request) -> web.Response:
@@ -535,7 +542,7 @@ class Gateway:
         rerank = parse_rerank(await read_json(request, self.server.body_timeout), self.limits)
         call = await self.embed(request, rerank.pairs.job, "rerank-")
         values = scores(rerank.pairs, call.embeddings())
-        return json_body(rerank_response(call.id, call.model, rerank, values,
+        return json_body(rerank_response(call.response_id, call.model, rerank, values,
                                          call.prompt_tokens()))
 
     async def embed(self, request: web.Request, job: EmbeddingJob, prefix: str
@@ -548,7 +555,8 @@ class Gateway:
             if isinstance(given, list):
                 check_vocabulary(given, self.info.vocab_size, "input")
         self.check_admission()
-        call = EmbeddingCall(job, prefix + uuid.uuid4().hex, model, int(time.time()), lora)
+        call = EmbeddingCall(job, prefix + uuid.uuid4().hex, model, int(time.time()), lora,
+                             response_id(prefix, request, job.request_id))
         arrival = time.monotonic()
         async with self.open_call(request, call, job.ignored) as (inbox, log):
             await self.outbox.publish(keys.REQUESTS, *call.requests(self.id, time.time()))
@@ -715,6 +723,14 @@ class Gateway:
         self.metrics.set_process_stalls(await processes_health(self.bus))
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def response_id(prefix: str, request: web.Request | None, given: str | None) -> str | None:
+    """vLLM's id of a response: its prefix and the X-Request-Id header, else the body's
+    request_id; None: neither was given."""
+    header = None if request is None else request.headers.get("X-Request-Id")
+    client_id = header if header is not None else given
+    return None if client_id is None else prefix + client_id
 
 
 def worker_failures(raws: list[bytes | None]) -> list[WorkerFailed | None]:

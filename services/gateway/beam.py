@@ -19,6 +19,7 @@ from common.beam_search import BeamSearch
 from common.chat import render_chat
 from common.errors import ApiError
 from common.messages import LoRARequest, TextDelta, TokenLogprobs
+from common.model_info import ModelInfo
 from common.token_text import TokenTexts
 from services.gateway.core import Applied, Call
 from services.gateway.protocol import Job
@@ -27,33 +28,79 @@ if TYPE_CHECKING:
     from services.gateway.app import Gateway
 
 
+class BeamRounds:
+    """One beam-search call's rounds, without I/O: the job of each round (a one-token
+    request per live beam of every prompt), the searches advanced by the round's call
+    once it is done, and at the end the best beams settled into the call's choices. The
+    gateway and `headrace run-batch` drive it."""
+
+    def __init__(self, job: Job, info: ModelInfo) -> None:
+        """Encodes the prompts (a thread's work: chat templates)."""
+        assert job.beam is not None
+        self.job, self.tokenizer = job, info.tokenizer
+        if 2 * job.beam.beam_width > info.config.max_logprobs:  # what each round asks
+            raise ApiError(400, f"a beam search of n={job.beam.beam_width} beams asks for "
+                                f"{2 * job.beam.beam_width} logprobs a round, more than "
+                                f"--max-logprobs {info.config.max_logprobs}", "n")
+        prompts = prompt_ids(info.tokenizer, job)
+        for ids in prompts:
+            check_room(len(ids), info.max_model_len)
+        skip = job.params.get("skip_special_tokens", True)
+        self.searches = [BeamSearch(ids, job.beam, info.eos_token_ids, info.max_model_len,
+                                    lambda ids: info.tokenizer.decode(
+                                        ids, skip_special_tokens=skip))
+                         for ids in prompts]
+        self.live: list[BeamSearch] = []  # the searches the current round runs
+
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self.searches)
+
+    def round_job(self) -> Job:
+        """The next round's call: each live beam's tokens as a prompt of one token, with
+        the 2n logprobs that rank its extensions."""
+        assert self.job.beam is not None
+        self.live = [s for s in self.searches if not s.done]
+        params = self.job.beam.round_params()
+        return Job(chat=False, model=self.job.model, priority=self.job.priority,
+                   prompts=[beam.tokens for s in self.live for beam in s.live],
+                   add_special_tokens=False,
+                   params={"n": 1, "max_tokens": 1, "logprobs": params.logprobs,
+                           "temperature": params.temperature})
+
+    def advance(self, round_call: Call) -> None:
+        """The round's answers, once its call is done (its error ends the search); with
+        stop strings this decodes every candidate: a thread's work."""
+        if round_call.error is not None:
+            raise round_call.error
+        answers = iter([offered(round_call.choices[rid, 0].logprobs)
+                        for rid in round_call.rids])
+        for search in self.live:
+            search.advance([next(answers) for _ in search.live])
+
+    def settle(self, call: Call, token_text: TokenTexts) -> list[Applied]:
+        """The best beams as `call`'s choices (the call of `job`), each settled whole."""
+        applied = []
+        for delta in final_deltas(self.tokenizer, token_text, call, self.searches):
+            choice = call.choices[delta.rid, delta.index]
+            choice.settle(delta)
+            applied.append((choice, delta))
+        return applied
+
+
 async def search_beams(gateway: Gateway, request: web.Request, job: Job, model: str,
                        lora: LoRARequest | None) -> tuple[Call, list[Applied]]:
     """Run the rounds; returns the call whose choices are the best beams, settled."""
-    assert job.beam is not None
-    info = gateway.info
-    prompts = await anyio.to_thread.run_sync(prompt_ids, info.tokenizer, job)
-    for ids in prompts:
-        check_room(len(ids), info.max_model_len)
-    if 2 * job.beam.beam_width > info.config.max_logprobs:  # what each round asks
-        raise ApiError(400, f"a beam search of n={job.beam.beam_width} beams asks for "
-                            f"{2 * job.beam.beam_width} logprobs a round, more than "
-                            f"--max-logprobs {info.config.max_logprobs}", "n")
-    searches = [BeamSearch(ids, job.beam, info.eos_token_ids, info.max_model_len)
-                for ids in prompts]
-    while live := [s for s in searches if not s.done]:
-        answers = iter(await run_round(gateway, request, job, model, lora,
-                                       [beam.tokens for s in live for beam in s.live]))
-        for search in live:
-            search.advance([next(answers) for _ in search.live])
-    call = await gateway.new_call(job, model, lora)
-    deltas = await anyio.to_thread.run_sync(final_deltas, info.tokenizer, gateway.token_text,
-                                            call, searches)
-    applied = []
-    for delta in deltas:
-        choice = call.choices[delta.rid, delta.index]
-        choice.settle(delta)
-        applied.append((choice, delta))
+    rounds = await anyio.to_thread.run_sync(BeamRounds, job, gateway.info)
+    while not rounds.done:
+        round_call = await gateway.new_call(rounds.round_job(), model, lora)
+        async with gateway.open_call(request, round_call, []) as (inbox, log):
+            await gateway.start(round_call, inbox, log)
+            while not round_call.done:
+                await gateway.receive(round_call, inbox)
+        await anyio.to_thread.run_sync(rounds.advance, round_call)
+    call = await gateway.new_call(job, model, lora, request)
+    applied = await anyio.to_thread.run_sync(rounds.settle, call, gateway.token_text)
     return call, applied
 
 
@@ -72,26 +119,6 @@ def check_room(num_prompt: int, max_model_len: int) -> None:
         raise ApiError(400, f"This model's maximum context length is {max_model_len} "
                             f"tokens. However, the prompt has {num_prompt} tokens, and a "
                             "beam search needs room for at least one more.", "prompt")
-
-
-async def run_round(gateway: Gateway, request: web.Request, job: Job, model: str,
-                    lora: LoRARequest | None, beams: list[list[int]]
-                    ) -> list[dict[int, float]]:
-    """One round: each beam's next tokens and their logprobs, as the engine offers them."""
-    assert job.beam is not None
-    params = job.beam.round_params()
-    round_job = Job(chat=False, model=job.model, prompts=beams, priority=job.priority,
-                    add_special_tokens=False,
-                    params={"n": 1, "max_tokens": 1, "logprobs": params.logprobs,
-                            "temperature": params.temperature})
-    call = await gateway.new_call(round_job, model, lora)
-    async with gateway.open_call(request, call, []) as (inbox, log):
-        await gateway.start(call, inbox, log)
-        while not call.done:
-            await gateway.receive(call, inbox)
-    if call.error is not None:
-        raise call.error
-    return [offered(call.choices[rid, 0].logprobs) for rid in call.rids]
 
 
 def offered(logprobs: list[Any]) -> dict[int, float]:
@@ -115,12 +142,14 @@ def final_deltas(tokenizer: Any, token_text: TokenTexts, call: Call,
     for prompt, search in zip(call.prompts, searches):
         for index, beam in enumerate(search.best()):
             ids = search.output_ids(beam)
-            text = tokenizer.decode(ids, skip_special_tokens=skip) if ids else ""
+            text = beam.output_text
+            if text is None:
+                text = tokenizer.decode(ids, skip_special_tokens=skip) if ids else ""
             logprobs = ([] if top is None else
                         [chosen_logprobs(t, options, top, token_text)
                          for t, options in zip(ids, beam.logprobs)])
             deltas.append(TextDelta(prompt.rid, index, 0, text, ids, search.num_prompt,
-                                    beam.finish_reason, None, logprobs))
+                                    beam.finish_reason, beam.stop_reason, logprobs))
     return deltas
 
 

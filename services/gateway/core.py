@@ -107,8 +107,11 @@ class Parsers:
 class Call:
     def __init__(self, job: Job, call_id: str, model: str, created: int, arrival: float,
                  echoes: list[Echo] | None = None, parsers: Parsers = Parsers(),
-                 lora: LoRARequest | None = None) -> None:
+                 lora: LoRARequest | None = None, response_id: str | None = None) -> None:
+        """`call_id` names its requests on the bus (unique); `response_id` is the id the
+        client sees, its X-Request-Id or request_id where it gave one (default call_id)."""
         self.job, self.id, self.model, self.created = job, call_id, model, created
+        self.response_id = response_id or call_id
         self.lora = lora  # the adapter `model` names, None: the base model
         self.arrival = arrival  # on the clock `observe` gets
         sources: list[str | list[int] | None] = [None] if job.chat else list(job.prompts)
@@ -281,8 +284,8 @@ class Call:
 
     def response(self) -> shapes.Body:
         choices = [self._final_choice(c) for c in self._returned_choices()]
-        body = shapes.envelope(self.id, self.job.chat, self.created, self.model, choices,
-                               stream=False, usage_counts=self.usage())
+        body = shapes.envelope(self.response_id, self.job.chat, self.created, self.model,
+                               choices, stream=False, usage_counts=self.usage())
         if self.job.chat and "prompt_logprobs" in self.job.params:
             first = self._sorted_choices()[0]  # every choice shares the prompt
             body.prompt_logprobs = shapes.prompt_logprobs(first.prompt_logprobs)
@@ -346,14 +349,14 @@ class Call:
         return chunks
 
     def usage_chunk(self) -> shapes.Body:
-        return shapes.envelope(self.id, self.job.chat, self.created, self.model, [],
-                               stream=True, usage_counts=self.usage())
+        return shapes.envelope(self.response_id, self.job.chat, self.created, self.model,
+                               [], stream=True, usage_counts=self.usage())
 
     def _chunk(self, choices: list[Any]) -> shapes.Body:
         """usage is null, or the counts so far with vLLM's continuous_usage_stats."""
         counts = self.usage() if self.job.continuous_usage else None
-        return shapes.envelope(self.id, self.job.chat, self.created, self.model, choices,
-                               stream=True, usage_counts=counts)
+        return shapes.envelope(self.response_id, self.job.chat, self.created, self.model,
+                               choices, stream=True, usage_counts=counts)
 
     def _chunk_choice(self, choice: Choice, deltas: list[TextDelta]
                       ) -> ChatChunkChoice | CompletionChoice | None:

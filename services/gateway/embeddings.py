@@ -36,8 +36,11 @@ def encoded(data: bytes, encoding_format: str) -> list[float] | str:
 
 class EmbeddingCall:
     def __init__(self, job: EmbeddingJob, call_id: str, model: str, created: int,
-                 lora: LoRARequest | None = None) -> None:
+                 lora: LoRARequest | None = None, response_id: str | None = None) -> None:
+        """`call_id` names its requests on the bus (unique); `response_id` is the id the
+        client sees (default call_id)."""
         self.job, self.id, self.model, self.created = job, call_id, model, created
+        self.response_id = response_id or call_id
         self.lora = lora  # the adapter `model` names, None: the base model
         self.rids = request_ids(call_id, len(job.inputs))
         self.answers: dict[str, tuple[bytes, int]] = {}  # rid: (embedding, prompt tokens)
@@ -87,5 +90,5 @@ class EmbeddingCall:
                 for i, rid in enumerate(self.rids)]
         tokens = self.prompt_tokens()
         return EmbeddingResponse.model_construct(
-            id=self.id, created=self.created, model=self.model, data=data,
+            id=self.response_id, created=self.created, model=self.model, data=data,
             usage=EmbeddingUsage.model_construct(prompt_tokens=tokens, total_tokens=tokens))

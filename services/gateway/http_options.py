@@ -1,12 +1,14 @@
 """The HTTP server settings vLLM takes from its uvicorn and FastAPI options: CORS
 (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials), a path
 prefix behind a proxy (--root-path), TLS (--ssl-keyfile, --ssl-certfile, --ssl-ca-certs,
---ssl-cert-reqs) and the log levels (--uvicorn-log-level, --disable-log-requests)."""
+--ssl-cert-reqs), the log levels (--uvicorn-log-level, --disable-log-requests) and
+X-Request-Id on every answer (--enable-request-id-headers)."""
 
 from __future__ import annotations
 
 import logging
 import ssl
+import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import hdrs, web
@@ -20,6 +22,7 @@ ACCESS_LOGGER = "headrace.access"  # one line per HTTP request, at debug and tra
 # what a "*" of --allowed-methods allows, spelled out in a preflight's answer
 ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 PREFLIGHT_MAX_AGE_S = 600
+REQUEST_ID = "X-Request-Id"
 LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR,
               "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG,
               "trace": logging.DEBUG}  # Python's logging has nothing below debug
@@ -31,6 +34,8 @@ def with_http_options(app: web.Application, server: ServerConfig) -> web.Applica
     cors = Cors(server)
     app.middlewares.insert(0, cors.preflight)
     app.on_response_prepare.append(cors.add_headers)
+    if server.enable_request_id_headers:
+        app.on_response_prepare.append(add_request_id)
     if server.root_path:
         for route in list(app.router.routes()):
             app.router.add_route(route.method, server.root_path + route.resource.canonical,
@@ -102,6 +107,12 @@ class Cors:
         if origin is not None and self.allows(origin) \
                 and hdrs.ACCESS_CONTROL_ALLOW_ORIGIN not in response.headers:
             response.headers.update(self.origin_headers(origin))
+
+
+async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """--enable-request-id-headers, as vLLM's middleware: the request's X-Request-Id
+    echoed, or a fresh one."""
+    response.headers[REQUEST_ID] = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
 
 
 def tls_context(server: ServerConfig) -> ssl.SSLContext | None:

@@ -35,7 +35,7 @@ _UNSUPPORTED = {"suffix", "functions", "function_call", "audio", "modalities",
                 "chat_template", "continue_final_message", "return_token_ids"}
 # What a beam search honours (common/beam_search.py), beside the beam fields themselves.
 _BEAM_PARAMS = {"n", "max_tokens", "temperature", "ignore_eos", "include_stop_str_in_output",
-                "skip_special_tokens", "spaces_between_special_tokens", "logprobs"}
+                "skip_special_tokens", "spaces_between_special_tokens", "logprobs", "stop"}
 _SAMPLING_FIELDS = tuple(SamplingFields.model_fields)
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}  # vLLM's older names -> structured_outputs' keys
@@ -68,6 +68,7 @@ class Job:
     prompt_tokens_details: bool = False  # usage has them (--enable-prompt-tokens-details)
     ignored: list[str] = field(default_factory=list)  # unknown fields, for the warning
     beam: BeamSearchParams | None = None  # use_beam_search: services/gateway/beam.py
+    request_id: str | None = None  # the client's id for the response (vLLM's field)
 
     @property
     def n(self) -> int:
@@ -104,6 +105,7 @@ class EmbeddingJob:
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = None
     ignored: list[str] = field(default_factory=list)
+    request_id: str | None = None  # the client's id for the response (vLLM's field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +154,7 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
         job = Job(chat=False, model=req.model, prompts=_prompts(req.prompt),
                   echo=_given(req.echo, False))
     job.ignored = unknown_names(req)
+    job.request_id = req.request_id
     job.add_special_tokens = req.add_special_tokens
     job.truncate_prompt_tokens = req.truncate_prompt_tokens
     job.params = _sampling_overrides(req, chat, job.echo)
@@ -188,7 +191,7 @@ def _beam_search(req: Any, job: Job) -> BeamSearchParams | None:
             if getattr(req, name) not in (None, default):
                 raise ApiError(400, f"{name!r} needs 'use_beam_search' set to true", name)
         return None
-    refused = sorted(set(job.params) - _BEAM_PARAMS)
+    refused = sorted(_client_name(req, name) for name in set(job.params) - _BEAM_PARAMS)
     if req.truncate_prompt_tokens is not None:
         refused.append("truncate_prompt_tokens")
     if refused:
@@ -202,9 +205,20 @@ def _beam_search(req: Any, job: Job) -> BeamSearchParams | None:
             temperature=job.params.get("temperature", 0.0),
             length_penalty=_given(req.length_penalty, 1.0),
             include_stop_str_in_output=job.params.get("include_stop_str_in_output", False),
-            early_stopping=_given(req.early_stopping, False))
+            early_stopping=_given(req.early_stopping, False),
+            stop=tuple(job.params.get("stop", ())))
     except SamplingError as e:
         raise ApiError(400, str(e), e.param) from None
+
+
+def _client_name(req: Any, param: str) -> str:
+    """The field the client sent for a parameter: structured_outputs comes of several."""
+    if param != "structured_outputs":
+        return param
+    for name in ("structured_outputs", "response_format", *_GUIDED, "tool_choice"):
+        if getattr(req, name, None) is not None:
+            return name
+    return param
 
 
 def _plain(value: Any) -> Any:
@@ -240,7 +254,7 @@ def parse_embedding(body: Any, limits: Limits = Limits()) -> EmbeddingJob:
                        encoding_format=_given(req.encoding_format, "float"),
                        dimensions=req.dimensions, add_special_tokens=req.add_special_tokens,
                        truncate_prompt_tokens=req.truncate_prompt_tokens,
-                       ignored=unknown_names(req))
+                       ignored=unknown_names(req), request_id=req.request_id)
     within("input", len(job.inputs), limits.max_prompts_per_request, "inputs",
             "max-prompts-per-request")
     return job

@@ -123,6 +123,7 @@ class _Generation(SamplingFields):  # type: ignore[misc, valid-type]
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     early_stopping: bool | None = None
+    request_id: str | None = None  # vLLM's: the response's id (after its prefix)
 
 
 class CompletionRequest(_Generation):
@@ -242,6 +243,7 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     add_special_tokens: bool | None = None
+    request_id: str | None = None  # vLLM's: the response's id (after its prefix)
 
 
 class DetokenizeRequest(BaseModel):

@@ -45,7 +45,8 @@ there to the finish and then calls `parse` on it, so `parse` must take a text th
 the marker as well as a whole output. `tools` is the request's tools (OpenAI's shape).
 `--tool-call-parser my_format` then picks it; a name the server does not know stops
 startup with the list of those it does. `stream=` may name a `CallStream` subclass that
-reads the calls as they are written; without one, a stream gets each call whole at the end.
+reads the calls as they are written; without one, `ReparsedCalls` streams them by parsing
+the growing section whole at each step (see it for what it sends, and when).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def register_tool_parser(name: str, *, markers: tuple[str, ...] = (),
                          ) -> Callable[[Parse], Parse]:
     """A decorator that makes `parse` the tool parser `name` (replacing one of that name,
     as vLLM's registry does). `stream` reads its calls as they are written; without one
-    a stream gets each call whole at the finish."""
+    `ReparsedCalls` streams them with `parse`."""
     if not name or not (markers or openers) or "" in (*markers, *openers):
         raise ValueError(f"tool parser {name!r}: give a name and at least one non-empty "
                          "marker or opener (where its calls begin)")
@@ -292,6 +293,74 @@ class CallStream:
             return self._stop()
         done, self.object = self.object.done, None if self.object.done else self.object
         return done
+
+
+class ReparsedCalls(CallStream):
+    """The calls of a parser that has no reader of its own, read by parsing the growing
+    section whole with its `parse` at each step (`at` stays at the marker). A call opens
+    once its name is certain: a later call follows it, or two parses in a row name it
+    alike. Its arguments go out as far as they are certain: all of them once a later call
+    follows; for the last call, what two parses in a row agree on, short of trailing
+    closers (`"`, `}`, `]`, white space), which a parser that completes partial JSON adds
+    and the next token may move. A parse that renames a call or rewrites arguments already
+    sent ends the streaming; the finish's parse sends what remains."""
+
+    CLOSERS = '"}] \t\r\n'
+
+    def __init__(self, start: int, tools: Tools, parse: Parse) -> None:
+        super().__init__(start, tools)
+        self.parse = parse
+        self.names: list[str] = []  # of the calls opened
+        self.previous: list[ParsedCall] = []  # the last parse's calls
+        self.parsed_to = -1  # the length of the text the last parse read
+
+    def read(self, text: str) -> list[CallDelta]:
+        if self.stopped or len(text) == self.parsed_to:
+            return []
+        self.parsed_to = len(text)
+        try:
+            calls = self.parse(text[self.at:], self.tools)[1]
+        except Exception:  # a plugin's parser may not take a partial text: wait for more
+            calls = []
+        previous, self.previous = self.previous, calls
+        for i, call in enumerate(calls):
+            closed = i < len(calls) - 1
+            before = previous[i] if i < len(previous) else None
+            if i == len(self.names):
+                if not closed and (before is None or before.name != call.name):
+                    break  # the name may yet grow
+                self.names.append(call.name)
+                self._open(call.name)
+            if not self._send_arguments(i, call, closed, before):
+                self.stopped = True
+                break
+        out, self.out = self.out, []
+        return out
+
+    def _send_arguments(self, i: int, call: ParsedCall, closed: bool,
+                        before: ParsedCall | None) -> bool:
+        """Send what is certain of call i's arguments; False: the parse contradicts what
+        went out."""
+        sent = "".join(self.sent[i])
+        if call.name != self.names[i] or not call.arguments.startswith(sent):
+            return False
+        certain = call.arguments
+        if not closed:
+            agreed = _common_prefix(certain, before.arguments if before is not None else "")
+            certain = agreed.rstrip(self.CLOSERS)
+        if len(certain) > len(sent):
+            self.sent[i].append(certain[len(sent):])
+            self.out.append(CallDelta(i, arguments=certain[len(sent):]))
+        return True
+
+
+def _common_prefix(a: str, b: str) -> str:
+    size = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        size += 1
+    return a[:size]
 
 
 # --- whole texts ---------------------------------------------------------------------------
@@ -999,8 +1068,10 @@ class OutputSplitter:
                 break
         if not self.holding_calls or self.parser is None:
             return piece
-        if self.stream is None and self.parser.stream is not None and not finished:
-            self.stream = self.parser.stream(self.released, self.tools)
+        if self.stream is None and not finished:
+            self.stream = (self.parser.stream(self.released, self.tools)
+                           if self.parser.stream is not None
+                           else ReparsedCalls(self.released, self.tools, self.parser.parse))
         if self.stream is not None:
             piece.calls = [d for d in self.stream.read(self.text)
                            if not self.single_call or d.index == 0]

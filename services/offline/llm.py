@@ -143,7 +143,9 @@ class LLM:
             raise ValueError("beam_search: prompts with images are not supported")
         loras = _per_prompt_lora(lora_request, len(encoded)) or [None] * len(encoded)
         eos = self.engine.info.eos_token_ids
-        searches = [BeamSearch(ids, params, eos, self.engine.config.max_model_len)
+        tokenizer = self.get_tokenizer()
+        searches = [BeamSearch(ids, params, eos, self.engine.config.max_model_len,
+                               lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
                     for _, ids, _ in encoded]
         bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
         while live := [(s, lora) for s, lora in zip(searches, loras) if not s.done]:
@@ -155,12 +157,13 @@ class LLM:
                 search.advance([_offered(next(answers)) for _ in search.live])
             bar.update(1)
         bar.close()
-        tokenizer = self.get_tokenizer()
         outputs = []
         for search in searches:
             best = search.best()
-            for beam in best:  # as vLLM's: the prompt's text and the beam's
-                beam.text = tokenizer.decode(beam.tokens)
+            for beam in best:  # as vLLM's: the prompt's text and the beam's (cut at a stop)
+                beam.text = (tokenizer.decode(beam.tokens) if beam.output_text is None else
+                             tokenizer.decode(beam.tokens[:search.num_prompt])
+                             + beam.output_text)
             outputs.append(BeamSearchOutput(best))
         return outputs
 

@@ -9,7 +9,9 @@ tokenizer stage's processing, the engine's scheduler, executor and detokenizer; 
 body is what the server would have answered. All requests run together (continuous
 batching) and each output line is OpenAI's: `{"id", "custom_id", "response":
 {"status_code", "request_id", "body"}, "error": null}`, in input order. A request the
-server would refuse with an HTTP error is answered with that status and error body.
+server would refuse with an HTTP error is answered with that status and error body. A
+line with `use_beam_search` runs its rounds as the gateway does (services/gateway/beam.py):
+each round a call of one-token requests among the batch's others, then the best beams.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from pydantic import BaseModel
 from common.config import ConfigError, add_engine_args, engine_config_from_args
 from common.errors import ApiError
 from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
+from common.token_text import TokenTexts
+from services.gateway.beam import BeamRounds
 from services.gateway.core import Call
 from services.gateway.embeddings import EmbeddingCall, check_dimensions
-from services.gateway.protocol import parse_embedding, parse_job
+from services.gateway.protocol import Job, parse_embedding, parse_job
 from services.gateway.response_bodies import to_dict
 from services.gateway.scoring import (check_scorable, parse_rerank, parse_score,
                                       rerank_response, score_response, scores)
@@ -43,9 +47,7 @@ URLS = (CHAT, COMPLETIONS, EMBEDDINGS, SCORE, RERANK)
 LOCAL_REPLY = "batch"  # the reply_to of the requests; nothing reads it offline
 # fields the gateway takes that a batch cannot honour
 _REFUSED = {"stream": "a batch answers whole responses",
-            "echo": "run-batch does not echo prompts",
-            "use_beam_search": "a beam search runs as rounds of requests, which a batch "
-                               "line does not (LLM.beam_search runs one offline)"}
+            "echo": "run-batch does not echo prompts"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,9 @@ class BatchRun:
         self.created = int(time.time())
         # by call id: what a score or rerank call answers from its embeddings
         self.shapes: dict[str, Callable[[EmbeddingCall], BaseModel]] = {}
+        # by the id of a round's call: its beam search, and the line's model
+        self.rounds: dict[str, tuple[BeamRounds, str]] = {}
+        self.token_text = TokenTexts(engine.info.tokenizer)  # a beam's logprob tokens
 
     def run(self, lines: list[BatchLine], use_tqdm: bool = True) -> list[dict[str, Any]]:
         from tqdm import tqdm
@@ -114,9 +119,18 @@ class BatchRun:
             for delta in self.engine.step():
                 i, call = calls[delta.rid]
                 call.offer(delta)
-                if call.done and outputs[i] is None:
-                    outputs[i] = self.answer(lines[i], call)
-                    bar.update(1)
+                if not call.done or outputs[i] is not None:
+                    continue
+                if call.id in self.rounds:
+                    try:
+                        call = self.next_round(call)
+                    except ApiError as e:
+                        call.error = e
+                    if not call.done:  # the next round's call
+                        calls.update((rid, (i, call)) for rid in call.rids)
+                        continue
+                outputs[i] = self.answer(lines[i], call)
+                bar.update(1)
         bar.close()
         assert all(o is not None for o in outputs), "the engine stopped before every answer"
         return outputs  # type: ignore[return-value]
@@ -141,12 +155,40 @@ class BatchRun:
                 raise ApiError(400, "run-batch has no tool-call parser for tool_choice "
                                     "\"auto\": give \"none\", \"required\" or a function",
                                "tool_choice")
-            call = Call(job, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, model,
-                        self.created, time.monotonic())
+            if job.beam is not None:
+                return self.start_round(BeamRounds(job, self.engine.info), model)
+            call = self.call(job, model)
+        self.add(call)
+        return call
+
+    def call(self, job: Job, model: str) -> Call:
+        return Call(job, ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex, model,
+                    self.created, time.monotonic(), response_id=(
+                        None if job.request_id is None
+                        else ("chatcmpl-" if job.chat else "cmpl-") + job.request_id))
+
+    def add(self, call: Call | EmbeddingCall) -> None:
+        """The call's requests admitted to the engine (none if one is refused)."""
         admits = [self.engine.processor.process(req)
                   for req in call.requests(LOCAL_REPLY, time.time())]
         for admit in admits:
             self.engine.scheduler.add_request(admit)
+
+    def start_round(self, rounds: BeamRounds, model: str) -> Call:
+        call = self.call(rounds.round_job(), model)
+        self.rounds[call.id] = (rounds, model)
+        self.add(call)
+        return call
+
+    def next_round(self, round_call: Call) -> Call:
+        """After a beam search's round: the next round's call, or the search's own call
+        with the best beams settled."""
+        rounds, model = self.rounds.pop(round_call.id)
+        rounds.advance(round_call)
+        if not rounds.done:
+            return self.start_round(rounds, model)
+        call = self.call(rounds.job, model)
+        rounds.settle(call, self.token_text)
         return call
 
     def scoring_call(self, line: BatchLine, model: str) -> EmbeddingCall:
