@@ -1,7 +1,7 @@
 """A step launched on the device, and its result once its tokens are on the host.
 
-Everything a step sends back (sampled tokens, verified drafts, the draft model's
-proposals, embeddings) is copied to pinned host memory behind one CUDA event, recorded
+Everything a step sends back (sampled tokens with their logprobs, verified drafts, the
+draft model's proposals, embeddings) is copied to pinned host memory behind one CUDA event, recorded
 after the last copy, so a single wait covers them all; on the CPU the values are on the
 host already. Finishing a step appends its tokens to their requests (and their grammars)
 and turns them into the StepResult the scheduler reads.

@@ -10,6 +10,10 @@ for one step: each seeded request draws its noise from its own generator, so its
 depends on its own logits and seed alone, never on the rest of the batch. On CUDA, a step
 whose rows ask for temperature alone (no top-k/p, min-p, penalties, logprobs or seeds)
 samples in one Triton pass instead (kernels/sampling.py: the Gumbel-max form of the race).
+Nothing sorts the vocabulary: top-p's set comes from a threshold search (a Triton kernel on
+CUDA), top-k's from torch.topk or, for a large k, a search too. Logprobs are left on the
+device, fixed-shape, and leave with the token ids in one copy (SamplerOutput.packed):
+nothing in a step waits for the device.
 Speculative decoding's rejection sampling draws from the same distributions with the same
 noise (services/worker/spec_verify.py).
 """
