@@ -73,3 +73,63 @@ def _philox_uniform_kernel(out_ptr, seed, vocab, BLOCK: tl.constexpr):
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < vocab
     tl.store(out_ptr + row * vocab + cols, tl.rand(seed, row * vocab + cols), mask=mask)
+
+
+# --- top-p without sorting the vocabulary ---------------------------------------------------
+
+ONE_BITS = 0x3F800000  # 1.0's float32 bit pattern; a probability's pattern lies in [0, it]
+TOP_P_STEPS = 30  # ONE_BITS < 2**30: thirty halvings of [0, ONE_BITS] leave one pattern
+BLOCK_TOP_P = 4096
+
+
+def top_p_threshold_triton(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs float32 [rows, vocab] (each row summing to about 1), top_p float32 [rows] in
+    (0, 1] -> float32 [rows]: each row's top-p set is its probabilities >= the threshold
+    (0 where top_p is 1). See top_p_threshold_ref."""
+    rows, vocab = probs.shape
+    assert probs.dtype == torch.float32 and probs.stride(1) == 1
+    out = torch.empty(rows, dtype=torch.float32, device=probs.device)
+    _top_p_threshold_kernel[(rows,)](probs, probs.stride(0), top_p, out, vocab,
+                                     STEPS=TOP_P_STEPS, BLOCK=BLOCK_TOP_P, num_warps=8)
+    return out
+
+
+def top_p_threshold_ref(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The twin: a token is in its row's top-p set when the mass of the tokens strictly
+    more likely than it is below top_p, which is what a full sort and a cumulative sum
+    find. That mass only falls as the probability rises, and a non-negative float's bit
+    pattern orders as its value, so a binary search over the patterns finds the smallest
+    threshold whose mass above is below top_p: fixed steps, fixed shapes, no host sync."""
+    rows = probs.shape[0]
+    lo = torch.zeros(rows, dtype=torch.int32, device=probs.device)
+    hi = torch.full((rows,), ONE_BITS, dtype=torch.int32, device=probs.device)
+    for _ in range(TOP_P_STEPS):
+        mid = lo + (hi - lo) // 2
+        pivot = mid.view(torch.float32).unsqueeze(1)
+        below = torch.where(probs > pivot, probs, 0.0).sum(dim=-1) < top_p
+        hi = torch.where(below, mid, hi)
+        lo = torch.where(below, lo, mid + 1)
+    # Rounding can leave a row's mass short of 1.0, so top_p=1 is not left to the search.
+    return torch.where(top_p < 1.0, hi.view(torch.float32), 0.0)
+
+
+@triton.jit
+def _top_p_threshold_kernel(probs_ptr, stride_row, top_p_ptr, out_ptr, vocab,
+                            STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    top_p = tl.load(top_p_ptr + row)
+    lo = tl.zeros([1], tl.int32)
+    hi = tl.full([1], ONE_BITS, tl.int32)
+    for _ in range(STEPS):
+        mid = lo + (hi - lo) // 2
+        pivot = mid.to(tl.float32, bitcast=True)
+        mass = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(probs_ptr + row * stride_row + cols, mask=cols < vocab, other=0.0)
+            mass += tl.where(x > pivot, x, 0.0)
+        below = tl.sum(mass, axis=0) < top_p
+        hi = tl.where(below, mid, hi)
+        lo = tl.where(below, lo, mid + 1)
+    threshold = tl.where(top_p < 1.0, hi.to(tl.float32, bitcast=True), 0.0)
+    tl.store(out_ptr + row + tl.arange(0, 1), threshold)

@@ -40,8 +40,9 @@ from kernels.norm import rms_norm_ref, rms_norm_triton
 from kernels.quant import (quantize_per_token_ref, quantize_per_token_triton, scaled_mm,
                            scaled_mm_ref, scaled_mm_triton)
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
-from kernels.sampling import (BLOCK_VOCAB, gumbel_argmax_ref, gumbel_argmax_triton,
-                              philox_uniform)
+from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, gumbel_argmax_ref,
+                              gumbel_argmax_triton, philox_uniform, top_p_threshold_ref,
+                              top_p_threshold_triton)
 from kernels.triton_attention import (MAX_SPLITS, AttentionConfig, TileConfig, default_config,
                                       paged_attention_triton, split_count, visible_span)
 
@@ -355,6 +356,21 @@ def check_gumbel_distribution(device: str, draws: int = 1500) -> None:
     assert ((freq - p).abs() <= bound).all(), f"{freq} vs {p} (seed {seed})"
 
 
+def check_top_p_threshold(rows: int, vocab: int, device: str) -> None:
+    """The same threshold as the twin (and so the same top-p set as a sort), on logits
+    with many exact ties and a third of the rows' tokens dropped, top_p across (0, 1]."""
+    g, seed = fresh_generator()
+    logits = torch.round(rand(g, rows, vocab, dtype=torch.float32, device=device,
+                              scale=4.0) * 2) / 2
+    logits[::3, :vocab // 3] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    choices = torch.tensor([1e-6, 0.1, 0.5, 0.9, 0.99, 1.0])
+    top_p = choices[torch.randint(0, len(choices), (rows,), generator=g)].to(device)
+    out = top_p_threshold_triton(probs, top_p)
+    assert torch.equal(out, top_p_threshold_ref(probs, top_p)), f"top-p (seed {seed})"
+    assert torch.equal(out[top_p == 1.0], torch.zeros_like(out[top_p == 1.0]))
+
+
 def check_quantize(rows: int, cols: int, group: int | None, dtype: torch.dtype,
                    qdtype: torch.dtype, device: str, values: bool = True) -> None:
     """The scales equal the twin's; the quantized values too (values=False: fp8 in the
@@ -524,6 +540,13 @@ def sampling_kernel() -> None:
     check_gumbel_argmax(5, 2 * BLOCK_VOCAB + 37, torch.float32, "cpu")
     check_gumbel_argmax(3, 300, torch.bfloat16, "cpu")
     check_gumbel_distribution("cpu")
+
+
+@interpreter_check
+def top_p_kernel() -> None:
+    """A vocabulary over two iterations and a partial last one, and one short of a block."""
+    check_top_p_threshold(6, 2 * BLOCK_TOP_P + 37, "cpu")
+    check_top_p_threshold(3, 300, "cpu")
 
 
 @interpreter_check
@@ -752,6 +775,8 @@ def test_sampling_kernel_cuda() -> None:
         check_gumbel_argmax(rows, 151936, torch.bfloat16, "cuda")
         check_gumbel_argmax(rows, 128256, torch.float32, "cuda")
     check_gumbel_distribution("cuda", draws=20000)
+    for rows in (1, 32, 256):
+        check_top_p_threshold(rows, 151936, "cuda")
 
 
 @needs_cuda

@@ -13,10 +13,12 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
+from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
 from services.worker.sampler import (
-    Sampler, SamplingRow, apply_min_p, apply_penalties, apply_top_k, apply_top_p,
-    make_generator, prompt_logprobs)
+    Sampler, SamplerOutput, SamplingRow, apply_min_p, apply_penalties, apply_top_k,
+    apply_top_p, make_generator, prompt_logprobs, top_k_threshold, top_logprobs,
+    unpack_logprobs)
 
 DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 
@@ -96,6 +98,11 @@ def forbid_syncs(device: torch.device) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
+def host_logprobs(out: SamplerOutput, num_rows: int) -> list[TokenLogprobs | None]:
+    """The step's logprobs as the worker reads them: out of the one packed copy."""
+    return unpack_logprobs(out.packed().cpu(), num_rows, out.logprobs)
+
+
 # --- greedy --------------------------------------------------------------------------------
 
 def test_all_greedy_is_argmax(device: torch.device) -> None:
@@ -104,7 +111,7 @@ def test_all_greedy_is_argmax(device: torch.device) -> None:
     out = Sampler(device, 0).sample(logits, rows)
     assert out.token_ids.dtype == torch.int64 and out.token_ids.device.type == device.type
     assert torch.equal(out.token_ids, logits.argmax(dim=-1))
-    assert out.logprobs == [None] * 7
+    assert out.logprobs is None and out.packed() is out.token_ids
 
 
 def test_greedy_rows_beside_random_rows_are_argmax(device: torch.device) -> None:
@@ -344,7 +351,7 @@ def test_logprobs_stay_raw_under_bias_and_restriction(device: torch.device) -> N
     params = SamplingParams(temperature=0.0, logprobs=2, allowed_token_ids=[3, 4],
                             logit_bias={3: 50.0})
     out = Sampler(device, 0).sample(logits.clone(), [make_row(params, device)])
-    entry = out.logprobs[0]
+    entry = host_logprobs(out, 1)[0]
     raw = torch.log_softmax(logits[0].float(), dim=-1)
     assert out.token_ids.tolist() == [3] and entry.token_ids[0] == 3
     assert entry.logprobs[0] == pytest.approx(float(raw[3]), abs=1e-5)
@@ -415,8 +422,9 @@ def test_logprobs_come_from_raw_logits(device: torch.device, ks: list[int | None
     logits = seeded_logits(15, len(params), vocab)
     rows = [make_row(p, device, [1, 2, 3], [4, 5, 5]) for p in params]
     out = Sampler(device, 0).sample(logits.to(device), rows)
+    entries = host_logprobs(out, len(rows))
     reference = torch.log_softmax(logits.double(), dim=-1)
-    for i, (k, entry) in enumerate(zip(ks, out.logprobs)):
+    for i, (k, entry) in enumerate(zip(ks, entries)):
         if k is None:
             assert entry is None
             continue
@@ -428,7 +436,7 @@ def test_logprobs_come_from_raw_logits(device: torch.device, ks: list[int | None
                                    rtol=1e-5, atol=1e-5)
         assert entry.rank == 1 + int((reference[i] > reference[i, chosen]).sum())
     # The greedy row's penalties spare the raw favourite, so it is chosen and ranks first.
-    assert out.logprobs[1].rank == 1 and len(out.logprobs[1].token_ids) == ks[1] + 1
+    assert entries[1].rank == 1 and len(entries[1].token_ids) == ks[1] + 1
 
 
 @pytest.mark.parametrize("k", [0, 4])
@@ -470,3 +478,131 @@ def test_mixed_batch_samples_without_a_device_sync(device: torch.device) -> None
     tokens = out.token_ids.tolist()
     assert tokens[4] == int(logits[4].argmax())
     assert tokens[2] != 2 and tokens[6] in (3, 9, 40)
+
+
+# --- top-k and top-p without a sort, against the sorted twins --------------------------------
+
+def sorted_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The sampler's former top-p, kept as the twin: a full sort and a cumulative sum."""
+    ordered = probs.sort(dim=-1, descending=True).values
+    before = (ordered.cumsum(dim=-1) < top_p.unsqueeze(1)).sum(dim=-1)
+    num_kept = torch.where(top_p < 1.0, before + 1, ordered.shape[1]).clamp_max(
+        ordered.shape[1])
+    return probs.masked_fill(probs < ordered.gather(1, (num_kept - 1).unsqueeze(1)), 0.0)
+
+
+def test_top_p_search_equals_the_sorted_twin(device: torch.device) -> None:
+    """Random logits with many exact ties, a few dropped (-inf) tokens, and per-row top_p
+    across (0, 1], 1 included: the same probabilities, bit for bit."""
+    rng = random.Random(19)
+    for vocab, scale in ((37, 2.0), (3000, 4.0), (3000, 0.3)):
+        logits = torch.round(seeded_logits(vocab, 48, vocab, scale) * 2) / 2
+        logits[::5, :vocab // 3] = float("-inf")
+        probs = torch.softmax(logits, dim=-1).to(device)
+        ps = torch.tensor([rng.choice([1e-6, 0.05, 0.3, 0.5, 0.8, 0.95, 0.999, 1.0])
+                           for _ in range(48)], device=device)
+        assert torch.equal(apply_top_p(probs, ps), sorted_top_p(probs, ps))
+
+
+def test_top_p_search_keeps_ties_at_the_edge(device: torch.device) -> None:
+    # 0.25 x 4: top_p 0.3 reaches its mass with the second token, and the other two tie
+    probs = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.5, 0.2, 0.2, 0.1]], device=device)
+    kept = apply_top_p(probs, torch.tensor([0.3, 0.55], device=device))
+    assert torch.equal(kept, probs.masked_fill(torch.tensor([[False] * 4,
+                                                             [False, False, False, True]],
+                                                            device=device), 0.0))
+
+
+def test_sampled_tokens_equal_the_sorted_twins_under_the_same_noise(device: torch.device
+                                                                     ) -> None:
+    """The sampler's distribution (top_k=0 rows take the search) against the sorted twin,
+    and the tokens both give under the same exponential draws."""
+    rng = random.Random(20)
+    num_rows, vocab = 16, 2000
+    params = [SamplingParams(temperature=rng.choice([0.5, 1.0, 1.5]),
+                             top_p=rng.choice([0.2, 0.7, 0.9, 1.0]),
+                             top_k=rng.choice([0, 0, 5, 1]), seed=i) for i in range(num_rows)]
+    rows = [make_row(p, device) for p in params]
+    logits = tied_logits(20, num_rows, vocab).to(device)
+    sampler = Sampler(device, 0)
+    probs = sampler.probs(logits, rows)
+    scaled = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    twin = sorted_top_p(torch.softmax(apply_top_k(scaled, top_k, 5), dim=-1),
+                        torch.tensor([p.top_p for p in params], device=device))
+    assert torch.equal(probs, twin)
+    # the same draws as the sampler's: fresh generators of the same seeds
+    noise = Sampler(device, 0).exponential_noise(probs, [make_row(p, device) for p in params])
+    tokens = sampler.sample(logits.clone(), rows).token_ids
+    assert torch.equal(tokens, (twin / noise).argmax(dim=-1))
+    assert torch.equal(tokens[[i for i, p in enumerate(params) if p.top_k == 1]],
+                       logits[[i for i, p in enumerate(params) if p.top_k == 1]].argmax(-1))
+
+
+def test_top_k_search_equals_topk(device: torch.device) -> None:
+    """Past TOP_K_BOUND the k-th largest logit comes from a search: ties, -inf, negative
+    and positive logits, k of 1, a middle one, the vocabulary and past it."""
+    vocab = 3000
+    logits = tied_logits(21, 12, vocab)
+    logits[3, 100:] = float("-inf")
+    logits[4] -= 50.0
+    ks = torch.tensor([1, 2, 7, 1500, 2999, 3000, 2000, 1025, 1, 2500, 50, 600])
+    kth = top_k_threshold(logits.to(device), ks.to(device)).cpu()
+    expected = logits.topk(vocab, dim=-1).values.gather(1, (ks - 1).unsqueeze(1))[:, 0]
+    assert torch.equal(kth, expected)
+    wide = torch.tensor([0, 1, 5000, 2999, 1500, 3000, 2, 1025, 7, 2500, 50, 1100])
+    kept = apply_top_k(logits.to(device), wide.to(device), 5000).cpu()
+    # the k-th largest by a full sort; k = 0 or past the vocabulary keeps every logit
+    kth = logits.sort(dim=-1, descending=True).values.gather(
+        1, (wide.clamp(1, vocab) - 1).unsqueeze(1))
+    kth[(wide == 0) | (wide >= vocab)] = float("-inf")
+    assert torch.equal(kept, logits.masked_fill(logits < kth, float("-inf")))
+    assert (torch.isfinite(kept).sum(dim=-1) > wide.clamp(1, vocab)).any()  # ties at the k-th
+
+
+# --- logprobs in one copy with the tokens --------------------------------------------------------
+
+def reference_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                             rows: Sequence[SamplingRow]) -> list[TokenLogprobs | None]:
+    """The former path, kept as the twin: the wanted rows' top-k read back on their own
+    (three copies that waited for the device), entry by entry."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    k = max(rows[i].params.logprobs for i in wanted)
+    ids, values, ranks = top_logprobs(torch.log_softmax(logits[wanted].float(), dim=-1),
+                                      tokens[wanted], k)
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    for j, i in enumerate(wanted):
+        width = rows[i].params.logprobs + 1
+        out[i] = TokenLogprobs(ids.tolist()[j][:width], values.tolist()[j][:width],
+                               ranks.tolist()[j])
+    return out
+
+
+@pytest.mark.parametrize("ks", [[0, 1, 5, None, 1, 0, 5, None], [5] * 8, [None] * 7 + [0]])
+def test_packed_logprobs_equal_the_former_path(device: torch.device,
+                                               ks: list[int | None]) -> None:
+    """Greedy and sampled rows, seeded and not, logprobs 0, 1 and 5 (and none) mixed."""
+    params = [SamplingParams(temperature=t, logprobs=k, top_p=p, seed=s)
+              for t, k, p, s in zip([0.0, 0.8, 0.0, 1.0, 1.2, 0.0, 0.7, 0.0], ks,
+                                    [1.0, 0.9, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0],
+                                    [None, 1, None, None, 2, None, None, None])]
+    logits = tied_logits(22, len(params), 500).to(device)
+    rows = [make_row(p, device) for p in params]
+    out = Sampler(device, 5).sample(logits.clone(), rows)
+    packed = out.packed().cpu()
+    assert torch.equal(packed[:len(rows)], out.token_ids.cpu())
+    assert host_logprobs(out, len(rows)) == reference_token_logprobs(logits, out.token_ids,
+                                                                     rows)
+
+
+def test_logprobs_sample_without_a_device_sync(device: torch.device) -> None:
+    logits = seeded_logits(23, 4, 3000).to(device)
+    params = [SamplingParams(temperature=0.0, logprobs=5),
+              SamplingParams(temperature=0.9, top_p=0.8, logprobs=1),
+              SamplingParams(temperature=1.0, top_p=0.6, top_k=2000),
+              SamplingParams(temperature=0.8, top_p=0.95, seed=4, logprobs=0)]
+    rows = [make_row(p, device) for p in params]
+    with forbid_syncs(device):
+        packed = Sampler(device, 0).sample(logits, rows).packed()
+    # the tokens, then 3 rows of 6 ids and 6 values, then 3 ranks: one fixed-width copy
+    assert packed.shape == (4 + 3 * 6 * 2 + 3,)

@@ -1,7 +1,7 @@
 """A step launched on the device, and its result once its tokens are on the host.
 
-Everything a step sends back (sampled tokens, verified drafts, the draft model's
-proposals, embeddings) is copied to pinned host memory behind one CUDA event, recorded
+Everything a step sends back (sampled tokens with their logprobs, verified drafts, the
+draft model's proposals, embeddings) is copied to pinned host memory behind one CUDA event, recorded
 after the last copy, so a single wait covers them all; on the CPU the values are on the
 host already. Finishing a step appends its tokens to their requests (and their grammars)
 and turns them into the StepResult the scheduler reads.
@@ -17,6 +17,7 @@ import torch
 from common.messages import PooledOutput, PromptLogprobs, StepResult
 from services.worker.grammar import accept
 from services.worker.request_state import RequestState
+from services.worker.sampler import SampledLogprobs, unpack_logprobs
 from services.worker.spec_verify import emitted_tokens
 
 
@@ -28,9 +29,10 @@ class Launched:
     started: float
     prompt_logprobs: list[PromptLogprobs]
     sampling: list[RequestState] = field(default_factory=list)
+    # SamplerOutput.packed(): a token per sampling row, then their logprobs if any
     host: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     done: torch.cuda.Event | None = None
-    logprobs: list = field(default_factory=list)
+    logprobs: SampledLogprobs | None = None  # which rows of `host` have logprobs
     on_host_at: float = 0.0  # wall clock; set at launch on a synchronous device (the CPU)
     pooled_states: list[RequestState] = field(default_factory=list)
     pooled: torch.Tensor | None = None  # their embeddings, a row each, on the host when done
@@ -60,7 +62,8 @@ def finish(launched: Launched) -> StepResult:
     on_host = launched.on_host_at or time.time()
     token_ids = _append_sampled(launched)
     req_ids = [s.req_id for s in launched.sampling]
-    logprobs, num_tokens = launched.logprobs, []
+    logprobs = unpack_logprobs(launched.host, len(launched.sampling), launched.logprobs)
+    num_tokens: list[int] = []
     if launched.spec_host is not None:  # then 1 + accepted tokens per speculating row
         emitted = _append_verified(launched)
         num_tokens = [1] * len(token_ids) + [len(tokens) for tokens in emitted]
@@ -79,7 +82,7 @@ def finish(launched: Launched) -> StepResult:
 
 def _append_sampled(launched: Launched) -> list[int]:
     """The sampled tokens, each appended to its request (and its grammar)."""
-    token_ids = launched.host.tolist()
+    token_ids = launched.host[:len(launched.sampling)].tolist()
     for state, token in zip(launched.sampling, token_ids):
         state.output_ids.append(token)
         state.pending -= 1

@@ -328,8 +328,8 @@ class ModelRunner:
             state.pending += 1
             state.sample_row = row
         launched.sampling = inputs.sampling
-        launched.host = launched.to_host(out.token_ids)
-        launched.logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else []
+        launched.host = launched.to_host(out.packed())  # the logprobs too, in one copy
+        launched.logprobs = out.logprobs
         return out.token_ids
 
     def _verify(self, launched: Launched, inputs: StepInputs, hidden: torch.Tensor

@@ -10,6 +10,10 @@ for one step: each seeded request draws its noise from its own generator, so its
 depends on its own logits and seed alone, never on the rest of the batch. On CUDA, a step
 whose rows ask for temperature alone (no top-k/p, min-p, penalties, logprobs or seeds)
 samples in one Triton pass instead (kernels/sampling.py: the Gumbel-max form of the race).
+Nothing sorts the vocabulary: top-p's set comes from a threshold search (a Triton kernel on
+CUDA), top-k's from torch.topk or, for a large k, a search too. Logprobs are left on the
+device, fixed-shape, and leave with the token ids in one copy (SamplerOutput.packed):
+nothing in a step waits for the device.
 Speculative decoding's rejection sampling draws from the same distributions with the same
 noise (services/worker/spec_verify.py).
 """
@@ -27,9 +31,12 @@ import torch
 from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
 from kernels.grammar_mask import apply_token_bitmask
-from kernels.sampling import gumbel_argmax_triton
+from kernels.sampling import gumbel_argmax_triton, top_p_threshold_ref, top_p_threshold_triton
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are uint64; any Python int maps into that range
+# Up to this k, torch.topk finds the k-th largest logit; past it, a threshold search over
+# the whole row costs less than topk's sort of a large k.
+TOP_K_BOUND = 1024
 
 
 @dataclass(slots=True)
@@ -49,9 +56,48 @@ class GrammarMask:
 
 
 @dataclass(slots=True)
+class SampledLogprobs:
+    """The logprobs of the rows of a step that asked for them, still on the device:
+    fixed-shape, every row padded to the batch's largest logprobs."""
+    rows: list[int]  # their batch rows
+    widths: list[int]  # 1 + each one's params.logprobs
+    token_ids: torch.Tensor  # int64 [R, k+1]: column 0 the chosen token, then the top-k
+    logprobs: torch.Tensor  # float32 [R, k+1]
+    ranks: torch.Tensor  # int64 [R]
+
+
+@dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # int64 [N], on the logits' device
-    logprobs: list[TokenLogprobs | None]  # None where the row's params.logprobs is None
+    logprobs: SampledLogprobs | None = None  # None when no row asked for logprobs
+
+    def packed(self) -> torch.Tensor:
+        """int64 [N + ...]: the token ids, then the logprobs' ids, values (as their float32
+        bits) and ranks, so that one copy brings a step's output to the host."""
+        lp = self.logprobs
+        if lp is None:
+            return self.token_ids
+        return torch.cat([self.token_ids, lp.token_ids.flatten(),
+                          lp.logprobs.view(torch.int32).long().flatten(), lp.ranks])
+
+
+def unpack_logprobs(host: torch.Tensor, num_rows: int, layout: SampledLogprobs | None
+                    ) -> list[TokenLogprobs | None]:
+    """Each row's TokenLogprobs (None where it asked for none) from SamplerOutput.packed()
+    on the host; `layout` is the output's logprobs (only its rows and widths are read)."""
+    if layout is None:
+        return []
+    count = len(layout.rows)
+    width = (host.shape[0] - num_rows - count) // (2 * count)
+    ids_end = num_rows + count * width
+    ids = host[num_rows:ids_end].view(count, width).tolist()
+    values = host[ids_end:ids_end + count * width].int().view(torch.float32)
+    values_list = values.view(count, width).tolist()
+    ranks = host[ids_end + count * width:].tolist()
+    out: list[TokenLogprobs | None] = [None] * num_rows
+    for j, (row, w) in enumerate(zip(layout.rows, layout.widths)):
+        out[row] = TokenLogprobs(ids[j][:w], values_list[j][:w], ranks[j])
+    return out
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -72,13 +118,13 @@ class Sampler:
         if mask is not None:
             apply_token_bitmask(logits, mask.bitmask, mask.rows)
         if all(_plain_greedy(row) for row in rows):
-            return SamplerOutput(logits.argmax(dim=-1), [None] * len(rows))
+            return SamplerOutput(logits.argmax(dim=-1))
         if logits.is_cuda and all(_plain_random(row) for row in rows):
             temperature = to_device([row.params.temperature for row in rows], torch.float32,
                                     self.device)
             token_ids = gumbel_argmax_triton(logits, temperature,
                                              self._kernel_seeds.getrandbits(31))
-            return SamplerOutput(token_ids, [None] * len(rows))
+            return SamplerOutput(token_ids)
         logits = logits.float()
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         # Taken before any processing: logprobs describe the model's raw distribution.
@@ -88,7 +134,7 @@ class Sampler:
         processed = block_early_stops(apply_penalties(processed, rows), rows)
         token_ids = self._choose(processed, rows)
         if raw is None:
-            return SamplerOutput(token_ids, [None] * len(rows))
+            return SamplerOutput(token_ids)
         chosen = self._rows(token_ids, wanted, len(rows))
         return SamplerOutput(token_ids, self._logprobs(raw, chosen, wanted, rows))
 
@@ -122,12 +168,11 @@ class Sampler:
                                  max_k)
         probs = torch.softmax(logits, dim=-1)
         if any(p.top_p < 1.0 for p in params):
-            # When every row is cut to its top k, the top-p set lies among the max_k most
-            # likely tokens: a top-k there is much cheaper than sorting the vocabulary.
-            ordered = (probs.topk(max_k, dim=-1).values if all(p.top_k > 0 for p in params)
-                       else None)
+            # When every row is cut to a small top k, the top-p set lies among the max_k
+            # most likely tokens: a top-k there is cheaper than the threshold search.
+            small = 0 < max_k <= TOP_K_BOUND and all(p.top_k > 0 for p in params)
             probs = apply_top_p(probs, self._tensor([p.top_p for p in params], torch.float32),
-                                ordered)
+                                probs.topk(max_k, dim=-1).values if small else None)
         if any(p.min_p > 0.0 for p in params):
             probs = apply_min_p(probs, self._column([p.min_p for p in params]))
         return probs
@@ -147,16 +192,13 @@ class Sampler:
     # --- logprobs ----------------------------------------------------------------------
 
     def _logprobs(self, logits: torch.Tensor, chosen: torch.Tensor, wanted: list[int],
-                  rows: Sequence[SamplingRow]) -> list[TokenLogprobs | None]:
-        """TokenLogprobs for the rows in `wanted`, given their raw logits and tokens."""
-        k = max(rows[i].params.logprobs for i in wanted)
-        ids, values, ranks = top_logprobs(torch.log_softmax(logits, dim=-1), chosen, k)
-        ids_list, values_list, ranks_list = ids.tolist(), values.tolist(), ranks.tolist()
-        out: list[TokenLogprobs | None] = [None] * len(rows)
-        for j, i in enumerate(wanted):
-            width = rows[i].params.logprobs + 1
-            out[i] = TokenLogprobs(ids_list[j][:width], values_list[j][:width], ranks_list[j])
-        return out
+                  rows: Sequence[SamplingRow]) -> SampledLogprobs:
+        """The logprobs of the rows in `wanted`, given their raw logits and tokens, left on
+        the device: they reach the host with the token ids (SamplerOutput.packed)."""
+        widths = [rows[i].params.logprobs + 1 for i in wanted]
+        ids, values, ranks = top_logprobs(torch.log_softmax(logits, dim=-1), chosen,
+                                          max(widths) - 1)
+        return SampledLogprobs(wanted, widths, ids, values, ranks)
 
     def _rows(self, tensor: torch.Tensor, wanted: list[int], num_rows: int) -> torch.Tensor:
         if len(wanted) == num_rows:
@@ -274,21 +316,56 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.
     """Keep each row's logits >= its k-th largest (ties at the k-th all stay); k=0 keeps all.
     max_k: the largest k of any row, at most the vocabulary size."""
     vocab_size = logits.shape[1]
-    largest = logits.topk(max_k, dim=-1).values
-    kth = largest.gather(1, (top_k.clamp(1, largest.shape[1]) - 1).unsqueeze(1))
+    if max_k > TOP_K_BOUND:
+        kth = top_k_threshold(logits, top_k)
+    else:
+        largest = logits.topk(max_k, dim=-1).values
+        kth = largest.gather(1, (top_k.clamp(1, largest.shape[1]) - 1).unsqueeze(1))[:, 0]
     enabled = (top_k > 0) & (top_k < vocab_size)
-    kth = torch.where(enabled.unsqueeze(1), kth, float("-inf"))
+    kth = torch.where(enabled, kth, float("-inf")).unsqueeze(1)
     return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """float32 [rows]: each row's k-th largest logit (k >= 1), by a binary search rather
+    than a sort. A logit is in the top k when fewer than k logits exceed it, a count that
+    only falls as the logit rises; mapping a float32's bits to an integer that orders as
+    its value (negative patterns reversed) makes the search 32 steps over the integers."""
+    rows = logits.shape[0]
+    logits = logits.float()
+    lo = torch.full((rows,), _ordered_key(float("-inf")), dtype=torch.int64,
+                    device=logits.device)
+    hi = torch.full_like(lo, _ordered_key(float("inf")))
+    for _ in range(32):
+        mid = lo + (hi - lo) // 2
+        fewer = (logits > _key_value(mid).unsqueeze(1)).sum(dim=-1) < top_k
+        hi = torch.where(fewer, mid, hi)
+        lo = torch.where(fewer, lo, mid + 1)
+    return _key_value(hi)
+
+
+def _ordered_key(value: float) -> int:
+    bits = int(np.float32(value).view(np.int32))
+    return bits if bits >= 0 else bits ^ 0x7FFFFFFF
+
+
+def _key_value(key: torch.Tensor) -> torch.Tensor:
+    """The float32 whose _ordered_key is `key` (int64)."""
+    bits = torch.where(key >= 0, key, key ^ 0x7FFFFFFF).to(torch.int32)
+    return bits.view(torch.float32)
 
 
 def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor,
                 ordered: torch.Tensor | None = None) -> torch.Tensor:
     """Zero all but the smallest most-likely set whose mass reaches top_p (and tokens tied
-    with its least likely member); top_p=1 keeps everything. `ordered` may hold each row's
-    m largest probabilities, descending, where no row has more than m nonzero ones but for
-    ties with the m-th: the threshold found among them is the one a full sort finds."""
+    with its least likely member); top_p=1 keeps everything. Without `ordered`, a
+    threshold search over the whole row (kernels/sampling.py), no sort. `ordered` may hold
+    each row's m largest probabilities, descending, where no row has more than m nonzero
+    ones but for ties with the m-th: the threshold found among them is the one a full
+    sort finds."""
     if ordered is None:
-        ordered = probs.sort(dim=-1, descending=True).values
+        search = top_p_threshold_triton if probs.is_cuda else top_p_threshold_ref
+        return probs.masked_fill(probs < search(probs.contiguous(), top_p).unsqueeze(1), 0.0)
     width = ordered.shape[1]
     before = (ordered.cumsum(dim=-1) < top_p.unsqueeze(1)).sum(dim=-1)
     # Rounding can leave a cumsum short of 1.0, so top_p=1 is not left to the arithmetic.
