@@ -1,20 +1,27 @@
 """The offline engine overlaps its host work with the device's step, and its answers are the
 in-line engine's to the token (issue 31 item 1).
 
-Two overlaps, each observed through the engine's cores rather than through timing: step
+Three overlaps, each observed through the engine's cores rather than through timing: step
 N+1 is launched before step N's tokens are applied and detokenized (the scheduler's
-plan-ahead), and the detokenizer process turns tokens into text while the loop goes on
-(stopped with SIGSTOP, it holds no step back). Stop strings, max_tokens, aborts and
-preemption stay exact with a step in flight: a stop string's item is detokenized in the
-loop, so the scheduler plans exactly what the in-line engine plans.
+plan-ahead); the executor runs on a step thread, so the loop plans the next step while the
+last is inside the executor (counted with a slow executor); and the detokenizer process
+turns tokens into text while the loop goes on (stopped with SIGSTOP, it holds no step
+back). Stop strings, max_tokens, aborts and preemption stay exact with a step in flight: a
+stop string's item is detokenized in the loop, and the loop applies results with a fixed
+lag, so the scheduler plans exactly what the in-line engine plans. Nothing the engine
+starts outlives it.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import random
 import signal
+import sys
+import threading
+import time
 
 import pytest
 
@@ -24,6 +31,7 @@ from common.sampling_params import SamplingParams
 from services.offline import llm as llm_module
 from services.offline.engine import Engine
 from services.offline.llm import LLM
+from services.offline.steps import start_steps
 from tests.tiny_models import make_tiny_model
 
 VOCAB = 512  # the tiny model's
@@ -34,17 +42,18 @@ def tiny(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("overlap"), "llama"))
 
 
-def make_engine(tiny: str, detokenizer_process: bool = True, **config) -> Engine:
+def make_engine(tiny: str, detokenizer_process: bool = True, step_thread: bool = True,
+                **config) -> Engine:
     return Engine(EngineConfig(model=tiny, dtype="float32", device="cpu", **config),
-                  detokenizer_process=detokenizer_process)
+                  detokenizer_process=detokenizer_process, step_thread=step_thread)
 
 
 def inline_llm(monkeypatch, tiny: str, **config) -> LLM:
-    """An LLM whose engine detokenizes in its loop: what every step returned before the
-    detokenizer process."""
+    """An LLM whose engine detokenizes and calls the executor in its loop: what every step
+    returned before the detokenizer process and the step thread."""
     with monkeypatch.context() as patch:
-        patch.setattr(llm_module, "Engine",
-                      functools.partial(Engine, detokenizer_process=False))
+        patch.setattr(llm_module, "Engine", functools.partial(
+            Engine, detokenizer_process=False, step_thread=False))
         return LLM(tiny, dtype="float32", device="cpu", **config)
 
 
@@ -80,12 +89,12 @@ def outputs(results) -> list[tuple]:
 def test_each_step_is_launched_before_the_previous_ones_tokens_are_applied(tiny):
     engine = make_engine(tiny)
     events: list[tuple[str, int]] = []
-    submit, update, postprocess = (engine.executor.submit, engine.scheduler.update,
+    launch, update, postprocess = (engine.steps.launch, engine.scheduler.update,
                                    engine.postprocess)
 
-    def launch(plan: StepPlan):
+    def queue_plan(plan: StepPlan):
         events.append(("launch", plan.step))
-        return submit(plan)
+        return launch(plan)
 
     def apply(result):
         events.append(("apply", result.step))
@@ -95,8 +104,8 @@ def test_each_step_is_launched_before_the_previous_ones_tokens_are_applied(tiny)
         events.append(("detokenize", len(items)))
         return postprocess(items)
 
-    engine.executor.submit, engine.scheduler.update, engine.postprocess = (
-        launch, apply, detokenize)
+    engine.steps.launch, engine.scheduler.update, engine.postprocess = (
+        queue_plan, apply, detokenize)
     run(engine, [(p, SamplingParams(temperature=0.0, max_tokens=8)) for p in prompts(4)])
     engine.close()
     launched = [step for kind, step in events if kind == "launch"]
@@ -108,10 +117,139 @@ def test_each_step_is_launched_before_the_previous_ones_tokens_are_applied(tiny)
         assert events[apply_at + 1][0] == "detokenize"  # after the next launch too
 
 
+class SlowExecutor:
+    """The engine's executor, each submit taking `seconds` more with the GIL released (as
+    a GPU step's preparation and launch partly do): records which thread ran each step and
+    when, and which step was being submitted when each plan was made."""
+
+    def __init__(self, executor, seconds: float) -> None:
+        self.executor, self.seconds = executor, seconds
+        self.submitting: int | None = None  # the step inside submit now
+        self.threads: set[int] = set()
+
+    def submit(self, plan: StepPlan):
+        self.threads.add(threading.get_ident())
+        self.submitting = plan.step
+        try:
+            time.sleep(self.seconds)
+            return self.executor.submit(plan)
+        finally:
+            self.submitting = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.executor, name)
+
+
+def scheduled_during_steps(tiny: str, step_thread: bool) -> tuple[int, int, set[int]]:
+    """(plans made while the step before them was inside the executor, plans, threads that
+    submitted) for one batch through an engine whose executor is slow, and whose applying
+    of a step's tokens takes a while too (with the GIL released, as a busy host gives it
+    up at its switch interval)."""
+    engine = make_engine(tiny, step_thread=step_thread)
+    engine.steps.close()
+    slow = SlowExecutor(engine.executor, seconds=0.03)
+    engine.steps = start_steps(slow, threaded=step_thread)
+    schedule, update = engine.scheduler.schedule, engine.scheduler.update
+    overlapped, plans = 0, 0
+
+    def plan_and_count():
+        nonlocal overlapped, plans
+        submitting = slow.submitting
+        plan = schedule()
+        if plan is not None:
+            plans += 1
+            overlapped += submitting == plan.step - 1
+        return plan
+
+    def slow_update(result):
+        time.sleep(0.02)
+        return update(result)
+
+    engine.scheduler.schedule, engine.scheduler.update = plan_and_count, slow_update
+    run(engine, [(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in prompts(4)])
+    engine.close()
+    return overlapped, plans, slow.threads
+
+
+def test_the_next_step_is_scheduled_while_the_step_thread_runs_the_last(tiny):
+    """Step k+1 is planned (and step k-1's tokens applied) on the loop's thread while step
+    k is inside the executor on the step thread; the in-line loop never does that. (On
+    the CPU a step's result goes out only with the next launch or once the thread finds
+    nothing queued, so about every other plan overlaps here.)"""
+    overlapped, plans, threads = scheduled_during_steps(tiny, step_thread=True)
+    assert threads and threading.get_ident() not in threads
+    assert plans >= 12 and overlapped >= plans // 4, (overlapped, plans)
+    overlapped, plans, threads = scheduled_during_steps(tiny, step_thread=False)
+    assert threads == {threading.get_ident()} and overlapped == 0
+
+
+def engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name in ("steps", "device-wait")]
+
+
+def wait_until(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.mark.parametrize("ending", ["close", "with", "collection"])
+def test_nothing_outlives_the_llm(tiny, ending):
+    """The step thread, its device waiter and the detokenizer process end with the LLM,
+    however it ends, and the GIL switch interval is the script's again."""
+    switch = sys.getswitchinterval()
+    assert engine_threads() == []
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    if ending == "with":
+        with LLM(tiny, dtype="float32", device="cpu") as llm:
+            llm.generate(prompts(2), params, use_tqdm=False)
+            assert len(engine_threads()) == 2
+            process = llm.engine.detokenizer_process.process
+    else:
+        llm = LLM(tiny, dtype="float32", device="cpu")
+        llm.generate(prompts(2), params, use_tqdm=False)
+        process = llm.engine.detokenizer_process.process
+        if ending == "close":
+            llm.close()
+        else:
+            del llm
+            gc.collect()
+    assert wait_until(lambda: engine_threads() == []), engine_threads()
+    assert process.wait(10) == 0
+    assert sys.getswitchinterval() == switch
+
+
+def test_an_engine_dropped_without_close_lets_its_step_thread_go(tiny):
+    engine = make_engine(tiny, detokenizer_process=False)
+    run(engine, [(prompts(1)[0], SamplingParams(temperature=0.0, max_tokens=3))])
+    assert len(engine_threads()) == 2
+    del engine
+    gc.collect()
+    assert wait_until(lambda: engine_threads() == []), engine_threads()
+
+
+def test_an_executor_error_reaches_the_caller(tiny):
+    engine = make_engine(tiny)
+
+    def fail(plan):
+        raise ValueError("device lost")
+
+    engine.executor.submit = fail
+    engine.add_request("x", prompts(1)[0], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="device lost"):
+        while engine.has_unfinished():
+            engine.step()
+    with pytest.raises(ValueError, match="device lost"):  # and again, never a hang
+        engine.step()
+    engine.close()
+    assert wait_until(lambda: engine_threads() == [])
+
+
 def test_the_loop_runs_ahead_of_the_detokenizer_process(tiny):
     requests = [(p, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1))
                 for p in prompts(4, seed=1)]
-    inline = make_engine(tiny, detokenizer_process=False)
+    inline = make_engine(tiny, detokenizer_process=False, step_thread=False)
     expected = by_completion(run(inline, requests))
     inline.close()
     engine = make_engine(tiny)

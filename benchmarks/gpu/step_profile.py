@@ -37,7 +37,8 @@ def main() -> None:
                         help="N requests of LEN-token prompts instead of nano")
     add_engine_args(parser)
     args = parser.parse_args()
-    engine = Engine(engine_config_from_args(args))
+    # the executor in this thread: cProfile sees only the thread it runs in
+    engine = Engine(engine_config_from_args(args), step_thread=False)
     if args.fixed:
         num, length = map(int, args.fixed.split(","))
         workload = fixed_workload("fixed", num, length, 1000,

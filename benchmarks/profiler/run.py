@@ -312,7 +312,8 @@ def main(argv: list[str]) -> int:
     print("Run profile with:")
     for key, value in dataclasses.asdict(settings).items():
         print(f"  {key} = {value}")
-    engine = Engine(config)
+    # each step whole in this thread, inside its profile window
+    engine = Engine(config, step_thread=False)
     if error := kv_error(settings, max_output_len, engine.config.block_size,
                          engine.runner.num_blocks):
         print(f"ERROR: {error}", file=sys.stderr)

@@ -21,6 +21,7 @@ from common.sampling_params import SamplingParams
 from common.timing import PhaseClock
 from services.detokenizer.core import Detokenizer
 from services.offline.detokenizer import DetokenizerProcess
+from services.offline.steps import Steps, start_steps
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.tokenizer.core import InputProcessor
 from services.worker.executor import start_executor
@@ -30,10 +31,13 @@ LOCAL_REPLY = "local"
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, detokenizer_process: bool = True) -> None:
+    def __init__(self, config: EngineConfig, detokenizer_process: bool = True,
+                 step_thread: bool = True) -> None:
         """detokenizer_process=False detokenizes every item in this loop, as the engine
-        did before the process: the same deltas, each returned by the step that made it
-        (tests compare the two)."""
+        did before the process: the same deltas, each returned by the step that made it;
+        step_thread=False calls the executor from this loop, as the engine did before the
+        thread (tests compare them). Pipeline stages always run in the loop: their
+        executor keeps its steps in flight across its processes by itself."""
         self.info = load_model_info(config)
         self.config = self.info.config
         self.processor = InputProcessor.from_info(self.info)
@@ -52,6 +56,8 @@ class Engine:
         self.on_plan: Callable[[StepPlan], None] | None = None  # benchmarks trace steps
         self.clock = PhaseClock()  # where the steps' time goes (benchmarks print it)
         self._adapters: dict[int, str] = {}  # LoRA id -> the path checked under it
+        self.steps: Steps = start_steps(
+            self.executor, step_thread and self.config.pipeline_parallel_size == 1)
 
     def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, lora: LoRARequest | None = None,
@@ -91,7 +97,8 @@ class Engine:
 
     def close(self) -> None:
         """Let the tensor-parallel ranks and the detokenizer process go, so that another
-        engine can start here."""
+        engine can start here (a second call does nothing)."""
+        self.steps.close()
         self.executor.close()
         self._close_detokenizer_process()
 
@@ -116,10 +123,14 @@ class Engine:
         clock = self.clock
         clock.start()
         plan = self.scheduler.schedule()
-        if plan is not None and self.on_plan is not None:
-            self.on_plan(plan)
+        if plan is not None:
+            if self.on_plan is not None:
+                self.on_plan(plan)
+            self.steps.launch(plan)
         clock.lap("schedule")
-        results = self.executor.submit(plan) if plan is not None else self.executor.flush()
+        # every result but the step just launched: the next plan is made from the same
+        # tokens however the step thread is timed (services/offline/steps.py)
+        results = self.steps.results(keep=0 if plan is None else 1)
         clock.lap("execute")
         deltas: list[TextDelta] = []
         for result in results:

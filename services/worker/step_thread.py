@@ -35,11 +35,14 @@ log = get_logger(__name__)
 
 
 class StepThread:
-    def __init__(self, executor: Executor, epoch: str, post: Post) -> None:
+    def __init__(self, executor: Executor, epoch: str, post: Post,
+                 log_slow_steps: bool = True) -> None:
         """`post(entry, result)` is called from this thread for every plan, in order:
         with the step's result, or None for a plan meant for another worker; then once
-        `post(None, None)` after `stop()`, or `post(None, error)` if the executor fails."""
+        `post(None, None)` after `stop()`, or `post(None, error)` if the executor fails.
+        The offline engine passes log_slow_steps=False: a script's output is its own."""
         self.executor, self.epoch, self.post = executor, epoch, post
+        self.log_slow_steps = log_slow_steps
         self.scheduler_epoch = ""
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.launched: deque[tuple[Entry, float]] = deque()  # with when each was launched
@@ -62,6 +65,11 @@ class StepThread:
     def stop(self) -> None:
         """Finish the queued plans, post their results, then post (None, None)."""
         self.inbox.put(STOP)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for both threads to end (after `stop()`)."""
+        for thread in self._threads:
+            thread.join(timeout)
 
     def _run(self) -> None:
         try:
@@ -119,7 +127,8 @@ class StepThread:
             # a step launched behind another starts when that one is done
             started = max(launched_at, self.last_done)
             self.last_done = done_at
-            self._check_slow(entry.msg, done_at - started)
+            if self.log_slow_steps:
+                self._check_slow(entry.msg, done_at - started)
             self.post(entry, dataclasses.replace(
                 result, epoch=self.epoch, stamps=[entry.msg.planned_at, started, done_at]))
 

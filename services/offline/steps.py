@@ -1,0 +1,121 @@
+"""How the offline engine runs its steps: on a step thread beside its loop, or in the loop.
+
+The loop (services/offline/engine.py) plans step N+1 while step N is out, then applies
+step N's tokens. With `ThreadedSteps` the executor runs on the served worker's step thread
+(services/worker/step_thread.py): a plan is prepared and launched there the moment the
+loop queues it, and each step's result is posted the moment its tokens are on the host,
+so the loop schedules, applies tokens and hands text to the detokenizer process while the
+step thread prepares, launches and waits on the device. Both threads share the GIL; what
+they overlap is the device's wait, torch's launches (which release the GIL) and the
+loop's Python. `InlineSteps` calls the executor from the loop, as the engine did before
+the thread: pipeline stages keep their own steps in flight across processes, and tests
+compare the two.
+
+Either way the loop takes results with a fixed lag, never "whatever is back": after
+launching a step it applies every result but the newest `keep`. So each plan is made from
+the same applied tokens however the threads are timed, and the plans, hence the outputs
+(unseeded sampling included), are those of the in-line loop.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import weakref
+from typing import Protocol
+
+from common.bus import Entry
+from common.messages import StepPlan, StepResult
+from common.service import GIL_SWITCH_S
+from services.worker.executor import Executor
+from services.worker.step_thread import StepThread
+
+JOIN_WAIT_S = 10.0
+
+
+class Steps(Protocol):
+    def launch(self, plan: StepPlan) -> None:
+        """Queue `plan` for the device."""
+
+    def results(self, keep: int) -> list[StepResult]:
+        """The results of the launched steps, oldest first: all but the newest `keep`
+        (waiting for them); in the loop, what the executor's launches returned (a
+        pipeline's lag is its own), and with keep 0 every one."""
+
+    def close(self) -> None:
+        """Finish what is launched and let the thread go (a second call does nothing)."""
+
+
+class InlineSteps:
+    """The executor called from the loop: `launch` returns once the plan is launched and
+    the results it completed (the previous step's) are back; `keep` 0 flushes."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self._done: list[StepResult] = []
+
+    def launch(self, plan: StepPlan) -> None:
+        self._done += self.executor.submit(plan)
+
+    def results(self, keep: int) -> list[StepResult]:
+        if keep == 0:
+            self._done += self.executor.flush()
+        done, self._done = self._done, []
+        return done
+
+    def close(self) -> None:
+        """Nothing runs beside the loop."""
+
+
+class ThreadedSteps:
+    """The executor on a step thread of its own; results come back through a queue."""
+
+    def __init__(self, executor: Executor) -> None:
+        posted: queue.SimpleQueue = queue.SimpleQueue()
+        self._posted = posted
+        # The poster holds the queue, not self: an engine dropped without close() is
+        # collected, and its finalizer below stops the thread.
+        self._thread = StepThread(executor, "", lambda *item: posted.put(item),
+                                  log_slow_steps=False)
+        self._in_flight = 0
+        self._error: BaseException | None = None
+        # The step thread waits for the GIL behind the loop's Python for up to the switch
+        # interval each time the device hands it a result: 5 ms by default, several steps.
+        # The services run at GIL_SWITCH_S for the same reason (common/service.py).
+        self._switch_before = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_before, GIL_SWITCH_S))
+        self._thread.start()
+        self._stop = weakref.finalize(self, _stop_thread, self._thread, self._switch_before)
+
+    def launch(self, plan: StepPlan) -> None:
+        self._thread.put(Entry(stream="", id=b"", fields={}, msg=plan))
+        self._in_flight += 1
+
+    def results(self, keep: int) -> list[StepResult]:
+        done: list[StepResult] = []
+        while self._in_flight > keep:
+            if self._error is not None:
+                raise self._error
+            entry, result = self._posted.get()
+            if entry is None:  # the thread ended: the executor failed, or close()
+                self._error = result or RuntimeError("the engine's step thread has stopped")
+                continue
+            self._in_flight -= 1
+            done.append(result)
+        return done
+
+    def close(self) -> None:
+        """The thread finishes the launched steps and ends; the switch interval is the
+        caller's again."""
+        if self._stop.alive:
+            self._stop()
+            self._thread.join(JOIN_WAIT_S)
+
+
+def _stop_thread(thread: StepThread, switch_interval: float) -> None:
+    thread.stop()
+    sys.setswitchinterval(switch_interval)
+
+
+def start_steps(executor: Executor, threaded: bool) -> Steps:
+    return ThreadedSteps(executor) if threaded else InlineSteps(executor)
