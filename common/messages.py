@@ -336,6 +336,20 @@ class WorkerFailed:
     failures: int
 
 
+@message("request_failed")
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """worker -> scheduler (hr:results): requests the worker could not run (an image whose
+    pixels lapsed from Redis); it left them out of their step, and the scheduler ends each
+    with `status` and `message`. The rest of the batch runs on."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    req_ids: list[str]
+    message: str
+    epoch: str = ""
+    status: int = 503
+
+
 @message("tokens")
 @dataclass(frozen=True, slots=True)
 class TokenBatch:
