@@ -188,3 +188,43 @@ def test_lora_and_draft_models_are_refused_for_vision_language_models(tmp_path):
     with pytest.raises(ConfigError, match="draft model is not supported"):
         LLM(str(model_dir), speculative_config={"method": "draft_model", "model": str(model_dir),
                                                 "num_speculative_tokens": 2})
+
+
+def test_the_memory_profile_encodes_the_largest_images_a_step_may_hold(tmp_path):
+    """The KV cache is sized after a step at the token budget whose images are encoded
+    too: as many of the processor's largest images as the step may touch (capped by
+    --limit-mm-per-prompt times --max-num-seqs), their rows in the decoder's input."""
+    from transformers import AutoImageProcessor
+
+    from common.config import EngineConfig
+    from common.model_info import resolve_engine
+    from services.worker.images import profile_image_grids
+    from services.worker.model_runner import ModelRunner
+
+    model_dir = make_tiny_vl_model(tmp_path, "qwen2_5_vl")
+    config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
+                          num_gpu_blocks_override=16, max_num_batched_tokens=96,
+                          max_num_seqs=2, limit_mm_per_prompt='{"image": 1}')
+    resolved = resolve_engine(config)
+    runner = ModelRunner(resolved.config, resolved.hf_config, resolved.model_dir)
+    # the largest grid is the processor's for a huge image: 8x8 merged tokens
+    largest = runner.image_tokens.largest_grid()
+    processed = AutoImageProcessor.from_pretrained(model_dir)(
+        images=[random_image(0, (2000, 2000))], return_tensors="np")
+    assert processed["image_grid_thw"].tolist() == [list(largest)] == [[1, 16, 16]]
+
+    encoded, decoded = [], []
+    encode, forward = runner.model.encode_images, runner.model.forward
+    runner.model.encode_images = lambda p, g: encoded.append((tuple(p.shape), g)) or encode(p, g)
+    runner.model.forward = lambda ids, pos, ctx, rows: decoded.append(
+        (ids.shape[0], tuple(pos.shape), None if rows is None else rows[1].shape[0])) or \
+        forward(ids, pos, ctx, rows)
+    runner.profile_run()
+    # 96 tokens touch up to 3 images of 64 tokens; one per request, two requests a step
+    assert encoded == [((2 * 256, runner.model.patch_dim), [(1, 16, 16)] * 2)]
+    assert decoded == [(96, (3, 96), 96)]  # image rows over the whole step, M-RoPE axes
+
+    assert profile_image_grids((1, 16, 16), 2, 96, None) == [(1, 16, 16)] * 3
+    assert profile_image_grids((1, 16, 16), 2, 64, None) == [(1, 16, 16)] * 2
+    assert profile_image_grids((1, 16, 16), 2, 1, None) == [(1, 16, 16)]
+    assert profile_image_grids((1, 16, 16), 2, 96, 0) == []
