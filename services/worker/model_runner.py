@@ -249,7 +249,8 @@ class ModelRunner:
             state = self.requests[new.req_id] = RequestState.new(new, self.device)
             if self.images is not None and state.images and self.model.mrope:
                 state.mrope, state.mrope_delta = mrope_positions(
-                    len(state.prompt_ids), state.images, self.model.merge)
+                    len(state.prompt_ids), state.images, self.model.merge,
+                    self.model.tokens_per_second)
                 self.images.hold(state)
         for cached in plan.cached:
             self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
