@@ -282,6 +282,15 @@ class Bus:
                 pipe.set(name, data, px=int(ttl_s * 1000))
             await pipe.execute()
 
+    async def renew(self, names: Sequence[str], ttl_s: float) -> list[str]:
+        """Give each key `ttl_s` more to live (one round trip); returns those that were
+        gone."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.pexpire(name, int(ttl_s * 1000))
+            found = await pipe.execute()
+        return [name for name, ok in zip(names, found) if not ok]
+
     async def set_hash(self, key: str, fields: Mapping[str, str], ttl_ms: int) -> None:
         """Set `fields` of hash `key`; Redis drops it unless set again within `ttl_ms`."""
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -473,6 +473,10 @@ class ServerConfig:
         "Admission bound: the gateway answers 503 while more requests than this are queued."))
     stream_maxlen: int = field(default=100_000, metadata=_help(
         "Approximate MAXLEN each stream is trimmed to."))
+    image_ttl: float = field(default=3600.0, metadata=_help(
+        "Seconds an image's pixels stay in Redis (hr:image:<hash>) past their last use: "
+        "the scheduler renews the keys of the requests it holds, so this only bounds "
+        "what finished or lost requests leave behind."))
     run_dir: str = field(default="run", metadata=_help(
         "Directory for the embedded Redis socket and process files."))
     max_request_body: int = field(default=8 * 2**20, metadata=_help(
@@ -585,6 +589,7 @@ class ServerConfig:
             raise ConfigError(f"--max-n must be in [1, {MAX_N}], got {self.max_n}")
         _positive("timeout_keep_alive", self.timeout_keep_alive)
         _positive("body_timeout", self.body_timeout)
+        _positive("image_ttl", self.image_ttl)
         if self.redis_url is not None:
             _check_redis_url(self.redis_url)
         if self.tool_parser_plugin is not None and not os.path.isfile(self.tool_parser_plugin):

@@ -99,13 +99,16 @@ class ImageInput:
     processor's pixel_values rows) are float32 [t * h * w, patch_dim]. The patches travel
     inline (`pixels`) or, when large, as a Redis key of their own (`key`) that the worker
     reads. `hash` names the image's content: the worker's encoder cache and the prefix
-    cache key on it."""
+    cache key on it. A video is one too: its frames in pairs (temporal patches), t > 1."""
     hash: str
     offset: int
     length: int
     grid_thw: Tokens  # patches in time, height and width, before merging
     pixels: bytes = b""  # little-endian float32, row-major
     key: str = ""  # where the pixels are when they are not inline
+    # a video's seconds per temporal patch (Qwen2.5-VL spaces its time positions by it);
+    # 0.0 for an image
+    second_per_grid_t: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +337,20 @@ class WorkerFailed:
     model: str
     reason: str  # the exception's one line
     failures: int
+
+
+@message("request_failed")
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """worker -> scheduler (hr:results): requests the worker could not run (an image whose
+    pixels lapsed from Redis); it left them out of their step, and the scheduler ends each
+    with `status` and `message`. The rest of the batch runs on."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    req_ids: list[str]
+    message: str
+    epoch: str = ""
+    status: int = 503
 
 
 @message("tokens")

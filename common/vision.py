@@ -51,6 +51,17 @@ class ImageTokens:
         h, w = self.resized(height, width)
         return (h // self.patch_size) * (w // self.patch_size) // self.merge_size ** 2
 
+    def largest_grid(self) -> tuple[int, int, int]:
+        """The patch grid (time, rows, columns) of an image with the most placeholders
+        the processor can give one: max_pixels' worth of merged patches, as near a square
+        as they go."""
+        if self.fixed is not None:  # LLaVA's square crops
+            side = math.isqrt(self.fixed)
+            return 1, side, self.fixed // side
+        tokens = self.max_pixels // (self.patch_size * self.merge_size) ** 2
+        rows = math.isqrt(tokens)
+        return 1, rows * self.merge_size, tokens // rows * self.merge_size
+
     def resized(self, height: int, width: int) -> tuple[int, int]:
         """The image processor's size for an image: sides multiples of patch x merge, the
         area within [min_pixels, max_pixels], the aspect ratio kept as well as that

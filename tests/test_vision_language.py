@@ -1,6 +1,6 @@
 """Vision-language models (Qwen2-VL, Qwen2.5-VL) against transformers on the same tiny
 random weights (CPU, float32), through the offline API: prompt logprobs and greedy tokens
-for one and two images, with chunked prefill cutting an image's placeholders, the
+for one and two images and for one video, with chunked prefill cutting an image's placeholders, the
 prefix cache hitting a repeated image (and missing a different one), and at two
 tensor-parallel ranks over gloo."""
 
@@ -90,6 +90,74 @@ def test_one_and_two_images_match_transformers(tiny_vl):
     check_against_reference(llm, hf, chat(f"{IMAGE}What is this?"), [random_image(1)])
     check_against_reference(llm, hf, chat(f"Compare {IMAGE} and {IMAGE} please."),
                             [random_image(2), random_image(3, (84, 56))])
+
+
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def random_video(seed: int, frames: int = 5, size: tuple[int, int] = (140, 112)) -> np.ndarray:
+    """[frames, height, width, 3]: 112x140 px frames are 8x10 patches, 20 tokens each
+    pair of frames after merging (an odd last frame is repeated to make its pair)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (frames, size[1], size[0], 3)).astype("uint8")
+
+
+def test_one_video_matches_transformers(tiny_vl):
+    """Five frames at 3 fps: three temporal patches (the last frame repeated), each
+    2/3 s, so Qwen2.5-VL's time positions are 0, 2, 5 (4 tokens per second) and
+    Qwen2-VL's 0, 1, 2. The encoder attends within each temporal patch."""
+    model_dir, hf = tiny_vl
+    llm = LLM(str(model_dir), dtype="float32", block_size=8, num_gpu_blocks_override=128,
+              max_num_batched_tokens=32, max_num_seqs=2)  # chunks cut the video
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=0, prompt_logprobs=0)
+    frames = random_video(8)
+    out = llm.generate({"prompt": chat(f"{VIDEO}What happens?"),
+                        "multi_modal_data": {"video": (frames, {"fps": 3.0})}}, params,
+                       use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    _, (video,) = llm.engine.processor.with_images(
+        llm.engine.processor.prompt_ids(chat(f"{VIDEO}What happens?"), None, None),
+        [], [(frames, {"fps": 3.0})])
+    assert video.grid_thw == [3, 8, 10] and ids.count(hf.config.video_token_id) == 60
+    input_ids = torch.tensor([ids])
+    pixels = torch.from_numpy(np.frombuffer(video.pixels, "<f4").reshape(240, -1).copy())
+    kwargs = dict(pixel_values_videos=pixels, video_grid_thw=torch.tensor([[3, 8, 10]]),
+                  mm_token_type_ids=2 * (input_ids == hf.config.video_token_id).int())
+    if "2_5" in type(hf).__name__:
+        kwargs["second_per_grid_ts"] = torch.tensor([2 / 3.0])
+    seq, ref_lps = list(ids), []
+    with torch.no_grad():
+        for step in range(MAX_TOKENS):
+            logits = hf(input_ids=torch.tensor([seq]), **{
+                **kwargs, "mm_token_type_ids": 2 * (torch.tensor([seq]) ==
+                                                    hf.config.video_token_id).int()}
+                        ).logits[0]
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            if step == 0:
+                ref_prompt = lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+            seq.append(int(logits[-1].argmax()))
+            ref_lps.append(float(lp[-1, seq[-1]]))
+    completion = out.outputs[0]
+    assert completion.token_ids == seq[len(ids):]
+    ours = [entry[t].logprob for entry, t in zip(completion.logprobs, completion.token_ids)]
+    np.testing.assert_allclose(ours, ref_lps, atol=2e-4, rtol=0)
+    ours = [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], ids[1:])]
+    np.testing.assert_allclose(ours, ref_prompt, atol=2e-4, rtol=0)
+
+
+def test_a_still_video_is_its_frame_on_both_time_slots(tiny_vl):
+    """A video's temporal patch holds its two frames on the time axis: two copies of a
+    frame give the image processor's patches of that frame (which repeats an image on
+    it), so the layout matches transformers' for a still image."""
+    model_dir, _ = tiny_vl
+    prompts = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16
+                  ).engine.processor.images
+    frame = random_video(9, frames=1)
+    (image,) = prompts.expand([prompts.image_token_id], [Image.fromarray(frame[0])])[1]
+    (video,) = prompts.expand([prompts.video_token_id], [], [np.repeat(frame, 2, 0)])[1]
+    assert video.grid_thw == image.grid_thw and video.pixels == image.pixels
+    assert video.second_per_grid_t == 1.0 and image.second_per_grid_t == 0.0
 
 
 def test_chunked_prefill_splits_an_image(tiny_vl):
@@ -188,3 +256,43 @@ def test_lora_and_draft_models_are_refused_for_vision_language_models(tmp_path):
     with pytest.raises(ConfigError, match="draft model is not supported"):
         LLM(str(model_dir), speculative_config={"method": "draft_model", "model": str(model_dir),
                                                 "num_speculative_tokens": 2})
+
+
+def test_the_memory_profile_encodes_the_largest_images_a_step_may_hold(tmp_path):
+    """The KV cache is sized after a step at the token budget whose images are encoded
+    too: as many of the processor's largest images as the step may touch (capped by
+    --limit-mm-per-prompt times --max-num-seqs), their rows in the decoder's input."""
+    from transformers import AutoImageProcessor
+
+    from common.config import EngineConfig
+    from common.model_info import resolve_engine
+    from services.worker.images import profile_image_grids
+    from services.worker.model_runner import ModelRunner
+
+    model_dir = make_tiny_vl_model(tmp_path, "qwen2_5_vl")
+    config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu",
+                          num_gpu_blocks_override=16, max_num_batched_tokens=96,
+                          max_num_seqs=2, limit_mm_per_prompt='{"image": 1}')
+    resolved = resolve_engine(config)
+    runner = ModelRunner(resolved.config, resolved.hf_config, resolved.model_dir)
+    # the largest grid is the processor's for a huge image: 8x8 merged tokens
+    largest = runner.image_tokens.largest_grid()
+    processed = AutoImageProcessor.from_pretrained(model_dir)(
+        images=[random_image(0, (2000, 2000))], return_tensors="np")
+    assert processed["image_grid_thw"].tolist() == [list(largest)] == [[1, 16, 16]]
+
+    encoded, decoded = [], []
+    encode, forward = runner.model.encode_images, runner.model.forward
+    runner.model.encode_images = lambda p, g: encoded.append((tuple(p.shape), g)) or encode(p, g)
+    runner.model.forward = lambda ids, pos, ctx, rows: decoded.append(
+        (ids.shape[0], tuple(pos.shape), None if rows is None else rows[1].shape[0])) or \
+        forward(ids, pos, ctx, rows)
+    runner.profile_run()
+    # 96 tokens touch up to 3 images of 64 tokens; one per request, two requests a step
+    assert encoded == [((2 * 256, runner.model.patch_dim), [(1, 16, 16)] * 2)]
+    assert decoded == [(96, (3, 96), 96)]  # image rows over the whole step, M-RoPE axes
+
+    assert profile_image_grids((1, 16, 16), 2, 96, None) == [(1, 16, 16)] * 3
+    assert profile_image_grids((1, 16, 16), 2, 64, None) == [(1, 16, 16)] * 2
+    assert profile_image_grids((1, 16, 16), 2, 1, None) == [(1, 16, 16)]
+    assert profile_image_grids((1, 16, 16), 2, 96, 0) == []

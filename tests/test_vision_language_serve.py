@@ -11,7 +11,9 @@ import functools
 import http.server
 import io
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +78,9 @@ def served(model_dir, files, tmp_path_factory) -> Iterator[ServerProcess]:
     args = tiny_serve_args(model_dir, root / "run", "--dtype", "float32",
                            "--allowed-media-domains", "127.0.0.1",
                            "--limit-mm-per-prompt", '{"image": 2}',
-                           "--max-image-bytes", str(MAX_IMAGE_BYTES))
+                           "--max-image-bytes", str(MAX_IMAGE_BYTES),
+                           # one request at a time: the others wait (a lapsed image's test)
+                           "--max-num-seqs", "1")
     with serving(args, root / "serve.log", root / "run") as server:
         yield server
 
@@ -128,6 +132,52 @@ def test_large_pixels_travel_as_their_own_keys(client, served):
     for stream in (keys.admit(), keys.steps()):  # what is left of them
         assert all(len(fields[b"body"]) < INLINE_MAX_BYTES
                    for _, fields in store.xrange(stream))
+
+
+def new_image_key(store, before: set[bytes], timeout_s: float = 30.0) -> bytes:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if fresh := set(store.keys("hr:image:*")) - before:
+            return fresh.pop()
+        time.sleep(0.005)
+    raise AssertionError("no new image key")
+
+
+def test_an_image_key_lost_while_its_request_waits_fails_that_request_alone(
+        client, served, model_dir):
+    """One request runs at a time: while a long one runs, the key of a waiting request's
+    image is deleted. That request ends with a 503 naming the image; the long one and a
+    request waiting behind it answer as the offline engine, and the server serves on."""
+    import redis
+
+    store = redis.Redis(unix_socket_path=str(served.run_dir / "redis.sock"))
+    long = user(text("Tell me a long story"))
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=long, max_tokens=120, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    story = [next(chunks).choices[0].delta.content or ""]  # it runs: the next ones wait
+    lost_image, kept_image = user(text("Gone?"), image(data_url(png(21)))), \
+        user(text("Here?"), image(data_url(png(22))))
+    with ThreadPoolExecutor(2) as pool:
+        before = set(store.keys("hr:image:*"))
+        lost = pool.submit(ask, client, lost_image)
+        store.delete(key := new_image_key(store, before))
+        kept = pool.submit(ask, client, kept_image)
+        new_image_key(store, before | {key})
+        story += [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        with pytest.raises(openai.APIStatusError, match=key.decode()) as info:
+            lost.result(timeout=120)
+        answer = kept.result(timeout=120)
+    assert info.value.status_code == 503
+    with LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64) as llm:
+        expected = llm.chat([long, kept_image], [
+            SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=6)], use_tqdm=False)
+    assert "".join(story) == expected[0].outputs[0].text
+    assert answer.choices[0].message.content == expected[1].outputs[0].text
+    again = ask(client, lost_image)  # sent again, its image is stored again
+    assert again.choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("parts, message", [

@@ -201,18 +201,21 @@ class LLM:
     def _encode(self, prompt: PromptInput, **options: Any) -> Encoded:
         """`options` go to InputProcessor.prompt_ids (truncation, room). A dict prompt
         may carry vLLM's {"multi_modal_data": {"image": image or [images]}} (PIL images),
-        one per image placeholder of the prompt."""
+        one per image placeholder of the prompt, and {"video": video or [videos]} (each
+        an array of frames [T, H, W, 3], or (frames, {"fps": ...})), one per video
+        placeholder."""
         images: list[Any] = []
+        videos: list[Any] = []
         if isinstance(prompt, dict):
             text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-            images = _images_of(prompt.get("multi_modal_data"))
+            images, videos = _media_of(prompt.get("multi_modal_data"))
         elif isinstance(prompt, str):
             text, ids = prompt, None
         else:
             text, ids = None, list(prompt)
         processor = self.engine.processor
         ids = processor.prompt_ids(text, ids, None, **options)
-        return (text, *processor.with_images(ids, images))
+        return (text, *processor.with_images(ids, images, videos))
 
     def _run(self, encoded: list[Encoded],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
@@ -309,14 +312,21 @@ def _logprob_dict(lp: TokenLogprobs) -> LogprobsDict:
     return entries
 
 
-def _images_of(data: dict[str, Any] | None) -> list[Any]:
+def _media_of(data: dict[str, Any] | None) -> tuple[list[Any], list[Any]]:
+    """multi_modal_data's images and videos."""
     if not data:
-        return []
-    unknown = sorted(set(data) - {"image"})
+        return [], []
+    unknown = sorted(set(data) - {"image", "video"})
     if unknown:
-        raise ValueError(f"multi_modal_data: only 'image' is supported, got {unknown}")
-    images = data["image"]
-    return list(images) if isinstance(images, (list, tuple)) else [images]
+        raise ValueError(f"multi_modal_data: only 'image' and 'video' are supported, got "
+                         f"{unknown}")
+    images = data.get("image", [])
+    videos = data.get("video", [])
+    # one video is an array of frames, a list of frames, or (frames, metadata)
+    one_video = isinstance(videos, tuple) or getattr(videos, "ndim", 0) == 4 or (
+        isinstance(videos, list) and videos and getattr(videos[0], "ndim", 0) == 3)
+    return (list(images) if isinstance(images, (list, tuple)) else [images],
+            [videos] if one_video else list(videos))
 
 
 def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -234,6 +234,23 @@ class Scheduler:
                 req.finish_reason, req.stop_reason = reason, stop_reason
                 self._finish(req)
 
+    def image_keys(self) -> list[str]:
+        """The Redis keys of the pixels of every image a request held here has."""
+        return sorted({image.key for req in self.requests.values() for image in req.images
+                       if image.key})
+
+    def fail(self, req_ids: list[str]) -> list[tuple[str, str]]:
+        """End the client requests of these completions (the worker could not run them):
+        (gateway, rid) of each still unanswered, once."""
+        ended = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.rid not in self.by_rid:
+                continue  # ended meanwhile, or with a sibling of this call
+            ended.append((req.reply_to, req.rid))
+            self.abort(req.rid, reason="error")
+        return ended
+
     def rids_by_gateway(self) -> dict[str, list[str]]:
         """The running requests' ids, by the gateway that waits for their replies."""
         by_gateway: dict[str, list[str]] = {}

@@ -21,8 +21,9 @@ from common import keys
 from common.bus import Entry, Output
 from common.config import EngineConfig
 from common.log import get_logger
-from common.messages import (Abort, AdmitRequest, ErrorReply, SchedulerStats, StepResult,
-                             TokenBatch, WorkerReady)
+from common.image_blobs import renew_every_s
+from common.messages import (Abort, AdmitRequest, ErrorReply, RequestFailed, SchedulerStats,
+                             StepResult, TokenBatch, WorkerReady)
 from common.model_info import check_shard, resolve_engine
 from common.service import ServiceContext, freeze_heap, heartbeat, run_service
 from common.timing import PhaseClock
@@ -53,6 +54,7 @@ class SchedulerShell:
         self.results: list[StepResult] = []  # taken this round, applied after planning
         self.next_worker_check = 0.0
         self.next_gateway_check = 0.0
+        self.next_image_renewal = 0.0
         self.gateways_seen: set[str] = set()
         self.no_worker_since = time.monotonic()
         self.clock = PhaseClock()
@@ -97,6 +99,7 @@ class SchedulerShell:
                 if lost := await self._check_worker():
                     await self.bus.commit(lost)
                 await self._abort_orphans()
+                await self._renew_images()
             tg.cancel_scope.cancel()
         await self.bus.forget(keys.scheduler_stats(self.shard))  # stopped: no figures
         log.info("scheduler loop times", **self.clock.summary())
@@ -122,6 +125,8 @@ class SchedulerShell:
                     self.core.abort(msg.rid, msg.index, msg.reason, msg.stop_reason)
             elif isinstance(msg, AdmitRequest):
                 outputs += self._admit(msg)
+            elif isinstance(msg, RequestFailed):
+                outputs += self._request_failed(msg)
             else:
                 log.warning("unexpected message", type=msg.TYPE, stream=entry.stream)
         return outputs
@@ -156,6 +161,15 @@ class SchedulerShell:
             return []
         log.debug("admitted", rid=req.rid, prompt_tokens=len(req.prompt_token_ids))
         return []
+
+    def _request_failed(self, failed: RequestFailed) -> list[Output]:
+        if self.core is None or failed.epoch != self.worker_epoch:
+            return []
+        ended = self.core.fail(failed.req_ids)
+        for _, rid in ended:
+            log.warning("request failed on the worker", rid=rid, reason=failed.message)
+        return [_error(reply_to, rid, failed.status, failed.message, "ServiceUnavailableError")
+                for reply_to, rid in ended]
 
     def _worker_ready(self, ready: WorkerReady) -> list[Output]:
         """A (re)started worker has an empty KV cache: whatever ran on the last one ends."""
@@ -231,6 +245,19 @@ class SchedulerShell:
             for rid in by_gateway[name]:
                 self.core.abort(rid)
         self.gateways_seen = live
+
+    async def _renew_images(self) -> None:
+        """Keep the pixels of the requests held here in Redis while they wait, run or are
+        preempted (common/image_blobs.py): all their keys in one round trip, a few times
+        per TTL."""
+        now = time.monotonic()
+        ttl_s = self.ctx.server.image_ttl
+        if self.core is None or now < self.next_image_renewal:
+            return
+        self.next_image_renewal = now + renew_every_s(ttl_s)
+        if names := self.core.image_keys():
+            if gone := await self.bus.renew(names, ttl_s):
+                log.warning("image pixels gone from Redis", keys=len(gone), first=gone[0])
 
     def _num_unfinished(self) -> int:
         return 0 if self.core is None else len(self.core.requests)

@@ -127,15 +127,16 @@ class InputProcessor:
                                 "model).", "messages")
         return self.with_images(ids, load_images(urls, self.media))
 
-    def with_images(self, ids: list[int], images: list[Any]
+    def with_images(self, ids: list[int], images: list[Any], videos: list[Any] = ()
                     ) -> tuple[list[int], list[ImageInput]]:
-        """The prompt with its image placeholders expanded, and its images processed."""
+        """The prompt with its image and video placeholders expanded, and its images and
+        videos processed (services/tokenizer/images.py)."""
         if self.images is None:
-            if images:
+            if images or videos:
                 raise ApiError(400, "This model takes no images (it is not a "
                                     "vision-language model).", "messages")
             return ids, []
-        ids, inputs = self.images.expand(ids, images)
+        ids, inputs = self.images.expand(ids, images, videos)
         self._check_token_ids(ids)
         return ids, inputs
 

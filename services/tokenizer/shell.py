@@ -15,7 +15,7 @@ from common import keys
 from common.bus import Bus, Output, decode_value
 from common.chat import chat_image_urls
 from common.errors import ApiError
-from common.image_blobs import detach_pixels
+from common.image_blobs import IMAGE_TTL_S, detach_pixels
 from common.log import get_logger
 from common.messages import ErrorReply, GenerateRequest, Routed
 from common.model_info import load_model_info
@@ -30,7 +30,8 @@ WATCH_S = 0.25
 log = get_logger("headrace.tokenizer")
 
 
-def handler(processor: InputProcessor, router: Router, bus: Bus):
+def handler(processor: InputProcessor, router: Router, bus: Bus,
+            ttl_s: float = IMAGE_TTL_S):
     sharded = len(router.loads) > 1
 
     async def handle(req: GenerateRequest) -> list[Output]:
@@ -48,7 +49,7 @@ def handler(processor: InputProcessor, router: Router, bus: Bus):
             if light and xgrammar_loaded():  # the first structured request brought it in
                 freeze_heap()
         if admit.images:
-            admit = await detach_pixels(bus, admit)
+            admit = await detach_pixels(bus, admit, ttl_s)
         stamps = [req.arrival_time, received, time.time()]
         admit = dataclasses.replace(admit, stamps=stamps)
         if not sharded:
@@ -99,7 +100,7 @@ async def serve(ctx: ServiceContext) -> None:
         if config.data_parallel_size > 1:
             tasks.start_soon(watch_shards, ctx.bus, router, ctx.stop)
         await ctx.bus.consume(keys.REQUESTS, GROUP, ctx.consumer,
-                              handler(processor, router, ctx.bus),
+                              handler(processor, router, ctx.bus, ctx.server.image_ttl),
                               stop=ctx.stop, min_idle_ms=ctx.server.reclaim_idle_ms,
                               reclaim_every_s=min(5.0, ctx.server.reclaim_idle_ms / 2000),
                               on_dead=given_up)

@@ -93,6 +93,20 @@ class EncoderCache:
         return torch.from_numpy(index).to(self.device), rows
 
 
+def profile_image_grids(largest: tuple[int, int, int], merge: int, num_tokens: int,
+                        most: int | None) -> list[tuple[int, int, int]]:
+    """The images whose encoding a step of `num_tokens` may hold at once, at their largest
+    (`largest`, a patch grid): a chunk encodes every image it touches whole, so it may
+    touch one more than its tokens fill, cut at each end; `most`: the most images a step
+    may have (--limit-mm-per-prompt's images times --max-num-seqs), None if unbounded."""
+    if most == 0:
+        return []
+    t, h, w = largest
+    per_image = t * h * w // merge ** 2
+    count = -(-(num_tokens - 1) // per_image) + 1
+    return [largest] * max(1, count if most is None else min(count, most))
+
+
 def patches_of(image: ImageInput, patch_dim: int) -> torch.Tensor:
     """An image's patches from its message bytes (little-endian float32 rows)."""
     if not image.pixels:

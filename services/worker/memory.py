@@ -56,7 +56,8 @@ def plan_num_blocks(config: EngineConfig, runner: Profilable, bytes_per_block: i
 
 def _profiled_budget(config: EngineConfig, runner: Profilable) -> int:
     """gpu_memory_utilization of the device, minus what the weights, the largest step's
-    activations, the CUDA graphs' own memory pool and everything outside torch's
+    activations (a vision-language model's encoder pass over the largest images included:
+    ModelRunner.profile_run), the CUDA graphs' own memory pool and everything outside torch's
     allocator (CUDA context, library workspaces) take. --kv-cache-memory-bytes replaces
     that budget (as in vLLM, gpu_memory_utilization no longer counts), once the same
     profile shows that it fits beside the rest in the whole device."""

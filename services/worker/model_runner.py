@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig
+from common.vision import ImageTokens
 from common.messages import PromptLogprobs, StepPlan, StepResult
 from common.model_files import load_tokenizer
 from common.model_info import DraftModel
@@ -37,7 +38,8 @@ from common.speculative import may_speculate
 from services.worker.cuda_graphs import StepGraphs, graph_tokens
 from services.worker.draft import DraftRunner
 from services.worker.grammar import Grammars, MaskRow
-from services.worker.images import EncoderCache, mrope_step_positions, step_image_slices
+from services.worker.images import (EncoderCache, mrope_step_positions, profile_image_grids,
+                                    step_image_slices)
 from services.worker.inputs import StepInputs, prepare_inputs, to_device
 from services.worker.launched import Launched, finish
 from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
@@ -112,6 +114,9 @@ class ModelRunner:
                                  self.model.vocab_size, self.device)
         self.requests: dict[str, RequestState] = {}
         self.images = EncoderCache(self.model.patch_dim, self.device) \
+            if self.model.multimodal else None
+        # the largest images the processor makes, for the memory profile
+        self.image_tokens = ImageTokens.for_model(model_dir, hf_config) \
             if self.model.multimodal else None
         self._pending: Launched | None = None
         self._unshared = 0  # a pipeline stage's launched steps whose results are not back
@@ -244,7 +249,8 @@ class ModelRunner:
             state = self.requests[new.req_id] = RequestState.new(new, self.device)
             if self.images is not None and state.images and self.model.mrope:
                 state.mrope, state.mrope_delta = mrope_positions(
-                    len(state.prompt_ids), state.images, self.model.merge)
+                    len(state.prompt_ids), state.images, self.model.merge,
+                    self.model.tokens_per_second)
                 self.images.hold(state)
         for cached in plan.cached:
             self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
@@ -482,7 +488,9 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self) -> None:
         """The largest step the scheduler can plan (every token of the budget, the most
-        requests, all sampling with top-k/top-p), on a one-block cache whose writes are
+        requests, all sampling with top-k/top-p; for a vision-language model, the
+        encoder's pass over the most and largest images a step may encode, whose rows
+        then stand in for the step's first tokens), on a one-block cache whose writes are
         skipped: its peak memory is what a step needs beside the weights."""
         num_tokens = self.config.max_num_batched_tokens
         num_reqs = min(self.config.max_num_seqs, num_tokens)
@@ -501,9 +509,16 @@ class ModelRunner:
             max_query_len=int(q_lens.max()), max_seq_len=int(q_lens.max()))
         input_ids = torch.randint(0, self.model.vocab_size, (num_tokens,), device=self.device)
         positions = self._tensor(np.arange(num_tokens) - np.repeat(cu[:-1], q_lens))
-        sent = None if self.stage.is_first else torch.randn(
-            num_tokens, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
-        hidden = self.model(input_ids, positions, ForwardContext(attn, caches), sent)
+        if self.image_tokens is not None:  # the encoder's peak, and its rows held through
+            images = self._profile_images(num_tokens)
+            rows = torch.cat(images)[:num_tokens] if images else None
+            extra = None if rows is None else (self._tensor(np.arange(rows.shape[0])), rows)
+            if self.model.mrope:
+                positions = positions.expand(3, -1).contiguous()
+        else:
+            extra = None if self.stage.is_first else torch.randn(
+                num_tokens, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        hidden = self.model(input_ids, positions, ForwardContext(attn, caches), extra)
         if not self.stage.is_last:  # no logits to sample
             return
         if self.draft is not None:  # its sync pass over the same step
@@ -511,6 +526,21 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[self._tensor(cu[1:] - 1)])
         params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50)
         self.sampler.sample(logits, [SamplingRow(params, [], [], None)] * num_reqs)
+
+    def _profile_images(self, num_tokens: int) -> list[torch.Tensor]:
+        """The vision encoder's embeddings of dummy images at the largest size the image
+        processor allows, as many as a step of `num_tokens` may encode (as vLLM profiles
+        its encoder at --limit-mm-per-prompt's count and the largest item)."""
+        assert self.image_tokens is not None
+        limit = self.config.mm_limits().get("image")
+        grids = profile_image_grids(
+            self.image_tokens.largest_grid(), self.image_tokens.merge_size, num_tokens,
+            None if limit is None else limit * self.config.max_num_seqs)
+        if not grids:
+            return []
+        num_patches = sum(t * h * w for t, h, w in grids)
+        patches = torch.randn(num_patches, self.model.patch_dim, device=self.device)
+        return self.model.encode_images(patches, grids)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)

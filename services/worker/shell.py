@@ -19,12 +19,13 @@ import anyio
 from common import keys
 from common.bus import Entry
 from common.log import get_logger
-from common.image_blobs import attach_pixels
-from common.messages import StepPlan, StepResult, WorkerFailed, WorkerReady
+from common.image_blobs import attach_pixels, lapsed_images
+from common.messages import RequestFailed, StepPlan, StepResult, WorkerFailed, WorkerReady
 from common.model_info import check_shard, resolve_engine
 from common.service import (ALIVE_TTL_MS, ModelLoadFailed, ServiceContext, freeze_heap,
                             heartbeat, run_service)
 from services.worker.executor import Executor, start_executor
+from services.worker.failed_requests import FailedRequests
 from services.worker.step_thread import StepThread
 
 GROUP = "worker"
@@ -38,6 +39,7 @@ class WorkerShell:
         self.ctx, self.bus, self.executor = ctx, ctx.bus, executor
         self.shard = ctx.server.shard
         self.epoch = uuid.uuid4().hex[:12]
+        self.failed = FailedRequests()
 
     async def run(self) -> None:
         await self.bus.ensure_group(keys.steps(self.shard), GROUP)
@@ -74,12 +76,25 @@ class WorkerShell:
                                                  {keys.steps(self.shard): ">"},
                                                  count=PREFETCH,
                                                  block_ms=200):
-                    if isinstance(entry.msg, StepPlan) and entry.msg.new:
-                        entry = dataclasses.replace(
-                            entry, msg=await attach_pixels(self.bus, entry.msg))
+                    if isinstance(entry.msg, StepPlan):
+                        entry = dataclasses.replace(entry, msg=await self._runnable(entry.msg))
                     steps.put(entry)
         finally:
             steps.stop()
+
+    async def _runnable(self, plan: StepPlan) -> StepPlan:
+        """`plan` with its new requests' pixels, less the requests that cannot run (their
+        pixels lapsed): the scheduler hears of those at once and ends them."""
+        if plan.epoch != self.epoch:
+            return plan  # the step thread skips it
+        if plan.new:
+            plan = await attach_pixels(self.bus, plan)
+            for req_id, reason in lapsed_images(plan).items():
+                log.warning("request failed", req_id=req_id, reason=reason)
+                self.failed.add([req_id])
+                await self.bus.publish(keys.results(self.shard),
+                                       RequestFailed([req_id], reason, self.epoch))
+        return self.failed.strip(plan)
 
     async def _write(self, results: asyncio.Queue) -> None:
         """Commit results as the step thread posts them, all that are waiting in one round

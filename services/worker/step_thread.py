@@ -113,6 +113,12 @@ class StepThread:
             self._deliver(self.executor.flush())
             self.executor.forget_requests()
             self.scheduler_epoch = plan.scheduler_epoch
+        if not plan.req_ids:  # the worker left out all its requests (failed_requests.py)
+            self._deliver(self.executor.flush())
+            now = time.time()
+            self.post(item, StepResult(plan.step, [], [], epoch=self.epoch,
+                                       stamps=[plan.planned_at, now, now]))
+            return True
         launched_at = time.time()
         done = self.executor.submit(plan)
         self.launched.append((item, launched_at))

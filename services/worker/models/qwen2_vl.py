@@ -311,12 +311,14 @@ def window_order(grids: list[tuple[int, int, int]], merge: int, window: int
 
 # --- M-RoPE positions ------------------------------------------------------------------
 
-def mrope_positions(num_tokens: int, images: list[ImageInput], merge: int
-                    ) -> tuple[np.ndarray, int]:
+def mrope_positions(num_tokens: int, images: list[ImageInput], merge: int,
+                    tokens_per_second: float = 0.0) -> tuple[np.ndarray, int]:
     """The three positions (time, height, width) of each of a prompt's tokens, [3, N],
     and the delta that later tokens add to their index. Text counts on from the last
     position; an image's tokens sit at (start + frame, start + row, start + column) of its
-    merged grid, and the text after it starts at start + max(rows, columns)."""
+    merged grid, and the text after it starts at start + max(rows, columns). A video's
+    temporal patches are frames too: Qwen2-VL's one position apart, Qwen2.5-VL's
+    (tokens_per_second) `tokens_per_second * second_per_grid_t` apart, rounded down."""
     positions = np.empty((3, num_tokens), dtype=np.int64)
     next_pos, done = 0, 0
     for image in sorted(images, key=lambda i: i.offset):
@@ -325,8 +327,10 @@ def mrope_positions(num_tokens: int, images: list[ImageInput], merge: int
         next_pos += text
         t, h, w = image.grid_thw
         gh, gw = h // merge, w // merge
-        frames, rows, cols = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw),
-                                         indexing="ij")
+        times = np.arange(t)
+        if tokens_per_second and image.second_per_grid_t:
+            times = (times * (tokens_per_second * image.second_per_grid_t)).astype(np.int64)
+        frames, rows, cols = np.meshgrid(times, np.arange(gh), np.arange(gw), indexing="ij")
         end = image.offset + image.length
         positions[:, image.offset:end] = next_pos + np.stack(
             [frames.reshape(-1), rows.reshape(-1), cols.reshape(-1)])
@@ -392,6 +396,9 @@ class Qwen2VLForConditionalGeneration(VisionLanguageLM):
         self.build_head(hf_config)
         self.merge = hf_config.vision_config.spatial_merge_size
         self.patch_dim = self.model.visual.patch_dim
+        # how far apart a video's frames sit in time positions (Qwen2.5-VL; 0: one apart)
+        self.tokens_per_second = float(getattr(hf_config.vision_config, "tokens_per_second",
+                                               0) or 0) if self.qwen25 else 0.0
 
     @staticmethod
     def checkpoint_name(name: str) -> str:
