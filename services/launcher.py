@@ -1,7 +1,7 @@
 """`headrace serve MODEL [engine args] [server args]`: an embedded Redis (unless --redis-url
 or REDIS_URL) and every service as a child process; a child that crashes is restarted, and
-one that Redis refused stops serve. Ctrl-C or SIGTERM stops them all; each child also dies with this process if it is killed
-(parent-death signal), so nothing is orphaned."""
+one that Redis refused stops serve. Ctrl-C or SIGTERM stops them all; each child also dies
+with this process if it is killed (parent-death signal), so nothing is orphaned."""
 
 from __future__ import annotations
 
