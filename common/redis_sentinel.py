@@ -36,7 +36,8 @@ SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SHAPE = ("redis[s]+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
          "[?sentinel_username=...&sentinel_password=...&ssl_...=...]")
 SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
-SENTINEL_TIMEOUT_S = 2.0  # a sentinel that does not answer this soon is skipped
+SENTINEL_TIMEOUT_S = 2.0  # a sentinel that does not answer this soon is tried again
+SENTINEL_RETRIES = 3  # then skipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +59,14 @@ class SentinelTarget:
 
     def sentinel_kwargs(self, retry: type[redis.retry.Retry | AsyncRetry]) -> dict[str, Any]:
         """A sentinel's connection arguments, for a client with this Retry class. A
-        sentinel that is down is skipped at once: redis-py's own retries (3, with back-off)
-        made every connection wait 3.5 s behind one."""
+        sentinel that refuses connections is skipped at once: redis-py's own retries wait
+        between tries (back-off of 1 s and up), which made every connection wait 3.5 s
+        behind one. The tries stay: a TLS handshake on a loaded host can outlast the
+        timeout once, and a lookup that finds no sentinel fails the connection."""
         auth = {"username": self.sentinel_username, "password": self.sentinel_password}
         return {"socket_timeout": SENTINEL_TIMEOUT_S,
-                "socket_connect_timeout": SENTINEL_TIMEOUT_S, "retry": retry(NoBackoff(), 0),
+                "socket_connect_timeout": SENTINEL_TIMEOUT_S,
+                "retry": retry(NoBackoff(), SENTINEL_RETRIES),
                 **self.tls, **{k: v for k, v in auth.items() if v is not None}}
 
 

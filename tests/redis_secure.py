@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -21,6 +22,8 @@ from urllib.parse import urlencode
 
 import redis
 
+from benchmarks.bench.pipeline import LocalPipeline
+from common.config import EngineConfig, ServerConfig
 from common.net import free_port
 from common.redis_server import RedisServerError, find_redis_binary, spawn_child
 from tests.conftest import REPO
@@ -35,7 +38,7 @@ SENTINEL_SECRET = "test-secret-sentinel"
 
 
 def password(user: str) -> str:
-    return f"test-secret-{user}"
+    return ADMIN[1] if user == ADMIN[0] else f"test-secret-{user}"
 
 
 def tls_redis_server(link_dir: Path) -> str | None:
@@ -257,3 +260,18 @@ class SecureSentinel(LocalSentinel):
         return [("tls-replication", "yes"), ("tls-cert-file", str(certs.server_cert)),
                 ("tls-key-file", str(certs.server_key)), ("tls-ca-cert-file", str(certs.ca)),
                 ("tls-auth-clients", "yes")]
+
+
+class PerStagePipeline(LocalPipeline):
+    """Every stage of `headrace serve` as a child that connects as the ACL user named after
+    its stage: `url_of(user)` is its URL."""
+
+    def __init__(self, url_of: Callable[[str], str], root: Path, model: Path) -> None:
+        self.url_of = url_of
+        super().__init__(root, EngineConfig(model=str(model), num_gpu_blocks_override=64),
+                         ServerConfig(), gateway=True, redis_url=url_of(ADMIN[0]))
+
+    def start(self, label: str) -> None:
+        child = self.children[label]
+        child.env = {**child.env, "REDIS_URL": self.url_of(child.name)}
+        super().start(label)

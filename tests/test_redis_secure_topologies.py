@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import anyio
 import pytest
 from redis.crc import key_slot
@@ -21,8 +22,9 @@ from common.redis_cluster import blocking_client, cluster_target, plain_client
 from common.redis_urls import RedisRefused, check_credentials, redacted
 from tests.conftest import run_command
 from common.redis_sentinel import sentinel_target
-from tests.redis_secure import (SecureCluster, SecureSentinel, password, tls_redis_cli,
-                                tls_redis_server)
+from tests.redis_secure import (PerStagePipeline, SecureCluster, SecureSentinel, password,
+                                tls_redis_cli, tls_redis_server)
+from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.anyio
 
@@ -206,3 +208,39 @@ def test_sentinel_urls_carry_tls_options_and_sentinel_credentials():
                        "given twice")]:
         with pytest.raises(ConfigError, match=says):
             ServerConfig(redis_url=bad)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+@pytest.mark.anyio
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("deployment", ["secure_cluster", "secure_sentinel"])
+async def test_every_stage_serves_as_its_own_user_over_tls(deployment, model, tmp_path,
+                                                           request):
+    """Every stage of serve as its own ACL user, on the TLS cluster and behind the TLS
+    sentinel: a request is answered and no stage is refused anything."""
+    secure = request.getfixturevalue(deployment)
+    ports = secure.ports if deployment == "secure_cluster" else [secure.master()]
+    for port in ports:
+        with secure.client(port) as admin:
+            admin.acl_log_reset()
+    pipeline = PerStagePipeline(secure.url_as, tmp_path, model)
+    try:
+        await pipeline.wait_ready(300)
+        async with aiohttp.ClientSession() as session:
+            body = {"model": str(model), "prompt": [5, 6, 7, 8], "max_tokens": 5,
+                    "ignore_eos": True}
+            async with session.post(pipeline.http_url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.json())["usage"]["completion_tokens"] == 5
+            async with session.get(pipeline.http_url + "/metrics") as r:
+                assert r.status == 200
+    finally:
+        pipeline.stop()
+    for port in ports:
+        with secure.client(port) as admin:
+            assert admin.acl_log() == []

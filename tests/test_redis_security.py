@@ -16,13 +16,11 @@ import aiohttp
 import pytest
 import redis
 
-from benchmarks.bench.pipeline import LocalPipeline
-from common.config import EngineConfig, ServerConfig
 from common.net import free_port
 from common.redis_urls import redacted
 from common.service import REDIS_REFUSED_EXIT
 from tests.conftest import run_command
-from tests.redis_secure import SecureRedis, tls_redis_server
+from tests.redis_secure import PerStagePipeline, SecureRedis, tls_redis_server
 from tests.tiny_models import make_tiny_model
 
 STAGES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
@@ -44,27 +42,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
 
 
-class PerStagePipeline(LocalPipeline):
-    """Each child connects as the ACL user named after its stage."""
-
-    def __init__(self, secure: SecureRedis, root: Path, model: Path) -> None:
-        self.secure = secure
-        super().__init__(root, EngineConfig(model=str(model), num_gpu_blocks_override=64),
-                         ServerConfig(), gateway=True, redis_url=secure.url("admin",
-                                                                            "admin-secret"))
-
-    def start(self, label: str) -> None:
-        child = self.children[label]
-        child.env = {**child.env, "REDIS_URL": self.secure.url(child.name)}
-        super().start(label)
-
-
 @pytest.mark.anyio
 @pytest.mark.slow
 async def test_every_stage_serves_as_its_own_acl_user_over_tls(secure, model, tmp_path):
     with secure.admin() as admin:
         admin.acl_log_reset()
-    pipeline = PerStagePipeline(secure, tmp_path, model)
+    pipeline = PerStagePipeline(secure.url, tmp_path, model)
     try:
         await pipeline.wait_ready(180)
         async with aiohttp.ClientSession() as session:
