@@ -31,7 +31,8 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 POLICIES = ("fcfs", "priority")
 ROUTINGS = ("prefix", "round_robin")
-REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "redis+sentinel")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel",
+                 "rediss+sentinel")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                      "deepseek_v3")  # built in; --tool-parser-plugin registers more
@@ -444,10 +445,12 @@ class ServerConfig:
         "Require this bearer token on /v1 requests."))
     redis_url: str | None = field(default=None, metadata=_help(
         "Redis to link the services through (redis://, rediss://, unix://), a Redis "
-        "Cluster as redis+cluster://HOST:PORT[,HOST:PORT...] (any of its masters; each "
-        "data-parallel shard's keys share one hash slot), or a master watched by Sentinel "
-        "as redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB] (the "
-        "sentinels' addresses); without it an embedded "
+        "Cluster as redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...] (any of its "
+        "masters; each data-parallel shard's keys share one hash slot), or a master "
+        "watched by Sentinel as redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]"
+        "/SERVICE[/DB] (the sentinels' addresses; ?sentinel_password=... if they want "
+        "one); rediss+cluster:// and rediss+sentinel:// for TLS, with rediss://'s ssl_* "
+        "query options. Without it an embedded "
         "redis-server is started on a unix socket.", env="REDIS_URL"))
     api_server_count: int | None = field(default=None, metadata=_help(
         "Gateway processes serving one port (SO_REUSEPORT), each with its own reply stream; "

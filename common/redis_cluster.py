@@ -1,4 +1,6 @@
-"""The bus on a Redis Cluster: `--redis-url redis+cluster://HOST:PORT[,HOST:PORT...]`.
+"""The bus on a Redis Cluster: `--redis-url redis+cluster://HOST:PORT[,HOST:PORT...]`, or
+with TLS and an ACL user `rediss+cluster://USER:PASSWORD@HOST:PORT,...?ssl_ca_certs=...`
+(common/redis_url_options.py: the same options as rediss://, for every node).
 
 Any of the listed nodes is enough to start; the client learns the others from it. A key
 lives in one hash slot, served by one master, and a transaction may only touch keys of one
@@ -17,6 +19,7 @@ lately, the gateway a text delta whose `seq` it has passed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -32,8 +35,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from common.redis_lanes import Command, Lanes
 from common.redis_sentinel import (blocking_sentinel_client, is_sentinel_url,
                                    sentinel_client)
+from common.redis_url_options import credentials, host_ports, query_options, tls_options
 
-SCHEME = "redis+cluster"
+SCHEMES = ("redis+cluster", "rediss+cluster")
+SHAPE = "redis[s]+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][?ssl_...=...]"
 _REDIRECTED = (AskError, ClusterDownError, TryAgainError)  # MovedError is an AskError
 
 
@@ -41,22 +46,30 @@ class ClusterUnsettled(RedisConnectionError):
     """A slot's master is failing over or moving; retry after a pause."""
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterTarget:
+    nodes: list[tuple[str, int]]
+    options: dict[str, Any]  # the ACL user and TLS, the same for every node
+
+
 def is_cluster_url(url: str) -> bool:
-    return url.startswith(f"{SCHEME}://")
+    return url.startswith(tuple(f"{scheme}://" for scheme in SCHEMES))
+
+
+def cluster_target(url: str) -> ClusterTarget:
+    """What `redis[s]+cluster://[USER:PASSWORD@]HOST:PORT,...[?ssl_...]` names; a
+    ValueError says what is wrong (without the password)."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES or parts.path.strip("/"):
+        raise ValueError(f"a cluster URL is {SHAPE}")
+    options = tls_options(parts, query_options(parts)) | {
+        k: v for k, v in credentials(parts).items() if v is not None}
+    return ClusterTarget(host_ports(parts, SHAPE), options)
 
 
 def cluster_addresses(url: str) -> list[tuple[str, int]]:
-    """The (host, port) of each node named by `redis+cluster://HOST:PORT[,HOST:PORT...]`."""
-    parts = urlsplit(url)
-    if parts.scheme != SCHEME or parts.path.strip("/") or parts.query:
-        raise ValueError(f"a cluster URL is {SCHEME}://HOST:PORT[,HOST:PORT...], got {url!r}")
-    addresses = []
-    for address in parts.netloc.split(","):
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"cluster node {address!r} in {url!r} is not HOST:PORT")
-        addresses.append((host, int(port)))
-    return addresses
+    """The (host, port) of each node the URL names."""
+    return cluster_target(url).nodes
 
 
 def startup_nodes(url: str) -> list[ClusterNode]:
@@ -67,13 +80,13 @@ def cluster_client(url: str, max_connections: int, options: dict[str, Any]) -> R
     """A redis-py cluster client for the bus's less frequent calls; `max_connections` is
     per node."""
     return RedisCluster(startup_nodes=startup_nodes(url), max_connections=max_connections,
-                        **options)
+                        **cluster_target(url).options, **options)
 
 
 def plain_client(url: str) -> aioredis.Redis | RedisCluster:
     """A redis-py client of a server or of a cluster, for tools that inspect it."""
     if is_cluster_url(url):
-        return RedisCluster(startup_nodes=startup_nodes(url))
+        return RedisCluster(startup_nodes=startup_nodes(url), **cluster_target(url).options)
     if is_sentinel_url(url):
         return sentinel_client(url)
     return aioredis.from_url(url)
@@ -86,7 +99,8 @@ def blocking_client(url: str, name: str | None,
                                    socket_connect_timeout=timeout_s)
     if is_cluster_url(url):
         nodes = [redis.cluster.ClusterNode(host, port) for host, port in cluster_addresses(url)]
-        return redis.cluster.RedisCluster(startup_nodes=nodes, **options)
+        return redis.cluster.RedisCluster(startup_nodes=nodes, **cluster_target(url).options,
+                                          **options)
     if is_sentinel_url(url):
         return blocking_sentinel_client(url, options)
     return redis.Redis.from_url(url, **options)

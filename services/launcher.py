@@ -1,7 +1,7 @@
 """`headrace serve MODEL [engine args] [server args]`: an embedded Redis (unless --redis-url
-or REDIS_URL) and every service as a child process; a child that crashes is restarted.
-Ctrl-C or SIGTERM stops them all; each child also dies with this process if it is killed
-(parent-death signal), so nothing is orphaned."""
+or REDIS_URL) and every service as a child process; a child that crashes is restarted, and
+one that Redis refused stops serve. Ctrl-C or SIGTERM stops them all; each child also dies
+with this process if it is killed (parent-death signal), so nothing is orphaned."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from common.log import configure_logging, get_logger
 from common.model_info import check_devices, resolve_engine, shard_gpus
 from common.model_support import REFUSED_EXIT, UnsupportedModel, refusal_line
 from common.redis_server import EmbeddedRedis, redis_url_or_embedded, spawn_child
-from common.service import LOAD_FAILED_EXIT, service_parser
+from common.service import LOAD_FAILED_EXIT, REDIS_REFUSED_EXIT, service_parser
 from services.gateway.core import shard_states
 from services.gateway.http_options import tls_context
 from services.gateway.tool_calls import check_tool_parser
@@ -108,6 +108,7 @@ class Supervisor:
         self.redis = redis
         self.drain_s = drain_s  # the gateways' --shutdown-timeout
         self.stopping = False
+        self.exit_code = 0
 
     def run(self, serving: Readiness) -> None:
         for child in self.children:
@@ -149,6 +150,9 @@ class Supervisor:
         for child in self.children:
             if child.process is None or child.process.poll() is None:
                 continue
+            if child.process.returncode == REDIS_REFUSED_EXIT:
+                self.give_up(child)
+                return
             if child.restart_at == 0.0 and self.stays_down(child):
                 continue
             if child.restart_at == 0.0:
@@ -162,6 +166,16 @@ class Supervisor:
                 child.restarts += 1
                 child.restart_at = 0.0
                 child.start()
+
+    def give_up(self, child: Child) -> None:
+        """Redis refused the child's credentials or its user's rights: a restart would be
+        refused the same way, and every child of serve connects with the same URL, so no
+        request could be served. serve stops, with this one line after the child's own."""
+        print(f"headrace serve: {child.label} exited {REDIS_REFUSED_EXIT}: Redis refused its "
+              "credentials (see its line above); not restarting it, stopping", file=sys.stderr)
+        child.process = None
+        self.exit_code = REDIS_REFUSED_EXIT
+        self.stopping = True
 
     def stays_down(self, child: Child) -> bool:
         """A worker that failed to load the model MAX_LOAD_FAILURES times in a row stays
@@ -320,4 +334,4 @@ def main(argv: list[str]) -> int:
         supervisor.shutdown()
         if redis is not None:
             redis.stop()
-    return 0
+    return supervisor.exit_code

@@ -23,6 +23,7 @@ from common.bus import LAG_COUNT_LIMIT, UNAVAILABLE, Bus, StreamInfo
 from common.log import configure_logging
 from common.stalls import processes_health
 from common.redis_server import SOCKET_NAME
+from common.redis_urls import redacted
 
 COLUMNS = ("SHARD", "STREAM", "LENGTH", "GROUP", "CONSUMER", "PENDING", "LAG", "IDLE", "LAST-DELIVERED")
 PROCESS_COLUMNS = ("PROCESS", "WORST-STALL", "STALLS", "SLOW-GC", "STATE")
@@ -58,7 +59,7 @@ def format_table(snapshot: Snapshot) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.taken_at))
     shards = sorted({s for s in map(keys.shard_of, (s.name for s in snapshot.streams))
                      if s is not None})
-    header = (f"{snapshot.url}  {when}  {len(snapshot.streams)} streams, "
+    header = (f"{redacted(snapshot.url)}  {when}  {len(snapshot.streams)} streams, "
               f"{len(shards)} shards")
     processes = format_processes(snapshot.health)
     if not snapshot.streams:
@@ -129,11 +130,11 @@ def main(argv: list[str]) -> int:
                 return 0
             time.sleep(args.watch)
     except UNAVAILABLE as e:
-        print(f"headrace queues: no Redis answers at {url} ({e}); start `headrace serve`, "
-              "or pass --redis-url / set REDIS_URL", file=sys.stderr)
+        print(f"headrace queues: no Redis answers at {redacted(url)} ({e}); start "
+              "`headrace serve`, or pass --redis-url / set REDIS_URL", file=sys.stderr)
         return 1
     except ValueError as e:  # redis-py's word for a malformed URL
-        print(f"headrace queues: bad Redis URL {url!r}: {e}", file=sys.stderr)
+        print(f"headrace queues: bad Redis URL {redacted(url)!r}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0

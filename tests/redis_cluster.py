@@ -56,8 +56,7 @@ class LocalCluster:
             node_dir.mkdir(parents=True, exist_ok=True)
             with open(node_dir / "redis.log", "ab") as log:
                 self.by_port[port] = spawn_child(
-                    [find_redis_binary("redis-server"), "--port", str(port),
-                     "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                    [*self.node_command(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                      "--cluster-config-file", str(node_dir / "nodes.conf"),
                      "--cluster-node-timeout", str(self.node_timeout_ms),
                      "--dir", str(node_dir), "--appendonly", "no", "--save", "",
@@ -67,12 +66,19 @@ class LocalCluster:
                 self.processes.append(self.by_port[port])
         for port in self.ports:
             self._wait(lambda client: bool(client.ping()), port)
-        subprocess.run([find_redis_binary("redis-cli"), "--cluster", "create",
+        subprocess.run([*self.cli_command(), "--cluster", "create",
                         *(f"127.0.0.1:{port}" for port in self.ports),
                         "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                        check=True, capture_output=True, timeout=self.start_timeout_s)
         for port in self.ports:
             self._wait(self._settled, port)
+
+    def node_command(self, port: int) -> list[str]:
+        """The server and how it listens on `port`."""
+        return [find_redis_binary("redis-server"), "--port", str(port)]
+
+    def cli_command(self) -> list[str]:
+        return [find_redis_binary("redis-cli")]
 
     def _settled(self, client: redis.Redis) -> bool:
         """The node sees the cluster up, with every replica attached."""

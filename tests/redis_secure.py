@@ -13,24 +13,32 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 from urllib.parse import urlencode
 
 import redis
 
+from benchmarks.bench.pipeline import LocalPipeline
+from common.config import EngineConfig, ServerConfig
 from common.net import free_port
 from common.redis_server import RedisServerError, find_redis_binary, spawn_child
 from tests.conftest import REPO
+from tests.redis_cluster import LocalCluster
+from tests.redis_sentinel import SERVICE, LocalSentinel
 
 USERS_CONF = REPO / "deploy" / "redis-users.conf"
 DEBIAN_SERVER = Path("/usr/bin/redis-check-rdb")
+DEBIAN_CLI = Path("/usr/bin/redis-cli")
 ADMIN = ("admin", "admin-secret")
+SENTINEL_SECRET = "test-secret-sentinel"
 
 
 def password(user: str) -> str:
-    return f"test-secret-{user}"
+    return ADMIN[1] if user == ADMIN[0] else f"test-secret-{user}"
 
 
 def tls_redis_server(link_dir: Path) -> str | None:
@@ -108,10 +116,8 @@ class SecureRedis:
     def url(self, user: str, secret: str | None = None) -> str:
         """A rediss:// URL as `user`, with the CA and a client certificate."""
         assert self.certs is not None
-        query = urlencode({"ssl_ca_certs": self.certs.ca, "ssl_certfile": self.certs.client_cert,
-                           "ssl_keyfile": self.certs.client_key, "ssl_cert_reqs": "required"})
         return (f"rediss://{user}:{secret or password(user)}@127.0.0.1:{self.port}/0?"
-                f"{query}")
+                f"{tls_query(self.certs)}")
 
     def admin(self) -> redis.Redis:
         return redis.Redis.from_url(self.url(ADMIN[0], ADMIN[1]), socket_timeout=5.0)
@@ -153,3 +159,119 @@ class SecureRedis:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+
+def tls_redis_cli() -> str | None:
+    """A redis-cli built with TLS (Debian's), for `--cluster create` over TLS."""
+    cli = os.environ.get("HEADRACE_REDIS_CLI_TLS", str(DEBIAN_CLI))
+    return cli if os.access(cli, os.X_OK) else None
+
+
+def tls_query(certs: Certs) -> str:
+    return urlencode({"ssl_ca_certs": certs.ca, "ssl_certfile": certs.client_cert,
+                      "ssl_keyfile": certs.client_key, "ssl_cert_reqs": "required"})
+
+
+class SecureCluster(LocalCluster):
+    """A Redis Cluster whose nodes speak only TLS, to clients and to each other, and know
+    only the users of deploy/redis-users.conf and admin (replicas sync as admin)."""
+
+    def __init__(self, binary: str, cli: str, run_dir: Path, **kwargs: Any) -> None:
+        super().__init__(run_dir, **kwargs)
+        self.binary, self.cli = binary, cli
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.certs = make_certs(run_dir)
+        self.conf = users_conf(run_dir / "users.conf")
+
+    def url_as(self, user: str, secret: str | None = None) -> str:
+        """A rediss+cluster:// URL as `user`, with the CA and a client certificate."""
+        nodes = ",".join(f"127.0.0.1:{port}" for port in self.ports)
+        return f"rediss+cluster://{user}:{secret or password(user)}@{nodes}?" + \
+            tls_query(self.certs)
+
+    def node_command(self, port: int) -> list[str]:
+        certs = self.certs
+        return [self.binary, str(self.conf), "--port", "0", "--tls-port", str(port),
+                "--tls-cluster", "yes", "--tls-replication", "yes",
+                "--tls-cert-file", str(certs.server_cert),
+                "--tls-key-file", str(certs.server_key), "--tls-ca-cert-file", str(certs.ca),
+                "--tls-auth-clients", "yes", "--masteruser", ADMIN[0], "--masterauth", ADMIN[1]]
+
+    def cli_command(self) -> list[str]:
+        certs = self.certs
+        return [self.cli, "--tls", "--cacert", str(certs.ca), "--cert", str(certs.client_cert),
+                "--key", str(certs.client_key), "--user", ADMIN[0], "--pass", ADMIN[1],
+                "--no-auth-warning"]
+
+    def client(self, port: int) -> redis.Redis:
+        certs = self.certs
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5.0, ssl=True,
+                           ssl_ca_certs=str(certs.ca), ssl_certfile=str(certs.client_cert),
+                           ssl_keyfile=str(certs.client_key), username=ADMIN[0],
+                           password=ADMIN[1])
+
+
+class SecureSentinel(LocalSentinel):
+    """A master, its replica and a sentinel that speak only TLS, to clients and to each
+    other; the data nodes know only deploy/redis-users.conf's users and admin (the replica
+    and the sentinel reach the master as admin), and the sentinel wants its own password."""
+
+    def __init__(self, binary: str, run_dir: Path, **kwargs: Any) -> None:
+        super().__init__(run_dir, **kwargs)
+        self.binary = binary
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.certs = make_certs(run_dir)
+        self.conf = users_conf(run_dir / "users.conf")
+
+    def url_as(self, user: str, secret: str | None = None,
+               sentinel_secret: str = SENTINEL_SECRET) -> str:
+        """A rediss+sentinel:// URL as `user`, after a sentinel address where none listens."""
+        return (f"rediss+sentinel://{user}:{secret or password(user)}@127.0.0.1:{free_port()},"
+                f"127.0.0.1:{self.sentinel_port}/{SERVICE}/0?sentinel_password="
+                f"{sentinel_secret}&{tls_query(self.certs)}")
+
+    def server_args(self, port: int) -> list[str]:
+        return [self.binary, str(self.conf), "--port", "0", "--tls-port", str(port),
+                *(arg for name, value in self._tls() for arg in (f"--{name}", value)),
+                "--masteruser", ADMIN[0], "--masterauth", ADMIN[1]]
+
+    def sentinel_conf(self) -> list[str]:
+        return ["port 0", f"tls-port {self.sentinel_port}", "bind 127.0.0.1",
+                *(f"{name} {value}" for name, value in self._tls()),
+                f"requirepass {SENTINEL_SECRET}",
+                f"sentinel monitor {SERVICE} 127.0.0.1 {self.master_port} 1",
+                f"sentinel auth-user {SERVICE} {ADMIN[0]}",
+                f"sentinel auth-pass {SERVICE} {ADMIN[1]}",
+                f"sentinel down-after-milliseconds {SERVICE} 1000",
+                f"sentinel failover-timeout {SERVICE} 10000"]
+
+    def client(self, port: int) -> redis.Redis:
+        certs = self.certs
+        auth = ({"password": SENTINEL_SECRET} if port == self.sentinel_port
+                else {"username": ADMIN[0], "password": ADMIN[1]})
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5.0, ssl=True,
+                           ssl_ca_certs=str(certs.ca), ssl_certfile=str(certs.client_cert),
+                           ssl_keyfile=str(certs.client_key), **auth)
+
+    def _tls(self) -> list[tuple[str, str]]:
+        """Every node's TLS settings: only TLS clients with a certificate, and TLS to the
+        master (the replica's sync, the sentinel's watch)."""
+        certs = self.certs
+        return [("tls-replication", "yes"), ("tls-cert-file", str(certs.server_cert)),
+                ("tls-key-file", str(certs.server_key)), ("tls-ca-cert-file", str(certs.ca)),
+                ("tls-auth-clients", "yes")]
+
+
+class PerStagePipeline(LocalPipeline):
+    """Every stage of `headrace serve` as a child that connects as the ACL user named after
+    its stage: `url_of(user)` is its URL."""
+
+    def __init__(self, url_of: Callable[[str], str], root: Path, model: Path) -> None:
+        self.url_of = url_of
+        super().__init__(root, EngineConfig(model=str(model), num_gpu_blocks_override=64),
+                         ServerConfig(), gateway=True, redis_url=url_of(ADMIN[0]))
+
+    def start(self, label: str) -> None:
+        child = self.children[label]
+        child.env = {**child.env, "REDIS_URL": self.url_of(child.name)}
+        super().start(label)

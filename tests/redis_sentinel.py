@@ -49,15 +49,22 @@ class LocalSentinel:
         self._spawn(self.master_port, [])
         self._spawn(self.replica_port, ["--replicaof", "127.0.0.1", str(self.master_port)])
         conf = self.run_dir / "sentinel.conf"  # a sentinel rewrites its file: one of its own
-        conf.write_text(f"port {self.sentinel_port}\nbind 127.0.0.1\n"
-                        f"sentinel monitor {SERVICE} 127.0.0.1 {self.master_port} 1\n"
-                        f"sentinel down-after-milliseconds {SERVICE} 1000\n"
-                        f"sentinel failover-timeout {SERVICE} 10000\n")
+        conf.write_text("".join(line + "\n" for line in self.sentinel_conf()))
         self._spawn(self.sentinel_port, [], config=conf, sentinel=True)
         self._wait(lambda: self.client(self.replica_port).info("replication")
                    ["master_link_status"] == "up")
         self._wait(lambda: int(self.client(self.sentinel_port).sentinel_master(SERVICE)
                                ["num-slaves"]) == 1)
+
+    def sentinel_conf(self) -> list[str]:
+        return [f"port {self.sentinel_port}", "bind 127.0.0.1",
+                f"sentinel monitor {SERVICE} 127.0.0.1 {self.master_port} 1",
+                f"sentinel down-after-milliseconds {SERVICE} 1000",
+                f"sentinel failover-timeout {SERVICE} 10000"]
+
+    def server_args(self, port: int) -> list[str]:
+        """The server binary and how a data node listens on `port`."""
+        return [find_redis_binary("redis-server"), "--port", str(port)]
 
     def client(self, port: int) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5.0)
@@ -96,11 +103,12 @@ class LocalSentinel:
                sentinel: bool = False) -> None:
         node_dir = self.run_dir / str(port)
         node_dir.mkdir(parents=True, exist_ok=True)
-        args = [find_redis_binary("redis-server")]
+        binary, *listen = self.server_args(port)
+        args = [binary]
         if config is not None:
             args.append(str(config))
         args += ["--sentinel"] if sentinel else [
-            "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", str(node_dir), *extra]
         with open(node_dir / "redis.log", "ab") as log:
             self.processes[port] = spawn_child(args, cwd=node_dir, stdin=subprocess.DEVNULL,

@@ -3,10 +3,12 @@ ACL user per stage with the rights of deploy/redis-users.conf. Every stage runs 
 process under its own user against a redis-server that accepts only TLS clients with a
 certificate and only those users; one request goes through with no ACL denial, and
 `headrace queues` reads the streams as the read-only observer; a user is refused what
-only other stages do; a stage with a wrong password exits with one line."""
+only other stages do; a stage with a wrong password exits with one line, and `serve`
+with one stops instead of restarting its stages."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,12 +16,11 @@ import aiohttp
 import pytest
 import redis
 
-from benchmarks.bench.pipeline import LocalPipeline
-from common.config import EngineConfig, ServerConfig
+from common.net import free_port
 from common.redis_urls import redacted
 from common.service import REDIS_REFUSED_EXIT
 from tests.conftest import run_command
-from tests.redis_secure import SecureRedis, tls_redis_server
+from tests.redis_secure import PerStagePipeline, SecureRedis, tls_redis_server
 from tests.tiny_models import make_tiny_model
 
 STAGES = ("gateway", "tokenizer", "scheduler", "worker", "detokenizer")
@@ -41,27 +42,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
 
 
-class PerStagePipeline(LocalPipeline):
-    """Each child connects as the ACL user named after its stage."""
-
-    def __init__(self, secure: SecureRedis, root: Path, model: Path) -> None:
-        self.secure = secure
-        super().__init__(root, EngineConfig(model=str(model), num_gpu_blocks_override=64),
-                         ServerConfig(), gateway=True, redis_url=secure.url("admin",
-                                                                            "admin-secret"))
-
-    def start(self, label: str) -> None:
-        child = self.children[label]
-        child.env = {**child.env, "REDIS_URL": self.secure.url(child.name)}
-        super().start(label)
-
-
 @pytest.mark.anyio
 @pytest.mark.slow
 async def test_every_stage_serves_as_its_own_acl_user_over_tls(secure, model, tmp_path):
     with secure.admin() as admin:
         admin.acl_log_reset()
-    pipeline = PerStagePipeline(secure, tmp_path, model)
+    pipeline = PerStagePipeline(secure.url, tmp_path, model)
     try:
         await pipeline.wait_ready(180)
         async with aiohttp.ClientSession() as session:
@@ -118,6 +104,24 @@ def test_a_stage_with_wrong_credentials_exits_with_one_clear_line(secure, model)
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("headrace tokenizer: Redis at rediss://tokenizer:***@127.0.0.1")
     assert "refused this process" in lines[0] and "invalid username-password" in lines[0]
+    assert secret not in done.stdout + done.stderr
+
+
+def test_serve_stops_when_redis_refuses_its_stages(secure, model, tmp_path):
+    """Credentials do not fix themselves: the first stage that Redis refuses ends serve
+    with exit 5 and a line naming it, with no restart in between."""
+    secret = "not-the-password-42"
+    done = run_command("serve", str(model), "--device", "cpu", "--run-dir", str(tmp_path),
+                       "--port", str(free_port()), "--api-server-count", "1",
+                       "--tokenizer-replicas", "1", "--detokenizer-replicas", "1",
+                       "--redis-url", secure.url("tokenizer", secret), timeout=120,
+                       HEADRACE_LOG_FORMAT="json")
+    assert done.returncode == REDIS_REFUSED_EXIT, done.stderr[-3000:]
+    ours = [line for line in done.stderr.splitlines() if line.startswith("headrace serve:")]
+    assert len(ours) == 1, done.stderr[-3000:]
+    assert re.match(r"headrace serve: (worker|scheduler|tokenizer|detokenizer|gateway)-0 "
+                    r"exited 5: Redis refused its credentials", ours[0]), ours[0]
+    assert "restarting" not in done.stdout + done.stderr.replace("not restarting", "")
     assert secret not in done.stdout + done.stderr
 
 
