@@ -8,8 +8,7 @@ so the loop schedules, applies tokens and hands text to the detokenizer process 
 step thread prepares, launches and waits on the device. Both threads share the GIL; what
 they overlap is the device's wait, torch's launches (which release the GIL) and the
 loop's Python. `InlineSteps` calls the executor from the loop, as the engine did before
-the thread: pipeline stages keep their own steps in flight across processes, and tests
-compare the two.
+the thread: for more than one rank (see Engine) and for tests that compare the two.
 
 Either way the loop takes results with a fixed lag, never "whatever is back": after
 launching a step it applies every result but the newest `keep`. So each plan is made from
