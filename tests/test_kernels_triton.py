@@ -34,6 +34,8 @@ import torch
 from kernels.activation import (gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton,
                                 silu_and_mul_ref, silu_and_mul_triton)
 from kernels.attention import paged_attention, paged_attention_ref
+from kernels.attention_inputs import (HeadNorms, norm_rope_write_kv_ref,
+                                      norm_rope_write_kv_triton)
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
 from kernels.lora import lora_expand_ref, lora_expand_triton
 from kernels.norm import rms_norm_ref, rms_norm_triton
@@ -287,6 +289,55 @@ def check_rotary(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: i
     assert_close(k_out, k_ref, f"rotary k {dtype}", seed)
 
 
+def check_norm_rope_write_kv(num_tokens: int, num_heads: int, num_kv_heads: int,
+                             head_dim: int, dtype: torch.dtype, device: str,
+                             norm: str | None = None, partial_rotary_factor: float = 1.0,
+                             cache_dtype: torch.dtype | None = None) -> None:
+    """The fused q/k norm + rotary + cache write against its twin (the separate ops), from
+    a strided qkv (a slice of a wider projection output) into NaN caches: q, and the cache
+    slots (padding tokens' and unnamed slots stay NaN). norm: None, "llama" or "gemma"
+    weighting. cache_dtype: an fp8 cache with scales that saturate some values, compared
+    dequantized (rounding may differ by one fp8 step where the statistics' order does)."""
+    g, seed = fresh_generator()
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+               "partial_rotary_factor": partial_rotary_factor}
+    cos_sin = rope_cos_sin_cache(head_dim, 4096, 500000.0, scaling).to(device)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=g).to(device)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = rand(g, num_tokens, width + 16, dtype=dtype, device=device, scale=2.0)[:, 16:]
+    norms = None
+    if norm is not None:
+        weights = [rand(g, head_dim, dtype=dtype, device=device) for _ in range(2)]
+        norms = HeadNorms(*weights, eps=1e-6, gemma=norm == "gemma")
+    cache_dtype = cache_dtype or dtype
+    scales = {}
+    if cache_dtype in FP8:
+        scales = {"k_scale": torch.tensor([0.01], device=device),
+                  "v_scale": torch.tensor([0.02], device=device)}
+    block_size = 16
+    num_blocks = 2 * math.ceil(num_tokens / block_size) + 1
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=g) < 0.25] = -1
+    slots = slots.to(device)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = poisoned(cache_shape, cache_dtype, device), poisoned(cache_shape,
+                                                                            cache_dtype, device)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    q_out = poisoned((num_tokens, num_heads, head_dim), dtype, device)
+    norm_rope_write_kv_triton(qkv, positions, cos_sin, num_heads, k_cache, v_cache, slots,
+                              norms, q_out=q_out, **scales)
+    q_ref = norm_rope_write_kv_ref(qkv, positions, cos_sin, num_heads, expected_k,
+                                   expected_v, slots, norms, **scales)
+    what = f"norm_rope_write_kv {num_heads}/{num_kv_heads}x{head_dim} {dtype} {norm}"
+    assert_close(q_out, q_ref, f"{what} q", seed)
+    for name, out, ref in (("K", k_cache, expected_k), ("V", v_cache, expected_v)):
+        out, ref = out.float(), ref.float()
+        assert torch.equal(out.isnan(), ref.isnan()), f"{what} {name} slots (seed {seed})"
+        written = ~ref.isnan()
+        assert_close(out[written].to(dtype), ref[written].to(dtype), f"{what} {name}", seed)
+
+
 def check_silu_and_mul(num_tokens: int, d: int, dtype: torch.dtype, device: str) -> None:
     g, seed = fresh_generator()
     x = rand(g, num_tokens, 2 * d, dtype=dtype, device=device, scale=4.0)
@@ -497,6 +548,22 @@ def small_kernels() -> None:
         check_rotary(6, 3, 1, 64, dtype, "cpu", partial_rotary_factor=0.75)
         check_rotary(5, 2, 2, 80, dtype, "cpu", partial_rotary_factor=0.5)
         check_silu_and_mul(3, 1500, dtype, "cpu")
+
+
+@interpreter_check
+def fused_attention_inputs() -> None:
+    """The q/k norm + rotary + cache write: Qwen3's heads (32 q / 4 KV of 128, its norm),
+    Llama's (no norm), Phi-3's 96-wide heads, Phi-4-mini's partial rotary, Gemma 3's
+    (1 + w) norm on 256-wide heads; head counts off the per-program group of 4. fp16 for
+    the low-precision path: the interpreter casts float32 to bf16 by truncation (triton
+    3.9), which four roundings in a row carry past the tolerance; bf16 runs on CUDA."""
+    for dtype in (torch.float32, torch.float16):
+        check_norm_rope_write_kv(3, 32, 4, 128, dtype, "cpu", norm="llama")
+        check_norm_rope_write_kv(5, 8, 2, 64, dtype, "cpu")
+        check_norm_rope_write_kv(4, 6, 6, 96, dtype, "cpu")
+        check_norm_rope_write_kv(4, 5, 3, 64, dtype, "cpu", norm="llama",
+                                 partial_rotary_factor=0.75)
+        check_norm_rope_write_kv(3, 4, 1, 256, dtype, "cpu", norm="gemma")
 
 
 @interpreter_check
@@ -733,6 +800,28 @@ def test_small_kernels_cuda(model: str, dtype: torch.dtype) -> None:
         check_rotary(num_tokens, heads, kv_heads, head_dim, dtype, "cuda",
                      partial_rotary_factor=0.75)  # Phi-4-mini's
         check_silu_and_mul(num_tokens, intermediate, dtype, "cuda")
+        for norm in (None, "llama"):
+            check_norm_rope_write_kv(num_tokens, heads, kv_heads, head_dim, dtype, "cuda",
+                                     norm=norm)
+        check_norm_rope_write_kv(num_tokens, heads, kv_heads, head_dim, dtype, "cuda",
+                                 norm="llama", partial_rotary_factor=0.75)
+
+
+# (heads, KV heads, head_dim) of the fused q/k norm + rotary + cache write's extra shapes
+FUSED_INPUT_MODELS = {"qwen3-30b-a3b": (32, 4, 128), "gemma-3-12b": (16, 8, 256)}
+
+
+@needs_cuda
+@pytest.mark.parametrize("cache_dtype", [None, *FP8])
+@pytest.mark.parametrize("model", sorted(FUSED_INPUT_MODELS))
+def test_fused_attention_inputs_cuda(model: str, cache_dtype: torch.dtype | None) -> None:
+    """Qwen3-30B-A3B's heads with its norm and Gemma 3's with the (1 + w) one, bf16, into
+    bf16 and fp8 caches, at a decode, a decode batch and a prefill."""
+    heads, kv_heads, head_dim = FUSED_INPUT_MODELS[model]
+    norm = "gemma" if model.startswith("gemma") else "llama"
+    for num_tokens in (1, 64, 4096):
+        check_norm_rope_write_kv(num_tokens, heads, kv_heads, head_dim, torch.bfloat16,
+                                 "cuda", norm=norm, cache_dtype=cache_dtype)
 
 
 @needs_cuda

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from common.model_files import sliding_windows
+from kernels.attention_inputs import HeadNorms
 from services.worker.layers.activation import gated_activation
 from services.worker.layers.attention import Attention, ForwardContext
 from services.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -86,13 +87,28 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.attn.calculate_scales or positions.dim() > 1:
+            # the fp8 scales need k and v before the write; M-RoPE's three positions a token
+            # take their own rotary
+            return self.o_proj(self.separate_ops(positions, qkv, ctx))
+        norms = None
+        if self.q_norm is not None:
+            norms = HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                              self.q_norm.gemma)
+        out = self.attn.forward_qkv(qkv, positions, self.rotary_emb.cos_sin_cache, ctx, norms)
+        return self.o_proj(out)
+
+    def separate_ops(self, positions: torch.Tensor, qkv: torch.Tensor,
+                     ctx: ForwardContext) -> torch.Tensor:
+        """The attention with its q/k norms, rotary and cache write as separate ops."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        return self.attn(q, k, v, ctx)
 
 
 class LlamaMLP(nn.Module):
