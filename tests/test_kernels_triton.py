@@ -30,15 +30,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.backends.nvidia
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 from kernels.activation import (gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton,
                                 silu_and_mul_ref, silu_and_mul_triton)
 from kernels.attention import paged_attention, paged_attention_ref
-from kernels.attention_inputs import (HeadNorms, norm_rope_write_kv_ref,
-                                      norm_rope_write_kv_triton)
+from kernels.attention_inputs import (HeadNorms, _norm_rope_write_kv_kernel,
+                                      norm_rope_write_kv_ref, norm_rope_write_kv_triton)
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
 from kernels.lora import lora_expand_ref, lora_expand_triton
-from kernels.norm import rms_norm_ref, rms_norm_triton
+from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
+                          gemma_norm_add_norm_triton, rms_norm_ref, rms_norm_triton)
 from kernels.quant import (quantize_per_token_ref, quantize_per_token_triton, scaled_mm,
                            scaled_mm_ref, scaled_mm_triton)
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
@@ -267,6 +272,22 @@ def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: str,
         assert_close(residual_out, ref[1], f"rms_norm residual {shape} {dtype}", seed)
         ref = ref[0]
     assert_close(out, ref, f"rms_norm {shape} {dtype}", seed)
+
+
+def check_gemma_norm_add_norm(num_tokens: int, hidden: int, dtype: torch.dtype,
+                              device: str) -> None:
+    """Gemma's post-norm, residual add and pre-norm in one kernel against its twin (the two
+    norms), from strided inputs; weights around 0 as Gemma stores them."""
+    g, seed = fresh_generator()
+    x = rand(g, num_tokens, hidden + 8, dtype=dtype, device=device, scale=3.0)[:, 8:]
+    residual = rand(g, num_tokens, hidden + 8, dtype=dtype, device=device)[:, :hidden]
+    weights = [rand(g, hidden, dtype=dtype, device=device, scale=0.3) for _ in range(2)]
+    out = poisoned((num_tokens, hidden), dtype, device)
+    residual_out = poisoned((num_tokens, hidden), dtype, device)
+    gemma_norm_add_norm_triton(x, residual, *weights, 1e-6, out=out, residual_out=residual_out)
+    ref_out, ref_residual = gemma_norm_add_norm_ref(x, residual, *weights, 1e-6)
+    assert_close(residual_out, ref_residual, f"gemma norm-add-norm residual {dtype}", seed)
+    assert_close(out, ref_out, f"gemma norm-add-norm {dtype}", seed)
 
 
 def check_rotary(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -568,8 +589,10 @@ def fused_attention_inputs() -> None:
 
 @interpreter_check
 def gemma_kernels() -> None:
-    """Gemma's norm (with and without the residual, per-head) and its GeGLU."""
+    """Gemma's norm (with and without the residual, per-head), its norm-add-norm (a width
+    off the power of two) and its GeGLU."""
     for dtype in (torch.float32, torch.bfloat16):
+        check_gemma_norm_add_norm(5, 96, dtype, "cpu")
         check_rms_norm((5, 96), dtype, "cpu", with_residual=False, gemma=True)
         check_rms_norm((5, 96), dtype, "cpu", with_residual=True, gemma=True)
         check_rms_norm((4, 3, 64), dtype, "cpu", with_residual=False, gemma=True)
@@ -832,7 +855,48 @@ def test_gemma_kernels_cuda(dtype: torch.dtype) -> None:
         check_rms_norm((num_tokens, 3584), dtype, "cuda", with_residual=True, gemma=True)
         check_rms_norm((num_tokens, 3584), dtype, "cuda", with_residual=False, gemma=True)
         check_rms_norm((num_tokens, 16, 256), dtype, "cuda", with_residual=False, gemma=True)
+        check_gemma_norm_add_norm(num_tokens, 3584, dtype, "cuda")
         check_gelu_tanh_and_mul(num_tokens, 14336, dtype, "cuda")
+
+
+# --- compiled for the H100 without one: Triton's front end, LLVM and ptxas ---------------
+
+SM90_PTXAS = Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas"
+
+
+def compile_for_sm90(fn, signature: dict[str, str], constexprs: dict) -> None:
+    """Compiles fn to an sm_90 cubin on this machine: what the interpreter never checks
+    (types the compiler refuses, shapes it cannot lay out, register or shared memory
+    limits)."""
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert kernel.asm["cubin"]
+
+
+@pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
+def test_fused_kernels_compile_for_sm90() -> None:
+    """The fused attention inputs at Qwen3's heads into bf16 and e4m3 caches, Phi-3's
+    96-wide heads, partial rotary and Gemma 3's 256-wide (1 + w) heads; Gemma's
+    norm-add-norm at Gemma-2-9B's width."""
+    names = ["positions_ptr", "qkv_ptr", "cos_sin_ptr", "q_w_ptr", "k_w_ptr", "q_out_ptr",
+             "k_cache_ptr", "v_cache_ptr", "slot_mapping_ptr", "k_scale_ptr", "v_scale_ptr",
+             "stride_t", "num_heads", "num_kv_heads", "eps", "q_groups"]
+    for cache, head_dim, half, pass_block, gemma in [
+            ("bf16", 128, 64, 1, False), ("fp8e4nv", 128, 64, 1, False),
+            ("bf16", 96, 48, 1, False), ("bf16", 128, 48, 32, False),
+            ("bf16", 256, 128, 1, True)]:
+        types = ["*i64", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16", f"*{cache}", f"*{cache}",
+                 "*i64", "*fp32", "*fp32", "i32", "i32", "i32", "fp32", "i32"]
+        fp8 = cache.startswith("fp8")
+        compile_for_sm90(_norm_rope_write_kv_kernel, dict(zip(names, types)), dict(
+            BLOCK_H=4, HEAD_DIM=head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
+            HALF=half, HALF_BLOCK=triton.next_power_of_2(half), PASS_BLOCK=pass_block,
+            HAS_NORM=True, GEMMA=gemma, FP8=fp8, FP8_MAX=448.0 if fp8 else 0.0))
+    norm_types = dict(x_ptr="*bf16", res_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
+                      out_ptr="*bf16", new_res_ptr="*bf16", hidden="i32", eps="fp32",
+                      stride_x="i32", stride_r="i32")
+    compile_for_sm90(_gemma_norm_add_norm_kernel, norm_types, dict(BLOCK=4096))
 
 
 @needs_cuda
