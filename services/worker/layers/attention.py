@@ -76,8 +76,17 @@ class Attention(nn.Module):
         self.v_scale.copy_(v_scale)
         self.calculate_scales = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                ctx: ForwardContext, positions: torch.Tensor | None = None,
+                cos_sin_cache: torch.Tensor | None = None,
+                norms: HeadNorms | None = None) -> torch.Tensor:
+        """k and v None: q is the fused projection's output, and positions and
+        cos_sin_cache (norms if any) make its inputs in one kernel (forward_qkv); a
+        module call either way, so profiles show the attention as its own row."""
+        if k is None:
+            assert v is None and positions is not None and cos_sin_cache is not None
+            return self.forward_qkv(q, positions, cos_sin_cache, ctx, norms)
+        assert v is not None
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

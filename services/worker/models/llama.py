@@ -96,7 +96,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             norms = HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                               self.q_norm.gemma)
-        out = self.attn.forward_qkv(qkv, positions, self.rotary_emb.cos_sin_cache, ctx, norms)
+        out = self.attn(qkv, None, None, ctx, positions, self.rotary_emb.cos_sin_cache, norms)
         return self.o_proj(out)
 
     def separate_ops(self, positions: torch.Tensor, qkv: torch.Tensor,
