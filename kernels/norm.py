@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it.
+"""RMSNorm, optionally fused with the residual add that precedes it; and Gemma's norm, add,
+norm seam between sublayers in one kernel.
 
 Two weightings: Llama's `weight * normed.to(dtype)` and Gemma's `(normed * (1 + weight))`
 in float32, cast once at the end (transformers' Gemma RMSNorm; its weights are stored
@@ -89,4 +90,64 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, inner,
         y = x32 * inv_rms * (1.0 + w)
     else:  # the normed row rounded to the activation dtype before the weight, as Llama's
         y = w * (x32 * inv_rms).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gemma_norm_add_norm(x: torch.Tensor, residual: torch.Tensor, first_weight: torch.Tensor,
+                        second_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's sublayer seam: (norm2(norm1(x) + residual), norm1(x) + residual), both norms
+    with Gemma's weighting. One launch instead of two at decode, and norm1(x) never goes
+    to memory. The one dispatch point for this op: CUDA tensors take the Triton kernel."""
+    if x.is_cuda:
+        return gemma_norm_add_norm_triton(x, residual, first_weight, second_weight, eps)
+    return gemma_norm_add_norm_ref(x, residual, first_weight, second_weight, eps)
+
+
+def gemma_norm_add_norm_ref(x: torch.Tensor, residual: torch.Tensor, first_weight: torch.Tensor,
+                            second_weight: torch.Tensor, eps: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    normed = rms_norm_ref(x, first_weight, eps, gemma=True)
+    return rms_norm_ref(normed, second_weight, eps, residual, gemma=True)
+
+
+def gemma_norm_add_norm_triton(x: torch.Tensor, residual: torch.Tensor,
+                               first_weight: torch.Tensor, second_weight: torch.Tensor,
+                               eps: float, out: torch.Tensor | None = None,
+                               residual_out: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One program per row of [T, hidden] inputs (last dim contiguous); out and
+    residual_out: contiguous buffers to write into, allocated when None."""
+    hidden = x.shape[-1]
+    assert x.dim() == 2 and x.stride(-1) == 1 and residual.shape == x.shape
+    assert residual.stride(-1) == 1
+    assert first_weight.is_contiguous() and second_weight.is_contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) \
+        if residual_out is None else residual_out
+    assert out.is_contiguous() and residual_out.is_contiguous()
+    block = triton.next_power_of_2(hidden)
+    _gemma_norm_add_norm_kernel[(x.shape[0],)](
+        x, residual, first_weight, second_weight, out, residual_out, hidden, eps,
+        x.stride(0), residual.stride(0), BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    return out, residual_out
+
+
+@triton.jit
+def _gemma_norm_add_norm_kernel(x_ptr, res_ptr, w1_ptr, w2_ptr, out_ptr, new_res_ptr, hidden,
+                                eps, stride_x, stride_r, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x32 = x.to(tl.float32)
+    w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # rounded where the twin rounds: the first norm's output, then the sum
+    normed = (x32 * tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps) * (1.0 + w1)).to(x.dtype)
+    res = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    summed = (normed.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+    tl.store(new_res_ptr + row * hidden + cols, summed, mask=mask)
+    s32 = summed.to(tl.float32)
+    w2 = tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = s32 * tl.rsqrt(tl.sum(s32 * s32, axis=0) / hidden + eps) * (1.0 + w2)
     tl.store(out_ptr + row * hidden + cols, y.to(out_ptr.dtype.element_ty), mask=mask)

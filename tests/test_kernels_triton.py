@@ -30,13 +30,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.backends.nvidia
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 from kernels.activation import (gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton,
                                 silu_and_mul_ref, silu_and_mul_triton)
 from kernels.attention import paged_attention, paged_attention_ref
+from kernels.attention_inputs import (HeadNorms, _norm_rope_write_kv_kernel,
+                                      norm_rope_write_kv_ref, norm_rope_write_kv_triton)
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
 from kernels.lora import lora_expand_ref, lora_expand_triton
-from kernels.norm import rms_norm_ref, rms_norm_triton
+from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
+                          gemma_norm_add_norm_triton, rms_norm_ref, rms_norm_triton)
 from kernels.quant import (quantize_per_token_ref, quantize_per_token_triton, scaled_mm,
                            scaled_mm_ref, scaled_mm_triton)
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
@@ -268,6 +275,22 @@ def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: str,
     assert_close(out, ref, f"rms_norm {shape} {dtype}", seed)
 
 
+def check_gemma_norm_add_norm(num_tokens: int, hidden: int, dtype: torch.dtype,
+                              device: str) -> None:
+    """Gemma's post-norm, residual add and pre-norm in one kernel against its twin (the two
+    norms), from strided inputs; weights around 0 as Gemma stores them."""
+    g, seed = fresh_generator()
+    x = rand(g, num_tokens, hidden + 8, dtype=dtype, device=device, scale=3.0)[:, 8:]
+    residual = rand(g, num_tokens, hidden + 8, dtype=dtype, device=device)[:, :hidden]
+    weights = [rand(g, hidden, dtype=dtype, device=device, scale=0.3) for _ in range(2)]
+    out = poisoned((num_tokens, hidden), dtype, device)
+    residual_out = poisoned((num_tokens, hidden), dtype, device)
+    gemma_norm_add_norm_triton(x, residual, *weights, 1e-6, out=out, residual_out=residual_out)
+    ref_out, ref_residual = gemma_norm_add_norm_ref(x, residual, *weights, 1e-6)
+    assert_close(residual_out, ref_residual, f"gemma norm-add-norm residual {dtype}", seed)
+    assert_close(out, ref_out, f"gemma norm-add-norm {dtype}", seed)
+
+
 def check_rotary(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str, partial_rotary_factor: float = 1.0) -> None:
     """q and k as strided views of one fused qkv tensor, Llama-3 scaled frequencies; with a
@@ -286,6 +309,55 @@ def check_rotary(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: i
     q_ref, k_ref = apply_rotary_ref(positions, q, k, cache)
     assert_close(q_out, q_ref, f"rotary q {dtype}", seed)
     assert_close(k_out, k_ref, f"rotary k {dtype}", seed)
+
+
+def check_norm_rope_write_kv(num_tokens: int, num_heads: int, num_kv_heads: int,
+                             head_dim: int, dtype: torch.dtype, device: str,
+                             norm: str | None = None, partial_rotary_factor: float = 1.0,
+                             cache_dtype: torch.dtype | None = None) -> None:
+    """The fused q/k norm + rotary + cache write against its twin (the separate ops), from
+    a strided qkv (a slice of a wider projection output) into NaN caches: q, and the cache
+    slots (padding tokens' and unnamed slots stay NaN). norm: None, "llama" or "gemma"
+    weighting. cache_dtype: an fp8 cache with scales that saturate some values, compared
+    dequantized (rounding may differ by one fp8 step where the statistics' order does)."""
+    g, seed = fresh_generator()
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+               "partial_rotary_factor": partial_rotary_factor}
+    cos_sin = rope_cos_sin_cache(head_dim, 4096, 500000.0, scaling).to(device)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=g).to(device)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = rand(g, num_tokens, width + 16, dtype=dtype, device=device, scale=2.0)[:, 16:]
+    norms = None
+    if norm is not None:
+        weights = [rand(g, head_dim, dtype=dtype, device=device) for _ in range(2)]
+        norms = HeadNorms(*weights, eps=1e-6, gemma=norm == "gemma")
+    cache_dtype = cache_dtype or dtype
+    scales = {}
+    if cache_dtype in FP8:
+        scales = {"k_scale": torch.tensor([0.01], device=device),
+                  "v_scale": torch.tensor([0.02], device=device)}
+    block_size = 16
+    num_blocks = 2 * math.ceil(num_tokens / block_size) + 1
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=g) < 0.25] = -1
+    slots = slots.to(device)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = poisoned(cache_shape, cache_dtype, device), poisoned(cache_shape,
+                                                                            cache_dtype, device)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    q_out = poisoned((num_tokens, num_heads, head_dim), dtype, device)
+    norm_rope_write_kv_triton(qkv, positions, cos_sin, num_heads, k_cache, v_cache, slots,
+                              norms, q_out=q_out, **scales)
+    q_ref = norm_rope_write_kv_ref(qkv, positions, cos_sin, num_heads, expected_k,
+                                   expected_v, slots, norms, **scales)
+    what = f"norm_rope_write_kv {num_heads}/{num_kv_heads}x{head_dim} {dtype} {norm}"
+    assert_close(q_out, q_ref, f"{what} q", seed)
+    for name, out, ref in (("K", k_cache, expected_k), ("V", v_cache, expected_v)):
+        out, ref = out.float(), ref.float()
+        assert torch.equal(out.isnan(), ref.isnan()), f"{what} {name} slots (seed {seed})"
+        written = ~ref.isnan()
+        assert_close(out[written].to(dtype), ref[written].to(dtype), f"{what} {name}", seed)
 
 
 def check_silu_and_mul(num_tokens: int, d: int, dtype: torch.dtype, device: str) -> None:
@@ -516,9 +588,27 @@ def small_kernels() -> None:
 
 
 @interpreter_check
+def fused_attention_inputs() -> None:
+    """The q/k norm + rotary + cache write: Qwen3's heads (32 q / 4 KV of 128, its norm),
+    Llama's (no norm), Phi-3's 96-wide heads, Phi-4-mini's partial rotary, Gemma 3's
+    (1 + w) norm on 256-wide heads; head counts off the per-program group of 4. fp16 for
+    the low-precision path: the interpreter casts float32 to bf16 by truncation (triton
+    3.9), which four roundings in a row carry past the tolerance; bf16 runs on CUDA."""
+    for dtype in (torch.float32, torch.float16):
+        check_norm_rope_write_kv(3, 32, 4, 128, dtype, "cpu", norm="llama")
+        check_norm_rope_write_kv(5, 8, 2, 64, dtype, "cpu")
+        check_norm_rope_write_kv(4, 6, 6, 96, dtype, "cpu")
+        check_norm_rope_write_kv(4, 5, 3, 64, dtype, "cpu", norm="llama",
+                                 partial_rotary_factor=0.75)
+        check_norm_rope_write_kv(3, 4, 1, 256, dtype, "cpu", norm="gemma")
+
+
+@interpreter_check
 def gemma_kernels() -> None:
-    """Gemma's norm (with and without the residual, per-head) and its GeGLU."""
+    """Gemma's norm (with and without the residual, per-head), its norm-add-norm (a width
+    off the power of two) and its GeGLU."""
     for dtype in (torch.float32, torch.bfloat16):
+        check_gemma_norm_add_norm(5, 96, dtype, "cpu")
         check_rms_norm((5, 96), dtype, "cpu", with_residual=False, gemma=True)
         check_rms_norm((5, 96), dtype, "cpu", with_residual=True, gemma=True)
         check_rms_norm((4, 3, 64), dtype, "cpu", with_residual=False, gemma=True)
@@ -756,6 +846,28 @@ def test_small_kernels_cuda(model: str, dtype: torch.dtype) -> None:
         check_rotary(num_tokens, heads, kv_heads, head_dim, dtype, "cuda",
                      partial_rotary_factor=0.75)  # Phi-4-mini's
         check_silu_and_mul(num_tokens, intermediate, dtype, "cuda")
+        for norm in (None, "llama"):
+            check_norm_rope_write_kv(num_tokens, heads, kv_heads, head_dim, dtype, "cuda",
+                                     norm=norm)
+        check_norm_rope_write_kv(num_tokens, heads, kv_heads, head_dim, dtype, "cuda",
+                                 norm="llama", partial_rotary_factor=0.75)
+
+
+# (heads, KV heads, head_dim) of the fused q/k norm + rotary + cache write's extra shapes
+FUSED_INPUT_MODELS = {"qwen3-30b-a3b": (32, 4, 128), "gemma-3-12b": (16, 8, 256)}
+
+
+@needs_cuda
+@pytest.mark.parametrize("cache_dtype", [None, *FP8])
+@pytest.mark.parametrize("model", sorted(FUSED_INPUT_MODELS))
+def test_fused_attention_inputs_cuda(model: str, cache_dtype: torch.dtype | None) -> None:
+    """Qwen3-30B-A3B's heads with its norm and Gemma 3's with the (1 + w) one, bf16, into
+    bf16 and fp8 caches, at a decode, a decode batch and a prefill."""
+    heads, kv_heads, head_dim = FUSED_INPUT_MODELS[model]
+    norm = "gemma" if model.startswith("gemma") else "llama"
+    for num_tokens in (1, 64, 4096):
+        check_norm_rope_write_kv(num_tokens, heads, kv_heads, head_dim, torch.bfloat16,
+                                 "cuda", norm=norm, cache_dtype=cache_dtype)
 
 
 @needs_cuda
@@ -766,7 +878,48 @@ def test_gemma_kernels_cuda(dtype: torch.dtype) -> None:
         check_rms_norm((num_tokens, 3584), dtype, "cuda", with_residual=True, gemma=True)
         check_rms_norm((num_tokens, 3584), dtype, "cuda", with_residual=False, gemma=True)
         check_rms_norm((num_tokens, 16, 256), dtype, "cuda", with_residual=False, gemma=True)
+        check_gemma_norm_add_norm(num_tokens, 3584, dtype, "cuda")
         check_gelu_tanh_and_mul(num_tokens, 14336, dtype, "cuda")
+
+
+# --- compiled for the H100 without one: Triton's front end, LLVM and ptxas ---------------
+
+SM90_PTXAS = Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas"
+
+
+def compile_for_sm90(fn, signature: dict[str, str], constexprs: dict) -> None:
+    """Compiles fn to an sm_90 cubin on this machine: what the interpreter never checks
+    (types the compiler refuses, shapes it cannot lay out, register or shared memory
+    limits)."""
+    signature = {**signature, **{name: "constexpr" for name in constexprs}}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert kernel.asm["cubin"]
+
+
+@pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
+def test_fused_kernels_compile_for_sm90() -> None:
+    """The fused attention inputs at Qwen3's heads into bf16 and e4m3 caches, Phi-3's
+    96-wide heads, partial rotary and Gemma 3's 256-wide (1 + w) heads; Gemma's
+    norm-add-norm at Gemma-2-9B's width."""
+    names = ["positions_ptr", "qkv_ptr", "cos_sin_ptr", "q_w_ptr", "k_w_ptr", "q_out_ptr",
+             "k_cache_ptr", "v_cache_ptr", "slot_mapping_ptr", "k_scale_ptr", "v_scale_ptr",
+             "stride_t", "num_heads", "num_kv_heads", "eps", "q_groups"]
+    for cache, head_dim, half, pass_block, gemma in [
+            ("bf16", 128, 64, 1, False), ("fp8e4nv", 128, 64, 1, False),
+            ("bf16", 96, 48, 1, False), ("bf16", 128, 48, 32, False),
+            ("bf16", 256, 128, 1, True)]:
+        types = ["*i64", "*bf16", "*fp32", "*bf16", "*bf16", "*bf16", f"*{cache}", f"*{cache}",
+                 "*i64", "*fp32", "*fp32", "i32", "i32", "i32", "fp32", "i32"]
+        fp8 = cache.startswith("fp8")
+        compile_for_sm90(_norm_rope_write_kv_kernel, dict(zip(names, types)), dict(
+            BLOCK_H=4, HEAD_DIM=head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
+            HALF=half, HALF_BLOCK=triton.next_power_of_2(half), PASS_BLOCK=pass_block,
+            HAS_NORM=True, GEMMA=gemma, FP8=fp8, FP8_MAX=448.0 if fp8 else 0.0))
+    norm_types = dict(x_ptr="*bf16", res_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
+                      out_ptr="*bf16", new_res_ptr="*bf16", hidden="i32", eps="fp32",
+                      stride_x="i32", stride_r="i32")
+    compile_for_sm90(_gemma_norm_add_norm_kernel, norm_types, dict(BLOCK=4096))
 
 
 @needs_cuda

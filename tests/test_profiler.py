@@ -296,8 +296,8 @@ def test_the_engines_model_table(profiled):
     for layer in inner.children[1:3]:
         assert layer.invocations == 1 and layer.module == "LlamaDecoderLayer"
         attn = next(c for c in layer.children if c.module == "LlamaAttention")
-        # the one rotary module is shared by every layer: it runs under each
-        assert "model.layers.0.self_attn.rotary_emb" in [c.path for c in attn.children]
+        # rotary runs inside the attention's fused input kernel (kernels/attention_inputs.py)
+        assert f"{attn.path}.attn" in [c.path for c in attn.children]
     rows = list(table.model_rows(stats))
     assert rows[0][2] == "LlamaForCausalLM"
     assert [(d, name) for d, _, name in rows[2:4]] == [(2, "embed_tokens"), (2, "layers.0")]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kernels.attention import paged_attention
+from kernels.attention_inputs import HeadNorms, norm_rope_write_kv
 from kernels.cache import write_kv
 from services.worker.layers.parallel import current_group
 from services.worker.layers.pipeline import current_stage
@@ -75,8 +76,17 @@ class Attention(nn.Module):
         self.v_scale.copy_(v_scale)
         self.calculate_scales = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                ctx: ForwardContext, positions: torch.Tensor | None = None,
+                cos_sin_cache: torch.Tensor | None = None,
+                norms: HeadNorms | None = None) -> torch.Tensor:
+        """k and v None: q is the fused projection's output, and positions and
+        cos_sin_cache (norms if any) make its inputs in one kernel (forward_qkv); a
+        module call either way, so profiles show the attention as its own row."""
+        if k is None:
+            assert v is None and positions is not None and cos_sin_cache is not None
+            return self.forward_qkv(q, positions, cos_sin_cache, ctx, norms)
+        assert v is not None
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -85,6 +95,24 @@ class Attention(nn.Module):
         if self.calculate_scales:
             self._calculate_scales(k, v, k_cache, meta.slot_mapping)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        return self._attend(q, k_cache, v_cache, meta)
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, ctx: ForwardContext,
+                    norms: HeadNorms | None = None) -> torch.Tensor:
+        """forward from the fused projection's output [T, (heads + 2 * kv_heads) *
+        head_dim]: q/k per-head norms (norms), rotary (cos_sin_cache at positions) and the
+        cache write in one kernel (kernels/attention_inputs.py) before the attention. Not
+        while the fp8 scales are still to be calculated: those need k and v first."""
+        assert not self.calculate_scales, "calculate_scales takes forward"
+        k_cache, v_cache = ctx.kv_caches[self.cache_index]
+        q = norm_rope_write_kv(qkv, positions, cos_sin_cache, self.num_heads, k_cache,
+                               v_cache, ctx.attn.slot_mapping, norms, self.k_scale,
+                               self.v_scale)
+        return self._attend(q, k_cache, v_cache, ctx.attn)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                               meta.seq_lens, self.scale, max_query_len=meta.max_query_len,
                               max_seq_len=meta.max_seq_len, k_scale=self.k_scale,

@@ -1,13 +1,14 @@
 """RMSNorm as a module; the fused residual add is the kernel's, and so, for a norm after a
 row-parallel projection that left its reduction to it, the all-reduce. Gemma's weighting,
-(1 + weight) in float32, is a flag (kernels/norm.py)."""
+(1 + weight) in float32, is a flag (kernels/norm.py), and two Gemma norms around a residual
+add run as one kernel (norm_add_norm)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kernels.norm import rms_norm
+from kernels.norm import gemma_norm_add_norm, rms_norm
 from services.worker.layers.linear import Checkpoint, ShardShapes, copy_checked, new_parameter
 from services.worker.layers.parallel import current_group
 
@@ -36,3 +37,11 @@ class RMSNorm(nn.Module):
         if self.sums_ranks and residual is not None:
             return self.tp.all_reduce_rms_norm(x, residual, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps, residual, gemma=self.gemma)
+
+
+def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, first: RMSNorm, second: RMSNorm
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """second(first(x), residual): (the normed sum, the sum), as one kernel (Gemma's seam
+    after attention: post-attention norm, residual add, pre-feedforward norm)."""
+    assert first.gemma and second.gemma and first.eps == second.eps, "Gemma's norms only"
+    return gemma_norm_add_norm(x, residual, first.weight, second.weight, first.eps)

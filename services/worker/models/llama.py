@@ -18,12 +18,13 @@ import torch
 from torch import nn
 
 from common.model_files import sliding_windows
+from kernels.attention_inputs import HeadNorms
 from services.worker.layers.activation import gated_activation
 from services.worker.layers.attention import Attention, ForwardContext
 from services.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
-from services.worker.layers.norm import RMSNorm
+from services.worker.layers.norm import RMSNorm, norm_add_norm
 from services.worker.layers.parallel import current_group
 from services.worker.layers.pipeline import current_stage
 from services.worker.layers.rotary import MRotaryEmbedding, RotaryEmbedding
@@ -86,13 +87,28 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.attn.calculate_scales or positions.dim() > 1:
+            # the fp8 scales need k and v before the write; M-RoPE's three positions a token
+            # take their own rotary
+            return self.o_proj(self.separate_ops(positions, qkv, ctx))
+        norms = None
+        if self.q_norm is not None:
+            norms = HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                              self.q_norm.gemma)
+        out = self.attn(qkv, None, None, ctx, positions, self.rotary_emb.cos_sin_cache, norms)
+        return self.o_proj(out)
+
+    def separate_ops(self, positions: torch.Tensor, qkv: torch.Tensor,
+                     ctx: ForwardContext) -> torch.Tensor:
+        """The attention with its q/k norms, rotary and cache write as separate ops."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        return self.attn(q, k, v, ctx)
 
 
 class LlamaMLP(nn.Module):
@@ -116,7 +132,12 @@ class LlamaDecoderLayer(nn.Module):
     """With sandwich norms (Gemma's names): input_layernorm, attention,
     post_attention_layernorm, residual add, pre_feedforward_layernorm, MLP,
     post_feedforward_layernorm, residual add. Without, post_attention_layernorm is the
-    norm before the MLP."""
+    norm before the MLP.
+
+    Gemma's norm, add, norm seams run as one kernel each (layers/norm.norm_add_norm): the
+    one after attention here, and the one between layers by leaving this layer's
+    post_feedforward_layernorm to whoever takes its output next (`pending`: the next
+    layer's input norm, or LlamaModel's final norm)."""
 
     def __init__(self, hf_config, flags: DecoderFlags, rotary_emb: RotaryEmbedding,
                  layer_idx: int, sliding_window: int | None, mlp: nn.Module) -> None:
@@ -135,18 +156,26 @@ class LlamaDecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(size, eps, gemma=gemma)
         self.mlp = mlp  # LlamaMLP, or a mixture of experts (models/moe.py)
 
+    @property
+    def pending_norm(self) -> RMSNorm | None:
+        """The norm this layer's output still needs before its residual add."""
+        return self.post_feedforward_layernorm if self.sandwich_norms else None
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None, ctx: ForwardContext
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                residual: torch.Tensor | None, ctx: ForwardContext,
+                pending: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """pending: the previous layer's pending_norm, applied to hidden before the add."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
+        elif pending is not None:
+            hidden, residual = norm_add_norm(hidden, residual, pending, self.input_layernorm)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, ctx)
         if self.sandwich_norms:
-            hidden = self.post_attention_layernorm(hidden)
-            hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+            hidden, residual = norm_add_norm(hidden, residual, self.post_attention_layernorm,
+                                             self.pre_feedforward_layernorm)
+            return self.mlp(hidden), residual  # post_feedforward_layernorm: pending_norm
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -211,11 +240,16 @@ class LlamaModel(nn.Module):
             if self.embed_scale is not None:
                 hidden = hidden * self.embed_scale
         assert hidden is not None, "a stage after the first takes the hidden states sent"
-        residual = None
+        residual, pending = None, None
         for layer in self.own_layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
+            hidden, residual = layer(positions, hidden, residual, ctx, pending)
+            pending = layer.pending_norm
         if self.norm is None:
+            if pending is not None:
+                hidden = pending(hidden)
             return (self.tp.all_reduce(hidden) if self.partial_output else hidden) + residual
+        if pending is not None:
+            return norm_add_norm(hidden, residual, pending, self.norm)[0]
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
