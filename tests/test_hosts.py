@@ -14,7 +14,7 @@ in flight on both hosts' gateways. What is promised, and asserted for each fault
   answers and its shard takes requests again within RECOVER_S.
 
 Long (minutes each): `make test-long`. Skips with the reason where namespaces cannot be
-made (not root, no iproute2)."""
+made (not root, no iproute2), and the netem test where the kernel has no netem qdisc."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import aiohttp
 import anyio
 import pytest
 
-from benchmarks.bench.hosts import SimulatedHosts, why_no_namespaces
+from benchmarks.bench.hosts import SimulatedHosts, why_no_namespaces, why_no_netem
 from common import keys
 from common.bus import decode_value
 from tests.e2e_fixtures import API_KEY, MODEL_NAME
@@ -164,6 +164,8 @@ def test_a_link_cut_for_20s_and_restored(hosts, baseline):
 
 
 def test_packet_loss_and_200ms_latency_on_a_link(hosts, baseline):
+    if (reason := why_no_netem()) is not None:  # a kernel without CONFIG_NET_SCH_NETEM
+        pytest.skip(f"no netem on this machine: {reason}")
     run = run_fault(hosts, lambda: hosts.degrade_link(1, 10, 200), CUT_S,
                     lambda: hosts.heal_link(1))
     assert_promises(hosts, run, baseline)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench.hosts import why_no_namespaces
 from benchmarks.bench.soak_hosts import (DUPLICATED, GRACE_S, WRONG_TEXT, Fault, HostTally,
                                          reason_of, text_outcome)
 from benchmarks.bench.soak_report import CLIENT_ERROR, INVALID, OK, STREAM_ERROR
@@ -18,6 +19,8 @@ from common.config import ConfigError, EngineConfig, ServerConfig
 from common.net import free_port
 from common.redis_cluster import ClusterUnreachable, cluster_client
 from services.launcher import check_local_shards, child_specs
+from tests.conftest import run_command
+from tests.tiny_models import make_tiny_model
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -87,3 +90,22 @@ async def test_a_cluster_no_node_of_which_answers_is_a_connection_error_the_bus_
         assert issubclass(ClusterUnreachable, UNAVAILABLE)
     finally:
         await client.aclose()
+
+
+@pytest.mark.long
+def test_a_short_soak_across_two_hosts(tmp_path):
+    """Two minutes of traffic on two simulated hosts of a tiny model, a fault every 40 s:
+    the soak passes its own checks (no duplicate, failures only around the faults, every
+    host back, memory bounded) and writes its report and plot."""
+    if (reason := why_no_namespaces()) is not None:
+        pytest.skip(f"no simulated hosts on this machine: {reason}")
+    model = make_tiny_model(tmp_path, "llama", vocab_size=151936)
+    out = tmp_path / "soak"
+    result = run_command("bench", "soak", "--hosts", "2", "--model", str(model),
+                         "--out", str(out), "--duration-s", "120", "--concurrency", "4",
+                         "--fault-every-s", "40", "--sample-every-s", "20", "--idle-s", "15",
+                         "--max-tokens", "16", timeout=900)
+    report = (out / "report.md").read_text() if (out / "report.md").exists() else ""
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:], report)
+    assert "PASS: no duplicated delivery (0 seen)" in report
+    assert "## Faults" in report and (out / "soak.png").stat().st_size > 0

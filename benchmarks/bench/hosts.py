@@ -65,6 +65,23 @@ def why_no_namespaces() -> str | None:
     return None
 
 
+def why_no_netem() -> str | None:
+    """None when `tc qdisc ... netem` works here; else why not (a kernel built without
+    CONFIG_NET_SCH_NETEM says "Specified qdisc kind is unknown")."""
+    if (reason := why_no_namespaces()) is not None:
+        return reason
+    link = f"hrn{os.getpid()}"
+    _ip("link", "add", link, "type", "veth", "peer", "name", f"hrm{os.getpid()}")
+    try:
+        tried = subprocess.run(["tc", "qdisc", "add", "dev", link, "root", "netem", "delay",
+                                "1ms"], capture_output=True, text=True, timeout=30)
+    finally:
+        _ip("link", "del", link, check=False)
+    if tried.returncode != 0:
+        return f"`tc qdisc add ... netem` failed: {tried.stderr.strip()}"
+    return None
+
+
 @dataclass(slots=True)
 class Host:
     index: int

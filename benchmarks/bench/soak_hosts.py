@@ -10,7 +10,8 @@ few fixed prompts whose text is known from before the first fault: one that come
 longer than it should, or repeats a piece, counts as a duplicated delivery, any other
 difference as a wrong text (both must stay 0). Every --fault-every-s one random fault hits
 one random host: its link cut for 20 s, its processes all killed (started again 10 s
-later), or 10% loss and 200 ms latency each way for 30 s (tc netem). Failed requests are
+later), or 10% loss and 200 ms latency each way for 30 s (tc netem; left out, and said so
+in the report, where the kernel has no netem). Failed requests are
 counted with their reason; they may only end while a fault lasts or within GRACE_S of its
 healing. The memory of every process of every host and of every Redis node is sampled
 as in the single-host soak, with the same growth rule, plot and report."""
@@ -34,7 +35,7 @@ import aiohttp
 import psutil
 import uvloop
 
-from benchmarks.bench.hosts import SimulatedHosts, why_no_namespaces
+from benchmarks.bench.hosts import SimulatedHosts, why_no_namespaces, why_no_netem
 from benchmarks.bench.serve import SseDecoder, metrics_url, redacted, scrape
 from benchmarks.bench.soak import (CONNECTION_BACKOFF_S, Call, Target, event_outcome,
                                    headrace_processes, learn_target, machine, memory_of,
@@ -76,8 +77,15 @@ class Fault:
         return self.t_s <= t_s <= end + GRACE_S
 
 
-def plan_fault(rng: random.Random, hosts: int) -> tuple[str, int]:
-    return rng.choice(sorted(FAULTS)), rng.randrange(hosts)
+def plan_fault(rng: random.Random, hosts: int, kinds: list[str]) -> tuple[str, int]:
+    return rng.choice(kinds), rng.randrange(hosts)
+
+
+def fault_kinds() -> tuple[list[str], str]:
+    """The faults this machine can make, and a line on any it cannot."""
+    if (reason := why_no_netem()) is not None:
+        return sorted(set(FAULTS) - {"netem"}), f"netem left out: {reason}"
+    return sorted(FAULTS), "all faults available"
 
 
 def greedy_call(rng: random.Random, target: Target) -> Call:
@@ -164,6 +172,7 @@ class Drive:
     session: aiohttp.ClientSession
     target: Target
     references: dict[str, str]
+    kinds: list[str]
     started: float = field(default_factory=time.monotonic)
     tally: HostTally = field(default_factory=HostTally)
     faults: list[Fault] = field(default_factory=list)
@@ -215,7 +224,7 @@ def fault_actions(hosts: SimulatedHosts, kind: str, i: int
 
 
 async def one_fault(drive: Drive, rng: random.Random) -> None:
-    kind, i = plan_fault(rng, drive.hosts.hosts)
+    kind, i = plan_fault(rng, drive.hosts.hosts, drive.kinds)
     fault = Fault(drive.now(), kind, i)
     drive.faults.append(fault)
     hurt, heal = fault_actions(drive.hosts, kind, i)
@@ -328,7 +337,7 @@ def faults_table(faults: list[Fault]) -> str:
     return markdown_table(["t", "fault", "host", "healed at", "healthy after s"], rows)
 
 
-def format_report(command: str, drive: Drive, checks: list[Check]) -> str:
+def format_report(command: str, drive: Drive, checks: list[Check], faults_line: str) -> str:
     failed = any(c.verdict == "FAIL" for c in checks)
     reasons = [[str(n), reason.replace("|", "/")]
                for reason, n in drive.tally.reasons.most_common()]
@@ -336,7 +345,8 @@ def format_report(command: str, drive: Drive, checks: list[Check]) -> str:
         "# headrace bench soak --hosts", "", f"Command: `{command}`", "",
         f"Machine: {machine()}", "",
         f"Hosts: {drive.hosts.hosts} network namespaces on a bridge, each a `headrace serve` "
-        f"of one data-parallel shard, against a 3-master Redis Cluster", "",
+        f"of one data-parallel shard, against a 3-master Redis Cluster; faults drawn from "
+        f"{', '.join(drive.kinds)} ({faults_line})", "",
         f"Result: **{'FAIL' if failed else 'PASS'}**", "", "## Checks", "",
         *(f"- {c.line}" for c in checks), "", "## Request outcomes", "",
         outcomes_table(drive.tally.tally), "", "## Failures by reason", "",
@@ -350,7 +360,8 @@ def format_report(command: str, drive: Drive, checks: list[Check]) -> str:
 
 # --- the run --------------------------------------------------------------------------------
 
-async def drive_hosts(args: argparse.Namespace, hosts: SimulatedHosts) -> Drive:
+async def drive_hosts(args: argparse.Namespace, hosts: SimulatedHosts, kinds: list[str]
+                      ) -> Drive:
     assert hosts.cluster is not None
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -358,7 +369,8 @@ async def drive_hosts(args: argparse.Namespace, hosts: SimulatedHosts) -> Drive:
     async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
         root = hosts.members[0].url
         target = await learn_target(session, root, args.max_tokens)
-        drive = Drive(hosts, session, target, await learn_references(session, root, target))
+        drive = Drive(hosts, session, target, await learn_references(session, root, target),
+                      kinds)
         stop = asyncio.Event()
         tasks = [client(drive, i % hosts.hosts, random.Random(args.seed * 1000 + i), stop)
                  for i in range(args.concurrency)]
@@ -393,17 +405,22 @@ def main(args: argparse.Namespace, argv: list[str], limits: Limits) -> int:
     if (reason := why_no_namespaces()) is not None:
         print(f"headrace bench soak --hosts: {reason}")
         return 1
-    with SimulatedHosts(args.out / "hosts", model_of(args), args.hosts,
-                        serve_args(args)) as hosts:
-        hosts.start_all()
-        hosts.wait_healthy(args.start_timeout_s)
-        drive = uvloop.run(drive_hosts(args, hosts))
-        for i in range(hosts.hosts):
-            hosts.stop_host(i)
+    kinds, faults_line = fault_kinds()
+    try:
+        with SimulatedHosts(args.out / "hosts", model_of(args), args.hosts,
+                            serve_args(args)) as hosts:
+            hosts.start_all()
+            hosts.wait_healthy(args.start_timeout_s)
+            drive = uvloop.run(drive_hosts(args, hosts, kinds))
+            for i in range(hosts.hosts):
+                hosts.stop_host(i)
+    except (aiohttp.ClientError, RuntimeError, TimeoutError) as e:
+        print(f"headrace bench soak --hosts: {e}")
+        return 1
     command = "headrace bench soak " + shlex.join(redacted(argv))
     checks = host_verdicts(drive, limits)
     write_csv(args.out / "samples.csv", drive.samples)
-    (args.out / "report.md").write_text(format_report(command, drive, checks))
+    (args.out / "report.md").write_text(format_report(command, drive, checks, faults_line))
     marks = [Restart(f.t_s, f"{f.kind}@{f.host}", 0) for f in drive.faults]
     plot(args.out / "soak.png", drive.samples, marks, command, "a fault began")
     for line in (c.line for c in checks):
