@@ -225,7 +225,10 @@ class SimulatedHosts:
                 continue
         host = self.members[i]
         if host.process is not None:
-            host.process.wait(STOP_TIMEOUT_S)
+            try:
+                host.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:  # stuck in the kernel: not ours to wait on
+                pass
             host.process = None
         psutil.wait_procs(self.processes(i), timeout=STOP_TIMEOUT_S)
 
