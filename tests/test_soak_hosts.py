@@ -73,10 +73,10 @@ def test_failures_are_counted_by_reason_and_judged_by_the_faults_they_fall_in():
     assert tally.failed_at == [30.0, 31.0]
     assert tally.reasons == {"stream-error: host #: shard # lost (request #)": 2}
     assert reason_of("timeout", "cmpl-0b6c2d611c6b4dcd") == "timeout: cmpl-#"
-    fault = Fault(25.0, "link-cut", 1, healed_s=45.0)
-    assert fault.covers(30.0) and fault.covers(45.0 + GRACE_S)
-    assert not fault.covers(24.0) and not fault.covers(46.0 + GRACE_S)
-    assert Fault(25.0, "netem", 0).covers(1e6)  # not healed yet
+    fault = Fault(25.0, "host-killed", 1, healed_s=45.0, back_after_s=100.0)
+    assert fault.covers(30.0) and fault.covers(145.0 + GRACE_S)  # loading until 145
+    assert not fault.covers(24.0) and not fault.covers(146.0 + GRACE_S)
+    assert Fault(25.0, "link-cut", 0, healed_s=45.0).covers(1e6)  # never back
 
 
 @pytest.mark.anyio
