@@ -464,6 +464,13 @@ class ServerConfig:
     shard: int = field(default=0, metadata=_help(
         "The data-parallel shard a scheduler or worker serves, 0 to --data-parallel-size "
         "minus 1 (for shards started one by one; `headrace serve` numbers its own)."))
+    data_parallel_start_rank: int = field(default=0, metadata=_help(
+        "serve: the first shard this host runs, as in vLLM (with --data-parallel-size-local, "
+        "for one `headrace serve` per host against a shared Redis)."))
+    data_parallel_size_local: int | None = field(default=None, metadata=_help(
+        "serve: how many shards this host runs, from --data-parallel-start-rank (default: "
+        "all of --data-parallel-size). Below it, the host's gateways, tokenizers and "
+        "detokenizers take replica ids of their own (START.I), unique across hosts."))
     data_parallel_routing: Literal["prefix", "round_robin"] = field(
         default="prefix", metadata=_help(
             "How the tokenizers pick a request's shard: prefix sends requests whose first "
@@ -587,6 +594,9 @@ class ServerConfig:
             _positive(name, getattr(self, name))
         _positive("shutdown_timeout", self.shutdown_timeout, allow_zero=True)
         _positive("shard", self.shard, allow_zero=True)
+        _positive("data_parallel_start_rank", self.data_parallel_start_rank, allow_zero=True)
+        if self.data_parallel_size_local is not None:
+            _positive("data_parallel_size_local", self.data_parallel_size_local)
         _choice("data_parallel_routing", self.data_parallel_routing, ROUTINGS)
         if not 1 <= self.max_n <= MAX_N:
             raise ConfigError(f"--max-n must be in [1, {MAX_N}], got {self.max_n}")

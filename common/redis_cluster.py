@@ -25,10 +25,11 @@ from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster
 import redis.cluster
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import AskError, ClusterDownError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, RedisClusterException, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -44,6 +45,48 @@ _REDIRECTED = (AskError, ClusterDownError, TryAgainError)  # MovedError is an As
 
 class ClusterUnsettled(RedisConnectionError):
     """A slot's master is failing over or moving; retry after a pause."""
+
+
+class ClusterUnreachable(RedisConnectionError):
+    """No node of the cluster answers: this host is cut off from all of them."""
+
+
+NO_NODE = "Redis Cluster cannot be connected"  # redis-py's words for that
+
+
+def _translated(e: RedisClusterException) -> Exception:
+    return ClusterUnreachable(str(e)) if str(e).startswith(NO_NODE) else e
+
+
+class _NodesManager(redis.asyncio.cluster.NodesManager):
+    __slots__ = ()
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            await super().initialize(*args, **kwargs)
+        except RedisClusterException as e:
+            raise _translated(e) from e
+
+
+class _BlockingNodesManager(redis.cluster.NodesManager):
+    __slots__ = ()
+
+    def initialize(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().initialize(*args, **kwargs)
+        except RedisClusterException as e:
+            raise _translated(e) from e
+
+
+def unreachable_as_connection_error(client: Any) -> Any:
+    """redis-py raises a RedisClusterException, which is no RedisError, when no node
+    answers its slot-map query (a host whose link is down): make it a connection error,
+    which the bus, the heartbeat threads and every `except RedisError` already retry or
+    report. Other RedisClusterExceptions (a node not in cluster mode) stay as they are."""
+    manager = client.nodes_manager
+    manager.__class__ = (_NodesManager if isinstance(client, RedisCluster)
+                         else _BlockingNodesManager)
+    return client
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +122,9 @@ def startup_nodes(url: str) -> list[ClusterNode]:
 def cluster_client(url: str, max_connections: int, options: dict[str, Any]) -> RedisCluster:
     """A redis-py cluster client for the bus's less frequent calls; `max_connections` is
     per node."""
-    return RedisCluster(startup_nodes=startup_nodes(url), max_connections=max_connections,
-                        **cluster_target(url).options, **options)
+    return unreachable_as_connection_error(RedisCluster(
+        startup_nodes=startup_nodes(url), max_connections=max_connections,
+        **cluster_target(url).options, **options))
 
 
 def plain_client(url: str) -> aioredis.Redis | RedisCluster:
@@ -99,8 +143,8 @@ def blocking_client(url: str, name: str | None,
                                    socket_connect_timeout=timeout_s)
     if is_cluster_url(url):
         nodes = [redis.cluster.ClusterNode(host, port) for host, port in cluster_addresses(url)]
-        return redis.cluster.RedisCluster(startup_nodes=nodes, **cluster_target(url).options,
-                                          **options)
+        return unreachable_as_connection_error(redis.cluster.RedisCluster(
+            startup_nodes=nodes, **cluster_target(url).options, **options))
     if is_sentinel_url(url):
         return blocking_sentinel_client(url, options)
     return redis.Redis.from_url(url, **options)

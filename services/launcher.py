@@ -74,22 +74,53 @@ def child_specs(engine: EngineConfig, server: ServerConfig, redis_url: str,
     env = {**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
     gateway_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir.absolute())}
 
-    def child(name: str, replica: int, extra: list[str], child_env: dict[str, str]) -> Child:
+    def child(name: str, replica: int, extra: list[str], child_env: dict[str, str],
+              replica_id: str = "") -> Child:
         return Child(name, replica, [sys.executable, "-m", "services.cli", name, *flags,
-                                     "--replica", str(replica), *extra], child_env)
+                                     "--replica", replica_id or str(replica), *extra],
+                     child_env)
     children = []
-    for shard in range(engine.data_parallel_size):
+    for shard in local_shards(engine, server):
         on_shard = ["--shard", str(shard)]
         worker_env = env
         if engine.data_parallel_size > 1 and engine.device != "cpu":
-            worker_env = {**env, "CUDA_VISIBLE_DEVICES": shard_gpus(engine, shard)}
+            # this host's GPUs, counted from its first shard
+            worker_env = {**env, "CUDA_VISIBLE_DEVICES": shard_gpus(
+                engine, shard - server.data_parallel_start_rank)}
         children += [child("worker", shard, on_shard, worker_env),
                      child("scheduler", shard, on_shard, env)]
     stages = ([("tokenizer", i) for i in range(server.tokenizer_replicas)]
               + [("detokenizer", i) for i in range(server.detokenizer_replicas)]
               + [("gateway", i) for i in range(server.api_server_count)])
-    return children + [child(name, i, [], gateway_env if name == "gateway" else env)
+    host = replica_prefix(engine, server)
+    return children + [child(name, i, [], gateway_env if name == "gateway" else env,
+                             host and f"{host}{i}")
                        for name, i in stages]
+
+
+def local_shards(engine: EngineConfig, server: ServerConfig) -> range:
+    """The shards this host runs: --data-parallel-size-local of them from
+    --data-parallel-start-rank (all of them by default)."""
+    start = server.data_parallel_start_rank
+    local = server.data_parallel_size_local
+    return range(start, start + (engine.data_parallel_size - start if local is None else local))
+
+
+def replica_prefix(engine: EngineConfig, server: ServerConfig) -> str:
+    """"" for a launcher that runs every shard; else "START." so that the replicas of the
+    shared stages on different hosts have different consumer names (a gateway's names its
+    reply stream, a tokenizer's its pending entries)."""
+    if len(local_shards(engine, server)) == engine.data_parallel_size:
+        return ""
+    return f"{server.data_parallel_start_rank}."
+
+
+def check_local_shards(engine: EngineConfig, server: ServerConfig) -> None:
+    shards = local_shards(engine, server)
+    if not shards or shards.stop > engine.data_parallel_size:
+        raise ConfigError(f"--data-parallel-start-rank {shards.start} and "
+                          f"--data-parallel-size-local {len(shards)} name shards past "
+                          f"--data-parallel-size {engine.data_parallel_size}")
 
 
 def fresh_metrics_dir(run_dir: Path) -> Path:
@@ -313,14 +344,15 @@ def main(argv: list[str]) -> int:
         check_tool_parsers(server)
         check_tls(server)
         resolve_engine(engine)
-        check_devices(engine, engine.data_parallel_size)
+        check_local_shards(engine, server)
+        check_devices(engine, len(local_shards(engine, server)))
         check_lora_modules(engine, server)
     except UnsupportedModel as e:
         print(refusal_line(e), file=sys.stderr)
         return REFUSED_EXIT
     except ConfigError as e:
         parser.error(str(e))
-    server = sized_stages(server, engine.data_parallel_size)
+    server = sized_stages(server, len(local_shards(engine, server)))
     run_dir = Path(server.run_dir)
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     redis_url, redis = redis_url_or_embedded(server.redis_url, run_dir)

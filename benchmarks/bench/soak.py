@@ -596,6 +596,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--growth-slack-mib", type=float, default=20.0,
                    help="... plus this many MiB (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the clients' requests")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="N > 0: soak N simulated hosts (network namespaces, one shard each, "
+                        "a Redis Cluster; needs root) with random host faults instead of "
+                        "child kills (benchmarks/bench/soak_hosts.py) (default 0: one "
+                        "server)")
+    p.add_argument("--fault-every-s", type=float, default=120.0,
+                   help="with --hosts: a random fault on a random host this often: its "
+                        "link cut for 20 s, its processes killed, or netem loss and "
+                        "latency (default 120)")
     return p
 
 
@@ -606,6 +615,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if min(args.restart_every_s, args.idle_s, args.growth_ratio, args.growth_slack_mib) < 0:
         parser.error("--restart-every-s, --idle-s and the --growth-* settings must be >= 0")
+    if args.hosts < 0 or args.fault_every_s <= 0:
+        parser.error("--hosts must be >= 0 and --fault-every-s positive")
+    if args.hosts and args.url:
+        parser.error("--hosts starts its own hosts: give it no --url")
     if not 0 <= args.warmup_fraction < 1:
         parser.error("--warmup-fraction must be in [0, 1)")
 
@@ -654,6 +667,9 @@ def main(argv: list[str]) -> int:
     check_args(parser, args)
     args.out = args.out.absolute()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.hosts:
+        from benchmarks.bench import soak_hosts  # needs root: imported only when asked
+        return soak_hosts.main(args, argv, limits_of(args))
     try:
         run, exit_code = soak_url(args) if args.url else soak_own(args)
     except (aiohttp.ClientError, RuntimeError, TimeoutError) as e:

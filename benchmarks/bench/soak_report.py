@@ -366,7 +366,8 @@ def write_csv(path: Path, samples: list[Sample]) -> None:
         writer.writerows(rows)
 
 
-def plot(path: Path, samples: list[Sample], restarts: list[Restart], title: str) -> None:
+def plot(path: Path, samples: list[Sample], restarts: list[Restart], title: str,
+         marked: str = "a child killed") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -388,7 +389,7 @@ def plot(path: Path, samples: list[Sample], restarts: list[Restart], title: str)
     for ax in (rss, redis, streams):
         for r in restarts:
             ax.axvline(r.t_s / 60, color="grey", linestyle=":", linewidth=0.8)
-    fig.suptitle(textwrap.fill(title + " (dotted: a child killed)", 110), fontsize=9)
+    fig.suptitle(textwrap.fill(f"{title} (dotted: {marked})", 110), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
