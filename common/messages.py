@@ -332,6 +332,7 @@ class WorkerReady:
     num_blocks: int
     block_size: int
     max_model_len: int
+    pipeline_stages: int = 1  # the scheduler plans for these, whatever its own flag says
 
 
 @message("worker_failed")

@@ -180,18 +180,22 @@ def test_a_gap_small_beside_a_long_step_keeps_the_depth():
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("own_flag", [2, 1])
 async def test_two_stages_are_told_to_drain_and_a_result_is_planned_on_at_once(
-        redis_url, monkeypatch):
-    """One request at PP=2: each plan is followed by a drain (the stages hold its step, and
-    the request's next step needs that step's token). Its result is planned on in the
-    round that applies it, not after the scheduler's next read times out."""
+        redis_url, monkeypatch, own_flag):
+    """One request on a worker of two stages: each plan is followed by a drain (the stages
+    hold its step, and the request's next step needs that step's token). Its result is
+    planned on in the round that applies it, not after the scheduler's next read times
+    out. A scheduler started by hand without --pipeline-parallel-size 2 plans the same:
+    the stage count is the worker's, from its announcement."""
     monkeypatch.setattr(shell, "READ_BLOCK_MS", 30_000)
     config = EngineConfig(max_model_len=256, max_num_batched_tokens=256,
-                          pipeline_parallel_size=2)
+                          pipeline_parallel_size=own_flag)
     async with Bus(redis_url) as bus, anyio.create_task_group() as tg:
         await bus.ensure_group(keys.steps(), "worker")
         await bus.set_alive(keys.alive_worker(), "epoch-1", 30_000)
-        await bus.publish(keys.results(), WorkerReady("w", "epoch-1", 64, 16, 256))
+        await bus.publish(keys.results(), WorkerReady("w", "epoch-1", 64, 16, 256,
+                                                      pipeline_stages=2))
         ctx = ServiceContext("scheduler", "t", config, ServerConfig(), bus, anyio.Event())
         scheduler = SchedulerShell(ctx, config)
         tg.start_soon(scheduler.run)
@@ -203,5 +207,24 @@ async def test_two_stages_are_told_to_drain_and_a_result_is_planned_on_at_once(
             drain = await next_order(bus)
             assert drain == DrainSteps("epoch-1", scheduler.epoch)
             await bus.publish(keys.results(), StepResult(step, ["a#0"], [9], epoch="epoch-1"))
+        ctx.stop.set()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_scheduler_flagged_for_stages_plans_ahead_for_a_worker_of_one(redis_url):
+    """The other way round: the worker runs one rank, so the scheduler plans the request's
+    next step before the last one's token is back, and sends no drain."""
+    config = EngineConfig(max_model_len=256, max_num_batched_tokens=256,
+                          pipeline_parallel_size=2)
+    async with Bus(redis_url) as bus, anyio.create_task_group() as tg:
+        await bus.ensure_group(keys.steps(), "worker")
+        await bus.set_alive(keys.alive_worker(), "epoch-1", 30_000)
+        await bus.publish(keys.results(), WorkerReady("w", "epoch-1", 64, 16, 256))
+        ctx = ServiceContext("scheduler", "t", config, ServerConfig(), bus, anyio.Event())
+        tg.start_soon(SchedulerShell(ctx, config).run)
+        await bus.publish(keys.admit(), admission("a"))
+        orders = [await next_order(bus), await next_order(bus)]
+        assert [(o.step, o.req_ids) for o in orders] == [(1, ["a#0"]), (2, ["a#0"])]
         ctx.stop.set()
         tg.cancel_scope.cancel()

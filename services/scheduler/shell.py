@@ -162,14 +162,22 @@ class SchedulerShell:
         return []
 
     def _worker_ready(self, ready: WorkerReady) -> list[Output]:
-        """A (re)started worker has an empty KV cache: whatever ran on the last one ends."""
+        """A (re)started worker has an empty KV cache: whatever ran on the last one ends.
+        Its block size and pipeline stages are what the plans follow, so a scheduler
+        started by hand with other flags plans for the worker that runs them."""
         if ready.epoch == self.worker_epoch:
             return []  # the announcement in the stream of a worker taken over from its key
         outputs = self._fail_all("the GPU worker restarted; the request was aborted")
         if ready.max_model_len < self.config.max_model_len:  # type: ignore[operator]
             log.warning("worker serves a shorter max_model_len", worker=ready.max_model_len)
+        if ready.pipeline_stages != self.config.pipeline_parallel_size:
+            log.warning("planning for the worker's pipeline stages, not this scheduler's "
+                        "--pipeline-parallel-size", worker=ready.pipeline_stages,
+                        scheduler=self.config.pipeline_parallel_size)
         config = dataclasses.replace(self.config, block_size=ready.block_size)
-        self.core = Scheduler(SchedulerConfig.from_engine(config, ready.num_blocks))
+        self.core = Scheduler(dataclasses.replace(
+            SchedulerConfig.from_engine(config, ready.num_blocks),
+            pipeline_stages=ready.pipeline_stages))
         self.worker_epoch, self.results = ready.epoch, []
         self.steps = StepsInFlight(self.core.config.pipeline_stages)
         log.info("worker ready", worker=ready.worker_id, epoch=ready.epoch,
