@@ -2,7 +2,7 @@
 loads only its layers (the first the embedding, the last the final norm and the LM head),
 its KV cache holds its layers only, and greedy tokens and prompt logprobs through the
 offline API equal one rank's at PP=2 and TP=2 x PP=2, through chunked prefill,
-preemption and prefix caching; served by the scheduler and worker shells over Redis, the
+preemption and prefix caching, and with ngram or draft-model speculation; served by the scheduler and worker shells over Redis, the
 stages keep two steps in flight under a stream of requests. A killed stage under
 `headrace serve` is tests/test_pipeline_parallel_serve.py."""
 
@@ -34,6 +34,8 @@ from services.worker.loader import load_model
 from services.worker.models.llama import MissingLayer
 from services.worker.shell import WorkerShell
 from tests.test_models import token_ids
+from tests.test_draft_model import draft_config, random_prompts
+from tests.test_spec_decode import NGRAM, repetitive_prompts
 from tests.test_tensor_parallel import count_reads
 from tests.tiny_models import make_tiny_model
 
@@ -61,8 +63,6 @@ def test_more_stages_than_layers_are_refused_before_any_rank_starts(tmp_path):
     model_dir = make_tiny_model(tmp_path, "llama")  # 2 layers
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 3 exceeds the model's 2"):
         LLM(str(model_dir), pipeline_parallel_size=3, device="cpu")
-    with pytest.raises(ConfigError, match="--enable-lora runs with --pipeline-parallel-size 1"):
-        EngineConfig(model="m", pipeline_parallel_size=2, enable_lora=True)
 
 
 def test_a_vision_language_model_is_refused_stages():
@@ -221,6 +221,38 @@ def test_an_uneven_split_from_the_environment_gives_one_ranks_tokens(tmp_path, m
         outputs = [o for _ in range(2) for o in llm.generate(
             [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)]
     assert_same([(o.outputs[0].token_ids, o.prompt_logprobs) for o in outputs], want)
+
+
+def speculated_tokens(model_dir: Path, prompts: list[list[int]], stages: int,
+                      speculative_config: dict) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(str(model_dir), device="cpu", dtype="float32", max_num_batched_tokens=32,
+             max_num_seqs=4, block_size=4, num_gpu_blocks_override=128,
+             speculative_config=speculative_config, pipeline_parallel_size=stages) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        stats = llm.engine.scheduler.spec
+        assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+        assert stages == 1 or llm.engine.runner.draft is None  # the first stage's
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_ngram_speculation_at_two_stages_gives_one_ranks_tokens(tmp_path):
+    """The last stage verifies the drafts the plan carries (every stage computes them);
+    the other stages append the accepted tokens it broadcasts."""
+    model_dir = make_tiny_model(tmp_path, "llama")
+    assert (speculated_tokens(model_dir, repetitive_prompts(), 2, NGRAM)
+            == speculated_tokens(model_dir, repetitive_prompts(), 1, NGRAM))
+
+
+def test_a_draft_model_at_two_stages_gives_one_ranks_tokens(tmp_path):
+    """The last stage holds the whole draft (its KV cache too) and returns its proposals
+    with the step's result; the first stage holds none. The draft is the target itself,
+    so its proposals are accepted (a stage's share of it would propose other tokens)."""
+    target = make_tiny_model(tmp_path, "llama", num_hidden_layers=3)
+    draft = draft_config(target)
+    assert (speculated_tokens(target, random_prompts(), 2, draft)
+            == speculated_tokens(target, random_prompts(), 1, draft))
 
 
 def embed(model_dir: Path, **sizes) -> torch.Tensor:
