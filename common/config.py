@@ -268,7 +268,6 @@ class EngineConfig:
         self.pooling()
         self._validate_lora()
         self.speculative()
-        self._validate_pipeline()
         self.compilation()
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None
                 and not self.enable_chunked_prefill
@@ -314,17 +313,6 @@ class EngineConfig:
             raise ConfigError(f"--override-pooler-config's normalize must be true or false, "
                               f"got {normalize!r}")
         return kind.upper(), normalize
-
-    def _validate_pipeline(self) -> None:
-        """What the pipeline stages do not run yet (the stages lack the draft model's and
-        the adapters' plumbing)."""
-        if self.pipeline_parallel_size == 1:
-            return
-        if self.speculative() is not None:
-            raise ConfigError("--speculative-config runs with --pipeline-parallel-size 1 "
-                              "only")
-        if self.enable_lora:
-            raise ConfigError("--enable-lora runs with --pipeline-parallel-size 1 only")
 
     def speculative(self) -> SpeculativeConfig | None:
         """--speculative-config, with the older flags filling in what it leaves out."""

@@ -287,6 +287,18 @@ class StepPlan:
     draft_token_ids: Tokens = field(default_factory=list)
 
 
+@message("drain")
+@dataclass(frozen=True, slots=True)
+class DrainSteps:
+    """scheduler -> worker (hr:steps): no plan follows until some of the steps sent come
+    back. A worker of pipeline stages holds its newest steps' results until later plans
+    push them out (services/worker/layers/pipeline.py); this tells it to hand them back."""
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    epoch: str = ""  # the worker it is for, as a plan's
+    scheduler_epoch: str = ""
+
+
 @message("result")
 @dataclass(frozen=True, slots=True)
 class StepResult:
@@ -323,6 +335,7 @@ class WorkerReady:
     num_blocks: int
     block_size: int
     max_model_len: int
+    pipeline_stages: int = 1  # the scheduler plans for these, whatever its own flag says
 
 
 @message("worker_failed")

@@ -70,8 +70,8 @@ def test_every_message_round_trips(msg):
 
 def test_every_registered_message_is_covered():
     assert set(_REGISTRY) == {"generate", "admit", "abort", "error", "plan", "result",
-                              "worker_ready", "worker_failed", "request_failed", "tokens", "replies", "sched_stats",
-                              "routed", "response"}
+                              "worker_ready", "worker_failed", "request_failed", "tokens",
+                              "replies", "sched_stats", "routed", "response", "drain"}
     for tag, cls in _REGISTRY.items():
         assert cls.TYPE == tag and cls.VERSION >= 1
         assert dataclasses.fields(cls) and cls.__dataclass_params__.frozen

@@ -2,29 +2,40 @@
 loads only its layers (the first the embedding, the last the final norm and the LM head),
 its KV cache holds its layers only, and greedy tokens and prompt logprobs through the
 offline API equal one rank's at PP=2 and TP=2 x PP=2, through chunked prefill,
-preemption and prefix caching. A killed stage under `headrace serve` is
-tests/test_pipeline_parallel_serve.py."""
+preemption and prefix caching, and with ngram or draft-model speculation; served by the scheduler and worker shells over Redis, the
+stages keep two steps in flight under a stream of requests. A killed stage under
+`headrace serve` is tests/test_pipeline_parallel_serve.py."""
 
 from __future__ import annotations
 
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import anyio
 import pytest
 import torch
 
-from common.config import ConfigError, EngineConfig
+from common import keys
+from common.bus import Bus
+from common.config import ConfigError, EngineConfig, ServerConfig
+from common.messages import AdmitRequest, DrainSteps, TokenBatch
 from common.model_files import load_hf_config
-from common.model_info import check_pipeline_parallel
+from common.model_info import check_pipeline_parallel, resolve_engine
 from common.sampling_params import SamplingParams
+from common.service import ServiceContext
 from services import LLM
-from services.worker.executor import PipelineExecutor
+from services.scheduler.shell import SchedulerShell
+from services.worker.executor import Executor, PipelineExecutor, start_executor
 from services.worker.layers import pipeline
 from services.worker.layers.pipeline import PPStage, layer_partition
 from services.worker.loader import load_model
 from services.worker.models.llama import MissingLayer
+from services.worker.shell import WorkerShell
 from tests.test_models import token_ids
+from tests.test_draft_model import draft_config, random_prompts
+from tests.test_spec_decode import NGRAM, repetitive_prompts
 from tests.test_tensor_parallel import count_reads
 from tests.tiny_models import make_tiny_model
 
@@ -52,8 +63,6 @@ def test_more_stages_than_layers_are_refused_before_any_rank_starts(tmp_path):
     model_dir = make_tiny_model(tmp_path, "llama")  # 2 layers
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 3 exceeds the model's 2"):
         LLM(str(model_dir), pipeline_parallel_size=3, device="cpu")
-    with pytest.raises(ConfigError, match="--enable-lora runs with --pipeline-parallel-size 1"):
-        EngineConfig(model="m", pipeline_parallel_size=2, enable_lora=True)
 
 
 def test_a_vision_language_model_is_refused_stages():
@@ -128,7 +137,7 @@ def generate_twice(model_dir: Path, **sizes) -> list:
     """Each prompt's greedy tokens and prompt logprobs, twice (the second time from the
     prefix cache), through preemptions and prefix cache hits."""
     with LLM(str(model_dir), **ENGINE, **sizes) as llm:
-        steps = record_steps(llm)
+        steps = record_steps(llm.engine.executor)
         outputs = [o for _ in range(2) for o in llm.generate(
             [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)]
         stats = llm.engine.scheduler.stats()
@@ -139,10 +148,10 @@ def generate_twice(model_dir: Path, **sizes) -> list:
     return [(o.outputs[0].token_ids, o.prompt_logprobs) for o in outputs]
 
 
-def record_steps(llm: LLM) -> list[tuple[int, set[str], dict[int, set[str]]]]:
+def record_steps(executor: Executor) -> list[tuple[int, set[str], dict[int, set[str]]]]:
     """Per submit: its step, its requests, and the steps whose results it returned, with
     the requests that sampled in each."""
-    executor, steps = llm.engine.executor, []
+    steps = []
     submit = executor.submit
 
     def recorded(plan):
@@ -214,6 +223,38 @@ def test_an_uneven_split_from_the_environment_gives_one_ranks_tokens(tmp_path, m
     assert_same([(o.outputs[0].token_ids, o.prompt_logprobs) for o in outputs], want)
 
 
+def speculated_tokens(model_dir: Path, prompts: list[list[int]], stages: int,
+                      speculative_config: dict) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(str(model_dir), device="cpu", dtype="float32", max_num_batched_tokens=32,
+             max_num_seqs=4, block_size=4, num_gpu_blocks_override=128,
+             speculative_config=speculative_config, pipeline_parallel_size=stages) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        stats = llm.engine.scheduler.spec
+        assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+        assert stages == 1 or llm.engine.runner.draft is None  # the first stage's
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_ngram_speculation_at_two_stages_gives_one_ranks_tokens(tmp_path):
+    """The last stage verifies the drafts the plan carries (every stage computes them);
+    the other stages append the accepted tokens it broadcasts."""
+    model_dir = make_tiny_model(tmp_path, "llama")
+    assert (speculated_tokens(model_dir, repetitive_prompts(), 2, NGRAM)
+            == speculated_tokens(model_dir, repetitive_prompts(), 1, NGRAM))
+
+
+def test_a_draft_model_at_two_stages_gives_one_ranks_tokens(tmp_path):
+    """The last stage holds the whole draft (its KV cache too) and returns its proposals
+    with the step's result; the first stage holds none. The draft is the target itself,
+    so its proposals are accepted (a stage's share of it would propose other tokens)."""
+    target = make_tiny_model(tmp_path, "llama", num_hidden_layers=3)
+    draft = draft_config(target)
+    assert (speculated_tokens(target, random_prompts(), 2, draft)
+            == speculated_tokens(target, random_prompts(), 1, draft))
+
+
 def embed(model_dir: Path, **sizes) -> torch.Tensor:
     with LLM(str(model_dir), device="cpu", seed=3, pooling_type="MEAN",
              max_num_batched_tokens=16, max_num_seqs=4, **sizes) as llm:
@@ -226,3 +267,89 @@ def test_embeddings_at_two_stages_are_one_ranks(tmp_path):
     model_dir = make_tiny_model(tmp_path, "llama")
     torch.testing.assert_close(embed(model_dir, pipeline_parallel_size=2), embed(model_dir),
                                atol=SAME_AS_ONE_RANK, rtol=0)
+
+
+# --- served: the scheduler and worker shells over Redis ------------------------------------
+
+STREAMED = [token_ids(n, seed=40 + n) for n in (4, 9, 6, 3, 12, 5, 7, 8)]
+STREAMED_PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+async def serve_stream(config: EngineConfig, executor: Executor, redis_url: str
+                       ) -> tuple[dict[str, list[int]], int]:
+    """The worker and scheduler shells of one shard in this process; the requests arrive
+    one every 20 ms, as a gateway's would. Returns each request's tokens as the scheduler
+    sent them to the detokenizers, and how many drains it sent the worker."""
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(STREAMED))}
+    finished: set[str] = set()
+    async with Bus(redis_url) as bus, anyio.create_task_group() as tg:
+        await bus.redis.flushall()  # an earlier shard's streams and keys
+        stop = anyio.Event()
+        tg.start_soon(WorkerShell(ServiceContext("worker", "0", config, ServerConfig(), bus,
+                                                 stop), executor).run)
+        with anyio.fail_after(30):
+            while await bus.load(keys.worker_ready()) is None:
+                await anyio.sleep(0.05)
+        tg.start_soon(SchedulerShell(ServiceContext("scheduler", "0", config, ServerConfig(),
+                                                    bus, stop), config).run)
+        for i, prompt in enumerate(STREAMED):
+            await bus.publish(keys.admit(), AdmitRequest(f"r{i}", "gw", prompt,
+                                                         STREAMED_PARAMS))
+            await anyio.sleep(0.02)
+        last = "0"
+        with anyio.fail_after(120):
+            while len(finished) < len(STREAMED):
+                for entry in await bus.tail({keys.DETOK: last}, count=100, block_ms=100):
+                    last = entry.id
+                    assert isinstance(entry.msg, TokenBatch)
+                    for item in entry.msg.items:
+                        tokens[item.rid] += item.new_token_ids
+                        if item.finish_reason is not None:
+                            finished.add(item.rid)
+        orders = await bus.tail({keys.steps(): "0"}, count=100_000)
+        stop.set()
+        tg.cancel_scope.cancel()
+    return tokens, sum(isinstance(entry.msg, DrainSteps) for entry in orders)
+
+
+@dataclass(slots=True)
+class Served:
+    tokens: dict[str, list[int]]  # by request
+    drains: int  # DrainSteps the scheduler sent
+    steps: list  # record_steps's
+    handed_back: int = 0  # flushes that returned steps
+
+
+def serve_sized(model_dir: Path, redis_url: str, stages: int) -> Served:
+    resolved = resolve_engine(EngineConfig(model=str(model_dir), device="cpu", seed=3,
+                                           pipeline_parallel_size=stages))
+    executor = start_executor(resolved)
+    try:
+        served = Served({}, 0, record_steps(executor))
+        flush = executor.flush
+
+        def counted() -> list:
+            results = flush()
+            served.handed_back += bool(results)
+            return results
+        executor.flush = counted
+        served.tokens, served.drains = anyio.run(serve_stream, resolved.config, executor,
+                                                 redis_url)
+        return served
+    finally:
+        executor.close()
+
+
+def test_served_stages_keep_two_steps_in_flight_under_a_stream_of_requests(tmp_path,
+                                                                         redis_url):
+    """An inbox empty for a moment (the next plan still on its way over Redis) does not
+    make the stages hand back their steps: they do so only when the scheduler sends a
+    drain (and once as the worker stops), most submits return the step before their own,
+    as offline, and the tokens are the served single rank's."""
+    model_dir = make_tiny_model(tmp_path, "llama")
+    want = serve_sized(model_dir, redis_url, 1).tokens
+    served = serve_sized(model_dir, redis_url, 2)
+    assert served.tokens == want
+    assert all(len(t) == STREAMED_PARAMS.max_tokens for t in want.values())
+    assert 0 < served.handed_back <= served.drains + 1, served
+    check_overlap(served.steps)

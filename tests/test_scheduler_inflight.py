@@ -1,5 +1,6 @@
-"""How far the scheduler plans ahead of the worker: the depth rule on its own, and the
-scheduler process's shell against a real Redis with this test playing the worker."""
+"""How far the scheduler plans ahead of the worker: the depth rule on its own, the drain
+that a worker of pipeline stages needs, and the scheduler process's shell against a real
+Redis with this test playing the worker."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import pytest
 from common import keys
 from common.bus import Bus
 from common.config import EngineConfig, ServerConfig
-from common.messages import AdmitRequest, StepPlan, StepResult, WorkerReady
+from common.messages import AdmitRequest, DrainSteps, StepPlan, StepResult, WorkerReady
 from common.sampling_params import SamplingParams
 from common.service import ServiceContext
 from services.scheduler.inflight import IDLE_S, MAX_DEPTH, MIN_DEPTH, QUIET_STEPS, StepsInFlight
+from services.scheduler import shell
 from services.scheduler.shell import SchedulerShell
 
 
@@ -74,7 +76,51 @@ def test_a_request_arriving_at_an_idle_engine_is_no_sign_of_starvation():
     assert steps.depth == MIN_DEPTH
 
 
+# --- pipeline stages: the depth and the drain ----------------------------------------------
+
+def test_stages_get_a_depth_of_their_count_at_least():
+    assert StepsInFlight(stages=2).depth == MIN_DEPTH
+    steps = StepsInFlight(stages=4)
+    assert steps.depth == 4 and steps.max_depth == 5
+    Device(steps).run([0.0] * QUIET_STEPS * 2)  # a quiet run never goes below the stages
+    assert steps.depth == 4
+
+
+def test_a_drain_goes_only_when_the_stages_hold_every_step_out():
+    """Two stages hold the newest step they were sent; three the newest two."""
+    steps = StepsInFlight(stages=2)
+    steps.planned(1)
+    assert steps.must_drain()  # step 1 is out, and the stages keep it
+    steps.drained()
+    assert not steps.must_drain()  # told once: they let it go
+    steps.finished(1, [])
+    steps.planned(2)
+    steps.planned(3)
+    assert not steps.must_drain()  # launching 3 pushes 2 out
+    steps.finished(2, [])
+    assert steps.must_drain()  # 3 is held, and no plan follows it
+    one = StepsInFlight()
+    one.planned(1)
+    assert not one.must_drain()  # one rank hands each step back when it is done
+    three = StepsInFlight(stages=3)
+    for step in (1, 2, 3):
+        three.planned(step)
+    assert not three.must_drain()
+    three.finished(1, [])
+    assert three.must_drain()
+
+
 # --- the shell: a new request's prefill waits behind at most one queued step ------------
+
+async def next_order(bus: Bus, timeout_s: float = 5.0) -> StepPlan | DrainSteps:
+    with anyio.fail_after(timeout_s):
+        while True:
+            entries = await bus.read("worker", "w", {keys.steps(): ">"}, count=1,
+                                     block_ms=100)
+            if entries:
+                await bus.ack(entries)
+                return entries[0].msg
+
 
 async def next_plan(bus: Bus, timeout_s: float = 5.0) -> StepPlan:
     with anyio.fail_after(timeout_s):
@@ -131,3 +177,54 @@ def test_a_gap_small_beside_a_long_step_keeps_the_depth():
     assert steps.depth == MIN_DEPTH
     device.run([0.02] * 2, step_s=0.1)
     assert steps.depth == MIN_DEPTH + 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("own_flag", [2, 1])
+async def test_two_stages_are_told_to_drain_and_a_result_is_planned_on_at_once(
+        redis_url, monkeypatch, own_flag):
+    """One request on a worker of two stages: each plan is followed by a drain (the stages
+    hold its step, and the request's next step needs that step's token). Its result is
+    planned on in the round that applies it, not after the scheduler's next read times
+    out. A scheduler started by hand without --pipeline-parallel-size 2 plans the same:
+    the stage count is the worker's, from its announcement."""
+    monkeypatch.setattr(shell, "READ_BLOCK_MS", 30_000)
+    config = EngineConfig(max_model_len=256, max_num_batched_tokens=256,
+                          pipeline_parallel_size=own_flag)
+    async with Bus(redis_url) as bus, anyio.create_task_group() as tg:
+        await bus.ensure_group(keys.steps(), "worker")
+        await bus.set_alive(keys.alive_worker(), "epoch-1", 30_000)
+        await bus.publish(keys.results(), WorkerReady("w", "epoch-1", 64, 16, 256,
+                                                      pipeline_stages=2))
+        ctx = ServiceContext("scheduler", "t", config, ServerConfig(), bus, anyio.Event())
+        scheduler = SchedulerShell(ctx, config)
+        tg.start_soon(scheduler.run)
+
+        await bus.publish(keys.admit(), admission("a"))
+        for step in (1, 2, 3):
+            plan = await next_order(bus)
+            assert isinstance(plan, StepPlan) and plan.step == step and plan.req_ids == ["a#0"]
+            drain = await next_order(bus)
+            assert drain == DrainSteps("epoch-1", scheduler.epoch)
+            await bus.publish(keys.results(), StepResult(step, ["a#0"], [9], epoch="epoch-1"))
+        ctx.stop.set()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_scheduler_flagged_for_stages_plans_ahead_for_a_worker_of_one(redis_url):
+    """The other way round: the worker runs one rank, so the scheduler plans the request's
+    next step before the last one's token is back, and sends no drain."""
+    config = EngineConfig(max_model_len=256, max_num_batched_tokens=256,
+                          pipeline_parallel_size=2)
+    async with Bus(redis_url) as bus, anyio.create_task_group() as tg:
+        await bus.ensure_group(keys.steps(), "worker")
+        await bus.set_alive(keys.alive_worker(), "epoch-1", 30_000)
+        await bus.publish(keys.results(), WorkerReady("w", "epoch-1", 64, 16, 256))
+        ctx = ServiceContext("scheduler", "t", config, ServerConfig(), bus, anyio.Event())
+        tg.start_soon(SchedulerShell(ctx, config).run)
+        await bus.publish(keys.admit(), admission("a"))
+        orders = [await next_order(bus), await next_order(bus)]
+        assert [(o.step, o.req_ids) for o in orders] == [(1, ["a#0"]), (2, ["a#0"])]
+        ctx.stop.set()
+        tg.cancel_scope.cancel()

@@ -12,6 +12,7 @@ import pytest
 import structlog
 
 from common.bus import Entry
+from common.config import EngineConfig
 from common.messages import StepPlan, StepResult
 from common.stalls import watch_collections, watch_loop
 from services.worker import step_thread
@@ -59,6 +60,8 @@ async def test_a_blocked_event_loop_is_logged_with_how_long():
 class TimedDevice:
     """An executor whose steps take the given seconds in turn and finish in submit, as on
     the CPU."""
+
+    config = EngineConfig(model="m")
 
     def __init__(self, seconds: list[float]) -> None:
         self.seconds = iter(seconds)

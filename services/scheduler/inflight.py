@@ -9,6 +9,11 @@ had finished means the device sat idle for want of a plan. An idle gap counts wh
 a tenth of a step or more: on a slow or synchronous device (the CPU) a hop costs a few
 percent of a step, and a deeper queue would cost new requests a whole step. After a long
 run without such a gap, the depth goes back down by one.
+
+Pipeline stages (N of them) hold the results of the newest N - 1 steps they were sent
+until later plans push them out (services/worker/layers/pipeline.py). So the depth is N at
+least, and when every step still out is one the stages hold, no result would ever come
+back to free a slot: the scheduler then sends the worker a drain (`must_drain`).
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ QUIET_STEPS = 2000  # steps without such a wait before the depth shrinks by one
 
 @dataclass(slots=True)
 class StepsInFlight:
+    stages: int = 1  # the worker's pipeline stages
     depth: int = MIN_DEPTH
     inflight: int = 0
+    since_drain: int = 0  # steps planned since the last drain
     refills: set[int] = field(default_factory=set)  # steps planned the moment one freed
     held_back: bool = False  # the depth is full: the next plan is a refill
     last_done: float = 0.0  # when the latest step's result reached the worker's host
@@ -33,14 +40,38 @@ class StepsInFlight:
     last_planned: int = 0
     deepened_after: int = 0  # steps up to this one were planned before the last deepening
 
+    def __post_init__(self) -> None:
+        self.depth = max(self.depth, self.min_depth)
+
+    @property
+    def min_depth(self) -> int:
+        return max(MIN_DEPTH, self.stages)
+
+    @property
+    def max_depth(self) -> int:
+        return max(MAX_DEPTH, self.stages + 1)
+
     def may_plan(self) -> bool:
         return self.inflight < self.depth
+
+    def held(self) -> int:
+        """The steps whose results the stages keep once they have launched every plan."""
+        return min(self.since_drain, self.stages - 1)
+
+    def must_drain(self) -> bool:
+        """Whether every step out is held by the stages: with nothing more planned, their
+        results come back only if the worker is told to let them go."""
+        return 0 < self.inflight <= self.held()
+
+    def drained(self) -> None:
+        self.since_drain = 0
 
     def planned(self, step: int) -> None:
         if self.held_back:
             self.refills.add(step)
             self.held_back = False
         self.inflight += 1
+        self.since_drain += 1
         self.last_planned = step
         self.held_back = self.inflight >= self.depth
 
@@ -59,9 +90,9 @@ class StepsInFlight:
         starved = refill and self.last_done and idle > max(IDLE_S, IDLE_FRACTION * busy)
         self.last_done = stamps[2]
         if starved and step > self.deepened_after:
-            self.depth, self.quiet = min(self.depth + 1, MAX_DEPTH), 0
+            self.depth, self.quiet = min(self.depth + 1, self.max_depth), 0
             self.deepened_after = self.last_planned
         elif (quiet := self.quiet + 1) >= QUIET_STEPS:
-            self.depth, self.quiet = max(self.depth - 1, MIN_DEPTH), 0
+            self.depth, self.quiet = max(self.depth - 1, self.min_depth), 0
         else:
             self.quiet = quiet

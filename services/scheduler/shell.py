@@ -22,8 +22,8 @@ from common.bus import Entry, Output
 from common.config import EngineConfig
 from common.log import get_logger
 from common.image_blobs import renew_every_s
-from common.messages import (Abort, AdmitRequest, ErrorReply, RequestFailed, SchedulerStats,
-                             StepResult, TokenBatch, WorkerReady)
+from common.messages import (Abort, AdmitRequest, DrainSteps, ErrorReply, RequestFailed,
+                             SchedulerStats, StepResult, TokenBatch, WorkerReady)
 from common.model_info import check_shard, resolve_engine
 from common.service import ServiceContext, freeze_heap, heartbeat, run_service
 from common.timing import PhaseClock
@@ -86,11 +86,15 @@ class SchedulerShell:
                 pending = {}
                 outputs = self._handle(entries)
                 # Plan before applying the results (the scheduler plans ahead of the tokens
-                # anyway), then send the tokens and the plans in one round trip.
+                # anyway), then send the tokens and the plans in one round trip; plan again
+                # for the requests that waited for those tokens (a speculating request's,
+                # every request's under pipeline stages), which nothing else would wake.
                 plans = self._plan()
                 clock.lap("schedule")
                 outputs += self._apply_results()
                 clock.lap("update")
+                plans += self._plan() + self._drain()
+                clock.lap("schedule")
                 if outputs or plans or entries:
                     await self.bus.commit(outputs + plans, done=entries)
                 clock.lap("commit")
@@ -172,15 +176,24 @@ class SchedulerShell:
                 for reply_to, rid in ended]
 
     def _worker_ready(self, ready: WorkerReady) -> list[Output]:
-        """A (re)started worker has an empty KV cache: whatever ran on the last one ends."""
+        """A (re)started worker has an empty KV cache: whatever ran on the last one ends.
+        Its block size and pipeline stages are what the plans follow, so a scheduler
+        started by hand with other flags plans for the worker that runs them."""
         if ready.epoch == self.worker_epoch:
             return []  # the announcement in the stream of a worker taken over from its key
         outputs = self._fail_all("the GPU worker restarted; the request was aborted")
         if ready.max_model_len < self.config.max_model_len:  # type: ignore[operator]
             log.warning("worker serves a shorter max_model_len", worker=ready.max_model_len)
+        if ready.pipeline_stages != self.config.pipeline_parallel_size:
+            log.warning("planning for the worker's pipeline stages, not this scheduler's "
+                        "--pipeline-parallel-size", worker=ready.pipeline_stages,
+                        scheduler=self.config.pipeline_parallel_size)
         config = dataclasses.replace(self.config, block_size=ready.block_size)
-        self.core = Scheduler(SchedulerConfig.from_engine(config, ready.num_blocks))
-        self.worker_epoch, self.steps, self.results = ready.epoch, StepsInFlight(), []
+        self.core = Scheduler(dataclasses.replace(
+            SchedulerConfig.from_engine(config, ready.num_blocks),
+            pipeline_stages=ready.pipeline_stages))
+        self.worker_epoch, self.results = ready.epoch, []
+        self.steps = StepsInFlight(self.core.config.pipeline_stages)
         log.info("worker ready", worker=ready.worker_id, epoch=ready.epoch,
                  num_blocks=ready.num_blocks)
         return outputs
@@ -198,6 +211,14 @@ class SchedulerShell:
                 plan, epoch=self.worker_epoch, scheduler_epoch=self.epoch)))
             self.steps.planned(plan.step)
         return outputs
+
+    def _drain(self) -> list[Output]:
+        """A drain when the worker's pipeline stages hold every step out
+        (services/scheduler/inflight.py)."""
+        if self.core is None or not self.steps.must_drain():
+            return []
+        self.steps.drained()
+        return [(keys.steps(self.shard), DrainSteps(self.worker_epoch, self.epoch))]
 
     def _fail_all(self, reason: str) -> list[Output]:
         if self.core is None:

@@ -12,7 +12,9 @@ in place, in stream order after the steps still using the old ones.
 
 Under tensor parallelism every rank makes the same calls in the same order, so slots and
 the host cache agree across ranks with nothing exchanged; each rank reads the adapter's
-files itself and keeps only its shards (see `LoRALinear`).
+files itself and keeps only its shards (see `LoRALinear`). A pipeline stage wraps only
+the layers it holds and keeps only their adapters' weights; the other stages check and
+keep the rest (layers/pipeline.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from common.messages import LoRARequest
 from kernels.lora import lora_expand
 from services.worker.layers.linear import OutputShard, RowParallelLinear, ShardId
 from services.worker.layers.quantization import UnquantizedMethod
+from services.worker.models.llama import MissingLayer
 
 _WEIGHT_NAME = re.compile(r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 ModuleKey = tuple[int, str]  # (decoder layer, PEFT module name)
@@ -158,11 +161,13 @@ def _slices(base: nn.Module, shard_ids: dict[str, ShardId]) -> dict[str, OutputS
 
 
 def wrap_model(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int,
-               dtype: torch.dtype) -> list[list[LoRALinear]]:
-    """Replace every decoder layer's projections by LoRA-wrapped ones; a list by layer of
-    its wrapped modules is returned (layer i's at index i)."""
-    layers = []
-    for layer in model.model.layers:
+               dtype: torch.dtype) -> dict[int, list[LoRALinear]]:
+    """Replace the projections of every decoder layer this stage holds by LoRA-wrapped
+    ones; returns each such layer's wrapped modules by its index in the model."""
+    layers = {}
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(layer, MissingLayer):
+            continue
         modules = []
         for (block, attr), shard_ids in _WRAPPED.items():
             parent = getattr(layer, block)
@@ -171,14 +176,16 @@ def wrap_model(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int
                                 dtype)
             setattr(parent, attr, module)
             modules.append(module)
-        layers.append(modules)
+        layers[i] = modules
     return layers
 
 
 def load_adapter(lora: LoRARequest, max_rank: int, shapes: dict[ModuleKey, tuple[int, int]],
-                 device: torch.device, dtype: torch.dtype) -> LoRAAdapter:
+                 device: torch.device, dtype: torch.dtype, num_layers: int = 0
+                 ) -> LoRAAdapter:
     """The adapter's weights, checked: known modules of existing layers, A and B in pairs
-    at the model's shapes and the adapter's rank."""
+    at the model's shapes and the adapter's rank. `shapes` holds this stage's layers;
+    the weights of the model's other layers (of `num_layers`) are another stage's."""
     config = read_adapter_config(lora.lora_path, max_rank)
     path = lora.lora_path
     found: dict[ModuleKey, dict[str, torch.Tensor]] = {}
@@ -188,9 +195,12 @@ def load_adapter(lora: LoRARequest, max_rank: int, shapes: dict[ModuleKey, tuple
             raise AdapterError(f"LoRA adapter {path}: weight {name!r} is not a LoRA A/B "
                                f"of {', '.join(TARGET_MODULES)}")
         key = (int(match[1]), match[2])
-        if key not in shapes:
+        num_layers = max(num_layers, 1 + max(k[0] for k in shapes))
+        if key[0] >= num_layers:
             raise AdapterError(f"LoRA adapter {path}: {name!r} names layer {key[0]}, the "
-                               f"model has {1 + max(k[0] for k in shapes)}")
+                               f"model has {num_layers}")
+        if key not in shapes:
+            continue  # another stage's layer
         found.setdefault(key, {})[match[3]] = tensor
     weights = {key: _checked_pair(path, key, pair, shapes[key], config.rank)
                for key, pair in found.items()}
@@ -225,7 +235,8 @@ class LoRAManager:
             token_slots=torch.full((max_tokens,), -1, dtype=torch.int32, device=device),
             scaling=torch.zeros(self.max_loras, dtype=torch.float32, device=device))
         self.layers = wrap_model(model, self.batch, self.max_loras, self.max_rank, dtype)
-        self.modules = {(i, name): module for i, modules in enumerate(self.layers)
+        self.num_layers = len(model.model.layers)
+        self.modules = {(i, name): module for i, modules in self.layers.items()
                         for module in modules for name in module.slices}
         self.shapes = {key: module.shapes()[key[1]] for key, module in self.modules.items()}
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
@@ -256,7 +267,7 @@ class LoRAManager:
             victim = next(i for i in self.slot_of if i not in needed)
             slot = self.slot_of.pop(victim)
         adapter = self._adapter(lora)
-        for i, modules in enumerate(self.layers):
+        for i, modules in self.layers.items():
             for module in modules:
                 module.write_slot(slot, adapter, i)
         self.batch.scaling[slot] = adapter.scaling
@@ -267,7 +278,7 @@ class LoRAManager:
         adapter = self.loaded.get(lora.lora_int_id)
         if adapter is None:
             adapter = load_adapter(lora, self.max_rank, self.shapes, torch.device("cpu"),
-                                   self.dtype)
+                                   self.dtype, self.num_layers)
             # the host cache keeps only this rank's shards
             adapter.weights = {key: self.modules[key].shard(key[1], a, b)
                                for key, (a, b) in adapter.weights.items()}

@@ -44,7 +44,8 @@ from services.worker.inputs import StepInputs, prepare_inputs, to_device
 from services.worker.launched import Launched, finish
 from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
 from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_all_reduce
-from services.worker.layers.pipeline import append_result, current_stage
+from services.worker.layers.pipeline import (PPStage, append_result, building_stage,
+                                             current_stage)
 from services.worker.loader import load_model
 from services.worker.lora import LoRAManager
 from services.worker.memory import kv_cache_bytes_per_block, plan_num_blocks
@@ -100,9 +101,10 @@ class ModelRunner:
         self.stage = current_stage()  # the executor builds us inside building_stage
         torch.manual_seed(config.seed)
         self.model = load_model(config, hf_config, self.device, self.dtype, model_dir)
-        # before the memory plan: its weights and its KV bytes per block count
-        self.draft = None if draft is None else DraftRunner(config, draft, self.device,
-                                                            self.dtype)
+        # before the memory plan: its weights and its KV bytes per block count. Under
+        # pipeline stages the last stage, which samples, holds the whole draft.
+        self.draft = None if draft is None or not self.stage.is_last \
+            else self._build_draft(draft)
         # before the memory plan and the graphs: its slots take memory, its layers are
         # captured
         self.lora = LoRAManager(self.model, config, self.device, self.dtype,
@@ -131,6 +133,10 @@ class ModelRunner:
         # after the capture: the graphs hold no scale calculation, and _run runs the steps
         # eagerly until the first real one has set the scales
         self.scales_pending = self._calculate_kv_scales()
+
+    def _build_draft(self, draft: DraftModel) -> DraftRunner:
+        with building_stage(PPStage()):  # every layer of the draft, not a stage's share
+            return DraftRunner(self.config, draft, self.device, self.dtype)
 
     def _plan_num_blocks(self) -> int:
         config = self.config

@@ -165,7 +165,9 @@ def follow(rank: int, init_method: str, model: ResolvedModel, inbox: Connection,
                      daemon=True).start()
     group, stage = join_group(rank, model, init_method, resolve_device(model.config))
     with building_for(group), building_stage(stage):
-        runner = ModelRunner(model.config, model.hf_config, model.model_dir)
+        # a draft model runs at one tensor-parallel rank only: a pipeline's last stage
+        # builds it (the other stages leave it out)
+        runner = ModelRunner(model.config, model.hf_config, model.model_dir, model.draft)
     while True:
         try:
             order = inbox.recv_bytes()

@@ -49,7 +49,8 @@ class WorkerShell:
         config = self.executor.config
         ready = WorkerReady(worker_id=self.ctx.consumer, epoch=self.epoch,
                             num_blocks=self.executor.num_blocks, block_size=config.block_size,
-                            max_model_len=config.max_model_len or 0)
+                            max_model_len=config.max_model_len or 0,
+                            pipeline_stages=config.pipeline_parallel_size)
         # alive before announced: the scheduler checks liveness as soon as it hears of us
         await self.bus.set_alive(keys.alive_worker(self.shard), self.epoch, ALIVE_TTL_MS)
         await self.bus.store(keys.worker_ready(self.shard), ready)

@@ -7,6 +7,11 @@ thread of its own, woken by one queue: plans put by the event loop, and the word
 waiter thread that the device finished the last step. A step's result goes out when the
 next plan's launch completes it (the device already runs that plan), or, when no plan is
 waiting, as soon as the device is done. Nothing polls.
+
+Pipeline stages are the exception: they keep their newest steps in flight until later
+plans push them out, and an inbox empty for a moment says nothing of the plans on their
+way. So under stages the held steps come back only when the scheduler says no plan
+follows (a DrainSteps order, services/scheduler/inflight.py), or at the end.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Callable
 
 from common.bus import Entry
 from common.log import get_logger
-from common.messages import StepPlan, StepResult
+from common.messages import DrainSteps, StepPlan, StepResult
 from common.timing import PhaseClock
 from services.worker.executor import Executor
 
@@ -38,9 +43,10 @@ class StepThread:
     def __init__(self, executor: Executor, epoch: str, post: Post,
                  log_slow_steps: bool = True) -> None:
         """`post(entry, result)` is called from this thread for every plan, in order:
-        with the step's result, or None for a plan meant for another worker; then once
-        `post(None, None)` after `stop()`, or `post(None, error)` if the executor fails.
-        The offline engine passes log_slow_steps=False: a script's output is its own."""
+        with the step's result, or None for a plan meant for another worker and for a
+        drain; then once `post(None, None)` after `stop()`, or `post(None, error)` if the
+        executor fails. The offline engine passes log_slow_steps=False: a script's output
+        is its own."""
         self.executor, self.epoch, self.post = executor, epoch, post
         self.log_slow_steps = log_slow_steps
         self.scheduler_epoch = ""
@@ -51,6 +57,8 @@ class StepThread:
         self.clock = PhaseClock()
         self._arm: queue.SimpleQueue = queue.SimpleQueue()  # the waiter's orders
         self._waiting = False  # the waiter is watching the device for us
+        # stages hold steps for later plans: they hand them back on a drain only
+        self.drains_on_order = executor.config.pipeline_parallel_size > 1
         self._threads = [threading.Thread(target=self._run, name="steps", daemon=True),
                          threading.Thread(target=self._wait_device, name="device-wait",
                                           daemon=True)]
@@ -86,7 +94,8 @@ class StepThread:
         """The next order. When none is queued and a step is out: its result goes out now
         if the device is done (on the CPU it always is), else the waiter is to tell us."""
         self.clock.start()
-        if self.launched and not self._waiting and self.inbox.empty():
+        if (self.launched and not self._waiting and self.inbox.empty()
+                and not self.drains_on_order):
             if self.executor.step_done():
                 return DEVICE_DONE
             self._waiting = True
@@ -105,6 +114,12 @@ class StepThread:
                 self.clock.lap("flush")
             return True
         assert isinstance(item, Entry)
+        if isinstance(item.msg, DrainSteps):
+            if item.msg.epoch == self.epoch:
+                self._deliver(self.executor.flush())
+                self.clock.lap("flush")
+            self.post(item, None)
+            return True
         plan: StepPlan = item.msg
         if plan.epoch != self.epoch:
             self.post(item, None)  # planned for a worker that is gone
