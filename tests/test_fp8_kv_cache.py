@@ -105,8 +105,9 @@ def test_calculate_kv_scales_sets_them_from_the_first_real_step(tmp_path):
     first_amax: dict[int, tuple[float, float]] = {}
 
     def record(module, args) -> None:  # the K/V the first step writes, seen independently
-        _, k, v, ctx = args
-        if module.layer_idx not in first_amax and bool((ctx.attn.slot_mapping >= 0).any()):
+        _, k, v, ctx = args[:4]  # k None: the fused path, taken once the scales are set
+        if (k is not None and module.layer_idx not in first_amax
+                and bool((ctx.attn.slot_mapping >= 0).any())):
             first_amax[module.layer_idx] = (k.abs().amax().item(), v.abs().amax().item())
 
     for attn in attentions(llm):
