@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.bench.throughput import parse_paths
+from benchmarks.bench.throughput import completion_body, parse_paths, with_sampling
 from benchmarks.bench.workloads import (WARMUP_OUTPUT_LEN, WARMUP_SEED, ModelShape, Trace,
                                         fixed_workload, nano_workload, warmup_twin,
                                         with_output_len)
@@ -122,8 +122,19 @@ def test_throughput_command_runs_two_ranks_on_both_paths(tiny, tmp_path):
     assert 0 < data["floor_seconds"] < one["floor_seconds"]
 
 
+def test_sampling_options_reach_every_request_and_the_workloads_name():
+    workload = with_sampling(nano_workload(4), logprobs=1, top_p=0.9)
+    assert workload.name == "nano[logprobs=1,top_p=0.9]"
+    assert all(p.logprobs == 1 and p.top_p == 0.9 for p in workload.params)
+    assert completion_body("m", [1, 2], workload.params[0])["logprobs"] == 1
+    assert "logprobs" not in completion_body("m", [1, 2], nano_workload(1).params[0])
+    assert with_sampling(workload, None, None) is workload
+
+
 def test_throughput_command_times_the_http_path(tiny, tmp_path):
-    stdout, data = run_throughput(tiny, tmp_path, "inprocess,http")
+    """With logprobs asked for on both paths, as the issue's logprobs workload does."""
+    stdout, data = run_throughput(tiny, tmp_path, "inprocess,http", "--logprobs", "1")
+    assert {r["workload"] for r in data["results"]} == {"fixed[logprobs=1]"}
     assert [r["path"] for r in data["results"]] == ["inprocess", "http"]
     assert all(r["output_tokens"] == 6 * 12 and r["requests"] == 6 for r in data["results"])
     inprocess, http = data["results"]

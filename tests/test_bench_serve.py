@@ -658,3 +658,18 @@ def test_against_headrace_serve(tmp_path):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_logprobs_and_top_p_are_asked_as_each_endpoint_spells_them(endpoint):
+    args = serve.build_parser().parse_args(["--endpoint", endpoint, "--logprobs", "2",
+                                            "--top-p", "0.8", "--num-prompts", "1"])
+    body = serve.request_body(args, "m", plan_requests(args)[0])
+    assert body["top_p"] == 0.8
+    if endpoint == "chat":
+        assert body["logprobs"] is True and body["top_logprobs"] == 2
+    else:
+        assert body["logprobs"] == 2 and "top_logprobs" not in body
+    plain = serve.build_parser().parse_args(["--endpoint", endpoint, "--num-prompts", "1"])
+    assert not {"logprobs", "top_p"} & serve.request_body(plain, "m",
+                                                          plan_requests(plain)[0]).keys()

@@ -160,12 +160,18 @@ def request_body(args: argparse.Namespace, model: str, planned: PlannedRequest
                             "temperature": args.temperature}
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if args.top_p is not None:
+        body["top_p"] = args.top_p
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": planned.prompt}]
         body["max_completion_tokens"] = planned.output_len
+        if args.logprobs is not None:
+            body.update(logprobs=True, top_logprobs=args.logprobs)
     else:
         body["prompt"] = planned.prompt
         body["max_tokens"] = planned.output_len
+        if args.logprobs is not None:
+            body["logprobs"] = args.logprobs
     return body
 
 
@@ -583,6 +589,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "take token-id prompts, as headrace and vLLM do)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="top_p of every request")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="every request asks for its tokens' logprobs and the top N "
+                        "(chat: logprobs true, top_logprobs N)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask the server to ignore EOS so every output has its planned length "
                         "(a vLLM extension; --no-ignore-eos for servers that refuse it)")

@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "and http (both: inprocess,pipeline); inprocess always runs, "
                              "first, since the floor and the other paths' ratios need it "
                              "(default inprocess)")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help="every request also asks for its sampled tokens' logprobs and "
+                             "the top N (what the issue's logprobs=1 workload costs)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="every request samples with this top_p (the sampler's cost "
+                             "beyond temperature alone)")
     parser.add_argument("--compare", choices=("transformers",), default=None,
                         help="also run transformers' generate_batch on the same weights")
     parser.add_argument("--transformers-attn", default="paged|sdpa",
@@ -130,9 +136,26 @@ def parse_paths(text: str) -> list[str]:
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     if args.workload == "nano":
-        return nano_workload(args.num_prompts or 256)
-    return fixed_workload(args.workload, args.num_prompts or 64, args.prompt_len,
-                          args.output_len, vocab_size=vocab_size)
+        workload = nano_workload(args.num_prompts or 256)
+    else:
+        workload = fixed_workload(args.workload, args.num_prompts or 64, args.prompt_len,
+                                  args.output_len, vocab_size=vocab_size)
+    return with_sampling(workload, args.logprobs, args.top_p)
+
+
+def with_sampling(workload: Workload, logprobs: int | None, top_p: float | None) -> Workload:
+    """The workload with every request's logprobs and top_p set where given; its name says
+    so, since the figures differ."""
+    changes: dict[str, Any] = {}
+    if logprobs is not None:
+        changes["logprobs"] = logprobs
+    if top_p is not None:
+        changes["top_p"] = top_p
+    if not changes:
+        return workload
+    label = ",".join(f"{k}={v}" for k, v in changes.items())
+    return dataclasses.replace(workload, name=f"{workload.name}[{label}]",
+                               params=[p.replace(**changes) for p in workload.params])
 
 
 def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None,
@@ -262,8 +285,12 @@ def copy_weights(ours: torch.nn.Module, hf: torch.nn.Module) -> None:
 
 
 def _overrides(params: SamplingParams) -> dict[str, Any]:
-    return {"temperature": params.temperature, "ignore_eos": True,
-            "max_tokens": params.max_tokens}
+    """The request fields of the workload's sampling, as a client sends them."""
+    fields = {"temperature": params.temperature, "ignore_eos": True,
+              "max_tokens": params.max_tokens, "top_p": params.top_p}
+    if params.logprobs is not None:
+        fields["logprobs"] = params.logprobs
+    return fields
 
 
 def _sync(device: torch.device) -> None:

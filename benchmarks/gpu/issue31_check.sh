@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The device script for issue 31 (the host side at GPU speed), every output under $OUT/r:
+#   source .devkit/env.sh && bash benchmarks/gpu/issue31_check.sh STAGE
+set -uo pipefail
+source benchmarks/gpu/common.sh
+case "$1" in
+latency)  # small-batch decode steps: 0.6B at batch 1 and 8, 8B at batch 1
+  for spec in "qwen3-0.6b-shape 1 62" "qwen3-0.6b-shape 8 62" "llama-3.1-8b-shape 1 1000"; do
+    set -- $spec
+    bench 120 latency --model $M/$1 --load-format dummy --context-len $3 --batch-size $2 \
+      --output-len 64 --iterations 3 --max-model-len 2048 \
+      --json "$R/latency-$1-b$2.json" >> "$R/latency.txt" 2>&1
+  done
+  ;;
+nano)  # the nano workload on both user paths, then with logprobs=1, then with top_p
+  for extra in "" "--logprobs 1" "--top-p 0.9"; do
+    name=$(echo "nano$extra" | tr -d ' -')
+    bench 200 throughput --model $M/qwen3-0.6b-shape --load-format dummy --workload nano \
+      --path inprocess,http $extra --json "$R/throughput-$name.json" \
+      > "$R/throughput-$name.txt" 2>&1
+  done
+  ;;
+itl)  # one streamed chat at a time, without and with logprobs, through `headrace serve`
+  port_free 8800 || exit 1
+  python -m services.cli serve $M/qwen3-0.6b-shape --load-format dummy --port 8800 \
+    --run-dir /tmp/hr-serve --served-model-name qwen3 > "$R/serve.log" 2>&1 &
+  serve=$!
+  wait_healthy 8800
+  for extra in "" "--logprobs 1"; do
+    name=$(echo "chat-c1$extra" | tr -d ' -')
+    timeout 100 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
+      --seed 7 --disable-tqdm --endpoint chat --num-prompts 16 --max-concurrency 1 \
+      --dataset random --random-input-len 32 --random-output-len 64 $extra \
+      > "$R/warmup-$name.txt" 2>&1
+    timeout 150 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
+      --seed 1 --disable-tqdm --endpoint chat --num-prompts 64 --max-concurrency 1 \
+      --dataset random --random-input-len 32 --random-output-len 64 $extra \
+      --save-result "$R/serve-$name.json" > "$R/serve-$name.txt" 2>&1
+  done
+  kill -TERM $serve; wait $serve
+  ;;
+esac
+lscpu | grep -E "Model name|^CPU\(s\)" > "$R/host.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv >> "$R/host.txt"
