@@ -13,11 +13,11 @@ case "$1" in
     > "$R/pytest-models.txt" 2>&1
   ;;
 fused)  # the fused attention-input, Gemma norm and sampling kernels against their twins
-  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py -k \
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py -k \
     "fused_attention_inputs_cuda or small_kernels_cuda or gemma_kernels_cuda or sampling_kernel_cuda or attention_cuda" \
     > "$R/pytest-fused.txt" 2>&1
   # the sampler's tests on CUDA (its device fixture names them [cuda])
-  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_sampler.py -k cuda \
+  timeout 60 python -m pytest -q -p no:cacheprovider tests/test_sampler.py -k cuda \
     > "$R/pytest-sampler-cuda.txt" 2>&1
   ;;
 moe)  # the MoE kernels against their twin, then one Qwen3-30B-A3B MoE layer's parts at
