@@ -90,7 +90,8 @@ def top_p_threshold_triton(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Te
     assert probs.dtype == torch.float32 and probs.stride(1) == 1
     out = torch.empty(rows, dtype=torch.float32, device=probs.device)
     _top_p_threshold_kernel[(rows,)](probs, probs.stride(0), top_p, out, vocab,
-                                     STEPS=TOP_P_STEPS, BLOCK=BLOCK_TOP_P, num_warps=8)
+                                     ONE=ONE_BITS, STEPS=TOP_P_STEPS, BLOCK=BLOCK_TOP_P,
+                                     num_warps=8)
     return out
 
 
@@ -115,11 +116,13 @@ def top_p_threshold_ref(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tenso
 
 @triton.jit
 def _top_p_threshold_kernel(probs_ptr, stride_row, top_p_ptr, out_ptr, vocab,
-                            STEPS: tl.constexpr, BLOCK: tl.constexpr):
+                            ONE: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    # ONE comes in as an argument: a compiled kernel may read no plain global (the
+    # interpreter allows it, so only a compile for the GPU shows that)
     row = tl.program_id(0)
     top_p = tl.load(top_p_ptr + row)
     lo = tl.zeros([1], tl.int32)
-    hi = tl.full([1], ONE_BITS, tl.int32)
+    hi = tl.full([1], ONE, tl.int32)
     for _ in range(STEPS):
         mid = lo + (hi - lo) // 2
         pivot = mid.to(tl.float32, bitcast=True)

@@ -47,7 +47,8 @@ from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
 from kernels.quant import (quantize_per_token_ref, quantize_per_token_triton, scaled_mm,
                            scaled_mm_ref, scaled_mm_triton)
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
-from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, gumbel_argmax_ref,
+from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, ONE_BITS, TOP_P_STEPS,
+                              _top_p_threshold_kernel, gumbel_argmax_ref,
                               gumbel_argmax_triton, philox_uniform, top_p_threshold_ref,
                               top_p_threshold_triton)
 from kernels.triton_attention import (MAX_SPLITS, AttentionConfig, TileConfig, default_config,
@@ -922,6 +923,16 @@ def test_fused_kernels_compile_for_sm90() -> None:
                       out_ptr="*bf16", new_res_ptr="*bf16", hidden="i32", eps="fp32",
                       stride_x="i32", stride_r="i32")
     compile_for_sm90(_gemma_norm_add_norm_kernel, norm_types, dict(BLOCK=4096))
+
+
+@pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
+def test_top_p_kernel_compiles_for_sm90() -> None:
+    """The interpreter let the kernel read a plain global, which a GPU compile refuses:
+    every top-p request on CUDA failed."""
+    types = dict(probs_ptr="*fp32", stride_row="i32", top_p_ptr="*fp32", out_ptr="*fp32",
+                 vocab="i32")
+    compile_for_sm90(_top_p_threshold_kernel, types,
+                     dict(ONE=ONE_BITS, STEPS=TOP_P_STEPS, BLOCK=BLOCK_TOP_P))
 
 
 @needs_cuda
