@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=None,
                         help="every request samples with this top_p (the sampler's cost "
                              "beyond temperature alone)")
+    parser.add_argument("--step-thread", action=argparse.BooleanOptionalAction, default=True,
+                        help="the in-process engine runs its executor on a step thread "
+                             "(LLM's default) or, with --no-step-thread, in its loop")
     parser.add_argument("--compare", choices=("transformers",), default=None,
                         help="also run transformers' generate_batch on the same weights")
     parser.add_argument("--transformers-attn", default="paged|sdpa",
@@ -369,7 +372,7 @@ class EngineRuns:
 def run_engine(args: argparse.Namespace, config: EngineConfig) -> EngineRuns:
     """The in-process path (and the transformers comparison). The engine lives only in
     this call, so its device memory can be released when it returns."""
-    engine = Engine(config)
+    engine = Engine(config, step_thread=args.step_thread)
     workload = make_workload(args, engine.runner.model.vocab_size)
     shape = ModelShape.of(engine.runner.model, engine.runner.hf_config,
                           engine.config.tensor_parallel_size,

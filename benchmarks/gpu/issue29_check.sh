@@ -14,7 +14,7 @@ case "$1" in
   ;;
 fused)  # the fused attention-input, Gemma norm and sampling kernels against their twins
   timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py -k \
-    "fused_attention_inputs_cuda or small_kernels_cuda or gemma_kernels_cuda or sampling_kernel_cuda or attention_cuda" \
+    "fused_attention_inputs_cuda or small_kernels_cuda or gemma_kernels_cuda or sampling_kernel_cuda" \
     > "$R/pytest-fused.txt" 2>&1
   # the sampler's tests on CUDA (its device fixture names them [cuda])
   timeout 60 python -m pytest -q -p no:cacheprovider tests/test_sampler.py -k cuda \

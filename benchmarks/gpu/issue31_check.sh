@@ -20,6 +20,12 @@ nano)  # the nano workload on both user paths, then with logprobs=1, then with t
       > "$R/throughput-$name.txt" 2>&1
   done
   ;;
+steps)  # the in-process path with the executor on the step thread and in the loop
+  for flag in --step-thread --no-step-thread; do
+    bench 150 throughput --model $M/qwen3-0.6b-shape --load-format dummy --workload nano \
+      $flag --json "$R/throughput-nano$flag.json" > "$R/throughput-nano$flag.txt" 2>&1
+  done
+  ;;
 itl)  # one streamed chat at a time, without and with logprobs, through `headrace serve`
   port_free 8800 || exit 1
   python -m services.cli serve $M/qwen3-0.6b-shape --load-format dummy --port 8800 \
