@@ -357,10 +357,27 @@ def check_norm_rope_write_kv(num_tokens: int, num_heads: int, num_kv_heads: int,
     what = f"norm_rope_write_kv {num_heads}/{num_kv_heads}x{head_dim} {dtype} {norm}"
     assert_close(q_out, q_ref, f"{what} q", seed)
     for name, out, ref in (("K", k_cache, expected_k), ("V", v_cache, expected_v)):
-        out, ref = out.float(), ref.float()
-        assert torch.equal(out.isnan(), ref.isnan()), f"{what} {name} slots (seed {seed})"
-        written = ~ref.isnan()
-        assert_close(out[written].to(dtype), ref[written].to(dtype), f"{what} {name}", seed)
+        written = ~ref.float().isnan()
+        assert torch.equal(out.float().isnan(), ~written), f"{what} {name} slots (seed {seed})"
+        if cache_dtype in FP8:
+            assert_fp8_codes_close(out[written], ref[written], f"{what} {name}", seed)
+        else:
+            assert_close(out[written], ref[written], f"{what} {name}", seed)
+
+
+def assert_fp8_codes_close(out: torch.Tensor, ref: torch.Tensor, what: str, seed: int
+                           ) -> None:
+    """fp8 values equal, or one code apart where the kernel's fp32 statistics round a
+    value to the other side of a step than the twin's bf16 ones do: a norm-relative
+    bound cannot say that, since one e5m2 step is up to a quarter of the value. Few may
+    differ, and none by more than a step."""
+    a, b = out.view(torch.uint8).int(), ref.view(torch.uint8).int()
+    magnitude_a, magnitude_b = a & 0x7F, b & 0x7F
+    adjacent = (((a >> 7) == (b >> 7)) & ((magnitude_a - magnitude_b).abs() <= 1)) | \
+        ((magnitude_a <= 1) & (magnitude_b <= 1))  # either side of zero
+    assert bool(adjacent.all()), f"{what}: fp8 codes more than a step apart (seed {seed})"
+    differing = (a != b).float().mean().item()
+    assert differing <= 0.02, f"{what}: {differing:.1%} of fp8 codes differ (seed {seed})"
 
 
 def check_silu_and_mul(num_tokens: int, d: int, dtype: torch.dtype, device: str) -> None:
