@@ -7,6 +7,7 @@ tests/test_gpu.py's (-k vl_graphs)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,14 +42,14 @@ def test_text_steps_at_collapsed_positions_give_the_m_rope_logits(arch, tmp_path
     hf_config = load_hf_config(model_dir)
     model = load_model(EngineConfig(model=str(model_dir), dtype="float32"), hf_config, CPU,
                        torch.float32, model_dir)
-    mrope, eager = Paged(model, hf_config, block_size=4, seed=1), \
+    mrope, flat = Paged(model, hf_config, block_size=4, seed=1), \
         Paged(model, hf_config, block_size=4, seed=1)
     image = ImageInput("h", offset=3, length=6, grid_thw=[1, 4, 6])  # 2x3 merged tokens
     prompts = [token_ids(14, seed=1), token_ids(9, seed=2)]
-    tables = [(mrope_positions(len(p), [image], 2)) for p in prompts]
+    tables = [mrope_positions(len(p), [image], 2) for p in prompts]
     assert all((table[0] != table[1]).any() for table, _ in tables)
     blocks = [mrope.blocks(24), mrope.blocks(24)]
-    assert blocks == [eager.blocks(24), eager.blocks(24)]
+    assert blocks == [flat.blocks(24), flat.blocks(24)]
 
     def run(paged: Paged, chunks, positions: torch.Tensor) -> torch.Tensor:
         input_ids, _, attn = paged.inputs(chunks)
@@ -58,7 +59,7 @@ def test_text_steps_at_collapsed_positions_give_the_m_rope_logits(arch, tmp_path
     prefill = [(blocks[0], prompts[0][:10], 0), (blocks[1], prompts[1], 0)]
     three = torch.cat([torch.from_numpy(tables[0][0][:, :10]),
                        torch.from_numpy(tables[1][0])], dim=1)
-    for paged in (mrope, eager):
+    for paged in (mrope, flat):
         run(paged, prefill, three)
     # the rest of the first prompt (text), then the second's first output token
     chunks = [(blocks[0], prompts[0][10:], 10), (blocks[1], [7], 9)]
@@ -68,9 +69,9 @@ def test_text_steps_at_collapsed_positions_give_the_m_rope_logits(arch, tmp_path
     collapsed = torch.tensor([14 + tables[0][1], 10 + tables[1][1]])
     for step, positions in ((chunks, text), (decode, collapsed)):
         want = run(mrope, step, positions.expand(3, -1).contiguous())
-        got = run(eager, step, positions)
+        got = run(flat, step, positions)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
-    for (k_want, v_want), (k_got, v_got) in zip(mrope.kv_caches, eager.kv_caches):
+    for (k_want, v_want), (k_got, v_got) in zip(mrope.kv_caches, flat.kv_caches):
         torch.testing.assert_close(k_got, k_want, atol=1e-6, rtol=0)
         torch.testing.assert_close(v_got, v_want, atol=1e-6, rtol=0)
 
@@ -84,8 +85,6 @@ def step_inputs(positions: torch.Tensor, image_rows=None) -> StepInputs:
 
 
 def test_steps_with_image_rows_run_eagerly_and_the_others_replay():
-    import numpy as np
-
     table = np.array([[0, 1, 2, 2, 2, 5], [0, 1, 2, 3, 3, 5], [0, 1, 2, 3, 4, 5]])
     text = np.array([[7, 8], [7, 8], [7, 8]])
     assert mrope_positions_of_step(table, True).shape == (3, 6)
@@ -165,7 +164,7 @@ def test_llava_text_steps_through_the_graph_buffers_give_the_eager_tokens(tmp_pa
     model_dir = make_tiny_llava(tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                             prompt_logprobs=0, logprobs=0)
-    requests = [{"prompt": chat(f"A <|image_pad|> or <|image_pad|>? Say which one."),
+    requests = [{"prompt": chat("A <|image_pad|> or <|image_pad|>? Say which one."),
                  "multi_modal_data": {"image": [random_image(2), random_image(3)]}},
                 chat("Only text here, and a little more of it.")]
     outs = []
