@@ -334,3 +334,79 @@ def test_fp8_calculate_kv_scales_then_graphs(tmp_path):
               if isinstance(m, Attention)]
     assert scales and all(0 < s != 1.0 for s in scales)
     assert ours == greedy(LLM(model_dir, enforce_eager=True, **kwargs), prompts)
+
+
+# --- vision-language models: their steps without image rows replay the graphs ------------
+
+VL_GRAPH_TOKENS = 8
+
+
+def vl_requests(image_token: str) -> list:
+    """An image, then a long text tail (a 16-token budget leaves chunks of text alone, which
+    replay mixed graphs), two images, and text alone."""
+    from tests.test_vision_language import chat, random_image
+
+    return [{"prompt": chat(f"{image_token}Describe the picture in a few words, please, and "
+                            "then count to five."),
+             "multi_modal_data": {"image": [random_image(1)]}},
+            {"prompt": chat(f"A {image_token} or {image_token}?"),
+             "multi_modal_data": {"image": [random_image(2), random_image(3, (84, 56))]}},
+            chat("Only text here, and a little more of it.")]
+
+
+def hf_vl_greedy(hf, processor, request, ids: list[int]) -> list[int]:
+    """transformers' greedy tokens (on the CPU), recomputing the whole sequence each step."""
+    images = request["multi_modal_data"]["image"] if isinstance(request, dict) else []
+    extra = {}
+    if images:
+        processed = processor(images=images, return_tensors="pt")
+        extra = {"pixel_values": processed["pixel_values"]}
+        if "image_grid_thw" in processed:
+            extra["image_grid_thw"] = processed["image_grid_thw"]
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(VL_GRAPH_TOKENS):
+            input_ids = torch.tensor([seq])
+            if "image_grid_thw" in extra:
+                extra["mm_token_type_ids"] = (input_ids == hf.config.image_token_id).int()
+            seq.append(int(hf(input_ids=input_ids, **extra).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "llava"])
+def test_vl_graphs_give_the_eager_and_transformers_tokens(arch, tmp_path):
+    """A vision-language model captures the graphs after its memory profile; its steps
+    with image rows run eagerly, the others (decodes, text chunks; Qwen2-VL's at M-RoPE
+    collapsed to 1-D positions) replay: the greedy tokens equal the eager engine's and
+    transformers'."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.tiny_models import make_tiny_llava, make_tiny_vl_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model_dir = str(make_tiny_llava(tmp_path) if arch == "llava"
+                    else make_tiny_vl_model(tmp_path, arch))
+    requests = vl_requests("<|image_pad|>" if arch == "llava"
+                           else "<|vision_start|><|image_pad|><|vision_end|>")
+    params = SamplingParams(temperature=0.0, max_tokens=VL_GRAPH_TOKENS, ignore_eos=True)
+    kwargs = dict(dtype="float32", block_size=16, max_num_batched_tokens=16, max_num_seqs=4)
+    gc.collect()  # engines of earlier tests: the profile's peak would count them
+    # the cache sized by the memory profile (its encoder pass included), then the capture
+    graphs = LLM(model_dir, kv_cache_memory=64 * 2**20, **kwargs)
+    runner = graphs.engine.runner
+    assert runner.graphs is not None
+    replayed: list[tuple[bool, int]] = []
+    replay = runner.graphs.run
+    runner.graphs.run = lambda key, *args: replayed.append(key) or replay(key, *args)
+    outs = graphs.generate(requests, params, use_tqdm=False)
+    ours = [o.outputs[0].token_ids for o in outs]
+    assert any(not mixed for mixed, _ in replayed) and any(mixed for mixed, _ in replayed)
+    eager = LLM(model_dir, enforce_eager=True, num_gpu_blocks_override=256, **kwargs)
+    assert eager.engine.runner.graphs is None
+    assert ours == [o.outputs[0].token_ids
+                    for o in eager.generate(requests, params, use_tqdm=False)]
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = graphs.engine.processor.images.image_processor
+    for request, out in zip(requests, outs):
+        assert out.outputs[0].token_ids == hf_vl_greedy(hf, processor, request,
+                                                        out.prompt_token_ids)

@@ -8,6 +8,9 @@ host cost dwarfs their device time; replaying a graph issues them all at once. T
   decodes), captured with as many request slots as tokens, since a step never has more
   requests than tokens.
 
+A vision-language model's graphs take token ids and 1-D positions too: they replay its
+steps without image rows (services/worker/model_runner.replays_graph).
+
 A step replays the smallest graph of its kind that fits. Its inputs are copied into the
 graphs' static buffers; the unused request slots have no queries and context length 0,
 the tokens past the last real one have cache slot -1 and form the kernel's padding tail

@@ -130,3 +130,14 @@ def mrope_step_positions(states: list[RequestState], positions: np.ndarray,
                                 state.mrope[:, np.minimum(pos, prompt_len - 1)],
                                 pos + state.mrope_delta)
     return out
+
+
+def mrope_positions_of_step(positions: np.ndarray, has_images: bool) -> np.ndarray:
+    """A step's M-RoPE positions as the model takes them: [3, T] where it has image rows,
+    else [T]: its tokens are all text, whose three positions are equal, and M-RoPE at
+    three equal positions is 1-D RoPE at that position (each frequency's angle comes from
+    one of the three: layers/rotary.MRotaryEmbedding)."""
+    if has_images:
+        return positions
+    assert (positions == positions[0]).all(), "a text token's three positions differ"
+    return positions[0].copy()

@@ -38,7 +38,8 @@ from common.speculative import may_speculate
 from services.worker.cuda_graphs import StepGraphs, graph_tokens
 from services.worker.draft import DraftRunner
 from services.worker.grammar import Grammars, MaskRow
-from services.worker.images import (EncoderCache, mrope_step_positions, profile_image_grids,
+from services.worker.images import (EncoderCache, mrope_positions_of_step,
+                                    mrope_step_positions, profile_image_grids,
                                     step_image_slices)
 from services.worker.inputs import StepInputs, prepare_inputs, to_device
 from services.worker.launched import Launched, finish
@@ -274,19 +275,21 @@ class ModelRunner:
     def _add_images(self, plan: StepPlan, states: list[RequestState], inputs: StepInputs
                     ) -> None:
         """A vision-language step: the embedding rows of the image placeholders it
-        computes (encoded here where no live request did), and three positions per token
-        under M-RoPE."""
+        computes (encoded here where no live request did), and under M-RoPE three
+        positions per token, or one where the step has no image rows: its tokens are all
+        text, whose three positions are equal, and M-RoPE at three equal positions is 1-D
+        RoPE at that position. Such a step (every decode, the prompt's text chunks) is
+        then a text model's step, which the captured graphs replay."""
         assert self.images is not None
         num_scheduled = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
         num_computed = np.asarray(plan.num_computed_tokens, dtype=np.int64)
         cu = np.concatenate([[0], np.cumsum(num_scheduled)])
         positions = np.arange(cu[-1]) + np.repeat(num_computed - cu[:-1], num_scheduled)
+        slices = step_image_slices(states, cu, num_computed, num_scheduled)
         if self.model.mrope:
-            inputs.positions = self._tensor(mrope_step_positions(states, positions,
-                                                                 num_scheduled))
-        inputs.image_rows = self.images.rows(
-            step_image_slices(states, cu, num_computed, num_scheduled),
-            self.model.encode_images)
+            inputs.positions = self._tensor(mrope_positions_of_step(
+                mrope_step_positions(states, positions, num_scheduled), bool(slices)))
+        inputs.image_rows = self.images.rows(slices, self.model.encode_images)
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         """The step's hidden states, from a captured graph where one fits; the draft model
@@ -295,7 +298,8 @@ class ModelRunner:
         self.scales_pending = [m for m in self.scales_pending if m.calculate_scales]
         if self.scales_pending:
             graphs = None
-        key = None if graphs is None else graphs.key(attn, inputs.input_ids.shape[0])
+        key = None if graphs is None or not replays_graph(inputs) \
+            else graphs.key(attn, inputs.input_ids.shape[0])
         if key is not None:
             hidden = graphs.run(key, inputs.input_ids, inputs.positions, attn)
         elif self.images is not None:
@@ -471,13 +475,12 @@ class ModelRunner:
             log.info("all-reduces of up to %d tokens go over peer memory", tokens)
 
     def _capture_graphs(self) -> StepGraphs | None:
-        """None on the CPU, under --enforce-eager and for a vision-language model (its
-        steps' positions and image rows are not graph inputs yet)."""
+        """None on the CPU, under --enforce-eager and under pipeline stages. A
+        vision-language model's graphs wrap its language model alone (token ids to
+        embeddings, 1-D positions): they replay its steps without image rows."""
         config = self.config
-        # a stage's forward pass sends and receives between graphs, and a vision-language
-        # step's encoder runs on its images: eager
-        if (self.device.type != "cuda" or config.enforce_eager or self.stage.size > 1
-                or self.model.multimodal):
+        # a stage's forward pass sends and receives between graphs: eager
+        if self.device.type != "cuda" or config.enforce_eager or self.stage.size > 1:
             return None
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         graphs = StepGraphs(self.model, self.kv_caches, config.max_num_seqs,
@@ -550,6 +553,13 @@ class ModelRunner:
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
+
+
+def replays_graph(inputs: StepInputs) -> bool:
+    """Whether a captured graph may replay a step: not where it has image rows (the
+    vision encoder's embeddings and M-RoPE's three positions a token are no graph
+    inputs); those steps run eagerly."""
+    return inputs.image_rows is None and inputs.positions.dim() == 1
 
 
 def _drafts_for(state: RequestState) -> bool:
