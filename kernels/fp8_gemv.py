@@ -13,8 +13,7 @@ after the loop; K-blocked scales multiply each K tile's partial sums, so a K til
 straddles two scale blocks (BLOCK_K divides block_k).
 
 Each program owns a BLOCK_N stripe of outputs and a share of K: it loads [BLOCK_N, BLOCK_K]
-fp8 tiles contiguous along K and either sums products on the CUDA cores (one row, or a few
-with `dot` off) or converts the tile to x's dtype and feeds tl.dot with x padded to 16 rows.
+fp8 tiles contiguous along K and either sums products on the CUDA cores (one row) or converts the tile to x's dtype and feeds tl.dot with x padded to 16 rows.
 When N is small for the chip, K splits across programs (split_k), each writing float32
 partial sums that a second launch adds up (with the bias) in x's dtype.
 
@@ -142,9 +141,8 @@ def fp8_gemv_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     k_share = triton.cdiv(triton.cdiv(k, split), tile_k) * tile_k
     split = triton.cdiv(k, k_share)
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    block_m = triton.next_power_of_2(m)
-    if tiles.dot:
-        block_m = max(block_m, DOT_MIN_ROWS)
+    assert tiles.dot or m == 1, "more than one row takes tensor cores (tiles.dot)"
+    block_m = max(triton.next_power_of_2(m), DOT_MIN_ROWS) if tiles.dot else 1
     _fp8_gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
         x2, w_fp8, scale, bias if bias is not None else y, out, m, n, k, x2.stride(0),
         w_fp8.stride(0), scale.shape[1], block_n, block_k, k_share,
@@ -178,22 +176,34 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride
     scale_rows = scale_ptr + (offs_n // scale_block_n) * scale_stride
     k_lo = share * k_share
     k_hi = tl.minimum(k_lo + k_share, k)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        # one row: products summed per lane in the weight tile's own layout (a 3-d
+        # broadcast with x's rows made the compiler shuffle every tile through shared
+        # memory), one cross-lane reduction after the loop
+        lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = k0 + offs_k < k_hi
         w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        xs = tl.load(x_rows + k0 + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                     other=0.0)
         if USE_DOT:
+            xs = tl.load(x_rows + k0 + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0)
             # fp8 values are exact in x's dtype: exact products, float32 sums
             part = tl.dot(xs, tl.trans(w.to(xs.dtype)))
+            if PER_K_SCALE:
+                part *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok,
+                                other=0.0)[None, :]
+            acc += part
         else:
-            part = tl.sum(w.to(tl.float32)[None, :, :] * xs.to(tl.float32)[:, None, :],
-                          axis=2)
-        if PER_K_SCALE:
-            part *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok, other=0.0)[None, :]
-        acc += part
+            xs = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            wf = w.to(tl.float32)
+            if PER_K_SCALE:
+                wf *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok, other=0.0)[:, None]
+            lanes += wf * xs[None, :]
+    if not USE_DOT:
+        acc = tl.sum(lanes, axis=1)[None, :]
     if not PER_K_SCALE:
         acc *= tl.load(scale_rows, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:

@@ -41,7 +41,8 @@ from kernels.attention import paged_attention, paged_attention_ref
 from kernels.attention_inputs import (HeadNorms, _norm_rope_write_kv_kernel,
                                       norm_rope_write_kv_ref, norm_rope_write_kv_triton)
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
-from kernels.fp8_gemv import Fp8GemvTiles, fp8_gemv, fp8_gemv_ref, fp8_gemv_triton
+from kernels.fp8_gemv import (Fp8GemvTiles, _fp8_gemv_kernel, _sum_splits_kernel, fp8_gemv,
+                              fp8_gemv_ref, fp8_gemv_triton)
 from kernels.lora import lora_expand_ref, lora_expand_triton
 from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
                           gemma_norm_add_norm_triton, rms_norm_ref, rms_norm_triton)
@@ -679,15 +680,16 @@ def quant_kernels() -> None:
 @interpreter_check
 def fp8_gemv_kernels() -> None:
     """The fp8 GEMV at 1, 3 and 16 rows, N and K off the tiles, every scale kind; the
-    CUDA-core sums (one row, and forced at 3) and tensor cores (more rows, and forced at
-    one), K split across programs, with and without a bias. fp16 throughout and bf16 at
-    one row: the interpreter multiplies bf16 matrices as raw bits (module docstring)."""
+    CUDA-core sums (one row) and tensor cores (more rows, and forced at one), K tiles wider
+    than a scale block (narrowed to it), K split across programs, with and without a bias.
+    fp16 throughout and bf16 at one row: the interpreter multiplies bf16 matrices as raw
+    bits (module docstring)."""
     for scales in ("tensor", "channel", "blocks", "rows"):
         for rows in (1, 3, 16):
             check_fp8_gemv(rows, 70, 300, scales, torch.float16, "cpu")
         check_fp8_gemv(1, 33, 260, scales, torch.bfloat16, "cpu", bias=False)
     check_fp8_gemv(1, 70, 1000, "channel", torch.float16, "cpu", Fp8GemvTiles(16, 64, dot=True))
-    check_fp8_gemv(3, 70, 1000, "blocks", torch.float16, "cpu", Fp8GemvTiles(16, 256))
+    check_fp8_gemv(1, 70, 1000, "blocks", torch.float16, "cpu", Fp8GemvTiles(16, 256))
     check_fp8_gemv(3, 40, 1000, "blocks", torch.float16, "cpu",
                    Fp8GemvTiles(16, 64, dot=True, split_k=3))
     check_fp8_gemv(1, 40, 1000, "tensor", torch.bfloat16, "cpu", Fp8GemvTiles(16, 128, split_k=4))
@@ -960,6 +962,24 @@ def test_fused_kernels_compile_for_sm90() -> None:
                       out_ptr="*bf16", new_res_ptr="*bf16", hidden="i32", eps="fp32",
                       stride_x="i32", stride_r="i32")
     compile_for_sm90(_gemma_norm_add_norm_kernel, norm_types, dict(BLOCK=4096))
+
+
+@pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
+def test_fp8_gemv_compiles_for_sm90() -> None:
+    """The fp8 GEMV's default tiles: one row per channel and per 128x128 block (CUDA-core
+    sums), 16 rows per block (tensor cores on bf16), and the K split's sum."""
+    types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16",
+                 out_ptr="*bf16", m="i32", n="i32", k="i32", stride_x="i32", stride_w="i32",
+                 scale_stride="i32", scale_block_n="i32", scale_block_k="i32", k_share="i32")
+    for per_k, dot, block_m, block_n, block_k in [(False, False, 1, 16, 512),
+                                                  (True, False, 1, 16, 128),
+                                                  (True, True, 16, 32, 128)]:
+        compile_for_sm90(_fp8_gemv_kernel, types, dict(
+            PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k))
+    compile_for_sm90(_sum_splits_kernel, dict(parts_ptr="*fp32", bias_ptr="*bf16",
+                                              y_ptr="*bf16", size="i32", n="i32",
+                                              splits="i32"), dict(HAS_BIAS=True, BLOCK=1024))
 
 
 @needs_cuda
