@@ -9,12 +9,14 @@ so the products are exact and only the float32 sums round.
 Scales come as blocks: w_scale [ceil(N / block_n), ceil(K / block_k)] covers one scale per
 tensor (block (N, K), scale [1, 1]), per output channel (block (1, K), scale [N, 1]) and
 DeepSeek-style 128 x 128 blocks. A scale that spans all of K multiplies each output once
-after the loop; K-blocked scales multiply each K tile's partial sums, so a K tile never
-straddles two scale blocks (BLOCK_K divides block_k).
+after the loop; a K-blocked scale multiplies each K tile (its weights on the CUDA cores, its
+dot's sums on tensor cores), so a K tile never straddles two scale blocks (BLOCK_K is
+narrowed to divide block_k).
 
 Each program owns a BLOCK_N stripe of outputs and a share of K: it loads [BLOCK_N, BLOCK_K]
-fp8 tiles contiguous along K and either sums products on the CUDA cores (one row) or converts the tile to x's dtype and feeds tl.dot with x padded to 16 rows.
-When N is small for the chip, K splits across programs (split_k), each writing float32
+fp8 tiles contiguous along K and either sums products on the CUDA cores (one row: each lane
+keeps its own sums in the tile's layout, reduced once after the loop) or converts the tile
+to x's dtype and feeds tl.dot with x padded to 16 rows (more rows). When N is small for the chip, K splits across programs (split_k), each writing float32
 partial sums that a second launch adds up (with the bias) in x's dtype.
 
 The tiles come from a table keyed by (rows, N, K) and the chip's SM count, never from
@@ -102,17 +104,24 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_tiles(rows: int, n: int, k: int, sms: int) -> Fp8GemvTiles:
-    """First guesses for the H100 (benchmarks/gpu/fp8_gemv_sweep.py times them): one row
-    sums on the CUDA cores over wide K steps; more rows take tensor cores. K splits while
-    the stripes alone leave SMs idle and each share keeps several K steps."""
-    tiles = (Fp8GemvTiles(16, 512, num_warps=4, num_stages=3) if rows == 1
-             else Fp8GemvTiles(32, 128, dot=True, num_warps=4, num_stages=4))
-    split, stripes = 1, triton.cdiv(n, tiles.block_n)
-    while stripes * split < sms and k // (2 * split) >= 4 * tiles.block_k:
+def default_tiles(rows: int, n: int, k: int, sms: int, scale_block_k: int) -> Fp8GemvTiles:
+    """First guesses for the H100, before a sweep (benchmarks/gpu/fp8_gemv_sweep.py): 8 KB
+    of weights a step per program on one row (CUDA-core sums), and stripes narrow enough
+    for some four programs an SM, as the loads in flight per SM set the bandwidth; 4 KB a
+    step and 4 stages on tensor cores for more rows. K tiles narrowed to a K-blocked scale
+    (128) widen the stripe to keep the bytes. K splits while the stripes alone leave SMs
+    idle and each share keeps several K steps."""
+    if rows == 1:
+        block_n, block_k = (8, 1024) if triton.cdiv(n, 16) < 4 * sms else (16, 512)
+        dot, warps, stages = False, 4, 3
+    else:
+        block_n, block_k, dot, warps, stages = 16, 256, True, 4, 4
+    if scale_block_k < min(k, block_k):
+        block_n, block_k = block_n * block_k // scale_block_k, scale_block_k
+    split, stripes = 1, triton.cdiv(n, block_n)
+    while stripes * split < sms and k // (2 * split) >= 4 * block_k:
         split *= 2
-    return Fp8GemvTiles(tiles.block_n, tiles.block_k, tiles.dot, split, tiles.num_warps,
-                        tiles.num_stages)
+    return Fp8GemvTiles(block_n, block_k, dot, split, warps, stages)
 
 
 def fp8_gemv_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
@@ -131,7 +140,7 @@ def fp8_gemv_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
     scale, block_n, block_k = scale_blocks(w_scale, n, k, block)
-    tiles = tiles or default_tiles(m, n, k, sm_count(x.device))
+    tiles = tiles or default_tiles(m, n, k, sm_count(x.device), block_k)
     tile_k, per_k = tiles.block_k, block_k < k
     if per_k:
         # a K tile inside one scale block: the largest power of two dividing block_k

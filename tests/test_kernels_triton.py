@@ -966,13 +966,15 @@ def test_fused_kernels_compile_for_sm90() -> None:
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
 def test_fp8_gemv_compiles_for_sm90() -> None:
-    """The fp8 GEMV's default tiles: one row per channel and per 128x128 block (CUDA-core
-    sums), 16 rows per block (tensor cores on bf16), and the K split's sum."""
+    """The fp8 GEMV's default tiles (default_tiles): one row per channel and per 128x128
+    block (CUDA-core sums), more rows per channel and per block (tensor cores on bf16),
+    and the K split's sum."""
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16",
                  out_ptr="*bf16", m="i32", n="i32", k="i32", stride_x="i32", stride_w="i32",
                  scale_stride="i32", scale_block_n="i32", scale_block_k="i32", k_share="i32")
-    for per_k, dot, block_m, block_n, block_k in [(False, False, 1, 16, 512),
-                                                  (True, False, 1, 16, 128),
+    for per_k, dot, block_m, block_n, block_k in [(False, False, 1, 8, 1024),
+                                                  (True, False, 1, 64, 128),
+                                                  (False, True, 16, 16, 256),
                                                   (True, True, 16, 32, 128)]:
         compile_for_sm90(_fp8_gemv_kernel, types, dict(
             PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot, BLOCK_M=block_m, BLOCK_N=block_n,
