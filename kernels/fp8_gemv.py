@@ -105,15 +105,15 @@ def sm_count(device: torch.device) -> int:
 
 
 def default_tiles(rows: int, n: int, k: int, sms: int, scale_block_k: int) -> Fp8GemvTiles:
-    """First guesses for the H100, before a sweep (benchmarks/gpu/fp8_gemv_sweep.py): 8 KB
-    of weights a step per program on one row (CUDA-core sums), and stripes narrow enough
-    for some four programs an SM, as the loads in flight per SM set the bandwidth; 4 KB a
-    step and 4 stages on tensor cores for more rows. K tiles narrowed to a K-blocked scale
-    (128) widen the stripe to keep the bytes. K splits while the stripes alone leave SMs
-    idle and each share keeps several K steps."""
+    """First guesses for the H100, before a sweep (benchmarks/gpu/fp8_gemv_sweep.py). One
+    row (CUDA-core sums): 4 KB tiles, two in flight a warp, some 100 registers a thread,
+    so five programs fit an SM and the 8B's narrowest projections (N = 4096: 512 stripes)
+    run in one wave; the loads in flight per SM set the bandwidth. More rows: 4 KB a step
+    and 4 stages on tensor cores. K tiles narrowed to a K-blocked scale (128) widen the
+    stripe to keep the bytes. K splits while the stripes alone leave SMs idle and each
+    share keeps several K steps."""
     if rows == 1:
-        block_n, block_k = (8, 1024) if triton.cdiv(n, 16) < 4 * sms else (16, 512)
-        dot, warps, stages = False, 4, 3
+        block_n, block_k, dot, warps, stages = 8, 512, False, 4, 1
     else:
         block_n, block_k, dot, warps, stages = 16, 256, True, 4, 4
     if scale_block_k < min(k, block_k):
@@ -187,16 +187,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride
     k_hi = tl.minimum(k_lo + k_share, k)
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        # one row: products summed per lane in the weight tile's own layout (a 3-d
-        # broadcast with x's rows made the compiler shuffle every tile through shared
-        # memory), one cross-lane reduction after the loop
-        lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_ok = k0 + offs_k < k_hi
-        w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        if USE_DOT:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k_ok = k0 + offs_k < k_hi
+            w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)
             xs = tl.load(x_rows + k0 + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                          other=0.0)
             # fp8 values are exact in x's dtype: exact products, float32 sums
@@ -205,14 +199,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride
                 part *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok,
                                 other=0.0)[None, :]
             acc += part
-        else:
-            xs = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            wf = w.to(tl.float32)
-            if PER_K_SCALE:
-                wf *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok, other=0.0)[:, None]
-            lanes += wf * xs[None, :]
-    if not USE_DOT:
-        acc = tl.sum(lanes, axis=1)[None, :]
+    else:
+        acc = _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
+                            PER_K_SCALE, BLOCK_N, BLOCK_K)[None, :]
     if not PER_K_SCALE:
         acc *= tl.load(scale_rows, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
@@ -220,6 +209,34 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride
     at = (share * m + offs_m)[:, None] * n + offs_n[None, :]
     tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
+                  PER_K_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x's first row times the stripe over [k_lo, k_hi), scaled per K tile or not at all.
+    Products are summed per lane in the weight tile's own layout, with one cross-lane
+    reduction after the loop (a 3-d broadcast against x's rows made the compiler shuffle
+    every tile through shared memory). Each step issues the next tile's loads before its
+    own arithmetic: Triton pipelines only loads that feed tl.dot, and the loads in flight
+    set the bandwidth."""
+    offs_k = tl.arange(0, BLOCK_K)
+    lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_ok = k_lo + offs_k < k_hi
+    w = tl.load(w_rows + k_lo + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    xs = tl.load(x_ptr + k_lo + offs_k, mask=k_ok, other=0.0)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_next = k0 + BLOCK_K + offs_k
+        next_ok = k_next < k_hi
+        w_next = tl.load(w_rows + k_next[None, :], mask=n_ok[:, None] & next_ok[None, :],
+                         other=0.0)
+        x_next = tl.load(x_ptr + k_next, mask=next_ok, other=0.0)
+        wf = w.to(tl.float32)
+        if PER_K_SCALE:
+            wf *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok, other=0.0)[:, None]
+        lanes += wf * xs.to(tl.float32)[None, :]
+        w, xs = w_next, x_next
+    return tl.sum(lanes, axis=1)
 
 
 @triton.jit

@@ -972,8 +972,8 @@ def test_fp8_gemv_compiles_for_sm90() -> None:
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16",
                  out_ptr="*bf16", m="i32", n="i32", k="i32", stride_x="i32", stride_w="i32",
                  scale_stride="i32", scale_block_n="i32", scale_block_k="i32", k_share="i32")
-    for per_k, dot, block_m, block_n, block_k in [(False, False, 1, 8, 1024),
-                                                  (True, False, 1, 64, 128),
+    for per_k, dot, block_m, block_n, block_k in [(False, False, 1, 8, 512),
+                                                  (True, False, 1, 32, 128),
                                                   (False, True, 16, 16, 256),
                                                   (True, True, 16, 32, 128)]:
         compile_for_sm90(_fp8_gemv_kernel, types, dict(

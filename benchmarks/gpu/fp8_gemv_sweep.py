@@ -29,9 +29,8 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}  # (K, N)
 ROWS = (1, 8)
 L2_FLUSH_BYTES = 256 * 2 ** 20
-ONE_ROW = [Fp8GemvTiles(n, k, split_k=s, num_warps=w, num_stages=st)
-           for n in (8, 16, 32) for k in (256, 512, 1024) for w in (4, 8) for st in (2, 3)
-           for s in (1, 2)]
+ONE_ROW = [Fp8GemvTiles(n, k, split_k=s, num_warps=w, num_stages=1)
+           for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (4, 8) for s in (1, 2)]
 DOT = [Fp8GemvTiles(n, k, dot=True, split_k=s, num_warps=w, num_stages=st)
        for n in (16, 32, 64) for k in (128, 256) for w in (4,) for st in (3, 4, 5)
        for s in (1, 2)]
