@@ -15,13 +15,16 @@ narrowed to divide block_k).
 
 Each program owns a BLOCK_N stripe of outputs and a share of K: it loads [BLOCK_N, BLOCK_K]
 fp8 tiles contiguous along K and either sums products on the CUDA cores (one row: each lane
-keeps its own sums in the tile's layout, reduced once after the loop) or converts the tile
-to x's dtype and feeds tl.dot with x padded to 16 rows (more rows). When N is small for the chip, K splits across programs (split_k), each writing float32
-partial sums that a second launch adds up (with the bias) in x's dtype.
+keeps its own sums in the tile's layout, reduced once after the loop, and the next tile's
+loads go out before the current one's arithmetic) or converts the tile to x's dtype and
+feeds tl.dot with x padded to 16 rows (more rows). When N is small for the chip, K splits
+across programs (split_k), each writing float32 partial sums that a second launch adds up
+(with the bias) in x's dtype.
 
-The tiles come from a table keyed by (rows, N, K) and the chip's SM count, never from
-runtime autotuning, so a step replays in a CUDA graph; benchmarks/gpu/fp8_gemv_sweep.py
-times the alternatives. The torch twin dequantizes to float32 and multiplies.
+The tiles come from a table keyed by the rows, N, K, the scale's K block and the SM count,
+never from runtime autotuning, so a step replays in a CUDA graph;
+benchmarks/gpu/fp8_gemv_sweep.py times the alternatives. The torch twin dequantizes to
+float32 and multiplies.
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ def fp8_gemv_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     if per_k:
         # a K tile inside one scale block: the largest power of two dividing block_k
         tile_k = min(tile_k, block_k & -block_k)
-        assert tile_k >= 16, f"fp8_gemv: K blocks of {block_k} need tiles under 16"
+        assert tile_k >= 16, f"fp8_gemv: K blocks of {block_k} split into no tile of 16+"
     split = max(1, min(tiles.split_k, triton.cdiv(k, tile_k)))
     k_share = triton.cdiv(triton.cdiv(k, split), tile_k) * tile_k
     split = triton.cdiv(k, k_share)
