@@ -8,7 +8,7 @@ Each way cycles through copies of its weights that together pass L2_FLUSH_BYTES,
 step streams every layer's weights once: the 8B's o and qkv weights (16 and 25 MB in fp8)
 would otherwise stay in the H100's 50 MB L2 from one replay to the next.
 
-    source .devkit/env.sh && PYTHONPATH=. python benchmarks/gpu/fp8_gemv_sweep.py
+    source .devkit/env.sh && python benchmarks/gpu/fp8_gemv_sweep.py
 
 Also times 128x128 block scales at one row (DeepSeek-style checkpoints) with the default
 tiles.
@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
+from pathlib import Path
 
 import torch
 
-from benchmarks.gpu.graph_timing import graph_us
-from kernels.fp8_gemv import Fp8GemvTiles, default_tiles, fp8_gemv_triton, sm_count
-from kernels.quant import FP8_DTYPE, quantize_per_token, scaled_mm
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root
+
+from benchmarks.gpu.graph_timing import graph_us  # noqa: E402
+from kernels.fp8_gemv import (Fp8GemvTiles, default_tiles, fp8_gemv_triton,  # noqa: E402
+                              sm_count)
+from kernels.quant import FP8_DTYPE, quantize_per_token, scaled_mm  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}  # (K, N)
