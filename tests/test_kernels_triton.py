@@ -41,6 +41,8 @@ from kernels.attention import paged_attention, paged_attention_ref
 from kernels.attention_inputs import (HeadNorms, _norm_rope_write_kv_kernel,
                                       norm_rope_write_kv_ref, norm_rope_write_kv_triton)
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
+from kernels.fp8_gemv import (Fp8GemvTiles, _fp8_gemv_kernel, _sum_splits_kernel, fp8_gemv,
+                              fp8_gemv_ref, fp8_gemv_triton)
 from kernels.lora import lora_expand_ref, lora_expand_triton
 from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
                           gemma_norm_add_norm_triton, rms_norm_ref, rms_norm_triton)
@@ -492,6 +494,26 @@ def check_scaled_mm(rows: int, n: int, k: int, block_n: int, group_k: int,
     assert_close(out, ref, f"scaled_mm {qdtype} {block_n}x{group_k}", seed)
 
 
+def check_fp8_gemv(rows: int, n: int, k: int, scales: str, dtype: torch.dtype, device: str,
+                   tiles: Fp8GemvTiles | None = None, bias: bool = True) -> None:
+    """The w8a16 GEMV (tiles None: the default table's) against its dequantize-then-matmul
+    twin; scales "tensor", "channel" (both given as their element count, the block read
+    from it), or "blocks" (128x128) and "rows" (1x64: per channel and K group), whose
+    shape is named."""
+    g, seed = fresh_generator()
+    w = rand(g, n, k, dtype=torch.float32, device=device, scale=100.0).clamp(-448, 448)
+    w = w.to(torch.float8_e4m3fn)
+    block = {"tensor": None, "channel": None, "blocks": (128, 128), "rows": (1, 64)}[scales]
+    count = {"tensor": (1,), "channel": (n,)}.get(scales) or (-(-n // block[0]),
+                                                               -(-k // block[1]))
+    w_scale = (0.5 + torch.rand(*count, generator=g)).to(device) / 100
+    x = rand(g, rows, k, dtype=dtype, device=device)
+    b = rand(g, n, dtype=dtype, device=device) if bias else None
+    out = fp8_gemv_triton(x, w, w_scale, b, block, tiles)
+    ref = fp8_gemv_ref(x, w, w_scale, b, block)
+    assert_close(out, ref, f"fp8_gemv {rows}x{k} -> {n} {scales} {tiles}", seed)
+
+
 # --- interpreter checks: tiny shapes, each run in a subprocess -----------------------------
 
 CHECKS: dict[str, Callable[[], None]] = {}
@@ -669,6 +691,24 @@ def quant_kernels() -> None:
         check_scaled_mm(7, 130, 200, 1, 200, qdtype, torch.float32, "cpu")
         check_scaled_mm(20, 256, 384, 128, 128, qdtype, torch.float32, "cpu", bias=False)
         check_scaled_mm(3, 96, 256, 1, 128, qdtype, torch.float16, "cpu")
+
+
+@interpreter_check
+def fp8_gemv_kernels() -> None:
+    """The fp8 GEMV at 1, 3 and 16 rows, N and K off the tiles, every scale kind; the
+    CUDA-core sums (one row) and tensor cores (more rows, and forced at one), K tiles wider
+    than a scale block (narrowed to it), K split across programs, with and without a bias.
+    fp16 throughout and bf16 at one row: the interpreter multiplies bf16 matrices as raw
+    bits (module docstring)."""
+    for scales in ("tensor", "channel", "blocks", "rows"):
+        for rows in (1, 3, 16):
+            check_fp8_gemv(rows, 70, 300, scales, torch.float16, "cpu")
+        check_fp8_gemv(1, 33, 260, scales, torch.bfloat16, "cpu", bias=False)
+    check_fp8_gemv(1, 70, 1000, "channel", torch.float16, "cpu", Fp8GemvTiles(16, 64, dot=True))
+    check_fp8_gemv(1, 70, 1000, "blocks", torch.float16, "cpu", Fp8GemvTiles(16, 256))
+    check_fp8_gemv(3, 40, 1000, "blocks", torch.float16, "cpu",
+                   Fp8GemvTiles(16, 64, dot=True, split_k=3))
+    check_fp8_gemv(1, 40, 1000, "tensor", torch.bfloat16, "cpu", Fp8GemvTiles(16, 128, split_k=4))
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
@@ -950,6 +990,26 @@ def test_top_p_kernel_compiles_for_sm90() -> None:
                      dict(ONE=ONE_BITS, STEPS=TOP_P_STEPS, BLOCK=BLOCK_TOP_P))
 
 
+@pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
+def test_fp8_gemv_compiles_for_sm90() -> None:
+    """The fp8 GEMV's default tiles (default_tiles): one row per channel and per 128x128
+    block (CUDA-core sums), more rows per channel and per block (tensor cores on bf16),
+    and the K split's sum."""
+    types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16",
+                 out_ptr="*bf16", m="i32", n="i32", k="i32", stride_x="i32", stride_w="i32",
+                 scale_stride="i32", scale_block_n="i32", scale_block_k="i32", k_share="i32")
+    for per_k, dot, block_m, block_n, block_k in [(False, False, 1, 8, 512),
+                                                  (True, False, 1, 32, 128),
+                                                  (False, True, 16, 16, 256),
+                                                  (True, True, 16, 32, 128)]:
+        compile_for_sm90(_fp8_gemv_kernel, types, dict(
+            PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k))
+    compile_for_sm90(_sum_splits_kernel, dict(parts_ptr="*fp32", bias_ptr="*bf16",
+                                              y_ptr="*bf16", size="i32", n="i32",
+                                              splits="i32"), dict(HAS_BIAS=True, BLOCK=1024))
+
+
 @needs_cuda
 def test_sampling_kernel_cuda() -> None:
     for rows in (1, 256):
@@ -989,6 +1049,38 @@ def test_quant_kernels_cuda(model: str) -> None:
             check_scaled_mm(rows, n, hidden, 1, hidden, qdtype, torch.bfloat16, "cuda",
                             dispatch=True)
             check_scaled_mm(rows, n, hidden, 128, 128, qdtype, torch.bfloat16, "cuda")
+
+
+# Llama-3.1-8B's projections: (K, N)
+LLAMA_8B_PROJECTIONS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+                        "down": (14336, 4096)}
+
+
+@needs_cuda
+@pytest.mark.parametrize("projection", sorted(LLAMA_8B_PROJECTIONS))
+def test_fp8_gemv_cuda(projection: str) -> None:
+    """The fp8 GEMV at Llama-3.1-8B's projections against its twin (relative error 1e-2
+    in bf16, the outputs' rounding): 1, 3, 8 and 16 rows, every scale kind, the default
+    tiles and a forced K split, the dispatch, and a replay in a CUDA graph."""
+    k, n = LLAMA_8B_PROJECTIONS[projection]
+    for rows in (1, 3, 8, 16):
+        for scales in ("tensor", "channel", "blocks"):
+            check_fp8_gemv(rows, n, k, scales, torch.bfloat16, "cuda")
+    check_fp8_gemv(1, n, k, "channel", torch.float16, "cuda", bias=False)
+    check_fp8_gemv(1, n, k, "channel", torch.bfloat16, "cuda", Fp8GemvTiles(32, 256, split_k=4))
+    check_fp8_gemv(8, n, k, "blocks", torch.bfloat16, "cuda",
+                   Fp8GemvTiles(64, 128, dot=True, split_k=2))
+    w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    w_scale = torch.rand(n, 1, device="cuda") / 100
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    expected = fp8_gemv_ref(x, w, w_scale)
+    assert torch.equal(fp8_gemv(x, w, w_scale), fp8_gemv_triton(x, w, w_scale))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv(x, w, w_scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, expected, "fp8_gemv in a CUDA graph", 0)
 
 
 if __name__ == "__main__":

@@ -361,6 +361,45 @@ def test_a_fused_layer_folds_its_parts_scales():
     assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_fp8_decode_rows_take_the_weight_only_gemv_cuda(strategy):
+    """On CUDA a step of at most 16 rows multiplies the fp8 weights by the bf16 rows
+    themselves (kernels/fp8_gemv.py), the weight's scales as the layer holds them; 17 rows
+    keep the per-token quantize and the W8A8 GEMM. (On CPU every step keeps the W8A8 twin:
+    test_a_fused_layer_folds_its_parts_scales runs 5 rows through it.)"""
+    from common.quantization import QuantSpec
+    from kernels.fp8_gemv import fp8_gemv
+    from kernels.quant import quantize_per_token, scaled_mm
+    from services.worker.layers.linear import QKVParallelLinear
+    from services.worker.layers.quantization import W8A8Method, building_with
+
+    activations = {"tensor": "static", "channel": "token", "block": "group"}[strategy]
+    spec = QuantSpec("fp8", "fp8", strategy, activations, online=strategy == "channel")
+    with building_with(W8A8Method(spec)):
+        layer = QKVParallelLinear(256, 128, 2, 1)
+    g = torch.Generator().manual_seed(3)
+    for name, param in layer.named_parameters():  # weights N(0, 1), scales 0.01 to 0.03
+        values = torch.randn(param.shape, generator=g) if name == "weight" else (
+            torch.rand(param.shape, generator=g) * 0.02 + 0.01)
+        param.data.copy_(values.to(param.dtype))
+    layer.method.process_after_loading(layer)
+    layer.to("cuda")
+    for rows in (1, 16, 17):
+        x = torch.randn(rows, 256, generator=g).to("cuda", torch.bfloat16)
+        if rows <= 16:
+            expected = fp8_gemv(x, layer.weight, layer.weight_scale,
+                                block=(layer.block_n, layer.group_k))
+        elif strategy == "tensor":
+            continue  # static input scales: the W8A8 path, as test_a_fused_layer_... checks
+        else:
+            group = layer.group_k if strategy == "block" else None
+            q, scale = quantize_per_token(x, FP8, group)
+            expected = scaled_mm(q, scale, layer.weight, layer.weight_scale, layer.block_n,
+                                 layer.group_k, torch.bfloat16)
+        assert torch.equal(layer(x), expected), f"{strategy}, {rows} rows"
+
 @pytest.mark.parametrize("scheme", [None, "FP8", "W8A8"])
 def test_dummy_weights_run_quantized(scheme, tmp_path):
     """--load-format dummy: online fp8 of the random weights, or random tensors in a

@@ -1,5 +1,8 @@
 """W8A8: 8-bit weights (fp8 e4m3 or int8) times activations quantized to the same type on
-the fly, through kernels/quant.py.
+the fly, through kernels/quant.py; on CUDA a step of at most GEMV_MAX_ROWS rows (decode)
+multiplies fp8 weights by the unquantized activations instead (kernels/fp8_gemv.py): at a few
+rows the weight read is the whole cost, and the quantize launch and cuBLAS's fp8 GEMM only
+add to it. The row count is a shape, so each CUDA-graph batch size captures one path.
 
 Weight scales are held per output row ([out, 1]) or per block ([out / 128, in / 128]), as
 one fused GEMM needs them: per-tensor checkpoints load one scale per fused part (q, k, v)
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 from common.quantization import QuantSpec
+from kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
 from kernels.quant import FP8_DTYPE, quantize_per_token, quantize_static, scaled_mm
 from services.worker.layers.quantization.base import QuantMethod, ceil_div, quant_parameter
 
@@ -111,6 +115,10 @@ class W8A8Method(QuantMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if self.takes_gemv(rows):
+            y = fp8_gemv(rows, layer.weight, layer.weight_scale, bias,
+                         block=(layer.block_n, layer.group_k))
+            return y.view(*x.shape[:-1], y.shape[-1])
         if self.spec.activations == "static":
             q = quantize_static(rows, layer.input_scale, self.qdtype)
             scale = layer.input_scale.expand(rows.shape[0], 1)
@@ -120,3 +128,9 @@ class W8A8Method(QuantMethod):
         y = scaled_mm(q, scale, layer.weight, layer.weight_scale, layer.block_n, layer.group_k,
                       x.dtype, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def takes_gemv(self, rows: torch.Tensor) -> bool:
+        """fp8 weights, a decode-sized step of 16-bit activations on CUDA (the CPU keeps
+        the W8A8 twin that prefill takes)."""
+        return (self.qdtype == FP8_DTYPE and rows.is_cuda and rows.shape[0] <= GEMV_MAX_ROWS
+                and rows.dtype in (torch.float16, torch.bfloat16))
