@@ -40,6 +40,18 @@ case "$1" in
       --json "$R/latency-8b-$2-b1.json" >> "$R/latency.txt" 2>&1
   done
   ;;
+gemv)  # the fp8 weight-only GEMV against its twin, the layer's choice of it, 8B batch-1
+       # decode in bf16 and fp8, then the GEMV's tiles against cuBLAS at the 8B projections
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+    tests/test_quantization.py -k "fp8_gemv and cuda or gemv_cuda" > "$R/pytest-fp8-gemv.txt" 2>&1
+  for quant in none fp8; do
+    args=(); [ "$quant" != none ] && args=(--quantization "$quant")
+    bench 120 latency --model "$L" --load-format dummy --context-len 1000 --batch-size 1 \
+      --output-len 64 --iterations 2 --max-model-len 2048 "${args[@]}" \
+      --json "$R/latency-8b-$quant-b1.json" >> "$R/latency.txt" 2>&1
+  done
+  timeout "${SWEEP_S:-200}" python benchmarks/gpu/fp8_gemv_sweep.py > "$R/fp8-gemv-sweep.txt" 2>&1
+  ;;
 3)
   for quant in none fp8; do
     args=(); [ "$quant" != none ] && args=(--quantization "$quant")
