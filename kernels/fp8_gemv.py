@@ -108,20 +108,24 @@ def sm_count(device: torch.device) -> int:
 
 
 def default_tiles(rows: int, n: int, k: int, sms: int, scale_block_k: int) -> Fp8GemvTiles:
-    """First guesses for the H100, before a sweep (benchmarks/gpu/fp8_gemv_sweep.py). One
-    row (CUDA-core sums): 4 KB tiles, two in flight a warp, some 100 registers a thread,
-    so five programs fit an SM and the 8B's narrowest projections (N = 4096: 512 stripes)
-    run in one wave; the loads in flight per SM set the bandwidth. More rows: 4 KB a step
-    and 4 stages on tensor cores. K tiles narrowed to a K-blocked scale (128) widen the
-    stripe to keep the bytes. K splits while the stripes alone leave SMs idle and each
-    share keeps several K steps."""
-    if rows == 1:
+    """From the H100 sweep at the 8B projections (benchmarks/issue30-h100/fp8-gemv-sweep.txt).
+    One row: CUDA-core sums over 8 x 512 tiles, about five programs an SM; the widest
+    projections (gate_up, N = 28672) are 8% faster on tensor cores at 32 x 128, 3 stages.
+    More rows: tensor cores at 32 x 256, 4 stages; the default 16-wide stripes ran 1.5x
+    slower. K tiles narrowed to a K-blocked scale (128) widen the stripe to keep the
+    bytes. K splits while the stripes leave SMs idle (one row), or number fewer than two
+    an SM (more rows: qkv and o at 8 rows ran 30% faster split in two)."""
+    if rows == 1 and n >= 16384:
+        block_n, block_k, dot, warps, stages = 32, 128, True, 4, 3
+    elif rows == 1:
         block_n, block_k, dot, warps, stages = 8, 512, False, 4, 1
     else:
-        block_n, block_k, dot, warps, stages = 16, 256, True, 4, 4
+        block_n, block_k, dot, warps, stages = 32, 256, True, 4, 4
     if scale_block_k < min(k, block_k):
         block_n, block_k = block_n * block_k // scale_block_k, scale_block_k
     split, stripes = 1, triton.cdiv(n, block_n)
+    if rows > 1:
+        split = 2 if stripes < 2 * sms and k >= 8 * block_k else 1
     while stripes * split < sms and k // (2 * split) >= 4 * block_k:
         split *= 2
     return Fp8GemvTiles(block_n, block_k, dot, split, warps, stages)

@@ -1000,7 +1000,8 @@ def test_fp8_gemv_compiles_for_sm90() -> None:
                  scale_stride="i32", scale_block_n="i32", scale_block_k="i32", k_share="i32")
     for per_k, dot, block_m, block_n, block_k in [(False, False, 1, 8, 512),
                                                   (True, False, 1, 32, 128),
-                                                  (False, True, 16, 16, 256),
+                                                  (False, True, 16, 32, 128),
+                                                  (False, True, 16, 32, 256),
                                                   (True, True, 16, 32, 128)]:
         compile_for_sm90(_fp8_gemv_kernel, types, dict(
             PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot, BLOCK_M=block_m, BLOCK_N=block_n,
