@@ -173,12 +173,13 @@ def decode_video(data: bytes, i: int, num_frames: int) -> tuple[Any, dict[str, f
             rate = float(stream.average_rate or stream.guessed_rate or 0)
             frames = [frame.to_ndarray(format="rgb24")
                       for k, frame in enumerate(container.decode(stream)) if k in picked]
+        if not frames:
+            raise ValueError("it has no frames")
+        video = np.stack(frames)  # ValueError if the frames' size changes midway
     except (av.FFmpegError, ValueError, OSError) as e:  # FFmpegError: av.error's base
         raise ApiError(400, f"Video {i} could not be decoded: {e}", FIELD) from None
-    if not frames:
-        raise ApiError(400, f"Video {i} could not be decoded: it has no frames.", FIELD)
     fps = rate * len(frames) / total if rate > 0 else 0.0
-    return np.stack(frames), ({"fps": fps} if fps else {})
+    return video, ({"fps": fps} if fps else {})
 
 
 def _frame_count(data: bytes, i: int) -> int:
@@ -190,7 +191,8 @@ def _frame_count(data: bytes, i: int) -> int:
         stream = _video_stream(container, i)
         if stream.width * stream.height > MAX_FRAME_PIXELS:
             raise ApiError(400, f"Video {i} is too large: frames of {stream.width}x"
-                                f"{stream.height} pixels (at most {MAX_FRAME_PIXELS}).", FIELD)
+                                f"{stream.height} pixels (at most {MAX_FRAME_PIXELS}).",
+                           FIELD)
         return stream.frames or sum(1 for _ in container.decode(stream))
 
 
