@@ -38,11 +38,13 @@ def plain_message(message: Any, i: int) -> dict[str, Any]:
                                          and isinstance(p.get("text"), str) for p in content):
         return {**message, "content": "\n".join(p["text"] for p in content)}
     if isinstance(content, list) and all(_is_part(p) for p in content):
-        # with images: the parts as Qwen-style templates read them, {"type": "image"}
-        return {**message, "content": [p if p["type"] == "text" else {"type": "image"}
+        # with images or videos: the parts as Qwen-style templates read them,
+        # {"type": "image"} and {"type": "video"}
+        return {**message, "content": [p if p["type"] == "text" else
+                                       {"type": p["type"].removesuffix("_url")}
                                        for p in content]}
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of text and "
-                        "image_url parts.", "messages")
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text, "
+                        "video_url and image_url parts.", "messages")
 
 
 IMAGE_DETAILS = ("auto", "low", "high")
@@ -53,6 +55,8 @@ def _is_part(part: Any) -> bool:
         return False
     if part.get("type") == "text":
         return isinstance(part.get("text"), str)
+    if part.get("type") == "video_url":
+        return video_url_of(part) is not None
     return part.get("type") == "image_url" and image_url_of(part) is not None
 
 
@@ -68,12 +72,29 @@ def image_url_of(part: dict[str, Any]) -> str | None:
     return None
 
 
+def video_url_of(part: dict[str, Any]) -> str | None:
+    """A video_url part's URL: vLLM's {"url": ...} object, or the URL string itself."""
+    value = part.get("video_url")
+    if isinstance(value, dict):
+        value = value.get("url")
+    return value if isinstance(value, str) else None
+
+
 def chat_image_urls(messages: list[dict[str, Any]]) -> list[str]:
     """The URLs of the conversation's image_url parts, in order."""
-    return [image_url_of(part) or "" for message in messages
+    return _part_urls(messages, "image_url", image_url_of)
+
+
+def chat_video_urls(messages: list[dict[str, Any]]) -> list[str]:
+    """The URLs of the conversation's video_url parts, in order."""
+    return _part_urls(messages, "video_url", video_url_of)
+
+
+def _part_urls(messages: list[dict[str, Any]], kind: str, url_of: Any) -> list[str]:
+    return [url_of(part) or "" for message in messages
             if isinstance(message, dict) and isinstance(message.get("content"), list)
             for part in message["content"]
-            if isinstance(part, dict) and part.get("type") == "image_url"]
+            if isinstance(part, dict) and part.get("type") == kind]
 
 
 def _call_for_template(call: Any) -> Any:

@@ -39,6 +39,7 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_code
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 POOLING_TYPES = ("LAST", "MEAN")
 POOLER_KEYS = ("pooling_type", "normalize")  # of vLLM's PoolerConfig, those honoured here
+DEFAULT_VIDEO_FRAMES = 32  # frames sampled from a served video, as vLLM's video loader
 NGRAM_MODEL = "[ngram]"  # vLLM's older --speculative-model value for prompt lookup
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -134,16 +135,20 @@ class EngineConfig:
         "Most logprobs or prompt_logprobs a request may ask for."))
     limit_mm_per_prompt: str | None = field(default=None, metadata=_help(
         "Most items of each modality in one prompt, as vLLM's JSON object, e.g. "
-        "'{\"image\": 2}'; unlimited where not set."))
+        "'{\"image\": 2, \"video\": 1}'; unlimited where not set."))
+    media_io_kwargs: str | None = field(default=None, metadata=_help(
+        "How media are read, as vLLM's JSON object: '{\"video\": {\"num_frames\": N}}' "
+        "samples N frames of a served video uniformly (default 32; -1 takes every frame)."))
     allowed_media_domains: list[str] = field(default_factory=list, metadata=_help(
-        "Hosts whose http(s) image URLs the tokenizer stage may fetch; none by default, "
-        "so only data: URLs are taken."))
+        "Hosts whose http(s) image and video URLs the tokenizer stage may fetch; none by "
+        "default, so only data: URLs are taken."))
     allowed_local_media_path: str | None = field(default=None, metadata=_help(
-        "A directory whose files file:// image URLs may read."))
+        "A directory whose files file:// image and video URLs may read."))
     media_fetch_timeout: float = field(default=5.0, metadata=_help(
-        "Seconds an image URL may take to fetch."))
+        "Seconds an image or video URL may take to fetch."))
     max_image_bytes: int = field(default=20 * 2 ** 20, metadata=_help(
-        "Largest encoded image a request may give (a data: URL's or a fetched one's)."))
+        "Largest encoded image or video a request may give (a data: URL's or a fetched "
+        "one's)."))
     device: Literal["auto", "cuda", "cpu"] = field(default="auto", metadata=_help(
         "Where the model runs; auto takes CUDA when there is one."))
     guided_decoding_backend: Literal["auto", "xgrammar"] = field(default="auto", metadata=_help(
@@ -220,6 +225,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.compilation_config, (int, dict)):  # vLLM's LLM takes these
             self.compilation_config = json.dumps(self.compilation_config)
+        if isinstance(self.media_io_kwargs, dict):  # as vLLM's LLM takes it
+            self.media_io_kwargs = json.dumps(self.media_io_kwargs)
         self.validate()
         if not self.compilation()[0]:
             self.enforce_eager = True
@@ -238,6 +245,20 @@ class EngineConfig:
                               f"'{{\"image\": 2}}', got {self.limit_mm_per_prompt!r}")
         return limits
 
+    def video_num_frames(self) -> int:
+        """--media-io-kwargs' video num_frames: how many frames of a served video are
+        sampled; -1: all of them."""
+        kwargs = _json_object("--media-io-kwargs", self.media_io_kwargs)
+        video = kwargs.get("video", {})
+        if set(kwargs) - {"video"} or not isinstance(video, dict) or set(video) - {"num_frames"}:
+            raise ConfigError("--media-io-kwargs: only the video's num_frames is supported, "
+                              f"got {self.media_io_kwargs}")
+        num_frames = video.get("num_frames", DEFAULT_VIDEO_FRAMES)
+        if type(num_frames) is not int or not (num_frames == -1 or num_frames > 0):
+            raise ConfigError("--media-io-kwargs: the video's num_frames must be a positive "
+                              f"count or -1, got {num_frames!r}")
+        return num_frames
+
     def validate(self) -> None:
         if self.block_size not in BLOCK_SIZES:
             raise ConfigError(f"--block-size must be one of {list(BLOCK_SIZES)}, got "
@@ -248,6 +269,7 @@ class EngineConfig:
         _positive("data_parallel_size", self.data_parallel_size)
         _positive("max_logprobs", self.max_logprobs, allow_zero=True)
         self.mm_limits()
+        self.video_num_frames()
         self._validate_partial_prefills()
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory"):

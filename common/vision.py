@@ -25,6 +25,8 @@ class ImageTokens:
     min_pixels: int
     max_pixels: int
     fixed: int | None = None  # LLaVA: every image is one crop of this many tokens
+    video_token_id: int | None = None  # None: the model takes no videos
+    temporal_patch_size: int = 1  # frames per video patch (Qwen2-VL's 2)
 
     @classmethod
     def for_model(cls, model_dir: Path, hf_config: Any) -> ImageTokens | None:
@@ -42,7 +44,9 @@ class ImageTokens:
         return cls(hf_config.image_token_id, settings.get("patch_size", 14),
                    settings.get("merge_size", 2),
                    size.get("shortest_edge", settings.get("min_pixels", 56 * 56)),
-                   size.get("longest_edge", settings.get("max_pixels", 28 * 28 * 1280)))
+                   size.get("longest_edge", settings.get("max_pixels", 28 * 28 * 1280)),
+                   video_token_id=getattr(hf_config, "video_token_id", None),
+                   temporal_patch_size=getattr(vision, "temporal_patch_size", 1))
 
     def count(self, width: int, height: int) -> int:
         """Placeholders of one image: its patches after resizing, merged."""
@@ -82,17 +86,30 @@ class ImageTokens:
             w = math.ceil(width * beta / factor) * factor
         return h, w
 
-    def expand(self, ids: list[int], sizes: list[tuple[int, int]]) -> list[int]:
-        """The prompt with each image placeholder repeated for its image (width, height)."""
+    def video_count(self, frames: int, width: int, height: int) -> int:
+        """Placeholders of one video: each frame's as an image's, its frames taken
+        temporal_patch_size at a time (an odd last one repeated to fill its group)."""
+        return -(-frames // self.temporal_patch_size) * self.count(width, height)
+
+    def expand(self, ids: list[int], sizes: list[tuple[int, int]],
+               videos: list[tuple[int, int, int]] = ()) -> list[int]:
+        """The prompt with each image placeholder repeated for its image (width, height),
+        and each video placeholder for its video (frames, width, height)."""
         out: list[int] = []
-        images = iter(sizes)
+        images, clips = iter(sizes), iter(videos)
         for token in ids:
-            if token != self.image_token_id:
+            if token == self.image_token_id:
+                out += [token] * self.count(*_next(images, "image"))
+            elif token == self.video_token_id:
+                out += [token] * self.video_count(*_next(clips, "video"))
+            else:
                 out.append(token)
-                continue
-            size = next(images, None)
-            if size is None:
-                raise ApiError(400, "The prompt has more image placeholders than images.",
-                               "messages")
-            out += [token] * self.count(*size)
         return out
+
+
+def _next(items: Any, kind: str) -> Any:
+    item = next(items, None)
+    if item is None:
+        raise ApiError(400, f"The prompt has more {kind} placeholders than {kind}s.",
+                       "messages")
+    return item

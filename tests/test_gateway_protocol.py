@@ -189,8 +189,12 @@ def test_chat_messages():
     for messages in (None, [], [{"content": "x"}], ["x"], [{"role": "user", "content": 3}],
                      [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
                      [{"role": "user", "content": [{"type": "image_url",
-                                                    "image_url": {"url": "u", "detail": "x"}}]}]):
+                                                    "image_url": {"url": "u", "detail": "x"}}]}],
+                     [{"role": "user", "content": [{"type": "video_url",
+                                                    "video_url": {"uri": "u"}}]}]):
         assert refused(chat(messages=messages), is_chat=True).param == "messages"
+    video = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "u"}}]}]
+    assert parse_job(chat(messages=video), chat=True).messages == video
     job = parse_job(chat(add_generation_prompt=False), chat=True)
     assert not job.add_generation_prompt
 

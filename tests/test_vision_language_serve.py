@@ -1,8 +1,9 @@
 """A tiny Qwen2.5-VL through `headrace serve` and the openai client: base64 images, an
-image URL served by a local HTTP server of the test's, and every bad input a 400 naming
-it, with the server answering the next request as before. Answers equal the offline
-LLM.chat of the same messages (tests/test_vision_language.py checks that against
-transformers); usage counts the image's placeholder tokens."""
+image URL served by a local HTTP server of the test's, a base64 mp4 video whose frames are
+sampled, and every bad input a 400 naming it, with the server answering the next request
+as before. Answers equal the offline LLM of the same messages, or of the same frames
+(tests/test_vision_language.py checks that against transformers); usage counts the
+image's and video's placeholder tokens."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from common import keys
 from common.sampling_params import SamplingParams
 from services.offline.llm import LLM
 from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serving, tiny_serve_args
+from tests.media_files import COLOURS, decoded_frames, solid_video
 from tests.tiny_models import make_tiny_vl_model
 
 MAX_IMAGE_BYTES = 100_000
@@ -37,8 +39,8 @@ def png(seed: int, size: tuple[int, int] = (140, 112)) -> bytes:
     return buffer.getvalue()
 
 
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
 def user(*parts: dict) -> list[dict]:
@@ -52,6 +54,10 @@ def text(value: str) -> dict:
 def image(url: str, detail: str | None = None) -> dict:
     return {"type": "image_url",
             "image_url": url if detail is None else {"url": url, "detail": detail}}
+
+
+def video(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,8 @@ def served(model_dir, files, tmp_path_factory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("serve")
     args = tiny_serve_args(model_dir, root / "run", "--dtype", "float32",
                            "--allowed-media-domains", "127.0.0.1",
-                           "--limit-mm-per-prompt", '{"image": 2}',
+                           "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
+                           "--media-io-kwargs", '{"video": {"num_frames": 4}}',
                            "--max-image-bytes", str(MAX_IMAGE_BYTES),
                            # one request at a time: the others wait (a lapsed image's test)
                            "--max-num-seqs", "1")
@@ -187,6 +194,9 @@ def test_an_image_key_lost_while_its_request_waits_fails_that_request_alone(
     ([image("file:///etc/hostname")], "file: URLs are not allowed"),
     ([image(data_url(png(1)))] * 3, "At most 2 images"),
     ([{"type": "image_url", "image_url": {"url": "x", "detail": "huge"}}], "image_url"),
+    ([video(data_url(b"not a video", "video/mp4"))], "Video 0 could not be decoded"),
+    ([video(data_url(solid_video(COLOURS[:2]), "video/mp4"))] * 2, "At most 1 videos"),
+    ([video("http://localhost:1/clip.mp4")], "Video 0: fetching from 'localhost' is not"),
 ])
 def test_bad_images_are_400s_naming_the_problem(client, parts, message):
     with pytest.raises(openai.BadRequestError, match=message) as info:
@@ -212,3 +222,34 @@ def test_tokenize_counts_image_tokens(served, model_dir):
         expected = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0]
     assert body["tokens"] == expected.prompt_token_ids
     assert body["count"] == len(expected.prompt_token_ids)
+
+
+def test_a_base64_video_answers_as_the_offline_engine_given_its_sampled_frames(
+        client, served, model_dir):
+    """Six frames at 4 fps, --media-io-kwargs' num_frames 4: frames 0, 1, 3 and 5 are
+    taken (uniformly, first and last among them) at 4 x 4/6 fps, so they keep their
+    times. The answer, usage and /tokenize equal the offline engine's given those frames
+    decoded here; 2 temporal patches of 4 tokens."""
+    import json
+    import urllib.request
+
+    data = solid_video()
+    messages = user(text("What happens?"), video(data_url(data, "video/mp4")))
+    answer = ask(client, messages)
+    request = urllib.request.Request(
+        served.url + "/tokenize", json.dumps({"model": MODEL_NAME, "messages": messages}).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        tokenized = json.loads(response.read())
+    frames = decoded_frames(data)[[0, 1, 3, 5]]
+    prompt = ("<|im_start|>user\nWhat happens?<|vision_start|><|video_pad|><|vision_end|>"
+              "<|im_end|>\n<|im_start|>assistant\n")
+    with LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64) as llm:
+        expected = llm.generate({"prompt": prompt, "multi_modal_data": {
+            "video": (frames, {"fps": 4 * 4 / 6})}},
+            SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0]
+        video_token = llm.engine.processor.images.video_token_id
+    assert expected.prompt_token_ids.count(video_token) == 8
+    assert answer.choices[0].message.content == expected.outputs[0].text
+    assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert tokenized["tokens"] == expected.prompt_token_ids

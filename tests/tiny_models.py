@@ -171,6 +171,8 @@ VL_CHAT_TEMPLATE = (
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part or 'video_url' in part %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

@@ -30,12 +30,12 @@ from structlog.stdlib import BoundLogger
 
 from common import keys
 from common.bus import UNAVAILABLE, Bus, decode_value
-from common.chat import chat_image_urls, render_chat
+from common.chat import chat_image_urls, chat_video_urls, render_chat
 from common.config import ServerConfig
 from common.errors import ApiError
 from common.hops import DELIVERY_STAGE
 from common.log import get_logger
-from common.media import MediaRules, load_images
+from common.media import MediaRules, load_images, load_videos
 from common.messages import Abort, LoRARequest, SchedulerStats, StoredResponse, WorkerFailed
 from common.model_info import ModelInfo
 from common.stalls import processes_health
@@ -671,14 +671,19 @@ class Gateway:
             text = render_chat(tokenizer, job.messages, job.add_generation_prompt,
                                job.chat_template_kwargs)
         ids = list(tokenizer.encode(text, add_special_tokens=job.add_special_tokens))
-        urls = chat_image_urls(job.messages) if job.messages is not None else []
-        if not urls:
+        messages = job.messages or []
+        urls, video_urls = chat_image_urls(messages), chat_video_urls(messages)
+        if not urls and not video_urls:
             return ids
         if self.image_tokens is None:
             raise ApiError(400, "This model takes no images (it is not a vision-language "
                                 "model).", "messages")
-        images = load_images(urls, MediaRules.from_config(self.info.config))
-        return self.image_tokens.expand(ids, [image.size for image in images])
+        if video_urls and self.image_tokens.video_token_id is None:
+            raise ApiError(400, "This model takes no videos.", "messages")
+        rules = MediaRules.from_config(self.info.config)
+        images, videos = load_images(urls, rules), load_videos(video_urls, rules)
+        return self.image_tokens.expand(ids, [image.size for image in images],
+                                        [(len(f), f.shape[2], f.shape[1]) for f, _ in videos])
 
     async def detokenize(self, request: web.Request) -> web.Response:
         name, tokens = parse_detokenize(await read_json(request, self.server.body_timeout))

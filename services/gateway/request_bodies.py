@@ -167,9 +167,22 @@ class ImageURLPart(BaseModel):
     image_url: str | ImageURL
 
 
+class VideoURL(BaseModel):
+    model_config = STRICT
+    url: str
+
+
+class VideoURLPart(BaseModel):
+    """A video (a vision-language model's tokenizer stage decodes it and samples its
+    frames: common/media.py); the URL alone or vLLM's object."""
+    model_config = STRICT
+    type: Literal["video_url"]
+    video_url: str | VideoURL
+
+
 # Not `explained`: that costs a Python call per message; api_error words its failures.
-Content = str | list[TextPart | ImageURLPart]
-CONTENT_ERROR = "must be a string or a list of text and image_url parts"
+Content = str | list[TextPart | ImageURLPart | VideoURLPart]
+CONTENT_ERROR = "must be a string or a list of text, video_url and image_url parts"
 
 
 class RequestMessage(BaseModel):

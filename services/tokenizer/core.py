@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from common.chat import chat_image_urls, render_chat
+from common.chat import chat_image_urls, chat_video_urls, render_chat
 from common.errors import ApiError
 from common.lora import AdapterError, read_adapter_config
 from common.messages import AdmitRequest, GenerateRequest, ImageInput, LoRARequest
@@ -25,7 +25,7 @@ from common.sampling_params import (CLIENT_PARAMS, SamplingError, SamplingParams
 from common.structured_outputs import to_grammar
 from common.tokens import check_vocabulary
 from services.tokenizer.images import ImagePrompts
-from common.media import MediaRules, load_images
+from common.media import MediaRules, load_images, load_videos
 
 # What an embedding request's AdmitRequest carries: nothing is sampled, so nothing reads it.
 EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
@@ -118,14 +118,18 @@ class InputProcessor:
 
     def chat_images(self, ids: list[int], messages: list[dict[str, Any]]
                     ) -> tuple[list[int], list[ImageInput]]:
-        """A chat prompt with its image_url parts' images loaded and placed."""
-        urls = chat_image_urls(messages)
-        if not urls:
+        """A chat prompt with its image_url parts' images and video_url parts' videos
+        loaded and placed."""
+        urls, video_urls = chat_image_urls(messages), chat_video_urls(messages)
+        if not urls and not video_urls:
             return ids, []
         if self.images is None:
             raise ApiError(400, "This model takes no images (it is not a vision-language "
                                 "model).", "messages")
-        return self.with_images(ids, load_images(urls, self.media))
+        if video_urls and self.images.video_token_id is None:
+            raise ApiError(400, "This model takes no videos.", "messages")
+        return self.with_images(ids, load_images(urls, self.media),
+                                load_videos(video_urls, self.media))
 
     def with_images(self, ids: list[int], images: list[Any], videos: list[Any] = ()
                     ) -> tuple[list[int], list[ImageInput]]:

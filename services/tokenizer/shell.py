@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 
 from common import keys
 from common.bus import Bus, Output, decode_value
-from common.chat import chat_image_urls
+from common.chat import chat_image_urls, chat_video_urls
 from common.errors import ApiError
 from common.image_blobs import IMAGE_TTL_S, detach_pixels
 from common.log import get_logger
@@ -38,8 +38,9 @@ def handler(processor: InputProcessor, router: Router, bus: Bus,
         received = time.time()
         light = not xgrammar_loaded()
         try:
-            if req.messages is not None and chat_image_urls(req.messages):
-                # fetching and resizing images would hold the event loop for long
+            if req.messages is not None and (chat_image_urls(req.messages)
+                                             or chat_video_urls(req.messages)):
+                # fetching, decoding and resizing media would hold the event loop for long
                 admit = await anyio.to_thread.run_sync(processor.process, req)
             else:
                 admit = processor.process(req)
