@@ -12,8 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.config import TOOL_CALL_PARSERS, ConfigError, ServerConfig
+from common.messages import TextDelta
 from services.gateway import tool_calls
+from services.gateway.core import Call, Parsers
 from services.gateway.json_text import JsonText
+from services.gateway.protocol import parse_job
 from services.gateway.tool_calls import (TOOL_PARSERS, OutputSplitter, check_tool_parser,
                                          parse_tool_calls, split_reasoning)
 from services.launcher import check_tool_parsers
@@ -60,6 +63,25 @@ def test_reasoning_splits():
     assert split_reasoning("deepseek_r1", "still thinking") == ("still thinking", "")
     assert split_reasoning("qwen3", "<think>plan</think>answer") == ("plan", "answer")
     assert split_reasoning("qwen3", "no think") == (None, "no think")
+
+
+@pytest.mark.parametrize("kwargs, reasoning, content", [
+    ({"thinking": True}, "plan", "answer"), ({"enable_thinking": True}, "plan", "answer"),
+    ({"thinking": False}, None, "plan</think>answer"), (None, None, "plan</think>answer")])
+def test_deepseek_v3_reasons_where_the_request_asks_for_thinking(kwargs, reasoning, content):
+    """As vLLM's deepseek_v3: deepseek_r1's reading (the template opened <think>) where
+    chat_template_kwargs ask for thinking, none otherwise. A stream's choices go through
+    the same splitters."""
+    assert ServerConfig(reasoning_parser="deepseek_v3").reasoning_parser == "deepseek_v3"
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+    call = Call(parse_job(body, True), "chatcmpl-x", "m", 1, 0.0,
+                parsers=Parsers(None, "deepseek_v3"))
+    for seq, (text, finish) in enumerate((("plan</th", None), ("ink>answer", "stop"))):
+        call.offer(TextDelta("chatcmpl-x", 0, seq, text, [seq], 3, finish))
+    message = call.response().choices[0].message
+    assert (message.reasoning_content, message.content) == (reasoning, content)
+    assert [s.reasoning_parser for s in call.splitters.values()] == \
+        (["deepseek_r1"] if reasoning else [])
 
 
 def streamed(splitter: OutputSplitter, text: str, cuts: list[int]):

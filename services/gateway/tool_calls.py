@@ -29,7 +29,8 @@ Tool parsers, by vLLM's names:
   `<｜tool▁call▁end｜>`; then `<｜tool▁calls▁end｜>`.
 Reasoning parsers: `deepseek_r1` (the prompt opened `<think>`: everything before
 `</think>` is reasoning, all of it if the end never comes) and `qwen3` (reasoning only
-between an explicit `<think>` and `</think>`).
+between an explicit `<think>` and `</think>`); `deepseek_v3` is deepseek_r1 for a request
+that asks for thinking, none otherwise (services/gateway/core.py chooses).
 
 More tool parsers come from `--tool-parser-plugin PATH`, a Python file that registers them:
 
