@@ -27,6 +27,7 @@ from services.gateway.request_bodies import (ChatCompletionRequest, CompletionRe
                                              ResponsesRequest)
 from services.gateway.responses_api import _UNSUPPORTED as RESPONSES_UNSUPPORTED
 from services.gateway.responses_api import parse_responses, responses_call
+from services.gateway.scoring import parse_rerank, parse_score
 from services.gateway.response_bodies import to_dict
 from services.gateway.responses import Choice
 
@@ -193,6 +194,21 @@ def test_every_vllm_responses_field_is_read_or_refused():
              "truncation": "disabled", "service_tier": "auto", "priority": -3}
     call = responses_call(parse_responses(quiet), [])
     assert call.job.priority == -3 and call.job.ignored == []
+
+
+def test_score_and_rerank_honour_priority_and_refuse_what_they_cannot_do():
+    score = {"text_1": "a", "text_2": ["b", "c"]}
+    rerank = {"query": "a", "documents": ["b", "c"]}
+    assert parse_score({**score, "priority": 4}).job.priority == 4
+    assert parse_rerank({**rerank, "priority": -1}).pairs.job.priority == -1
+    for parse, body in ((parse_score, score), (parse_rerank, rerank)):
+        for name in ("mm_processor_kwargs", "activation", "use_activation", "softmax"):
+            with pytest.raises(ApiError) as info:
+                parse({**body, name: True if name != "mm_processor_kwargs" else {"x": 1}})
+            assert info.value.param == name and "not supported" in info.value.message
+        with pytest.raises(ApiError) as info:
+            parse({**body, "priority": 2**63})
+        assert info.value.param == "priority"
 
 
 def test_logit_bias_and_allowed_token_ids_reach_the_params_as_json():

@@ -51,6 +51,9 @@ _UNSUPPORTED |= {"continue_final_message": (False,), "return_token_ids": (False,
 _EMBEDDING_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "normalize": (), "embed_dtype": ("float32",), "endianness": ("native",),
     "mm_processor_kwargs": (), "additional_data": ()}
+# and of /score and /rerank: an activation is a cross-encoder's, which is refused
+SCORING_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    name: () for name in ("mm_processor_kwargs", "activation", "use_activation", "softmax")}
 # What a beam search honours (common/beam_search.py), beside the beam fields themselves.
 _BEAM_PARAMS = {"n", "max_tokens", "temperature", "ignore_eos", "include_stop_str_in_output",
                 "skip_special_tokens", "spaces_between_special_tokens", "logprobs", "stop"}
@@ -160,7 +163,7 @@ def within(param: str, count: int, bound: int, unit: str, flag: str) -> None:
 
 
 def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
-    _refuse_unsupported(body)
+    refuse_unsupported(body)
     if chat:
         req = validate(ChatCompletionRequest, body)
         if req.echo:  # vLLM's chat echo: the last message's content repeated first
@@ -190,9 +193,7 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
     job.include_usage, job.continuous_usage = _usage_options(req, job.stream)
     job.priority = _given(req.priority, 0)
     job.tokens_as_ids = _given(req.return_tokens_as_token_ids, False)
-    if not fits_int64(job.priority):
-        raise ApiError(400, f"priority must be a 64-bit integer, got {job.priority}",
-                       "priority")
+    check_priority(job.priority)
     limits.check(job)
     try:
         checked = SamplingParams(**job.params)
@@ -271,7 +272,7 @@ def parse_tokenize(body: Any) -> TokenizeJob:
 
 
 def parse_embedding(body: Any, limits: Limits = Limits()) -> EmbeddingJob:
-    _refuse_unsupported(body, _EMBEDDING_UNSUPPORTED)
+    refuse_unsupported(body, _EMBEDDING_UNSUPPORTED)
     req = validate(EmbeddingRequest, body)
     job = EmbeddingJob(req.model, _inputs(req.input),
                        encoding_format=_given(req.encoding_format, "float"),
@@ -280,9 +281,7 @@ def parse_embedding(body: Any, limits: Limits = Limits()) -> EmbeddingJob:
                        ignored=[name for name in unknown_names(req)
                                 if name not in _EMBEDDING_UNSUPPORTED],
                        request_id=req.request_id, priority=_given(req.priority, 0))
-    if not fits_int64(job.priority):
-        raise ApiError(400, f"priority must be a 64-bit integer, got {job.priority}",
-                       "priority")
+    check_priority(job.priority)
     within("input", len(job.inputs), limits.max_prompts_per_request, "inputs",
             "max-prompts-per-request")
     return job
@@ -295,7 +294,7 @@ def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
 
 # --- fields ---------------------------------------------------------------------------
 
-def _refuse_unsupported(body: Any, table: dict[str, tuple[Any, ...]] = _UNSUPPORTED) -> None:
+def refuse_unsupported(body: Any, table: dict[str, tuple[Any, ...]] = _UNSUPPORTED) -> None:
     """A 400 for the first field of `table` whose value asks for something."""
     if not isinstance(body, dict):
         return  # the models name what is wrong with it
@@ -306,6 +305,11 @@ def _refuse_unsupported(body: Any, table: dict[str, tuple[Any, ...]] = _UNSUPPOR
             allowed = "".join(f" or {ok!r}" for ok in table[name])
             raise ApiError(400, f"{name!r} is not supported by this server (null{allowed} "
                                 f"only), got {value!r}"[:300], name)
+
+
+def check_priority(priority: int) -> None:
+    if not fits_int64(priority):  # the bus carries 64 bits
+        raise ApiError(400, f"priority must be a 64-bit integer, got {priority}", "priority")
 
 
 def unknown_names(req: BaseModel) -> list[str]:

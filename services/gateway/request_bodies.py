@@ -276,6 +276,7 @@ class ScoreRequest(BaseModel):
     text_2: str | list[str]
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     user: str | None = None
+    priority: int | None = None  # vLLM's, as in chat
 
 
 class RerankDocument(BaseModel):
@@ -294,6 +295,7 @@ class RerankRequest(BaseModel):
     return_documents: bool | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     user: str | None = None
+    priority: int | None = None  # vLLM's, as in chat
 
 
 # --- the Responses API --------------------------------------------------------------------
