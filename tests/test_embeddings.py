@@ -72,10 +72,23 @@ def test_input_takes_openais_four_shapes(given, inputs):
 def test_vllms_options_and_unknown_fields():
     job = parse_embedding(embedding_body(encoding_format="base64", dimensions=64, user="u",
                                          truncate_prompt_tokens=5, add_special_tokens=False,
-                                         normalize=True))
+                                         priority=-2, embed_dtype="float32",
+                                         endianness="native", pooling="x"))
     assert (job.encoding_format, job.dimensions, job.truncate_prompt_tokens,
             job.add_special_tokens) == ("base64", 64, 5, False)
-    assert job.ignored == ["normalize"]
+    assert job.ignored == ["pooling"]
+    assert {r.priority for r in EmbeddingCall(job, "e", "m", 1).requests("gw", 1.0)} == {-2}
+
+
+@pytest.mark.parametrize("name, value", [
+    ("normalize", True), ("normalize", False), ("embed_dtype", "float16"),
+    ("endianness", "big"), ("mm_processor_kwargs", {"x": 1}), ("additional_data", {"a": 1})])
+def test_vllm_fields_this_server_cannot_honour_are_refused_by_name(name, value):
+    """normalize is the server's --override-pooler-config, not a request's to change."""
+    with pytest.raises(ApiError) as info:
+        parse_embedding(embedding_body(**{name: value}))
+    assert info.value.status == 400 and info.value.param == name
+    assert "not supported" in info.value.message
 
 
 @pytest.mark.parametrize("body, param, words", [

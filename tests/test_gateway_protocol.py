@@ -21,7 +21,13 @@ from services.gateway import responses
 from services.gateway.core import (STALE_S, Backend, Call, Echo, Shard, admission_error,
                                    dead_reply_streams, queue_depth, request_ids,
                                    scheduler_gone, scheduler_restarted)
+from services.gateway.protocol import _UNSUPPORTED as UNSUPPORTED
 from services.gateway.protocol import Limits, parse_detokenize, parse_job, parse_tokenize
+from services.gateway.request_bodies import (ChatCompletionRequest, CompletionRequest,
+                                             ResponsesRequest)
+from services.gateway.responses_api import _UNSUPPORTED as RESPONSES_UNSUPPORTED
+from services.gateway.responses_api import parse_responses, responses_call
+from services.gateway.scoring import parse_rerank, parse_score
 from services.gateway.response_bodies import to_dict
 from services.gateway.responses import Choice
 
@@ -117,6 +123,94 @@ def test_features_this_server_lacks_are_refused_by_name(name):
     assert error.param == name and "not supported" in error.message
 
 
+# Every field of vLLM's request bodies (vllm/entrypoints/openai/protocol.py of 0.10 and 0.11,
+# and the chat_completion/ and completion/ protocol.py that followed): each is either one
+# this server reads or one it refuses when it asks for something; none is dropped unread.
+VLLM_SHARED_FIELDS = """
+model frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed stop stream
+stream_options temperature top_p user best_of use_beam_search top_k min_p repetition_penalty
+watermarking length_penalty stop_token_ids include_stop_str_in_output ignore_eos min_tokens
+skip_special_tokens spaces_between_special_tokens truncate_prompt_tokens truncation_side
+prompt_logprobs logprob_token_ids allowed_token_ids bad_words echo add_special_tokens
+response_format structured_outputs guided_json guided_regex guided_choice guided_grammar
+guided_decoding_backend guided_whitespace_pattern priority request_id session_id
+logits_processors return_tokens_as_token_ids return_token_ids routed_experts_prompt_start
+return_token_offsets return_mm_kwargs cache_salt kv_transfer_params ec_transfer_params
+vllm_xargs repetition_detection thinking_token_budget stream_interval""".split()
+VLLM_CHAT_FIELDS = VLLM_SHARED_FIELDS + """
+messages top_logprobs max_completion_tokens tools tool_choice reasoning_effort
+include_reasoning parallel_tool_calls add_generation_prompt continue_final_message documents
+chat_template chat_template_kwargs media_io_kwargs mm_processor_kwargs structural_tag
+return_prompt_text""".split()
+VLLM_COMPLETION_FIELDS = VLLM_SHARED_FIELDS + ["prompt", "suffix", "prompt_embeds"]
+# Each refused field with a value that asks for something, and the values that do not.
+ASKING = {"continue_final_message": True, "return_token_ids": True, "return_prompt_text": True,
+          "return_token_offsets": True, "return_mm_kwargs": False, "watermarking": True,
+          "routed_experts_prompt_start": 3, "thinking_token_budget": 100,
+          "truncation_side": "right", "guided_decoding_backend": "outlines",
+          "guided_whitespace_pattern": " *", "logprob_token_ids": [5], "stream_interval": 4,
+          "repetition_detection": {"max_pattern_size": 4}, "structural_tag": "{}",
+          "documents": [{"text": "x"}], "chat_template": "{{ x }}", "prompt_embeds": "AAAA",
+          "reasoning_effort": "low", "suffix": "end", "echo": True}
+NOTHING = {"continue_final_message": False, "return_token_ids": False,
+           "return_mm_kwargs": True, "watermarking": False, "routed_experts_prompt_start": 0,
+           "thinking_token_budget": -1, "truncation_side": "left",
+           "guided_decoding_backend": "xgrammar", "echo": False}
+
+
+@pytest.mark.parametrize("is_chat", [True, False])
+def test_every_vllm_request_field_is_read_or_refused(is_chat):
+    model = ChatCompletionRequest if is_chat else CompletionRequest
+    unread = [name for name in (VLLM_CHAT_FIELDS if is_chat else VLLM_COMPLETION_FIELDS)
+              if name not in model.model_fields and name not in UNSUPPORTED]
+    assert unread == []
+    for name in (set(VLLM_CHAT_FIELDS) | set(VLLM_COMPLETION_FIELDS)) & set(UNSUPPORTED):
+        body = (chat if is_chat else completion)(**{name: ASKING.get(name, {"x": 1})})
+        error = refused(body, is_chat)
+        assert error.param == name and "not supported" in error.message, name
+    for name, value in NOTHING.items():  # as a serialized vLLM request sends them
+        job = parse_job((chat if is_chat else completion)(**{name: value}), is_chat)
+        assert job.ignored == [] and not job.echo
+    error = refused(chat(echo=True), is_chat=True)  # vLLM's chat echo repeats a message
+    assert error.param == "echo" and "chat" in error.message
+    assert parse_job(completion(echo=True), chat=False).echo
+
+
+def test_every_vllm_responses_field_is_read_or_refused():
+    fields = """background include input instructions max_output_tokens max_tool_calls metadata
+    model parallel_tool_calls previous_response_id prompt reasoning service_tier store stream
+    temperature text tool_choice tools top_logprobs top_p truncation user request_id
+    mm_processor_kwargs priority cache_salt conversation""".split()
+    assert [name for name in fields if name not in ResponsesRequest.model_fields
+            and name not in RESPONSES_UNSUPPORTED] == []
+    asking = {"background": True, "include": ["message.output_text.logprobs"],
+              "max_tool_calls": 2, "top_logprobs": 2, "truncation": "auto",
+              "service_tier": "flex", "request_id": "resp_x", "cache_salt": "s"}
+    for name in RESPONSES_UNSUPPORTED:
+        with pytest.raises(ApiError) as info:
+            parse_responses({"input": "Hi", name: asking.get(name, {"x": 1})})
+        assert info.value.param == name and "not supported" in info.value.message
+    quiet = {"input": "Hi", "background": False, "include": [], "top_logprobs": 0,
+             "truncation": "disabled", "service_tier": "auto", "priority": -3}
+    call = responses_call(parse_responses(quiet), [])
+    assert call.job.priority == -3 and call.job.ignored == []
+
+
+def test_score_and_rerank_honour_priority_and_refuse_what_they_cannot_do():
+    score = {"text_1": "a", "text_2": ["b", "c"]}
+    rerank = {"query": "a", "documents": ["b", "c"]}
+    assert parse_score({**score, "priority": 4}).job.priority == 4
+    assert parse_rerank({**rerank, "priority": -1}).pairs.job.priority == -1
+    for parse, body in ((parse_score, score), (parse_rerank, rerank)):
+        for name in ("mm_processor_kwargs", "activation", "use_activation", "softmax"):
+            with pytest.raises(ApiError) as info:
+                parse({**body, name: True if name != "mm_processor_kwargs" else {"x": 1}})
+            assert info.value.param == name and "not supported" in info.value.message
+        with pytest.raises(ApiError) as info:
+            parse({**body, "priority": 2**63})
+        assert info.value.param == "priority"
+
+
 def test_logit_bias_and_allowed_token_ids_reach_the_params_as_json():
     job = parse_job(chat(logit_bias={"50": -200, "7": 3}, allowed_token_ids=[7, 9]),
                     chat=True)
@@ -133,8 +227,8 @@ def test_logit_bias_and_allowed_token_ids_reach_the_params_as_json():
 def test_unknown_fields_are_ignored_and_named():
     job = parse_job(completion(max_new_tokens=5, messages=USER, zeta=None), chat=False)
     assert job.ignored == ["max_new_tokens", "messages"] and "max_new_tokens" not in job.params
-    job = parse_job(chat(prompt="x", echo=True), chat=True)
-    assert job.ignored == ["echo", "prompt"] and not job.echo
+    job = parse_job(chat(prompt="x", echo=False), chat=True)
+    assert job.ignored == ["prompt"] and not job.echo
     assert parse_job(chat(), chat=True).ignored == []
     assert parse_tokenize({"prompt": "Hi", "truncate": 3}).ignored == ["truncate"]
 

@@ -12,8 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.config import TOOL_CALL_PARSERS, ConfigError, ServerConfig
+from common.messages import TextDelta
 from services.gateway import tool_calls
+from services.gateway.core import Call, Parsers
 from services.gateway.json_text import JsonText
+from services.gateway.protocol import parse_job
 from services.gateway.tool_calls import (TOOL_PARSERS, OutputSplitter, check_tool_parser,
                                          parse_tool_calls, split_reasoning)
 from services.launcher import check_tool_parsers
@@ -60,6 +63,25 @@ def test_reasoning_splits():
     assert split_reasoning("deepseek_r1", "still thinking") == ("still thinking", "")
     assert split_reasoning("qwen3", "<think>plan</think>answer") == ("plan", "answer")
     assert split_reasoning("qwen3", "no think") == (None, "no think")
+
+
+@pytest.mark.parametrize("kwargs, reasoning, content", [
+    ({"thinking": True}, "plan", "answer"), ({"enable_thinking": True}, "plan", "answer"),
+    ({"thinking": False}, None, "plan</think>answer"), (None, None, "plan</think>answer")])
+def test_deepseek_v3_reasons_where_the_request_asks_for_thinking(kwargs, reasoning, content):
+    """As vLLM's deepseek_v3: deepseek_r1's reading (the template opened <think>) where
+    chat_template_kwargs ask for thinking, none otherwise. A stream's choices go through
+    the same splitters."""
+    assert ServerConfig(reasoning_parser="deepseek_v3").reasoning_parser == "deepseek_v3"
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+    call = Call(parse_job(body, True), "chatcmpl-x", "m", 1, 0.0,
+                parsers=Parsers(None, "deepseek_v3"))
+    for seq, (text, finish) in enumerate((("plan</th", None), ("ink>answer", "stop"))):
+        call.offer(TextDelta("chatcmpl-x", 0, seq, text, [seq], 3, finish))
+    message = call.response().choices[0].message
+    assert (message.reasoning_content, message.content) == (reasoning, content)
+    assert [s.reasoning_parser for s in call.splitters.values()] == \
+        (["deepseek_r1"] if reasoning else [])
 
 
 def streamed(splitter: OutputSplitter, text: str, cuts: list[int]):
@@ -199,6 +221,7 @@ MALFORMED = [  # (parser, output): each must come back whole, as content
     ("pythonic", "[f(x=b'z')]"),  # bytes are not JSON
     ("pythonic", "[f(x=1e999)]"),  # nor is infinity
     ("pythonic", "[os.system(cmd='ls')]"),
+    ("pythonic", "[get_weather(city='Paris', city='Lyon')]"),  # Python refuses it too
     ("qwen3_coder", "Use <tool_call> tags to call tools."),
     ("qwen3_coder", "<tool_call>\n{\"name\": \"get_weather\"}\n</tool_call>"),
     ("qwen3_coder", "<tool_call>\n<function=>\n</function>\n</tool_call>"),
@@ -262,6 +285,7 @@ FOUND_OUT_LATE = {
     '[TOOL_CALLS]get_weather[ARGS]{"city": "Par',  # cut short
     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}',  # list unclosed
     "[get_weather(city='Paris')",  # likewise
+    "[get_weather(city='Paris', city='Lyon')]",  # its first argument went out
     MALFORMED[-3][1],  # a brace missing before the fence
     MALFORMED[-1][1],  # text after the calls
 }
@@ -295,18 +319,22 @@ ARGUMENTS_STREAM = [("hermes", HERMES), ("llama3_json", LLAMA), ("mistral", MIST
 def test_calls_stream_as_they_are_written(parser, text):
     """Fed a character at a time, a call opens before the output ends and its arguments
     follow in parts (JSON as it comes, qwen3_coder's string values as they come and typed
-    ones each whole; pythonic a call at a time, its arguments being Python literals),
+    ones each whole; pythonic an argument at a time, its values being Python literals),
     before the next call opens."""
     splitter = OutputSplitter(parser, tools=QWEN_TOOLS)
     arrivals = [(at, d) for at, c in enumerate(text) for d in splitter.feed(c, False).calls]
     last = splitter.feed("", True).calls
     opens = [at for at, d in arrivals if d.opened is not None]
-    first_call = [d for _, d in arrivals if d.index == 0 and d.arguments]
+    parts = [[d.arguments for _, d in arrivals if d.index == i and d.arguments]
+             for i in range(2)]
     assert len(opens) == 2 and len(last) <= 1
-    if (parser, text) in ARGUMENTS_STREAM:
-        assert len(first_call) >= 3
-    assert "".join(d.arguments for d in first_call) == \
-        parse_tool_calls(parser, text, QWEN_TOOLS)[1][0].arguments
+    whole = parse_tool_calls(parser, text, QWEN_TOOLS)[1]
+    if parser == "pythonic":  # {"city": "Paris" then }; the second call's 7 arguments
+        assert len(parts[0]) == 2 and len(parts[1]) == 8
+        assert "".join(parts[1]) == whole[1].arguments
+    else:
+        assert len(parts[0]) >= 3
+    assert "".join(parts[0]) == whole[0].arguments
 
 
 def test_a_long_call_streams_reading_each_character_once(monkeypatch):

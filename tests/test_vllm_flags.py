@@ -112,6 +112,16 @@ def test_every_issue_33_flag_is_known():
     assert sorted(set(ISSUE_33_FLAGS) - known_flags()) == []
 
 
+def test_every_issue_33_flag_says_in_help_what_it_does_here():
+    """--help tells what each does here: a setting's own help, or how far it is honoured
+    (--async-scheduling: always on, since the scheduler always plans ahead)."""
+    helps = {option.lstrip("-"): action.help for action in parser()._actions
+             for option in action.option_strings}
+    assert [flag for flag in ISSUE_33_FLAGS if len(helps[flag] or "") < 20] == []
+    assert helps["async-scheduling"].startswith("always on: the scheduler always plans")
+    assert "CUDA graphs" in helps["compilation-config"] and "CUDA graphs" in helps["O"]
+
+
 @pytest.mark.parametrize("argv, graphs", [
     (["-O3"], True), (["-O", "0"], False), (["-O0"], False), (["-O.level=0"], False),
     (["-O.mode=3"], True), (["-O=3"], True), (["--compilation-config", '{"level": 3}'], True),

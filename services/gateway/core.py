@@ -139,14 +139,25 @@ class Call:
         return [c.index for c in self.choices.values()]
 
     def _splitter(self) -> OutputSplitter | None:
-        job, parsers = self.job, self.parsers
+        job, reasoning = self.job, self._reasoning_parser()
         if job.tool_choice == "auto":
-            return OutputSplitter(parsers.tool_call, parsers.reasoning, tools=job.tools,
+            return OutputSplitter(self.parsers.tool_call, reasoning, tools=job.tools,
                                   single_call=not job.parallel_tool_calls)
         if job.tool_choice in ("required", "function"):
             return OutputSplitter(forced="required" if job.tool_choice == "required"
                                   else job.tool_name, single_call=not job.parallel_tool_calls)
-        return OutputSplitter(None, parsers.reasoning) if parsers.reasoning else None
+        return OutputSplitter(None, reasoning) if reasoning else None
+
+    def _reasoning_parser(self) -> str | None:
+        """The server's, with deepseek_v3 (vLLM's) made this call's: DeepSeek-V3.1's chat
+        template opens <think> when chat_template_kwargs ask for thinking, so the output
+        reads as deepseek_r1's; otherwise it has no reasoning."""
+        name = self.parsers.reasoning
+        if name != "deepseek_v3":
+            return name
+        kwargs = self.job.chat_template_kwargs or {}
+        thinking = kwargs.get("thinking") or kwargs.get("enable_thinking")
+        return "deepseek_r1" if thinking else None
 
     # --- state --------------------------------------------------------------------------
 

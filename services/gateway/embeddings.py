@@ -58,7 +58,7 @@ class EmbeddingCall:
         common = dict(reply_to=reply_to, params={}, arrival_time=arrival_time,
                       add_special_tokens=job.add_special_tokens,
                       truncate_prompt_tokens=job.truncate_prompt_tokens, embed=True,
-                      lora=self.lora)
+                      lora=self.lora, priority=job.priority)
         return [GenerateRequest(rid, prompt=given, **common) if isinstance(given, str)
                 else GenerateRequest(rid, prompt_token_ids=given, **common)
                 for rid, given in zip(self.rids, job.inputs)]

@@ -19,20 +19,41 @@ from common.beam_search import BeamSearchParams
 from common.chat import plain_conversation
 from common.errors import ApiError
 from common.sampling_params import MAX_N, SamplingError, SamplingParams, fits_int64
+from common.structured_outputs import BACKENDS
 from services.gateway.request_bodies import (ChatCompletionRequest, CompletionRequest,
                                              DetokenizeRequest, EmbeddingRequest,
                                              NamedToolChoice, SamplingFields,
                                              TokenizeRequest, validate)
 from services.gateway.tool_calls import required_schema
 
-# Known OpenAI and vLLM fields whose features this server does not have: refused by name,
-# never dropped.
-_UNSUPPORTED = {"suffix", "functions", "function_call", "audio", "modalities",
-                "prediction", "reasoning_effort", "web_search_options",
-                # vLLM's
-                "prompt_embeds", "logits_processors", "cache_salt", "kv_transfer_params",
-                "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs", "documents",
-                "chat_template", "continue_final_message", "return_token_ids"}
+# Known OpenAI and vLLM fields (vLLM's ChatCompletionRequest and CompletionRequest, 0.10 to
+# 0.11 and after) whose features this server does not have: refused by name when they ask for
+# something, never dropped. Each maps to the values that ask for nothing, which a client may
+# send (as a serialized vLLM request does); null always asks for nothing.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    name: () for name in (
+        "suffix", "functions", "function_call", "audio", "modalities", "prediction",
+        "reasoning_effort", "web_search_options",
+        # vLLM's
+        "prompt_embeds", "logits_processors", "cache_salt", "kv_transfer_params",
+        "ec_transfer_params", "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs",
+        "documents", "chat_template", "structural_tag", "guided_whitespace_pattern",
+        "logprob_token_ids", "repetition_detection", "stream_interval")}
+_UNSUPPORTED |= {"continue_final_message": (False,), "return_token_ids": (False,),
+                 "return_prompt_text": (False,), "return_token_offsets": (False,),
+                 "return_mm_kwargs": (True,), "watermarking": (False,),
+                 "routed_experts_prompt_start": (0,), "thinking_token_budget": (-1,),
+                 # truncate_prompt_tokens keeps the last tokens: vLLM's "left"
+                 "truncation_side": ("left",),
+                 # the one backend (common/structured_outputs.py), per request or not
+                 "guided_decoding_backend": BACKENDS}
+# vLLM's embedding fields likewise (normalize: the server's --override-pooler-config's)
+_EMBEDDING_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "normalize": (), "embed_dtype": ("float32",), "endianness": ("native",),
+    "mm_processor_kwargs": (), "additional_data": ()}
+# and of /score and /rerank: an activation is a cross-encoder's, which is refused
+SCORING_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    name: () for name in ("mm_processor_kwargs", "activation", "use_activation", "softmax")}
 # What a beam search honours (common/beam_search.py), beside the beam fields themselves.
 _BEAM_PARAMS = {"n", "max_tokens", "temperature", "ignore_eos", "include_stop_str_in_output",
                 "skip_special_tokens", "spaces_between_special_tokens", "logprobs", "stop"}
@@ -106,6 +127,7 @@ class EmbeddingJob:
     truncate_prompt_tokens: int | None = None
     ignored: list[str] = field(default_factory=list)
     request_id: str | None = None  # the client's id for the response (vLLM's field)
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +163,12 @@ def within(param: str, count: int, bound: int, unit: str, flag: str) -> None:
 
 
 def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
-    _refuse_unsupported(body)
+    refuse_unsupported(body)
     if chat:
         req = validate(ChatCompletionRequest, body)
+        if req.echo:  # vLLM's chat echo: the last message's content repeated first
+            raise ApiError(400, "'echo' is not supported for chat completions by this "
+                                "server", "echo")
         job = Job(chat=True, model=req.model, messages=_messages(body),
                   add_generation_prompt=_given(req.add_generation_prompt, True),
                   chat_template_kwargs=req.chat_template_kwargs,
@@ -153,7 +178,7 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
         req = validate(CompletionRequest, body)
         job = Job(chat=False, model=req.model, prompts=_prompts(req.prompt),
                   echo=_given(req.echo, False))
-    job.ignored = unknown_names(req)
+    job.ignored = [name for name in unknown_names(req) if name not in _UNSUPPORTED]
     job.request_id = req.request_id
     job.add_special_tokens = req.add_special_tokens
     job.truncate_prompt_tokens = req.truncate_prompt_tokens
@@ -168,9 +193,7 @@ def parse_job(body: Any, chat: bool, limits: Limits = Limits()) -> Job:
     job.include_usage, job.continuous_usage = _usage_options(req, job.stream)
     job.priority = _given(req.priority, 0)
     job.tokens_as_ids = _given(req.return_tokens_as_token_ids, False)
-    if not fits_int64(job.priority):
-        raise ApiError(400, f"priority must be a 64-bit integer, got {job.priority}",
-                       "priority")
+    check_priority(job.priority)
     limits.check(job)
     try:
         checked = SamplingParams(**job.params)
@@ -249,12 +272,16 @@ def parse_tokenize(body: Any) -> TokenizeJob:
 
 
 def parse_embedding(body: Any, limits: Limits = Limits()) -> EmbeddingJob:
+    refuse_unsupported(body, _EMBEDDING_UNSUPPORTED)
     req = validate(EmbeddingRequest, body)
     job = EmbeddingJob(req.model, _inputs(req.input),
                        encoding_format=_given(req.encoding_format, "float"),
                        dimensions=req.dimensions, add_special_tokens=req.add_special_tokens,
                        truncate_prompt_tokens=req.truncate_prompt_tokens,
-                       ignored=unknown_names(req), request_id=req.request_id)
+                       ignored=[name for name in unknown_names(req)
+                                if name not in _EMBEDDING_UNSUPPORTED],
+                       request_id=req.request_id, priority=_given(req.priority, 0))
+    check_priority(job.priority)
     within("input", len(job.inputs), limits.max_prompts_per_request, "inputs",
             "max-prompts-per-request")
     return job
@@ -267,10 +294,22 @@ def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
 
 # --- fields ---------------------------------------------------------------------------
 
-def _refuse_unsupported(body: Any) -> None:
-    for name in _UNSUPPORTED.intersection(body) if isinstance(body, dict) else ():
-        if body[name] is not None:  # clients send null for "not set"
-            raise ApiError(400, f"{name!r} is not supported by this server", name)
+def refuse_unsupported(body: Any, table: dict[str, tuple[Any, ...]] = _UNSUPPORTED) -> None:
+    """A 400 for the first field of `table` whose value asks for something."""
+    if not isinstance(body, dict):
+        return  # the models name what is wrong with it
+    for name in table.keys() & body.keys():
+        value = body[name]
+        if value is not None and not any(value == ok and type(value) is type(ok)
+                                         for ok in table[name]):
+            allowed = "".join(f" or {ok!r}" for ok in table[name])
+            raise ApiError(400, f"{name!r} is not supported by this server (null{allowed} "
+                                f"only), got {value!r}"[:300], name)
+
+
+def check_priority(priority: int) -> None:
+    if not fits_int64(priority):  # the bus carries 64 bits
+        raise ApiError(400, f"priority must be a 64-bit integer, got {priority}", "priority")
 
 
 def unknown_names(req: BaseModel) -> list[str]:

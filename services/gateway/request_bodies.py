@@ -107,7 +107,8 @@ class _Generation(SamplingFields):  # type: ignore[misc, valid-type]
     max_tokens: int | None = None
     stop: Stop | None = None
     priority: int | None = None
-    user: str | None = None
+    user: str | None = None  # OpenAI's: read by nothing here, as by vLLM
+    session_id: str | None = None  # vLLM's: names a conversation for routing; likewise
     response_format: ResponseFormat | None = None
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
@@ -117,18 +118,17 @@ class _Generation(SamplingFields):  # type: ignore[misc, valid-type]
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
-    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # protocol.py takes the one there is
     # vLLM's beam search (services/gateway/beam.py): n beams
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     early_stopping: bool | None = None
     request_id: str | None = None  # vLLM's: the response's id (after its prefix)
+    echo: bool | None = None  # chat's is refused when true (protocol.py)
 
 
 class CompletionRequest(_Generation):
     prompt: Prompt
-    echo: bool | None = None
     logprobs: int | None = None
 
 
@@ -257,6 +257,7 @@ class EmbeddingRequest(BaseModel):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     add_special_tokens: bool | None = None
     request_id: str | None = None  # vLLM's: the response's id (after its prefix)
+    priority: int | None = None  # vLLM's, as in chat
 
 
 class DetokenizeRequest(BaseModel):
@@ -288,6 +289,7 @@ class ScoreRequest(BaseModel):
     text_2: str | list[str]
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     user: str | None = None
+    priority: int | None = None  # vLLM's, as in chat
 
 
 class RerankDocument(BaseModel):
@@ -306,6 +308,7 @@ class RerankRequest(BaseModel):
     return_documents: bool | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     user: str | None = None
+    priority: int | None = None  # vLLM's, as in chat
 
 
 # --- the Responses API --------------------------------------------------------------------
@@ -382,6 +385,7 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    priority: int | None = None  # vLLM's, as in chat
 
 
 class ResponsesItemsRequest(ResponsesRequest):

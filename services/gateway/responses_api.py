@@ -29,8 +29,21 @@ STORE_TTL_S = 24 * 3600.0  # how long a stored response can be retrieved or cont
 _RESPONSES_PARAM = {"max_completion_tokens": "max_output_tokens",
                     "max_tokens": "max_output_tokens", "response_format": "text",
                     "messages": "input"}
-_UNSUPPORTED = {"background": "background mode", "reasoning": "'reasoning' options",
-                "conversation": "conversations", "prompt": "prompt templates"}
+# Responses fields (OpenAI's and vLLM's) whose features this server does not have: what
+# each asks for, and the values that ask for nothing beside null.
+_UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "background": ("background mode is", (False,)),
+    "reasoning": ("'reasoning' options are", ()),
+    "conversation": ("conversations are", ()),
+    "prompt": ("prompt templates are", ()),
+    "include": ("extra output ('include') is", ([],)),
+    "max_tool_calls": ("a bound on tool calls is", ()),
+    "top_logprobs": ("logprobs are", (0,)),
+    "truncation": ("truncating the input is", ("disabled",)),
+    "service_tier": ("service tiers are", ("auto", "default")),
+    "request_id": ("a client's response id is", ()),
+    "cache_salt": ("a salted prefix cache is", ()),
+    "mm_processor_kwargs": ("processor options are", ())}
 
 
 def new_response_id() -> str:
@@ -60,9 +73,11 @@ class ResponsesCall:
 
 def parse_responses(body: Any) -> ResponsesRequest:
     if isinstance(body, dict):
-        for name, what in _UNSUPPORTED.items():
-            if body.get(name) not in (None, False):
-                raise ApiError(400, f"{name!r}: {what} are not supported by this server",
+        for name, (what, nothing) in _UNSUPPORTED.items():
+            value = body.get(name)
+            if value is not None and not any(value == ok and type(value) is type(ok)
+                                             for ok in nothing):
+                raise ApiError(400, f"{name!r}: {what} not supported by this server",
                                name)
     items = isinstance(body, dict) and isinstance(body.get("input"), list)
     req = validate(ResponsesItemsRequest if items else ResponsesRequest, body)
@@ -82,7 +97,7 @@ def responses_call(req: ResponsesRequest, history: list[dict[str, Any]],
         param = _RESPONSES_PARAM.get(e.param or "", e.param)
         message = re.sub(rf"\b{e.param}\b", param, e.message) if e.param else e.message
         raise ApiError(e.status, message, param, e.kind) from None
-    job.ignored = unknown_names(req)
+    job.ignored = [name for name in unknown_names(req) if name not in _UNSUPPORTED]
     return ResponsesCall(req, job, conversation)
 
 
@@ -90,7 +105,8 @@ def chat_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "stream": req.stream, "user": req.user,
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
-        "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls}
+        "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
+        "priority": req.priority}
     if req.tools:
         body["tools"] = [{"type": "function",
                           "function": tool.model_dump(exclude_none=True, exclude={"type"})}

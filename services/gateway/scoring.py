@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 from common.errors import ApiError
-from services.gateway.protocol import EmbeddingJob, Limits, unknown_names, within
+from services.gateway.protocol import (SCORING_UNSUPPORTED, EmbeddingJob, Limits,
+                                      check_priority, refuse_unsupported,
+                                      unknown_names, within)
 from services.gateway.request_bodies import RerankRequest, ScoreRequest, validate
 from services.gateway.response_bodies import (EmbeddingUsage, RerankResponse, RerankResult,
                                               RerankUsage, ScoreData, ScoreResponse)
@@ -41,13 +43,16 @@ class Pairs:
     pairs: list[tuple[int, int]]
 
 
-def _pairs(model: str | None, left: list[str], right: list[str],
-           truncate: int | None, ignored: list[str], limits: Limits) -> Pairs:
+def _pairs(req: ScoreRequest | RerankRequest, left: list[str], right: list[str],
+           limits: Limits) -> Pairs:
     texts = list(dict.fromkeys(left + right))
     position = {text: i for i, text in enumerate(texts)}
     if not all(texts):
         raise ApiError(400, "texts to score must not be empty strings", "text_1")
-    job = EmbeddingJob(model, list(texts), truncate_prompt_tokens=truncate, ignored=ignored)
+    ignored = [name for name in unknown_names(req) if name not in SCORING_UNSUPPORTED]
+    job = EmbeddingJob(req.model, list(texts), ignored=ignored, priority=req.priority or 0,
+                       truncate_prompt_tokens=req.truncate_prompt_tokens)
+    check_priority(job.priority)
     within("input", len(texts), limits.max_prompts_per_request, "distinct texts",
             "max-prompts-per-request")
     return Pairs(job, [(position[a], position[b]) for a, b in zip(left, right)])
@@ -55,6 +60,7 @@ def _pairs(model: str | None, left: list[str], right: list[str],
 
 def parse_score(body: Any, limits: Limits = Limits()) -> Pairs:
     """vLLM's pairing: one text_1 against every text_2, or text_1[i] with text_2[i]."""
+    refuse_unsupported(body, SCORING_UNSUPPORTED)
     req = validate(ScoreRequest, body)
     left = [req.text_1] if isinstance(req.text_1, str) else req.text_1
     right = [req.text_2] if isinstance(req.text_2, str) else req.text_2
@@ -67,8 +73,7 @@ def parse_score(body: Any, limits: Limits = Limits()) -> Pairs:
         raise ApiError(400, f"'text_1' has {len(left)} texts and 'text_2' {len(right)}: "
                             "give one text_1, or as many as text_2 (scored pairwise)",
                        "text_2")
-    return _pairs(req.model, left, right, req.truncate_prompt_tokens, unknown_names(req),
-                  limits)
+    return _pairs(req, left, right, limits)
 
 
 @dataclass(slots=True)
@@ -80,12 +85,12 @@ class Rerank:
 
 
 def parse_rerank(body: Any, limits: Limits = Limits()) -> Rerank:
+    refuse_unsupported(body, SCORING_UNSUPPORTED)
     req = validate(RerankRequest, body)
     if not req.documents:
         raise ApiError(400, "'documents' must hold at least one document", "documents")
     documents = [d if isinstance(d, str) else d.text for d in req.documents]
-    pairs = _pairs(req.model, [req.query] * len(documents), documents,
-                   req.truncate_prompt_tokens, unknown_names(req), limits)
+    pairs = _pairs(req, [req.query] * len(documents), documents, limits)
     return Rerank(pairs, documents, req.top_n or 0, req.return_documents is not False)
 
 

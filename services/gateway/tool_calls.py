@@ -20,7 +20,8 @@ Tool parsers, by vLLM's names:
   per call (v11 and later). Call ids are 9 letters and digits, which Mistral's templates
   require.
 - `pythonic` (Llama 3.2/4 pythonic, ToolACE): the output is a Python list of calls,
-  `[f(a=1, b="x"), g()]`, keyword arguments only; read with `ast`, literals only.
+  `[f(a=1, b="x"), g()]`, keyword arguments only (each once); read with `ast`, literals
+  only; streamed an argument at a time.
 - `qwen3_coder` (Qwen3-Coder): `<tool_call><function=NAME><parameter=P>value</parameter>
   ...</function></tool_call>` blocks; a value is typed by the request's JSON schema of that
   parameter (integer, number, boolean, object, array; a string otherwise or without one).
@@ -29,7 +30,8 @@ Tool parsers, by vLLM's names:
   `<｜tool▁call▁end｜>`; then `<｜tool▁calls▁end｜>`.
 Reasoning parsers: `deepseek_r1` (the prompt opened `<think>`: everything before
 `</think>` is reasoning, all of it if the end never comes) and `qwen3` (reasoning only
-between an explicit `<think>` and `</think>`).
+between an explicit `<think>` and `</think>`); `deepseek_v3` is deepseek_r1 for a request
+that asks for thinking, none otherwise (services/gateway/core.py chooses).
 
 More tool parsers come from `--tool-parser-plugin PATH`, a Python file that registers them:
 
@@ -586,14 +588,19 @@ def _mistral_id() -> str:
 
 
 class PythonicCalls(CallStream):
-    """`[f(a=1), g()]`: each call goes out whole once its parentheses close (its
-    arguments are Python literals, read only once complete)."""
-    call_start = depth = 0
+    """`[f(a=1), g()]`: a call opens with its first keyword argument (or its closing
+    parenthesis), and each argument goes out once its value is complete, as json.dumps
+    writes it into the arguments' object (the values are Python literals, read whole)."""
+    name = ""
+    arg_start = depth = 0
     quote = ""
+    keys: list[str]
 
     def _step(self, text: str) -> bool:
-        if self.state == "call":
-            return self._call(text)
+        if self.state == "name":
+            return self._name(text)
+        if self.state == "args":
+            return self._argument(text)
         if not self._space(text):
             return False
         c = text[self.at]
@@ -601,7 +608,7 @@ class PythonicCalls(CallStream):
             self.at += 1
             self.state = "next"
         elif self.state == "next" and c not in ",]":
-            self.call_start, self.depth, self.state = self.at, 0, "call"
+            self.arg_start, self.state = self.at, "name"
         elif self.state == "after" and c == ",":
             self.at += 1
             self.state = "next"
@@ -609,8 +616,22 @@ class PythonicCalls(CallStream):
             return self._stop()
         return True
 
-    def _call(self, text: str) -> bool:
-        """Read up to the call's closing parenthesis, past strings and brackets."""
+    def _name(self, text: str) -> bool:
+        """The function's name, up to its parenthesis: a plain identifier."""
+        while self.at < len(text) and (text[self.at].isalnum() or text[self.at] == "_"):
+            self.at += 1
+        if self.at == len(text):
+            return False
+        self.name = text[self.arg_start:self.at]
+        if text[self.at] != "(" or not self.name.isidentifier():
+            return self._stop()
+        self.at += 1
+        self.arg_start, self.depth, self.keys, self.state = self.at, 0, [], "args"
+        return True
+
+    def _argument(self, text: str) -> bool:
+        """Read up to the argument's end (a comma or the call's closing parenthesis),
+        past strings and brackets."""
         while self.at < len(text):
             c = text[self.at]
             if self.quote:
@@ -631,29 +652,47 @@ class PythonicCalls(CallStream):
                     return False  # '' or a triple quote's start
                 self.quote = c * 3 if rest == c * 3 else c
                 self.at += len(self.quote) - 1
-            elif c in ",)]}" and self.depth == 0:
-                return self._stop()  # no parentheses: not a call
+            elif c in ",)" and self.depth == 0:
+                return self._argument_ended(text[self.arg_start:self.at], c == ")")
             elif c in "([{":
                 self.depth += 1
             elif c in ")]}":
-                self.depth -= 1
                 if self.depth == 0:
-                    self.at += 1
-                    return self._called(text[self.call_start:self.at])
+                    return self._stop()
+                self.depth -= 1
             self.at += 1
         return False
 
-    def _called(self, source: str) -> bool:
-        try:
-            call = _python_call(ast.parse(source, mode="eval").body)
-        except _LITERAL_ERRORS:
-            call = None
-        if call is None:
-            return self._stop()
-        self._open(call.name)
-        self._arguments(call.arguments)
+    def _argument_ended(self, source: str, last: bool) -> bool:
+        self.at += 1
+        if source.strip() or not last:
+            pair = _python_keyword(source)
+            if pair is None or pair[0] in self.keys:
+                return self._stop()
+            if not self.keys:
+                self._open(self.name)
+            self._arguments(("{" if not self.keys else ", ") + pair[1])
+            self.keys.append(pair[0])
+        if not last:
+            self.arg_start = self.at
+            return True
+        if not self.keys:
+            self._open(self.name)
+        self._arguments("}" if self.keys else "{}")
         self.state = "after"
         return True
+
+
+def _python_keyword(source: str) -> tuple[str, str] | None:
+    """`key=literal` as (key, its `"key": value` in JSON), or None."""
+    try:
+        call = _python_call(ast.parse(f"f({source})", mode="eval").body)
+    except _LITERAL_ERRORS:
+        return None
+    if call is None or call.arguments == "{}":
+        return None
+    key, = json.loads(call.arguments)
+    return key, call.arguments[1:-1]
 
 
 @register_tool_parser("pythonic", openers=("[",), stream=PythonicCalls)
@@ -679,7 +718,7 @@ def _python_call(node: ast.expr) -> ParsedCall | None:
         arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords
                      if kw.arg is not None}
         if len(arguments) != len(node.keywords):
-            return None  # a **spread
+            return None  # a **spread, or a keyword given twice (Python refuses it)
         return ParsedCall(node.func.id, json.dumps(arguments, ensure_ascii=False,
                                                    allow_nan=False))
     except _LITERAL_ERRORS:  # a name, an expression, bytes, a set, inf: not JSON
