@@ -38,8 +38,8 @@ from common.speculative import may_speculate
 from services.worker.cuda_graphs import StepGraphs, graph_tokens
 from services.worker.draft import DraftRunner
 from services.worker.grammar import Grammars, MaskRow
-from services.worker.images import (EncoderCache, mrope_step_positions, profile_image_grids,
-                                    step_image_slices)
+from services.worker.images import (EncoderCache, key_limits, mrope_step_positions,
+                                    profile_image_grids, step_image_slices)
 from services.worker.inputs import StepInputs, prepare_inputs, to_device
 from services.worker.launched import Launched, finish
 from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
@@ -274,8 +274,8 @@ class ModelRunner:
     def _add_images(self, plan: StepPlan, states: list[RequestState], inputs: StepInputs
                     ) -> None:
         """A vision-language step: the embedding rows of the image placeholders it
-        computes (encoded here where no live request did), and three positions per token
-        under M-RoPE."""
+        computes (encoded here where no live request did), three positions per token
+        under M-RoPE, and how far an image's tokens see where they attend both ways."""
         assert self.images is not None
         num_scheduled = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
         num_computed = np.asarray(plan.num_computed_tokens, dtype=np.int64)
@@ -284,9 +284,11 @@ class ModelRunner:
         if self.model.mrope:
             inputs.positions = self._tensor(mrope_step_positions(states, positions,
                                                                  num_scheduled))
-        inputs.image_rows = self.images.rows(
-            step_image_slices(states, cu, num_computed, num_scheduled),
-            self.model.encode_images)
+        slices = step_image_slices(states, cu, num_computed, num_scheduled)
+        inputs.image_rows = self.images.rows(slices, self.model.encode_images)
+        limits = key_limits(slices, positions)
+        if limits is not None:
+            inputs.attn.key_limits = self._tensor(limits)
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         """The step's hidden states, from a captured graph where one fits; the draft model
