@@ -125,3 +125,57 @@ def test_whole_images_moves_a_chunk_end_out_of_an_image():
     causal = ImageInput(hash="h", offset=10, length=6, grid_thw=[1, 4, 4])
     req.images = [causal]
     assert whole_images(req, 0, 12, budget=12) == 12      # a causal image may be cut
+
+
+def test_a_frame_merges_its_newlines_with_those_next_to_it_only():
+    """Gemma3Processor inserts "\\n\\n<start_of_image>...<end_of_image>\\n\\n" into the text,
+    which the tokenizer then reads with the newlines around it as one run; the token-level
+    frame gives the same, and leaves newlines away from images as they were."""
+    from common.vision import ImageFrame
+
+    newline = {1: 10, 2: 11, 3: 12, 4: 13, 5: 14}  # count -> token
+    frame = ImageFrame(placeholder=7, before=(11, 7), after=(8, 11),
+                       newlines={t: n for n, t in newline.items()},
+                       runs={n: (t,) for n, t in newline.items()})
+    ids, offsets = frame.expand([10, 10, 5, 10, 7, 10, 6, 7, 7], 9, [2, 1, 1])
+    assert ids == [10, 10, 5,            # newlines away from an image keep their tokens
+                   12, 7, 9, 9, 8,       # "\n" + "\n\n" before the frame: one run
+                   12, 6,                # "\n\n" + "\n" after it
+                   11, 7, 9, 8,          # after text: the frame's own "\n\n"
+                   13, 7, 9, 8, 11]      # "\n\n" + "\n\n" between two frames
+    assert offsets == [5, 12, 16]
+    assert [ids[o] for o in offsets] == [9, 9, 9]
+
+
+def test_a_served_chat_with_an_image_answers_as_the_offline_engine(tiny_gemma3, tmp_path):
+    """Through `headrace serve` and the openai client: a base64 image_url answers as the
+    offline LLM.chat of the same messages, usage and /tokenize count the framed image's
+    tokens (the gateway frames it without the image processor)."""
+    import json
+    import urllib.request
+
+    import openai
+
+    from tests.e2e_fixtures import API_KEY, MODEL_NAME, serving, tiny_serve_args
+    from tests.test_vision_language_serve import data_url, image, png, text, user
+
+    model_dir, hf = tiny_gemma3
+    messages = user(text("What is this?"), image(data_url(png(1))))
+    args = tiny_serve_args(model_dir, tmp_path / "run", "--dtype", "float32")
+    with serving(args, tmp_path / "serve.log", tmp_path / "run") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+        answer = client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                                max_tokens=6, temperature=0.0)
+        request = urllib.request.Request(
+            server.url + "/tokenize",
+            json.dumps({"model": MODEL_NAME, "messages": messages}).encode(),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            tokenized = json.loads(response.read())
+    with LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64) as llm:
+        expected = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=6),
+                            use_tqdm=False)[0]
+    assert answer.choices[0].message.content == expected.outputs[0].text
+    assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert tokenized["tokens"] == expected.prompt_token_ids
+    assert expected.prompt_token_ids.count(hf.config.image_token_id) == TOKENS_PER_IMAGE
