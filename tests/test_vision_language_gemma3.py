@@ -102,6 +102,15 @@ def test_chunks_never_cut_an_image_and_a_repeated_image_hits(tiny_gemma3):
         assert llm.engine.scheduler.kv.stats.hits - hits >= 12
 
 
+def test_two_ranks_over_gloo_match_transformers(tiny_gemma3):
+    """Tensor parallelism: the decoder split over two gloo ranks, the tower whole on each."""
+    model_dir, hf = tiny_gemma3
+    with LLM(str(model_dir), tensor_parallel_size=2, device="cpu", dtype="float32",
+             block_size=4, num_gpu_blocks_override=128, max_num_batched_tokens=8,
+             max_num_seqs=2) as llm:
+        check(llm, hf, chat(f"Look: {IMAGE} then {IMAGE}."), [random_image(4), random_image(5)])
+
+
 def test_an_image_longer_than_a_step_is_refused(tiny_gemma3):
     model_dir, _ = tiny_gemma3
     with LLM(str(model_dir), dtype="float32", block_size=4, num_gpu_blocks_override=32,
