@@ -11,9 +11,8 @@ Two per-layer options, as Mistral, Qwen2 and Gemma use them:
 
 And one per step: key_limits, each query's last visible key position where it is past the
 query's own (Gemma 3's image tokens see their whole image; the window, counted from the
-query's position, still applies, as in transformers' masks). Such steps take the torch
-path on the GPU too: the Triton kernel is causal only, and the scheduler computes an
-image whose tokens attend both ways in one step, so no chunk ever needs keys it lacks.
+query's position, still applies, as in transformers' masks). The scheduler computes an
+image whose tokens attend both ways in one step, so no chunk needs keys it lacks.
 """
 
 from __future__ import annotations
@@ -39,13 +38,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sliding_window, soft_cap and key_limits: see the module doc (None: off).
     max_query_len and max_seq_len are host
     upper bounds that size the GPU launch (no device read). The one dispatch point for this
-    op: CUDA tensors take the Triton kernel, others (and steps with key_limits) the
-    batched torch path."""
-    if q.is_cuda and key_limits is None:
+    op: CUDA tensors take the Triton kernel, others the batched torch path."""
+    if q.is_cuda:
         return paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc,
                                       seq_lens, scale, max_query_len, max_seq_len,
                                       k_scale=k_scale, v_scale=v_scale,
-                                      sliding_window=sliding_window, soft_cap=soft_cap)
+                                      sliding_window=sliding_window, soft_cap=soft_cap,
+                                      key_limits=key_limits)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                  scale, k_scale, v_scale, sliding_window, soft_cap,
                                  key_limits)
