@@ -752,6 +752,18 @@ def test_fp8_cache_kernels_cuda(model: str, cache_dtype: torch.dtype) -> None:
                     cache_dtype=cache_dtype)
 
 
+@needs_cuda
+@pytest.mark.parametrize("window", [None, 1024])
+def test_attention_key_limits_cuda(window: int | None) -> None:
+    """Gemma 3 4B's heads (8, 4 KV, 256 wide), bf16: 256-token images attending both ways
+    in whole prompts and chunks behind a prefix (one ending at the context's end), beside
+    decodes, with and without its 1024-key window."""
+    requests = [(300, 300), (1500, 600), (700, 1), (2000, 258), (40, 1)]
+    spans = [[(20, 275)], [(1000, 1255)], [], [(1744, 1999)], []]
+    check_attention(AttentionShape(8, 4, 256, 16), requests, torch.bfloat16, "cuda",
+                    padding=2, sliding_window=window, spans=spans)
+
+
 # (heads, KV heads, head_dim): Gemma-2-9B's 256-wide heads (window 4096, soft cap 50)
 WINDOW_MODELS = {"llama-3.1-8b": (32, 8, 128), "gemma-2-9b": (16, 8, 256)}
 # contexts of a few thousand keys around both windows: decodes, a whole prompt, chunks

@@ -156,6 +156,7 @@ def test_a_frame_merges_its_newlines_with_those_next_to_it_only():
     assert [ids[o] for o in offsets] == [9, 9, 9]
 
 
+@pytest.mark.long  # a whole `headrace serve` start: make test-long
 def test_a_served_chat_with_an_image_answers_as_the_offline_engine(tiny_gemma3, tmp_path):
     """Through `headrace serve` and the openai client: a base64 image_url answers as the
     offline LLM.chat of the same messages, usage and /tokenize count the framed image's
