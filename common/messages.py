@@ -109,6 +109,9 @@ class ImageInput:
     # a video's seconds per temporal patch (Qwen2.5-VL spaces its time positions by it);
     # 0.0 for an image
     second_per_grid_t: float = 0.0
+    # the image's tokens attend to each other both ways in the prefill (Gemma 3), so the
+    # scheduler computes them in one step and the attention lets each see the last
+    bidirectional: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -196,7 +196,9 @@ VISION_LANGUAGE_KEYS = ("architectures", "vision_config", "image_token_id", "vid
                         "tie_word_embeddings", "quantization_config",
                         # LLaVA's
                         "projector_hidden_act", "multimodal_projector_bias",
-                        "vision_feature_layer", "vision_feature_select_strategy")
+                        "vision_feature_layer", "vision_feature_select_strategy",
+                        # Gemma 3's
+                        "mm_tokens_per_image", "boi_token_id", "eoi_token_id")
 
 
 def language_view(config):

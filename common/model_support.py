@@ -21,7 +21,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                            "Qwen3MoeForCausalLM", "Qwen2VLForConditionalGeneration",
                            "Qwen2_5_VLForConditionalGeneration",
-                           "LlavaForConditionalGeneration")
+                           "LlavaForConditionalGeneration",
+                           "Gemma3ForConditionalGeneration")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 REFUSED_EXIT = 2  # a usage error, as argparse's
 

@@ -8,6 +8,11 @@ Two per-layer options, as Mistral, Qwen2 and Gemma use them:
 * sliding_window W: the query at position p sees keys p - W < j <= p (W keys, itself
   included), transformers' and flash-attention's meaning.
 * soft_cap c: scores (already scaled) become c * tanh(score / c) before the softmax.
+
+And one per step: key_limits, each query's last visible key position where it is past the
+query's own (Gemma 3's image tokens see their whole image; the window, counted from the
+query's position, still applies, as in transformers' masks). The scheduler computes an
+image whose tokens attend both ways in one step, so no chunk needs keys it lacks.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
                     max_seq_len: int | None = None, k_scale: Scale = None,
                     v_scale: Scale = None, sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> torch.Tensor:
+                    soft_cap: float | None = None, key_limits: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """q: [T, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim],
     fp8 ones with their k_scale/v_scale; returns [T, num_heads, head_dim] in q's dtype.
-    sliding_window and soft_cap: see the module doc (None: off).
+    sliding_window, soft_cap and key_limits: see the module doc (None: off).
     max_query_len and max_seq_len are host
     upper bounds that size the GPU launch (no device read). The one dispatch point for this
     op: CUDA tensors take the Triton kernel, others the batched torch path."""
@@ -37,19 +43,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc,
                                       seq_lens, scale, max_query_len, max_seq_len,
                                       k_scale=k_scale, v_scale=v_scale,
-                                      sliding_window=sliding_window, soft_cap=soft_cap)
+                                      sliding_window=sliding_window, soft_cap=soft_cap,
+                                      key_limits=key_limits)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                 scale, k_scale, v_scale, sliding_window, soft_cap)
+                                 scale, k_scale, v_scale, sliding_window, soft_cap,
+                                 key_limits)
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                           seq_lens: torch.Tensor, scale: float, k_scale: Scale = None,
                           v_scale: Scale = None, sliding_window: int | None = None,
-                          soft_cap: float | None = None) -> torch.Tensor:
+                          soft_cap: float | None = None,
+                          key_limits: torch.Tensor | None = None) -> torch.Tensor:
     """The CPU path: every decode (one query) of the batch in one padded attention call,
     prefill chunks one request at a time (padding them together would cost
-    requests x chunk x context memory)."""
+    requests x chunk x context memory). A one-token chunk sees no key past itself (an
+    image's last token is the last it may see), so key_limits matter to chunks only."""
     out = torch.empty_like(q)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     decodes = (q_lens == 1).nonzero().flatten()
@@ -64,7 +74,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         k = dequantize(gather_context(k_cache, block_tables[r], lens[r]), q.dtype, k_scale)
         v = dequantize(gather_context(v_cache, block_tables[r], lens[r]), q.dtype, v_scale)
         query_pos = torch.arange(lens[r] - (end - begin), lens[r], device=q.device)
-        visible = visible_keys(query_pos, lens[r], sliding_window)
+        limits = None if key_limits is None else key_limits[begin:end].long()
+        visible = visible_keys(query_pos, lens[r], sliding_window, limits)
         out[begin:end] = _sdpa(q[None, begin:end], k[None], v[None], visible[None], scale,
                                soft_cap)[0]
     return out
@@ -85,11 +96,13 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def visible_keys(query_pos: torch.Tensor, num_keys: int,
-                 sliding_window: int | None) -> torch.Tensor:
+                 sliding_window: int | None, key_limits: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """bool [len(query_pos), num_keys]: the keys each query position attends to (causal,
-    and within the window)."""
+    or up to its key limit, and within the window)."""
     keys = torch.arange(num_keys, device=query_pos.device)[None, :]
-    visible = keys <= query_pos[:, None]
+    last = query_pos if key_limits is None else key_limits
+    visible = keys <= last[:, None]
     if sliding_window is not None:
         visible &= keys > query_pos[:, None] - sliding_window
     return visible
@@ -128,7 +141,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, k_scale: Scale = None,
                         v_scale: Scale = None, sliding_window: int | None = None,
-                        soft_cap: float | None = None) -> torch.Tensor:
+                        soft_cap: float | None = None,
+                        key_limits: torch.Tensor | None = None) -> torch.Tensor:
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     group = num_heads // num_kv_heads
@@ -148,7 +162,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # query i sits at position seq_len - q_len + i and sees keys up to that position
         # (and, with a window, not before it)
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        visible = visible_keys(query_pos, seq_len, sliding_window)
+        limits = None if key_limits is None else key_limits[begin:end].long()
+        visible = visible_keys(query_pos, seq_len, sliding_window, limits)
         scores.masked_fill_(~visible[None], float("-inf"))
         probs = scores.softmax(dim=-1)
         out[begin:end] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)

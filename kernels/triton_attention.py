@@ -41,6 +41,12 @@ replays with any lengths up to max_seq_len.
 
 An fp8 cache's K and V are cast to q's dtype as they load; their per-tensor scales are
 applied outside the loop: k_scale to the score scale, v_scale to the normalised output.
+
+key_limits (a constexpr switch too) gives each query the last key it sees, past its own
+position where an image's tokens attend both ways (Gemma 3): a tile's keys then run to
+its rows' furthest limit (never past the context), the masks compare keys with each
+row's limit, and the window still counts from the row's position. The unmasked keys stay
+those at or before the tile's first position, which every row sees either way.
 """
 
 from __future__ import annotations
@@ -118,7 +124,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None,
                            sliding_window: int | None = None,
-                           soft_cap: float | None = None) -> torch.Tensor:
+                           soft_cap: float | None = None,
+                           key_limits: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as kernels.attention.paged_attention. max_query_len and max_seq_len
     are host upper bounds (the shapes' bounds when None); nothing here reads the device.
     out: a contiguous buffer to write into (a static buffer, a poisoned one in tests).
@@ -166,7 +173,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         grid = (num_tiles, num_kv_heads, num_splits)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_out, part_lse, block_tables, query_start_loc,
-            seq_lens, k_scale if scaled else q, v_scale if scaled else q, num_tokens,
+            seq_lens, k_scale if scaled else q, v_scale if scaled else q,
+            seq_lens if key_limits is None else key_limits, num_tokens,
             num_reqs, num_splits, q_len_above, q_len_upto,
             scale * LOG2_E, sliding_window or 0, (soft_cap or 0.0) * LOG2_E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -178,7 +186,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             SEARCH_BLOCK=1 if one_tile_each else search_block(num_reqs),
             SPLIT=num_splits > 1, EXACT_DOT=q.dtype == torch.float32, SCALED=scaled,
             WINDOW=sliding_window is not None, SOFT_CAP=soft_cap is not None,
-            num_warps=tile.num_warps, num_stages=tile.num_stages)
+            LIMITS=key_limits is not None, num_warps=tile.num_warps,
+            num_stages=tile.num_stages)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, num_tokens, num_heads, num_splits,
@@ -234,14 +243,14 @@ def _request_of_tile(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr,
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-        num_tokens, num_reqs, num_splits, q_len_above, q_len_upto, qk_scale, window,
-        cap, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+        key_limits_ptr, num_tokens, num_reqs, num_splits, q_len_above, q_len_upto, qk_scale,
+        window, cap, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_BLOCK: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         ONE_TILE_EACH: tl.constexpr, SEARCH_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
         EXACT_DOT: tl.constexpr, SCALED: tl.constexpr, WINDOW: tl.constexpr,
-        SOFT_CAP: tl.constexpr):
+        SOFT_CAP: tl.constexpr, LIMITS: tl.constexpr):
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if ONE_TILE_EACH:
         # the decode launch: each request of its class fits one tile, so tile r is request
@@ -283,7 +292,15 @@ def _paged_attention_kernel(
     # and with a window from the first BLOCK_N holding a key its first query sees (the
     # blocks below are skipped, not masked), and this split's share of them
     first_pos = seq_len - q_len + first_query
-    kv_end = tl.maximum(seq_len - q_len + tl.minimum(first_query + BLOCK_Q, q_len), 0)
+    causal_end = tl.maximum(seq_len - q_len + tl.minimum(first_query + BLOCK_Q, q_len), 0)
+    if LIMITS:  # rows that see past themselves: up to their furthest, within the context
+        key_last = tl.maximum(tl.load(key_limits_ptr + token, mask=row_valid, other=0),
+                              query_pos)
+        furthest = tl.max(tl.where(row_valid, key_last + 1, 0), axis=0)
+        kv_end = tl.minimum(tl.maximum(causal_end, furthest), seq_len)
+    else:
+        key_last = query_pos
+        kv_end = causal_end
     if WINDOW:
         kv_begin = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
     else:
@@ -296,11 +313,11 @@ def _paged_attention_kernel(
     seen_by_all = tl.minimum(kv_stop, first_pos + 1)
     unmasked_stop = kv_start + tl.maximum(seen_by_all - kv_start, 0) // BLOCK_N * BLOCK_N
     if WINDOW:
-        # the last query's window starts at kv_end - window; below it some rows need the
+        # the last query's window starts at causal_end - window; below it some rows need the
         # mask (a tile wider than the window has no unmasked keys: start == stop). Clamped
         # to kv_start last: a split past kv_end has kv_stop < kv_start, and its loops must
         # all be empty
-        all_from = tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N
+        all_from = tl.cdiv(tl.maximum(causal_end - window, 0), BLOCK_N) * BLOCK_N
         unmasked_start = tl.maximum(tl.minimum(all_from, kv_stop), kv_start)
         unmasked_stop = tl.maximum(unmasked_stop, unmasked_start)
     else:
@@ -313,19 +330,18 @@ def _paged_attention_kernel(
     table_row = block_tables_ptr + req * stride_bt
     kv_head_ptrs = (k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch)
     if WINDOW:  # the window's lower edge
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row,
-                                kv_start, unmasked_start, qk_scale, window, cap, stride_cb,
-                                stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_BLOCK, EXACT_DOT,
-                                WINDOW, SOFT_CAP)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row,
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs,
+                                table_row, kv_start, unmasked_start, qk_scale, window, cap,
+                                stride_cb, stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                                DIM_BLOCK, EXACT_DOT, WINDOW, SOFT_CAP)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs, table_row,
                             unmasked_start, unmasked_stop, qk_scale, window, cap, stride_cb,
-                            stride_cs, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_BLOCK, EXACT_DOT,
-                            WINDOW,
-                            SOFT_CAP)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row,
+                            stride_cs, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_BLOCK,
+                            EXACT_DOT, WINDOW, SOFT_CAP)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs, table_row,
                             unmasked_stop, kv_stop, qk_scale, window, cap, stride_cb,
-                            stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_BLOCK, EXACT_DOT, WINDOW,
-                            SOFT_CAP)
+                            stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_BLOCK,
+                            EXACT_DOT, WINDOW, SOFT_CAP)
 
     # l_i == 0: the row saw no key (padding, or a split past its causal edge)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -345,16 +361,17 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, qk_scale,
-            window, cap, stride_cb, stride_cs, MASKED: tl.constexpr,
+def _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs, table_row, start, stop,
+            qk_scale, window, cap, stride_cb, stride_cs, MASKED: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
             DIM_BLOCK: tl.constexpr, EXACT_DOT: tl.constexpr, WINDOW: tl.constexpr,
             SOFT_CAP: tl.constexpr):
     """The online softmax over keys [start, stop), BLOCK_N at a time, read through the
-    block table. MASKED: mask keys past stop and past each row's query position (and,
-    with WINDOW, those at or below position - window). Scores are in log2 units (scale *
-    log2(e)); cap is the soft cap in the same units, and c * tanh(s / c) commutes with
-    that scaling, so the cap applies to them as they are."""
+    block table. MASKED: mask keys past stop and past each row's last key (key_last: its
+    position, or its key limit) and, with WINDOW, those at or below position - window.
+    Scores are in log2 units (scale * log2(e)); cap is the soft cap in the same units,
+    and c * tanh(s / c) commutes with that scaling, so the cap applies to them as they
+    are."""
     k_ptr, v_ptr = kv_head_ptrs
     dims = tl.arange(0, DIM_BLOCK)
     padded = DIM_BLOCK != HEAD_DIM  # the columns past head_dim are the next head's
@@ -389,7 +406,7 @@ def _attend(acc, m_i, l_i, q, query_pos, kv_head_ptrs, table_row, start, stop, q
         if SOFT_CAP:  # before the mask: the cap would turn -inf into -cap
             scores = cap - two_cap / (1.0 + tl.exp2(scores * cap_exp2))
         if MASKED:
-            visible = keys[None, :] <= query_pos[:, None]
+            visible = keys[None, :] <= key_last[:, None]
             if WINDOW:
                 visible = visible & (keys[None, :] > query_pos[:, None] - window)
             scores = tl.where(visible, scores, float("-inf"))

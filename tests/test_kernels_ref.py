@@ -104,6 +104,52 @@ def test_paged_attention_with_sliding_window_and_soft_cap(window, cap):
             [dense_attention(dq, dk, dv, 0.125) for dq, dk, dv in dense]), rtol=1e-5, atol=1e-5)
 
 
+# per request of REQUESTS: (first, last) positions of spans whose queries see up to `last`
+# (an image's tokens attending both ways), inside the step's queries or begun before them
+KEY_LIMIT_SPANS = [[], [(3, 8)], [(36, 38)], [], [(45, 49), (50, 60)], [(6, 8)]]
+
+
+def step_key_limits() -> torch.Tensor:
+    """Each query's last visible key position: its span's last, or its own."""
+    limits = []
+    for r, (ctx, q_len) in enumerate(REQUESTS):
+        positions = torch.arange(ctx - q_len, ctx)
+        for first, last in KEY_LIMIT_SPANS[r]:
+            positions = torch.where((positions >= first) & (positions <= last), last,
+                                    positions)
+        limits.append(positions)
+    return torch.cat(limits).int()
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (4, None), (3, 2.0)])
+def test_paged_attention_with_key_limits(window, cap):
+    """Queries inside a span see every key of it (those after them included), the window
+    still counted from their own position."""
+    q, k_cache, v_cache, tables, qsl, seq_lens, dense = paged_case(4, 4, 2, 64, seed=12)
+    expected = []
+    for (ctx, q_len), spans, (dq, dk, dv) in zip(REQUESTS, KEY_LIMIT_SPANS, dense):
+        group = dq.shape[1] // dk.shape[1]
+        k, v = dk.repeat_interleave(group, 1), dv.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", dq, k) * 0.125
+        if cap is not None:
+            scores = cap * torch.tanh(scores / cap)
+        query_pos = torch.arange(ctx - q_len, ctx)[:, None]
+        keys = torch.arange(ctx)[None, :]
+        seen = keys <= query_pos
+        for first, last in spans:
+            inside = (query_pos >= first) & (query_pos <= last)
+            seen |= inside & (keys >= first) & (keys <= last)
+        if window:
+            seen &= keys > query_pos - window
+        scores = scores.masked_fill(~seen[None], float("-inf"))
+        expected.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    limits = step_key_limits()
+    for attention in (paged_attention_ref, paged_attention):
+        out = attention(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125,
+                        sliding_window=window, soft_cap=cap, key_limits=limits)
+        torch.testing.assert_close(out, torch.cat(expected), rtol=1e-5, atol=1e-5)
+
+
 def test_paged_attention_ignores_cache_past_each_context():
     q, k_cache, v_cache, tables, qsl, seq_lens, _ = paged_case(4, 4, 2, 64, seed=7)
     out = paged_attention_ref(q, k_cache, v_cache, tables, qsl, seq_lens, 0.125)

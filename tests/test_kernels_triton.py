@@ -141,9 +141,12 @@ def check_attention(shape: AttentionShape, requests: list[tuple[int, int]], dtyp
                     device: str, padding: int = 0, config: AttentionConfig | None = None,
                     max_seq_len: int | None = None, cache_dtype: torch.dtype | None = None,
                     sliding_window: int | None = None, soft_cap: float | None = None,
-                    q_scale: float = 1.0) -> None:
+                    q_scale: float = 1.0,
+                    spans: list[list[tuple[int, int]]] | None = None) -> None:
     """cache_dtype: an fp8 cache (with scales) instead of one of q's dtype.
-    sliding_window, soft_cap: as paged_attention takes them; each must change the
+    spans: per request, (first, last) positions whose queries see up to `last` (key
+    limits: an image's tokens attending both ways).
+    sliding_window, soft_cap, spans: as paged_attention takes them; each must change the
     reference's answer here (else the case tests nothing; a window at least as long as
     every context cannot), and with a window the kernel reads a cache whose V is NaN at
     the keys no tile of the request may load. q_scale: scores that many times larger."""
@@ -153,7 +156,9 @@ def check_attention(shape: AttentionShape, requests: list[tuple[int, int]], dtyp
     if cache_dtype is not None:
         quantize_caches(inputs, cache_dtype, g)
     scale = shape.head_dim ** -0.5
-    options = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    options = dict(sliding_window=sliding_window, soft_cap=soft_cap,
+                   key_limits=None if spans is None else span_limits(
+                       requests, spans, inputs["q"].shape[0], device))
     ref = paged_attention_ref(**inputs, scale=scale, **options)
     real = sum(q for _, q in requests)
     longest = max(ctx for ctx, _ in requests)
@@ -174,6 +179,22 @@ def check_attention(shape: AttentionShape, requests: list[tuple[int, int]], dtyp
     what = f"attention {shape} {dtype} {cache_dtype} window {sliding_window} cap {soft_cap}"
     assert_close(out[:real], ref[:real], what, seed)
     assert out[real:].isfinite().all(), f"padding rows not finite (seed {seed})"
+
+
+def span_limits(requests: list[tuple[int, int]], spans: list[list[tuple[int, int]]],
+                num_tokens: int, device: str) -> torch.Tensor:
+    """int32 [num_tokens]: each query's last visible key position, its span's last where
+    it is inside one (padding rows: 0)."""
+    limits = torch.zeros(num_tokens, dtype=torch.int32)
+    token = 0
+    for (seq_len, q_len), request_spans in zip(requests, spans):
+        positions = torch.arange(seq_len - q_len, seq_len, dtype=torch.int32)
+        for first, last in request_spans:
+            positions = torch.where((positions >= first) & (positions <= last), last,
+                                    positions)
+        limits[token:token + q_len] = positions
+        token += q_len
+    return limits.to(device)
 
 
 def assert_changes(without: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -572,6 +593,29 @@ def attention_sliding_window() -> None:
                     sliding_window=20)
 
 
+# per request of WINDOW_REQUESTS: spans of positions that see to their last (images
+# attending both ways) inside the chunk, begun before it, or ending at the context's end
+KEY_LIMIT_SPANS = [[], [(5, 20)], [(60, 66)], [], [(50, 63)], [], [(93, 94)], [],
+                   [(135, 160)]]
+
+
+@interpreter_check
+def attention_key_limits() -> None:
+    """Key limits: prefill tiles and decode-class tiles (the 6- and 3-query chunks), with
+    split-K, with windows shorter and longer than a span, the cap, fp16 and fp32."""
+    for shape, dtype, config, window, cap in [
+            (AttentionShape(4, 2, 64, 16), torch.float32, tiny_config(16, 32, 16, True),
+             None, None),
+            (AttentionShape(2, 2, 64, 16), torch.float16, tiny_config(32, 64, 32, False),
+             24, None),
+            (AttentionShape(4, 1, 64, 16), torch.float32, tiny_config(16, 16, 16, False),
+             8, 5.0),
+            (AttentionShape(6, 2, 64, 32), torch.float16, tiny_config(16, 64, 16, True),
+             70, None)]:
+        check_attention(shape, WINDOW_REQUESTS, dtype, "cpu", padding=2, config=config,
+                        sliding_window=window, soft_cap=cap, spans=KEY_LIMIT_SPANS)
+
+
 @interpreter_check
 def attention_soft_cap() -> None:
     """The soft cap alone (split-K on and off), with scores far past it (tanh saturating
@@ -762,6 +806,18 @@ def test_fp8_cache_kernels_cuda(model: str, cache_dtype: torch.dtype) -> None:
                     cache_dtype=cache_dtype)
     check_attention(shape, decode_requests(3, random.Random()), torch.bfloat16, "cuda",
                     cache_dtype=cache_dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("window", [None, 1024])
+def test_attention_key_limits_cuda(window: int | None) -> None:
+    """Gemma 3 4B's heads (8, 4 KV, 256 wide), bf16: 256-token images attending both ways
+    in whole prompts and chunks behind a prefix (one ending at the context's end), beside
+    decodes, with and without its 1024-key window."""
+    requests = [(300, 300), (1500, 600), (700, 1), (2000, 258), (40, 1)]
+    spans = [[(20, 275)], [(1000, 1255)], [], [(1744, 1999)], []]
+    check_attention(AttentionShape(8, 4, 256, 16), requests, torch.bfloat16, "cuda",
+                    padding=2, sliding_window=window, spans=spans)
 
 
 # (heads, KV heads, head_dim): Gemma-2-9B's 256-wide heads (window 4096, soft cap 50)

@@ -238,3 +238,42 @@ def make_tiny_llava(tmp_path: Path, *, seed: int = 0) -> Path:
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": 2}, indent=2))
     return out
+
+
+# Gemma 3's image tokens, and a chat template that puts `<start_of_image>` for each image
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+GEMMA3_CHAT_TEMPLATE = VL_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
+                                                "<start_of_image>")
+
+
+def make_tiny_gemma3_vl(tmp_path: Path, *, seed: int = 0) -> Path:
+    """A tiny Gemma 3 vision-language directory: a SigLIP tower of 56 px images in 14 px
+    patches (4 x 4), pooled 2 x 2 to 4 tokens an image; the gemma3 text decoder of
+    ARCHS (sliding windows of 8 tokens, so windows cut through images); the test tokenizer
+    with Gemma 3's image tokens added. Returns it."""
+    from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration,
+                              Gemma3ImageProcessor)
+
+    out = Path(tmp_path) / "tiny-gemma3-vl"
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA3_IMAGE_TOKENS)})
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    boi, eoi, image = tokenizer.convert_tokens_to_ids(list(GEMMA3_IMAGE_TOKENS))
+    text = {**COMMON, **ARCHS["gemma3"][1], "vocab_size": 49216, "model_type": "gemma3_text"}
+    del text["architectures"]
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=56, patch_size=14, vision_use_head=False,
+                  model_type="siglip_vision_model")
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=image, boi_token_index=boi, eoi_token_index=eoi,
+                          architectures=["Gemma3ForConditionalGeneration"],
+                          tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    randomize(model, seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    Gemma3ImageProcessor(size={"height": 56, "width": 56}).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2}, indent=2))
+    return out

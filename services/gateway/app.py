@@ -96,7 +96,8 @@ class Gateway:
         self.names = list(server.served_model_name) or [model]
         self.max_model_len = info.max_model_len
         # /tokenize counts a vision-language model's image tokens (None: text only)
-        self.image_tokens = ImageTokens.for_model(info.model_dir, info.hf_config)
+        self.image_tokens = ImageTokens.for_model(info.model_dir, info.hf_config,
+                                                  info.tokenizer)
         self.metrics = Metrics(self.names[0], info.max_model_len)
         self.backend = Backend()
         # one reader of this gateway's replies

@@ -210,6 +210,11 @@ class Scheduler:
         if admit.rid in self.admitted:
             return []
         num_prompt = len(admit.prompt_token_ids)
+        for image in admit.images:
+            if image.bidirectional and image.length > self.config.max_num_batched_tokens:
+                raise ValueError(f"an image of {image.length} tokens, which this model "
+                                 "computes in one step, does not fit "
+                                 f"max_num_batched_tokens {self.config.max_num_batched_tokens}")
         # a completion needs a position to sample into; an embedding may fill the context
         limit = self.config.max_model_len + (1 if admit.embed else 0)
         if not 0 < num_prompt < limit:
@@ -358,7 +363,11 @@ class Scheduler:
             computed = self.kv.computed_blocks(req)
             num_cached = len(computed) * self.config.block_size
             remaining = req.num_tokens - num_cached
-            n = min(remaining, budget, self._chunk_cap(remaining))
+            n = whole_images(req, num_cached, min(remaining, budget,
+                                                  self._chunk_cap(remaining)), budget)
+            if n == 0:
+                deferred.append(req)  # its next image does not fit what is left
+                continue
             if n < remaining and not partial.admits(req):
                 deferred.append(req)  # a shorter prompt behind it may still start
                 continue
@@ -398,7 +407,7 @@ class Scheduler:
         n = min(remaining, budget, self._chunk_cap(remaining))
         if n < remaining and not self.config.enable_chunked_prefill:
             return 0
-        return n
+        return whole_images(req, req.num_computed_tokens, n, budget)
 
     def _speculates(self, req: Request) -> bool:
         """Whether the request may get drafts: it needs no per-token state on the worker."""
@@ -600,3 +609,20 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec.accepted_per_pos))
+
+
+def whole_images(req: Request, start: int, n: int, budget: int) -> int:
+    """The tokens to compute from `start`, at most n (or up to an image's end within the
+    budget), such that no image whose tokens attend both ways (Gemma 3's) is cut: each of
+    its tokens sees the image's last, so the chunk that computes any of them reaches it.
+    A chunk that would end inside such an image ends before it, or, starting at or inside
+    it, runs to its end if the budget holds it (past a --long-prefill-token-threshold
+    cap); 0 when it cannot."""
+    end = start + n
+    for image in req.images:
+        stop = image.offset + image.length
+        if image.bidirectional and image.offset < end < stop:
+            if image.offset > start:
+                return image.offset - start
+            return stop - start if stop - start <= budget else 0
+    return n

@@ -56,7 +56,7 @@ class InputProcessor:
         return cls(info.tokenizer, info.max_model_len, info.defaults, config.max_logprobs,
                    info.vocab_size, info.eos_token_ids,
                    config.max_lora_rank if config.enable_lora else None,
-                   ImagePrompts.for_model(info.model_dir, info.hf_config),
+                   ImagePrompts.for_model(info.model_dir, info.hf_config, info.tokenizer),
                    MediaRules.from_config(config))
 
     def process(self, req: GenerateRequest) -> AdmitRequest:

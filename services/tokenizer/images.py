@@ -3,7 +3,9 @@
 The model's own image processor (transformers', from preprocessor_config.json) resizes
 and normalizes each image and cuts it into patches; each image's one placeholder token in
 the prompt (`<|image_pad|>` for Qwen2-VL, config.image_token_id) becomes as many
-placeholders as the image has merged patches, and the patches travel with the request
+placeholders as the image has merged patches (Gemma 3: its `<start_of_image>` becomes the
+framed image tokens, common.vision.ImageFrame; pan-and-scan crops off, as vLLM's default),
+and the patches travel with the request
 (common.messages.ImageInput) for the worker's vision encoder. The image processor imports
 torch through transformers, so only a vision-language model's tokenizer loads it.
 """
@@ -18,6 +20,7 @@ import numpy as np
 
 from common.errors import ApiError
 from common.messages import ImageInput
+from common.vision import ImageFrame
 
 
 DEFAULT_VIDEO_FPS = 2.0  # frames given without their rate (Qwen2.5-VL's processor's default)
@@ -26,29 +29,41 @@ DEFAULT_VIDEO_FPS = 2.0  # frames given without their rate (Qwen2.5-VL's process
 class ImagePrompts:
     def __init__(self, image_processor: Any, image_token_id: int, merge: int,
                  patch_size: int, video_token_id: int | None = None,
-                 temporal_patch_size: int = 1) -> None:
-        """merge: patches per token along each side (Qwen2-VL's 2, LLaVA's 1);
-        video_token_id: the video placeholder of a model that takes videos (Qwen2-VL's
-        frames go in pairs: temporal_patch_size 2)."""
+                 temporal_patch_size: int = 1, frame: ImageFrame | None = None) -> None:
+        """merge: patches per token along each side (Qwen2-VL's 2, LLaVA's 1, Gemma 3's
+        pooling); video_token_id: the video placeholder of a model that takes videos
+        (Qwen2-VL's frames go in pairs: temporal_patch_size 2); frame: the tokens around
+        each image (Gemma 3), whose placeholder is then not the image token."""
         self.image_processor = image_processor
         self.image_token_id = image_token_id
         self.merge = merge
         self.patch_size = patch_size
         self.video_token_id = video_token_id
         self.temporal_patch_size = temporal_patch_size
+        self.frame = frame
+        # Gemma 3's processor may crop an image into several (pan and scan); vLLM keeps
+        # it off unless asked, and so does this
+        self.options = {"do_pan_and_scan": False} if frame is not None else {}
 
     @classmethod
-    def for_model(cls, model_dir: Path, hf_config: Any) -> ImagePrompts | None:
-        """The model's image processing, None for a text-only model."""
+    def for_model(cls, model_dir: Path, hf_config: Any, tokenizer: Any = None
+                  ) -> ImagePrompts | None:
+        """The model's image processing, None for a text-only model; tokenizer: the
+        model's (Gemma 3 frames its images with newlines)."""
         vision = getattr(hf_config, "vision_config", None)
         if vision is None:
             return None
         from transformers import AutoImageProcessor
 
+        tokens = getattr(hf_config, "mm_tokens_per_image", None)
+        merge = getattr(vision, "spatial_merge_size", 1)
+        if tokens is not None:  # Gemma 3: patches average-pooled to tokens
+            merge = vision.image_size // vision.patch_size // int(tokens ** 0.5)
         return cls(AutoImageProcessor.from_pretrained(model_dir), hf_config.image_token_id,
-                   getattr(vision, "spatial_merge_size", 1), vision.patch_size,
-                   getattr(hf_config, "video_token_id", None),
-                   getattr(vision, "temporal_patch_size", 1))
+                   merge, vision.patch_size, getattr(hf_config, "video_token_id", None),
+                   getattr(vision, "temporal_patch_size", 1),
+                   ImageFrame.for_model(hf_config, tokenizer) if tokenizer is not None
+                   else None)
 
     def expand(self, ids: list[int], images: list[Any], videos: list[Any] = ()
                ) -> tuple[list[int], list[ImageInput]]:
@@ -56,6 +71,8 @@ class ImagePrompts:
         and the images and videos as the worker takes them. `images`: PIL images, in
         placeholder order; `videos`: each an array of frames [T, H, W, 3] (or a list of
         frames), or (frames, {"fps": ...}) as vLLM takes them."""
+        if self.frame is not None:
+            return self._framed(ids, images)
         items = dict(zip(self._slots(ids, self.image_token_id, len(images), "image"),
                          self._images(images)))
         if videos or self.video_token_id is not None:
@@ -77,6 +94,19 @@ class ImagePrompts:
             done = slot + 1
         return out_ids + ids[done:], inputs
 
+    def _framed(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
+        """Gemma 3: each `<start_of_image>` framed around its image's tokens."""
+        assert self.frame is not None
+        self._slots(ids, self.frame.placeholder, len(images), "image")
+        processed = self._images(images)
+        lengths = [t * h * w // self.merge ** 2 for (t, h, w), _, _ in processed]
+        out_ids, offsets = self.frame.expand(ids, self.image_token_id, lengths)
+        return out_ids, [ImageInput(hash=image_hash(pixels, grid), offset=offset,
+                                    length=length, grid_thw=list(grid),
+                                    pixels=pixels.tobytes(), bidirectional=True)
+                         for (grid, pixels, _), offset, length
+                         in zip(processed, offsets, lengths)]
+
     @staticmethod
     def _slots(ids: list[int], token: int | None, count: int, kind: str) -> list[int]:
         slots = [i for i, t in enumerate(ids) if t == token] if token is not None else []
@@ -92,7 +122,8 @@ class ImagePrompts:
         if not images:
             return []
         try:
-            processed = self.image_processor(images=images, return_tensors="np")
+            processed = self.image_processor(images=images, return_tensors="np",
+                                             **self.options)
         except ValueError as e:  # e.g. an image too elongated for the processor
             raise ApiError(400, f"An image could not be processed: {e}", "messages") from None
         return [(grid, pixels, 0.0) for grid, pixels in self._per_image(processed)]

@@ -49,6 +49,23 @@ def step_image_slices(states: list[RequestState], query_start_loc: np.ndarray,
     return slices
 
 
+def key_limits(slices: list[ImageSlice], positions: np.ndarray) -> np.ndarray | None:
+    """The last context position each of the step's tokens attends to, where an image's
+    tokens attend both ways (Gemma 3): its image's last; others their own. None when no
+    such image is in the step. The scheduler computes each such image in one step
+    (services/scheduler/core.py), so the keys up to its last are all there."""
+    both_ways = [s for s in slices if s.image.bidirectional]
+    if not both_ways:
+        return None
+    limits = positions.astype(np.int32)
+    for s in both_ways:
+        if s.first + s.count != s.image.length:
+            raise ValueError(f"a step cut image {s.image.hash[:12]}, whose tokens attend "
+                             "both ways, before its last token")
+        limits[s.token:s.token + s.count] = s.image.offset + s.image.length - 1
+    return limits
+
+
 class EncoderCache:
     """Image embeddings by content hash, each kept while a request holding it lives."""
 

@@ -38,7 +38,7 @@ from common.speculative import may_speculate
 from services.worker.cuda_graphs import StepGraphs, graph_tokens
 from services.worker.draft import DraftRunner
 from services.worker.grammar import Grammars, MaskRow
-from services.worker.images import (EncoderCache, mrope_positions_of_step,
+from services.worker.images import (EncoderCache, key_limits, mrope_positions_of_step,
                                     mrope_step_positions, profile_image_grids,
                                     step_image_slices)
 from services.worker.inputs import StepInputs, prepare_inputs, to_device
@@ -275,11 +275,12 @@ class ModelRunner:
     def _add_images(self, plan: StepPlan, states: list[RequestState], inputs: StepInputs
                     ) -> None:
         """A vision-language step: the embedding rows of the image placeholders it
-        computes (encoded here where no live request did), and under M-RoPE three
-        positions per token, or one where the step has no image rows: its tokens are all
-        text, whose three positions are equal, and M-RoPE at three equal positions is 1-D
-        RoPE at that position. Such a step (every decode, the prompt's text chunks) is
-        then a text model's step, which the captured graphs replay."""
+        computes (encoded here where no live request did), how far an image's tokens see
+        where they attend both ways, and under M-RoPE three positions per token, or one
+        where the step has no image rows: its tokens are all text, whose three positions
+        are equal, and M-RoPE at three equal positions is 1-D RoPE at that position. Such a
+        step (every decode, the prompt's text chunks) is then a text model's step, which
+        the captured graphs replay."""
         assert self.images is not None
         num_scheduled = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
         num_computed = np.asarray(plan.num_computed_tokens, dtype=np.int64)
@@ -290,6 +291,9 @@ class ModelRunner:
             inputs.positions = self._tensor(mrope_positions_of_step(
                 mrope_step_positions(states, positions, num_scheduled), bool(slices)))
         inputs.image_rows = self.images.rows(slices, self.model.encode_images)
+        limits = key_limits(slices, positions)
+        if limits is not None:
+            inputs.attn.key_limits = self._tensor(limits)
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         """The step's hidden states, from a captured graph where one fits; the draft model

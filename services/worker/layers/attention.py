@@ -27,6 +27,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor         # int32 [R], context length after this step
     max_query_len: int
     max_seq_len: int
+    # int32 [T]: the last context position each query attends to, where some see past
+    # their own (an image's tokens attending both ways, Gemma 3); None: causal
+    key_limits: torch.Tensor | None = None
 
 
 @dataclass
@@ -117,5 +120,5 @@ class Attention(nn.Module):
                               meta.seq_lens, self.scale, max_query_len=meta.max_query_len,
                               max_seq_len=meta.max_seq_len, k_scale=self.k_scale,
                               v_scale=self.v_scale, sliding_window=self.sliding_window,
-                              soft_cap=self.soft_cap)
+                              soft_cap=self.soft_cap, key_limits=meta.key_limits)
         return out.flatten(1)

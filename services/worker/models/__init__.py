@@ -6,6 +6,7 @@ from __future__ import annotations
 from services.worker.layers.parallel import kv_heads_per_rank
 from services.worker.models.causal_lm import CausalLM, head_dim_of
 from services.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from services.worker.models.gemma3_vl import Gemma3ForConditionalGeneration
 from services.worker.models.llama import LlamaForCausalLM, MistralForCausalLM
 from services.worker.models.llava import LlavaForConditionalGeneration
 from services.worker.models.phi3 import Phi3ForCausalLM
@@ -31,6 +32,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 

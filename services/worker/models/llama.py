@@ -234,9 +234,12 @@ class LlamaModel(nn.Module):
         """hidden: the residual stream the stage before sent (every stage but the first).
         The last stage returns the final hidden states, the others the residual stream.
         inputs_embeds: the embeddings to run instead of input_ids' (a vision-language
-        model's, with its images' rows merged in)."""
-        if self.embed_tokens is not None:
-            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        model's, with its images' rows merged in), already scaled where Gemma scales
+        (Gemma 3 scales its text rows only)."""
+        if inputs_embeds is not None:
+            hidden = inputs_embeds
+        elif self.embed_tokens is not None:
+            hidden = self.embed_tokens(input_ids)
             if self.embed_scale is not None:
                 hidden = hidden * self.embed_scale
         assert hidden is not None, "a stage after the first takes the hidden states sent"
