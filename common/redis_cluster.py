@@ -18,18 +18,19 @@ lately, the gateway a text delta whose `seq` it has passed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aioredis
-import redis.asyncio.cluster
 import redis.cluster
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import AskError, ClusterDownError, RedisClusterException, TryAgainError
+from redis.exceptions import (AskError, AuthenticationError, ClusterDownError,
+                              NoPermissionError, RedisClusterException, TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -41,6 +42,7 @@ from common.redis_url_options import credentials, host_ports, query_options, tls
 SCHEMES = ("redis+cluster", "rediss+cluster")
 SHAPE = "redis[s]+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][?ssl_...=...]"
 _REDIRECTED = (AskError, ClusterDownError, TryAgainError)  # MovedError is an AskError
+_REFUSED = (AuthenticationError, NoPermissionError)
 
 
 class ClusterUnsettled(RedisConnectionError):
@@ -54,39 +56,37 @@ class ClusterUnreachable(RedisConnectionError):
 NO_NODE = "Redis Cluster cannot be connected"  # redis-py's words for that
 
 
-def _translated(e: RedisClusterException) -> Exception:
-    return ClusterUnreachable(str(e)) if str(e).startswith(NO_NODE) else e
-
-
-class _NodesManager(redis.asyncio.cluster.NodesManager):
-    __slots__ = ()
-
-    async def initialize(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            await super().initialize(*args, **kwargs)
-        except RedisClusterException as e:
-            raise _translated(e) from e
-
-
-class _BlockingNodesManager(redis.cluster.NodesManager):
-    __slots__ = ()
-
-    def initialize(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            super().initialize(*args, **kwargs)
-        except RedisClusterException as e:
-            raise _translated(e) from e
-
-
-def unreachable_as_connection_error(client: Any) -> Any:
+@contextmanager
+def unreachable_as_connection_error() -> Iterator[None]:
     """redis-py raises a RedisClusterException, which is no RedisError, when no node
     answers its slot-map query (a host whose link is down): make it a connection error,
     which the bus, the heartbeat threads and every `except RedisError` already retry or
-    report. Other RedisClusterExceptions (a node not in cluster mode) stay as they are."""
-    manager = client.nodes_manager
-    manager.__class__ = (_NodesManager if isinstance(client, RedisCluster)
-                         else _BlockingNodesManager)
-    return client
+    report. Other RedisClusterExceptions (a node not in cluster mode) stay as they are,
+    and so does one whose nodes answered with a refusal of the credentials: no retry
+    mends those (common/redis_urls.py reports them)."""
+    try:
+        yield
+    except RedisClusterException as e:
+        if str(e).startswith(NO_NODE) and not isinstance(e.__cause__, _REFUSED):
+            raise ClusterUnreachable(str(e)) from e
+        raise
+
+
+class _Cluster(RedisCluster):
+    """The async client reads the slot map in `initialize`, which every command and
+    pipeline goes through first, and again after a node is lost."""
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
+        with unreachable_as_connection_error():
+            return await super().initialize(*args, **kwargs)
+
+
+class _BlockingCluster(redis.cluster.RedisCluster):
+    """The blocking client reads the slot map when it is made and within a command."""
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        with unreachable_as_connection_error():
+            return super().execute_command(*args, **kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +122,8 @@ def startup_nodes(url: str) -> list[ClusterNode]:
 def cluster_client(url: str, max_connections: int, options: dict[str, Any]) -> RedisCluster:
     """A redis-py cluster client for the bus's less frequent calls; `max_connections` is
     per node."""
-    return unreachable_as_connection_error(RedisCluster(
-        startup_nodes=startup_nodes(url), max_connections=max_connections,
-        **cluster_target(url).options, **options))
+    return _Cluster(startup_nodes=startup_nodes(url), max_connections=max_connections,
+                    **cluster_target(url).options, **options)
 
 
 def plain_client(url: str) -> aioredis.Redis | RedisCluster:
@@ -143,8 +142,9 @@ def blocking_client(url: str, name: str | None,
                                    socket_connect_timeout=timeout_s)
     if is_cluster_url(url):
         nodes = [redis.cluster.ClusterNode(host, port) for host, port in cluster_addresses(url)]
-        return unreachable_as_connection_error(redis.cluster.RedisCluster(
-            startup_nodes=nodes, **cluster_target(url).options, **options))
+        with unreachable_as_connection_error():
+            return _BlockingCluster(startup_nodes=nodes, **cluster_target(url).options,
+                                    **options)
     if is_sentinel_url(url):
         return blocking_sentinel_client(url, options)
     return redis.Redis.from_url(url, **options)
@@ -241,7 +241,8 @@ class ClusterLanes:
     async def _lanes_of(self, slot: int) -> Lanes:
         await self.client.initialize()  # reads the slot map once
         if self._refresh:
-            await self.client.nodes_manager.initialize()
+            with unreachable_as_connection_error():
+                await self.client.nodes_manager.initialize()
             self._refresh = False
         node = self.client.nodes_manager.get_node_from_slot(slot)
         if node.name not in self._lanes:

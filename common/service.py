@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,13 +160,15 @@ class Beat:
     """Renews a liveness key from its own thread over its own connection, so the key
     outlives event-loop stalls (a gateway with thousands of streams on a loaded 2-core host
     stalls for seconds) and lapses only when the whole process stops or dies. `taken`
-    names the value found where this process's own was expected."""
+    names the value found where this process's own was expected, or the error that kept
+    the key from being renewed for its whole TTL."""
 
     def __init__(self, url: str, key: str, value: str, name: str | None) -> None:
         self.client = blocking_client(url, name, timeout_s=HEARTBEAT_S)
         self.key, self.value = key, value
         self.stopping = threading.Event()
         self.taken: str | None = None
+        self.renewed = time.monotonic()  # the key's last renewal (or the beat's start)
 
     def run(self) -> None:
         held = False
@@ -175,15 +178,30 @@ class Beat:
                     before = self.client.set(self.key, self.value, px=ALIVE_TTL_MS, get=True)
                 except UNAVAILABLE:  # the same classes in redis-py's blocking client
                     pass  # Redis is restarting; the bus's own retries report it
+                except Exception as e:  # a thread dead of it would let the key lapse unsaid
+                    self._failed(e)
                 else:
                     if held and before != self.value.encode():
                         self.taken = f"{self.key} was {before!r}, not this process's " \
                                      f"{self.value!r}"
-                    held = True
+                    held, self.renewed = True, time.monotonic()
                 if self.stopping.wait(HEARTBEAT_S):
                     return
         finally:
             self.client.close()
+
+    def _failed(self, error: Exception) -> None:
+        """An error the beat does not expect (Redis refusing the SET: out of memory, a
+        read-only replica, an ACL change; or a bug) is logged, and the beat tries again
+        on its own period while the key may still live: a slower retry would let a short
+        fault lapse it. Once the key has gone unrenewed for its whole TTL, the other stages
+        have written this process off, so it ends as taken for dead, to be restarted."""
+        unrenewed_ms = (time.monotonic() - self.renewed) * 1000
+        get_logger("headrace.process").error("heartbeat failed", key=self.key,
+                                             unrenewed_ms=round(unrenewed_ms), exc_info=error)
+        if unrenewed_ms >= ALIVE_TTL_MS:
+            self.taken = (f"{self.key} not renewed for {unrenewed_ms:.0f} ms: "
+                          f"{type(error).__name__}: {error}")
 
 
 async def heartbeat(bus: Bus, key: str, value: str, stop: anyio.Event) -> None:
@@ -193,7 +211,8 @@ async def heartbeat(bus: Bus, key: str, value: str, stop: anyio.Event) -> None:
     exits to be restarted afresh, since what it holds (a KV cache, running requests) was
     already written off by the others and cannot be trusted to match theirs. With the
     beat in a thread, that happens only when the process was stopped (SIGSTOP, a frozen
-    VM) or Redis lost the key, never because its event loop was late."""
+    VM), Redis lost the key or refused to renew it for a whole TTL (Beat._failed), never
+    because its event loop was late."""
     beat = Beat(bus.url, key, value, bus.name)
     thread = threading.Thread(target=beat.run, name=f"heartbeat {key}", daemon=True)
     thread.start()

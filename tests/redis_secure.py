@@ -16,16 +16,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 from urllib.parse import urlencode
 
+import aiohttp
 import redis
 
 from benchmarks.bench.pipeline import LocalPipeline
+from benchmarks.bench.redis_nodes import LocalNodes, spawn_node, stop_nodes
 from common.config import EngineConfig, ServerConfig
 from common.net import free_port
-from common.redis_server import RedisServerError, find_redis_binary, spawn_child
+from common.redis_server import RedisServerError, find_redis_binary
 from tests.conftest import REPO
 from tests.redis_cluster import LocalCluster
 from tests.redis_sentinel import SERVICE, LocalSentinel
@@ -103,7 +104,7 @@ def users_conf(path: Path) -> Path:
     return path
 
 
-class SecureRedis:
+class SecureRedis(LocalNodes):
     """`with SecureRedis(binary, run_dir) as server: server.url("tokenizer")`."""
 
     def __init__(self, binary: str, run_dir: Path, start_timeout_s: float = 10.0) -> None:
@@ -122,27 +123,21 @@ class SecureRedis:
     def admin(self) -> redis.Redis:
         return redis.Redis.from_url(self.url(ADMIN[0], ADMIN[1]), socket_timeout=5.0)
 
-    def __enter__(self) -> SecureRedis:
+    def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.certs = make_certs(self.run_dir)
         conf = users_conf(self.run_dir / "users.conf")
-        log = open(self.run_dir / "redis.log", "ab")
-        self.process = spawn_child(
+        self.process = spawn_node(
             [self.binary, str(conf), "--port", "0", "--tls-port", str(self.port),
              "--bind", "127.0.0.1", "--tls-cert-file", str(self.certs.server_cert),
              "--tls-key-file", str(self.certs.server_key),
              "--tls-ca-cert-file", str(self.certs.ca), "--tls-auth-clients", "yes",
-             "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+             "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)], self.run_dir)
         self._wait_until_ready()
-        return self
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def stop(self) -> None:
         if self.process is not None:
-            self.process.terminate()
-            self.process.wait(10)
+            stop_nodes([self.process])
 
     def _wait_until_ready(self) -> None:
         assert self.process is not None
@@ -267,7 +262,7 @@ class PerStagePipeline(LocalPipeline):
     its stage: `url_of(user)` is its URL."""
 
     def __init__(self, url_of: Callable[[str], str], root: Path, model: Path) -> None:
-        self.url_of = url_of
+        self.url_of, self.model = url_of, model
         super().__init__(root, EngineConfig(model=str(model), num_gpu_blocks_override=64),
                          ServerConfig(), gateway=True, redis_url=url_of(ADMIN[0]))
 
@@ -275,3 +270,16 @@ class PerStagePipeline(LocalPipeline):
         child = self.children[label]
         child.env = {**child.env, "REDIS_URL": self.url_of(child.name)}
         super().start(label)
+
+    async def serves_a_completion(self, ready_s: float) -> None:
+        """Once every stage is up (within `ready_s`), a completion of 5 tokens is answered,
+        and /metrics, which reads every stream's XINFO as the gateway user."""
+        await self.wait_ready(ready_s)
+        async with aiohttp.ClientSession() as session:
+            body = {"model": str(self.model), "prompt": [5, 6, 7, 8], "max_tokens": 5,
+                    "ignore_eos": True}
+            async with session.post(self.http_url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.json())["usage"]["completion_tokens"] == 5
+            async with session.get(self.http_url + "/metrics") as r:
+                assert r.status == 200

@@ -8,17 +8,17 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 import redis
 
+from benchmarks.bench.redis_nodes import LocalNodes, spawn_node, stop_nodes
 from common.net import free_port
-from common.redis_server import RedisServerError, find_redis_binary, spawn_child
+from common.redis_server import RedisServerError, find_redis_binary
 
 SERVICE = "mymaster"
 
 
-class LocalSentinel:
+class LocalSentinel(LocalNodes):
     def __init__(self, run_dir: Path, start_timeout_s: float = 20.0) -> None:
         self.run_dir = run_dir
         self.master_port, self.replica_port, self.sentinel_port = (free_port(), free_port(),
@@ -32,18 +32,6 @@ class LocalSentinel:
         a sentinel that is down."""
         return f"redis+sentinel://127.0.0.1:{free_port()},127.0.0.1:{self.sentinel_port}/" \
                f"{SERVICE}/0"
-
-    def __enter__(self) -> LocalSentinel:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
     def start(self) -> None:
         self._spawn(self.master_port, [])
@@ -89,20 +77,12 @@ class LocalSentinel:
         return self.master()
 
     def stop(self) -> None:
-        for process in self.processes.values():
-            process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_nodes(self.processes.values())
         self.processes = {}
 
     def _spawn(self, port: int, extra: list[str], config: Path | None = None,
                sentinel: bool = False) -> None:
         node_dir = self.run_dir / str(port)
-        node_dir.mkdir(parents=True, exist_ok=True)
         binary, *listen = self.server_args(port)
         args = [binary]
         if config is not None:
@@ -110,9 +90,7 @@ class LocalSentinel:
         args += ["--sentinel"] if sentinel else [
             *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", str(node_dir), *extra]
-        with open(node_dir / "redis.log", "ab") as log:
-            self.processes[port] = spawn_child(args, cwd=node_dir, stdin=subprocess.DEVNULL,
-                                               stdout=log, stderr=subprocess.STDOUT)
+        self.processes[port] = spawn_node(args, node_dir)
 
     def _wait(self, ready: Callable[[], bool], timeout_s: float | None = None) -> None:
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import anyio
 import pytest
 from redis.crc import key_slot
@@ -230,15 +229,7 @@ async def test_every_stage_serves_as_its_own_user_over_tls(deployment, model, tm
             admin.acl_log_reset()
     pipeline = PerStagePipeline(secure.url_as, tmp_path, model)
     try:
-        await pipeline.wait_ready(300)
-        async with aiohttp.ClientSession() as session:
-            body = {"model": str(model), "prompt": [5, 6, 7, 8], "max_tokens": 5,
-                    "ignore_eos": True}
-            async with session.post(pipeline.http_url + "/v1/completions", json=body) as r:
-                assert r.status == 200, await r.text()
-                assert (await r.json())["usage"]["completion_tokens"] == 5
-            async with session.get(pipeline.http_url + "/metrics") as r:
-                assert r.status == 200
+        await pipeline.serves_a_completion(300)
     finally:
         pipeline.stop()
     for port in ports:

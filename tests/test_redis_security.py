@@ -12,7 +12,6 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 import redis
 
@@ -49,15 +48,7 @@ async def test_every_stage_serves_as_its_own_acl_user_over_tls(secure, model, tm
         admin.acl_log_reset()
     pipeline = PerStagePipeline(secure.url, tmp_path, model)
     try:
-        await pipeline.wait_ready(180)
-        async with aiohttp.ClientSession() as session:
-            body = {"model": str(model), "prompt": [5, 6, 7, 8], "max_tokens": 5,
-                    "ignore_eos": True}
-            async with session.post(pipeline.http_url + "/v1/completions", json=body) as r:
-                assert r.status == 200, await r.text()
-                assert (await r.json())["usage"]["completion_tokens"] == 5
-            async with session.get(pipeline.http_url + "/metrics") as r:
-                assert r.status == 200  # reads every stream's XINFO as the gateway user
+        await pipeline.serves_a_completion(180)
         with secure.admin() as admin:
             users = {client["user"] for client in admin.client_list()}
         queues = run_command("queues", "--redis-url", secure.url("observer"))

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from common import keys
-from common.bus import Bus
+from common.bus import Bus, Entry
 from common.config import EngineConfig, ServerConfig
 from common.messages import AdmitRequest, DrainSteps, StepPlan, StepResult, WorkerReady
 from common.sampling_params import SamplingParams
@@ -228,3 +228,76 @@ async def test_a_scheduler_flagged_for_stages_plans_ahead_for_a_worker_of_one(re
         assert [(o.step, o.req_ids) for o in orders] == [(1, ["a#0"]), (2, ["a#0"])]
         ctx.stop.set()
         tg.cancel_scope.cancel()
+
+
+# --- the shell's rounds: a second plan only where the results may have woken a request --
+
+class Rounds:
+    """The shell's rounds without Redis, counting the core's `schedule` calls per round."""
+
+    def __init__(self, config: EngineConfig, stages: int = 1) -> None:
+        no_bus: Bus = None  # type: ignore[assignment]  # a round does no I/O
+        ctx = ServiceContext("scheduler", "t", config, ServerConfig(), no_bus, anyio.Event())
+        self.shell = SchedulerShell(ctx, config)
+        self.round(WorkerReady("w", "epoch-1", 64, 16, 256, pipeline_stages=stages))
+        core = self.shell.core
+        assert core is not None
+        schedule, self.calls = core.schedule, 0
+
+        def counted() -> StepPlan | None:
+            self.calls += 1
+            return schedule()
+        core.schedule = counted  # type: ignore[method-assign]
+
+    def round(self, *msgs: object) -> tuple[int, list[StepPlan]]:
+        """One round's `schedule` calls and the plans it sends."""
+        self.calls = 0
+        entries = [Entry("s", b"0-1", {}, msg) for msg in msgs]
+        sent = [msg for _, msg in self.shell._round(entries)]
+        return self.calls, [msg for msg in sent if isinstance(msg, StepPlan)]
+
+    def result(self, step: int, token: int = 9) -> StepResult:
+        return StepResult(step, ["a#0"], [token], epoch="epoch-1")
+
+
+def short_admission(rid: str, max_tokens: int) -> AdmitRequest:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, eos_token_ids=(0,))
+    return AdmitRequest(rid, "gw", [5, 6, 7], params)
+
+
+def test_one_stage_without_speculation_plans_once_a_round():
+    """Every step of `a` is planned ahead of its tokens, so a result wakes nothing: the
+    round's one plan finds nothing more to do, and no second one asks again."""
+    rounds = Rounds(EngineConfig(max_model_len=256, max_num_batched_tokens=256))
+    calls, plans = rounds.round(short_admission("a", 2))
+    assert (calls, [p.step for p in plans]) == (2, [1, 2])  # the depth is full
+    for step in (1, 2):  # a's tokens are all in flight: nothing is left to plan
+        assert rounds.round(rounds.result(step)) == (1, [])
+    assert rounds.shell.core.requests == {}
+
+
+def test_one_stage_plans_again_when_an_ended_request_frees_a_waiting_ones_seat():
+    """b waits for a's seat (max_num_seqs=1); the round whose result ends a plans b's
+    prefill, rather than leaving it to the next read's timeout."""
+    rounds = Rounds(EngineConfig(max_model_len=256, max_num_batched_tokens=256,
+                                 max_num_seqs=1))
+    rounds.round(short_admission("a", 2), short_admission("b", 2))
+    assert rounds.round(rounds.result(1)) == (1, [])
+    calls, plans = rounds.round(rounds.result(2))
+    assert calls == 3 and [r.req_id for r in plans[0].new] == ["b#0"]
+
+
+@pytest.mark.parametrize("stages, speculative", [(2, None), (1, "ngram")])
+def test_a_request_waiting_for_its_token_is_planned_in_the_round_that_brings_it(
+        stages, speculative):
+    """Under pipeline stages, or speculating, a's next step waits for its token: the
+    round's first plan cannot take it, the second one after the result does."""
+    spec = ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, '
+            '"prompt_lookup_min": 1}') if speculative else None
+    rounds = Rounds(EngineConfig(max_model_len=256, max_num_batched_tokens=256,
+                                 speculative_config=spec), stages)
+    calls, plans = rounds.round(short_admission("a", 50))
+    assert [p.step for p in plans] == [1]  # then nothing until its token is back
+    for step in (1, 2):
+        calls, plans = rounds.round(rounds.result(step))
+        assert [p.step for p in plans] == [step + 1] and plans[0].req_ids == ["a#0"]

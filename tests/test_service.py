@@ -1,6 +1,6 @@
 """How `run_service` sets up a stage's process before its body serves, seen from inside a
 real process: the heap of imports frozen out of garbage collection, uvloop, and a short
-GIL switch interval."""
+GIL switch interval; and the heartbeat that keeps a stage's liveness key."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import time
 
 import anyio
 import redis
+import structlog
 
+from common import service
 from common.bus import Bus
 from common.service import ALIVE_TTL_MS, GIL_SWITCH_S, HEARTBEAT_S, TakenForDead, heartbeat
 
@@ -80,3 +82,73 @@ def test_a_heartbeat_outlives_an_event_loop_stall_longer_than_its_ttl(redis_url)
         return seen
     seen = anyio.run(scenario)
     assert seen and all(value == b"me" for value in seen), seen
+
+
+def refusing_clients(monkeypatch, faults: int | None) -> None:
+    """Beats whose SET Redis refuses `faults` times (None: always), as an out-of-memory
+    Redis does; a short beat and TTL keep the tests quick."""
+    monkeypatch.setattr(service, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(service, "ALIVE_TTL_MS", 400)
+    make = service.blocking_client
+
+    def refusing(*args, **kwargs):
+        client = make(*args, **kwargs)
+        real_set, refused = client.set, [0]
+
+        def set_(*a, **kw):
+            if faults is None or refused[0] < faults:
+                refused[0] += 1
+                raise redis.ResponseError("OOM command not allowed when used memory > "
+                                          "'maxmemory'")
+            return real_set(*a, **kw)
+        client.set = set_
+        return client
+    monkeypatch.setattr(service, "blocking_client", refusing)
+
+
+def beat_failures(logs: list[dict]) -> list[dict]:
+    return [line for line in logs if line["event"] == "heartbeat failed"]
+
+
+def test_a_heartbeat_logs_an_unexpected_error_and_beats_on(redis_url, monkeypatch):
+    """Two refused SETs, well within the key's TTL: each is logged with its exception,
+    and the beat goes on holding the key instead of its thread dying in silence."""
+    refusing_clients(monkeypatch, faults=2)
+
+    async def scenario() -> bytes | None:
+        async with Bus(redis_url) as bus, anyio.create_task_group() as tasks:
+            stop = anyio.Event()
+            tasks.start_soon(heartbeat, bus, "hr:test:refused", "me", stop)
+            await anyio.sleep(0.6)  # past the TTL: only a beat that went on holds the key
+            value, = await bus.values("hr:test:refused")
+            stop.set()
+        return value
+    with structlog.testing.capture_logs() as logs:
+        assert anyio.run(scenario) == b"me"
+    failures = beat_failures(logs)
+    assert len(failures) == 2 and failures[0]["log_level"] == "error"
+    assert isinstance(failures[0]["exc_info"], redis.ResponseError)
+
+
+def test_a_heartbeat_refused_for_its_whole_ttl_takes_the_process_for_dead(
+        redis_url, monkeypatch):
+    """The key has lapsed and the other stages have ended this process's work: it exits
+    (TAKEN_FOR_DEAD_EXIT) to be restarted, rather than live on unseen."""
+    refusing_clients(monkeypatch, faults=None)
+
+    async def scenario() -> list[BaseException]:
+        raised: list[BaseException] = []
+        async with Bus(redis_url) as bus:
+            with anyio.fail_after(5):
+                try:
+                    async with anyio.create_task_group() as tasks:
+                        tasks.start_soon(heartbeat, bus, "hr:test:refused", "me",
+                                         anyio.Event())
+                except* TakenForDead as group:
+                    raised += group.exceptions
+        return raised
+    with structlog.testing.capture_logs() as logs:
+        raised = anyio.run(scenario)
+    assert len(raised) == 1 and "not renewed" in str(raised[0]) and "OOM" in str(raised[0])
+    failures = beat_failures(logs)  # each one logged, until the TTL had passed
+    assert len(failures) > 1 and failures[-1]["unrenewed_ms"] >= 400 > failures[0]["unrenewed_ms"]

@@ -9,15 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from redis.asyncio.cluster import NodesManager
 
 from benchmarks.bench.hosts import why_no_namespaces
 from benchmarks.bench.soak_hosts import (DUPLICATED, GRACE_S, WRONG_TEXT, Fault, HostTally,
                                          reason_of, text_outcome)
 from benchmarks.bench.soak_report import CLIENT_ERROR, INVALID, OK, STREAM_ERROR
-from common.bus import UNAVAILABLE
+from common.bus import UNAVAILABLE, Bus, BusUnavailable
 from common.config import ConfigError, EngineConfig, ServerConfig
 from common.net import free_port
-from common.redis_cluster import ClusterUnreachable, cluster_client
+from common.messages import Abort
+from common.redis_cluster import ClusterUnreachable, blocking_client, cluster_client
 from services.launcher import check_local_shards, child_specs
 from tests.conftest import run_command
 from tests.tiny_models import make_tiny_model
@@ -88,8 +90,30 @@ async def test_a_cluster_no_node_of_which_answers_is_a_connection_error_the_bus_
         with pytest.raises(ClusterUnreachable, match="cannot be connected"):
             await client.initialize()
         assert issubclass(ClusterUnreachable, UNAVAILABLE)
+        assert type(client.nodes_manager) is NodesManager  # redis-py's own, not patched
     finally:
         await client.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_bus_cut_off_from_its_cluster_retries_its_writes_and_reports_its_reads():
+    """Through the bus's own calls: a write is retried as an outage until the bus gives
+    up (BusUnavailable), and a read of keys (a pipeline) and a command raise a connection
+    error that the callers' `except RedisError` report, not a RedisClusterException."""
+    async with Bus(f"redis+cluster://127.0.0.1:{free_port()}", retry_timeout_s=0.3,
+                   max_backoff_s=0.05) as bus:
+        with pytest.raises(BusUnavailable, match="cannot be connected"):
+            await bus.publish("hr:{s0}:admit", Abort("r"))
+        with pytest.raises(ClusterUnreachable):
+            await bus.values("hr:{s0}:a", "hr:{s0}:b")
+        with pytest.raises(ClusterUnreachable):
+            await bus.forget("hr:{s0}:a")
+
+
+def test_a_heartbeats_blocking_cluster_client_cut_off_raises_a_connection_error():
+    """The heartbeat thread's client reads the slot map as it is made."""
+    with pytest.raises(ClusterUnreachable, match="cannot be connected"):
+        blocking_client(f"redis+cluster://127.0.0.1:{free_port()}", "beat", timeout_s=0.5)
 
 
 @pytest.mark.long

@@ -29,6 +29,7 @@ from types import TracebackType
 import psutil
 
 from benchmarks.bench.redis_cluster import LocalCluster
+from benchmarks.bench.redis_nodes import start_or_stop
 from common.redis_server import spawn_child
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,21 +128,19 @@ class SimulatedHosts:
         return f"{self.subnet}.1"
 
     def __enter__(self) -> SimulatedHosts:
-        try:
-            self.make_network()
-            self.cluster = LocalCluster(self.run_dir / "cluster", host=self.bridge_address,
-                                        replicas=self.cluster_replicas,
-                                        node_timeout_ms=1000 if self.cluster_replicas else
-                                        15_000)
-            self.cluster.__enter__()
-        except BaseException:
-            self.close()
-            raise
+        start_or_stop(self.make_network_and_cluster, self.close)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+    def make_network_and_cluster(self) -> None:
+        self.make_network()
+        self.cluster = LocalCluster(self.run_dir / "cluster", host=self.bridge_address,
+                                    replicas=self.cluster_replicas,
+                                    node_timeout_ms=1000 if self.cluster_replicas else 15_000)
+        self.cluster.__enter__()
 
     def make_network(self) -> None:
         if (reason := why_no_namespaces()) is not None:

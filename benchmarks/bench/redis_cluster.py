@@ -12,17 +12,17 @@ import subprocess
 import time
 from pathlib import Path
 from collections.abc import Callable
-from types import TracebackType
 
 import redis
 import redis.cluster
 from redis.crc import key_slot
 
+from benchmarks.bench.redis_nodes import LocalNodes, spawn_node, stop_nodes
 from common.redis_cluster import is_cluster_url, startup_nodes
-from common.redis_server import RedisServerError, find_redis_binary, spawn_child
+from common.redis_server import RedisServerError, find_redis_binary
 
 
-class LocalCluster:
+class LocalCluster(LocalNodes):
     def __init__(self, run_dir: Path, masters: int = 3, start_timeout_s: float = 20.0,
                  replicas: int = 0, node_timeout_ms: int = 15_000,
                  host: str = "127.0.0.1") -> None:
@@ -41,32 +41,16 @@ class LocalCluster:
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"{self.host}:{port}" for port in self.ports)
 
-    def __enter__(self) -> LocalCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
-
     def start(self) -> None:
         for port in self.ports:
             node_dir = self.run_dir / str(port)
-            node_dir.mkdir(parents=True, exist_ok=True)
-            with open(node_dir / "redis.log", "ab") as log:
-                self.by_port[port] = spawn_child(
-                    [*self.node_command(port), "--bind", self.host, "--cluster-enabled", "yes",
-                     "--cluster-config-file", str(node_dir / "nodes.conf"),
-                     "--cluster-node-timeout", str(self.node_timeout_ms),
-                     "--dir", str(node_dir), "--appendonly", "no", "--save", "",
-                     "--daemonize", "no"],
-                    cwd=node_dir, stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True)
-                self.processes.append(self.by_port[port])
+            self.by_port[port] = spawn_node(
+                [*self.node_command(port), "--bind", self.host, "--cluster-enabled", "yes",
+                 "--cluster-config-file", str(node_dir / "nodes.conf"),
+                 "--cluster-node-timeout", str(self.node_timeout_ms),
+                 "--dir", str(node_dir), "--appendonly", "no", "--save", "",
+                 "--daemonize", "no"], node_dir)
+            self.processes.append(self.by_port[port])
         for port in self.ports:
             self._wait(lambda client: bool(client.ping()), port)
         subprocess.run([*self.cli_command(), "--cluster", "create",
@@ -134,14 +118,7 @@ class LocalCluster:
         return redis.Redis(host=self.host, port=port, socket_timeout=5.0)
 
     def stop(self) -> None:
-        for process in self.processes:
-            process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_nodes(self.processes)
         self.processes = []
         self.by_port = {}
 

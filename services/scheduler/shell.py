@@ -84,19 +84,9 @@ class SchedulerShell:
                                               block_ms=None if pending else READ_BLOCK_MS)
                 clock.lap("read")
                 pending = {}
-                outputs = self._handle(entries)
-                # Plan before applying the results (the scheduler plans ahead of the tokens
-                # anyway), then send the tokens and the plans in one round trip; plan again
-                # for the requests that waited for those tokens (a speculating request's,
-                # every request's under pipeline stages), which nothing else would wake.
-                plans = self._plan()
-                clock.lap("schedule")
-                outputs += self._apply_results()
-                clock.lap("update")
-                plans += self._plan() + self._drain()
-                clock.lap("schedule")
-                if outputs or plans or entries:
-                    await self.bus.commit(outputs + plans, done=entries)
+                outputs = self._round(entries)
+                if outputs or entries:
+                    await self.bus.commit(outputs, done=entries)
                 clock.lap("commit")
                 if self._num_unfinished() < unfinished:
                     self.stats_due.set()
@@ -107,6 +97,42 @@ class SchedulerShell:
             tg.cancel_scope.cancel()
         await self.bus.forget(keys.scheduler_stats(self.shard))  # stopped: no figures
         log.info("scheduler loop times", **self.clock.summary())
+
+    def _round(self, entries: list[Entry]) -> list[Output]:
+        """What one read's entries send: the tokens first, then the plans and any drain.
+
+        Plan before applying the results (the scheduler plans ahead of the tokens anyway),
+        so that the tokens and the plans leave in one round trip. Plan again after them
+        only where they may have woken a request the first plan could not take, since
+        nothing else would wake it before the next read times out (READ_BLOCK_MS)."""
+        outputs = self._handle(entries)
+        plans = self._plan()
+        self.clock.lap("schedule")
+        woken = self._results_may_wake()
+        unfinished = self._num_unfinished()
+        outputs += self._apply_results()
+        self.clock.lap("update")
+        if woken or self._room_freed_for_waiting(unfinished):
+            plans += self._plan()
+        plans += self._drain()
+        self.clock.lap("schedule")
+        return outputs + plans
+
+    def _results_may_wake(self) -> bool:
+        """Whether a request may wait for the tokens of this round's results: every
+        request does under pipeline stages (only the last stage holds its token), and a
+        speculating one waits for how many drafts were accepted (services/scheduler/core.py).
+        Otherwise a request is planned ahead of its tokens, and the first plan took it."""
+        if self.core is None or not self.results:
+            return False
+        config = self.core.config
+        return config.pipeline_stages > 1 or config.speculative is not None
+
+    def _room_freed_for_waiting(self, unfinished_before: int) -> bool:
+        """Whether a request that the results ended left KV blocks and a seat
+        (max_num_seqs) to a waiting one, which may not have fit in the first plan."""
+        return (self.core is not None and len(self.core.waiting) > 0
+                and self._num_unfinished() < unfinished_before)
 
     # --- inputs ---------------------------------------------------------------------------
 
