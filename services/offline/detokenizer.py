@@ -175,4 +175,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # skip the interpreter's teardown, as a tensor-parallel follower does
+    # (services/worker/ranks.py, leave_now): on a loaded CPU it outlasted the engine's
+    # wait at close(), which then killed this process
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

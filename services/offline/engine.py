@@ -21,7 +21,7 @@ from common.sampling_params import SamplingParams
 from common.timing import PhaseClock
 from services.detokenizer.core import Detokenizer
 from services.offline.detokenizer import DetokenizerProcess
-from services.offline.steps import Steps, start_steps
+from services.offline.steps import Steps, launch_lag, start_steps
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.tokenizer.core import InputProcessor
 from services.worker.executor import start_executor
@@ -36,10 +36,7 @@ class Engine:
         """detokenizer_process=False detokenizes every item in this loop, as the engine
         did before the process: the same deltas, each returned by the step that made it;
         step_thread=False calls the executor from this loop, as the engine did before the
-        thread (tests compare them). More than one rank runs in the loop: pipeline stages
-        keep their steps in flight across processes by themselves, and a tensor-parallel
-        group's followers did not exit cleanly at close() behind the thread (not yet
-        understood: tests/test_tensor_parallel.py)."""
+        thread (tests compare them)."""
         self.info = load_model_info(config)
         self.config = self.info.config
         self.processor = InputProcessor.from_info(self.info)
@@ -58,9 +55,8 @@ class Engine:
         self.on_plan: Callable[[StepPlan], None] | None = None  # benchmarks trace steps
         self.clock = PhaseClock()  # where the steps' time goes (benchmarks print it)
         self._adapters: dict[int, str] = {}  # LoRA id -> the path checked under it
-        one_rank = (self.config.pipeline_parallel_size == 1
-                    and self.config.tensor_parallel_size == 1)
-        self.steps: Steps = start_steps(self.executor, step_thread and one_rank)
+        self.steps: Steps = start_steps(self.executor, step_thread)
+        self.lag = launch_lag(self.config)
 
     def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, lora: LoRARequest | None = None,
@@ -131,9 +127,9 @@ class Engine:
                 self.on_plan(plan)
             self.steps.launch(plan)
         clock.lap("schedule")
-        # every result but the step just launched: the next plan is made from the same
-        # tokens however the step thread is timed (services/offline/steps.py)
-        results = self.steps.results(keep=0 if plan is None else 1)
+        # every result but the steps the launch leaves out: the next plan is made from the
+        # same tokens however the step thread is timed (services/offline/steps.py)
+        results = self.steps.results(keep=0 if plan is None else self.lag)
         clock.lap("execute")
         deltas: list[TextDelta] = []
         for result in results:

@@ -7,12 +7,16 @@ loop queues it, and each step's result is posted the moment its tokens are on th
 so the loop schedules, applies tokens and hands text to the detokenizer process while the
 step thread prepares, launches and waits on the device. Both threads share the GIL; what
 they overlap is the device's wait, torch's launches (which release the GIL) and the
-loop's Python. `InlineSteps` calls the executor from the loop, as the engine did before
-the thread: for more than one rank (see Engine) and for tests that compare the two.
+loop's Python. Any executor runs there: one rank, a tensor-parallel group (the thread
+forwards each call to the followers, in order) or pipeline stages (which hold their
+newest steps until the loop asks for them: a DrainSteps order, as the served scheduler
+sends). `InlineSteps` calls the executor from the loop, as the engine did before the
+thread: tests compare the two.
 
 Either way the loop takes results with a fixed lag, never "whatever is back": after
-launching a step it applies every result but the newest `keep`. So each plan is made from
-the same applied tokens however the threads are timed, and the plans, hence the outputs
+launching a step it applies every result but the newest `launch_lag` (those the
+executor's launch leaves without results in the loop too). So each plan is made from the
+same applied tokens however the threads are timed, and the plans, hence the outputs
 (unseeded sampling included), are those of the in-line loop.
 """
 
@@ -24,7 +28,8 @@ import weakref
 from typing import Protocol
 
 from common.bus import Entry
-from common.messages import StepPlan, StepResult
+from common.config import EngineConfig
+from common.messages import DrainSteps, StepPlan, StepResult
 from common.service import GIL_SWITCH_S
 from services.worker.executor import Executor
 from services.worker.step_thread import StepThread
@@ -38,8 +43,9 @@ class Steps(Protocol):
 
     def results(self, keep: int) -> list[StepResult]:
         """The results of the launched steps, oldest first: all but the newest `keep`
-        (waiting for them); in the loop, what the executor's launches returned (a
-        pipeline's lag is its own), and with keep 0 every one."""
+        (waiting for them; pipeline stages hand their held steps back on a drain, sent
+        for keep 0); in the loop, what the executor's launches returned (the same with
+        keep at `launch_lag`), and with keep 0 every one."""
 
     def close(self) -> None:
         """Finish what is launched and let the thread go (a second call does nothing)."""
@@ -91,6 +97,8 @@ class ThreadedSteps:
         self._in_flight += 1
 
     def results(self, keep: int) -> list[StepResult]:
+        if keep == 0 and self._in_flight and self._thread.drains_on_order:
+            self._thread.put(Entry(stream="", id=b"", fields={}, msg=DrainSteps()))
         done: list[StepResult] = []
         while self._in_flight > keep:
             if self._error is not None:
@@ -98,6 +106,8 @@ class ThreadedSteps:
             entry, result = self._posted.get()
             if entry is None:  # the thread ended: the executor failed, or close()
                 self._error = result or RuntimeError("the engine's step thread has stopped")
+                continue
+            if result is None:  # a drain's answer: the steps it handed back came before
                 continue
             self._in_flight -= 1
             done.append(result)
@@ -114,6 +124,13 @@ class ThreadedSteps:
 def _stop_thread(thread: StepThread, switch_interval: float) -> None:
     thread.stop()
     sys.setswitchinterval(switch_interval)
+
+
+def launch_lag(config: EngineConfig) -> int:
+    """The launched steps without results once the newest is launched: the one the runner
+    plans ahead of (services/worker/model_runner.py), or, with more than two pipeline
+    stages, one for every stage after the first (layers/pipeline.py)."""
+    return max(1, config.pipeline_parallel_size - 1)
 
 
 def start_steps(executor: Executor, threaded: bool) -> Steps:

@@ -11,6 +11,8 @@ from torch.distributed's global state.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch.distributed as dist
@@ -108,6 +110,7 @@ class TensorParallelExecutor(OneRankExecutor):
         config = model.config
         self.followers: Followers | None = Followers(model, on_rank_lost)
         self.group: TPGroup | None = None
+        self.failed = False  # a call raised here: the followers may be inside it still
         try:
             self.group, stage = join_group(0, model, self.followers.init_method,
                                            resolve_device(config))
@@ -119,25 +122,36 @@ class TensorParallelExecutor(OneRankExecutor):
 
     def submit(self, plan: StepPlan) -> list[StepResult]:
         assert self.followers is not None, "closed"
-        self.followers.submit(plan)
-        return super().submit(plan)
+        with self._failing():
+            self.followers.submit(plan)
+            return super().submit(plan)
 
     def flush(self) -> list[StepResult]:
         assert self.followers is not None, "closed"
-        self.followers.send(FLUSH)
-        return super().flush()
+        with self._failing():
+            self.followers.send(FLUSH)
+            return super().flush()
 
     def forget_requests(self) -> None:
         assert self.followers is not None, "closed"
-        self.followers.send(FORGET)
-        super().forget_requests()
+        with self._failing():
+            self.followers.send(FORGET)
+            super().forget_requests()
+
+    @contextmanager
+    def _failing(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self.failed = True
+            raise
 
     def close(self) -> None:
         """The followers finish their calls and exit; then the group goes (a second close
         does nothing)."""
         if self.followers is None:
             return
-        self.followers.close()
+        self.followers.close(failed=self.failed)
         self.followers = None
         if self.group is not None:
             leave_group(self.group)

@@ -14,7 +14,10 @@ leave.
 
 A follower that dies takes the shard with it: with NCCL the others would wait in a
 collective forever, so rank 0's process runs `on_lost` (the worker exits, and the launcher
-starts the shard afresh). A follower whose rank 0 is gone exits too.
+starts the shard afresh). A follower whose rank 0 is gone exits too. At an orderly close
+a follower exits with 0 as soon as it has made rank 0's last call (`leave_now`); after a
+failed call rank 0 does not wait for its followers, which may wait in a collective that
+it will never join.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -126,20 +131,22 @@ class Followers:
     def submit(self, plan: StepPlan) -> None:
         self.send(SUBMIT, encode(plan))
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """An orderly end: each follower finishes its calls, reads EOF and exits (the
-        process group is rank 0's to leave)."""
+        process group is rank 0's to leave). After a call that `failed` on rank 0 the
+        followers may wait in a collective that rank 0 left: they are killed at once."""
         if self.closing:
             return
         self.closing = True
         atexit.unregister(self.close)
         for pipe in self.pipes:
             pipe.close()
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        deadline = time.monotonic() + (0.0 if failed else CLOSE_TIMEOUT_S)
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
+                process.join()
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: p for p in self.processes}
@@ -171,8 +178,8 @@ def follow(rank: int, init_method: str, model: ResolvedModel, inbox: Connection,
     while True:
         try:
             order = inbox.recv_bytes()
-        except EOFError:
-            return
+        except EOFError:  # rank 0 closed
+            leave_now()
         op = order[:1]
         if op == SUBMIT:
             runner.submit(decode(order[1:]))
@@ -180,6 +187,18 @@ def follow(rank: int, init_method: str, model: ResolvedModel, inbox: Connection,
             runner.flush()
         elif op == FORGET:
             runner.forget_requests()
+
+
+def leave_now() -> NoReturn:
+    """A follower's end once rank 0 has closed: the process group is rank 0's to tear
+    down, and the interpreter's own teardown is skipped: on a loaded CPU it was seen
+    running for more than 8 s after the last call, past rank 0's wait (which then killed
+    the follower), and with a gloo group still open it can abort
+    (tests/test_tensor_parallel.py's rank helpers skip it for that reason)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def exit_with(parent: int) -> None:
