@@ -84,6 +84,9 @@ def test_the_step_thread_gives_the_inline_loops_tokens(tiny, size):
     assert threads and threading.get_ident() not in threads
 
 
+# long: 100 s of CI for what test_tensor_parallel.py's release tests already cover at one
+# size; this adds the step thread and the stages (`make test-long` runs it)
+@pytest.mark.long
 @pytest.mark.parametrize("size", SIZES)
 def test_close_with_and_collection_leave_no_follower(tiny, size):
     """Each ending lets the step thread, every follower (exit code 0) and the process
