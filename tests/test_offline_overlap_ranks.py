@@ -66,6 +66,9 @@ def gone(followers: list) -> bool:
     return not dist.is_initialized() and all(p.exitcode == 0 for p in followers)
 
 
+# long: 130 s of CI; every two-rank and two-stage engine of test_tensor_parallel.py and
+# test_pipeline_parallel.py runs on the step thread now and is checked against one rank
+@pytest.mark.long
 @pytest.mark.parametrize("size", SIZES)
 def test_the_step_thread_gives_the_inline_loops_tokens(tiny, size):
     """Greedy and seeded: those of the in-line loop at the same size, and greedy ones
