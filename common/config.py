@@ -36,7 +36,7 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
                      "deepseek_v3")  # built in; --tool-parser-plugin registers more
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3", "mistral")
 POOLING_TYPES = ("LAST", "MEAN")
 POOLER_KEYS = ("pooling_type", "normalize")  # of vLLM's PoolerConfig, those honoured here
 DEFAULT_VIDEO_FRAMES = 32  # frames sampled from a served video, as vLLM's video loader
@@ -536,12 +536,13 @@ class ServerConfig:
         default=None, metadata=_help(
             "A Python file that registers tool parsers (register_tool_parser of "
             "services/gateway/tool_calls.py), whose names --tool-call-parser then takes."))
-    reasoning_parser: Literal["deepseek_r1", "qwen3", "deepseek_v3"] | None = field(
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "deepseek_v3", "mistral"] | None = field(
         default=None, metadata=_help(
-            "Send a <think> model's reasoning as reasoning_content apart from the "
-            "content: deepseek_r1 (the prompt opens <think>), qwen3 (the output does) or "
+            "Send a thinking model's reasoning as reasoning_content apart from the "
+            "content: deepseek_r1 (the prompt opens <think>), qwen3 (the output does), "
             "deepseek_v3 (deepseek_r1's where the request's chat_template_kwargs set "
-            "thinking or enable_thinking, none otherwise)."))
+            "thinking or enable_thinking, none otherwise) or mistral (Magistral's "
+            "[THINK]...[/THINK], special tokens the detokenizer then keeps)."))
     disable_log_requests: bool = field(default=False, metadata=_help(
         "Leave out the gateway's log lines of each request (queued, finished, refused); "
         "its warnings and errors stay."))

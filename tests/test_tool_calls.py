@@ -63,6 +63,33 @@ def test_reasoning_splits():
     assert split_reasoning("deepseek_r1", "still thinking") == ("still thinking", "")
     assert split_reasoning("qwen3", "<think>plan</think>answer") == ("plan", "answer")
     assert split_reasoning("qwen3", "no think") == (None, "no think")
+    assert split_reasoning("mistral", "[THINK]plan[/THINK]answer") == ("plan", "answer")
+    assert split_reasoning("mistral", "[THINK]still thinking") == ("still thinking", "")
+    assert split_reasoning("mistral", "answer [THINK]x[/THINK]") == (
+        None, "answer [THINK]x[/THINK]")  # only an output that opens with it reasons
+
+
+MAGISTRAL = ("[THINK]The user wants Paris' weather; I have a tool.[/THINK]Let me check."
+             '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}')
+
+
+@pytest.mark.parametrize("skip, want", [(None, False), (True, True), (False, False)])
+def test_mistral_reasoning_reads_magistral_and_keeps_its_special_tokens(skip, want):
+    """--reasoning-parser mistral on a recorded Magistral-style output (reasoning, content,
+    a call), fed a few characters at a time: [THINK] and [/THINK] are special tokens, so
+    the detokenizer is told to keep them unless the client said otherwise."""
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}],
+            **({} if skip is None else {"skip_special_tokens": skip})}
+    call = Call(parse_job(body, True), "chatcmpl-m", "m", 1, 0.0,
+                parsers=Parsers(None, "mistral"))
+    assert call.requests("out", 0.0)[0].params.get("skip_special_tokens", True) is want
+    pieces = [MAGISTRAL[k:k + 5] for k in range(0, len(MAGISTRAL), 5)]
+    for seq, text in enumerate(pieces):
+        call.offer(TextDelta("chatcmpl-m", 0, seq, text, [seq], 3,
+                             "stop" if seq == len(pieces) - 1 else None))
+    message = call.response().choices[0].message
+    assert message.reasoning_content == "The user wants Paris' weather; I have a tool."
+    assert message.content == 'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
 
 
 @pytest.mark.parametrize("kwargs, reasoning, content", [
@@ -123,7 +150,11 @@ def sent(parsed) -> list[tuple[str, str]]:
                              ("llama3_json", None, LLAMA),
                              ("llama3_json", None, "  <|python Paris."),
                              (None, "deepseek_r1", "a<th</think>b</thin"),
-                             (None, "qwen3", "<thin")]))
+                             (None, "qwen3", "<thin"),
+                             (None, "mistral", "[THINK]a [/THI b[/THINK]c [THINK]"),
+                             (None, "mistral", "[THINK]unended [/THI"),
+                             (None, "mistral", "[THIN no reasoning"),
+                             ("mistral", "mistral", MAGISTRAL)]))
 def test_a_stream_split_anywhere_releases_what_the_whole_text_parses_to(cuts, case):
     tool_parser, reasoning_parser, text = case
     reasoning, content, parsed, deltas = streamed(

@@ -27,7 +27,8 @@ from services.gateway import responses as shapes
 from services.gateway.protocol import Job
 from services.gateway.response_bodies import (ChatChoice, ChatChunkChoice, ChatMessage,
                                               CompletionChoice, DeltaMessage, Usage)
-from services.gateway.tool_calls import OutputSplitter, ParsedCall, Piece, tool_parser
+from services.gateway.tool_calls import (REASONING_FORMATS, OutputSplitter, ParsedCall, Piece,
+                                         tool_parser)
 from services.gateway.responses import Choice
 
 # How long the scheduler may go unseen (Redis unreachable) before in-flight requests end;
@@ -204,19 +205,25 @@ class Call:
                 for p in self.prompts]
 
     def _params(self) -> dict[str, Any]:
-        """The client's parameters; a tool parser whose markers are special tokens
-        ([TOOL_CALLS]) has the detokenizer keep them, unless the client said otherwise,
-        as vLLM's parsers adjust the request. best_of above n runs best_of completions
-        with their logprobs."""
-        job, name = self.job, self.parsers.tool_call
+        """The client's parameters; a tool or reasoning parser whose markers are special
+        tokens ([TOOL_CALLS], [THINK]) has the detokenizer keep them, unless the client said
+        otherwise, as vLLM's parsers adjust the request. best_of above n runs best_of
+        completions with their logprobs."""
+        job = self.job
         params = job.params
         if self.width > job.n:
             params = {**params, "n": self.width, "logprobs": params.get("logprobs") or 0}
             del params["best_of"]
-        if (job.tool_choice != "auto" or name is None or not tool_parser(name).special_tokens
-                or "skip_special_tokens" in job.params):
+        if "skip_special_tokens" in job.params or not self._markers_are_special_tokens():
             return params
         return {**params, "skip_special_tokens": False}
+
+    def _markers_are_special_tokens(self) -> bool:
+        tools, reasoning = self.parsers.tool_call, self._reasoning_parser()
+        if self.job.tool_choice == "auto" and tools is not None \
+                and tool_parser(tools).special_tokens:
+            return True
+        return reasoning is not None and REASONING_FORMATS[reasoning].special_tokens
 
     def offer(self, msg: TextDelta | ErrorReply, stamps: Sequence[float] = ()
               ) -> list[Applied]:

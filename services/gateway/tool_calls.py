@@ -28,10 +28,13 @@ Tool parsers, by vLLM's names:
 - `deepseek_v3` (DeepSeek-V3, R1-0528): `<｜tool▁calls▁begin｜>`, then per call
   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and the arguments in a ```json fence,
   `<｜tool▁call▁end｜>`; then `<｜tool▁calls▁end｜>`.
-Reasoning parsers: `deepseek_r1` (the prompt opened `<think>`: everything before
-`</think>` is reasoning, all of it if the end never comes) and `qwen3` (reasoning only
-between an explicit `<think>` and `</think>`); `deepseek_v3` is deepseek_r1 for a request
-that asks for thinking, none otherwise (services/gateway/core.py chooses).
+Reasoning parsers (`REASONING_FORMATS`): `deepseek_r1` (the prompt opened `<think>`:
+everything before `</think>` is reasoning, all of it if the end never comes), `qwen3`
+(reasoning only between an explicit `<think>` and `</think>`) and `mistral` (Magistral: an
+output that opens with `[THINK]` reasons up to `[/THINK]`, or to its end if that never
+comes; the markers are special tokens, which the detokenizer then keeps); `deepseek_v3` is
+deepseek_r1 for a request that asks for thinking, none otherwise (services/gateway/core.py
+chooses).
 
 More tool parsers come from `--tool-parser-plugin PATH`, a Python file that registers them:
 
@@ -69,7 +72,6 @@ from typing import Any
 
 from services.gateway.json_text import CallObject, JsonText, Pairs, loads
 
-THINK_START, THINK_END = "<think>", "</think>"
 HERMES_START = "<tool_call>"
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
@@ -117,6 +119,27 @@ class Piece:
     opened: ParsedCall | None = None
     arguments: str = ""
 
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningFormat:
+    """Where a model writes its reasoning: between `start` and `end`. `opened`: the prompt
+    wrote `start` (the output may write it again); `leading`: only an output that opens
+    with `start` reasons, and one that never ends it reasons to the finish (otherwise
+    `start` is looked for in the first text released, and an unended one is content).
+    `special_tokens`: the markers are special tokens, which the detokenizer must keep."""
+    start: str
+    end: str
+    opened: bool = False
+    leading: bool = False
+    special_tokens: bool = False
+
+
+THINK = ("<think>", "</think>")
+REASONING_FORMATS = {"deepseek_r1": ReasoningFormat(*THINK, opened=True),
+                     "qwen3": ReasoningFormat(*THINK),
+                     "mistral": ReasoningFormat("[THINK]", "[/THINK]", leading=True,
+                                                special_tokens=True)}
 
 # --- the registry ---------------------------------------------------------------------------
 
@@ -1050,17 +1073,18 @@ def required_schema(tools: list[dict[str, Any]], single: bool = False) -> dict[s
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
     """(reasoning, content) of a finished output."""
-    if parser == "qwen3":
-        start = text.find(THINK_START)
-        end = text.find(THINK_END, start + 1)
-        if start < 0 or end < 0:
+    form = REASONING_FORMATS[parser]
+    if form.opened or form.leading:
+        if form.leading and not text.startswith(form.start):
             return None, text
-        return text[start + len(THINK_START):end], text[:start] + text[end + len(THINK_END):]
-    text = text.removeprefix(THINK_START)  # deepseek_r1: the template opened it
-    end = text.find(THINK_END)
-    if end < 0:
-        return text, ""
-    return text[:end], text[end + len(THINK_END):]
+        text = text.removeprefix(form.start)
+        reasoning, ended, content = text.partition(form.end)
+        return reasoning, content
+    start = text.find(form.start)
+    end = text.find(form.end, start + 1)
+    if start < 0 or end < 0:
+        return None, text
+    return text[start + len(form.start):end], text[:start] + text[end + len(form.end):]
 
 
 # --- streams -------------------------------------------------------------------------------
@@ -1084,11 +1108,14 @@ class OutputSplitter:
     holding_calls: bool = False  # a tool call started: the rest is calls (or, if they
     # never parse, content at the finish)
     opens_content: bool = False  # the reasoning under way came first
+    form: ReasoningFormat | None = None  # the reasoning parser's
     parser: ToolParser | None = None
     stream: CallStream | None = None  # the calls as they are written
 
     def __post_init__(self) -> None:
-        self.thinking = self.opens_content = self.reasoning_parser == "deepseek_r1"
+        if self.reasoning_parser is not None:
+            self.form = REASONING_FORMATS[self.reasoning_parser]
+            self.thinking = self.opens_content = self.form.opened
         if self.tool_parser is not None:
             self.parser = tool_parser(self.tool_parser)
 
@@ -1164,28 +1191,29 @@ class OutputSplitter:
         return piece
 
     def _release_reasoning(self, piece: Piece, finished: bool) -> None:
-        rest = self.text[self.released:]
-        if self.reasoning_parser == "deepseek_r1" and self.released == 0:
-            if THINK_START.startswith(rest) and not finished:
+        rest, form = self.text[self.released:], self.form
+        assert form is not None
+        if form.opened and self.released == 0:
+            if form.start.startswith(rest) and not finished:
                 return  # maybe the opening marker, written again
-            if rest.startswith(THINK_START):
-                self.released += len(THINK_START)
-                rest = rest[len(THINK_START):]
-        end = rest.find(THINK_END)
+            if rest.startswith(form.start):
+                self.released += len(form.start)
+                rest = rest[len(form.start):]
+        end = rest.find(form.end)
         if end >= 0:
             piece.reasoning += rest[:end]
-            self.released += end + len(THINK_END)
+            self.released += end + len(form.end)
             self.thinking = False
             if self.opens_content:
                 self.content_from = self.released
             return
-        keep = 0 if finished else _partial_marker(rest, THINK_END)
+        keep = 0 if finished else _partial_marker(rest, form.end)
         piece.reasoning += rest[:len(rest) - keep]
         self.released += len(rest) - keep
 
     def _release_content(self, piece: Piece, finished: bool) -> None:
         rest = self.text[self.released:]
-        if self._opened_by_calls(rest, finished):
+        if self._opened_by_reasoning(rest, finished) or self._opened_by_calls(rest, finished):
             return
         markers = self._content_markers()
         starts = [(rest.find(m), m) for m in markers if m in rest]
@@ -1193,7 +1221,7 @@ class OutputSplitter:
             at, marker = min(starts)
             piece.content += rest[:at]
             self.released += at
-            if marker == THINK_START:
+            if self.form is not None and marker == self.form.start:
                 # a reasoning that opens the content: the content starts after it
                 self.opens_content = at == 0 and self.released == self.content_from
                 self.released += len(marker)
@@ -1204,6 +1232,18 @@ class OutputSplitter:
         keep = 0 if finished else max((_partial_marker(rest, m) for m in markers), default=0)
         piece.content += rest[:len(rest) - keep]
         self.released += len(rest) - keep
+
+    def _opened_by_reasoning(self, rest: str, finished: bool) -> bool:
+        """Whether the output opens with a leading reasoning's start ([THINK]): then the
+        reasoning starts; or may yet: then nothing is released now."""
+        form = self.form
+        if form is None or not form.leading or self.released != 0:
+            return False
+        if rest.startswith(form.start):
+            self.released = len(form.start)
+            self.thinking = self.opens_content = True
+            return True
+        return not finished and form.start.startswith(rest)
 
     def _opened_by_calls(self, rest: str, finished: bool) -> bool:
         """Whether the content's start makes it calls (a parser's openers: `{` of Llama 3,
@@ -1219,8 +1259,9 @@ class OutputSplitter:
 
     def _content_markers(self) -> list[str]:
         markers = []
-        if self.reasoning_parser == "qwen3" and self.released == 0:
-            markers.append(THINK_START)
+        form = self.form
+        if form is not None and not (form.opened or form.leading) and self.released == 0:
+            markers.append(form.start)
         if self.parser is not None:
             markers += self.parser.markers
         return markers
