@@ -6,7 +6,9 @@
 #     breakdown) and the Redis errors in their logs, after the in-process decode step
 #   source .devkit/env.sh && bash benchmarks/gpu/serving_check.sh throughput
 #     the nano workload in-process and over HTTP in one command
-# API_SERVERS (default 4) sets --api-server-count. With PROFILE=1 and py-spy on the PATH,
+# API_SERVERS (default 4) sets --api-server-count; DEFAULT_STAGES=1 gives serve no stage
+# counts at all, so it sizes the gateways, tokenizers and detokenizers from the cores (as a
+# user's plain `headrace serve MODEL` does; issue 31 item 5). With PROFILE=1 and py-spy on the PATH,
 # the 1000-request run is also sampled for 15 s in one gateway, the scheduler and one
 # detokenizer (profile-*.txt: the functions with the most samples).
 set -uo pipefail
@@ -28,9 +30,11 @@ serve_checks() {
   port_free 8800 || return 1
   # python itself in the background (not a shell function's subshell), so that
   # the kill below reaches the launcher
-  python -m services.cli serve $M/qwen3-0.6b-shape --load-format dummy --tokenizer-replicas 2 \
-    --detokenizer-replicas 2 --api-server-count "${API_SERVERS:-4}" --port 8800 \
-    --run-dir /tmp/hr-serve --served-model-name qwen3 > "$R/serve.log" 2>&1 &
+  local stages=(--tokenizer-replicas 2 --detokenizer-replicas 2
+                --api-server-count "${API_SERVERS:-4}")
+  [ "${DEFAULT_STAGES:-0}" = 1 ] && stages=()
+  python -m services.cli serve $M/qwen3-0.6b-shape --load-format dummy "${stages[@]}" \
+    --port 8800 --run-dir /tmp/hr-serve --served-model-name qwen3 > "$R/serve.log" 2>&1 &
   local serve=$!
   wait_healthy 8800
   bench_serve serve-chat-c1 --endpoint chat --num-prompts 64 --max-concurrency 1 \
