@@ -2,10 +2,11 @@
 loads only its layers (the first the embedding, the last the final norm and the LM head),
 two stages' steps through their CUDA graphs' static buffers (run eagerly) compute the
 whole model's logits, its KV cache holds its layers only, and greedy tokens and prompt
-logprobs through the offline API equal one rank's at PP=2 and TP=2 x PP=2, through chunked prefill,
-preemption and prefix caching, and with ngram or draft-model speculation; served by the scheduler and worker shells over Redis, the
-stages keep two steps in flight under a stream of requests. A killed stage under
-`headrace serve` is tests/test_pipeline_parallel_serve.py."""
+logprobs through the offline API equal one rank's at PP=2 and TP=2 x PP=2, through
+chunked prefill, preemption and prefix caching, and with ngram or draft-model
+speculation; served by the scheduler and worker shells over Redis, the stages keep two
+steps in flight under a stream of requests. A killed stage under `headrace serve` is
+tests/test_pipeline_parallel_serve.py."""
 
 from __future__ import annotations
 
