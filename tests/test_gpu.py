@@ -275,6 +275,40 @@ def test_draft_model_with_cuda_graphs_gives_the_plain_greedy_tokens(arch, tmp_pa
         assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens > 0
 
 
+# --- pipeline stages: each replays its own layers' graphs ---------------------------------
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_stages_in_cuda_graphs_give_the_eager_and_one_gpu_tokens(tmp_path):
+    """PP=2 over NCCL, each stage replaying graphs of its own layers (the second with the
+    hidden states received as a graph input; the sends and receives outside the graphs):
+    the greedy tokens of the stages run eagerly and of one GPU, through chunked prefills
+    (mixed graphs) and decodes; with a draft model (whole on the last stage, in graphs of
+    its own) too. float32, where no near-tie flips between one GPU's step shapes and the
+    stages' micro-batches."""
+    model_dir = str(make_tiny_model(tmp_path, "llama", num_hidden_layers=4))
+    prompts = tiny_prompts()
+    kwargs = dict(dtype="float32", block_size=16, num_gpu_blocks_override=256,
+                  max_num_batched_tokens=64, max_num_seqs=8)
+    with LLM(model_dir, **kwargs) as one:
+        want = greedy(one, prompts, 32)
+    for eager in (False, True):
+        with LLM(model_dir, pipeline_parallel_size=2, enforce_eager=eager, **kwargs) as llm:
+            runner = llm.engine.runner  # the first stage's
+            assert (runner.graphs is None) == eager
+            replayed: list[tuple[bool, int]] = []
+            if not eager:
+                replay = runner.graphs.run
+                runner.graphs.run = lambda key, *args: replayed.append(key) or replay(key,
+                                                                                      *args)
+            assert greedy(llm, prompts, 32) == want
+            assert eager or {mixed for mixed, _ in replayed} == {False, True}
+    draft = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 4}
+    with LLM(model_dir, pipeline_parallel_size=2, speculative_config=draft, **kwargs) as llm:
+        assert greedy(llm, prompts, 32) == want
+        stats = llm.engine.scheduler.spec
+        assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens > 0
+
+
 # --- fp8 KV cache ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -1,10 +1,12 @@
 """Pipeline parallelism on the CPU, gloo ranks in real processes: each stage builds and
 loads only its layers (the first the embedding, the last the final norm and the LM head),
-its KV cache holds its layers only, and greedy tokens and prompt logprobs through the
-offline API equal one rank's at PP=2 and TP=2 x PP=2, through chunked prefill,
-preemption and prefix caching, and with ngram or draft-model speculation; served by the scheduler and worker shells over Redis, the
-stages keep two steps in flight under a stream of requests. A killed stage under
-`headrace serve` is tests/test_pipeline_parallel_serve.py."""
+two stages' steps through their CUDA graphs' static buffers (run eagerly) compute the
+whole model's logits, its KV cache holds its layers only, and greedy tokens and prompt
+logprobs through the offline API equal one rank's at PP=2 and TP=2 x PP=2, through
+chunked prefill, preemption and prefix caching, and with ngram or draft-model
+speculation; served by the scheduler and worker shells over Redis, the stages keep two
+steps in flight under a stream of requests. A killed stage under `headrace serve` is
+tests/test_pipeline_parallel_serve.py."""
 
 from __future__ import annotations
 
@@ -27,13 +29,14 @@ from common.sampling_params import SamplingParams
 from common.service import ServiceContext
 from services import LLM
 from services.scheduler.shell import SchedulerShell
+from services.worker.cuda_graphs import StepGraphs
 from services.worker.executor import Executor, PipelineExecutor, start_executor
 from services.worker.layers import pipeline
 from services.worker.layers.pipeline import PPStage, layer_partition
 from services.worker.loader import load_model
 from services.worker.models.llama import MissingLayer
 from services.worker.shell import WorkerShell
-from tests.test_models import token_ids
+from tests.test_models import Paged, token_ids
 from tests.test_draft_model import draft_config, random_prompts
 from tests.test_spec_decode import NGRAM, repetitive_prompts
 from tests.test_tensor_parallel import count_reads
@@ -117,6 +120,46 @@ def test_a_stage_builds_and_reads_only_its_layers(arch, load_format, tmp_path, m
     tied = whole["model.embed_tokens.weight"].numel() if arch == "qwen3" else 0
     if load_format == "auto":
         assert read["shards"] + read["whole"] == sum(p.numel() for p in whole.values()) + tied
+
+
+@torch.no_grad()
+def test_stage_steps_through_the_graph_buffers_give_the_whole_models_logits(tmp_path,
+                                                                         monkeypatch):
+    """What two stages' CUDA graphs replay, run eagerly on the CPU: each step copied into
+    each stage's static buffers and padded to its graph's size (unused request slots, a
+    padding tail, stale rows of a larger step before), the first stage's output rows (what
+    it sends) loaded as the second's hidden-states input: the whole model's logits."""
+    model_dir = make_tiny_model(tmp_path, "llama", num_hidden_layers=3)
+    hf_config = load_hf_config(model_dir)
+    config = EngineConfig(model=str(model_dir), dtype="float32")
+    whole = Paged(load_model(config, hf_config, CPU, torch.float32), hf_config, block_size=4)
+    graphs = []
+    for index, layers, receives in ((0, range(0, 2), None), (1, range(2, 3), torch.float32)):
+        as_stage(monkeypatch, index, 2, layers)
+        stage = Paged(load_model(config, hf_config, CPU, torch.float32), hf_config,
+                      block_size=4)
+        graphs.append(StepGraphs(stage.model, stage.kv_caches, max_num_seqs=4,
+                                 max_num_batched_tokens=64, max_model_len=64, block_size=4,
+                                 receives=receives))
+    a, b, c = token_ids(30, seed=8), token_ids(9, seed=9), token_ids(5, seed=10)
+    blocks = {"a": whole.blocks(30), "b": whole.blocks(9), "c": whole.blocks(5)}
+    steps = [  # (chunks, the graph that replays them)
+        ([(blocks["a"], a[:25], 0), (blocks["b"], b[:8], 0)], (True, 48)),
+        ([(blocks["a"], a[25:26], 25), (blocks["b"], b[8:9], 8), (blocks["c"], c[:4], 0)],
+         (True, 16)),
+        ([(blocks["a"], a[26:27], 26), (blocks["b"], b[8:9], 8), (blocks["c"], c[4:5], 4)],
+         (False, 4)),
+        ([(blocks["a"], a[27:28], 27)], (False, 1)),
+    ]
+    for chunks, key in steps:
+        input_ids, positions, attn = whole.inputs(chunks)
+        sent = None
+        for stage_graphs in graphs:
+            assert stage_graphs.key(attn, input_ids.shape[0]) == key
+            stage_graphs.load(key, input_ids, positions, attn, sent)
+            sent = stage_graphs.forward(*key)[:input_ids.shape[0]]
+        torch.testing.assert_close(graphs[1].model.compute_logits(sent),
+                                   torch.cat(whole.step(chunks)), atol=1e-5, rtol=0)
 
 
 # --- the offline API: rank processes -------------------------------------------------------

@@ -119,9 +119,9 @@ class EagerGraphs(StepGraphs):
             return forward(input_ids, positions, ctx, image_rows)
         runner.model.forward = record
 
-    def run(self, key, input_ids, positions, attn):
+    def run(self, key, input_ids, positions, attn, hidden=None):
         self.replayed.append(key)
-        self.load(key, input_ids, positions, attn)
+        self.load(key, input_ids, positions, attn, hidden)
         self.replaying = True
         try:
             return self.forward(*key)[:input_ids.shape[0]]

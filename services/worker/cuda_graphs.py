@@ -11,6 +11,12 @@ host cost dwarfs their device time; replaying a graph issues them all at once. T
 A vision-language model's graphs take token ids and 1-D positions too: they replay its
 steps without image rows (services/worker/model_runner.replays_graph).
 
+A pipeline stage's graphs hold its layers' forward pass only (layers/pipeline.py): a stage
+after the first takes the hidden states the stage before sent as one more static buffer,
+and a stage before the last returns the hidden states it sends on. The receives and sends
+stay outside the graphs, in the runner's step, so a stage never waits on another inside
+a replay.
+
 A step replays the smallest graph of its kind that fits. Its inputs are copied into the
 graphs' static buffers; the unused request slots have no queries and context length 0,
 the tokens past the last real one have cache slot -1 and form the kernel's padding tail
@@ -54,7 +60,9 @@ def mixed_sizes(max_tokens: int) -> list[int]:
 class StepGraphs:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int) -> None:
+                 block_size: int, receives: torch.dtype | None = None) -> None:
+        """receives: on a pipeline stage after the first, the dtype of the hidden states
+        it receives from the stage before."""
         self.model, self.kv_caches = model, kv_caches
         self.decode_sizes = decode_sizes(min(max_num_seqs, MAX_TOKENS))
         self.mixed_sizes = mixed_sizes(min(max_num_batched_tokens, MAX_TOKENS))
@@ -70,6 +78,8 @@ class StepGraphs:
         self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.block_tables = ints(rows, max_blocks)
         self.seq_lens = ints(rows)
+        self.hidden = None if receives is None else torch.zeros(
+            (rows, model.hidden_size), dtype=receives, device=device)
         # decode graphs: request i is token i; mixed graphs: written for every step
         self.decode_starts = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.mixed_starts = ints(rows + 1)
@@ -100,17 +110,24 @@ class StepGraphs:
         torch.cuda.synchronize()
 
     def run(self, key: tuple[bool, int], input_ids: torch.Tensor, positions: torch.Tensor,
-            attn: AttentionMetadata) -> torch.Tensor:
-        """The hidden states of a step, replayed by graph `key` (from `key()`)."""
-        self.load(key, input_ids, positions, attn)
+            attn: AttentionMetadata, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden states of a step, replayed by graph `key` (from `key()`); hidden:
+        those the stage before sent, on a pipeline stage after the first. The result is
+        the graph's output buffer, which the next replay overwrites."""
+        self.load(key, input_ids, positions, attn, hidden)
         self.graphs[key].replay()
         return self.outputs[key][:input_ids.shape[0]]
 
     def load(self, key: tuple[bool, int], input_ids: torch.Tensor, positions: torch.Tensor,
-             attn: AttentionMetadata) -> None:
-        """Copy a step into the static buffers, padded to graph `key`'s size."""
+             attn: AttentionMetadata, hidden: torch.Tensor | None = None) -> None:
+        """Copy a step into the static buffers, padded to graph `key`'s size (the padding
+        tokens' hidden rows are whatever an earlier step left: they write nothing)."""
         mixed, size = key
         num_tokens, num_reqs = input_ids.shape[0], attn.seq_lens.shape[0]
+        assert (hidden is None) == (self.hidden is None), \
+            "a stage after the first, and only such a stage, takes the hidden states sent"
+        if hidden is not None:
+            self.hidden[:num_tokens].copy_(hidden)
         self.input_ids[:num_tokens].copy_(input_ids)
         self.positions[:num_tokens].copy_(positions)
         self.slot_mapping[:num_tokens].copy_(attn.slot_mapping)
@@ -130,4 +147,5 @@ class StepGraphs:
                                  max_query_len=size if mixed else 1,
                                  max_seq_len=self.max_model_len)
         return self.model(self.input_ids[:size], self.positions[:size],
-                          ForwardContext(attn, self.kv_caches))
+                          ForwardContext(attn, self.kv_caches),
+                          None if self.hidden is None else self.hidden[:size])

@@ -91,7 +91,9 @@ def _profiled_budget(config: EngineConfig, runner: Profilable) -> int:
 def _graph_reserve(config: EngineConfig, activations: int) -> int:
     """CUDA graphs keep their activations in a pool of their own, captured after the KV
     cache exists: the profiled activations scaled to the largest graph's tokens, plus room
-    for the per-graph workspaces."""
+    for the per-graph workspaces. On a pipeline stage after the first the profile holds
+    the hidden states received too, so the scaled share covers the graphs' buffer for
+    them; every stage captures, each its own layers."""
     if config.enforce_eager:
         return 0
     assert config.max_num_batched_tokens is not None

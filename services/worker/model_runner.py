@@ -304,21 +304,32 @@ class ModelRunner:
             graphs = None
         key = None if graphs is None or not replays_graph(inputs) \
             else graphs.key(attn, inputs.input_ids.shape[0])
-        if key is not None:
-            hidden = graphs.run(key, inputs.input_ids, inputs.positions, attn)
-        elif self.images is not None:
+        if key is None and self.images is not None:
             hidden = self.model(inputs.input_ids, inputs.positions,
                                 ForwardContext(attn, self.kv_caches), inputs.image_rows)
         else:
-            sent = None if self.stage.is_first else self.stage.recv_prev(
-                (inputs.positions.shape[0], self.hf_config.hidden_size), self.dtype,
-                self.device)
-            hidden = self.model(inputs.input_ids, inputs.positions,
-                                ForwardContext(attn, self.kv_caches), sent)
-            if not self.stage.is_last:
-                self.stage.send_next(hidden)
+            hidden = self._forward(inputs, key)
         if self.draft is not None:
             self.draft.sync(inputs.input_ids, inputs.positions, attn)
+        return hidden
+
+    def _forward(self, inputs: StepInputs, key: tuple[bool, int] | None) -> torch.Tensor:
+        """The model's forward pass, replayed by graph `key` where there is one. On a
+        pipeline stage the hidden states of the stage before come in first and this
+        stage's go on after, both outside the graph."""
+        sent = None if self.stage.is_first else self.stage.recv_prev(
+            (inputs.positions.shape[0], self.hf_config.hidden_size), self.dtype, self.device)
+        if key is not None:
+            assert self.graphs is not None
+            hidden = self.graphs.run(key, inputs.input_ids, inputs.positions, inputs.attn,
+                                     sent)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions,
+                                ForwardContext(inputs.attn, self.kv_caches), sent)
+        if not self.stage.is_last:
+            # a replay's output is the graph's buffer, which the next replay overwrites
+            # while this send may still wait for the next stage
+            self.stage.send_next(hidden if key is None else hidden.clone())
         return hidden
 
     def _sample(self, step: int, inputs: StepInputs, hidden: torch.Tensor, started: float
@@ -479,17 +490,18 @@ class ModelRunner:
             log.info("all-reduces of up to %d tokens go over peer memory", tokens)
 
     def _capture_graphs(self) -> StepGraphs | None:
-        """None on the CPU, under --enforce-eager and under pipeline stages. A
-        vision-language model's graphs wrap its language model alone (token ids to
-        embeddings, 1-D positions): they replay its steps without image rows."""
+        """None on the CPU and under --enforce-eager. A vision-language model's graphs
+        wrap its language model alone (token ids to embeddings, 1-D positions): they
+        replay its steps without image rows. A pipeline stage's wrap its layers alone: a
+        stage after the first takes the hidden states received as a graph input. The
+        draft model, whole on the last stage, is captured as on one rank."""
         config = self.config
-        # a stage's forward pass sends and receives between graphs: eager
-        if self.device.type != "cuda" or config.enforce_eager or self.stage.size > 1:
+        if self.device.type != "cuda" or config.enforce_eager:
             return None
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         graphs = StepGraphs(self.model, self.kv_caches, config.max_num_seqs,
                             config.max_num_batched_tokens, config.max_model_len,
-                            self.block_size)
+                            self.block_size, None if self.stage.is_first else self.dtype)
         start = time.perf_counter()
         graphs.capture()
         if self.draft is not None:
