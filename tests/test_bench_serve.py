@@ -673,3 +673,95 @@ def test_logprobs_and_top_p_are_asked_as_each_endpoint_spells_them(endpoint):
     plain = serve.build_parser().parse_args(["--endpoint", endpoint, "--num-prompts", "1"])
     assert not {"logprobs", "top_p"} & serve.request_body(plain, "m",
                                                           plan_requests(plain)[0]).keys()
+
+
+# --- the random-mm dataset ------------------------------------------------------------------
+
+MM_FLAGS = ["--dataset", "random-mm", "--endpoint", "chat"]
+
+
+def decoded(url: str):
+    import base64
+    import io
+
+    from PIL import Image
+
+    head, data = url.split(",", 1)
+    assert head == "data:image/jpeg;base64"
+    return Image.open(io.BytesIO(base64.b64decode(data)))
+
+
+def test_random_mm_requests_carry_their_images_after_the_text():
+    parser = serve.build_parser()
+    args = parser.parse_args([*MM_FLAGS, "--num-prompts", "4", "--random-input-len", "6",
+                              "--random-output-len", "3", "--random-mm-base-items-per-request",
+                              "2", "--random-mm-limit-mm-per-prompt", '{"image": 2}',
+                              "--random-mm-bucket-config", "{(64, 48, 1): 1.0}"])
+    serve.check_args(parser, args)
+    planned = plan_requests(args)
+    assert len(planned) == 4
+    for plan in planned:
+        assert len(plan.prompt.split()) == plan.prompt_len == 6 and plan.output_len == 3
+        assert len(plan.images) == 2
+        for url in plan.images:
+            picture = decoded(url)
+            assert picture.format == "JPEG" and picture.mode == "RGB"
+            assert picture.size == (48, 64)  # (width, height) of the (height, width) bucket
+        [content] = [m["content"] for m in serve.request_body(args, "m", plan)["messages"]]
+        assert content == [{"type": "text", "text": plan.prompt},
+                           *({"type": "image_url", "image_url": {"url": u}}
+                             for u in plan.images)]
+    assert len({url for plan in planned for url in plan.images}) == 8  # random pixels each
+
+
+def test_random_mm_is_deterministic_by_seed():
+    parser = serve.build_parser()
+
+    def plan(seed: int) -> list[serve.PlannedRequest]:
+        return plan_requests(parser.parse_args([
+            *MM_FLAGS, "--num-prompts", "3", "--random-input-len", "4", "--seed", str(seed),
+            "--random-mm-bucket-config", "{(16, 16, 1): 0.5, (24, 8, 1): 0.5}"]))
+
+    assert plan(3) == plan(3)
+    other = plan(4)
+    assert not {u for p in plan(3) for u in p.images} & {u for p in other for u in p.images}
+    assert [p.prompt for p in plan(3)] != [p.prompt for p in other]
+
+
+def test_random_mm_draws_counts_and_sizes_from_the_buckets():
+    from benchmarks.bench.random_mm import ImageBucket, MultimodalSpec, image_sizes
+
+    spec = MultimodalSpec.of(2, 0.5, '{"image": 2, "video": 1}',
+                             "{(32, 32, 1): 3, (16, 8, 1): 1, (64, 64, 16): 0}")
+    assert (spec.min_items, spec.max_items) == (1, 2)  # [1, 3], capped by the limit
+    assert spec.buckets == (ImageBucket(32, 32, 0.75), ImageBucket(16, 8, 0.25))
+    requests = image_sizes(spec, random.Random(0), 4000)
+    assert {len(r) for r in requests} == {1, 2}
+    sizes = [size for r in requests for size in r]
+    assert sizes.count((32, 32)) / len(sizes) == pytest.approx(0.75, abs=0.03)
+    assert set(sizes) == {(32, 32), (16, 8)}
+    none = MultimodalSpec.of(0, 0.0, '{"image": 1}', "{(8, 8, 1): 1.0}")
+    assert image_sizes(none, random.Random(0), 3) == [[], [], []]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset", "random-mm"], "--dataset random-mm needs --endpoint chat"),
+    ([*MM_FLAGS, "--random-mm-bucket-config", "{(8, 8, 4): 1.0}"], "video bucket"),
+    ([*MM_FLAGS, "--random-mm-bucket-config", "{(8, 8): 1.0}"], "(height, width, frames)"),
+    ([*MM_FLAGS, "--random-mm-bucket-config", "{(8, 0, 1): 1.0}"], "positive integers"),
+    ([*MM_FLAGS, "--random-mm-bucket-config", "{(8, 8, 1): -1}"], "at least 0"),
+    ([*MM_FLAGS, "--random-mm-bucket-config", "{(8, 8, 1): 0}"], "every probability is 0"),
+    ([*MM_FLAGS, "--random-mm-bucket-config", "8x8"], "must be a dict literal"),
+    ([*MM_FLAGS, "--random-mm-limit-mm-per-prompt", "{image: 1}"], "must be a JSON object"),
+    ([*MM_FLAGS, "--random-mm-limit-mm-per-prompt", '{"video": 1}'], "sets no image limit"),
+    ([*MM_FLAGS, "--random-mm-limit-mm-per-prompt", '{"image": -1}'], "counts of at least 0"),
+    ([*MM_FLAGS, "--random-mm-base-items-per-request", "3",
+      "--random-mm-limit-mm-per-prompt", '{"image": 2}'], "above the image limit 2"),
+    ([*MM_FLAGS, "--random-mm-num-mm-items-range-ratio", "1.5"], "must be in [0, 1]"),
+])
+def test_bad_random_mm_settings_are_refused_naming_them(capsys, flags, message):
+    parser = serve.build_parser()
+    with pytest.raises(SystemExit) as info:
+        serve.check_args(parser, parser.parse_args(flags))
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err

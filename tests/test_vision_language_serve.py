@@ -253,3 +253,33 @@ def test_a_base64_video_answers_as_the_offline_engine_given_its_sampled_frames(
     assert answer.choices[0].message.content == expected.outputs[0].text
     assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert tokenized["tokens"] == expected.prompt_token_ids
+
+
+def test_bench_serve_random_mm_sends_images_the_server_counts(served, model_dir, tmp_path):
+    """`headrace bench serve --dataset random-mm` against the served model: every request
+    answers, and its prompt tokens are its text's plus each image's 20 placeholders
+    (112x140 pixels), as the model's tokenizer counts them."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.bench import serve
+
+    flags = ["--base-url", served.url, "--api-key", API_KEY, "--endpoint", "chat",
+             "--dataset", "random-mm", "--num-prompts", "3", "--random-input-len", "5",
+             "--random-output-len", "4", "--random-mm-base-items-per-request", "2",
+             "--random-mm-limit-mm-per-prompt", '{"image": 2}',
+             "--random-mm-bucket-config", "{(112, 140, 1): 1.0}", "--disable-tqdm"]
+    result = tmp_path / "result.json"
+    assert serve.main([*flags, "--save-result", str(result)]) == 0
+    data = json.loads(result.read_text())
+    assert data["summary"]["completed"] == 3 and data["summary"]["failed"] == 0
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    planned = serve.plan_requests(serve.build_parser().parse_args(flags))  # the same seed
+    for plan, request in zip(planned, data["requests"]):
+        text_and_slots = tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "text", "text": plan.prompt},
+                                          {"type": "image"}, {"type": "image"}]}],
+            add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert request["prompt_tokens"] == len(text_and_slots) + 2 * (20 - 1)
+        assert request["output_tokens"] == 4

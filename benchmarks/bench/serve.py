@@ -20,7 +20,9 @@ each shard's prefix-cache hit rate over the run.
 The prefix_repetition dataset (vLLM's) sends --num-prompts requests that share
 --prefix-repetition-num-prefixes prefixes (system prompts) evenly, each prefix followed by
 its own random suffix (the user turn), in random order: what prefix caching and
-data-parallel prefix routing are for.
+data-parallel prefix routing are for. The random-mm dataset (vLLM's, chat only) adds images
+of random pixels to each request as base64 `image_url` parts (benchmarks/bench/random_mm.py).
+Every request body, images included, is built and serialized before the timed run.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ import numpy as np
 import uvloop
 from tqdm import tqdm
 
+from benchmarks.bench.random_mm import (DEFAULT_BUCKET_CONFIG, DEFAULT_LIMIT_MM_PER_PROMPT,
+                                        DatasetError, MultimodalSpec, image_sizes, image_urls)
 from benchmarks.bench.server_stages import (PrefixCache, StageStats, format_prefix_cache,
                                             format_stages, prefix_cache_use, stage_breakdown)
 
@@ -65,6 +69,7 @@ SHAREGPT_INPUT_MEAN, SHAREGPT_OUTPUT_MEAN, SHAREGPT_SIGMA = 161.0, 338.0, 1.0
 SHAREGPT_MIN_LEN, SHAREGPT_MAX_INPUT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
 PERCENTILES = (50, 90, 99)
 METRICS_TIMEOUT_S = 10.0
+JSON_HEADERS = {"Content-Type": "application/json"}
 COUNTERS_SETTLE_S = 1.0  # two of the schedulers' stats periods: the run's last counts arrive
 
 
@@ -76,6 +81,7 @@ class PlannedRequest:
     prompt_len: int  # words, or token ids for token-id prompts
     output_len: int
     send_at: float  # seconds after the benchmark starts
+    images: tuple[str, ...] = ()  # data URLs, sent after the text (random-mm)
 
 
 def random_lengths(rng: random.Random, n: int, input_len: int, output_len: int,
@@ -123,6 +129,8 @@ def plan_requests(args: argparse.Namespace) -> list[PlannedRequest]:
     rng = random.Random(args.seed)
     if args.dataset == "prefix_repetition":
         return plan_prefix_repetition(args, rng)
+    if args.dataset == "random-mm":
+        return plan_random_mm(args, rng)
     if args.dataset == "random":
         lengths = random_lengths(rng, args.num_prompts, args.random_input_len,
                                  args.random_output_len, args.random_range_ratio)
@@ -153,6 +161,32 @@ def plan_prefix_repetition(args: argparse.Namespace, rng: random.Random
             for prompt, t in zip(prompts, offsets)]
 
 
+def random_mm_spec(args: argparse.Namespace) -> MultimodalSpec:
+    return MultimodalSpec.of(args.random_mm_base_items_per_request,
+                             args.random_mm_num_mm_items_range_ratio,
+                             args.random_mm_limit_mm_per_prompt, args.random_mm_bucket_config)
+
+
+def plan_random_mm(args: argparse.Namespace, rng: random.Random) -> list[PlannedRequest]:
+    """The random dataset's prompts, each with its images (random_mm.py)."""
+    lengths = random_lengths(rng, args.num_prompts, args.random_input_len,
+                             args.random_output_len, args.random_range_ratio)
+    offsets = arrival_offsets(rng, args.num_prompts, args.request_rate)
+    prompts = [make_prompt(rng, p, None) for p, _ in lengths]
+    images = image_urls(image_sizes(random_mm_spec(args), rng, args.num_prompts), args.seed)
+    return [PlannedRequest(prompt, p, o, t, urls)
+            for prompt, (p, o), t, urls in zip(prompts, lengths, offsets, images)]
+
+
+def chat_content(planned: PlannedRequest) -> str | list[dict[str, Any]]:
+    """The user turn: the prompt, or with images a text part followed by image_url parts
+    (as vLLM's benchmark sends them)."""
+    if not planned.images:
+        return planned.prompt
+    return [{"type": "text", "text": planned.prompt},
+            *({"type": "image_url", "image_url": {"url": url}} for url in planned.images)]
+
+
 def request_body(args: argparse.Namespace, model: str, planned: PlannedRequest
                  ) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "stream": True,
@@ -163,7 +197,7 @@ def request_body(args: argparse.Namespace, model: str, planned: PlannedRequest
     if args.top_p is not None:
         body["top_p"] = args.top_p
     if args.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": planned.prompt}]
+        body["messages"] = [{"role": "user", "content": chat_content(planned)}]
         body["max_completion_tokens"] = planned.output_len
         if args.logprobs is not None:
             body.update(logprobs=True, top_logprobs=args.logprobs)
@@ -374,13 +408,19 @@ def api_root(base_url: str) -> str:
     return base if base.endswith("/v1") else base + "/v1"
 
 
-async def send_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+def serialized(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+async def send_request(session: aiohttp.ClientSession, url: str, body: bytes,
                        result: RequestResult, origin: float) -> RequestResult:
+    """body: the JSON request, serialized before the run (a body with images is a
+    megabyte, whose serializing would otherwise delay every request sent after it)."""
     sent = time.perf_counter()
     result.start = sent - origin
     timer = StreamTimer(result, sent)
     try:
-        async with session.post(url, json=body) as response:
+        async with session.post(url, data=body, headers=JSON_HEADERS) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:500]}"
                 return timer.finish(time.perf_counter())
@@ -443,6 +483,7 @@ async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
     async with aiohttp.ClientSession(headers=headers, timeout=timeout,
                                      connector=connector) as session:
         model = args.model or await first_model(session, root)
+        bodies = [serialized(request_body(args, model, plan)) for plan in planned]
         before = await scrape(session, metrics_url(args.base_url))
         gate = asyncio.Semaphore(args.max_concurrency or len(planned) or 1)
         bar = tqdm(total=len(planned), desc="requests", disable=args.disable_tqdm)
@@ -451,7 +492,7 @@ async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
         async def one(index: int, plan: PlannedRequest) -> RequestResult:
             await asyncio.sleep(max(0.0, origin + plan.send_at - time.perf_counter()))
             async with gate:
-                result = await send_request(session, url, request_body(args, model, plan),
+                result = await send_request(session, url, bodies[index],
                                             RequestResult(index, plan.prompt_len,
                                                           plan.output_len), origin)
             bar.update(1)
@@ -548,14 +589,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests open at once; later arrivals wait for a slot "
                         "(default: no limit)")
-    p.add_argument("--dataset", choices=("random", "synthetic-sharegpt", "prefix_repetition"),
+    p.add_argument("--dataset", choices=("random", "synthetic-sharegpt", "prefix_repetition",
+                                         "random-mm"),
                    default="random",
                    help="random: lengths uniform around --random-input-len/--random-output-"
                         "len; synthetic-sharegpt: log-normal lengths shaped like the "
                         "ShareGPT conversations (the real dataset cannot be downloaded "
                         "here: there is no internet access); prefix_repetition: prompts "
-                        "sharing a few prefixes (--prefix-repetition-*). Prompts are random "
-                        "common words, each one token in Llama/Qwen/SmolLM2 vocabularies")
+                        "sharing a few prefixes (--prefix-repetition-*); random-mm (chat "
+                        "only): the random dataset's prompts, each followed by images of "
+                        "random pixels (--random-mm-*). Prompts are random common words, "
+                        "each one token in Llama/Qwen/SmolLM2 vocabularies")
     p.add_argument("--random-input-len", type=int, default=1024,
                    help="random dataset: mean prompt length in tokens (default 1024)")
     p.add_argument("--random-output-len", type=int, default=128,
@@ -563,6 +607,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random dataset: lengths uniform in [len * (1 - r), len * (1 + r)], "
                         "0 <= r < 1 (default 0: every length exactly the given one)")
+    p.add_argument("--random-mm-base-items-per-request", type=int, default=1,
+                   help="random-mm: images per request (default 1)")
+    p.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0,
+                   help="random-mm: images per request uniform in [n * (1 - r), n * (1 + r)], "
+                        "0 <= r <= 1 (default 0: exactly n)")
+    p.add_argument("--random-mm-limit-mm-per-prompt", default=DEFAULT_LIMIT_MM_PER_PROMPT,
+                   help="random-mm: most items per request, as JSON, e.g. '{\"image\": 1}' "
+                        f"(default '{DEFAULT_LIMIT_MM_PER_PROMPT}'; the server's own "
+                        "--limit-mm-per-prompt must allow as many)")
+    p.add_argument("--random-mm-bucket-config", default=DEFAULT_BUCKET_CONFIG,
+                   help="random-mm: image sizes, as vLLM's dict of (height, width, frames) -> "
+                        "probability, e.g. '{(1024, 1024, 1): 1.0}'; frames must be 1 "
+                        f"(images; videos are refused) (default '{DEFAULT_BUCKET_CONFIG}')")
     p.add_argument("--sharegpt-input-mean", type=float, default=SHAREGPT_INPUT_MEAN,
                    help="synthetic-sharegpt: mean prompt tokens (default "
                         f"{SHAREGPT_INPUT_MEAN:g}, ShareGPT V3's)")
@@ -624,6 +681,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--token-id-prompts needs --endpoint completions (chat takes text)")
     if min(args.sharegpt_input_mean, args.sharegpt_output_mean, args.sharegpt_sigma) <= 0:
         parser.error("the --sharegpt-* settings must be positive")
+    if args.dataset == "random-mm":
+        if args.endpoint != "chat":
+            parser.error("--dataset random-mm needs --endpoint chat (images travel as "
+                         "image_url parts of a chat message)")
+        try:
+            random_mm_spec(args)
+        except DatasetError as e:
+            parser.error(str(e))
 
 
 def main(argv: list[str]) -> int:

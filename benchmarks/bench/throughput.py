@@ -40,7 +40,8 @@ import anyio
 import torch
 
 from benchmarks.bench.pipeline import CLIENT, LocalPipeline, drive
-from benchmarks.bench.serve import RequestResult, first_model, send_request
+from benchmarks.bench.serve import (RequestResult, first_model, send_request,
+                                    serialized)
 from benchmarks.bench.workloads import (WARMUP_SEED, Ceilings, ModelShape, Trace, Workload,
                                         experts_read, fixed_workload, kv_waste,
                                         measure_ceilings, nano_workload, reset_experts_read,
@@ -230,11 +231,14 @@ async def drive_http(http_url: str, workload: Workload) -> tuple[int, float]:
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = await first_model(session, root)
+        bodies = [serialized(completion_body(model, prompt, params))
+                  for prompt, params in zip(workload.prompts, workload.params)]
         origin = time.perf_counter()
         results = await asyncio.gather(*(
-            send_request(session, root + "/completions", completion_body(model, prompt, params),
+            send_request(session, root + "/completions", body,
                          RequestResult(i, len(prompt), params.max_tokens or 0), origin)
-            for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params))))
+            for i, (prompt, params, body) in enumerate(zip(workload.prompts, workload.params,
+                                                           bodies))))
     failures = [f for r in results if (f := http_failure(r)) is not None]
     if failures:
         raise RuntimeError(f"{len(failures)} of {len(results)} HTTP requests failed, "
