@@ -296,3 +296,11 @@ def test_the_memory_profile_encodes_the_largest_images_a_step_may_hold(tmp_path)
     assert profile_image_grids((1, 16, 16), 2, 64, None) == [(1, 16, 16)] * 2
     assert profile_image_grids((1, 16, 16), 2, 1, None) == [(1, 16, 16)]
     assert profile_image_grids((1, 16, 16), 2, 96, 0) == []
+
+
+def test_equal_sequences_are_batched_in_runs():
+    """The vision attention's batches: back-to-back sequences of one length are one SDPA
+    call (Qwen2.5-VL's windows), an empty one is skipped, another length starts a run."""
+    from services.worker.models.qwen2_vl import equal_runs
+    assert equal_runs([0, 4, 8, 8, 12, 14, 16, 19]) == [(0, 3, 4), (12, 2, 2), (16, 1, 3)]
+    assert equal_runs([0]) == []

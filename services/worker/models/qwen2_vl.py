@@ -123,6 +123,19 @@ class PatchEmbed(nn.Module):
 
 # --- the vision tower --------------------------------------------------------------------
 
+def equal_runs(cu_seqlens: list[int]) -> list[tuple[int, int, int]]:
+    """(start, count, length) of each run of consecutive sequences of one length."""
+    runs: list[tuple[int, int, int]] = []
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if end == start:
+            continue
+        if runs and runs[-1][2] == end - start:  # sequences are back to back
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, end - start)
+        else:
+            runs.append((start, 1, end - start))
+    return runs
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -141,10 +154,16 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         q, k = (self._rotate(t, cos, sin) for t in (q, k))
         out = torch.empty_like(q)
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            out[start:end] = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
-                v[start:end].transpose(0, 1)).transpose(0, 1)
+        for start, count, length in equal_runs(cu_seqlens):
+            # a run of equal sequences (Qwen2.5-VL's full windows) is one batch of them; 4-D,
+            # because SDPA's flash and memory-efficient kernels take only that and its math
+            # fallback holds the whole [heads, length, length] scores (256 GiB at the
+            # largest image)
+            end = start + count * length
+            q_, k_, v_ = (t[start:end].view(count, length, self.num_heads, self.head_dim)
+                          .transpose(1, 2) for t in (q, k, v))
+            out[start:end] = F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2) \
+                .reshape(end - start, self.num_heads, self.head_dim)
         return self.proj(out.flatten(1))
 
     @staticmethod
