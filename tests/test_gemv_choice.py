@@ -12,12 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.config import EngineConfig
 from kernels.gemv import gemv_triton
+from services import LLM
 from services.worker.layers import gemv_choice
 from services.worker.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
-from services.worker.loader import load_model
-from tests.tiny_models import make_tiny_model, tiny_config
+from tests.tiny_models import make_tiny_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -43,15 +42,17 @@ def test_the_kernel_takes_the_rows_where_it_was_faster(one, more, rows, monkeypa
         in caplog.text
 
 
-def test_cpu_models_never_take_the_gemv(tmp_path, monkeypatch):
-    """No timing runs and every projection keeps F.linear."""
-    monkeypatch.setattr(gemv_choice, "rows_for", lambda layers: pytest.fail("timed on CPU"))
-    model_dir = make_tiny_model(tmp_path, "llama")
-    config = EngineConfig(model=str(model_dir))
-    model = load_model(config, tiny_config("llama"), torch.device("cpu"), torch.bfloat16,
-                       model_dir)
-    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+@pytest.mark.parametrize("device, eager", [
+    ("cpu", False), pytest.param("cuda", True, marks=needs_cuda)])
+def test_cpu_and_eager_engines_never_take_the_gemv(device, eager, tmp_path, monkeypatch):
+    """A bf16 engine on the CPU, or eager on CUDA (a Triton launch costs the host more than
+    cuBLAS's), times nothing and every projection keeps F.linear."""
+    monkeypatch.setattr(gemv_choice, "rows_for", lambda layers: pytest.fail("timed"))
+    llm = LLM(str(make_tiny_model(tmp_path, "llama")), dtype="bfloat16", device=device,
+              enforce_eager=eager, num_gpu_blocks_override=64)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(not m.gemv_rows for m in linears)
+    assert llm.engine.runner.device.type == device
 
 
 @needs_cuda

@@ -27,11 +27,14 @@ moe)  # the MoE kernels against their twin, then one Qwen3-30B-A3B MoE layer's p
   PYTHONPATH=$PWD:$PYTHONPATH timeout 150 python benchmarks/gpu/moe_decode.py \
     > "$R/moe-decode.txt" 2>&1
   ;;
-gemv)  # the 16-bit decode GEMV: the kernel at the four models' projections against its twin,
-       # the load-time choice, tiny fp16 models with it on and off; then its tile sweep
-  timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+gemv)  # the 16-bit decode GEMV (and the fp8 one, which shares its kernel): the kernels at
+       # real projections against their twins, the start-up choice, tiny fp16 models with
+       # it on and off
+  timeout 500 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
     tests/test_gemv_choice.py tests/test_gpu.py tests/test_quantization.py \
     -k "gemv and not interpreter" > "$R/pytest-gemv.txt" 2>&1
+  ;;
+gemv-sweep)  # its tiles against cuBLAS at four models' projections (under four minutes)
   PYTHONPATH=$PWD:$PYTHONPATH timeout 280 python benchmarks/gpu/gemv_sweep.py \
     > "$R/gemv-sweep.txt" 2>&1
   ;;

@@ -23,7 +23,6 @@ from common.config import EngineConfig
 from common.model_files import gguf_to_hf_dir, resolve_model
 from common.quantization import GGUF_FILE_ATTR, gguf_default, quant_spec
 from services.worker.layers.checkpoint import CheckpointSlice, read_whole
-from services.worker.layers.gemv_choice import choose_gemv
 from services.worker.layers.linear import Checkpoint, LinearBase
 from services.worker.layers.moe import FusedMoE
 from services.worker.layers.norm import RMSNorm
@@ -57,7 +56,6 @@ def load_model(config: EngineConfig, hf_config, device: torch.device, dtype: tor
     for module in model.modules():
         if isinstance(module, (LinearBase, FusedMoE)):
             module.method.process_after_loading(module)
-    choose_gemv(model)
     log.info("%s weights: %s, %.3f GiB", cls.__name__, describe(hf_config, quantization),
              weight_bytes(model) / 2 ** 30)
     return model.eval()

@@ -1,6 +1,8 @@
 """Which unquantized projections take the 16-bit GEMV (kernels/gemv.py) for decode-sized
-steps instead of cuBLAS, decided once when the model is loaded: before any CUDA graph is
-captured, since a graph replays the kernel each layer took at capture.
+steps instead of cuBLAS, decided once when the worker starts (model_runner.py): before any
+CUDA graph is captured, since a graph replays the kernel each layer took at capture.
+Eager workers (--enforce-eager) never ask: their steps are bound by the host, where a
+Triton launch costs more than cuBLAS's.
 
 Per distinct weight shape on the device (N, K, dtype: a tensor-parallel rank's shard) both
 are timed in a CUDA graph at one row (the kernel's CUDA-core path) and at GEMV_MAX_ROWS

@@ -62,7 +62,7 @@ class QuantMethod(abc.ABC):
 
 class UnquantizedMethod(QuantMethod):
     """Weights in the model's dtype, [out, in]: cuBLAS, or for steps of the row counts in
-    layer.gemv_rows the 16-bit GEMV (kernels/gemv.py), which the loader sets where the
+    layer.gemv_rows the 16-bit GEMV (kernels/gemv.py), which the worker sets where the
     kernel was timed faster on the device (layers/gemv_choice.py); the row count is a
     shape, so each CUDA-graph batch size captures one of them."""
     name = "none"
