@@ -13,45 +13,18 @@ after the loop; a K-blocked scale multiplies each K tile (its weights on the CUD
 dot's sums on tensor cores), so a K tile never straddles two scale blocks (BLOCK_K is
 narrowed to divide block_k).
 
-Each program owns a BLOCK_N stripe of outputs and a share of K: it loads [BLOCK_N, BLOCK_K]
-fp8 tiles contiguous along K and either sums products on the CUDA cores (one row: each lane
-keeps its own sums in the tile's layout, reduced once after the loop, and the next tile's
-loads go out before the current one's arithmetic) or converts the tile to x's dtype and
-feeds tl.dot with x padded to 16 rows (more rows). When N is small for the chip, K splits
-across programs (split_k), each writing float32 partial sums that a second launch adds up
-(with the bias) in x's dtype.
-
-The tiles come from a table keyed by the rows, N, K, the scale's K block and the SM count,
-never from runtime autotuning, so a step replays in a CUDA graph;
-benchmarks/gpu/fp8_gemv_sweep.py times the alternatives. The torch twin dequantizes to
-float32 and multiplies.
+The kernel, its tiles and their rules are the 16-bit GEMV's (kernels/gemv.py) at one byte a
+weight; benchmarks/gpu/fp8_gemv_sweep.py times the alternatives. The torch twin dequantizes
+to float32 and multiplies.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
-import triton.language as tl
 
+from kernels.gemv import GemvTiles, default_tiles, launch_gemv, sm_count
 from kernels.quant import FP8_DTYPE, dequantize
-
-GEMV_MAX_ROWS = 16
-DOT_MIN_ROWS = 16  # tl.dot's smallest M: fewer rows are padded with masked loads
-
-
-@dataclass(frozen=True, slots=True)
-class Fp8GemvTiles:
-    """block_n outputs x block_k inputs a step; dot: tensor cores (x padded to 16 rows)
-    instead of CUDA-core sums; split_k programs share each stripe's K."""
-    block_n: int
-    block_k: int
-    dot: bool = False
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
 
 
 # --- torch reference twin ------------------------------------------------------------------
@@ -100,161 +73,13 @@ def fp8_gemv(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     return fp8_gemv_ref(x, w_fp8, w_scale, bias, block)
 
 
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: pick as for an H100
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def default_tiles(rows: int, n: int, k: int, sms: int, scale_block_k: int) -> Fp8GemvTiles:
-    """From the H100 sweep at the 8B projections (benchmarks/issue30-h100/fp8-gemv-sweep.txt).
-    One row: CUDA-core sums over 8 x 512 tiles, about five programs an SM; the widest
-    projections (gate_up, N = 28672) are 8% faster on tensor cores at 32 x 128, 3 stages.
-    More rows: tensor cores at 32 x 256, 4 stages; the default 16-wide stripes ran 1.5x
-    slower. K tiles narrowed to a K-blocked scale (128) widen the stripe to keep the
-    bytes. K splits while the stripes leave SMs idle (one row), or number fewer than two
-    an SM (more rows: qkv and o at 8 rows ran 30% faster split in two)."""
-    if rows == 1 and n >= 16384:
-        block_n, block_k, dot, warps, stages = 32, 128, True, 4, 3
-    elif rows == 1:
-        block_n, block_k, dot, warps, stages = 8, 512, False, 4, 1
-    else:
-        block_n, block_k, dot, warps, stages = 32, 256, True, 4, 4
-    if scale_block_k < min(k, block_k):
-        block_n, block_k = block_n * block_k // scale_block_k, scale_block_k
-    split, stripes = 1, triton.cdiv(n, block_n)
-    if rows > 1:
-        split = 2 if stripes < 2 * sms and k >= 8 * block_k else 1
-    while stripes * split < sms and k // (2 * split) >= 4 * block_k:
-        split *= 2
-    return Fp8GemvTiles(block_n, block_k, dot, split, warps, stages)
-
-
 def fp8_gemv_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                    tiles: Fp8GemvTiles | None = None) -> torch.Tensor:
+                    tiles: GemvTiles | None = None) -> torch.Tensor:
     """tiles: force these tiles (the sweep); default: default_tiles by the shape."""
     n, k = w_fp8.shape
-    assert w_fp8.dtype == FP8_DTYPE and w_fp8.stride(1) == 1, "row-major e4m3 weights"
-    assert x.shape[-1] == k and x.dtype in (torch.bfloat16, torch.float16)
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    assert m <= GEMV_MAX_ROWS, f"fp8_gemv takes at most {GEMV_MAX_ROWS} rows, not {m}"
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return y.reshape(*x.shape[:-1], n)
+    assert w_fp8.dtype == FP8_DTYPE, "e4m3 weights"
     scale, block_n, block_k = scale_blocks(w_scale, n, k, block)
-    tiles = tiles or default_tiles(m, n, k, sm_count(x.device), block_k)
-    tile_k, per_k = tiles.block_k, block_k < k
-    if per_k:
-        # a K tile inside one scale block: the largest power of two dividing block_k
-        tile_k = min(tile_k, block_k & -block_k)
-        assert tile_k >= 16, f"fp8_gemv: K blocks of {block_k} split into no tile of 16+"
-    split = max(1, min(tiles.split_k, triton.cdiv(k, tile_k)))
-    k_share = triton.cdiv(triton.cdiv(k, split), tile_k) * tile_k
-    split = triton.cdiv(k, k_share)
-    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    assert tiles.dot or m == 1, "more than one row takes tensor cores (tiles.dot)"
-    block_m = max(triton.next_power_of_2(m), DOT_MIN_ROWS) if tiles.dot else 1
-    _fp8_gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
-        x2, w_fp8, scale, bias if bias is not None else y, out, m, n, k, x2.stride(0),
-        w_fp8.stride(0), scale.shape[1], block_n, block_k, k_share,
-        PER_K_SCALE=per_k, HAS_BIAS=bias is not None and split == 1, USE_DOT=tiles.dot,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tile_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    if split > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](
-            out, bias if bias is not None else y, y, m * n, n, split,
-            HAS_BIAS=bias is not None, BLOCK=1024)
-    return y.reshape(*x.shape[:-1], n)
-
-
-# --- kernels -------------------------------------------------------------------------------
-
-@triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
-                     stride_w, scale_stride, scale_block_n, scale_block_k, k_share,
-                     PER_K_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """A BLOCK_N stripe of y's columns over one K share (program_id 1); with more than one
-    share, float32 partial sums into out [shares, m, n], else y itself."""
-    stripe, share = tl.program_id(0), tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = stripe * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = offs_m < m, offs_n < n
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    x_rows = x_ptr + offs_m[:, None] * stride_x
-    scale_rows = scale_ptr + (offs_n // scale_block_n) * scale_stride
-    k_lo = share * k_share
-    k_hi = tl.minimum(k_lo + k_share, k)
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k_ok = k0 + offs_k < k_hi
-            w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            xs = tl.load(x_rows + k0 + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                         other=0.0)
-            # fp8 values are exact in x's dtype: exact products, float32 sums
-            part = tl.dot(xs, tl.trans(w.to(xs.dtype)))
-            if PER_K_SCALE:
-                part *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok,
-                                other=0.0)[None, :]
-            acc += part
-    else:
-        acc = _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
-                            PER_K_SCALE, BLOCK_N, BLOCK_K)[None, :]
-    if not PER_K_SCALE:
-        acc *= tl.load(scale_rows, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    at = (share * m + offs_m)[:, None] * n + offs_n[None, :]
-    tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
-                  PER_K_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x's first row times the stripe over [k_lo, k_hi), scaled per K tile or not at all.
-    Products are summed per lane in the weight tile's own layout, with one cross-lane
-    reduction after the loop (a 3-d broadcast against x's rows made the compiler shuffle
-    every tile through shared memory). Each step issues the next tile's loads before its
-    own arithmetic: Triton pipelines only loads that feed tl.dot, and the loads in flight
-    set the bandwidth."""
-    offs_k = tl.arange(0, BLOCK_K)
-    lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    k_ok = k_lo + offs_k < k_hi
-    w = tl.load(w_rows + k_lo + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    xs = tl.load(x_ptr + k_lo + offs_k, mask=k_ok, other=0.0)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_next = k0 + BLOCK_K + offs_k
-        next_ok = k_next < k_hi
-        w_next = tl.load(w_rows + k_next[None, :], mask=n_ok[:, None] & next_ok[None, :],
-                         other=0.0)
-        x_next = tl.load(x_ptr + k_next, mask=next_ok, other=0.0)
-        wf = w.to(tl.float32)
-        if PER_K_SCALE:
-            wf *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok, other=0.0)[:, None]
-        lanes += wf * xs.to(tl.float32)[None, :]
-        w, xs = w_next, x_next
-    return tl.sum(lanes, axis=1)
-
-
-@triton.jit
-def _sum_splits_kernel(parts_ptr, bias_ptr, y_ptr, size, n, splits,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """y = the K shares' float32 partial sums [splits, size] added up (+ bias)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < size
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, splits):
-        acc += tl.load(parts_ptr + s * size + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    rows = max(1, x.numel() // k)
+    tiles = tiles or default_tiles(rows, n, k, sm_count(x.device), 1, block_k)
+    return launch_gemv(x, w_fp8, bias, tiles, scale, (block_n, block_k))

@@ -61,6 +61,31 @@ def test_tiny_models_on_gpu_match_transformers(arch, tmp_path):
         assert ours == ref[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+def test_the_16_bit_gemv_gives_the_cublas_tokens(arch, tmp_path, monkeypatch):
+    """A tiny fp16 model (qwen2: q/k/v biases; phi3: fused checkpoints) with every
+    projection on the GEMV for decode steps of up to 16 rows (kernels/gemv.py, in the CUDA
+    graphs) gives the greedy tokens of every projection on cuBLAS."""
+    from services.worker.layers import gemv_choice
+    from services.worker.layers.linear import LinearBase
+
+    model_dir = make_tiny_model(tmp_path, arch)
+    prompts = tiny_prompts((5, 40, 77, 12))
+    tokens = {}
+    for rows in (range(1, 17), range(0)):
+        monkeypatch.setattr(gemv_choice, "_CHOSEN", {})
+        monkeypatch.setattr(gemv_choice, "rows_for", lambda layers, rows=rows: rows)
+        llm = LLM(str(model_dir), dtype="float16", block_size=16, num_gpu_blocks_override=256,
+                  max_num_batched_tokens=32, max_num_seqs=8)
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+        assert linears and all(m.gemv_rows == rows for m in linears)
+        # four requests (tensor cores), then one alone (the CUDA-core path)
+        tokens[bool(rows)] = greedy(llm, prompts, 16) + greedy(llm, prompts[1:2], 16)
+        del llm
+        gc.collect()
+    assert tokens[True] == tokens[False]
+
+
 @pytest.mark.parametrize("pooling", ["LAST", "MEAN"])
 def test_embeddings_on_gpu_match_transformers_beside_generation(pooling, tmp_path):
     """Pooled on the device over chunks, in steps that replay mixed graphs beside decodes,

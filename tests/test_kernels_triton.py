@@ -41,8 +41,9 @@ from kernels.attention import paged_attention, paged_attention_ref
 from kernels.attention_inputs import (HeadNorms, _norm_rope_write_kv_kernel,
                                       norm_rope_write_kv_ref, norm_rope_write_kv_triton)
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
-from kernels.fp8_gemv import (Fp8GemvTiles, _fp8_gemv_kernel, _sum_splits_kernel, fp8_gemv,
-                              fp8_gemv_ref, fp8_gemv_triton)
+from kernels.fp8_gemv import fp8_gemv, fp8_gemv_ref, fp8_gemv_triton
+from kernels.gemv import (GemvTiles, _gemv_kernel, _sum_splits_kernel, gemv, gemv_ref,
+                          gemv_triton)
 from kernels.lora import lora_expand_ref, lora_expand_triton
 from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
                           gemma_norm_add_norm_triton, rms_norm_ref, rms_norm_triton)
@@ -516,7 +517,7 @@ def check_scaled_mm(rows: int, n: int, k: int, block_n: int, group_k: int,
 
 
 def check_fp8_gemv(rows: int, n: int, k: int, scales: str, dtype: torch.dtype, device: str,
-                   tiles: Fp8GemvTiles | None = None, bias: bool = True) -> None:
+                   tiles: GemvTiles | None = None, bias: bool = True) -> None:
     """The w8a16 GEMV (tiles None: the default table's) against its dequantize-then-matmul
     twin; scales "tensor", "channel" (both given as their element count, the block read
     from it), or "blocks" (128x128) and "rows" (1x64: per channel and K group), whose
@@ -534,6 +535,18 @@ def check_fp8_gemv(rows: int, n: int, k: int, scales: str, dtype: torch.dtype, d
     ref = fp8_gemv_ref(x, w, w_scale, b, block)
     assert_close(out, ref, f"fp8_gemv {rows}x{k} -> {n} {scales} {tiles}", seed)
 
+
+
+def check_gemv(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
+               tiles: GemvTiles | None = None, bias: bool = True) -> None:
+    """The 16-bit GEMV (tiles None: the table's) against its float32 twin; weights of
+    unit rows' scale, so that outputs stay about 1 at any K."""
+    g, seed = fresh_generator()
+    w = rand(g, n, k, dtype=dtype, device=device, scale=k ** -0.5)
+    x = rand(g, rows, k, dtype=dtype, device=device)
+    b = rand(g, n, dtype=dtype, device=device) if bias else None
+    out = gemv_triton(x, w, b, tiles)
+    assert_close(out, gemv_ref(x, w, b), f"gemv {rows}x{k} -> {n} {dtype} {tiles}", seed)
 
 # --- interpreter checks: tiny shapes, each run in a subprocess -----------------------------
 
@@ -748,12 +761,28 @@ def fp8_gemv_kernels() -> None:
         for rows in (1, 3, 16):
             check_fp8_gemv(rows, 70, 300, scales, torch.float16, "cpu")
         check_fp8_gemv(1, 33, 260, scales, torch.bfloat16, "cpu", bias=False)
-    check_fp8_gemv(1, 70, 1000, "channel", torch.float16, "cpu", Fp8GemvTiles(16, 64, dot=True))
-    check_fp8_gemv(1, 70, 1000, "blocks", torch.float16, "cpu", Fp8GemvTiles(16, 256))
+    check_fp8_gemv(1, 70, 1000, "channel", torch.float16, "cpu", GemvTiles(16, 64, dot=True))
+    check_fp8_gemv(1, 70, 1000, "blocks", torch.float16, "cpu", GemvTiles(16, 256))
     check_fp8_gemv(3, 40, 1000, "blocks", torch.float16, "cpu",
-                   Fp8GemvTiles(16, 64, dot=True, split_k=3))
-    check_fp8_gemv(1, 40, 1000, "tensor", torch.bfloat16, "cpu", Fp8GemvTiles(16, 128, split_k=4))
+                   GemvTiles(16, 64, dot=True, split_k=3))
+    check_fp8_gemv(1, 40, 1000, "tensor", torch.bfloat16, "cpu", GemvTiles(16, 128, split_k=4))
 
+
+
+@interpreter_check
+def gemv_kernels() -> None:
+    """The 16-bit GEMV at 1, 2, 8 and 16 rows, odd N and K, with and without a bias: the
+    default tiles (CUDA-core sums at one row, tensor cores at more), tensor cores forced at
+    one row, K split across programs. fp16 on tensor cores, bf16 on the CUDA cores: the
+    interpreter multiplies bf16 matrices as raw bits (module docstring)."""
+    for rows in (1, 2, 8, 16):
+        check_gemv(rows, 70, 300, torch.float16, "cpu")
+    check_gemv(1, 33, 1000, torch.bfloat16, "cpu", bias=False)
+    check_gemv(1, 70, 515, torch.bfloat16, "cpu", GemvTiles(8, 64, split_k=3))
+    check_gemv(1, 40, 300, torch.float16, "cpu", GemvTiles(16, 64, dot=True))
+    check_gemv(8, 70, 1000, torch.float16, "cpu", GemvTiles(32, 64, dot=True, split_k=4),
+               bias=False)
+    check_gemv(16, 17, 129, torch.float16, "cpu", GemvTiles(16, 32, dot=True, split_k=2))
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_under_triton_interpreter(check: str) -> None:
@@ -1047,10 +1076,11 @@ def test_top_p_kernel_compiles_for_sm90() -> None:
 
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
-def test_fp8_gemv_compiles_for_sm90() -> None:
-    """The fp8 GEMV's default tiles (default_tiles): one row per channel and per 128x128
-    block (CUDA-core sums), more rows per channel and per block (tensor cores on bf16),
-    and the K split's sum."""
+def test_gemv_compiles_for_sm90() -> None:
+    """The GEMV's default tiles (default_tiles). fp8 weights: one row per channel and per
+    128x128 block (CUDA-core sums), more rows per channel and per block (tensor cores on
+    bf16). bf16 and fp16 weights, no scale: one row on the CUDA cores and on tensor cores
+    (the widest projections), more rows on tensor cores. And the K split's sum."""
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16",
                  out_ptr="*bf16", m="i32", n="i32", k="i32", stride_x="i32", stride_w="i32",
                  scale_stride="i32", scale_block_n="i32", scale_block_k="i32", k_share="i32")
@@ -1059,9 +1089,17 @@ def test_fp8_gemv_compiles_for_sm90() -> None:
                                                   (False, True, 16, 32, 128),
                                                   (False, True, 16, 32, 256),
                                                   (True, True, 16, 32, 128)]:
-        compile_for_sm90(_fp8_gemv_kernel, types, dict(
-            PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k))
+        compile_for_sm90(_gemv_kernel, types, dict(
+            HAS_SCALE=True, PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k))
+    for dtype in ("bf16", "fp16"):
+        half = dict(types, x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", scale_ptr=f"*{dtype}",
+                    bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
+        for dot, block_m, block_n, block_k in [(False, 1, 8, 256), (True, 16, 32, 64),
+                                               (True, 16, 32, 128)]:
+            compile_for_sm90(_gemv_kernel, half, dict(
+                HAS_SCALE=False, PER_K_SCALE=False, HAS_BIAS=True, USE_DOT=dot,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k))
     compile_for_sm90(_sum_splits_kernel, dict(parts_ptr="*fp32", bias_ptr="*bf16",
                                               y_ptr="*bf16", size="i32", n="i32",
                                               splits="i32"), dict(HAS_BIAS=True, BLOCK=1024))
@@ -1124,9 +1162,9 @@ def test_fp8_gemv_cuda(projection: str) -> None:
         for scales in ("tensor", "channel", "blocks"):
             check_fp8_gemv(rows, n, k, scales, torch.bfloat16, "cuda")
     check_fp8_gemv(1, n, k, "channel", torch.float16, "cuda", bias=False)
-    check_fp8_gemv(1, n, k, "channel", torch.bfloat16, "cuda", Fp8GemvTiles(32, 256, split_k=4))
+    check_fp8_gemv(1, n, k, "channel", torch.bfloat16, "cuda", GemvTiles(32, 256, split_k=4))
     check_fp8_gemv(8, n, k, "blocks", torch.bfloat16, "cuda",
-                   Fp8GemvTiles(64, 128, dot=True, split_k=2))
+                   GemvTiles(64, 128, dot=True, split_k=2))
     w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
     w_scale = torch.rand(n, 1, device="cuda") / 100
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -1139,6 +1177,43 @@ def test_fp8_gemv_cuda(projection: str) -> None:
     torch.cuda.synchronize()
     assert_close(out, expected, "fp8_gemv in a CUDA graph", 0)
 
+
+
+# decode projections, (K, N) at TP=1: Phi-3-mini-4k, Gemma-2-9B, Llama-3.1-8B and
+# Qwen3-30B-A3B's attention (its experts take the fused MoE kernel)
+DECODE_PROJECTIONS = {
+    "phi-3-mini": {"qkv": (3072, 9216), "o": (3072, 3072), "gate_up": (3072, 16384),
+                   "down": (8192, 3072)},
+    "gemma-2-9b": {"qkv": (3584, 8192), "o": (4096, 3584), "gate_up": (3584, 28672),
+                   "down": (14336, 3584)},
+    "llama-3.1-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+                     "down": (14336, 4096)},
+    "qwen3-30b-a3b": {"qkv": (2048, 5120), "o": (4096, 2048)}}
+
+
+@needs_cuda
+@pytest.mark.parametrize("model", sorted(DECODE_PROJECTIONS))
+def test_gemv_cuda(model: str) -> None:
+    """The 16-bit GEMV at the model's projections against its twin (relative error 1e-2,
+    the outputs' rounding): bf16 at 1, 2, 8 and 16 rows with a bias, fp16 at 1 and 16 rows
+    without, a forced K split and tensor cores at one row, and a replay in a CUDA graph."""
+    for k, n in DECODE_PROJECTIONS[model].values():
+        for rows in (1, 2, 8, 16):
+            check_gemv(rows, n, k, torch.bfloat16, "cuda")
+        for rows in (1, 16):
+            check_gemv(rows, n, k, torch.float16, "cuda", bias=False)
+        check_gemv(1, n, k, torch.bfloat16, "cuda", GemvTiles(16, 128, split_k=4))
+        check_gemv(1, n, k, torch.bfloat16, "cuda", GemvTiles(32, 64, dot=True))
+    k, n = DECODE_PROJECTIONS[model]["o"]
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(gemv(x, w), gemv_triton(x, w))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, gemv_ref(x, w), "gemv in a CUDA graph", 0)
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()

@@ -26,22 +26,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project root
 
 from benchmarks.gpu.graph_timing import graph_us  # noqa: E402
-from kernels.fp8_gemv import (Fp8GemvTiles, default_tiles, fp8_gemv_triton,  # noqa: E402
-                              sm_count)
+from kernels.fp8_gemv import fp8_gemv_triton  # noqa: E402
+from kernels.gemv import GemvTiles, default_tiles, sm_count  # noqa: E402
 from kernels.quant import FP8_DTYPE, quantize_per_token, scaled_mm  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}  # (K, N)
 ROWS = (1, 8)
 L2_FLUSH_BYTES = 256 * 2 ** 20
-ONE_ROW = [Fp8GemvTiles(n, k, split_k=s, num_warps=w, num_stages=1)
+ONE_ROW = [GemvTiles(n, k, split_k=s, num_warps=w, num_stages=1)
            for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (4, 8) for s in (1, 2)]
-DOT = [Fp8GemvTiles(n, k, dot=True, split_k=s, num_warps=w, num_stages=st)
+DOT = [GemvTiles(n, k, dot=True, split_k=s, num_warps=w, num_stages=st)
        for n in (16, 32, 64) for k in (128, 256) for w in (4,) for st in (3, 4, 5)
        for s in (1, 2)]
 
 
-def describe(t: Fp8GemvTiles) -> str:
+def describe(t: GemvTiles) -> str:
     kind = "dot" if t.dot else "fma"
     return (f"{kind} n{t.block_n:<3d} k{t.block_k:<5d} split{t.split_k} w{t.num_warps} "
             f"s{t.num_stages}")
@@ -56,7 +56,7 @@ def copies(*tensors: torch.Tensor) -> itertools.cycle:
 
 
 def time_configs(x: torch.Tensor, weights: itertools.cycle,
-                 configs: list[Fp8GemvTiles]) -> list[tuple[float, Fp8GemvTiles]]:
+                 configs: list[GemvTiles]) -> list[tuple[float, GemvTiles]]:
     rows = []
     for tiles in configs:
         try:
@@ -82,7 +82,7 @@ def sweep(name: str, k: int, n: int, rows: int) -> None:
         return scaled_mm(q, q_scale, w_i, scale_i, 1, k, torch.bfloat16)
 
     w8a8_us = graph_us(w8a8)
-    default = default_tiles(rows, n, k, sm_count(x.device), k)
+    default = default_tiles(rows, n, k, sm_count(x.device), 1, k)
     default_us = graph_us(lambda: fp8_gemv_triton(x, *next(fp8_copies)))
     print(f"{name} K {k} N {n} M {rows}: cuBLAS bf16 {bf16_us:.1f} us "
           f"({dense.numel() * 2 / bf16_us / 1e3:.0f} GB/s) | quantize + _scaled_mm "
@@ -100,7 +100,7 @@ def blocks_at_one_row(name: str, k: int, n: int) -> None:
     scale = torch.rand(n // 128, k // 128, device="cuda") / 64
     cycle = copies(w, scale)
     us = graph_us(lambda: fp8_gemv_triton(x, *next(cycle), block=(128, 128)))
-    default = default_tiles(1, n, k, sm_count(x.device), 128)
+    default = default_tiles(1, n, k, sm_count(x.device), 1, 128)
     print(f"{name} K {k} N {n} M 1, 128x128 blocks: fp8 GEMV default [{describe(default)}] "
           f"{us:.1f} us "
           f"({(w.numel() + scale.numel() * 4) / us / 1e3:.0f} GB/s)")

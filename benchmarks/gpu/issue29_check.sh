@@ -27,6 +27,17 @@ moe)  # the MoE kernels against their twin, then one Qwen3-30B-A3B MoE layer's p
   PYTHONPATH=$PWD:$PYTHONPATH timeout 150 python benchmarks/gpu/moe_decode.py \
     > "$R/moe-decode.txt" 2>&1
   ;;
+gemv)  # the 16-bit decode GEMV (and the fp8 one, which shares its kernel): the kernels at
+       # real projections against their twins, the start-up choice, tiny fp16 models with
+       # it on and off
+  timeout 500 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+    tests/test_gemv_choice.py tests/test_gpu.py tests/test_quantization.py \
+    -k "gemv and not interpreter" > "$R/pytest-gemv.txt" 2>&1
+  ;;
+gemv-sweep)  # its tiles against cuBLAS at four models' projections (under four minutes)
+  PYTHONPATH=$PWD:$PYTHONPATH timeout 280 python benchmarks/gpu/gemv_sweep.py \
+    > "$R/gemv-sweep.txt" 2>&1
+  ;;
 2)  # real widths cut to a few layers against transformers (prompts past each window)
   # SPECS: "shape layers prompt-len" entries, comma-separated
   IFS=, read -ra specs <<< "${SPECS:-qwen3-30b-a3b-shape 2 1000,gemma-2-9b-shape 4 5000,phi-3-mini-4k-shape 2 3000,mistral-7b-v0.1-shape 2 5000}"

@@ -44,6 +44,7 @@ from services.worker.images import (EncoderCache, key_limits, mrope_positions_of
 from services.worker.inputs import StepInputs, prepare_inputs, to_device
 from services.worker.launched import Launched, finish
 from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
+from services.worker.layers.gemv_choice import choose_gemv
 from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_all_reduce
 from services.worker.layers.pipeline import (PPStage, append_result, building_stage,
                                              current_stage)
@@ -106,6 +107,12 @@ class ModelRunner:
         # pipeline stages the last stage, which samples, holds the whole draft.
         self.draft = None if draft is None or not self.stage.is_last \
             else self._build_draft(draft)
+        # before the graphs capture it; eager steps keep cuBLAS, whose launches cost the
+        # host less than a Triton kernel's
+        if self.device.type == "cuda" and not config.enforce_eager:
+            choose_gemv(self.model)
+            if self.draft is not None:
+                choose_gemv(self.draft.model)
         # before the memory plan and the graphs: its slots take memory, its layers are
         # captured
         self.lora = LoRAManager(self.model, config, self.device, self.dtype,

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.gemv import gemv
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -59,14 +61,20 @@ class QuantMethod(abc.ABC):
 
 
 class UnquantizedMethod(QuantMethod):
-    """Weights in the model's dtype, [out, in]."""
+    """Weights in the model's dtype, [out, in]: cuBLAS, or for steps of the row counts in
+    layer.gemv_rows the 16-bit GEMV (kernels/gemv.py), which the worker sets where the
+    kernel was timed faster on the device (layers/gemv_choice.py); the row count is a
+    shape, so each CUDA-graph batch size captures one of them."""
     name = "none"
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
         layer.weight = quant_parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype),
                                        output_dim=0, input_dim=1, loader=layer.weight_loader)
+        layer.gemv_rows = range(0)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
               ) -> torch.Tensor:
+        if x.numel() // x.shape[-1] in layer.gemv_rows:
+            return gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)

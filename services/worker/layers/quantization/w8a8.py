@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from common.quantization import QuantSpec
-from kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv
+from kernels.fp8_gemv import fp8_gemv
+from kernels.gemv import GEMV_MAX_ROWS
 from kernels.quant import FP8_DTYPE, quantize_per_token, quantize_static, scaled_mm
 from services.worker.layers.quantization.base import QuantMethod, ceil_div, quant_parameter
 
