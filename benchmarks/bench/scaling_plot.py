@@ -5,8 +5,11 @@ tokenizer-bound and detokenizer-bound workloads against the replica count, besid
     python -m benchmarks.bench.scaling_plot RESULTS_DIR    # writes scaling.png, scaling.md
 
 It reads `bench serve --save-result` files named {tok,detok}-N.json (N the tokenizer and
-detokenizer replicas) and, where present, the cores each server process used over the
-same run (`{tok,detok}-N-cpu.json`, benchmarks/bench/proc_cpu.py).
+detokenizer replicas) and, where present, the CPU seconds each server process used over the
+same run (`{tok,detok}-N-cpu.json`, benchmarks/bench/proc_cpu.py) and nvidia-smi's GPU
+utilization samples (`{tok,detok}-N-gpu.csv`: timestamp, percent), of which those inside
+the run count. Which stage bounds a run shows in the busiest roles: a process near one core
+is saturated; a GPU near 100% is the bound.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import re
 import sys
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 GOAL = 0.8  # of linear scaling, up to 4 replicas
@@ -23,6 +27,16 @@ WORKLOADS = {  # file prefix -> (title, the server stages its replicas serve)
     "detok": ("detokenizer-bound", ("result_to_detokenizer", "detokenizer")),
 }
 RESULT_NAME = re.compile(r"^(tok|detok)-(\d+)\.json$")
+NVIDIA_SMI_TIME = "%Y/%m/%d %H:%M:%S.%f"  # its timestamp field, in local time
+
+
+@dataclass(frozen=True, slots=True)
+class RoleLoad:
+    """The cores one role's processes kept busy over a run."""
+    role: str
+    processes: int
+    cores: float  # of all of them
+    most: float  # of the busiest one
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +46,34 @@ class Point:
     completed: int
     failed: int
     stages: dict[str, dict]  # stage -> bench serve's StageStats fields
-    busiest: list[tuple[str, float]]  # the server processes' roles and cores, busiest first
+    roles: list[RoleLoad]  # busiest first
     client_cores: float | None
+    gpu_percent: float | None  # nvidia-smi's utilization, mean over the run
+
+
+def role_loads(processes: list[dict], seconds: float) -> list[RoleLoad]:
+    """proc_cpu's rows grouped by role, the role with the busiest process first."""
+    by_role: dict[str, list[float]] = {}
+    for p in processes:
+        by_role.setdefault(p["role"], []).append(p["cpu_s"] / seconds)
+    loads = [RoleLoad(role, len(c), sum(c), max(c)) for role, c in by_role.items()]
+    return sorted(loads, key=lambda r: -r.most)
+
+
+def gpu_percent(csv: Path, start: float, end: float) -> float | None:
+    """Mean of the samples taken between start and end (Unix seconds)."""
+    if not csv.exists():
+        return None
+    samples = []
+    for line in csv.read_text().splitlines():
+        try:
+            stamp, percent = (field.strip() for field in line.split(","))
+            at = datetime.strptime(stamp, NVIDIA_SMI_TIME).timestamp()
+            if start <= at <= end:
+                samples.append(float(percent))
+        except ValueError:  # a header, a cut-off last line, "[N/A]"
+            continue
+    return sum(samples) / len(samples) if samples else None
 
 
 def load_points(results: Path) -> dict[str, list[Point]]:
@@ -47,13 +87,15 @@ def load_points(results: Path) -> dict[str, list[Point]]:
         cpu = path.with_name(path.stem + "-cpu.json")
         processes = json.loads(cpu.read_text())["processes"] if cpu.exists() else []
         summary = data["summary"]
-        # the snapshots bracket the client's start-up too, while the server idles: the
-        # run's own duration is the time the CPU seconds were spent in
-        busiest = [(p["role"], p["cpu_s"] / summary["duration_s"]) for p in processes[:3]]
+        start = data.get("started_at", 0.0)
         points[match[1]].append(Point(
             int(match[2]), summary["request_throughput"], summary["completed"],
             summary["failed"], {s["stage"]: s for s in data.get("server_stages", [])},
-            busiest, data.get("client_cores")))
+            # the snapshots bracket the client's start-up too, while the server idles:
+            # the run's own duration is the time the CPU seconds were spent in
+            role_loads(processes, summary["duration_s"]), data.get("client_cores"),
+            gpu_percent(path.with_name(path.stem + "-gpu.csv"), start,
+                        start + summary["duration_s"])))
     return {kind: sorted(p, key=lambda p: p.replicas) for kind, p in points.items() if p}
 
 
@@ -67,8 +109,12 @@ def stage_cell(stats: dict | None) -> str:
     return "-" if stats is None else f"{stats['mean_ms']:.2f} / {stats['p90_ms']:.2f}"
 
 
-def busiest_cell(point: Point) -> str:
-    return ", ".join(f"{role} {cores:.2f}" for role, cores in point.busiest) or "-"
+def roles_cell(point: Point, top: int = 3) -> str:
+    """The busiest roles: `tokenizer 0.95`, or `tokenizer x2 1.80 (max 0.95)`."""
+    return ", ".join(
+        f"{r.role} {r.cores:.2f}" if r.processes == 1 else
+        f"{r.role} x{r.processes} {r.cores:.2f} (max {r.most:.2f})"
+        for r in point.roles[:top]) or "-"
 
 
 def table(points: dict[str, list[Point]]) -> str:
@@ -78,16 +124,17 @@ def table(points: dict[str, list[Point]]) -> str:
         lines += [f"### {title}", "",
                   "| replicas | requests/s | speed-up | goal (0.8 x N) | "
                   + " | ".join(f"{s} mean / p90 ms" for s in stages)
-                  + " | failed | busiest processes (cores) | client cores |",
-                  "|---:|---:|---:|---:|" + "---:|" * len(stages) + "---:|---|---:|"]
+                  + " | failed | busiest roles (cores) | client cores | GPU % |",
+                  "|---:|---:|---:|---:|" + "---:|" * len(stages) + "---:|---|---:|---:|"]
         for p in runs:
             gain = speedup(runs, p)
             client = "-" if p.client_cores is None else f"{p.client_cores:.2f}"
+            gpu = "-" if p.gpu_percent is None else f"{p.gpu_percent:.0f}"
             lines.append(
                 f"| {p.replicas} | {p.requests_per_s:.1f} | "
                 + ("-" if gain is None else f"{gain:.2f}x") + f" | {GOAL * p.replicas:.1f}x | "
                 + " | ".join(stage_cell(p.stages.get(s)) for s in stages)
-                + f" | {p.failed} | {busiest_cell(p)} | {client} |")
+                + f" | {p.failed} | {roles_cell(p)} | {client} | {gpu} |")
         lines.append("")
     return "\n".join(lines)
 

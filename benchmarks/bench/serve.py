@@ -438,6 +438,7 @@ class BenchmarkRun:
     stages: list[StageStats]  # the server's breakdown (empty: it keeps none)
     prefix_cache: list[PrefixCache]  # per shard (empty: the server keeps no such counters)
     client_cores: float  # this process's CPU seconds over the run's: near 1, it is the bound
+    started_at: float  # the run's start, Unix seconds: to line it up with other records
 
 
 async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
@@ -454,7 +455,7 @@ async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
         before = await scrape(session, metrics_url(args.base_url))
         gate = asyncio.Semaphore(args.max_concurrency or len(planned) or 1)
         bar = tqdm(total=len(planned), desc="requests", disable=args.disable_tqdm)
-        origin, cpu_origin = time.perf_counter(), time.process_time()
+        origin, cpu_origin, started_at = time.perf_counter(), time.process_time(), time.time()
 
         async def one(index: int, plan: PlannedRequest) -> RequestResult:
             await asyncio.sleep(max(0.0, origin + plan.send_at - time.perf_counter()))
@@ -474,7 +475,8 @@ async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
         after = await scrape(session, metrics_url(args.base_url))
     stages = stage_breakdown(before, after) if after is not None else []
     cache = prefix_cache_use(before, after) if after is not None else []
-    return BenchmarkRun(model, list(results), duration, stages, cache, client_cores)
+    return BenchmarkRun(model, list(results), duration, stages, cache, client_cores,
+                        started_at)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -533,7 +535,7 @@ def save_result(path: Path, args: argparse.Namespace, run: BenchmarkRun, summary
         "command": "headrace bench serve " + " ".join(redacted(argv)),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": run.model, "settings": settings_of(args), "summary": asdict(summary),
-        "client_cores": round(run.client_cores, 3),
+        "client_cores": round(run.client_cores, 3), "started_at": run.started_at,
         "server_stages": [asdict(s) for s in run.stages],
         "prefix_cache": [asdict(c) | {"hit_rate": c.hit_rate} for c in run.prefix_cache],
         "requests": requests}, indent=1, default=str) + "\n")

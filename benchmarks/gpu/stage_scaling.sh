@@ -12,6 +12,7 @@
 # Every output under $R ($OUT/r): {tok,detok}-N.{json,txt} (bench serve's result, with the
 # server's stage histograms in server_stages and the client's own CPU in client_cores),
 # {tok,detok}-N-cpu.json (the CPU seconds of each server process over the timed run),
+# {tok,detok}-N-gpu.csv (nvidia-smi's utilization every 200 ms, where there is a GPU),
 # serve-N.log, host.txt, then scaling.png and scaling.md (benchmarks/bench/scaling_plot.py).
 #   source .devkit/env.sh && bash benchmarks/gpu/stage_scaling.sh
 # Every setting below can be overridden from the environment (a tiny CPU run: README).
@@ -33,6 +34,7 @@ DETOK_N=${DETOK_N:-4}
 DETOK_LOGPROBS=${DETOK_LOGPROBS:-5}
 DETOK_CONCURRENCY=${DETOK_CONCURRENCY:-64}  # x n streams: serve's --max-num-seqs (256)
 WARMUP_DIVISOR=${WARMUP_DIVISOR:-8}  # a warm-up sends this fraction of the timed requests
+DEADLINE_S=${DEADLINE_S:-400}  # no further replica count starts after this many seconds
 
 tok_flags() {  # NUM_PROMPTS
   echo --endpoint completions --num-prompts "$1" --max-concurrency "$TOK_CONCURRENCY" \
@@ -52,9 +54,16 @@ run_workload() {  # NAME NUM_PROMPTS: the warm-up (seed 7), then the timed run (
   timeout 120 python -m services.cli bench serve --base-url "http://127.0.0.1:$PORT" \
     --seed 7 --disable-tqdm $("${kind}_flags" "$warmup") > "$R/warmup-$name.txt" 2>&1
   python -m benchmarks.bench.proc_cpu snapshot /tmp/cpu-before.json
+  local sampler=""
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader,nounits -lms 200 \
+      > "$R/$name-gpu.csv" 2> /dev/null &
+    sampler=$!
+  fi
   timeout 150 python -m services.cli bench serve --base-url "http://127.0.0.1:$PORT" \
     --seed 1 --disable-tqdm --save-result "$R/$name.json" $("${kind}_flags" "$prompts") \
     > "$R/$name.txt" 2>&1
+  [ -n "$sampler" ] && kill "$sampler"
   python -m benchmarks.bench.proc_cpu snapshot /tmp/cpu-after.json
   python -m benchmarks.bench.proc_cpu diff /tmp/cpu-before.json /tmp/cpu-after.json \
     > "$R/$name-cpu.json"
@@ -65,6 +74,10 @@ lscpu > "$R/host.txt"
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv \
   >> "$R/host.txt"
 for n in $REPLICAS; do
+  if [ "$SECONDS" -gt "$DEADLINE_S" ]; then
+    echo "== $n replicas and more skipped: $SECONDS s have passed (DEADLINE_S=$DEADLINE_S)"
+    break
+  fi
   port_free "$PORT" || exit 1
   # python itself in the background (not a shell function's subshell), so that the kill
   # below reaches the launcher
