@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -103,3 +106,27 @@ def test_cpu_seconds_between_snapshots():
     while time.process_time() < deadline:
         pass
     assert proc_cpu.cpu_seconds(str(os.getpid())) - start == pytest.approx(0.1, abs=0.05)
+
+
+def test_a_snapshot_under_a_root_keeps_its_descendants_only(tmp_path):
+    # a `services.cli worker` stand-in: a child of a shell child of this test, and one
+    # that is not under it
+    script = "import time; time.sleep(30)"
+    child = subprocess.Popen(["bash", "-c", f'{sys.executable} -c "{script}" services.cli '
+                              "worker --replica 0; true"], start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", script, "services.cli", "tokenizer"])
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            roles = {row[0] for row in proc_cpu.snapshot(str(child.pid))["processes"].values()}
+            if roles:
+                break
+            time.sleep(0.1)
+        assert roles == {"worker"}
+        everything = {row[0] for row in proc_cpu.snapshot()["processes"].values()}
+        assert {"worker", "tokenizer"} <= everything
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # the shell and its python
+        other.kill()
+        for process in (child, other):
+            process.wait()

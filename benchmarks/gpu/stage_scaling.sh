@@ -19,7 +19,7 @@
 set -uo pipefail
 source benchmarks/gpu/common.sh
 MODEL=${MODEL:-$M/qwen3-0.6b-shape}
-SERVE_FLAGS=${SERVE_FLAGS:---load-format dummy}
+SERVE_FLAGS=${SERVE_FLAGS---load-format dummy}  # set empty for a model with weights
 REPLICAS=${REPLICAS:-1 2 4 8}
 API_SERVERS=${API_SERVERS:-4}
 PORT=${PORT:-8800}
@@ -53,7 +53,7 @@ run_workload() {  # NAME NUM_PROMPTS: the warm-up (seed 7), then the timed run (
   local warmup=$(( prompts / WARMUP_DIVISOR > 0 ? prompts / WARMUP_DIVISOR : 1 ))
   timeout 120 python -m services.cli bench serve --base-url "http://127.0.0.1:$PORT" \
     --seed 7 --disable-tqdm $("${kind}_flags" "$warmup") > "$R/warmup-$name.txt" 2>&1
-  python -m benchmarks.bench.proc_cpu snapshot /tmp/cpu-before.json
+  python -m benchmarks.bench.proc_cpu snapshot /tmp/cpu-before.json "$serve"
   local sampler=""
   if command -v nvidia-smi > /dev/null; then
     nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader,nounits -lms 200 \
@@ -64,7 +64,7 @@ run_workload() {  # NAME NUM_PROMPTS: the warm-up (seed 7), then the timed run (
     --seed 1 --disable-tqdm --save-result "$R/$name.json" $("${kind}_flags" "$prompts") \
     > "$R/$name.txt" 2>&1
   [ -n "$sampler" ] && kill "$sampler"
-  python -m benchmarks.bench.proc_cpu snapshot /tmp/cpu-after.json
+  python -m benchmarks.bench.proc_cpu snapshot /tmp/cpu-after.json "$serve"
   python -m benchmarks.bench.proc_cpu diff /tmp/cpu-before.json /tmp/cpu-after.json \
     > "$R/$name-cpu.json"
   grep -E 'Successful|Failed|duration|Request throughput|Output token|Client CPU' "$R/$name.txt"
