@@ -4,9 +4,10 @@
 # `headrace bench serve`, each timed after a warm-up on another seed's prompts:
 #   tok   tokenizer-bound: long text prompts (words, so the tokenizer does real work), one
 #         output token, TOK_CONCURRENCY open at once. The prompts share one cached prefix
-#         (vLLM's prefix_repetition dataset), so the GPU prefills only each one's suffix: on
-#         the 0.6B model a fresh 3000-token prefill costs the GPU about what tokenizing it
-#         costs one tokenizer, and the GPU would be the bound from one replica on.
+#         (vLLM's prefix_repetition dataset), so the GPU prefills only each one's suffix: by
+#         estimate a fresh 3000-token prefill of the 0.6B model takes the H100 about 10 ms
+#         (from the 8B prefill profile), what tokenizing it takes one tokenizer (21 ms on
+#         the shared 2-core dev machine), so the GPU would bound the run from one replica.
 #   detok detokenizer-bound: short prompts, n=DETOK_N completions each with DETOK_LOGPROBS
 #         logprobs per token, streamed, DETOK_CONCURRENCY requests open at once.
 # Every output under $R ($OUT/r): {tok,detok}-N.{json,txt} (bench serve's result, with the
