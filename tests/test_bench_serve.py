@@ -765,3 +765,22 @@ def test_bad_random_mm_settings_are_refused_naming_them(capsys, flags, message):
         serve.check_args(parser, parser.parse_args(flags))
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_n_completions_are_asked_for_and_timed_as_one():
+    parser = serve.build_parser()
+    plan = serve.PlannedRequest("a b c", 3, 4, 0.0)
+    body = serve.request_body(parser.parse_args(["--n", "4", "--logprobs", "5"]), "m", plan)
+    assert body["n"] == 4 and body["logprobs"] == 5 and body["max_tokens"] == 4
+    assert "n" not in serve.request_body(parser.parse_args([]), "m", plan)
+    with pytest.raises(SystemExit):
+        serve.check_args(parser, parser.parse_args(["--n", "0"]))
+    timer = StreamTimer(RequestResult(0, 3, 4, n=4), sent=0.0)
+    for i, t in enumerate((0.5, 0.5, 0.6, 0.6, 0.7, 0.7, 0.8, 0.8)):  # 4 choices, 2 a chunk
+        chunk = {"choices": [{"index": k, "text": "x"} for k in (2 * (i % 2), 2 * (i % 2) + 1)]}
+        timer.observe(json.dumps(chunk), t)
+    timer.observe(json.dumps({"choices": [], "usage": {"prompt_tokens": 3,
+                                                       "completion_tokens": 16}}), 0.8)
+    result = timer.finish(0.8)
+    # each completion's 4 tokens came 0.1 s apart after the first
+    assert result.success and result.tpot == pytest.approx(0.1)

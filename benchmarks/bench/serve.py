@@ -12,10 +12,11 @@ aiohttp, so each chunk gets its own timestamp) and asks for usage in the stream
 planned ones. Per request: TTFT (send to the first chunk carrying output), ITL (the gaps
 between later output chunks), TPOT ((e2e - TTFT) / (output tokens - 1)) and e2e latency;
 token counts are the server's usage numbers. A request succeeds by its tokens, not its
-text: the ids of a model with dummy weights often decode to nothing. Where the server's
-GET /metrics has headrace's `headrace:stage_seconds` histogram, the run's share of it (the
-difference of scrapes before and after) is printed beside the client's view, and so is
-each shard's prefix-cache hit rate over the run.
+text: the ids of a model with dummy weights often decode to nothing. With --n, each request
+asks for n completions, whose chunks share its stream (TPOT is then one completion's).
+Where the server's GET /metrics has headrace's `headrace:stage_seconds` histogram, the
+run's share of it (the difference of scrapes before and after) is printed beside the
+client's view, and so is each shard's prefix-cache hit rate over the run.
 
 The prefix_repetition dataset (vLLM's) sends --num-prompts requests that share
 --prefix-repetition-num-prefixes prefixes (system prompts) evenly, each prefix followed by
@@ -196,6 +197,8 @@ def request_body(args: argparse.Namespace, model: str, planned: PlannedRequest
         body["ignore_eos"] = True
     if args.top_p is not None:
         body["top_p"] = args.top_p
+    if args.n != 1:
+        body["n"] = args.n
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": chat_content(planned)}]
         body["max_completion_tokens"] = planned.output_len
@@ -232,7 +235,8 @@ class SseDecoder:
 class RequestResult:
     index: int
     prompt_len: int  # planned
-    output_len: int  # planned
+    output_len: int  # planned, of each completion
+    n: int = 1  # completions the request asks for
     success: bool = False
     error: str = ""
     start: float = 0.0  # seconds after the benchmark started
@@ -246,9 +250,12 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        if self.output_tokens < 2:
+        """One completion's: a request's n completions stream side by side, and the usage
+        counts the tokens of all of them."""
+        per_completion = self.output_tokens / self.n
+        if per_completion < 2:
             return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+        return (self.e2e - self.ttft) / (per_completion - 1)
 
 
 class StreamTimer:
@@ -470,6 +477,8 @@ class BenchmarkRun:
     duration_s: float
     stages: list[StageStats]  # the server's breakdown (empty: it keeps none)
     prefix_cache: list[PrefixCache]  # per shard (empty: the server keeps no such counters)
+    client_cores: float  # this process's CPU seconds over the run's: near 1, it is the bound
+    started_at: float  # the run's start, Unix seconds: to line it up with other records
 
 
 async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
@@ -487,26 +496,28 @@ async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
         before = await scrape(session, metrics_url(args.base_url))
         gate = asyncio.Semaphore(args.max_concurrency or len(planned) or 1)
         bar = tqdm(total=len(planned), desc="requests", disable=args.disable_tqdm)
-        origin = time.perf_counter()
+        origin, cpu_origin, started_at = time.perf_counter(), time.process_time(), time.time()
 
         async def one(index: int, plan: PlannedRequest) -> RequestResult:
             await asyncio.sleep(max(0.0, origin + plan.send_at - time.perf_counter()))
             async with gate:
                 result = await send_request(session, url, bodies[index],
                                             RequestResult(index, plan.prompt_len,
-                                                          plan.output_len), origin)
+                                                          plan.output_len, args.n), origin)
             bar.update(1)
             return result
 
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(planned)))
         duration = time.perf_counter() - origin
+        client_cores = (time.process_time() - cpu_origin) / duration
         bar.close()
         if before is not None:  # the schedulers' counters come every half second
             await asyncio.sleep(COUNTERS_SETTLE_S)
         after = await scrape(session, metrics_url(args.base_url))
     stages = stage_breakdown(before, after) if after is not None else []
     cache = prefix_cache_use(before, after) if after is not None else []
-    return BenchmarkRun(model, list(results), duration, stages, cache)
+    return BenchmarkRun(model, list(results), duration, stages, cache, client_cores,
+                        started_at)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -565,6 +576,7 @@ def save_result(path: Path, args: argparse.Namespace, run: BenchmarkRun, summary
         "command": "headrace bench serve " + " ".join(redacted(argv)),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": run.model, "settings": settings_of(args), "summary": asdict(summary),
+        "client_cores": round(run.client_cores, 3), "started_at": run.started_at,
         "server_stages": [asdict(s) for s in run.stages],
         "prefix_cache": [asdict(c) | {"hit_rate": c.hit_rate} for c in run.prefix_cache],
         "requests": requests}, indent=1, default=str) + "\n")
@@ -647,6 +659,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=None, help="top_p of every request")
+    p.add_argument("--n", type=int, default=1,
+                   help="completions each request asks for (the request's n, as vLLM's "
+                        "bench throughput --n); their chunks share one stream, so ITL is "
+                        "between any of them, and TPOT is one completion's")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="every request asks for its tokens' logprobs and the top N "
                         "(chat: logprobs true, top_logprobs N)")
@@ -666,7 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("num_prompts", "random_input_len", "random_output_len",
+    for name in ("num_prompts", "n", "random_input_len", "random_output_len",
                  "prefix_repetition_prefix_len", "prefix_repetition_suffix_len",
                  "prefix_repetition_num_prefixes", "prefix_repetition_output_len"):
         if getattr(args, name) < 1:
@@ -705,6 +721,7 @@ def main(argv: list[str]) -> int:
         return 1
     summary = summarize(run.results, run.duration_s)
     print(format_summary(summary))
+    print(f"{'Client CPU (cores, 1 = saturated):':<40}{run.client_cores:>10.2f}")
     if run.stages:
         print(format_stages(run.stages))
     if run.prefix_cache:
