@@ -48,8 +48,52 @@ class GemvTiles:
 
 
 # (rows rounded up to a power of two, N, K, SMs) -> tiles, for 16-bit weights: the best of
-# benchmarks/gpu/gemv_sweep.py's candidates on the device, pasted from its last lines
-TUNED_TILES: dict[tuple[int, int, int, int], GemvTiles] = {}
+# benchmarks/gpu/gemv_sweep.py's candidates, pasted from its last lines, on an H100 80GB
+# HBM3 (132 SMs), 2026-11-26
+# (benchmarks/issue29-h100/gemv-sweep.txt): where a tile beat the rules' by 3% or more;
+# GemvTiles(block_n, block_k, dot, split_k, num_warps, num_stages)
+TUNED_TILES: dict[tuple[int, int, int, int], GemvTiles] = {
+    (1, 3072, 3072, 132): GemvTiles(4, 512, False, 1, 8, 1),
+    (2, 3072, 3072, 132): GemvTiles(32, 256, True, 1, 4, 4),
+    (4, 3072, 3072, 132): GemvTiles(32, 256, True, 1, 4, 4),
+    (8, 3072, 3072, 132): GemvTiles(32, 256, True, 1, 4, 4),
+    (16, 3072, 3072, 132): GemvTiles(32, 256, True, 1, 4, 4),
+    (1, 16384, 3072, 132): GemvTiles(8, 256, False, 1, 4, 1),
+    (1, 3072, 8192, 132): GemvTiles(4, 512, False, 1, 8, 1),
+    (2, 8192, 3584, 132): GemvTiles(64, 256, True, 1, 4, 3),
+    (4, 8192, 3584, 132): GemvTiles(32, 256, True, 1, 4, 3),
+    (8, 8192, 3584, 132): GemvTiles(32, 256, True, 1, 4, 3),
+    (16, 8192, 3584, 132): GemvTiles(64, 256, True, 1, 4, 3),
+    (1, 3584, 4096, 132): GemvTiles(4, 512, False, 1, 4, 1),
+    (2, 3584, 4096, 132): GemvTiles(32, 256, True, 1, 4, 4),
+    (4, 3584, 4096, 132): GemvTiles(32, 256, True, 1, 4, 4),
+    (8, 3584, 4096, 132): GemvTiles(32, 256, True, 1, 4, 4),
+    (16, 3584, 4096, 132): GemvTiles(32, 256, True, 1, 4, 4),
+    (2, 28672, 3584, 132): GemvTiles(32, 64, True, 1, 4, 3),
+    (4, 28672, 3584, 132): GemvTiles(32, 64, True, 1, 4, 3),
+    (8, 28672, 3584, 132): GemvTiles(32, 64, True, 1, 4, 3),
+    (16, 28672, 3584, 132): GemvTiles(32, 64, True, 1, 4, 3),
+    (1, 3584, 14336, 132): GemvTiles(8, 512, False, 1, 8, 1),
+    (2, 6144, 4096, 132): GemvTiles(64, 256, True, 1, 4, 3),
+    (4, 6144, 4096, 132): GemvTiles(64, 256, True, 1, 4, 3),
+    (8, 6144, 4096, 132): GemvTiles(64, 256, True, 1, 4, 3),
+    (16, 6144, 4096, 132): GemvTiles(64, 256, True, 1, 4, 3),
+    (1, 4096, 4096, 132): GemvTiles(4, 512, False, 1, 4, 1),
+    (8, 4096, 4096, 132): GemvTiles(32, 256, True, 1, 4, 4),
+    (16, 4096, 4096, 132): GemvTiles(64, 256, True, 1, 4, 4),
+    (1, 28672, 4096, 132): GemvTiles(4, 512, False, 1, 4, 1),
+    (2, 28672, 4096, 132): GemvTiles(64, 256, True, 1, 4, 3),
+    (4, 28672, 4096, 132): GemvTiles(32, 128, True, 1, 4, 3),
+    (8, 28672, 4096, 132): GemvTiles(64, 256, True, 1, 4, 3),
+    (16, 28672, 4096, 132): GemvTiles(32, 128, True, 1, 4, 3),
+    (1, 4096, 14336, 132): GemvTiles(8, 512, False, 1, 8, 1),
+    (1, 5120, 2048, 132): GemvTiles(8, 512, False, 1, 4, 1),
+    (2, 5120, 2048, 132): GemvTiles(64, 256, True, 1, 4, 4),
+    (4, 5120, 2048, 132): GemvTiles(64, 256, True, 1, 4, 4),
+    (8, 5120, 2048, 132): GemvTiles(64, 256, True, 1, 4, 4),
+    (16, 5120, 2048, 132): GemvTiles(64, 256, True, 1, 4, 4),
+    (1, 2048, 4096, 132): GemvTiles(4, 512, False, 1, 8, 1),
+}
 
 
 # --- torch reference twin ------------------------------------------------------------------
