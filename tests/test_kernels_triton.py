@@ -470,6 +470,32 @@ def check_gumbel_distribution(device: str, draws: int = 1500) -> None:
     assert ((freq - p).abs() <= bound).all(), f"{freq} vs {p} (seed {seed})"
 
 
+def check_sampler_fused_logprobs(vocab: int, device: str) -> None:
+    """Temperature-only rows that ask for logprobs keep the sampler's fused draw: the tokens
+    are the kernel's for the sampler's first seed, and each asking row's logprobs those of
+    its raw logits (what the general path reports), the others' none."""
+    from common.sampling_params import SamplingParams
+    from services.worker.sampler import Sampler, SamplingRow, _plain_random, top_logprobs
+
+    g, seed = fresh_generator()
+    temperatures, asks = [0.7, 1.3, 0.5], [2, None, 0]
+    rows = [SamplingRow(SamplingParams(temperature=t, logprobs=k), [1, 2], [3], None)
+            for t, k in zip(temperatures, asks)]
+    assert all(_plain_random(row) for row in rows)
+    logits = rand(g, len(rows), vocab, dtype=torch.float32, device=device, scale=3.0)
+    out = Sampler(torch.device(device), seed)._sample_fused(logits.clone(), rows)
+    uniform = philox_uniform(len(rows), vocab, random.Random(seed).getrandbits(31),
+                             logits.device)
+    tokens = gumbel_argmax_ref(logits, torch.tensor(temperatures, device=device), uniform)
+    assert torch.equal(out.token_ids, tokens), f"fused tokens (seed {seed})"
+    lp = out.logprobs
+    assert lp is not None and lp.rows == [0, 2] and lp.widths == [3, 1]
+    ids, values, ranks = top_logprobs(torch.log_softmax(logits[[0, 2]], dim=-1),
+                                      tokens[[0, 2]], 2)
+    assert torch.equal(lp.token_ids, ids) and torch.equal(lp.ranks, ranks)
+    assert torch.equal(lp.logprobs, values), f"fused logprobs (seed {seed})"
+
+
 def check_top_p_threshold(rows: int, vocab: int, device: str) -> None:
     """The same threshold as the twin (and so the same top-p set as a sort), on logits
     with many exact ties and a third of the rows' tokens dropped, top_p across (0, 1]."""
@@ -727,6 +753,7 @@ def sampling_kernel() -> None:
     check_gumbel_argmax(5, 2 * BLOCK_VOCAB + 37, torch.float32, "cpu")
     check_gumbel_argmax(3, 300, torch.bfloat16, "cpu")
     check_gumbel_distribution("cpu")
+    check_sampler_fused_logprobs(2 * BLOCK_VOCAB + 37, "cpu")
 
 
 @interpreter_check
@@ -1111,6 +1138,7 @@ def test_sampling_kernel_cuda() -> None:
         check_gumbel_argmax(rows, 151936, torch.bfloat16, "cuda")
         check_gumbel_argmax(rows, 128256, torch.float32, "cuda")
     check_gumbel_distribution("cuda", draws=20000)
+    check_sampler_fused_logprobs(151936, "cuda")
     for rows in (1, 32, 256):
         check_top_p_threshold(rows, 151936, "cuda")
 

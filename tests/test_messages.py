@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from common import messages
 from common.hops import request_stages, step_stages
 from common.messages import (_REGISTRY, DetokItem, DetokParams, MessageError, ReplyBatch,
-                             StepPlan, TextDelta, TokenBatch, decode, encode)
+                             StepPlan, TextDelta, TokenBatch, TokenLogprobs, decode, encode,
+                             with_fields)
 from common.sampling_params import SamplingParams
 
 INT32 = st.integers(-2**31, 2**31 - 1)
@@ -66,6 +67,18 @@ def test_every_message_round_trips(msg):
     data = messages.encode(msg)
     assert isinstance(data, bytes)
     assert messages.decode(data) == msg
+
+
+@settings(max_examples=100, deadline=None)
+@given(strategy(TextDelta), strategy(list[TokenLogprobs]))
+def test_with_fields_copies_as_dataclasses_replace(delta, logprobs):
+    """The offline engine's per-token copy: equal to replace's, the original untouched."""
+    before = dataclasses.replace(delta)
+    copy = with_fields(delta, logprobs=logprobs, text="changed")
+    assert copy == dataclasses.replace(delta, logprobs=logprobs, text="changed")
+    assert delta == before and copy is not delta
+    with pytest.raises(TypeError, match="TextDelta has no field 'txt'"):
+        with_fields(delta, txt="")
 
 
 def test_every_registered_message_is_covered():

@@ -305,6 +305,27 @@ def test_outputs_equal_the_inline_engines_with_preemption(tiny, monkeypatch):
     assert any(isinstance(c[6], str) for _, _, cs in got for c in cs)  # stop strings hit
 
 
+def test_logprobs_and_their_texts_equal_the_inline_engines(tiny):
+    """Logprobs stay in the parent while the child detokenizes (services/offline/
+    detokenizer.py): the deltas, logprobs, prompt logprobs and their texts included, are
+    those of the engine that detokenizes in its loop."""
+    requests = [(prompt, SamplingParams(temperature=0.0, max_tokens=9, logprobs=3,
+                                        prompt_logprobs=2 if i % 2 else None))
+                for i, prompt in enumerate(prompts(6, seed=5))]
+    requests.append((prompts(1, seed=6)[0], SamplingParams(temperature=0.0, max_tokens=5)))
+    results = []
+    for process in (True, False):
+        engine = make_engine(tiny, detokenizer_process=process)
+        deltas = run(engine, requests)
+        engine.close()
+        results.append((by_completion(deltas),
+                        [(d.rid, d.prompt_logprobs) for d in deltas if d.prompt_logprobs]))
+    assert results[0] == results[1]
+    first = next(d for d in results[0][0][("0", 0)])
+    assert first[5] and all(lp.texts for lp in first[5])  # texts are there to compare
+    assert len(results[0][1]) == 3
+
+
 def test_a_stop_string_ends_the_plans_as_in_the_loop(tiny):
     """A stop string's abort reaches the scheduler before it plans again: the request is in
     exactly one plan after the step whose token completed the string (the step in flight),

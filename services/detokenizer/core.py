@@ -200,8 +200,8 @@ class Detokenizer:
             rid=item.rid, index=item.index, seq=item.seq, text=text[start:max(start, end)],
             token_ids=list(item.new_token_ids), num_prompt_tokens=item.num_prompt_tokens,
             finish_reason=finish_reason, stop_reason=stop_reason,
-            logprobs=[self._with_texts(lp) for lp in item.logprobs],
-            prompt_logprobs=[None if lp is None else self._with_texts(lp)
+            logprobs=[self.with_texts(lp) for lp in item.logprobs],
+            prompt_logprobs=[None if lp is None else self.with_texts(lp)
                              for lp in item.prompt_logprobs],
             request_stamps=item.request_stamps, num_cached_tokens=item.num_cached_tokens)
         return delta, abort
@@ -229,6 +229,8 @@ class Detokenizer:
 
     # --- logprobs ---------------------------------------------------------------------
 
-    def _with_texts(self, lp: TokenLogprobs) -> TokenLogprobs:
+    def with_texts(self, lp: TokenLogprobs) -> TokenLogprobs:
+        """`lp` with each entry's token text (a cached table: no tokenizer call)."""
+        token_text = self.token_text
         return TokenLogprobs(lp.token_ids, lp.logprobs, lp.rank,
-                             [self.token_text(t) for t in lp.token_ids])
+                             [token_text(t) for t in lp.token_ids])

@@ -14,6 +14,12 @@ must reach the scheduler before it plans again, so those items stay in the engin
 detokenizer (services/offline/engine.py), and every batch, hence every token, is the one the
 in-line engine makes.
 
+Logprobs do not cross the pipe: their only text is each entry's token text, a lookup in a
+cached table, while the child spent more on unpacking them and packing them again with
+their texts than on the text itself, and the loop waited on the full pipe (issue 31:
+logprobs=1 cost the nano workload a third of its tokens per second). The parent keeps each
+batch's logprobs and puts them, with their texts, on the deltas that come back.
+
 The child is `python -m services.offline.detokenizer`, not a multiprocessing child: spawn
 would import the user's script again in the child, and fork would copy a process that
 holds CUDA and torch's threads. It loads only the tokenizer (no torch), and exits when its
@@ -29,19 +35,28 @@ import queue
 import subprocess
 import sys
 import threading
+from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from common.messages import DetokItem, ReplyBatch, TextDelta, TokenBatch, decode, encode
+from common.messages import (DetokItem, ReplyBatch, TextDelta, TokenBatch, TokenLogprobs,
+                             decode, encode, with_fields)
 
 EXIT_WAIT_S = 10.0
+# an item's (logprobs, prompt_logprobs), kept in the parent while its text is in the child
+KeptLogprobs = tuple[list[TokenLogprobs], list[TokenLogprobs | None]]
 
 
 class DetokenizerProcess:
-    """The parent's end: `submit` a step's items, `collect` the deltas that are back."""
+    """The parent's end: `submit` a step's items, `collect` the deltas that are back.
+    `with_texts` gives a TokenLogprobs its entries' texts (Detokenizer.with_texts)."""
 
-    def __init__(self, model_dir: Path, tokenizer: str | None = None,
-                 trust_remote_code: bool = False) -> None:
+    def __init__(self, model_dir: Path, with_texts: Callable[[TokenLogprobs], TokenLogprobs],
+                 tokenizer: str | None = None, trust_remote_code: bool = False) -> None:
+        self._with_texts = with_texts
+        # per batch sent and not collected: its items' logprobs, None when it has none
+        self._kept: deque[list[KeptLogprobs] | None] = deque()
         to_child, from_parent = _pipe()
         to_parent, from_child = _pipe()
         args = [sys.executable, "-m", __name__, str(model_dir),
@@ -70,10 +85,16 @@ class DetokenizerProcess:
         self._reader.start()
 
     def submit(self, items: list[DetokItem]) -> None:
+        kept: list[KeptLogprobs] | None = None
+        if any(item.logprobs or item.prompt_logprobs for item in items):
+            kept = [(item.logprobs, item.prompt_logprobs) for item in items]
+            items = [with_fields(item, logprobs=[], prompt_logprobs=[])
+                     if item.logprobs or item.prompt_logprobs else item for item in items]
         try:
             self._send.send_bytes(encode(TokenBatch(step=0, items=items)))
         except BrokenPipeError:
             raise self._exited() from None
+        self._kept.append(kept)
         self.pending += 1
 
     def collect(self, wait: bool = False) -> list[TextDelta]:
@@ -89,8 +110,21 @@ class DetokenizerProcess:
                 raise self._exited()
             self.pending -= 1
             reply: ReplyBatch = decode(data)
-            deltas += reply.items
+            kept = self._kept.popleft()
+            deltas += reply.items if kept is None else [
+                self._with_logprobs(delta, *lps) for delta, lps in zip(reply.items, kept)]
         return deltas
+
+    def _with_logprobs(self, delta: TextDelta, logprobs: list[TokenLogprobs],
+                       prompt_logprobs: list[TokenLogprobs | None]) -> TextDelta:
+        """The delta with its item's logprobs, as the child's Detokenizer would have sent
+        them."""
+        if not logprobs and not prompt_logprobs:
+            return delta
+        with_texts = self._with_texts
+        return with_fields(delta, logprobs=[with_texts(lp) for lp in logprobs],
+                           prompt_logprobs=[None if lp is None else with_texts(lp)
+                                            for lp in prompt_logprobs])
 
     def close(self) -> None:
         """The child sees its input end and exits (a second call does nothing)."""

@@ -40,9 +40,10 @@ class Engine:
         self.info = load_model_info(config)
         self.config = self.info.config
         self.processor = InputProcessor.from_info(self.info)
-        # started first, so that its imports run while the model loads
+        self.detokenizer = Detokenizer(self.info.tokenizer)
+        # started before the model loads, so that its imports run meanwhile
         self.detokenizer_process = DetokenizerProcess(
-            self.info.model_dir, config.tokenizer,
+            self.info.model_dir, self.detokenizer.with_texts, config.tokenizer,
             config.trust_remote_code) if detokenizer_process else None
         try:
             self.executor = start_executor(self.info.resolved)
@@ -51,7 +52,6 @@ class Engine:
             raise
         self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config,
                                                                self.executor.num_blocks))
-        self.detokenizer = Detokenizer(self.info.tokenizer)
         self.on_plan: Callable[[StepPlan], None] | None = None  # benchmarks trace steps
         self.clock = PhaseClock()  # where the steps' time goes (benchmarks print it)
         self._adapters: dict[int, str] = {}  # LoRA id -> the path checked under it

@@ -266,8 +266,10 @@ def _apply(out: RequestOutput, delta: TextDelta) -> None:
     completion.text += delta.text
     completion.token_ids += delta.token_ids
     if delta.logprobs:
-        completion.logprobs = (completion.logprobs or []) + [_logprob_dict(lp)
-                                                             for lp in delta.logprobs]
+        if completion.logprobs is None:
+            completion.logprobs = []
+        # extended in place: a new list per delta made a completion's logprobs quadratic
+        completion.logprobs += [_logprob_dict(lp) for lp in delta.logprobs]
         completion.cumulative_logprob = ((completion.cumulative_logprob or 0.0)
                                          + sum(lp.logprobs[0] for lp in delta.logprobs))
     if delta.prompt_logprobs:
@@ -304,11 +306,14 @@ def _offered(out: RequestOutput) -> dict[int, float]:
 
 
 def _logprob_dict(lp: TokenLogprobs) -> LogprobsDict:
-    texts = lp.texts or [None] * len(lp.token_ids)
-    ranks = [lp.rank] + list(range(1, len(lp.token_ids)))
-    entries: LogprobsDict = {}
-    for token_id, logprob, rank, text in zip(lp.token_ids, lp.logprobs, ranks, texts):
-        entries.setdefault(token_id, Logprob(logprob, rank, text))
+    """vLLM's {token id: Logprob}: the chosen token at its rank, then the top-k at ranks 1,
+    2, ... (a top token that is the chosen one keeps the chosen one's entry)."""
+    ids, values = lp.token_ids, lp.logprobs
+    texts = lp.texts or [None] * len(ids)
+    entries: LogprobsDict = {ids[0]: Logprob(values[0], lp.rank, texts[0])}
+    for rank in range(1, len(ids)):
+        if ids[rank] not in entries:
+            entries[ids[rank]] = Logprob(values[rank], rank, texts[rank])
     return entries
 
 

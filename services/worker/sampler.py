@@ -120,11 +120,7 @@ class Sampler:
         if all(_plain_greedy(row) for row in rows):
             return SamplerOutput(logits.argmax(dim=-1))
         if logits.is_cuda and all(_plain_random(row) for row in rows):
-            temperature = to_device([row.params.temperature for row in rows], torch.float32,
-                                    self.device)
-            token_ids = gumbel_argmax_triton(logits, temperature,
-                                             self._kernel_seeds.getrandbits(31))
-            return SamplerOutput(token_ids)
+            return self._sample_fused(logits, rows)
         logits = logits.float()
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         # Taken before any processing: logprobs describe the model's raw distribution.
@@ -135,6 +131,22 @@ class Sampler:
         token_ids = self._choose(processed, rows)
         if raw is None:
             return SamplerOutput(token_ids)
+        chosen = self._rows(token_ids, wanted, len(rows))
+        return SamplerOutput(token_ids, self._logprobs(raw, chosen, wanted, rows))
+
+    def _sample_fused(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+                      ) -> SamplerOutput:
+        """Temperature-only rows in one Triton pass; the logprobs some of them ask for come
+        from the raw logits, which the kernel leaves as they are. Logprobs alone do not
+        send a step down the general path: its per-row Python and two dozen launches were
+        the step thread's share of what logprobs=1 cost the nano workload (issue 31)."""
+        temperature = to_device([row.params.temperature for row in rows], torch.float32,
+                                self.device)
+        token_ids = gumbel_argmax_triton(logits, temperature, self._kernel_seeds.getrandbits(31))
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        if not wanted:
+            return SamplerOutput(token_ids)
+        raw = self._rows(logits.float(), wanted, len(rows))
         chosen = self._rows(token_ids, wanted, len(rows))
         return SamplerOutput(token_ids, self._logprobs(raw, chosen, wanted, rows))
 
@@ -434,9 +446,10 @@ def _blocks_early_stops(row: SamplingRow) -> bool:
 
 
 def _plain_random(row: SamplingRow) -> bool:
-    """Temperature alone shapes the draw, from the engine's noise: one fused kernel does it."""
+    """Temperature alone shapes the draw, from the engine's noise: one fused kernel does it
+    (logprobs, read from the raw logits, change nothing in the draw)."""
     params = row.params
-    return (not params.greedy and _raw_logits(row) and params.top_k == 0
+    return (not params.greedy and _unchanged_logits(row) and params.top_k == 0
             and params.top_p == 1.0 and params.min_p == 0.0 and row.generator is None)
 
 
@@ -446,7 +459,12 @@ def _plain_greedy(row: SamplingRow) -> bool:
 
 def _raw_logits(row: SamplingRow) -> bool:
     """Nothing changes the row's logits before the choice, nor asks for their logprobs."""
+    return row.params.logprobs is None and _unchanged_logits(row)
+
+
+def _unchanged_logits(row: SamplingRow) -> bool:
+    """Nothing changes the row's logits before the choice."""
     params = row.params
-    return (params.logprobs is None and not _has_penalty(params)
-            and not _blocks_early_stops(row) and not params.logit_bias
-            and not params.allowed_token_ids and not params.bad_words_token_ids)
+    return (not _has_penalty(params) and not _blocks_early_stops(row)
+            and not params.logit_bias and not params.allowed_token_ids
+            and not params.bad_words_token_ids)
