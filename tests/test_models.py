@@ -164,6 +164,21 @@ def test_varlen_batches_with_shared_prefix_blocks(tiny):
 
 
 @torch.no_grad()
+def padded_steps(paged: Paged, a: list[int], b: list[int], c: list[int]) -> list:
+    """(chunks, the graph that replays them) of four steps over requests a (30 tokens), b
+    (9) and c (5): two mixed, largest first, then two decodes, so that smaller steps see
+    the rows a larger one left in the buffers."""
+    blocks = {"a": paged.blocks(30), "b": paged.blocks(9), "c": paged.blocks(5)}
+    return [
+        ([(blocks["a"], a[:25], 0), (blocks["b"], b[:8], 0)], (True, 48)),
+        ([(blocks["a"], a[25:26], 25), (blocks["b"], b[8:9], 8), (blocks["c"], c[:4], 0)],
+         (True, 16)),
+        ([(blocks["a"], a[26:27], 26), (blocks["b"], b[8:9], 8), (blocks["c"], c[4:5], 4)],
+         (False, 4)),
+        ([(blocks["a"], a[27:28], 27)], (False, 1)),
+    ]
+
+
 def test_steps_padded_into_the_graph_buffers_compute_the_same(tiny):
     """What a CUDA graph replays, run eagerly on the CPU: each step copied into the static
     buffers and padded to its graph's size (unused request slots, a padding tail of
@@ -174,16 +189,8 @@ def test_steps_padded_into_the_graph_buffers_compute_the_same(tiny):
                         max_model_len=64, block_size=4)
     assert graphs.sizes == {"decode": [1, 2, 4], "mixed": [16, 32, 48, 64]}
     a, b, c = token_ids(30, seed=8), token_ids(9, seed=9), token_ids(5, seed=10)
-    blocks = {"a": paged.blocks(30), "b": paged.blocks(9), "c": paged.blocks(5)}
     ref = {name: ref_logits(ids) for name, ids in dict(a=a, b=b, c=c).items()}
-    steps = [  # (chunks, the graph that replays them)
-        ([(blocks["a"], a[:25], 0), (blocks["b"], b[:8], 0)], (True, 48)),
-        ([(blocks["a"], a[25:26], 25), (blocks["b"], b[8:9], 8), (blocks["c"], c[:4], 0)],
-         (True, 16)),
-        ([(blocks["a"], a[26:27], 26), (blocks["b"], b[8:9], 8), (blocks["c"], c[4:5], 4)],
-         (False, 4)),
-        ([(blocks["a"], a[27:28], 27)], (False, 1)),
-    ]
+    steps = padded_steps(paged, a, b, c)
     names_of = ["ab", "abc", "abc", "a"]
     for (chunks, key), names in zip(steps, names_of):
         input_ids, positions, attn = paged.inputs(chunks)

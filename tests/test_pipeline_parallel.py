@@ -36,7 +36,7 @@ from services.worker.layers.pipeline import PPStage, layer_partition
 from services.worker.loader import load_model
 from services.worker.models.llama import MissingLayer
 from services.worker.shell import WorkerShell
-from tests.test_models import Paged, token_ids
+from tests.test_models import Paged, padded_steps, token_ids
 from tests.test_draft_model import draft_config, random_prompts
 from tests.test_spec_decode import NGRAM, repetitive_prompts
 from tests.test_tensor_parallel import count_reads
@@ -142,15 +142,7 @@ def test_stage_steps_through_the_graph_buffers_give_the_whole_models_logits(tmp_
                                  max_num_batched_tokens=64, max_model_len=64, block_size=4,
                                  receives=receives))
     a, b, c = token_ids(30, seed=8), token_ids(9, seed=9), token_ids(5, seed=10)
-    blocks = {"a": whole.blocks(30), "b": whole.blocks(9), "c": whole.blocks(5)}
-    steps = [  # (chunks, the graph that replays them)
-        ([(blocks["a"], a[:25], 0), (blocks["b"], b[:8], 0)], (True, 48)),
-        ([(blocks["a"], a[25:26], 25), (blocks["b"], b[8:9], 8), (blocks["c"], c[:4], 0)],
-         (True, 16)),
-        ([(blocks["a"], a[26:27], 26), (blocks["b"], b[8:9], 8), (blocks["c"], c[4:5], 4)],
-         (False, 4)),
-        ([(blocks["a"], a[27:28], 27)], (False, 1)),
-    ]
+    steps = padded_steps(whole, a, b, c)
     for chunks, key in steps:
         input_ids, positions, attn = whole.inputs(chunks)
         sent = None
