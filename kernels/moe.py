@@ -154,27 +154,30 @@ def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               experts_read: torch.Tensor | None = None,
-              scales: ExpertScales | None = None) -> torch.Tensor:
+              scales: ExpertScales | None = None, sum_slots: bool = True) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_weights
     float32 [T, k], topk_ids [T, k] -> [T, H]: sum_j w_j * down_e(silu(gate_e x) * up_e x)
     with e = topk_ids[t, j]. experts_read: an int64 [1] counter that gains the number of
     distinct experts this call reads (on the device: benchmarks read it after a run).
-    scales: w13 and w2 are fp8 with these scales. The one dispatch point for this op:
-    CUDA tensors take the Triton kernels."""
+    scales: w13 and w2 are fp8 with these scales. sum_slots=False: the k weighted terms
+    [T, k, H] unsummed, for the RMSNorm after the layer to add up (kernels/norm.py) and
+    save the sum's launch. The one dispatch point for this op: CUDA tensors take the
+    Triton kernels."""
     if x.is_cuda:
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, experts_read,
-                                scales=scales)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, experts_read, scales)
+                                scales=scales, sum_slots=sum_slots)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, experts_read, scales, sum_slots)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   experts_read: torch.Tensor | None = None,
-                  scales: ExpertScales | None = None) -> torch.Tensor:
+                  scales: ExpertScales | None = None, sum_slots: bool = True
+                  ) -> torch.Tensor:
     """Expert by expert over the tokens that picked it, roundings as transformers' experts
     make them: each projection's output in x's dtype, the weighted output too."""
     intermediate = w2.shape[2]
-    out = torch.zeros_like(x)
+    out = torch.zeros_like(x) if sum_slots else x.new_zeros(*topk_ids.shape, x.shape[1])
     experts = topk_ids.unique().tolist()
     if experts_read is not None:
         experts_read += len(experts)
@@ -184,7 +187,10 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                                                            dim=-1)
         y = expert_matmul_ref(torch.nn.functional.silu(gate) * up, w2, expert, scales, 1)
         weighted = (y.float() * topk_weights[tokens, which, None]).to(x.dtype)
-        out.index_add_(0, tokens, weighted)
+        if sum_slots:
+            out.index_add_(0, tokens, weighted)
+        else:
+            out[tokens, which] = weighted
     return out
 
 
@@ -323,7 +329,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      experts_read: torch.Tensor | None = None,
                      blocks: MoEBlocks | None = None,
-                     scales: ExpertScales | None = None) -> torch.Tensor:
+                     scales: ExpertScales | None = None, sum_slots: bool = True
+                     ) -> torch.Tensor:
     num_tokens, hidden = x.shape
     num_experts, intermediate = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -332,10 +339,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # the up rows' scales start a block after the gate rows' (ExpertScales)
     assert scales is None or intermediate % scales.block_n == 0
     if num_tokens == 0:
-        return torch.zeros_like(x)
+        return x.new_zeros(0, hidden) if sum_slots else x.new_zeros(0, top_k, hidden)
     num_slots = num_tokens * top_k
     if scales is None and blocks is None and num_slots <= GEMV_MAX_SLOTS:
-        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, experts_read)
+        return fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, experts_read,
+                              sum_slots=sum_slots)
     blocks = blocks or moe_blocks(num_tokens, top_k, num_experts)
     act = torch.empty(num_slots, intermediate, dtype=x.dtype, device=x.device)
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
@@ -345,8 +353,12 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   scales=scales)
     _grouped_gemm(act, w2, down, align, weights, 1, hidden, blocks, gated=False,
                   scales=scales)
-    # torch sums bf16 in float32 and rounds once
-    return down.view(num_tokens, top_k, hidden).sum(1)
+    return summed(down.view(num_tokens, top_k, hidden), sum_slots)
+
+
+def summed(slots: torch.Tensor, sum_slots: bool) -> torch.Tensor:
+    """[T, k, H] slots, summed over k (torch sums bf16 in float32 and rounds once) or not."""
+    return slots.sum(1) if sum_slots else slots
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: Alignment,
@@ -457,7 +469,8 @@ GEMV_TILES = (8, 128, 8)
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    experts_read: torch.Tensor | None = None,
-                   tiles: tuple[int, int, int] = GEMV_TILES) -> torch.Tensor:
+                   tiles: tuple[int, int, int] = GEMV_TILES, sum_slots: bool = True
+                   ) -> torch.Tensor:
     """fused_moe for a few token slots (unquantized experts): one program per (slot, N
     block) reads its slot's expert rows directly; roundings as the grouped GEMMs make them,
     the k slots' weighted outputs summed in float32 and rounded once. (A down kernel that
@@ -482,7 +495,7 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         num_slots, ROWS_PER_A=1, GATED=False, COUNT=False,
         SLOTS=triton.next_power_of_2(num_slots), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps)
-    return down.view(num_tokens, top_k, hidden).sum(1)
+    return summed(down.view(num_tokens, top_k, hidden), sum_slots)
 
 
 @triton.jit

@@ -16,8 +16,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None, gemma: bool = False
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x) * weight; with residual: (norm(x + residual) * weight, x + residual).
-    gemma: Gemma's weighting (module doc). The one dispatch point for this op: CUDA tensors
-    take the Triton kernel."""
+    gemma: Gemma's weighting (module doc). An x of [T, parts, hidden] with a residual of
+    [T, hidden] is summed over its parts first, in float32 and rounded once as torch sums
+    (a mixture-of-experts layer's top-k outputs: the sum's launch folds into the norm's).
+    The one dispatch point for this op: CUDA tensors take the Triton kernel."""
     if x.is_cuda:
         return rms_norm_triton(x, weight, eps, residual, gemma=gemma)
     return rms_norm_ref(x, weight, eps, residual, gemma)
@@ -27,7 +29,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None, gemma: bool = False
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if residual is not None:
-        x = x + residual
+        x = sum_parts(x, residual) + residual
     # the statistics in float32 whatever the activation dtype, as the reference models do
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
@@ -38,32 +40,40 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, x)
 
 
+def sum_parts(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """x summed over its parts where it has them (rms_norm's doc), else x."""
+    return x.sum(1) if x.dim() == residual.dim() + 1 else x
+
+
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     residual_out: torch.Tensor | None = None, gemma: bool = False
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One program per row. x may be a strided [T, hidden] or [T, heads, head_dim] view
-    (the per-head q/k norms read q and k straight out of the fused qkv output). out and
-    residual_out: contiguous buffers to write into, allocated when None. gemma: Gemma's
-    weighting, whose output keeps x's dtype."""
+    (the per-head q/k norms read q and k straight out of the fused qkv output), or, with a
+    residual, [T, parts, hidden] parts to sum (rms_norm's doc). out and residual_out:
+    contiguous buffers to write into, allocated when None. gemma: Gemma's weighting, whose
+    output keeps x's dtype."""
     hidden = x.shape[-1]
     assert x.stride(-1) == 1 and weight.is_contiguous() and x.dim() in (2, 3)
-    out_dtype = x.dtype if gemma else torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device) if out is None else out
     has_residual = residual is not None
+    parts = x.shape[1] if has_residual and x.dim() == residual.dim() + 1 else 1
+    shape = residual.shape if parts > 1 else x.shape
+    out_dtype = x.dtype if gemma else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(shape, dtype=out_dtype, device=x.device) if out is None else out
     # without a residual, x and out stand in for its pointers, which the kernel never uses
     res = residual if has_residual else x
     if residual_out is None:
-        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if has_residual \
+        residual_out = torch.empty(shape, dtype=x.dtype, device=x.device) if has_residual \
             else out
-    assert res.shape == x.shape and res.stride(-1) == 1
+    assert res.shape == shape and res.stride(-1) == 1
     assert out.dtype == out_dtype and out.is_contiguous() and residual_out.is_contiguous()
-    inner = x.shape[1] if x.dim() == 3 else 1
+    inner = x.shape[1] if x.dim() == 3 and parts == 1 else 1
     block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(x.numel() // hidden,)](
+    _rms_norm_kernel[(out.numel() // hidden,)](
         x, res, weight, out, residual_out, hidden, inner, eps,
         x.stride(0), x.stride(-2), res.stride(0), res.stride(-2),
-        HAS_RESIDUAL=has_residual, GEMMA=gemma, BLOCK=block,
+        HAS_RESIDUAL=has_residual, GEMMA=gemma, PARTS=parts, BLOCK=block,
         num_warps=min(16, max(1, block // 512)))
     return (out, residual_out) if has_residual else out
 
@@ -71,12 +81,20 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, inner, eps,
                      stride_x0, stride_x1, stride_r0, stride_r1,
-                     HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, PARTS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """PARTS > 1: x's rows are [PARTS, hidden] blocks (stride_x1 apart) summed first."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     outer, within = row // inner, row % inner
     x = tl.load(x_ptr + outer * stride_x0 + within * stride_x1 + cols, mask=mask, other=0.0)
+    if PARTS > 1:  # in float32, rounded once, as torch sums a low-precision tensor
+        total = x.to(tl.float32)
+        for p in tl.static_range(1, PARTS):
+            total += tl.load(x_ptr + row * stride_x0 + p * stride_x1 + cols, mask=mask,
+                             other=0.0).to(tl.float32)
+        x = total.to(x.dtype)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + outer * stride_r0 + within * stride_r1 + cols, mask=mask,
                       other=0.0)

@@ -104,15 +104,22 @@ def default_config(q: torch.Tensor, cache_dtype: torch.dtype | None = None
     keys, or faster (Phi-3 at batch 1: 10.8 against 12.1 us; Qwen3-30B-A3B at 32 x 4000
     keys: 100 against 133 us), in all of benchmarks/gpu/attention_splits.py's 32 cases but
     two, batch 1 at 4000 keys for Qwen3-30B-A3B and Llama-3.1-8B (1.3 and 0.5 us slower;
-    benchmarks/issue29-h100/attention-splits.txt)."""
+    benchmarks/issue29-h100/attention-splits.txt). bf16 decode tiles run one pipeline
+    stage, 128 keys a step for heads up to 128 wide and 64 for wider ones: a program walks
+    only a part or two of the context, so stages buy no overlap and cost their prologue
+    (benchmarks/gpu/attention_tiles.py: at batch 1 and 1000 keys Phi-3 10.4 -> 8.1 us,
+    Gemma-2-9B 10.9 -> 8.2, Llama-3.1-8B 7.5 -> 6.4; as fast or faster at every batch to 32
+    and both contexts, but Phi-3's 32 KV heads at 16 and 32 requests, 3-5% slower,
+    benchmarks/issue29-h100/attention-tiles-candidates.txt)."""
     programs = sm_count(q.device.index or 0) if q.is_cuda else 1
     if q.dtype == torch.float32:  # exact fp32 dots: 16 x 16 tiles, larger ones spill
         return AttentionConfig(TileConfig(16, 16, 4, 2), TileConfig(16, 16, 4, 2), programs, 64)
     if cache_dtype in FP8_DTYPES:
         return AttentionConfig(TileConfig(16, 64, 4, 5), TileConfig(64, 64, 4, 2),
                                4 * programs, 64)
-    return AttentionConfig(TileConfig(16, 64, 4, 3), TileConfig(64, 64, 4, 2), 2 * programs,
-                           128)
+    decode_keys = 128 if q.shape[-1] <= 128 else 64
+    return AttentionConfig(TileConfig(16, decode_keys, 4, 1), TileConfig(64, 64, 4, 2),
+                           2 * programs, 128)
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -281,11 +281,13 @@ def check_write_kv(num_tokens: int, num_kv_heads: int, head_dim: int, block_size
 
 
 def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: str,
-                   with_residual: bool, gemma: bool = False) -> None:
+                   with_residual: bool, gemma: bool = False, parts: int = 0) -> None:
     """A strided view as input (a slice of a wider tensor), as the q/k norms get one.
-    gemma: Gemma's (1 + weight) weighting against its own twin."""
+    gemma: Gemma's (1 + weight) weighting against its own twin. parts: x is [T, parts,
+    hidden], a MoE layer's unsummed top-k terms, summed into the residual add."""
     g, seed = fresh_generator()
-    wide = rand(g, *shape[:-1], shape[-1] + 8, dtype=dtype, device=device, scale=3.0)
+    x_shape = (shape[0], parts, *shape[1:]) if parts else shape
+    wide = rand(g, *x_shape[:-1], shape[-1] + 8, dtype=dtype, device=device, scale=3.0)
     x = wide[..., 8:]
     weight = rand(g, shape[-1], dtype=dtype, device=device)
     residual = rand(g, *shape, dtype=dtype, device=device) if with_residual else None
@@ -702,6 +704,7 @@ def small_kernels() -> None:
         check_write_kv(13, 2, 64, 4, dtype, "cpu")
         check_rms_norm((5, 96), dtype, "cpu", with_residual=False)
         check_rms_norm((5, 96), dtype, "cpu", with_residual=True)
+        check_rms_norm((5, 96), dtype, "cpu", with_residual=True, parts=8)
         check_rms_norm((4, 3, 64), dtype, "cpu", with_residual=False)
         check_rotary(6, 3, 1, 64, dtype, "cpu")
         # partial rotary: 48 of 64 dims (a half that is no power of two), 40 of 80
@@ -1010,6 +1013,7 @@ def test_small_kernels_cuda(model: str, dtype: torch.dtype) -> None:
     for num_tokens in (1, 256, 4096):
         check_write_kv(num_tokens, kv_heads, head_dim, 16, dtype, "cuda")
         check_rms_norm((num_tokens, hidden), dtype, "cuda", with_residual=True)
+        check_rms_norm((num_tokens, hidden), dtype, "cuda", with_residual=True, parts=8)
         check_rms_norm((num_tokens, hidden), dtype, "cuda", with_residual=False)
         check_rms_norm((num_tokens, heads, head_dim), dtype, "cuda", with_residual=False)
         check_rotary(num_tokens, heads, kv_heads, head_dim, dtype, "cuda")

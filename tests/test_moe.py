@@ -267,10 +267,19 @@ def check_fused_moe(num_tokens: int, hidden: int, intermediate: int, num_experts
                         seed, skewed)
     out = fused_moe_triton(*inputs, blocks=blocks)
     # the twin in float32: the reference for the kernel's low-precision rounding too
-    ref = fused_moe_ref(*(t.float() if t.is_floating_point() else t for t in inputs))
+    floats = [t.float() if t.is_floating_point() else t for t in inputs]
+    ref = fused_moe_ref(*floats)
     error = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     what = f"T={num_tokens} H={hidden} I={intermediate} E={num_experts} k={top_k} {dtype}"
     assert error <= TOLERANCE[dtype], f"{what}: relative error {error:.3g}"
+    # the k terms left unsummed (for the next norm): the same terms, each in its slot
+    terms = fused_moe_triton(*inputs, blocks=blocks, sum_slots=False)
+    assert terms.shape == (num_tokens, top_k, hidden), what
+    assert torch.equal(terms.sum(1), out), what
+    ref_terms = fused_moe_ref(*floats, sum_slots=False)
+    assert torch.allclose(ref_terms.sum(1), ref, atol=1e-5), what
+    error = ((terms.double() - ref_terms.double()).norm() / ref_terms.double().norm()).item()
+    assert error <= TOLERANCE[dtype], f"{what}, unsummed: relative error {error:.3g}"
 
 
 def fp8_experts(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:

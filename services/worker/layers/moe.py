@@ -70,10 +70,12 @@ class FusedMoE(nn.Module):
         self.register_buffer("experts_read", torch.zeros(1, dtype=torch.int64),
                              persistent=False)
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, sum_slots: bool = True
+                ) -> torch.Tensor:
+        """sum_slots=False: the k weighted terms [T, k, H] for the next norm to add up."""
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize,
                                       self.round_weights)
-        return self.method.apply(self, x, weights, ids)
+        return self.method.apply(self, x, weights, ids, sum_slots)
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The tensors stacked by expert (weights and their scales): a step reads an

@@ -19,6 +19,7 @@ from torch import nn
 
 from common.model_files import sliding_windows
 from kernels.attention_inputs import HeadNorms
+from kernels.norm import sum_parts
 from services.worker.layers.activation import gated_activation
 from services.worker.layers.attention import Attention, ForwardContext
 from services.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -250,6 +251,7 @@ class LlamaModel(nn.Module):
         if self.norm is None:
             if pending is not None:
                 hidden = pending(hidden)
+            hidden = sum_parts(hidden, residual)  # a MoE layer's unsummed top-k terms
             return (self.tp.all_reduce(hidden) if self.partial_output else hidden) + residual
         if pending is not None:
             return norm_add_norm(hidden, residual, pending, self.norm)[0]

@@ -20,7 +20,10 @@ from services.worker.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 class SparseMoeBlock(nn.Module):
     """Router (`gate`), routed experts, and optionally a shared expert scaled by
     sigmoid(shared_expert_gate(x)). The output is this rank's partial sum: the shared
-    expert's down projection, like the experts', leaves the reduction to the next norm."""
+    expert's down projection, like the experts', leaves the reduction to the next norm.
+    On one rank without a shared expert it leaves the top-k sum to that norm too: the
+    output is the k weighted terms [T, k, H] (kernels/norm.py adds them up in its load),
+    which saves a launch a layer at decode."""
 
     def __init__(self, hf_config, flags: DecoderFlags, num_experts: int,
                  intermediate_size: int, renormalize: bool, round_weights: bool,
@@ -36,9 +39,10 @@ class SparseMoeBlock(nn.Module):
         if shared_intermediate_size:
             self.shared_expert = LlamaMLP(hf_config, flags, shared_intermediate_size)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
+        self.sum_slots = self.shared_expert is not None or self.experts.tp_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        out = self.experts(x, self.gate(x), self.sum_slots)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -57,8 +57,8 @@ class ExpertsMethod(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        """The experts' weighted sum for x [T, H]."""
+              topk_ids: torch.Tensor, sum_slots: bool = True) -> torch.Tensor:
+        """The experts' weighted sum for x [T, H] ([T, k, H] terms unsummed: fused_moe)."""
 
 
 def stacked_weights(layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
@@ -76,8 +76,9 @@ class UnquantizedExperts(ExpertsMethod):
         stacked_weights(layer, num_experts, hidden, intermediate, dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.experts_read)
+              topk_ids: torch.Tensor, sum_slots: bool = True) -> torch.Tensor:
+        return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.experts_read,
+                         sum_slots=sum_slots)
 
 
 class Fp8Experts(ExpertsMethod):
@@ -158,13 +159,13 @@ class Fp8Experts(ExpertsMethod):
                                                 requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, sum_slots: bool = True) -> torch.Tensor:
         inputs = (layer.w13_input_scale, layer.w2_input_scale) \
             if self.spec.activations == "static" else None
         scales = ExpertScales(layer.w13_scale, layer.w2_scale, layer.block_n, layer.group_k,
                               inputs)
         return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.experts_read,
-                         scales)
+                         scales, sum_slots)
 
 
 def quantize_experts(w: nn.Parameter) -> tuple[nn.Parameter, torch.Tensor]:
