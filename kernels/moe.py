@@ -483,18 +483,20 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
     act = torch.empty(num_slots, intermediate, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = tiles
+    up_tiles, down_tiles = (tiles, tiles) if len(tiles) == 3 else tiles
+    block_n, block_k, warps, *prefetch = up_tiles
     _moe_gemv_kernel[(num_slots, triton.cdiv(intermediate, block_n))](
         x, w13, act, ids, weights, experts_read, intermediate, hidden, x.stride(0),
         num_slots, ROWS_PER_A=top_k, GATED=True, COUNT=experts_read is not None,
         SLOTS=triton.next_power_of_2(num_slots), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps)
+        PREFETCH=bool(prefetch and prefetch[0]), num_warps=warps)
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, *prefetch = down_tiles
     _moe_gemv_kernel[(num_slots, triton.cdiv(hidden, block_n))](
         act, w2, down, ids, weights, experts_read, hidden, intermediate, act.stride(0),
         num_slots, ROWS_PER_A=1, GATED=False, COUNT=False,
         SLOTS=triton.next_power_of_2(num_slots), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps)
+        PREFETCH=bool(prefetch and prefetch[0]), num_warps=warps)
     return summed(down.view(num_tokens, top_k, hidden), sum_slots)
 
 
@@ -502,7 +504,7 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def _moe_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, experts_read_ptr, n, k,
                      a_stride, num_slots, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr,
                      COUNT: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False):
     """out[slot, cols] = a[slot // ROWS_PER_A] . w[expert(slot), cols] (GATED: silu(gate)
     * up, the up rows n below the gate rows; else times the slot's routing weight)."""
     slot = tl.program_id(0)
@@ -522,15 +524,42 @@ def _moe_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, experts_read_p
     w_rows = w_ptr + expert * (2 * n if GATED else n) * k + cols.to(tl.int64)[:, None] * k
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        k_ok = ks < k - k0
-        a = tl.load(a_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if PREFETCH:
+        lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        lanes_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        k_ok = ks < k
         mask = cols_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_rows + k0 + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[None, :], axis=1)
+        a = tl.load(a_row + ks, mask=k_ok, other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=mask, other=0.0)
+        w_up = w
         if GATED:
-            w_up = tl.load(w_rows + n * k + k0 + ks[None, :], mask=mask, other=0.0)
-            acc_up += tl.sum(w_up.to(tl.float32) * a[None, :], axis=1)
+            w_up = tl.load(w_rows + n * k + ks[None, :], mask=mask, other=0.0)
+        for k0 in range(0, k, BLOCK_K):
+            nk_ok = ks < k - k0 - BLOCK_K
+            nmask = cols_ok[:, None] & nk_ok[None, :]
+            a_next = tl.load(a_row + k0 + BLOCK_K + ks, mask=nk_ok, other=0.0)
+            w_next = tl.load(w_rows + k0 + BLOCK_K + ks[None, :], mask=nmask, other=0.0)
+            w_up_next = w_next
+            if GATED:
+                w_up_next = tl.load(w_rows + n * k + k0 + BLOCK_K + ks[None, :], mask=nmask,
+                                    other=0.0)
+            af = a.to(tl.float32)[None, :]
+            lanes += w.to(tl.float32) * af
+            if GATED:
+                lanes_up += w_up.to(tl.float32) * af
+            a, w, w_up = a_next, w_next, w_up_next
+        acc = tl.sum(lanes, axis=1)
+        acc_up = tl.sum(lanes_up, axis=1)
+    else:
+        for k0 in range(0, k, BLOCK_K):
+            k_ok = ks < k - k0
+            a = tl.load(a_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            mask = cols_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + k0 + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[None, :], axis=1)
+            if GATED:
+                w_up = tl.load(w_rows + n * k + k0 + ks[None, :], mask=mask, other=0.0)
+                acc_up += tl.sum(w_up.to(tl.float32) * a[None, :], axis=1)
     dtype = out_ptr.dtype.element_ty
     result = acc.to(dtype).to(tl.float32)
     if GATED:

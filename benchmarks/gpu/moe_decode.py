@@ -23,7 +23,11 @@ from kernels.moe import (GEMV_MAX_SLOTS, fused_moe_gemv, fused_moe_triton,  # no
 
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 2048, 768  # Qwen3-30B-A3B
 REPLAYS, STEPS_PER_GRAPH = 20, 20
-GEMV_SWEEP = [(n, k, w) for n in (8, 16) for k in (128, 256) for w in (4, 8)]
+UP_TILES = [(8, 128, 8, 0), (8, 128, 8, 1), (8, 256, 8, 1), (4, 256, 4, 1), (4, 512, 8, 1),
+            (16, 128, 8, 1), (8, 64, 4, 1)]
+DOWN_TILES = [(8, 128, 8, 0), (8, 128, 8, 1), (16, 128, 8, 1), (32, 128, 8, 1),
+              (32, 64, 4, 1), (16, 256, 8, 1), (64, 64, 8, 1), (4, 256, 4, 1)]
+GEMV_SWEEP = [(u, d) for u in UP_TILES for d in DOWN_TILES]
 
 
 def copy_bandwidth() -> float:
@@ -53,12 +57,18 @@ def main() -> None:
         if tokens * TOP_K <= GEMV_MAX_SLOTS:
             paths["gemv"] = lambda: fused_moe_gemv(x, w13, w2, weights, ids)
         if tokens * TOP_K <= GEMV_MAX_SLOTS:
-            for tiles in GEMV_SWEEP:
+            base = fused_moe_gemv(x, w13, w2, weights, ids)
+            for tiles in GEMV_SWEEP:  # each checked against the default tiles first
+                diff = (fused_moe_gemv(x, w13, w2, weights, ids, tiles=tiles) - base).abs()
+                assert diff.max().item() < 0.05, f"tiles {tiles}: off by {diff.max()}"
                 paths[f"gemv{tiles}"] = (lambda t=tiles: fused_moe_gemv(x, w13, w2, weights,
                                                                        ids, tiles=t))
         times = {name: graph_us(fn, STEPS_PER_GRAPH, REPLAYS) for name, fn in paths.items()}
+        best = sorted((us, name) for name, us in times.items() if name.startswith("gemv("))
         experts = " ".join(f"{name} {us:6.1f} us ({us / floor:.2f}x)"
-                           for name, us in times.items() if name != "routing")
+                           for name, us in times.items()
+                           if name in ("grouped", "gemv")) + "; best tiles: " + " ".join(
+            f"{name} {us:.1f}" for us, name in best[:6])
         print(f"tokens {tokens:3d}: {touched:3d} experts read, floor {floor:6.1f} us; "
               f"router + routing {times['routing']:5.1f} us; experts: {experts}")
 
