@@ -461,15 +461,17 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_expert_ptr,
 # experts run as GEMVs straight off topk_ids: no align launch, and no tile padded from one
 # real row to block_m. Above it the grouped GEMMs reuse each weight tile over several rows.
 GEMV_MAX_SLOTS = 16
-# BLOCK_N, BLOCK_K, warps: the best of sweeps on the H100 and the H200
-# (benchmarks/issue29-h100/moe-decode*.txt)
-GEMV_TILES = (8, 128, 8)
+# (BLOCK_N, BLOCK_K, warps) of the gate/up launch and of the down launch: the best of
+# sweeps on the H100 (benchmarks/issue29-h100/moe-decode-tiles.txt; the down launch's short
+# K of 768 wants wider stripes) and before it the H200 (moe-decode-h200-sweep.txt)
+MoEGemvTiles = tuple[tuple[int, int, int], tuple[int, int, int]]
+GEMV_TILES: MoEGemvTiles = ((8, 256, 8), (32, 128, 8))
 
 
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    experts_read: torch.Tensor | None = None,
-                   tiles: tuple[int, int, int] = GEMV_TILES, sum_slots: bool = True
+                   tiles: MoEGemvTiles = GEMV_TILES, sum_slots: bool = True
                    ) -> torch.Tensor:
     """fused_moe for a few token slots (unquantized experts): one program per (slot, N
     block) reads its slot's expert rows directly; roundings as the grouped GEMMs make them,
@@ -483,20 +485,19 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
     act = torch.empty(num_slots, intermediate, dtype=x.dtype, device=x.device)
-    up_tiles, down_tiles = (tiles, tiles) if len(tiles) == 3 else tiles
-    block_n, block_k, warps, *prefetch = up_tiles
+    (block_n, block_k, warps), down_tiles = tiles
     _moe_gemv_kernel[(num_slots, triton.cdiv(intermediate, block_n))](
         x, w13, act, ids, weights, experts_read, intermediate, hidden, x.stride(0),
         num_slots, ROWS_PER_A=top_k, GATED=True, COUNT=experts_read is not None,
         SLOTS=triton.next_power_of_2(num_slots), BLOCK_N=block_n, BLOCK_K=block_k,
-        PREFETCH=bool(prefetch and prefetch[0]), num_warps=warps)
+        num_warps=warps)
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, *prefetch = down_tiles
+    block_n, block_k, warps = down_tiles
     _moe_gemv_kernel[(num_slots, triton.cdiv(hidden, block_n))](
         act, w2, down, ids, weights, experts_read, hidden, intermediate, act.stride(0),
         num_slots, ROWS_PER_A=1, GATED=False, COUNT=False,
         SLOTS=triton.next_power_of_2(num_slots), BLOCK_N=block_n, BLOCK_K=block_k,
-        PREFETCH=bool(prefetch and prefetch[0]), num_warps=warps)
+        num_warps=warps)
     return summed(down.view(num_tokens, top_k, hidden), sum_slots)
 
 
@@ -504,7 +505,7 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def _moe_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, experts_read_ptr, n, k,
                      a_stride, num_slots, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr,
                      COUNT: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False):
+                     BLOCK_K: tl.constexpr):
     """out[slot, cols] = a[slot // ROWS_PER_A] . w[expert(slot), cols] (GATED: silu(gate)
     * up, the up rows n below the gate rows; else times the slot's routing weight)."""
     slot = tl.program_id(0)
@@ -522,44 +523,34 @@ def _moe_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, experts_read_p
     ks = tl.arange(0, BLOCK_K)
     a_row = a_ptr + (slot // ROWS_PER_A).to(tl.int64) * a_stride
     w_rows = w_ptr + expert * (2 * n if GATED else n) * k + cols.to(tl.int64)[:, None] * k
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if PREFETCH:
-        lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        lanes_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        k_ok = ks < k
-        mask = cols_ok[:, None] & k_ok[None, :]
-        a = tl.load(a_row + ks, mask=k_ok, other=0.0)
-        w = tl.load(w_rows + ks[None, :], mask=mask, other=0.0)
-        w_up = w
+    # products summed per lane, reduced once after the loop, and each step's loads of the
+    # next tile issued before its own arithmetic (as kernels/gemv.py's one-row path; 4%
+    # faster at one token, benchmarks/issue29-h100/moe-decode-tiles.txt)
+    lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    lanes_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_ok = ks < k
+    mask = cols_ok[:, None] & k_ok[None, :]
+    a = tl.load(a_row + ks, mask=k_ok, other=0.0)
+    w = tl.load(w_rows + ks[None, :], mask=mask, other=0.0)
+    w_up = w  # a placeholder the loop carries where there are no up rows
+    if GATED:
+        w_up = tl.load(w_rows + n * k + ks[None, :], mask=mask, other=0.0)
+    for k0 in range(0, k, BLOCK_K):
+        nk_ok = ks < k - k0 - BLOCK_K
+        nmask = cols_ok[:, None] & nk_ok[None, :]
+        a_next = tl.load(a_row + k0 + BLOCK_K + ks, mask=nk_ok, other=0.0)
+        w_next = tl.load(w_rows + k0 + BLOCK_K + ks[None, :], mask=nmask, other=0.0)
+        w_up_next = w_next
         if GATED:
-            w_up = tl.load(w_rows + n * k + ks[None, :], mask=mask, other=0.0)
-        for k0 in range(0, k, BLOCK_K):
-            nk_ok = ks < k - k0 - BLOCK_K
-            nmask = cols_ok[:, None] & nk_ok[None, :]
-            a_next = tl.load(a_row + k0 + BLOCK_K + ks, mask=nk_ok, other=0.0)
-            w_next = tl.load(w_rows + k0 + BLOCK_K + ks[None, :], mask=nmask, other=0.0)
-            w_up_next = w_next
-            if GATED:
-                w_up_next = tl.load(w_rows + n * k + k0 + BLOCK_K + ks[None, :], mask=nmask,
-                                    other=0.0)
-            af = a.to(tl.float32)[None, :]
-            lanes += w.to(tl.float32) * af
-            if GATED:
-                lanes_up += w_up.to(tl.float32) * af
-            a, w, w_up = a_next, w_next, w_up_next
-        acc = tl.sum(lanes, axis=1)
-        acc_up = tl.sum(lanes_up, axis=1)
-    else:
-        for k0 in range(0, k, BLOCK_K):
-            k_ok = ks < k - k0
-            a = tl.load(a_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            mask = cols_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + k0 + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += tl.sum(w * a[None, :], axis=1)
-            if GATED:
-                w_up = tl.load(w_rows + n * k + k0 + ks[None, :], mask=mask, other=0.0)
-                acc_up += tl.sum(w_up.to(tl.float32) * a[None, :], axis=1)
+            w_up_next = tl.load(w_rows + n * k + k0 + BLOCK_K + ks[None, :], mask=nmask,
+                                other=0.0)
+        af = a.to(tl.float32)[None, :]
+        lanes += w.to(tl.float32) * af
+        if GATED:
+            lanes_up += w_up.to(tl.float32) * af
+        a, w, w_up = a_next, w_next, w_up_next
+    acc = tl.sum(lanes, axis=1)
+    acc_up = tl.sum(lanes_up, axis=1)
     dtype = out_ptr.dtype.element_ty
     result = acc.to(dtype).to(tl.float32)
     if GATED:

@@ -23,10 +23,9 @@ from kernels.moe import (GEMV_MAX_SLOTS, fused_moe_gemv, fused_moe_triton,  # no
 
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 2048, 768  # Qwen3-30B-A3B
 REPLAYS, STEPS_PER_GRAPH = 20, 20
-UP_TILES = [(8, 128, 8, 0), (8, 128, 8, 1), (8, 256, 8, 1), (4, 256, 4, 1), (4, 512, 8, 1),
-            (16, 128, 8, 1), (8, 64, 4, 1)]
-DOWN_TILES = [(8, 128, 8, 0), (8, 128, 8, 1), (16, 128, 8, 1), (32, 128, 8, 1),
-              (32, 64, 4, 1), (16, 256, 8, 1), (64, 64, 8, 1), (4, 256, 4, 1)]
+UP_TILES = [(8, 128, 8), (8, 256, 8), (4, 256, 4), (4, 512, 8), (16, 128, 8), (8, 64, 4)]
+DOWN_TILES = [(8, 128, 8), (16, 128, 8), (32, 128, 8), (32, 64, 4), (16, 256, 8),
+              (64, 64, 8), (4, 256, 4)]
 GEMV_SWEEP = [(u, d) for u in UP_TILES for d in DOWN_TILES]
 
 

@@ -12,7 +12,8 @@ so that L2 holds none of their weights. The layers take the kernel for the row c
 which it was faster (`layer.gemv_rows`), cuBLAS for the rest; the choice is kept per shape
 for the process (a draft model's projections of the same shape reuse it) and logged once.
 CPU layers, float32 weights, quantized and LoRA projections (which run their own matmuls)
-are left alone."""
+are left alone. A MoE router (layers/moe.py's ReplicatedLinear) is timed as the projections
+are."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torch import nn
 from kernels.gemv import GEMV_MAX_ROWS, gemv
 from kernels.graph_timing import graph_us
 from services.worker.layers.linear import LinearBase
+from services.worker.layers.moe import ReplicatedLinear
 from services.worker.layers.quantization import UnquantizedMethod
 
 ShapeKey = tuple[int, int, torch.dtype, torch.device]
@@ -45,18 +47,19 @@ def choose_gemv(model: nn.Module) -> None:
             layer.gemv_rows = _CHOSEN[key]
 
 
-def shape_groups(model: nn.Module) -> dict[ShapeKey, dict[str, LinearBase]]:
-    groups: dict[ShapeKey, dict[str, LinearBase]] = defaultdict(dict)
+def shape_groups(model: nn.Module) -> dict[ShapeKey, dict[str, nn.Module]]:
+    groups: dict[ShapeKey, dict[str, nn.Module]] = defaultdict(dict)
     for name, module in model.named_modules():
-        if (isinstance(module, LinearBase) and isinstance(module.method, UnquantizedMethod)
-                and module.weight.is_cuda
+        unquantized = isinstance(module, ReplicatedLinear) or (
+            isinstance(module, LinearBase) and isinstance(module.method, UnquantizedMethod))
+        if (unquantized and module.weight.is_cuda
                 and module.weight.dtype in (torch.bfloat16, torch.float16)):
             weight = module.weight
             groups[(*weight.shape, weight.dtype, weight.device)][name] = module
     return groups
 
 
-def rows_for(layers: dict[str, LinearBase]) -> range:
+def rows_for(layers: dict[str, nn.Module]) -> range:
     """Times both ways over these layers (one shape) at 1 and GEMV_MAX_ROWS rows; the rows
     the kernel takes."""
     first = next(iter(layers.values()))
@@ -71,7 +74,7 @@ def rows_for(layers: dict[str, LinearBase]) -> range:
     return rows
 
 
-def time_both(layers: dict[str, LinearBase], rows: int) -> tuple[float, float]:
+def time_both(layers: dict[str, nn.Module], rows: int) -> tuple[float, float]:
     """Microseconds a call of the kernel and of cuBLAS, x of `rows` rows, each call the
     next layer's weight and bias."""
     first = next(iter(layers.values()))

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.gemv import gemv
 from kernels.moe import select_experts
 from services.worker.layers.linear import (Checkpoint, copy_checked, new_parameter, scalar,
                                            take_shard)
@@ -28,11 +29,14 @@ ExpertShard = tuple[int, str]
 
 class ReplicatedLinear(nn.Module):
     """y = x W^T with W whole on every rank (the router and Qwen2-MoE's shared expert
-    gate: a few rows that every rank needs in full)."""
+    gate: a few rows that every rank needs in full). Decode-sized steps may take the
+    16-bit GEMV where the worker's start-up timing found it faster (gemv_choice.py)."""
+    bias, bias_in_matmul = None, False
 
     def __init__(self, input_size: int, output_size: int) -> None:
         super().__init__()
         self.weight = new_parameter(output_size, input_size, loader=self.weight_loader)
+        self.gemv_rows = range(0)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
                       shard_id=None) -> None:
@@ -42,6 +46,8 @@ class ReplicatedLinear(nn.Module):
         return {None: tuple(param.shape)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // x.shape[-1] in self.gemv_rows:
+            return gemv(x, self.weight)
         return F.linear(x, self.weight)
 
 
