@@ -93,6 +93,11 @@ TUNED_TILES: dict[tuple[int, int, int, int], GemvTiles] = {
     (8, 5120, 2048, 132): GemvTiles(64, 256, True, 1, 4, 4),
     (16, 5120, 2048, 132): GemvTiles(64, 256, True, 1, 4, 4),
     (1, 2048, 4096, 132): GemvTiles(4, 512, False, 1, 8, 1),
+    # MoE routers (Qwen3-30B-A3B's 128 experts, Mixtral's 8): no K split, whose second
+    # launch outweighs the idle SMs (benchmarks/gpu/router_gemv.py, 2026-11-26:
+    # 2.2 and 2.8 us against cuBLAS's 4.7 and 5.2; benchmarks/issue29-h100/router-gemv.txt)
+    (1, 128, 2048, 132): GemvTiles(4, 512, False, 1, 4, 1),
+    (1, 8, 4096, 132): GemvTiles(2, 512, False, 1, 4, 1),
 }
 
 
