@@ -8,6 +8,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import overlap_previous, pdl_launch
+
 # columns per program: wide enough for 16-byte accesses across 4 warps, narrow enough
 # that a decode batch's few rows still spread over every SM
 BLOCK_COLS = 1024
@@ -60,13 +62,15 @@ def _act_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bo
     assert out.is_contiguous() and out.shape == (*x.shape[:-1], d)
     block = min(BLOCK_COLS, triton.next_power_of_2(d))
     _act_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](
-        rows, out, d, rows.stride(0), GELU_TANH=gelu_tanh, BLOCK=block, num_warps=4)
+        rows, out, d, rows.stride(0), GELU_TANH=gelu_tanh, BLOCK=block, num_warps=4,
+        **pdl_launch(x))
     return out
 
 
 @triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, d, stride_row, GELU_TANH: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    overlap_previous(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from kernels.cache import FP8_DTYPES, _quantize, write_kv_ref
 from kernels.norm import rms_norm_ref
+from kernels.pdl import overlap_previous, pdl_launch
 from kernels.rotary import _round_like, apply_rotary_ref
 
 # heads per program: a Qwen3-30B-A3B decode token (32 q, 4 KV heads) spreads over 9
@@ -108,7 +109,8 @@ def norm_rope_write_kv_triton(qkv: torch.Tensor, positions: torch.Tensor,
         HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         PASS_BLOCK=triton.next_power_of_2(max(pass_dims, 1)),
         HAS_NORM=norms is not None, GEMMA=bool(norms and norms.gemma), FP8=fp8,
-        FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0, num_warps=4)
+        FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0, num_warps=4,
+        **pdl_launch(qkv))
     return q_out
 
 
@@ -119,7 +121,9 @@ def _norm_rope_write_kv_kernel(
         num_kv_heads, eps, q_groups,
         BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_BLOCK: tl.constexpr,
         HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
-        HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+        HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+        PDL: tl.constexpr):
+    overlap_previous(PDL)
     # HALF: half the rotary dims; HALF_BLOCK: HALF rounded up to a power of two;
     # PASS_BLOCK: the pass-through dims (HEAD_DIM - 2 * HALF) rounded up, at least 1 (its
     # loads and stores are masked off where there are none)

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import overlap_previous, pdl_launch
+
 GEMV_MAX_ROWS = 16
 DOT_MIN_ROWS = 16  # tl.dot's smallest M: fewer rows are padded with masked loads
 
@@ -206,11 +208,11 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         block_k, k_share, HAS_SCALE=scale is not None, PER_K_SCALE=per_k,
         HAS_BIAS=bias is not None and split == 1, USE_DOT=tiles.dot, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tile_k, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        num_stages=tiles.num_stages, **pdl_launch(x))
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](
             out, bias if bias is not None else y, y, m * n, n, split,
-            HAS_BIAS=bias is not None, BLOCK=1024)
+            HAS_BIAS=bias is not None, BLOCK=1024, **pdl_launch(x))
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -221,10 +223,11 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
                  stride_w, scale_stride, scale_block_n, scale_block_k, k_share,
                  HAS_SCALE: tl.constexpr, PER_K_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """A BLOCK_N stripe of y's columns over one K share (program_id 1); with more than one
     share, float32 partial sums into out [shares, m, n], else y itself. Without HAS_SCALE
     the scale arguments are not read."""
+    overlap_previous(PDL)
     stripe, share = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = stripe * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -292,8 +295,9 @@ def _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
 
 @triton.jit
 def _sum_splits_kernel(parts_ptr, bias_ptr, y_ptr, size, n, splits,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y = the K shares' float32 partial sums [splits, size] added up (+ bias)."""
+    overlap_previous(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
     acc = tl.zeros((BLOCK,), dtype=tl.float32)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import overlap_previous, pdl_launch
 from kernels.quant import (FP8_DTYPE, dequantize, quantize_per_token, quantize_static)
 
 
@@ -116,15 +117,17 @@ def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: 
         _select_experts_kernel[(num_tokens,)](
             router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
             RENORMALIZE=renormalize, ROUND=round_weights,
-            EXPERTS=triton.next_power_of_2(num_experts), num_warps=1)
+            EXPERTS=triton.next_power_of_2(num_experts), num_warps=1,
+            **pdl_launch(router_logits))
     return weights, ids
 
 
 @triton.jit
 def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride,
                            TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                           ROUND: tl.constexpr, EXPERTS: tl.constexpr):
+                           ROUND: tl.constexpr, EXPERTS: tl.constexpr, PDL: tl.constexpr):
     """One token per program: the softmax, then k rounds of taking the largest left."""
+    overlap_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, EXPERTS)
     live = experts < num_experts
@@ -490,14 +493,14 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         x, w13, act, ids, weights, experts_read, intermediate, hidden, x.stride(0),
         num_slots, ROWS_PER_A=top_k, GATED=True, COUNT=experts_read is not None,
         SLOTS=triton.next_power_of_2(num_slots), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps)
+        num_warps=warps, **pdl_launch(x))
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = down_tiles
     _moe_gemv_kernel[(num_slots, triton.cdiv(hidden, block_n))](
         act, w2, down, ids, weights, experts_read, hidden, intermediate, act.stride(0),
         num_slots, ROWS_PER_A=1, GATED=False, COUNT=False,
         SLOTS=triton.next_power_of_2(num_slots), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps)
+        num_warps=warps, **pdl_launch(x))
     return summed(down.view(num_tokens, top_k, hidden), sum_slots)
 
 
@@ -505,9 +508,10 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def _moe_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, experts_read_ptr, n, k,
                      a_stride, num_slots, ROWS_PER_A: tl.constexpr, GATED: tl.constexpr,
                      COUNT: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[slot, cols] = a[slot // ROWS_PER_A] . w[expert(slot), cols] (GATED: silu(gate)
     * up, the up rows n below the gate rows; else times the slot's routing weight)."""
+    overlap_previous(PDL)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     if COUNT:

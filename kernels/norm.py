@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import overlap_previous, pdl_launch
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None, gemma: bool = False
@@ -74,7 +76,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x, res, weight, out, residual_out, hidden, inner, eps,
         x.stride(0), x.stride(-2), res.stride(0), res.stride(-2),
         HAS_RESIDUAL=has_residual, GEMMA=gemma, PARTS=parts, BLOCK=block,
-        num_warps=min(16, max(1, block // 512)))
+        num_warps=min(16, max(1, block // 512)), **pdl_launch(x))
     return (out, residual_out) if has_residual else out
 
 
@@ -82,8 +84,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, inner, eps,
                      stride_x0, stride_x1, stride_r0, stride_r1,
                      HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, PARTS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
     """PARTS > 1: x's rows are [PARTS, hidden] blocks (stride_x1 apart) summed first."""
+    overlap_previous(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden

@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from kernels.cache import FP8_DTYPES
+from kernels.pdl import overlap_previous, pdl_launch
 
 LOG2_E = 1.4426950408889634
 # splits beyond this add combine traffic faster than they add parallelism
@@ -194,12 +195,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             SPLIT=num_splits > 1, EXACT_DOT=q.dtype == torch.float32, SCALED=scaled,
             WINDOW=sliding_window is not None, SOFT_CAP=soft_cap is not None,
             LIMITS=key_limits is not None, num_warps=tile.num_warps,
-            num_stages=tile.num_stages)
+            num_stages=tile.num_stages, **pdl_launch(q))
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, num_tokens, num_heads, num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            DIM_BLOCK=triton.next_power_of_2(head_dim), num_warps=4)
+            DIM_BLOCK=triton.next_power_of_2(head_dim), num_warps=4, **pdl_launch(q))
     return out
 
 
@@ -257,7 +258,8 @@ def _paged_attention_kernel(
         BLOCK_N: tl.constexpr,
         ONE_TILE_EACH: tl.constexpr, SEARCH_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
         EXACT_DOT: tl.constexpr, SCALED: tl.constexpr, WINDOW: tl.constexpr,
-        SOFT_CAP: tl.constexpr, LIMITS: tl.constexpr):
+        SOFT_CAP: tl.constexpr, LIMITS: tl.constexpr, PDL: tl.constexpr):
+    overlap_previous(PDL)
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if ONE_TILE_EACH:
         # the decode launch: each request of its class fits one tile, so tile r is request
@@ -439,8 +441,9 @@ def _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs, table_row, star
 @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_tokens, num_heads,
                            num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           DIM_BLOCK: tl.constexpr):
+                           DIM_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t, h] = sum over splits of exp2(lse_s) * out_s / sum of exp2(lse_s)."""
+    overlap_previous(PDL)
     token, head = tl.program_id(0), tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, DIM_BLOCK)

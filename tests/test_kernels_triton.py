@@ -1089,7 +1089,7 @@ def test_fused_kernels_compile_for_sm90() -> None:
         compile_for_sm90(_norm_rope_write_kv_kernel, dict(zip(names, types)), dict(
             BLOCK_H=4, HEAD_DIM=head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
             HALF=half, HALF_BLOCK=triton.next_power_of_2(half), PASS_BLOCK=pass_block,
-            HAS_NORM=True, GEMMA=gemma, FP8=fp8, FP8_MAX=448.0 if fp8 else 0.0))
+            HAS_NORM=True, GEMMA=gemma, FP8=fp8, FP8_MAX=448.0 if fp8 else 0.0, PDL=True))
     norm_types = dict(x_ptr="*bf16", res_ptr="*bf16", w1_ptr="*bf16", w2_ptr="*bf16",
                       out_ptr="*bf16", new_res_ptr="*bf16", hidden="i32", eps="fp32",
                       stride_x="i32", stride_r="i32")
@@ -1108,7 +1108,7 @@ def test_top_p_kernel_compiles_for_sm90() -> None:
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
 def test_gemv_compiles_for_sm90() -> None:
-    """The GEMV's default tiles (default_tiles). fp8 weights: one row per channel and per
+    """The GEMV's default tiles (default_tiles), launched with PDL (kernels/pdl.py). fp8 weights: one row per channel and per
     128x128 block (CUDA-core sums), more rows per channel and per block (tensor cores on
     bf16). bf16 and fp16 weights, no scale: one row on the CUDA cores and on tensor cores
     (the widest projections), more rows on tensor cores. And the K split's sum."""
@@ -1122,7 +1122,7 @@ def test_gemv_compiles_for_sm90() -> None:
                                                   (True, True, 16, 32, 128)]:
         compile_for_sm90(_gemv_kernel, types, dict(
             HAS_SCALE=True, PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k))
+            BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
     for dtype in ("bf16", "fp16"):
         half = dict(types, x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", scale_ptr=f"*{dtype}",
                     bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
@@ -1130,10 +1130,11 @@ def test_gemv_compiles_for_sm90() -> None:
                                                (True, 16, 32, 128)]:
             compile_for_sm90(_gemv_kernel, half, dict(
                 HAS_SCALE=False, PER_K_SCALE=False, HAS_BIAS=True, USE_DOT=dot,
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k))
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
     compile_for_sm90(_sum_splits_kernel, dict(parts_ptr="*fp32", bias_ptr="*bf16",
                                               y_ptr="*bf16", size="i32", n="i32",
-                                              splits="i32"), dict(HAS_BIAS=True, BLOCK=1024))
+                                              splits="i32"),
+                     dict(HAS_BIAS=True, BLOCK=1024, PDL=True))
 
 
 @needs_cuda
@@ -1249,3 +1250,17 @@ def test_gemv_cuda(model: str) -> None:
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()
+
+
+def test_pdl_is_asked_only_of_cuda_tensors(monkeypatch) -> None:
+    """The interpreter and CPU tensors launch plainly; HEADRACE_PDL=0 turns it off (the
+    A/B of benchmarks/issue29-h100/pdl)."""
+    import kernels.pdl as pdl
+    assert pdl.pdl_launch(torch.zeros(1)) == {"PDL": False}
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.pdl_launch(torch.zeros(1)) == {"PDL": False}
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        assert pdl.pdl_launch(torch.zeros(1, device="cuda")) == {"PDL": False}
+        monkeypatch.setattr(pdl, "ENABLED", True)
+        assert pdl.pdl_launch(torch.zeros(1, device="cuda")) == {"PDL": True,
+                                                                 "launch_pdl": True}

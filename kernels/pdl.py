@@ -1,0 +1,40 @@
+"""Programmatic dependent launch (Hopper and later): a decode step is a chain of small
+kernels, each of which, launched plainly, starts only after the one before it has ended
+and its launch has gone through the GPU's front end, a microsecond or two each, hundreds
+of times a step. A kernel launched with PDL may be scheduled while the one before it is
+still running its last programs: it opens with `overlap_previous`, which lets the next
+kernel in turn be scheduled (gdc_launch_dependents) and then waits until everything the
+previous kernel wrote is visible (gdc_wait), so it reads nothing early. CUDA graphs keep
+these edges. HEADRACE_PDL=0 launches plainly (to measure what it saves)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("HEADRACE_PDL", "1") != "0"
+
+
+@functools.cache
+def _supports_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """The launch arguments of a kernel that takes PDL: tensor t's device decides."""
+    if ENABLED and t.is_cuda and _supports_pdl(t.device.index or 0):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def overlap_previous(PDL: tl.constexpr):
+    """A PDL kernel's first statement: nothing before it may read another kernel's
+    output."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
