@@ -93,8 +93,14 @@ def main(argv: list[str]) -> int:
         parser.error(f"--lora-adapters {args.lora_adapters} needs --enable-lora and "
                      f"--max-loras >= {args.lora_adapters} (one step holds them all)")
     configure_logging("bench")
-    with tempfile.TemporaryDirectory(prefix="headrace-adapters-") as root:
-        return run(args, argv, Engine(config), Path(root))
+    engine = Engine(config)
+    try:
+        with tempfile.TemporaryDirectory(prefix="headrace-adapters-") as root:
+            return run(args, argv, engine, Path(root))
+    finally:
+        # its threads and ranks go before the interpreter does: left to exit, the process
+        # aborted there now and then ("terminate called without an active exception")
+        engine.close()
 
 
 def run(args: argparse.Namespace, argv: list[str], engine: Engine, adapter_root: Path
