@@ -50,9 +50,8 @@ def choose_gemv(model: nn.Module) -> None:
 def shape_groups(model: nn.Module) -> dict[ShapeKey, dict[str, nn.Module]]:
     groups: dict[ShapeKey, dict[str, nn.Module]] = defaultdict(dict)
     for name, module in model.named_modules():
-        unquantized = isinstance(module, ReplicatedLinear) or (
-            isinstance(module, LinearBase) and isinstance(module.method, UnquantizedMethod))
-        if (unquantized and module.weight.is_cuda
+        if (isinstance(module, (LinearBase, ReplicatedLinear))
+                and isinstance(module.method, UnquantizedMethod) and module.weight.is_cuda
                 and module.weight.dtype in (torch.bfloat16, torch.float16)):
             weight = module.weight
             groups[(*weight.shape, weight.dtype, weight.device)][name] = module

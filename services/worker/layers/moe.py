@@ -11,15 +11,14 @@ projection without a bias, FusedMoE leaves that sum to the RMSNorm after it
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.gemv import gemv
 from kernels.moe import select_experts
 from services.worker.layers.linear import (Checkpoint, copy_checked, new_parameter, scalar,
                                            take_shard)
 from services.worker.layers.parallel import current_group, divide
-from services.worker.layers.quantization import current_method, experts_method_for
+from services.worker.layers.quantization import (UnquantizedMethod, current_method,
+                                                 experts_method_for)
 from services.worker.layers.quantization.base import ceil_div
 from services.worker.layers.quantization.experts import GATE_UP
 
@@ -36,6 +35,7 @@ class ReplicatedLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int) -> None:
         super().__init__()
         self.weight = new_parameter(output_size, input_size, loader=self.weight_loader)
+        self.method = UnquantizedMethod()  # its apply: cuBLAS or the chosen GEMV
         self.gemv_rows = range(0)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Checkpoint,
@@ -46,9 +46,7 @@ class ReplicatedLinear(nn.Module):
         return {None: tuple(param.shape)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // x.shape[-1] in self.gemv_rows:
-            return gemv(x, self.weight)
-        return F.linear(x, self.weight)
+        return self.method.apply(self, x, None)
 
 
 class FusedMoE(nn.Module):
