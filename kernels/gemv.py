@@ -210,10 +210,17 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         BLOCK_N=tiles.block_n, BLOCK_K=tile_k, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **pdl_launch(x))
     if split > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](
-            out, bias if bias is not None else y, y, m * n, n, split,
-            HAS_BIAS=bias is not None, BLOCK=1024, **pdl_launch(x))
+        sum_splits(out, bias, y)
     return y.reshape(*x.shape[:-1], n)
+
+
+def sum_splits(parts: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+    """y [m, n] = the K shares' float32 partial sums parts [splits, m, n] (+ bias), added
+    up in one launch."""
+    splits, m, n = parts.shape
+    _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](
+        parts, bias if bias is not None else y, y, m * n, n, splits,
+        HAS_BIAS=bias is not None, BLOCK=1024, **pdl_launch(y))
 
 
 # --- kernels -------------------------------------------------------------------------------

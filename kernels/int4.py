@@ -1,33 +1,41 @@
-"""INT4 weights with 16-bit activations (W4A16): y = x W^T where W is stored as 4-bit
-integers, one scale and one zero point per group of `group_size` input features and output
-feature: W[n, k] = (q[k, n] - zeros[k // g, n]) * scales[k // g, n].
+"""INT4 weights with 16-bit activations (W4A16): y = x W^T where W [N, K] is stored as 4-bit
+integers, one scale and one zero point per output feature and group of `group_size` input
+features: W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g].
 
 The one layout every kernel reads (AWQ, GPTQ and compressed-tensors checkpoints are
 converted to it once, at load):
 
-- qweight int32 [K / 8, N]: nibble j (bits 4j..4j+3) of word [r, n] is q[8r + j, n], 0..15.
-  Packed along the input features as GPTQ does: one word is eight rows of one output
-  column, and neighbouring output columns are neighbouring words, so a program walking K
-  for a stripe of N reads whole contiguous rows (AWQ packs along N with its nibbles
-  interleaved; compressed-tensors packs along K but output-major).
-- scales [K / g, N] in the activation dtype.
-- zeros uint8 [K / g, N], unpacked: GPTQ's v1 convention stores zero - 1, so its zeros run
+- qweight int32 [N, K / 8]: nibble j (bits 4j..4j+3) of word [n, r] is q[n, 8r + j], 0..15.
+  Packed along the input features and output-major, as compressed-tensors stores it: a
+  program owning a stripe of outputs reads each row's words contiguously, as the 16-bit
+  and fp8 GEMVs read their rows, and a word's eight values meet eight neighbouring
+  activations (AWQ packs along N with its nibbles interleaved; GPTQ along K but
+  input-major).
+- scales [N, K / g] in the activation dtype.
+- zeros uint8 [N, K / g], unpacked: GPTQ's v1 convention stores zero - 1, so its zeros run
   1..16 and 16 does not fit a nibble; a byte costs 1/(g/2) of the weight bytes (1/64 at
   g = 128). Symmetric schemes store 8.
 - perm [K] int32 or None: GPTQ's act-order (and compressed-tensors' actorder "group")
   quantizes the input features in another order, so a group's features are scattered.
-  The converters sort the features by group once (qweight's rows permuted), making the
+  The converters sort the features by group once (qweight's columns permuted), making the
   groups contiguous again; the kernels then read x's columns through perm
-  (y = x[:, perm] @ W_sorted), a gather inside the load rather than another launch.
+  (y = x[:, perm] @ W_sorted^T), a gather inside the load rather than another launch.
 
-Dequantization is exact: (q - z) is a small integer and one product with the scale is
-rounded once to the activation dtype, as the reference twin does.
-
-Two kernels: a GEMV for a few rows (decode, M <= GEMV_MAX_ROWS) where the weight read is
-everything, one program per (row, N stripe) accumulating without tl.dot; and a tiled GEMM
-with tl.dot for prefill and large batches. The GEMV's tiles come from a sweep on the H100
-(benchmarks/gpu/int4_gemv_sweep.py): 570 to 770 GB/s of packed weights, under cuBLAS's
-bf16 GEMV in time except for the widest projection; the GEMM's are first guesses. The choice between them reads only x's shape, so a
+Two kernels. The GEMV (one row: batch-1 decode) reads every weight once and is bound by
+turning nibbles into floats, not by memory, unless that costs about four instructions a
+weight: it keeps the nibbles in place (a 20-bit shift for the top three), ORs each under
+the exponent of 2^23 so that the word's bits read as the float 2^23 + q * 16^j, subtracts
+2^23 + z * 16^j (exact: (q - z) * 16^j, an integer under 2^24) and multiplies by the
+activation times 16^-j, one fused multiply-add into per-lane sums that the group's scale
+multiplies once a word. Its K tiles never straddle a group, so a tile's scale and zero
+are one per row. The sums are exact products of exact integers with the activations in
+float32: the twin's rounding of each dequantized weight to the activation dtype is not
+repeated. Split-K partial sums are added by kernels/gemv.py's second launch, as there.
+The tiled GEMM (more rows: larger decode batches, prefill) dequantizes [BLOCK_N,
+BLOCK_K] tiles to the activation dtype and feeds tl.dot; from DEQUANTIZE_MIN_ROWS rows
+(prefill) the weight is dequantized once and cuBLAS multiplies. Tiles come from sweeps on
+the H100 (benchmarks/gpu/int4_gemv_sweep.py, benchmarks/issue30-h100): the GEMV reads
+1.0-1.6 TB/s of packed weights at the 8B projections. The choice reads only shapes, so a
 step replays in a CUDA graph.
 """
 
@@ -39,39 +47,48 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv import sm_count, sum_splits
+from kernels.pdl import overlap_previous, pdl_launch
+
 PACK_FACTOR = 8  # int4 values per int32
-GEMV_MAX_ROWS = 16
+MAGIC = 0x4B000000  # the bits of 2^23: OR-ed mantissa bits read as 2^23 + their integer
 
 
 @dataclass(frozen=True, slots=True)
 class Int4Tiles:
-    """Tile sizes: block_m rows (GEMM only), block_n output and block_k input features."""
+    """Tile sizes: block_m rows (1: the GEMV), block_n output and block_k input features;
+    split_k programs share each stripe's K (0: as many as fill the SMs)."""
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 0
 
 
-GEMV_TILES = Int4Tiles(1, 16, 512, num_warps=4, num_stages=2)  # the sweep's best overall
+GEMV_TILES = Int4Tiles(1, 128, 128, num_warps=4, num_stages=1)
 GEMM_TILES = Int4Tiles(64, 128, 64, num_warps=4, num_stages=3)
+DECODE_TILES = Int4Tiles(16, 64, 128, num_warps=4, num_stages=3)  # 2..16 rows
+# from this many rows the weight is dequantized to 16 bits for cuBLAS (vLLM's AWQ switch
+# sits at 256 tokens too)
+DEQUANTIZE_MIN_ROWS = 256
+DEQUANTIZE_TILE = (64, 128)
 
 
 # --- packing helpers (the canonical layout) ------------------------------------------------
 
-def unpack_int4_rows(qweight: torch.Tensor) -> torch.Tensor:
-    """int32 [R, N] packed along rows -> uint8 [8R, N]: row 8r + j is nibble j of row r."""
-    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
-    nibbles = (qweight.unsqueeze(1) >> shifts[None, :, None]) & 0xF
-    return nibbles.reshape(-1, qweight.shape[1]).to(torch.uint8)
+def unpack_int4(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., C] -> uint8 [..., 8C]: value 8c + j is nibble j of word c."""
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    nibbles = (words.unsqueeze(-1) >> shifts) & 0xF
+    return nibbles.reshape(*words.shape[:-1], -1).to(torch.uint8)
 
 
-def pack_int4_rows(values: torch.Tensor) -> torch.Tensor:
-    """uint8 or int [8R, N] of 0..15 -> int32 [R, N], the inverse of unpack_int4_rows."""
-    rows, cols = values.shape
-    grouped = values.to(torch.int64).reshape(rows // PACK_FACTOR, PACK_FACTOR, cols)
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """uint8 or int [..., 8C] of 0..15 -> int32 [..., C], the inverse of unpack_int4."""
+    grouped = values.to(torch.int64).reshape(*values.shape[:-1], -1, PACK_FACTOR)
     shifts = torch.arange(0, 32, 4, device=values.device, dtype=torch.int64)
-    words = (grouped << shifts[None, :, None]).sum(dim=1)
+    words = (grouped << shifts).sum(dim=-1)
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
@@ -79,10 +96,10 @@ def pack_int4_rows(values: torch.Tensor) -> torch.Tensor:
 
 def dequantize_int4_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                         group_size: int) -> torch.Tensor:
-    """The canonical layout -> W^T [K, N] in the scales' dtype, rows in qweight's order."""
-    q = unpack_int4_rows(qweight).to(torch.int32)
-    z = zeros.to(torch.int32).repeat_interleave(group_size, dim=0)
-    s = scales.float().repeat_interleave(group_size, dim=0)
+    """The canonical layout -> W [N, K] in the scales' dtype, columns in qweight's order."""
+    q = unpack_int4(qweight).to(torch.int32)
+    z = zeros.to(torch.int32).repeat_interleave(group_size, dim=1)
+    s = scales.float().repeat_interleave(group_size, dim=1)
     return ((q - z).float() * s).to(scales.dtype)
 
 
@@ -93,7 +110,7 @@ def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     w = dequantize_int4_ref(qweight, scales, zeros, group_size).to(x.dtype)
     if perm is not None:
         x = x[..., perm.long()]
-    y = x.float() @ w.float()
+    y = x.float() @ w.float().T
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype)
@@ -105,126 +122,254 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N]. The one dispatch point for this op: CUDA tensors take the
-    Triton kernels (GEMV up to GEMV_MAX_ROWS rows, else the tiled GEMM), others the twin."""
+    Triton kernels (the GEMV at one row, else the tiled GEMM), others the twin."""
     if x.is_cuda:
         return w4a16_gemm_triton(x, qweight, scales, zeros, group_size, perm, bias)
     return w4a16_gemm_ref(x, qweight, scales, zeros, group_size, perm, bias)
+
+
+def default_tiles(m: int) -> Int4Tiles:
+    if m == 1:
+        return GEMV_TILES
+    return DECODE_TILES if m <= 16 else GEMM_TILES
+
+
+def k_tile(block_k: int, group_size: int) -> int:
+    """The widest K tile up to block_k inside one group: a power of two dividing it."""
+    return min(block_k, group_size & -group_size)
+
+
+def split_count(tiles: Int4Tiles, stripes: int, k: int, block_k: int, sms: int) -> int:
+    """tiles.split_k, or K shares doubled while there are fewer than four programs an SM
+    and each share keeps four tiles (the H100 sweep's best split at each 8B projection)."""
+    if tiles.split_k:
+        return max(1, min(tiles.split_k, k // block_k))
+    split = 1
+    while stripes * split < 4 * sms and k // (2 * split) >= 4 * block_k:
+        split *= 2
+    return split
 
 
 def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                       zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None,
                       tiles: Int4Tiles | None = None) -> torch.Tensor:
-    """tiles: forces the GEMM path with these tiles (block_m 1: the GEMV path); default:
-    chosen by the row count."""
-    k, n = qweight.shape[0] * PACK_FACTOR, qweight.shape[1]
+    """tiles: force these tiles (block_m 1: the GEMV; the sweep and tests); default: by the
+    row count."""
+    n, k = qweight.shape[0], qweight.shape[1] * PACK_FACTOR
     assert x.shape[-1] == k and qweight.is_contiguous() and scales.is_contiguous()
-    # the GEMV reads a word's eight rows as one group's
     assert zeros.is_contiguous() and k % group_size == 0 and group_size % 8 == 0
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
-    tiles = tiles or (GEMV_TILES if m <= GEMV_MAX_ROWS else GEMM_TILES)
+    if tiles is None and m >= DEQUANTIZE_MIN_ROWS:
+        return dequantized_matmul(x2, qweight, scales, zeros, group_size, perm,
+                                  bias).reshape(*x.shape[:-1], n)
+    tiles = tiles or default_tiles(m)
+    block_k = k_tile(tiles.block_k, group_size)
+    stripes = triton.cdiv(n, tiles.block_n)
+    rows = triton.cdiv(m, tiles.block_m)
+    split = split_count(tiles, stripes * rows, k, block_k, sm_count(x.device))
+    k_share = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_share)
+    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     args = (x2, qweight, scales, zeros, perm if perm is not None else x2,
-            bias if bias is not None else x2, y, m, n, k, group_size)
-    flags = dict(HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
-                 BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
-                 num_stages=tiles.num_stages)
+            bias if bias is not None else x2, out, m, n, k, group_size, k_share)
+    flags = dict(HAS_PERM=perm is not None, HAS_BIAS=bias is not None and split == 1,
+                 BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
+                 num_stages=tiles.num_stages, **pdl_launch(x))
     if tiles.block_m == 1:
-        _w4a16_gemv_kernel[(triton.cdiv(n, tiles.block_n), m)](*args, BLOCK_K=tiles.block_k,
-                                                                **flags)
+        _w4a16_gemv_kernel[(stripes, split, m)](*args, **flags)
     else:
-        grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
-        _w4a16_gemm_kernel[grid](*args, BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k,
-                                 **flags)
+        _w4a16_gemm_kernel[(rows, stripes, split)](*args, BLOCK_M=tiles.block_m, **flags)
+    if split > 1:
+        sum_splits(out, bias, y)
     return y.reshape(*x.shape[:-1], n)
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+    """The canonical layout -> W [N, K] in the scales' dtype (dequantize_int4_ref's twin)."""
+    n, k = qweight.shape[0], qweight.shape[1] * PACK_FACTOR
+    w = torch.empty(n, k, dtype=scales.dtype, device=qweight.device)
+    block_n, block_k = DEQUANTIZE_TILE[0], k_tile(DEQUANTIZE_TILE[1], group_size)
+    _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
+        qweight, scales, zeros, w, n, k, group_size, BLOCK_N=block_n, BLOCK_K=block_k,
+        **pdl_launch(qweight))
+    return w
+
+
+def dequantized_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """Many rows (prefill): the weight dequantized once to x's dtype, then cuBLAS; its
+    16-bit copy is read once per tile of rows where the fused GEMM dequantizes every tile
+    again (four times slower at 2048 rows on the H100, benchmarks/issue30-h100)."""
+    w = dequantize_int4(qweight, scales.to(x2.dtype), zeros, group_size)
+    if perm is not None:
+        x2 = x2[:, perm.long()]
+    if bias is None:
+        return x2 @ w.T
+    return torch.addmm(bias, x2, w.T)
 
 
 # --- kernels -------------------------------------------------------------------------------
 
 @triton.jit
-def _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_k, offs_n, n, k,
-                      group_size):
-    """W^T[offs_k, offs_n] as float32: each word is loaded for its eight rows (the repeats
-    hit the cache) and shifted to its nibble; scale and zero by each row's group."""
-    mask = (offs_k[:, None] < k) & (offs_n[None, :] < n)
-    words = tl.load(qweight_ptr + (offs_k[:, None] // 8) * n + offs_n[None, :], mask=mask,
-                    other=0)
-    q = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
-    at_group = (offs_k[:, None] // group_size) * n + offs_n[None, :]
-    z = tl.load(zeros_ptr + at_group, mask=mask, other=0).to(tl.int32)
-    s = tl.load(scales_ptr + at_group, mask=mask, other=0.0).to(tl.float32)
-    return (q - z).to(tl.float32) * s
-
-
-@triton.jit
-def _x_columns(perm_ptr, offs_k, k, HAS_PERM: tl.constexpr):
-    """Which columns of x line up with the weight rows offs_k."""
+def _x_columns(perm_ptr, offs_k, HAS_PERM: tl.constexpr):
+    """Which columns of x line up with the (sorted) weight columns offs_k."""
     if HAS_PERM:
-        return tl.load(perm_ptr + offs_k, mask=offs_k < k, other=0)
+        return tl.load(perm_ptr + offs_k)
     return offs_k
 
 
 @triton.jit
-def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, y_ptr,
-                       m, n, k, group_size, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row of x times a BLOCK_N stripe of W^T, BLOCK_K input features a step: each
-    packed word is read once as a [BLOCK_K / 8, BLOCK_N] tile and shifted into its eight
-    nibbles (a word's eight rows share a group: groups are multiples of 8 rows), and the
-    products go into a BLOCK_N float32 accumulator. (Taking the scale and zero out of the
-    sum over a word's rows, with nibbles turned to floats by a bit trick, ran 3 to 5 times
-    slower on the H100: benchmarks/issue30-h100/int4-gemv-sweep*.txt.)"""
-    block, row = tl.program_id(0), tl.program_id(1)
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < n
-    word_rows = tl.arange(0, BLOCK_K // 8)
-    nibbles = tl.arange(0, 8)
-    x_row = x_ptr + row.to(tl.int64) * k
-    dtype = y_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
-        rows_ok = start // 8 + word_rows < k // 8
-        words = tl.load(qweight_ptr + (start // 8 + word_rows)[:, None] * n + offs_n[None, :],
-                        mask=rows_ok[:, None] & n_ok[None, :], other=0)
-        q = (words[:, None, :] >> (nibbles * 4)[None, :, None]) & 0xF
-        at_group = ((start + word_rows * 8) // group_size)[:, None] * n + offs_n[None, :]
-        z = tl.load(zeros_ptr + at_group, mask=rows_ok[:, None] & n_ok[None, :],
-                    other=0).to(tl.int32)
-        s = tl.load(scales_ptr + at_group, mask=rows_ok[:, None] & n_ok[None, :],
-                    other=0.0).to(tl.float32)
-        # rounded to the activation dtype as the twin's dequantized weight is
-        w = ((q - z[:, None, :]).to(tl.float32) * s[:, None, :]).to(dtype)
-        offs_k = start + word_rows[:, None] * 8 + nibbles[None, :]
-        xs = tl.load(x_row + _x_columns(perm_ptr, offs_k, k, HAS_PERM), mask=offs_k < k,
-                     other=0.0).to(tl.float32)
-        acc += tl.sum(tl.sum(w.to(tl.float32) * xs[:, :, None], axis=0), axis=0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row.to(tl.int64) * n + offs_n, acc.to(dtype), mask=n_ok)
+def _x_tile(x_row, perm_ptr, k0, x_at, HAS_PERM: tl.constexpr):
+    """x's columns lined up with weight columns k0 + x_at ([BLOCK_K / 8, 8]: a word's
+    eight), through perm under act-order, in float32."""
+    if HAS_PERM:
+        return tl.load(x_row + tl.load(perm_ptr + k0 + x_at)).to(tl.float32)
+    return tl.load(x_row + k0 + x_at).to(tl.float32)
 
 
 @triton.jit
-def _w4a16_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, y_ptr,
-                       m, n, k, group_size, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A BLOCK_M x BLOCK_N tile of y: each K step dequantizes a [BLOCK_K, BLOCK_N] weight
-    tile to the activation dtype and feeds tl.dot with float32 accumulation."""
+def _nibble_sums(words, x8, zero, BLOCK_K: tl.constexpr):
+    """sum over each word's eight nibbles j of (q_j - zero) * x8[word column, j], in
+    float32 ([BLOCK_N, BLOCK_K / 8] words; x8 [BLOCK_K / 8, 8]). x8 comes apart into its
+    eight columns by halving splits (a few 16-byte loads where eight strided ones ran
+    10-15% slower), and each nibble is read in place (the module's docstring)."""
+    low, high = words, words >> 20  # nibbles 5..7 at bits 0..11 of high
+    x4a, x4b = tl.split(tl.reshape(x8, (BLOCK_K // 8, 2, 2, 2)))  # j even, j odd
+    x2a, x2b = tl.split(x4a)
+    x2c, x2d = tl.split(x4b)
+    x0, x4 = tl.split(x2a)
+    x2, x6 = tl.split(x2b)
+    x1, x5 = tl.split(x2c)
+    x3, x7 = tl.split(x2d)
+    acc = _nibble_products(low, 0, x0, zero)
+    acc += _nibble_products(low, 1, x1, zero)
+    acc += _nibble_products(low, 2, x2, zero)
+    acc += _nibble_products(low, 3, x3, zero)
+    acc += _nibble_products(low, 4, x4, zero)
+    acc += _nibble_products(high, 0, x5, zero)
+    acc += _nibble_products(high, 1, x6, zero)
+    acc += _nibble_products(high, 2, x7, zero)
+    return acc
+
+
+@triton.jit
+def _nibble_products(words, place: tl.constexpr, xs, zero):
+    """(q - zero) * xs for the nibble at bits 4 * place of each word, as
+    ((q - zero) * 16^place) * (xs * 16^-place): both factors exact."""
+    bits = (words & (0xF << (4 * place))) | 0x4B000000
+    value = bits.to(tl.float32, bitcast=True) - (8388608.0 + zero * (1 << (4 * place)))
+    return value * (xs * (1.0 / (1 << (4 * place))))[None, :]
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr,
+                       out_ptr, m, n, k, group_size, k_share, HAS_PERM: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
+    """One row of x (program_id 2) times a BLOCK_N stripe of W over one K share
+    (program_id 1): float32 partial sums into out [shares, m, n], or y itself. Each step
+    loads the next tile's words, scales, zeros and x before its own arithmetic, and the
+    sums stay per lane in the words' layout until one reduction after the loop."""
+    overlap_previous(PDL)
+    stripe, share, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = stripe * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n
+    cols = tl.arange(0, BLOCK_K // 8)
+    w_rows = qweight_ptr + offs_n.to(tl.int64)[:, None] * (k // 8) + cols[None, :]
+    at_group = offs_n * (k // group_size)
+    x_row = x_ptr + row.to(tl.int64) * k
+    x_at = cols[:, None] * 8 + tl.arange(0, 8)[None, :]
+    k_lo = share * k_share
+    k_hi = tl.minimum(k_lo + k_share, k)
+    lanes = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    words = tl.load(w_rows + k_lo // 8, mask=n_ok[:, None], other=0)
+    s = tl.load(scales_ptr + at_group + k_lo // group_size, mask=n_ok, other=0.0)
+    z = tl.load(zeros_ptr + at_group + k_lo // group_size, mask=n_ok, other=0)
+    x8 = _x_tile(x_row, perm_ptr, k_lo, x_at, HAS_PERM)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        # the next tile (a K tile never straddles a group: one scale and zero a row); past
+        # the share's end, x is read at its last tile and not used
+        ahead = offs_n < tl.where(k0 + BLOCK_K < k_hi, n, 0)
+        next_words = tl.load(w_rows + (k0 + BLOCK_K) // 8, mask=ahead[:, None], other=0)
+        next_s = tl.load(scales_ptr + at_group + (k0 + BLOCK_K) // group_size, mask=ahead,
+                         other=0.0)
+        next_z = tl.load(zeros_ptr + at_group + (k0 + BLOCK_K) // group_size, mask=ahead,
+                         other=0)
+        next_x8 = _x_tile(x_row, perm_ptr, tl.minimum(k0 + BLOCK_K, k - BLOCK_K), x_at,
+                          HAS_PERM)
+        sums = _nibble_sums(words, x8, z.to(tl.float32)[:, None], BLOCK_K)
+        lanes += sums * s.to(tl.float32)[:, None]
+        words, s, z, x8 = next_words, next_s, next_z, next_x8
+    acc = tl.sum(lanes, axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (share * m + row).to(tl.int64) * n + offs_n,
+             acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_n, n_ok, k0, k, group_size,
+                      dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[offs_n, k0 : k0 + BLOCK_K] in dtype: the [BLOCK_N, BLOCK_K / 8] words loaded along
+    their rows, shifted into their nibbles, less the row's zero, times its scale (the tile
+    lies in one group)."""
+    cols = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(qweight_ptr + offs_n.to(tl.int64)[:, None] * (k // 8) + cols[None, :],
+                    mask=n_ok[:, None], other=0)
+    q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    q = tl.reshape(q, (BLOCK_N, BLOCK_K))
+    at_group = offs_n * (k // group_size) + k0 // group_size
+    z = tl.load(zeros_ptr + at_group, mask=n_ok, other=0).to(tl.int32)
+    s = tl.load(scales_ptr + at_group, mask=n_ok, other=0.0).to(tl.float32)
+    return ((q - z[:, None]).to(tl.float32) * s[:, None]).to(dtype)
+
+
+@triton.jit
+def _w4a16_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, out_ptr,
+                       m, n, k, group_size, k_share, HAS_PERM: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """A BLOCK_M x BLOCK_N tile of y over one K share (program_id 2): each K step
+    dequantizes a weight tile to the activation dtype and feeds tl.dot with float32
+    accumulation; partial sums into out [shares, m, n], or y itself."""
+    overlap_previous(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    share = tl.program_id(2)
+    m_ok, n_ok = offs_m < m, offs_n < n
     rows = x_ptr + offs_m.to(tl.int64)[:, None] * k
+    k_lo = share * k_share
+    k_hi = tl.minimum(k_lo + k_share, k)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)
-        cols = _x_columns(perm_ptr, offs_k, k, HAS_PERM)
-        xs = tl.load(rows + cols[None, :], mask=(offs_m[:, None] < m) & (offs_k[None, :] < k),
-                     other=0.0)
-        w = _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_k, offs_n, n, k,
-                              group_size)
-        acc = tl.dot(xs, w.to(xs.dtype), acc)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        cols = _x_columns(perm_ptr, k0 + tl.arange(0, BLOCK_K), HAS_PERM)
+        xs = tl.load(rows + cols[None, :], mask=m_ok[:, None], other=0.0)
+        w = _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_n, n_ok, k0, k,
+                              group_size, xs.dtype, BLOCK_N, BLOCK_K)
+        acc = tl.dot(xs, tl.trans(w), acc)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * n + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < m) & (offs_n[None, :] < n))
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    at = (share * m + offs_m).to(tl.int64)[:, None] * n + offs_n[None, :]
+    tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, w_ptr, n, k, group_size,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """W[stripe, K tile] in w's dtype."""
+    overlap_previous(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_n, n_ok, k0, k, group_size,
+                          w_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+    at = offs_n.to(tl.int64)[:, None] * k + k0 + tl.arange(0, BLOCK_K)[None, :]
+    tl.store(w_ptr + at, w, mask=n_ok[:, None])

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from common.config import EngineConfig
 from common.model_files import load_hf_config
 from common.model_support import UnsupportedModel, check_model_support
-from kernels.int4 import (Int4Tiles, dequantize_int4_ref, pack_int4_rows, unpack_int4_rows,
+from kernels.int4 import (Int4Tiles, dequantize_int4_ref, pack_int4, unpack_int4,
                           w4a16_gemm_ref, w4a16_gemm_triton)
 from services.worker.layers.linear import MergedColumnParallelLinear
 from services.worker.layers.quantization import building_with, quant_method_for
@@ -178,12 +178,12 @@ def act_order_groups(k: int, group_size: int, g: torch.Generator) -> torch.Tenso
 
 def dense(weight: Int4Weight, group_size: int) -> torch.Tensor:
     """The canonical layout back to W [N, K] in the checkpoint's input order."""
-    w_t = dequantize_int4_ref(weight.qweight, weight.scales, weight.zeros, group_size)
+    w = dequantize_int4_ref(weight.qweight, weight.scales, weight.zeros, group_size)
     if weight.perm is None:
-        return w_t.T
-    original = torch.empty_like(w_t)
-    original[weight.perm.long()] = w_t
-    return original.T
+        return w
+    original = torch.empty_like(w)
+    original[:, weight.perm.long()] = w
+    return original
 
 
 # --- kernels: interpreter checks, each in a subprocess -------------------------------------
@@ -199,12 +199,12 @@ def interpreter_check(fn: Callable[[], None]) -> Callable[[], None]:
 def random_int4(k: int, n: int, group_size: int, g: torch.Generator,
                 act_order: bool) -> Int4Weight:
     """Random canonical weights: any nibble, zeros 0..16, small positive scales."""
-    q = torch.randint(0, 16, (k, n), generator=g)
+    q = torch.randint(0, 16, (n, k), generator=g)
     groups = k // group_size
-    scales = (torch.rand(groups, n, generator=g) * 0.05 + 0.01).half()
-    zeros = torch.randint(0, 17, (groups, n), generator=g).to(torch.uint8)
+    scales = (torch.rand(n, groups, generator=g) * 0.05 + 0.01).half()
+    zeros = torch.randint(0, 17, (n, groups), generator=g).to(torch.uint8)
     perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
-    return Int4Weight(pack_int4_rows(q), scales, zeros, perm)
+    return Int4Weight(pack_int4(q), scales, zeros, perm)
 
 
 def check_w4a16(m: int, k: int, n: int, group_size: int, act_order: bool,
@@ -226,24 +226,29 @@ def check_w4a16(m: int, k: int, n: int, group_size: int, act_order: bool,
 
 @interpreter_check
 def gemv_path() -> None:
-    """Rows 1, 3 and 16 (the GEMV limit); N off the block size; K over several blocks and
-    a last partial one; groups 32, 64, 128 with and without act-order."""
+    """One row (the default there) and three forced onto the GEMV; N off the block size; K
+    over several tiles, split over programs (forced and by the SM count) with the bias
+    added after the split's sum; groups 32, 64, 128 and one over all of K (per channel),
+    with and without act-order."""
     for group_size in GROUP_SIZES:
         for act_order in (False, True):
             check_w4a16(1, 384, 96, group_size, act_order, Int4Tiles(1, 64, 256), act_order)
+    check_w4a16(1, 384, 96, 384, False, Int4Tiles(1, 64, 256, split_k=3), True)
     check_w4a16(3, 256, 40, 32, True, Int4Tiles(1, 32, 64), True)
-    check_w4a16(16, 128, 72, 64, False, None, True)  # the default: GEMV tiles at 16 rows
+    check_w4a16(1, 512, 72, 64, False, None, True)
 
 
 @interpreter_check
 def gemm_path() -> None:
-    """Rows past the GEMV limit, M and N off the tiles, K tiles narrower and wider than a
-    group; groups 32, 64, 128 with and without act-order; the default tiles once."""
+    """Rows past one, M and N off the tiles, K tiles narrower and wider than a group (a
+    wider one is narrowed to the group), K split over programs; groups 32, 64, 128 with
+    and without act-order; the default tiles at 16 and 17 rows."""
     for group_size in GROUP_SIZES:
         for act_order in (False, True):
             check_w4a16(21, 256, 48, group_size, act_order, Int4Tiles(16, 32, 64),
                         not act_order)
-    check_w4a16(5, 256, 80, 128, True, Int4Tiles(16, 64, 256), True)
+    check_w4a16(5, 256, 80, 128, True, Int4Tiles(16, 64, 256, split_k=2), True)
+    check_w4a16(16, 128, 72, 64, False, None, True)
     check_w4a16(17, 128, 136, 64, False, None, False)
 
 
@@ -268,10 +273,10 @@ def test_w4a16_kernels_cuda(dtype: torch.dtype) -> None:
 
 def test_canonical_packing_round_trips() -> None:
     g, _ = fresh_generator()
-    q = torch.randint(0, 16, (64, 24), generator=g)
-    packed = pack_int4_rows(q)
-    assert torch.equal(packed, pack_along_rows(q))
-    assert torch.equal(unpack_int4_rows(packed).long(), q)
+    q = torch.randint(0, 16, (24, 64), generator=g)
+    packed = pack_int4(q)
+    assert torch.equal(packed, pack_along_columns(q, tuple(range(8))))
+    assert torch.equal(unpack_int4(packed).long(), q)
 
 
 # --- converters against independent unpacking of random words ------------------------------
@@ -623,7 +628,7 @@ def dense_of(layer) -> torch.Tensor:
     """A loaded layer's W [N, K] in the checkpoint's input order."""
     weight = Int4Weight(layer.qweight.data, layer.scales.data, layer.zeros.data,
                         None if layer.perm is None else layer.perm.data)
-    return dense(weight, layer.qweight.shape[0] * 8 // layer.scales.shape[0])
+    return dense(weight, layer.qweight.shape[1] * 8 // layer.scales.shape[1])
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq-v1-sym", "ct-asym-32"])

@@ -52,6 +52,21 @@ gemv)  # the fp8 weight-only GEMV against its twin, the layer's choice of it, 8B
   done
   timeout "${SWEEP_S:-200}" python benchmarks/gpu/fp8_gemv_sweep.py > "$R/fp8-gemv-sweep.txt" 2>&1
   ;;
+int4)  # the W4A16 kernels' CUDA tests, their tile sweep, and batch-1 decode of the 8B
+       # shapes in AWQ int4, fp8 and bf16 (TAG names the run's files)
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_quant_int4.py -k cuda \
+    > "$R/pytest-int4-cuda${TAG:-}.txt" 2>&1
+  timeout "${SWEEP_S:-200}" python benchmarks/gpu/int4_gemv_sweep.py ${SWEEP_ROWS:-1 8 2048} \
+    > "$R/int4-gemv-sweep${TAG:-}.txt" 2>&1
+  AWQ=$(awq_shape)
+  for fmt in ${FORMATS:-awq fp8 none}; do
+    model=$L quant=(); [ "$fmt" = awq ] && model=$AWQ
+    [ "$fmt" != none ] && quant=(--quantization "$fmt")
+    bench 150 latency --model "$model" --load-format dummy --context-len 1000 \
+      --batch-size 1 --output-len 64 --iterations 3 --max-model-len 2048 "${quant[@]}" \
+      --json "$R/latency-8b-$fmt-b1${TAG:-}.json" >> "$R/latency${TAG:-}.txt" 2>&1
+  done
+  ;;
 3)
   for quant in none fp8; do
     args=(); [ "$quant" != none ] && args=(--quantization "$quant")

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from common.quantization import QuantSpec
-from kernels.int4 import PACK_FACTOR, pack_int4_rows, unpack_int4_rows, w4a16_gemm
+from kernels.int4 import PACK_FACTOR, pack_int4, unpack_int4, w4a16_gemm
 from services.worker.layers.quantization.base import QuantMethod, quant_parameter
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column ORDER[i]
@@ -37,8 +37,8 @@ SYMMETRIC_ZERO = 8
 
 @dataclass(frozen=True, slots=True)
 class Int4Weight:
-    """The canonical layout (kernels/int4.py): qweight int32 [K/8, N], scales [K/g, N],
-    zeros uint8 [K/g, N], perm [K] int32 or None."""
+    """The canonical layout (kernels/int4.py): qweight int32 [N, K/8], scales [N, K/g],
+    zeros uint8 [N, K/g], perm [K] int32 or None."""
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
@@ -79,8 +79,8 @@ def to_int4_weight(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     perm = sort_groups(g_idx, group_size)
     if perm is not None:
         q = q[perm.long()]
-    return Int4Weight(pack_int4_rows(q), scales.contiguous(),
-                      zeros.to(torch.uint8).contiguous(), perm)
+    return Int4Weight(pack_int4(q.T.contiguous()), scales.T.contiguous(),
+                      zeros.T.to(torch.uint8).contiguous(), perm)
 
 
 def awq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -96,7 +96,7 @@ def gptq_to_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
     v1_zeros: the checkpoint stores zero - 1 (format "gptq"), so a stored 15 is a zero
     of 16, as vLLM's and transformers' GPTQ kernels read it."""
     zeros = unpack_int4_columns(qzeros, SEQUENTIAL_ORDER).to(torch.int32) + int(v1_zeros)
-    return to_int4_weight(unpack_int4_rows(qweight), zeros, scales, g_idx, group_size)
+    return to_int4_weight(unpack_int4(qweight.T).T, zeros, scales, g_idx, group_size)
 
 
 def compressed_tensors_to_int4(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
@@ -107,7 +107,7 @@ def compressed_tensors_to_int4(weight_packed: torch.Tensor, weight_scale: torch.
         zeros = torch.full(weight_scale.T.shape, SYMMETRIC_ZERO, dtype=torch.uint8,
                            device=weight_scale.device)
     else:
-        zeros = unpack_int4_rows(weight_zero_point).T
+        zeros = unpack_int4(weight_zero_point.T)
     return to_int4_weight(q, zeros, weight_scale.T, g_idx, group_size)
 
 
@@ -210,7 +210,7 @@ class Int4Method(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        group_size = layer.qweight.shape[0] * PACK_FACTOR // layer.scales.shape[0]
+        group_size = layer.qweight.shape[1] * PACK_FACTOR // layer.scales.shape[1]
         return w4a16_gemm(x, layer.qweight, layer.scales, layer.zeros, group_size,
                           layer.perm, bias)
 
