@@ -26,6 +26,18 @@ import triton
 from kernels.gemv import GemvTiles, default_tiles, launch_gemv, sm_count
 from kernels.quant import FP8_DTYPE, dequantize
 
+# (rows, N, K, SMs) -> tiles for scales that span all of K (per tensor, per channel): the
+# best of benchmarks/gpu/fp8_gemv_sweep.py where they beat the rules' by 3% or more, on an
+# H100 80GB HBM3 (132 SMs), 2026-11-27 (benchmarks/issue30-h100/s4/fp8-gemv-sweep-1row.txt):
+# Llama-3.1-8B's projections at one row, 8 warps on 512-1024-byte rows, and gate_up on
+# tensor cores at 32 x 256 bytes, 4 stages (default 14.4, 9.0, 51.9, 26.2 us)
+TUNED_TILES: dict[tuple[int, int, int, int], GemvTiles] = {
+    (1, 6144, 4096, 132): GemvTiles(8, 1024, False, 1, 8, 1),  # 12.0 us
+    (1, 4096, 4096, 132): GemvTiles(8, 512, False, 1, 8, 1),  # 8.5 us
+    (1, 28672, 4096, 132): GemvTiles(32, 256, True, 1, 4, 4),  # 45.0 us
+    (1, 4096, 14336, 132): GemvTiles(8, 512, False, 1, 8, 1),  # 24.6 us
+}
+
 
 # --- torch reference twin ------------------------------------------------------------------
 
@@ -80,6 +92,7 @@ def fp8_gemv_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     n, k = w_fp8.shape
     assert w_fp8.dtype == FP8_DTYPE, "e4m3 weights"
     scale, block_n, block_k = scale_blocks(w_scale, n, k, block)
-    rows = max(1, x.numel() // k)
-    tiles = tiles or default_tiles(rows, n, k, sm_count(x.device), 1, block_k)
+    rows, sms = max(1, x.numel() // k), sm_count(x.device)
+    tuned = TUNED_TILES.get((rows, n, k, sms)) if block_k == k else None
+    tiles = tiles or tuned or default_tiles(rows, n, k, sms, 1, block_k)
     return launch_gemv(x, w_fp8, bias, tiles, scale, (block_n, block_k))

@@ -8,7 +8,7 @@ Each way cycles through copies of its weights that together pass L2_FLUSH_BYTES,
 step streams every layer's weights once: the 8B's o and qkv weights (16 and 25 MB in fp8)
 would otherwise stay in the H100's 50 MB L2 from one replay to the next.
 
-    source .devkit/env.sh && python benchmarks/gpu/fp8_gemv_sweep.py
+    source .devkit/env.sh && python benchmarks/gpu/fp8_gemv_sweep.py [ROWS...]
 
 Also times 128x128 block scales at one row (DeepSeek-style checkpoints) with the default
 tiles.
@@ -35,7 +35,8 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
 ROWS = (1, 8)
 L2_FLUSH_BYTES = 256 * 2 ** 20
 ONE_ROW = [GemvTiles(n, k, split_k=s, num_warps=w, num_stages=1)
-           for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (4, 8) for s in (1, 2)]
+           for n in (2, 4, 8, 16, 32) for k in (256, 512, 1024, 2048) for w in (4, 8)
+           for s in (1, 2)]
 DOT = [GemvTiles(n, k, dot=True, split_k=s, num_warps=w, num_stages=st)
        for n in (16, 32, 64) for k in (128, 256) for w in (4,) for st in (3, 4, 5)
        for s in (1, 2)]
@@ -108,7 +109,7 @@ def blocks_at_one_row(name: str, k: int, n: int) -> None:
 
 def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {sm_count(torch.device('cuda'))} SMs")
-    for rows in ROWS:
+    for rows in [int(arg) for arg in sys.argv[1:]] or ROWS:
         for name, (k, n) in SHAPES.items():
             sweep(name, k, n, rows)
     for name, (k, n) in SHAPES.items():

@@ -67,6 +67,22 @@ int4)  # the W4A16 kernels' CUDA tests, their tile sweep, and batch-1 decode of 
       --json "$R/latency-8b-$fmt-b1${TAG:-}.json" >> "$R/latency${TAG:-}.txt" 2>&1
   done
   ;;
+fp8)  # the fp8 GEMV's CUDA tests at its tuned tiles, 8B batch-1 decode in fp8, and the
+      # batch-64 workload in bf16, fp8 and fp8 with an fp8 KV cache (TAG names the files)
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+    -k "fp8_gemv and cuda" > "$R/pytest-fp8-gemv${TAG:-}.txt" 2>&1
+  bench 120 latency --model "$L" --load-format dummy --context-len 1000 --batch-size 1 \
+    --output-len 64 --iterations 3 --max-model-len 2048 --quantization fp8 \
+    --json "$R/latency-8b-fp8-b1${TAG:-}.json" >> "$R/latency${TAG:-}.txt" 2>&1
+  for spec in "none auto" "fp8 auto" "fp8 fp8"; do
+    set -- $spec
+    quant=(); [ "$1" != none ] && quant=(--quantization "$1")
+    bench 150 latency --model "$L" --load-format dummy --context-len 1000 --batch-size 64 \
+      --output-len 64 --iterations 2 --max-model-len 2048 "${quant[@]}" \
+      --kv-cache-dtype "$2" --json "$R/latency-8b-$1-kv$2-b64${TAG:-}.json" \
+      >> "$R/latency-b64${TAG:-}.txt" 2>&1
+  done
+  ;;
 3)
   for quant in none fp8; do
     args=(); [ "$quant" != none ] && args=(--quantization "$quant")
