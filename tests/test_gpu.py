@@ -334,6 +334,22 @@ def test_two_stages_in_cuda_graphs_give_the_eager_and_one_gpu_tokens(tmp_path):
         assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens > 0
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+def test_two_stages_of_two_ranks_in_cuda_graphs_give_one_gpus_tokens(tmp_path):
+    """TP=2 x PP=2 over NCCL on four GPUs, each stage a tensor-parallel pair replaying
+    graphs of its own layers: one GPU's greedy tokens through chunked prefills and decodes
+    (float32, as above)."""
+    model_dir = str(make_tiny_model(tmp_path, "llama", num_hidden_layers=4))
+    prompts = tiny_prompts()
+    kwargs = dict(dtype="float32", block_size=16, num_gpu_blocks_override=256,
+                  max_num_batched_tokens=64, max_num_seqs=8)
+    with LLM(model_dir, **kwargs) as one:
+        want = greedy(one, prompts, 32)
+    with LLM(model_dir, tensor_parallel_size=2, pipeline_parallel_size=2, **kwargs) as llm:
+        assert llm.engine.runner.graphs is not None
+        assert greedy(llm, prompts, 32) == want
+
+
 # --- fp8 KV cache ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

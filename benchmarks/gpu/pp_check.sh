@@ -5,7 +5,8 @@
 # shapes, the nano lengths over 1,024 requests in-process: two stages in CUDA graphs (the
 # default), two stages eager, two tensor-parallel ranks, and one GPU (issue 32's goal: two
 # stages at 1.7x one GPU or more); EAGER=0 leaves out the eager stages. A run past the 470 s
-# budget is cut short.
+# budget is cut short. RUNS picks the runs (default "pp2 pp2-eager tp2 pp1"; tp2pp2 needs four
+# GPUs: two stages of two tensor-parallel ranks).
 #   source .devkit/env.sh && bash benchmarks/gpu/pp_check.sh
 set -uo pipefail
 source benchmarks/gpu/common.sh
@@ -19,12 +20,17 @@ nano() {  # NAME CAP ARGS...: the nano workload's throughput
     --workload nano --num-prompts 1024 --path inprocess "${@:3}" \
     --json "$R/throughput-nano1024-$1.json" > "$R/throughput-nano1024-$1.txt" 2>&1
 }
-timeout "$(limit 120)" python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+timeout "$(limit 150)" python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
   -k two_stages > "$R/pytest-pp.txt" 2>&1
-nano pp2 120 --pipeline-parallel-size 2
-[ "${EAGER:-1}" = 1 ] && nano pp2-eager 150 --pipeline-parallel-size 2 --enforce-eager
-nano tp2 120 --tensor-parallel-size 2
-nano pp1 120
+for run in ${RUNS:-pp2 pp2-eager tp2 pp1}; do
+  case $run in
+    pp2) nano pp2 120 --pipeline-parallel-size 2 ;;
+    pp2-eager) [ "${EAGER:-1}" = 1 ] && nano pp2-eager 150 --pipeline-parallel-size 2 --enforce-eager ;;
+    tp2) nano tp2 120 --tensor-parallel-size 2 ;;
+    tp2pp2) nano tp2pp2 150 --tensor-parallel-size 2 --pipeline-parallel-size 2 ;;
+    pp1) nano pp1 120 ;;
+  esac
+done
 lscpu | grep -E "Model name|^CPU\(s\)" > "$R/host.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$R/host.txt"
 tail -n 3 "$R/pytest-pp.txt"
