@@ -97,8 +97,14 @@ def run_throughput(model: Path, tmp_path: Path, paths: str, *extra: str
     return result.stdout, json.loads(out.read_text())
 
 
-def test_throughput_command_times_both_paths(tiny, tmp_path):
-    stdout, data = run_throughput(tiny, tmp_path, "both")
+@pytest.fixture(scope="module")
+def both_paths(tiny, tmp_path_factory) -> tuple[str, dict]:
+    """One rank's run over both paths, read by the tests of both paths and of two ranks."""
+    return run_throughput(tiny, tmp_path_factory.mktemp("both"), "both")
+
+
+def test_throughput_command_times_both_paths(both_paths):
+    stdout, data = both_paths
     assert "pipeline / inprocess: " in stdout
     assert [r["path"] for r in data["results"]] == ["inprocess", "pipeline"]
     assert all(r["output_tokens"] == 6 * 12 for r in data["results"])
@@ -111,10 +117,10 @@ def test_throughput_command_times_both_paths(tiny, tmp_path):
     assert pipeline["scheduler.loops"] >= 12 and pipeline["scheduler.update_s"] > 0
 
 
-def test_throughput_command_runs_two_ranks_on_both_paths(tiny, tmp_path):
+def test_throughput_command_runs_two_ranks_on_both_paths(tiny, tmp_path, both_paths):
     """The in-process engine lets its ranks go before the pipeline's worker starts its
     own; the floor is one rank's share."""
-    _, one = run_throughput(tiny, tmp_path, "inprocess")
+    _, one = both_paths
     _, data = run_throughput(tiny, tmp_path, "both", "--tensor-parallel-size", "2",
                              "--device", "cpu")
     assert [r["path"] for r in data["results"]] == ["inprocess", "pipeline"]
@@ -157,15 +163,26 @@ def test_throughput_command_compares_two_shards_with_one(tiny, tmp_path):
     assert f"pipeline dp=2 / pipeline: {ratio:.2f}x" in stdout.splitlines()
 
 
-@pytest.mark.parametrize("tp", ["1", "2"])
-def test_latency_command_reports_decode_time(tiny, tmp_path, tp):
-    out = tmp_path / "latency.json"
-    result = run_command("bench", "latency", "--model", str(tiny), "--context-len", "32",
-                         "--output-len", "8", "--iterations", "1",
-                         "--num-gpu-blocks-override", "64", "--json", str(out),
-                         "--tensor-parallel-size", tp, "--device", "cpu", timeout=300)
+def run_latency(model: Path, out: Path, *extra: str) -> dict:
+    """`headrace bench latency` of a 32-token context on the CPU: its --json."""
+    result = run_command("bench", "latency", "--model", str(model), "--context-len", "32",
+                         "--iterations", "1", "--num-gpu-blocks-override", "64",
+                         "--json", str(out), "--device", "cpu", *extra, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def one_rank_latency(tiny, tmp_path_factory) -> dict:
+    """One rank's latency run, read by the decode-time and the floor tests."""
+    out = tmp_path_factory.mktemp("latency") / "latency.json"
+    return run_latency(tiny, out, "--output-len", "8", "--tensor-parallel-size", "1")
+
+
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_latency_command_reports_decode_time(tiny, tmp_path, tp, one_rank_latency):
+    data = one_rank_latency if tp == "1" else run_latency(
+        tiny, tmp_path / "latency.json", "--output-len", "8", "--tensor-parallel-size", tp)
     assert data["decode_ms_per_token_median"] > 0 and data["prefill_ms"] > 0
     assert data["floor_ms_per_token"] > 0 and data["draft_tokens"] == 0
     assert data["decode_tokens_per_s"] > 0
@@ -252,21 +269,14 @@ def test_the_copy_model_continues_the_latency_prompts_cycle(tmp_path):
     assert got == repeated(motif, 52)[40:]
 
 
-def test_latency_floor_counts_quantized_weights(tiny, tmp_path):
+def test_latency_floor_counts_quantized_weights(tiny, tmp_path, one_rank_latency):
     """--quantization fp8 (quantized on load) holds a byte per projection weight where
     float32 holds four, plus a float32 scale per output row: the bytes the floor counts
     shrink by exactly that."""
-    read = {}
-    for quant in ([], ["--quantization", "fp8"]):
-        out = tmp_path / f"latency{len(quant)}.json"
-        result = run_command("bench", "latency", "--model", str(tiny), "--context-len", "32",
-                             "--output-len", "4", "--iterations", "1", "--load-format",
-                             "dummy", "--num-gpu-blocks-override", "64", "--json", str(out),
-                             "--device", "cpu", *quant, timeout=300)
-        assert result.returncode == 0, result.stderr[-2000:]
-        data = json.loads(out.read_text())
-        assert data["floor_ms_per_token"] > 0
-        read[len(quant)] = data["weight_bytes"]
+    fp8 = run_latency(tiny, tmp_path / "latency.json", "--output-len", "4", "--load-format",
+                      "dummy", "--quantization", "fp8")
+    assert fp8["floor_ms_per_token"] > 0
+    read = {0: one_rank_latency["weight_bytes"], 2: fp8["weight_bytes"]}
     c = json.loads((tiny / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim

@@ -150,7 +150,7 @@ def server(request: pytest.FixtureRequest, model_dir: Path,
 def wait_both_up(server: ServerProcess) -> None:
     deadline = time.monotonic() + RECOVER_S
     while time.monotonic() < deadline:
-        stats = shard_stats(server)
+        stats = shard_stats(server, settle_s=0.0)  # only whether each has a live worker
         if all(s is not None for s in stats):
             return
         time.sleep(0.5)

@@ -3,8 +3,10 @@ hypothesis (wrong types, numeric edges, NaN and infinities, odd strings and nest
 fields) and by hand (framing, methods, paths, raw bytes). Every answer must be a 4xx with
 an OpenAI-style error, or a well-formed answer; never a 5xx, a hang or a dead process.
 
-HEADRACE_FUZZ_EXAMPLES sets how many bodies hypothesis makes per endpoint (CI's default
-below); the cases are derandomized, so a run is the same on every machine. With
+`make test` sends a sample of QUICK_EXAMPLES hypothesis bodies per endpoint; the full sample
+of EXAMPLES per endpoint runs under `make test-long` (the same test, marked long).
+HEADRACE_FUZZ_EXAMPLES sets the full sample's size (default below); the cases are
+derandomized, so a run is the same on every machine. With
 HEADRACE_FUZZ_TABLE set, the statuses each endpoint answered are written there as a
 markdown table (benchmarks/fuzz-cpu/run.sh, the long run).
 """
@@ -28,7 +30,8 @@ from hypothesis import strategies as st
 
 from tests.e2e_fixtures import API_KEY, MODEL_NAME, ServerProcess, serve_args, serving
 
-EXAMPLES = int(os.environ.get("HEADRACE_FUZZ_EXAMPLES", "500"))  # x4 endpoints
+EXAMPLES = int(os.environ.get("HEADRACE_FUZZ_EXAMPLES", "500"))  # x4 endpoints, make test-long
+QUICK_EXAMPLES = 100  # x4 endpoints, make test: the smaller sample keeps CI under its limit
 ANSWER_TIMEOUT_S = 30.0
 MAX_MODEL_LEN = 64  # bounds what any accepted request can make the CPU generate
 RSS_GROWTH_LIMIT = 300 * 2**20
@@ -164,8 +167,8 @@ def gateway_rss(server: ServerProcess) -> int:
     return sum(c.memory_info().rss for c in children if service(c) == "gateway")
 
 
-def fuzz_endpoint(server: ServerProcess, path: str, statuses: Counter) -> None:
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+def fuzz_endpoint(server: ServerProcess, path: str, statuses: Counter, examples: int) -> None:
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(body=bodies(path))
     def one(body: Any) -> None:
@@ -176,11 +179,14 @@ def fuzz_endpoint(server: ServerProcess, path: str, statuses: Counter) -> None:
 
 
 @pytest.mark.parametrize("path", list(BASES))
-def test_fuzzed_bodies_get_a_4xx_or_an_answer(fuzzed: ServerProcess, path: str,
+@pytest.mark.parametrize("examples", [pytest.param(QUICK_EXAMPLES, id="quick"),
+                                      pytest.param(EXAMPLES, id="full", marks=pytest.mark.long)])
+def test_fuzzed_bodies_get_a_4xx_or_an_answer(fuzzed: ServerProcess, path: str, examples: int,
                                               statuses: Counter):
+    """`make test` sends the quick sample, `make test-long` the full one (EXAMPLES)."""
     before = gateway_rss(fuzzed)
     assert before > 0
-    fuzz_endpoint(fuzzed, path, statuses)
+    fuzz_endpoint(fuzzed, path, statuses, examples)
     assert fuzzed.status("/health") == 200, fuzzed.log_tail()
     assert gateway_rss(fuzzed) - before < RSS_GROWTH_LIMIT
 

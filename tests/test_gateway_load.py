@@ -49,7 +49,10 @@ async def stream_one(session: aiohttp.ClientSession, url: str, i: int) -> tuple[
         return response.status, text
 
 
-async def test_thousands_of_streams_share_a_few_connections(embedded_redis, tmp_path):
+async def test_thousands_of_streams_share_a_few_connections(embedded_redis, redis_url,
+                                                            tmp_path):
+    """`redis_url`: the session's Redis emptied first, so that the fake stages read only
+    this test's requests (an earlier test may have left an Abort on hr:requests)."""
     rdb = embedded_redis.client()
     rdb.set(keys.alive_scheduler(), "fake")
     rdb.set(keys.alive_worker(), "fake")

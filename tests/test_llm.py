@@ -58,6 +58,18 @@ def hf_greedy(hf, prompt_ids: list[int], max_new: int = MAX_TOKENS) -> list[int]
     return out[0, len(prompt_ids):].tolist()
 
 
+# transformers' greedy tokens of the demo model by prompt: four tests check the same prompts
+# against them, and transformers' generation of each is the same every time
+DEMO_GREEDY: dict[tuple[int, ...], list[int]] = {}
+
+
+def demo_greedy(hf, prompt_ids: list[int]) -> list[int]:
+    key = tuple(prompt_ids)
+    if key not in DEMO_GREEDY:
+        DEMO_GREEDY[key] = hf_greedy(hf, prompt_ids)
+    return DEMO_GREEDY[key]
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -72,7 +84,7 @@ def check_greedy_matches(llm: LLM, demo, prompts: list[str]) -> None:
     for prompt, output in zip(prompts, outputs):
         ids = tokenizer(prompt)["input_ids"]
         assert output.prompt_token_ids == ids
-        assert output.outputs[0].token_ids == hf_greedy(hf, ids), prompt
+        assert output.outputs[0].token_ids == demo_greedy(hf, ids), prompt
 
 
 def test_greedy_matches_transformers(llm, demo):

@@ -166,35 +166,34 @@ async def test_replicas_killed_mid_run_lose_nothing(model, offline, where, tmp_p
         pipe.stop()
 
 
-async def test_a_dead_worker_ends_its_requests_and_a_new_one_serves(model, where, tmp_path):
-    pipe = Pipeline(tmp_path, model, where)
+async def test_a_dead_worker_ends_its_requests_and_a_new_one_serves(pipeline):
+    """On the module's pipeline, which the tests before it leave idle: the worker it
+    restarts serves whatever comes after."""
     killed_at: list[float] = []
-    try:
-        async def kill_worker(bus: Bus, outcomes: dict[str, Outcome]) -> None:
-            if outcomes["w"].choices and not killed_at:
-                pipe.kill("worker-0")
-                killed_at.append(time.monotonic())
 
-        outcome = (await pipe.run([request("w", [5, 6, 7], max_tokens=400, ignore_eos=True)],
-                                  during=kill_worker))["w"]
-        assert outcome.error is not None and outcome.error.status == 503
-        assert "worker stopped" in outcome.error.message
-        assert time.monotonic() - killed_at[0] < 10
-        stats = await pipe.stats()  # its requests ended with it: the gauges read 0
-        assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0)
-        pipe.start("worker-0")
-        with anyio.fail_after(60):
-            while True:  # the restarted worker announces itself; then requests run again
-                again = (await pipe.run([request(f"x{time.monotonic_ns()}", [5, 6],
+    async def kill_worker(bus: Bus, outcomes: dict[str, Outcome]) -> None:
+        if outcomes["w"].choices and not killed_at:
+            pipeline.kill("worker-0")
+            killed_at.append(time.monotonic())
+
+    outcome = (await pipeline.run([request("w", [5, 6, 7], max_tokens=400,
+                                           ignore_eos=True)], during=kill_worker))["w"]
+    assert outcome.error is not None and outcome.error.status == 503
+    assert "worker stopped" in outcome.error.message
+    assert time.monotonic() - killed_at[0] < 10
+    stats = await pipeline.stats()  # its requests ended with it: the gauges read 0
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0)
+    pipeline.start("worker-0")
+    with anyio.fail_after(60):
+        while True:  # the restarted worker announces itself; then requests run again
+            again = (await pipeline.run([request(f"x{time.monotonic_ns()}", [5, 6],
                                                  max_tokens=4)]))
-                result = next(iter(again.values()))
-                if result.error is None:
-                    assert result.choices[0].finish_reason == "length"
-                    break
-                assert result.error.status == 503
-                await anyio.sleep(0.5)
-    finally:
-        pipe.stop()
+            result = next(iter(again.values()))
+            if result.error is None:
+                assert result.choices[0].finish_reason == "length"
+                break
+            assert result.error.status == 503
+            await anyio.sleep(0.5)
 
 
 async def test_a_stopped_schedulers_figures_go_with_it(model, tmp_path):

@@ -212,22 +212,33 @@ def test_every_rank_has_the_logits_of_one_rank(world, archs, kv_heads, load_form
 PROMPTS = [token_ids(n, seed=n) for n in (5, 17, 3, 40)]
 
 
-def generate(model_dir: Path, size: int, params: SamplingParams,
-             **engine_args) -> list[list[int]]:
+def generate_each(model_dir: Path, size: int, each: list[SamplingParams],
+                  **engine_args) -> list[list[list[int]]]:
+    """The tokens of PROMPTS under each of `each` in turn, from one engine."""
     with LLM(str(model_dir), tensor_parallel_size=size, device="cpu", seed=3,
              **engine_args) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
-                               use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
+        return [[o.outputs[0].token_ids
+                 for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                       use_tqdm=False)]
+                for params in each]
+
+
+def generate(model_dir: Path, size: int, params: SamplingParams,
+             **engine_args) -> list[list[int]]:
+    return generate_each(model_dir, size, [params], **engine_args)[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_the_offline_api_at_two_ranks_gives_one_ranks_tokens(arch, tmp_path):
-    """Greedy, and seeded sampling: the ranks draw alike, or their KV caches would part."""
+    """Greedy, and seeded sampling: the ranks draw alike, or their KV caches would part.
+    One engine of each size runs both, one after the other (the second from a warm prefix
+    cache on both sizes)."""
     model_dir = make_tiny_model(tmp_path, arch)
-    for params in (SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-                   SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)):
-        assert generate(model_dir, 2, params) == generate(model_dir, 1, params), params
+    each = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)]
+    two, one = generate_each(model_dir, 2, each), generate_each(model_dir, 1, each)
+    for params, tokens, expected in zip(each, two, one):
+        assert tokens == expected, params
 
 
 def test_an_fp8_kv_cache_at_two_ranks_gives_one_ranks_tokens(tmp_path):
