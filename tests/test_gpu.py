@@ -302,6 +302,16 @@ def test_draft_model_with_cuda_graphs_gives_the_plain_greedy_tokens(arch, tmp_pa
 
 # --- pipeline stages: each replays its own layers' graphs ---------------------------------
 
+def one_gpu_reference(tmp_path) -> tuple[str, list, dict, list]:
+    """A 4-layer tiny llama, prompts, the engine arguments the parallel runs share, and one
+    GPU's greedy tokens (float32, where no near-tie flips between step shapes)."""
+    model_dir = str(make_tiny_model(tmp_path, "llama", num_hidden_layers=4))
+    prompts = tiny_prompts()
+    kwargs = dict(dtype="float32", block_size=16, num_gpu_blocks_override=256,
+                  max_num_batched_tokens=64, max_num_seqs=8)
+    with LLM(model_dir, **kwargs) as one:
+        return model_dir, prompts, kwargs, greedy(one, prompts, 32)
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_stages_in_cuda_graphs_give_the_eager_and_one_gpu_tokens(tmp_path):
     """PP=2 over NCCL, each stage replaying graphs of its own layers (the second with the
@@ -310,12 +320,7 @@ def test_two_stages_in_cuda_graphs_give_the_eager_and_one_gpu_tokens(tmp_path):
     (mixed graphs) and decodes; with a draft model (whole on the last stage, in graphs of
     its own) too. float32, where no near-tie flips between one GPU's step shapes and the
     stages' micro-batches."""
-    model_dir = str(make_tiny_model(tmp_path, "llama", num_hidden_layers=4))
-    prompts = tiny_prompts()
-    kwargs = dict(dtype="float32", block_size=16, num_gpu_blocks_override=256,
-                  max_num_batched_tokens=64, max_num_seqs=8)
-    with LLM(model_dir, **kwargs) as one:
-        want = greedy(one, prompts, 32)
+    model_dir, prompts, kwargs, want = one_gpu_reference(tmp_path)
     for eager in (False, True):
         with LLM(model_dir, pipeline_parallel_size=2, enforce_eager=eager, **kwargs) as llm:
             runner = llm.engine.runner  # the first stage's
@@ -339,12 +344,7 @@ def test_two_stages_of_two_ranks_in_cuda_graphs_give_one_gpus_tokens(tmp_path):
     """TP=2 x PP=2 over NCCL on four GPUs, each stage a tensor-parallel pair replaying
     graphs of its own layers: one GPU's greedy tokens through chunked prefills and decodes
     (float32, as above)."""
-    model_dir = str(make_tiny_model(tmp_path, "llama", num_hidden_layers=4))
-    prompts = tiny_prompts()
-    kwargs = dict(dtype="float32", block_size=16, num_gpu_blocks_override=256,
-                  max_num_batched_tokens=64, max_num_seqs=8)
-    with LLM(model_dir, **kwargs) as one:
-        want = greedy(one, prompts, 32)
+    model_dir, prompts, kwargs, want = one_gpu_reference(tmp_path)
     with LLM(model_dir, tensor_parallel_size=2, pipeline_parallel_size=2, **kwargs) as llm:
         assert llm.engine.runner.graphs is not None
         assert greedy(llm, prompts, 32) == want
