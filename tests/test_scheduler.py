@@ -128,6 +128,8 @@ class Run:
     finish: dict[tuple[str, int], str]
     plans: list[StepPlan]
     embeddings: dict[str, bytes] = field(default_factory=dict)
+    # per plan, the plans still in flight (results not applied) when it was made
+    in_flight: list[list[StepPlan]] = field(default_factory=list)
 
 
 def drive(sched: Scheduler, worker: SimWorker, lag: int = 0, max_steps: int = 10_000,
@@ -137,13 +139,14 @@ def drive(sched: Scheduler, worker: SimWorker, lag: int = 0, max_steps: int = 10
     finish: dict[tuple[str, int], str] = {}
     embeddings: dict[str, bytes] = {}
     inflight: deque[StepPlan] = deque()
-    plans = []
+    plans, in_flight = [], []
     for _ in range(max_steps):
         if not sched.has_unfinished() and not inflight:
             break
         plan = sched.schedule()
         if plan is not None:
             plans.append(plan)
+            in_flight.append(list(inflight))
             inflight.append(plan)
         if inflight and (len(inflight) > lag or plan is None):
             for item in sched.update(worker.execute(inflight.popleft())):
@@ -161,7 +164,7 @@ def drive(sched: Scheduler, worker: SimWorker, lag: int = 0, max_steps: int = 10
             on_step(sched)
     else:
         raise AssertionError("did not finish")
-    return Run(outputs, finish, plans, embeddings)
+    return Run(outputs, finish, plans, embeddings, in_flight)
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_seqs=16, max_len=256, caching=True,
@@ -211,28 +214,42 @@ def test_batch_matches_reference_and_wastes_no_step(lag):
     assert sched.kv.usage == 0.0 and not sched.running
 
 
-def test_pipeline_stages_get_steps_of_other_requests_than_the_step_in_flight():
-    """With two stages and two plans in flight, a request that samples in one plan is not
-    in the next (the first stage would lack its token), and a step takes at most half of
-    the running requests, so that decodes alternate between two steps."""
+def test_pipeline_stages_get_steps_of_other_requests_than_the_steps_in_flight():
+    """With two stages three plans are in flight (common/pipeline.py): a request that
+    samples in one plan is in neither of the next two (the first stage would lack its
+    token), and a step takes at most a third of the running requests, so that decodes
+    rotate among three steps."""
     sched, worker = make()
     sched.config = dataclasses.replace(sched.config, pipeline_stages=2)
     ps = prompts(6)
     for i, p in enumerate(ps):
         admit(sched, f"r{i}", p, max_tokens=8)
-    run = drive(sched, worker, lag=1)
+    run = drive(sched, worker, lag=2)
     for i, p in enumerate(ps):
         assert run.outputs[(f"r{i}", 0)] == reference(p, 8)
     lengths = {f"r{i}#0": len(p) for i, p in enumerate(ps)}
-    for before, plan in zip(run.plans, run.plans[1:]):
-        sampled = {r for r, start, n in zip(before.req_ids, before.num_computed_tokens,
-                                            before.num_scheduled_tokens)
-                   if start + n >= lengths[r]}
-        assert not sampled & set(plan.req_ids), (before, plan)
+    assert max(len(out) for out in run.in_flight) == 2
+    for plan, out in zip(run.plans, run.in_flight):
+        for before in out:
+            sampled = {r for r, start, n in zip(before.req_ids, before.num_computed_tokens,
+                                                before.num_scheduled_tokens)
+                       if start + n >= lengths[r]}
+            assert not sampled & set(plan.req_ids), (before, plan)
     decodes = [plan for plan in run.plans
                if all(start >= lengths[r] for r, start in zip(plan.req_ids,
                                                                 plan.num_computed_tokens))]
-    assert decodes and max(len(plan.req_ids) for plan in decodes) <= 3
+    assert decodes and max(len(plan.req_ids) for plan in decodes) <= 2
+
+
+def test_pipeline_stages_run_max_num_seqs_requests_each():
+    """Two stages seat twice max_num_seqs, as vLLM V0's two virtual engines did."""
+    sched, worker = make(max_seqs=2)
+    sched.config = dataclasses.replace(sched.config, pipeline_stages=2)
+    for i, p in enumerate(prompts(6)):
+        admit(sched, f"r{i}", p, max_tokens=4)
+    seated: list[int] = []
+    drive(sched, worker, lag=2, on_step=lambda s: seated.append(len(s.running)))
+    assert max(seated) == 4
 
 
 def test_chunked_prefill_respects_the_budget_and_runs_decodes_first():

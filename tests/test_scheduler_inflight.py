@@ -78,16 +78,17 @@ def test_a_request_arriving_at_an_idle_engine_is_no_sign_of_starvation():
 
 # --- pipeline stages: the depth and the drain ----------------------------------------------
 
-def test_stages_get_a_depth_of_their_count_at_least():
-    assert StepsInFlight(stages=2).depth == MIN_DEPTH
+def test_stages_get_a_depth_of_one_more_than_their_count_at_least():
+    """N stages hold N steps (common/pipeline.py): N + 1 must be out for one to return."""
+    assert StepsInFlight(stages=2).depth == 3
     steps = StepsInFlight(stages=4)
-    assert steps.depth == 4 and steps.max_depth == 5
+    assert steps.depth == 5 and steps.max_depth == 6
     Device(steps).run([0.0] * QUIET_STEPS * 2)  # a quiet run never goes below the stages
-    assert steps.depth == 4
+    assert steps.depth == 5
 
 
 def test_a_drain_goes_only_when_the_stages_hold_every_step_out():
-    """Two stages hold the newest step they were sent; three the newest two."""
+    """Two stages hold the newest two steps they were sent; three the newest three."""
     steps = StepsInFlight(stages=2)
     steps.planned(1)
     assert steps.must_drain()  # step 1 is out, and the stages keep it
@@ -96,14 +97,16 @@ def test_a_drain_goes_only_when_the_stages_hold_every_step_out():
     steps.finished(1, [])
     steps.planned(2)
     steps.planned(3)
-    assert not steps.must_drain()  # launching 3 pushes 2 out
+    assert steps.must_drain()  # both are held
+    steps.planned(4)
+    assert not steps.must_drain()  # launching 4 pushes 2 out
     steps.finished(2, [])
-    assert steps.must_drain()  # 3 is held, and no plan follows it
+    assert steps.must_drain()  # 3 and 4 are held, and no plan follows them
     one = StepsInFlight()
     one.planned(1)
     assert not one.must_drain()  # one rank hands each step back when it is done
     three = StepsInFlight(stages=3)
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
         three.planned(step)
     assert not three.must_drain()
     three.finished(1, [])

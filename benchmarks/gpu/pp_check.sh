@@ -6,7 +6,8 @@
 # default), two stages eager, two tensor-parallel ranks, and one GPU (issue 32's goal: two
 # stages at 1.7x one GPU or more); EAGER=0 leaves out the eager stages. A run past the 470 s
 # budget is cut short. RUNS picks the runs (default "pp2 pp2-eager tp2 pp1"; tp2pp2 needs four
-# GPUs: two stages of two tensor-parallel ranks).
+# GPUs: two stages of two tensor-parallel ranks; pp1-seqs512 is one GPU seating as many
+# requests as two stages do by default).
 #   source .devkit/env.sh && bash benchmarks/gpu/pp_check.sh
 set -uo pipefail
 source benchmarks/gpu/common.sh
@@ -29,6 +30,7 @@ for run in ${RUNS:-pp2 pp2-eager tp2 pp1}; do
     tp2) nano tp2 120 --tensor-parallel-size 2 ;;
     tp2pp2) nano tp2pp2 150 --tensor-parallel-size 2 --pipeline-parallel-size 2 ;;
     pp1) nano pp1 120 ;;
+    pp1-seqs512) nano pp1-seqs512 120 --max-num-seqs 512 ;;
   esac
 done
 lscpu | grep -E "Model name|^CPU\(s\)" > "$R/host.txt"

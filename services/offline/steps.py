@@ -30,6 +30,7 @@ from typing import Protocol
 from common.bus import Entry
 from common.config import EngineConfig
 from common.messages import DrainSteps, StepPlan, StepResult
+from common.pipeline import held_steps
 from common.service import GIL_SWITCH_S
 from services.worker.executor import Executor
 from services.worker.step_thread import StepThread
@@ -128,9 +129,9 @@ def _stop_thread(thread: StepThread, switch_interval: float) -> None:
 
 def launch_lag(config: EngineConfig) -> int:
     """The launched steps without results once the newest is launched: the one the runner
-    plans ahead of (services/worker/model_runner.py), or, with more than two pipeline
-    stages, one for every stage after the first (layers/pipeline.py)."""
-    return max(1, config.pipeline_parallel_size - 1)
+    plans ahead of (services/worker/model_runner.py), or those pipeline stages hold
+    (common/pipeline.py)."""
+    return max(1, held_steps(config.pipeline_parallel_size))
 
 
 def start_steps(executor: Executor, threaded: bool) -> Steps:

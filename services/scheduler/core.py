@@ -22,8 +22,9 @@ min_tokens, logprobs, logit_bias, allowed ids, bad words) decode one token at a 
 
 Pipeline stages (pipeline_stages > 1): a request's next input is the token its step in
 flight samples, which only the last stage holds, so no request is planned while one of its
-sampling steps is in flight; and a step takes at most 1/stages of the running requests, so
-that consecutive steps hold different requests and every stage has a step to compute
+sampling steps is in flight; up to `max_num_seqs` requests run per stage, and a step
+takes at most its share of them (common/pipeline.py), so that the steps in flight hold
+different requests and every stage has a step to compute
 (services/worker/layers/pipeline.py).
 """
 
@@ -41,6 +42,7 @@ from common.hops import NUM_REQUEST_STAMPS
 from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
                              PooledOutput, SchedulerStats, StepPlan, StepResult,
                              TokenLogprobs)
+from common.pipeline import max_running, micro_batches
 from common.speculative import SpeculativeConfig, may_speculate, split_drafts
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import KnownTokens, Request, Status
@@ -333,7 +335,7 @@ class Scheduler:
     def _schedule_running(self, budget: int, adapters: StepAdapters
                           ) -> tuple[list[tuple[Request, int, list]], int]:
         batch: list[tuple[Request, int, list]] = []
-        share = -(-len(self.running) // self.config.pipeline_stages)
+        share = -(-len(self.running) // micro_batches(self.config.pipeline_stages))
         i = 0
         while i < len(self.running) and budget > 0 and len(batch) < share:
             req = self.running[i]
@@ -354,7 +356,8 @@ class Scheduler:
                           ) -> list[tuple[Request, int, list]]:
         batch: list[tuple[Request, int, list]] = []
         deferred: list[Request] = []
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = max_running(self.config.max_num_seqs, self.config.pipeline_stages)
+        while len(self.waiting) and budget > 0 and len(self.running) < seats:
             req = self.waiting.pop()
             if req.num_pending or not adapters.admits(req):
                 # preempted with a sampled token still on its way, or its adapter must wait

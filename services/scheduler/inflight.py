@@ -10,16 +10,18 @@ a tenth of a step or more: on a slow or synchronous device (the CPU) a hop costs
 percent of a step, and a deeper queue would cost new requests a whole step. After a long
 run without such a gap, the depth goes back down by one.
 
-Pipeline stages (N of them) hold the results of the newest N - 1 steps they were sent
-until later plans push them out (services/worker/layers/pipeline.py). So the depth is N at
-least, and when every step still out is one the stages hold, no result would ever come
-back to free a slot: the scheduler then sends the worker a drain (`must_drain`).
+Pipeline stages (N of them) hold the results of the newest N steps they were sent until
+later plans push them out (common/pipeline.py). So the depth is N + 1 at least, and when
+every step still out is one the stages hold, no result would ever come back to free a
+slot: the scheduler then sends the worker a drain (`must_drain`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from common.pipeline import held_steps, micro_batches
 
 MIN_DEPTH, MAX_DEPTH = 2, 4
 IDLE_S = 0.0002  # a device idle this long between two steps waited for a plan...
@@ -45,18 +47,18 @@ class StepsInFlight:
 
     @property
     def min_depth(self) -> int:
-        return max(MIN_DEPTH, self.stages)
+        return max(MIN_DEPTH, micro_batches(self.stages))
 
     @property
     def max_depth(self) -> int:
-        return max(MAX_DEPTH, self.stages + 1)
+        return max(MAX_DEPTH, micro_batches(self.stages) + 1)
 
     def may_plan(self) -> bool:
         return self.inflight < self.depth
 
     def held(self) -> int:
         """The steps whose results the stages keep once they have launched every plan."""
-        return min(self.since_drain, self.stages - 1)
+        return min(self.since_drain, held_steps(self.stages))
 
     def must_drain(self) -> bool:
         """Whether every step out is held by the stages: with nothing more planned, their

@@ -114,6 +114,7 @@ class TensorParallelExecutor(OneRankExecutor):
         try:
             self.group, stage = join_group(0, model, self.followers.init_method,
                                            resolve_device(config))
+            stage.inbox = self.followers.results
             with building_for(self.group), building_stage(stage):
                 super().__init__(model)
         except BaseException:
@@ -163,8 +164,20 @@ class PipelineExecutor(TensorParallelExecutor):
     every rank of the later stages in follower processes, each building only its stage's
     layers and KV cache (layers/pipeline.py). Each call goes to every rank, as for tensor
     parallelism; hidden states pass stage to stage inside the step, and the last stage's
-    StepResult comes back over the pipeline group. With N stages, submit returns the
-    result of the step N - 1 before the one it launches (once the stages after the first
-    have finished it), so up to N steps of different requests are in flight; flush
-    returns every one still out. The calls are the tensor-parallel group's: what differs
-    is inside each rank's runner."""
+    StepResult comes back to rank 0 down a pipe. With N stages, submit returns the result
+    of the step N before the one it launches, so up to N + 1 steps of different requests
+    are in flight (common/pipeline.py); flush returns every one still out. The results
+    go on to the earlier stages' other ranks before the next call, so that they know the
+    tokens it embeds."""
+
+    def submit(self, plan: StepPlan) -> list[StepResult]:
+        return self._forwarded(super().submit(plan))
+
+    def flush(self) -> list[StepResult]:
+        return self._forwarded(super().flush())
+
+    def _forwarded(self, results: list[StepResult]) -> list[StepResult]:
+        assert self.followers is not None, "closed"
+        with self._failing():
+            self.followers.forward(results)
+        return results

@@ -33,6 +33,7 @@ from common.vision import ImageTokens
 from common.messages import PromptLogprobs, StepPlan, StepResult
 from common.model_files import load_tokenizer
 from common.model_info import DraftModel
+from common.pipeline import held_steps
 from common.sampling_params import SamplingParams
 from common.speculative import may_speculate
 from services.worker.cuda_graphs import StepGraphs, graph_tokens
@@ -201,38 +202,46 @@ class ModelRunner:
 
     def _submit_stage(self, plan: StepPlan) -> list[StepResult]:
         """A pipeline stage's part of `plan` (layers/pipeline.py). The last stage samples,
-        finishes the step at once and broadcasts its result; a stage before it sends its
-        hidden states on and takes the results of the steps that the stages after it have
-        finished meanwhile: all but the newest `behind` of those it launched, so up to
-        `behind` + 1 steps are in flight. None of this plan's requests has a token in
-        flight (the scheduler plans none such), so the first stage knows every input."""
+        finishes the step at once and posts its result to rank 0; a stage before it sends
+        its hidden states on. Rank 0 then takes the results of all but the newest
+        `held_steps` of the steps it launched, so that many more are in flight; the other
+        ranks get them forwarded (take_forwarded). None of this plan's requests has a token
+        in flight (the scheduler plans none such), so the first stage knows every input."""
         started = time.perf_counter()
         inputs = self._prepare(plan)
         hidden = self._run(inputs)
-        if not self.stage.is_last:
-            self._unshared += 1
-            return self._take_results(self.stage.behind)
-        launched = self._sample(plan.step, inputs, hidden, started)
-        self._pool(launched, inputs.pooling_rows, hidden)
-        return [self.stage.share_result(finish(launched), self.device)]
+        if self.stage.is_last:
+            launched = self._sample(plan.step, inputs, hidden, started)
+            self._pool(launched, inputs.pooling_rows, hidden)
+            result = finish(launched)
+            self.stage.post_result(result)
+            return [result]
+        if self.stage.inbox is None:
+            return []
+        self._unshared += 1
+        return self._take_results(held_steps(self.stage.size))
 
     def _take_results(self, keep: int) -> list[StepResult]:
-        """The last stage's results of this stage's oldest launched steps, leaving `keep` in
+        """The last stage's results of rank 0's oldest launched steps, leaving `keep` in
         flight; their tokens are appended to their requests."""
         done = []
         while self._unshared > keep:
-            result = self.stage.share_result(None, self.device)
+            result = self.stage.take_result()
             append_result(self.requests, result)
             self._unshared -= 1
             done.append(result)
         return done
+
+    def take_forwarded(self, result: StepResult) -> None:
+        """A result of the last stage that rank 0 forwards to a rank of an earlier stage."""
+        append_result(self.requests, result)
 
     @torch.inference_mode()
     def flush(self) -> list[StepResult]:
         """The result of the last submitted step, once it is complete (on a pipeline
         stage, of every step still in flight)."""
         if self.stage.size > 1:
-            return self._take_results(0)
+            return self._take_results(0) if self.stage.inbox is not None else []
         return self._finish_last()
 
     def step_done(self) -> bool:

@@ -10,7 +10,9 @@ one tensor-parallel index across the stages a pipeline group (layers/pipeline.py
 Every rank samples. The LM head gathers the whole logits on each rank, and the samplers are
 seeded alike, so all draw the same tokens; each keeps them for the decode inputs it gathers
 on its own device, and no step waits on a broadcast of tokens. Only rank 0's results
-leave.
+leave. Under pipeline stages only the last stage samples: its tensor-parallel rank 0 sends
+its results to rank 0 down a pipe of their own, and rank 0 forwards them to the ranks of
+the earlier stages with its next call (layers/pipeline.py).
 
 A follower that dies takes the shard with it: with NCCL the others would wait in a
 collective forever, so rank 0's process runs `on_lost` (the worker exits, and the launcher
@@ -38,16 +40,17 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from common.messages import StepPlan, decode, encode
+from common.messages import StepPlan, StepResult, decode, encode
 from common.model_info import ResolvedModel
 from common.net import free_port
 from services.worker.layers.parallel import TPGroup, building_for
-from services.worker.layers.pipeline import PPStage, building_stage, stage_layers
+from services.worker.layers.pipeline import (PPStage, ResultPoster, building_stage,
+                                             stage_layers)
 from services.worker.model_runner import ModelRunner, resolve_device
 
 log = logging.getLogger("headrace.worker")
 
-SUBMIT, FLUSH, FORGET = b"s", b"f", b"r"
+SUBMIT, FLUSH, FORGET, RESULT = b"s", b"f", b"r", b"t"
 RANK_LOST_EXIT = 4
 GROUP_TIMEOUT = timedelta(minutes=10)  # joining, and any one collective
 PARENT_CHECK_S = 0.2
@@ -112,14 +115,27 @@ class Followers:
         spawn = multiprocessing.get_context("spawn")  # no CUDA state or threads inherited
         self.pipes: list[Connection] = []
         self.processes: list[multiprocessing.process.BaseProcess] = []
+        tp = model.config.tensor_parallel_size
+        poster = world - tp if model.config.pipeline_parallel_size > 1 else None
+        # the last stage's results, read by rank 0 (None without stages)
+        self.results: Connection | None = None
+        # the followers of the stages before the last, which take the results forwarded
+        self.earlier: list[Connection] = []
         for rank in range(1, world):
             inbox, pipe = spawn.Pipe(duplex=False)
+            outbox = None
+            if rank == poster:
+                self.results, outbox = spawn.Pipe(duplex=False)
             process = spawn.Process(target=follow, name=rank_name(rank, model), daemon=True,
                                     args=(rank, self.init_method, model, inbox,
-                                          os.getpid()))
+                                          os.getpid(), outbox))
             process.start()
             inbox.close()  # the follower holds the only read end: our exit is its EOF
+            if outbox is not None:
+                outbox.close()  # its exit is the EOF of our results pipe
             self.pipes.append(pipe)
+            if poster is not None and rank < poster:
+                self.earlier.append(pipe)
             self.processes.append(process)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
         atexit.register(self.close)  # before multiprocessing's own hook stops them
@@ -131,6 +147,13 @@ class Followers:
     def submit(self, plan: StepPlan) -> None:
         self.send(SUBMIT, encode(plan))
 
+    def forward(self, results: list[StepResult]) -> None:
+        """The last stage's `results`, to the ranks of the stages before it."""
+        for result in results:
+            body = RESULT + encode(result)
+            for pipe in self.earlier:
+                pipe.send_bytes(body)
+
     def close(self, failed: bool = False) -> None:
         """An orderly end: each follower finishes its calls, reads EOF and exits (the
         process group is rank 0's to leave). After a call that `failed` on rank 0 the
@@ -141,6 +164,8 @@ class Followers:
         atexit.unregister(self.close)
         for pipe in self.pipes:
             pipe.close()
+        if self.results is not None:
+            self.results.close()
         deadline = time.monotonic() + (0.0 if failed else CLOSE_TIMEOUT_S)
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
@@ -164,13 +189,15 @@ def rank_name(rank: int, model: ResolvedModel) -> str:
 
 
 def follow(rank: int, init_method: str, model: ResolvedModel, inbox: Connection,
-           parent: int) -> None:
+           parent: int, outbox: Connection | None = None) -> None:
     """A follower's life: join the group, build the rank's runner, then make rank 0's
-    calls until its pipe closes."""
+    calls until its pipe closes. `outbox`: where the last stage posts its results."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: rank 0 ends us
     threading.Thread(target=exit_with, args=(parent,), name="parent-watch",
                      daemon=True).start()
     group, stage = join_group(rank, model, init_method, resolve_device(model.config))
+    if outbox is not None:
+        stage.outbox = ResultPoster(outbox)
     with building_for(group), building_stage(stage):
         # a draft model runs at one tensor-parallel rank only: a pipeline's last stage
         # builds it (the other stages leave it out)
@@ -187,6 +214,8 @@ def follow(rank: int, init_method: str, model: ResolvedModel, inbox: Connection,
             runner.flush()
         elif op == FORGET:
             runner.forget_requests()
+        elif op == RESULT:
+            runner.take_forwarded(decode(order[1:]))
 
 
 def leave_now() -> NoReturn:

@@ -10,14 +10,18 @@ partial) to the residual, so the next stage starts like the first with one tenso
 [tokens, hidden_size]. Each tensor-parallel rank of a stage sends to the rank of the same
 index in the next one, over the default group (gloo on the CPU, NCCL on GPUs).
 
-The last stage samples, finishes each step at once and broadcasts its StepResult over its
-pipeline group; the other stages take it (in step order) and append its tokens to their
-requests, so the first stage embeds those tokens later and plans still carry no token
-ids. A stage sends without waiting for the next one to receive, and takes a result only
-once it has launched as many steps after it as there are stages behind it: with N stages
-up to N steps are in flight, each stage computing another. The scheduler makes that
-possible (services/scheduler/core.py): it plans no request whose sampled token is still
-in flight, and gives each step at most 1/N of the running requests.
+The last stage samples and finishes each step at once; its tensor-parallel rank 0 posts
+the StepResult down a pipe to global rank 0 (a thread writes it, so the stage never waits
+for rank 0 to read), which forwards it to the ranks of the stages before the last with its
+next call; they append its tokens to their requests, so the first stage embeds those
+tokens later and plans still carry no token ids. Results travel beside the device's
+streams, not over a collective: a broadcast would wait for every stage's queued work, so
+the first stage's device ran dry while the host applied the result. Rank 0 takes a result
+only once it has launched `common.pipeline.held_steps` steps after it: with N stages up
+to N + 1 steps are in flight, each stage computing another and one queued while the host
+plans. The scheduler makes that possible (services/scheduler/core.py): it plans no request
+whose sampled token is still in flight, and gives each step at most 1/(N + 1) of the
+running requests.
 
 A stage is passed, not looked up: the layers built inside `building_stage(stage)` read it,
 as they read their tensor-parallel group (layers/parallel.py). Outside any, a model is
@@ -28,9 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
+import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
@@ -69,18 +76,16 @@ def stage_layers(num_layers: int, size: int, index: int) -> range:
 class PPStage:
     """This process's stage: its index among `size`, its layers, the global ranks of its
     pipeline (one per stage, this tensor-parallel rank's) and their group (None for a
-    pipeline of one stage, which never communicates)."""
+    pipeline of one stage, which never communicates). Global rank 0 reads the results from
+    `inbox`; the last stage's tensor-parallel rank 0 posts them to `outbox`."""
     index: int = 0
     size: int = 1
     layers: range | None = None  # None: every layer
     ranks: list[int] = field(default_factory=lambda: [0])
     group: dist.ProcessGroup | None = None
     sending: tuple[dist.Work, torch.Tensor] | None = None  # the last send, and its tensor
-
-    @property
-    def behind(self) -> int:
-        """The stages after this one: steps whose results it may leave in flight."""
-        return self.size - 1 - self.index
+    inbox: Connection | None = None
+    outbox: ResultPoster | None = None
 
     @property
     def is_first(self) -> bool:
@@ -107,12 +112,18 @@ class PPStage:
         dist.recv(hidden, src=self.ranks[self.index - 1])
         return hidden
 
-    def share_result(self, result: StepResult | None, device: torch.device) -> StepResult:
-        """The last stage's `result`, on every stage of this pipeline."""
-        box = [encode(result) if result is not None else None]
-        dist.broadcast_object_list(box, src=self.ranks[-1], group=self.group,
-                                   device=device if device.type == "cuda" else None)
-        return decode(box[0]) if result is None else result
+    def post_result(self, result: StepResult) -> None:
+        if self.outbox is not None:
+            self.outbox.post(result)
+
+    def take_result(self) -> StepResult:
+        """The last stage's next result, in step order (global rank 0 only)."""
+        assert self.inbox is not None, "only global rank 0 takes results"
+        try:
+            return decode(self.inbox.recv_bytes())
+        except EOFError:
+            raise RuntimeError("the pipeline's last stage is gone: its results pipe "
+                               "closed") from None
 
     def min_over_stages(self, value: int, device: torch.device) -> int:
         """The smallest of the stages' `value`s: a number of KV blocks every stage holds."""
@@ -121,6 +132,27 @@ class PPStage:
         tensor = torch.tensor([value], device=device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
+
+
+class ResultPoster:
+    """Writes the last stage's results down the pipe to rank 0 from a thread of its own: a
+    large result fills the pipe until rank 0 reads it, which it does only after its next
+    launch, and rank 0's launch may itself wait to write this stage its next call."""
+
+    def __init__(self, pipe: Connection) -> None:
+        self.pipe = pipe
+        self.queue: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        threading.Thread(target=self._write, name="pp-results", daemon=True).start()
+
+    def post(self, result: StepResult) -> None:
+        self.queue.put(encode(result))
+
+    def _write(self) -> None:
+        try:
+            while True:
+                self.pipe.send_bytes(self.queue.get())
+        except OSError:  # rank 0 is gone: this process ends at its inbox's EOF
+            return
 
 
 def append_result(requests: dict, result: StepResult) -> None:
