@@ -202,8 +202,9 @@ class ModelRunner:
 
     def _submit_stage(self, plan: StepPlan) -> list[StepResult]:
         """A pipeline stage's part of `plan` (layers/pipeline.py). The last stage samples,
-        finishes the step at once and posts its result to rank 0; a stage before it sends
-        its hidden states on. Rank 0 then takes the results of all but the newest
+        then finishes the step before and posts its result to rank 0, as one rank does
+        (so its host prepares this step while its device computes the last; the two hold
+        different requests); a stage before it sends its hidden states on. Rank 0 then takes the results of all but the newest
         `held_steps` of the steps it launched, so that many more are in flight; the other
         ranks get them forwarded (take_forwarded). None of this plan's requests has a token
         in flight (the scheduler plans none such), so the first stage knows every input."""
@@ -213,9 +214,7 @@ class ModelRunner:
         if self.stage.is_last:
             launched = self._sample(plan.step, inputs, hidden, started)
             self._pool(launched, inputs.pooling_rows, hidden)
-            result = finish(launched)
-            self.stage.post_result(result)
-            return [result]
+            return self._post(self._finish_last(), launched)
         if self.stage.inbox is None:
             return []
         self._unshared += 1
@@ -232,6 +231,14 @@ class ModelRunner:
             done.append(result)
         return done
 
+    def _post(self, done: list[StepResult], launched: Launched | None = None
+              ) -> list[StepResult]:
+        """The last stage's finished `done`, posted to rank 0; `launched` is pending."""
+        self._pending = launched
+        for result in done:
+            self.stage.post_result(result)
+        return done
+
     def take_forwarded(self, result: StepResult) -> None:
         """A result of the last stage that rank 0 forwards to a rank of an earlier stage."""
         append_result(self.requests, result)
@@ -240,6 +247,8 @@ class ModelRunner:
     def flush(self) -> list[StepResult]:
         """The result of the last submitted step, once it is complete (on a pipeline
         stage, of every step still in flight)."""
+        if self.stage.is_last and self.stage.size > 1:
+            return self._post(self._finish_last())
         if self.stage.size > 1:
             return self._take_results(0) if self.stage.inbox is not None else []
         return self._finish_last()

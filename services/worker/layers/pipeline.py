@@ -10,8 +10,9 @@ partial) to the residual, so the next stage starts like the first with one tenso
 [tokens, hidden_size]. Each tensor-parallel rank of a stage sends to the rank of the same
 index in the next one, over the default group (gloo on the CPU, NCCL on GPUs).
 
-The last stage samples and finishes each step at once; its tensor-parallel rank 0 posts
-the StepResult down a pipe to global rank 0 (a thread writes it, so the stage never waits
+The last stage samples, and finishes each step once it has launched the next, as one rank
+does, so its host prepares a step while its device computes the one before; its
+tensor-parallel rank 0 posts the StepResult down a pipe to global rank 0 (a thread writes it, so the stage never waits
 for rank 0 to read), which forwards it to the ranks of the stages before the last with its
 next call; they append its tokens to their requests, so the first stage embeds those
 tokens later and plans still carry no token ids. Results travel beside the device's
