@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from common.messages import DetokParams
 from common.sampling_params import SamplingParams
+from common.tokens import slice_tokens
 
 MAX_CHAR_BYTES = 4  # a UTF-8 character; a byte token carries one of its bytes
 # The window without stop strings: up to 3 tokens of a character begun before it, up to 3
@@ -20,17 +21,19 @@ def stop_lookback(stop: Sequence[str]) -> int:
     return max(map(len, stop)) - 1 if stop else 0
 
 
-def make_context(token_ids: Sequence[int], num_prompt_tokens: int, num_new: int,
+def make_context(prompt_ids: list[int], output_ids: list[int], num_new: int,
                  stop_buffer_chars: int) -> tuple[list[int], int]:
-    """(context_ids, num_context_prompt) for a DetokItem. `stop_buffer_chars` is the stop
-    look-back, `stop_lookback(params.stop)`; each of those characters may take
-    MAX_CHAR_BYTES byte tokens."""
-    if not 0 <= num_new <= len(token_ids) - num_prompt_tokens:
-        raise ValueError(f"{num_new} new tokens do not fit the {len(token_ids)} tokens after "
-                         f"a {num_prompt_tokens}-token prompt")
-    end = len(token_ids) - num_new
+    """(context_ids, num_context_prompt) for a DetokItem of the last `num_new` of
+    `output_ids`. `stop_buffer_chars` is the stop look-back, `stop_lookback(params.stop)`;
+    each of those characters may take MAX_CHAR_BYTES byte tokens. The two lists are
+    sliced, never joined: the scheduler builds one context per token it reports."""
+    if not 0 <= num_new <= len(output_ids):
+        raise ValueError(f"{num_new} new tokens do not fit the {len(output_ids)} output "
+                         "tokens")
+    num_prompt = len(prompt_ids)
+    end = num_prompt + len(output_ids) - num_new
     start = max(0, end - BASE_CONTEXT_TOKENS - MAX_CHAR_BYTES * stop_buffer_chars)
-    return list(token_ids[start:end]), max(0, num_prompt_tokens - start)
+    return slice_tokens(prompt_ids, output_ids, start, end), max(0, num_prompt - start)
 
 
 def detok_params(params: SamplingParams) -> DetokParams:

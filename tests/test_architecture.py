@@ -33,6 +33,7 @@ TOOL_ENTRY_POINTS = (
     "services.gateway",          # services/gateway/public.py: Choice, parse_job,
                                  # validate_body, chunk_writer
     "services.worker",           # services/worker/__init__.py: load_weights
+    "services.scheduler",        # services/scheduler/__init__.py: Scheduler, SchedulerConfig
 )
 # Libraries every tool may use whole: the corridor, the kernels, the tools themselves.
 TOOL_LIBRARIES = ("benchmarks", "common", "kernels")

@@ -46,8 +46,7 @@ def detok_item(prompt: list[int], outputs: list[int], seq: int, num_new: int,
                params: SamplingParams, finish_reason: str | None = None,
                logprobs: list[TokenLogprobs] | None = None) -> DetokItem:
     """What the scheduler sends for the num_new tokens after `seq`, through the codec."""
-    known = prompt + outputs[:seq + num_new]
-    context, num_context_prompt = make_context(known, len(prompt), num_new,
+    context, num_context_prompt = make_context(prompt, outputs[:seq + num_new], num_new,
                                                stop_lookback(params.stop))
     item = DetokItem("r1", 0, "gw", seq, outputs[seq:seq + num_new], context,
                      num_context_prompt, detok_params(params), len(prompt), finish_reason,
@@ -317,19 +316,19 @@ def test_find_stop_and_lookback():
 
 def test_make_context_takes_the_tokens_before_the_new_ones():
     ids = list(range(100))
-    context, num_prompt = make_context(ids, 90, 2, 0)
+    context, num_prompt = make_context(ids[:90], ids[90:], 2, 0)
     assert context == ids[82:98] and num_prompt == 8
-    context, num_prompt = make_context(ids, 10, 5, 0)
+    context, num_prompt = make_context(ids[:10], ids[10:], 5, 0)
     assert context == ids[79:95] and num_prompt == 0
-    longer, _ = make_context(ids, 10, 5, 5)
+    longer, _ = make_context(ids[:10], ids[10:], 5, 5)
     assert longer == ids[59:95]
-    short, num_prompt = make_context(ids[:6], 4, 2, 3)
+    short, num_prompt = make_context(ids[:4], ids[4:6], 2, 3)
     assert short == ids[:4] and num_prompt == 4
 
 
 def test_make_context_rejects_new_tokens_inside_the_prompt():
     with pytest.raises(ValueError, match="do not fit"):
-        make_context(list(range(10)), 8, 3, 0)
+        make_context(list(range(8)), [8, 9], 3, 0)
 
 
 def test_unfinished_bytes_finds_a_cut_character():

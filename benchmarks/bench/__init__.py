@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, str] = {
     "soak": ("hours of mixed traffic, aborts and restarts: RSS, Redis memory and stream "
              "lengths per minute"),
     "validation": "what the gateway's request and response models cost per request",
+    "scheduler": "the scheduler core's host time per generated token (no model)",
 }
 
 

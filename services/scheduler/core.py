@@ -45,7 +45,7 @@ from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
 from common.pipeline import max_running, micro_batches
 from common.speculative import SpeculativeConfig, may_speculate, split_drafts
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import KnownTokens, Request, Status
+from services.scheduler.request import Request, Status
 
 log = logging.getLogger("headrace.scheduler")
 REMEMBERED_RIDS = 65_536  # far more than are admitted while a redelivery can be on its way
@@ -577,7 +577,7 @@ class Scheduler:
     def _detok_item(self, req: Request, new: list[int], lp: TokenLogprobs | None) -> DetokItem:
         seq = len(req.output_token_ids) - len(new)
         context, num_context_prompt = make_context(
-            KnownTokens(req), req.num_prompt_tokens, len(new), req.stop_lookback)
+            req.prompt_token_ids, req.output_token_ids, len(new), req.stop_lookback)
         return DetokItem(
             rid=req.rid, index=req.index, reply_to=req.reply_to, seq=seq, new_token_ids=new,
             context_ids=context, num_context_prompt=num_context_prompt,

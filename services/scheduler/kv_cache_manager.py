@@ -58,6 +58,12 @@ class KVCacheManager:
         ones (plus `computed` cache hits, given on first schedule), and
         `num_lookahead_tokens` slots after them (a draft model's proposals write there).
         None if they do not fit; the newly allocated blocks otherwise."""
+        if computed is None and (held := self.req_blocks.get(req.req_id)) is not None:
+            slots = req.num_computed_tokens + num_new_tokens
+            if slots + num_lookahead_tokens <= len(held) * self.block_size:
+                # the common decode step: the blocks it holds have room
+                self._cache_full_blocks(req, slots)
+                return []
         first_schedule, computed = computed is not None, computed or []
         held = self.req_blocks.setdefault(req.req_id, [])
         num_computed = req.num_computed_tokens + len(computed) * self.block_size

@@ -12,7 +12,6 @@ returns its embedding after the step that computed its last prompt token.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.detok_window import detok_params, stop_lookback
@@ -98,21 +97,3 @@ class Request:
 
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)
-
-
-class KnownTokens(Sequence[int]):
-    """A request's known tokens as one sequence, sliced without concatenating them."""
-
-    def __init__(self, req: Request) -> None:
-        self._req = req
-
-    def __len__(self) -> int:
-        return self._req.num_known_tokens
-
-    def __getitem__(self, index):  # type: ignore[override]
-        if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
-            assert step == 1, "only contiguous slices"
-            return self._req.token_slice(start, max(start, stop))
-        position = range(len(self))[index]
-        return self._req.token_slice(position, position + 1)[0]
