@@ -1,5 +1,6 @@
 """`headrace bench scheduler`: the core runs every request to its length, as the engine
-would, and the figures it writes add up."""
+would (prompts in chunks, which sample nothing before their last), and the figures it
+writes add up."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from benchmarks.bench.scheduler import main, nano_requests
 def test_the_scheduler_bench_generates_every_requests_tokens(tmp_path, capsys):
     out = tmp_path / "scheduler.json"
     assert main(["--num-prompts", "6", "--max-num-seqs", "4", "--repeat", "2",
-                 "--pipeline-stages", "2", "--json", str(out)]) == 0
+                 "--max-num-batched-tokens", "256", "--pipeline-stages", "2",
+                 "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     want = sum(r.params.max_tokens for r in nano_requests(6, 0))
     assert [run["tokens"] for run in figures["runs"]] == [want, want]

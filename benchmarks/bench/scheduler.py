@@ -50,8 +50,10 @@ def run(config: SchedulerConfig, requests: list[AdmitRequest]) -> dict[str, floa
         plan = scheduler.schedule()
         planned = clock()
         assert plan is not None, "nothing planned with requests left"
-        items = scheduler.update(StepResult(step=plan.step, req_ids=plan.req_ids,
-                                            token_ids=[TOKEN] * len(plan.req_ids)))
+        # a prompt's chunk before its last samples nothing: as the worker, leave it out
+        sampled = [rid for rid in plan.req_ids if scheduler.requests[rid].num_pending]
+        items = scheduler.update(StepResult(step=plan.step, req_ids=sampled,
+                                            token_ids=[TOKEN] * len(sampled)))
         schedule_s += planned - started
         update_s += clock() - planned
         steps += 1
