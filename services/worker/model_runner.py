@@ -204,9 +204,10 @@ class ModelRunner:
         """A pipeline stage's part of `plan` (layers/pipeline.py). The last stage samples,
         then finishes the step before and posts its result to rank 0, as one rank does
         (so its host prepares this step while its device computes the last; the two hold
-        different requests); a stage before it sends its hidden states on. Rank 0 then takes the results of all but the newest
-        `held_steps` of the steps it launched, so that many more are in flight; the other
-        ranks get them forwarded (take_forwarded). None of this plan's requests has a token
+        different requests); a stage before it sends its hidden states on. Rank 0 then
+        takes the results of all but the newest `held_steps` of the steps it launched, so
+        that many more are in flight; the other ranks get them forwarded
+        (take_forwarded). None of this plan's requests has a token
         in flight (the scheduler plans none such), so the first stage knows every input."""
         started = time.perf_counter()
         inputs = self._prepare(plan)

@@ -11,18 +11,18 @@ partial) to the residual, so the next stage starts like the first with one tenso
 index in the next one, over the default group (gloo on the CPU, NCCL on GPUs).
 
 The last stage samples, and finishes each step once it has launched the next, as one rank
-does, so its host prepares a step while its device computes the one before; its
-tensor-parallel rank 0 posts the StepResult down a pipe to global rank 0 (a thread writes it, so the stage never waits
-for rank 0 to read), which forwards it to the ranks of the stages before the last with its
-next call; they append its tokens to their requests, so the first stage embeds those
-tokens later and plans still carry no token ids. Results travel beside the device's
-streams, not over a collective: a broadcast would wait for every stage's queued work, so
-the first stage's device ran dry while the host applied the result. Rank 0 takes a result
-only once it has launched `common.pipeline.held_steps` steps after it: with N stages up
-to N + 1 steps are in flight, each stage computing another and one queued while the host
-plans. The scheduler makes that possible (services/scheduler/core.py): it plans no request
-whose sampled token is still in flight, and gives each step at most 1/(N + 1) of the
-running requests.
+does, so its host prepares a step while its device computes the one before. Its
+tensor-parallel rank 0 posts the StepResult down a pipe to global rank 0 (a thread writes
+it, so the stage never waits for rank 0 to read), which forwards it to the ranks of the
+stages before the last with its next call; they append its tokens to their requests, so
+the first stage embeds those tokens later and plans still carry no token ids. Results
+travel beside the device's streams, not over a collective: a broadcast would wait for
+every stage's queued work, so the first stage's device ran dry while the host applied the
+result. Rank 0 takes a result only once it has launched `common.pipeline.held_steps`
+steps after it: with N stages up to N + 1 steps are in flight, each stage computing
+another and one queued while the host plans. The scheduler makes that possible
+(services/scheduler/core.py): it plans no request whose sampled token is still in flight,
+and gives each step at most 1/(N + 1) of the running requests.
 
 A stage is passed, not looked up: the layers built inside `building_stage(stage)` read it,
 as they read their tensor-parallel group (layers/parallel.py). Outside any, a model is
