@@ -5,7 +5,7 @@ The scheduler core runs the nano workload's requests (prompt and output lengths 
 once, so only the core's Python is timed: `schedule` (planning, block allocation) and
 `update` (appending tokens, finish checks, the detokenizers' items). Both run once per
 engine step in the in-process loop and in the served scheduler, so their cost per token
-bounds either path's throughput on a given host. No model, no torch, no GPU.
+bounds either path's throughput on a given host. No model and no GPU.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import argparse
 import json
 import os
 import platform
-import random
 import time
 
+from benchmarks.bench.workloads import nano_workload
 from common.messages import AdmitRequest, StepResult
-from common.sampling_params import SamplingParams
 from services.scheduler import Scheduler, SchedulerConfig
 
 NUM_BLOCKS = 1 << 20  # as many as the requests need: no preemption in the timed run
@@ -26,15 +25,10 @@ TOKEN = 7  # every step samples this token (ignore_eos: it ends nothing)
 
 
 def nano_requests(num_prompts: int, seed: int) -> list[AdmitRequest]:
-    """The nano workload's requests, drawn as benchmarks/bench/workloads.py draws them
-    (drawn here so that this benchmark imports no torch)."""
-    rng = random.Random(seed)
-    prompts = [[rng.randint(0, 10_000) for _ in range(rng.randint(100, 1024))]
-               for _ in range(num_prompts)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True,
-                             max_tokens=rng.randint(100, 1024)) for _ in range(num_prompts)]
-    return [AdmitRequest(f"r{i}", "bench", prompt, p)
-            for i, (prompt, p) in enumerate(zip(prompts, params))]
+    """The nano workload's requests, admitted as the tokenizer would admit them."""
+    workload = nano_workload(num_prompts, seed)
+    return [AdmitRequest(f"r{i}", "bench", prompt, params)
+            for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params))]
 
 
 def run(config: SchedulerConfig, requests: list[AdmitRequest]) -> dict[str, float]:
