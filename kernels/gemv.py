@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import overlap_previous, pdl_launch
+from kernels.pdl import let_next_start, overlap_previous, pdl_launch, wait_for_previous
 
 GEMV_MAX_ROWS = 16
 DOT_MIN_ROWS = 16  # tl.dot's smallest M: fewer rows are padded with masked loads
@@ -234,7 +234,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
     """A BLOCK_N stripe of y's columns over one K share (program_id 1); with more than one
     share, float32 partial sums into out [shares, m, n], else y itself. Without HAS_SCALE
     the scale arguments are not read."""
-    overlap_previous(PDL)
+    let_next_start(PDL)
     stripe, share = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = stripe * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -246,6 +246,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
     k_lo = share * k_share
     k_hi = tl.minimum(k_lo + k_share, k)
     if USE_DOT:
+        wait_for_previous(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k_ok = k0 + offs_k < k_hi
@@ -262,7 +263,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
             acc += part
     else:
         acc = _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
-                            PER_K_SCALE, BLOCK_N, BLOCK_K)[None, :]
+                            PER_K_SCALE, BLOCK_N, BLOCK_K, PDL)[None, :]
     if HAS_SCALE and not PER_K_SCALE:
         acc *= tl.load(scale_rows, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
@@ -274,17 +275,20 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
 
 @triton.jit
 def _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
-                  PER_K_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  PER_K_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr):
     """x's first row times the stripe over [k_lo, k_hi), scaled per K tile or not at all.
     Products are summed per lane in the weight tile's own layout, with one cross-lane
     reduction after the loop (a 3-d broadcast against x's rows made the compiler shuffle
     every tile through shared memory). Each step issues the next tile's loads before its
     own arithmetic: Triton pipelines only loads that feed tl.dot, and the loads in flight
-    set the bandwidth."""
+    set the bandwidth. The first weight tile is loaded before waiting on the previous
+    kernel (weights are constants; x is that kernel's output)."""
     offs_k = tl.arange(0, BLOCK_K)
     lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_ok = k_lo + offs_k < k_hi
     w = tl.load(w_rows + k_lo + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    wait_for_previous(PDL)
     xs = tl.load(x_ptr + k_lo + offs_k, mask=k_ok, other=0.0)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_next = k0 + BLOCK_K + offs_k

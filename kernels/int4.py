@@ -27,15 +27,18 @@ weight: it keeps the nibbles in place (a 20-bit shift for the top three), ORs ea
 the exponent of 2^23 so that the word's bits read as the float 2^23 + q * 16^j, subtracts
 2^23 + z * 16^j (exact: (q - z) * 16^j, an integer under 2^24) and multiplies by the
 activation times 16^-j, one fused multiply-add into per-lane sums that the group's scale
-multiplies once a word. Its K tiles never straddle a group, so a tile's scale and zero
-are one per row. The sums are exact products of exact integers with the activations in
+multiplies once a word. Its K tiles span whole groups (up to 1024 inputs, 512 bytes of
+each row's words: HBM serves long runs faster than the 64-byte pieces of one group's
+tile), or lie inside one, so that each group of a tile has one scale and zero a row. The
+first tile's weights are loaded before the kernel waits on the previous one (kernels/pdl.py).
+The sums are exact products of exact integers with the activations in
 float32: the twin's rounding of each dequantized weight to the activation dtype is not
 repeated. Split-K partial sums are added by kernels/gemv.py's second launch, as there.
 The tiled GEMM (more rows: larger decode batches, prefill) dequantizes [BLOCK_N,
 BLOCK_K] tiles to the activation dtype and feeds tl.dot; from DEQUANTIZE_MIN_ROWS rows
 (prefill) the weight is dequantized once and cuBLAS multiplies. Tiles come from sweeps on
 the H100 (benchmarks/gpu/int4_gemv_sweep.py, benchmarks/issue30-h100): the GEMV reads
-1.0-1.6 TB/s of packed weights at the 8B projections. The choice reads only shapes, so a
+1.4-1.9 TB/s of packed weights at the 8B projections. The choice reads only shapes, so a
 step replays in a CUDA graph.
 """
 
@@ -48,7 +51,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv import sm_count, sum_splits
-from kernels.pdl import overlap_previous, pdl_launch
+from kernels.pdl import let_next_start, overlap_previous, pdl_launch, wait_for_previous
 
 PACK_FACTOR = 8  # int4 values per int32
 MAGIC = 0x4B000000  # the bits of 2^23: OR-ed mantissa bits read as 2^23 + their integer
@@ -66,7 +69,16 @@ class Int4Tiles:
     split_k: int = 0
 
 
-GEMV_TILES = Int4Tiles(1, 128, 128, num_warps=4, num_stages=1)
+# one row: 16 outputs x 1024 inputs (512 bytes of each row's words a step), and where the
+# H100 sweep found better at Llama-3.1-8B's projections, its tiles
+# (benchmarks/issue30-h100/s5/int4-sweep-ab.txt: 8.0, 6.2, 31.8 and 18.2 us at qkv, o,
+# gate_up and down, against 10.1, 9.7, 36.1 and 21.0 with 128 x 128 tiles)
+GEMV_TILES = Int4Tiles(1, 16, 1024, num_warps=4, num_stages=1)
+TUNED_GEMV_TILES: dict[tuple[int, int, int], Int4Tiles] = {  # (N, K, SMs) -> tiles
+    (4096, 4096, 132): Int4Tiles(1, 32, 1024, num_warps=8, num_stages=1, split_k=1),
+    (28672, 4096, 132): Int4Tiles(1, 32, 512, num_warps=4, num_stages=1, split_k=1),
+    (4096, 14336, 132): Int4Tiles(1, 32, 1024, num_warps=8, num_stages=1, split_k=1),
+}
 GEMM_TILES = Int4Tiles(64, 128, 64, num_warps=4, num_stages=3)
 DECODE_TILES = Int4Tiles(16, 64, 128, num_warps=4, num_stages=3)  # 2..16 rows
 # from this many rows the weight is dequantized to 16 bits for cuBLAS (vLLM's AWQ switch
@@ -128,15 +140,26 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return w4a16_gemm_ref(x, qweight, scales, zeros, group_size, perm, bias)
 
 
-def default_tiles(m: int) -> Int4Tiles:
+def default_tiles(m: int, n: int, k: int, sms: int) -> Int4Tiles:
     if m == 1:
-        return GEMV_TILES
+        return TUNED_GEMV_TILES.get((n, k, sms), GEMV_TILES)
     return DECODE_TILES if m <= 16 else GEMM_TILES
 
 
 def k_tile(block_k: int, group_size: int) -> int:
     """The widest K tile up to block_k inside one group: a power of two dividing it."""
     return min(block_k, group_size & -group_size)
+
+
+def gemv_k_tile(block_k: int, group_size: int, k: int) -> int:
+    """The GEMV's K tile: block_k, halved until it divides K, where that spans whole
+    groups of a power-of-two size (a row's words read in long runs); else k_tile."""
+    if block_k <= group_size or group_size & (group_size - 1):
+        return k_tile(block_k, group_size)
+    tile = block_k
+    while k % tile:
+        tile //= 2
+    return tile
 
 
 def split_count(tiles: Int4Tiles, stripes: int, k: int, block_k: int, sms: int) -> int:
@@ -167,8 +190,10 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     if tiles is None and m >= DEQUANTIZE_MIN_ROWS:
         return dequantized_matmul(x2, qweight, scales, zeros, group_size, perm,
                                   bias).reshape(*x.shape[:-1], n)
-    tiles = tiles or default_tiles(m)
-    block_k = k_tile(tiles.block_k, group_size)
+    tiles = tiles or default_tiles(m, n, k, sm_count(x.device))
+    gemv = tiles.block_m == 1
+    block_k = (gemv_k_tile(tiles.block_k, group_size, k) if gemv
+               else k_tile(tiles.block_k, group_size))
     stripes = triton.cdiv(n, tiles.block_n)
     rows = triton.cdiv(m, tiles.block_m)
     split = split_count(tiles, stripes * rows, k, block_k, sm_count(x.device))
@@ -180,8 +205,9 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     flags = dict(HAS_PERM=perm is not None, HAS_BIAS=bias is not None and split == 1,
                  BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
                  num_stages=tiles.num_stages, **pdl_launch(x))
-    if tiles.block_m == 1:
-        _w4a16_gemv_kernel[(stripes, split, m)](*args, **flags)
+    if gemv:
+        _w4a16_gemv_kernel[(stripes, split, m)](*args, GROUPS=max(1, block_k // group_size),
+                                                **flags)
     else:
         _w4a16_gemm_kernel[(rows, stripes, split)](*args, BLOCK_M=tiles.block_m, **flags)
     if split > 1:
@@ -235,13 +261,19 @@ def _x_tile(x_row, perm_ptr, k0, x_at, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
-def _nibble_sums(words, x8, zero, BLOCK_K: tl.constexpr):
+def _nibble_sums(words, x8, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUPS: tl.constexpr):
     """sum over each word's eight nibbles j of (q_j - zero) * x8[word column, j], in
-    float32 ([BLOCK_N, BLOCK_K / 8] words; x8 [BLOCK_K / 8, 8]). x8 comes apart into its
-    eight columns by halving splits (a few 16-byte loads where eight strided ones ran
-    10-15% slower), and each nibble is read in place (the module's docstring)."""
+    float32, as [BLOCK_N, GROUPS, words a group] (words [BLOCK_N, BLOCK_K / 8] over GROUPS
+    whole groups, or inside one; x8 [BLOCK_K / 8, 8]; zero [BLOCK_N, GROUPS]). x8 comes
+    apart into its eight columns by halving splits (a few 16-byte loads where eight
+    strided ones ran 10-15% slower), and each nibble is read in place (the module's
+    docstring)."""
+    per_group: tl.constexpr = BLOCK_K // 8 // GROUPS
+    words = tl.reshape(words, (BLOCK_N, GROUPS, per_group))
+    zero = zero.to(tl.float32)[:, :, None]
     low, high = words, words >> 20  # nibbles 5..7 at bits 0..11 of high
-    x4a, x4b = tl.split(tl.reshape(x8, (BLOCK_K // 8, 2, 2, 2)))  # j even, j odd
+    x4a, x4b = tl.split(tl.reshape(x8, (GROUPS, per_group, 2, 2, 2)))  # j even, j odd
     x2a, x2b = tl.split(x4a)
     x2c, x2d = tl.split(x4b)
     x0, x4 = tl.split(x2a)
@@ -265,49 +297,52 @@ def _nibble_products(words, place: tl.constexpr, xs, zero):
     ((q - zero) * 16^place) * (xs * 16^-place): both factors exact."""
     bits = (words & (0xF << (4 * place))) | 0x4B000000
     value = bits.to(tl.float32, bitcast=True) - (8388608.0 + zero * (1 << (4 * place)))
-    return value * (xs * (1.0 / (1 << (4 * place))))[None, :]
+    return value * (xs * (1.0 / (1 << (4 * place))))[None, :, :]
 
 
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr,
                        out_ptr, m, n, k, group_size, k_share, HAS_PERM: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr):
+                       GROUPS: tl.constexpr, PDL: tl.constexpr):
     """One row of x (program_id 2) times a BLOCK_N stripe of W over one K share
-    (program_id 1): float32 partial sums into out [shares, m, n], or y itself. Each step
-    loads the next tile's words, scales, zeros and x before its own arithmetic, and the
-    sums stay per lane in the words' layout until one reduction after the loop."""
-    overlap_previous(PDL)
+    (program_id 1): float32 partial sums into out [shares, m, n], or y itself. A K tile
+    spans GROUPS whole groups, or lies inside one (GROUPS 1), so that each row's words
+    are read in long runs. The first tile's words, scales and zeros are loaded before
+    waiting on the previous kernel (they are constants); each step then loads the next
+    tile before its own arithmetic, and the sums stay per lane in the words' layout until
+    one reduction after the loop."""
+    let_next_start(PDL)
     stripe, share, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = stripe * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n
     cols = tl.arange(0, BLOCK_K // 8)
     w_rows = qweight_ptr + offs_n.to(tl.int64)[:, None] * (k // 8) + cols[None, :]
-    at_group = offs_n * (k // group_size)
+    at_group = (offs_n * (k // group_size))[:, None] + tl.arange(0, GROUPS)[None, :]
     x_row = x_ptr + row.to(tl.int64) * k
     x_at = cols[:, None] * 8 + tl.arange(0, 8)[None, :]
     k_lo = share * k_share
     k_hi = tl.minimum(k_lo + k_share, k)
-    lanes = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    lanes = tl.zeros((BLOCK_N, GROUPS, BLOCK_K // 8 // GROUPS), dtype=tl.float32)
     words = tl.load(w_rows + k_lo // 8, mask=n_ok[:, None], other=0)
-    s = tl.load(scales_ptr + at_group + k_lo // group_size, mask=n_ok, other=0.0)
-    z = tl.load(zeros_ptr + at_group + k_lo // group_size, mask=n_ok, other=0)
+    s = tl.load(scales_ptr + at_group + k_lo // group_size, mask=n_ok[:, None], other=0.0)
+    z = tl.load(zeros_ptr + at_group + k_lo // group_size, mask=n_ok[:, None], other=0)
+    wait_for_previous(PDL)
     x8 = _x_tile(x_row, perm_ptr, k_lo, x_at, HAS_PERM)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        # the next tile (a K tile never straddles a group: one scale and zero a row); past
-        # the share's end, x is read at its last tile and not used
-        ahead = offs_n < tl.where(k0 + BLOCK_K < k_hi, n, 0)
-        next_words = tl.load(w_rows + (k0 + BLOCK_K) // 8, mask=ahead[:, None], other=0)
+        # the next tile; past the share's end, x is read at its last tile and not used
+        ahead = (offs_n < tl.where(k0 + BLOCK_K < k_hi, n, 0))[:, None]
+        next_words = tl.load(w_rows + (k0 + BLOCK_K) // 8, mask=ahead, other=0)
         next_s = tl.load(scales_ptr + at_group + (k0 + BLOCK_K) // group_size, mask=ahead,
                          other=0.0)
         next_z = tl.load(zeros_ptr + at_group + (k0 + BLOCK_K) // group_size, mask=ahead,
                          other=0)
         next_x8 = _x_tile(x_row, perm_ptr, tl.minimum(k0 + BLOCK_K, k - BLOCK_K), x_at,
                           HAS_PERM)
-        sums = _nibble_sums(words, x8, z.to(tl.float32)[:, None], BLOCK_K)
-        lanes += sums * s.to(tl.float32)[:, None]
+        sums = _nibble_sums(words, x8, z, BLOCK_N, BLOCK_K, GROUPS)
+        lanes += sums * s.to(tl.float32)[:, :, None]
         words, s, z, x8 = next_words, next_s, next_z, next_x8
-    acc = tl.sum(lanes, axis=1)
+    acc = tl.sum(tl.sum(lanes, axis=2), axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + (share * m + row).to(tl.int64) * n + offs_n,

@@ -35,6 +35,20 @@ def pdl_launch(t: torch.Tensor) -> dict:
 def overlap_previous(PDL: tl.constexpr):
     """A PDL kernel's first statement: nothing before it may read another kernel's
     output."""
+    let_next_start(PDL)
+    wait_for_previous(PDL)
+
+
+@triton.jit
+def let_next_start(PDL: tl.constexpr):
+    """The first half of overlap_previous: a kernel that reads its own constants (a GEMV's
+    weights) before wait_for_previous issues those loads while the previous kernel ends."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """The second half: from here on, every other kernel's output is visible."""
+    if PDL:
         tl.extra.cuda.gdc_wait()

@@ -226,15 +226,17 @@ def check_w4a16(m: int, k: int, n: int, group_size: int, act_order: bool,
 
 @interpreter_check
 def gemv_path() -> None:
-    """One row (the default there) and three forced onto the GEMV; N off the block size; K
+    """One row (the default there) and four forced onto the GEMV; N off the block size; K
     over several tiles, split over programs (forced and by the SM count) with the bias
-    added after the split's sum; groups 32, 64, 128 and one over all of K (per channel),
+    added after the split's sum; K tiles over several groups (narrowed where K is not a
+    multiple), inside one group, and over all of K (per channel); groups 32, 64, 128,
     with and without act-order."""
     for group_size in GROUP_SIZES:
         for act_order in (False, True):
             check_w4a16(1, 384, 96, group_size, act_order, Int4Tiles(1, 64, 256), act_order)
     check_w4a16(1, 384, 96, 384, False, Int4Tiles(1, 64, 256, split_k=3), True)
     check_w4a16(3, 256, 40, 32, True, Int4Tiles(1, 32, 64), True)
+    check_w4a16(2, 3072, 24, 64, True, Int4Tiles(1, 8, 2048, split_k=2), False)
     check_w4a16(1, 512, 72, 64, False, None, True)
 
 

@@ -13,14 +13,16 @@ import sys
 import torch
 
 from benchmarks.gpu.graph_timing import graph_us
+from kernels.gemv import sm_count
 from kernels.int4 import Int4Tiles, default_tiles, w4a16_gemm_triton
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}
 GROUP = 128
 CONFIGS = {
-    1: [Int4Tiles(1, n, 128, w, 1, split) for n in (64, 128, 256) for w in (4, 8)
-        for split in (1, 2, 4, 8, 16)],
+    # K tiles over several groups: each row's words read in runs of 256-512 bytes
+    1: [Int4Tiles(1, n, kk, w, 1, split) for n in (8, 16, 32) for kk in (512, 1024)
+        for w in (4, 8) for split in (1, 2)] + [Int4Tiles(1, 128, 128, 4, 1)],
     8: [Int4Tiles(16, n, 128, 4, s, split) for n in (64, 128) for s in (2, 3)
         for split in (1, 2, 4)],
     256: [],
@@ -53,7 +55,7 @@ def main(rows_list: list[int]) -> None:
             rows.sort(key=lambda row: row[0])
             flops = 2 * m * n * k
             print(f"{name} K {k} N {n} rows {m}: cuBLAS bf16 {bf16_us:.1f} us, default "
-                  f"{default_tiles(m)} {default_us:.1f} us "
+                  f"{default_tiles(m, n, k, sm_count(x.device))} {default_us:.1f} us "
                   f"({nbytes / default_us / 1e3:.0f} GB/s, {flops / default_us / 1e6:.0f} TF/s)")
             for us, t in rows[:10] + rows[-2:]:
                 print(f"  m{t.block_m:<3d} n{t.block_n:<4d} k{t.block_k:<4d} w{t.num_warps} "

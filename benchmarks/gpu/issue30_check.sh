@@ -94,6 +94,41 @@ fp8)  # the fp8 GEMV's CUDA tests at its tuned tiles, 8B batch-1 decode in fp8, 
       >> "$R/throughput-nano.txt" 2>&1
   done
   ;;
+profile)  # eager per-kernel device times of one decode step: fp8 weights with an fp8 KV cache
+          # and bf16 at batch 64 (prompt 1000), AWQ int4 and fp8 at batch 1
+  AWQ=$(awq_shape)
+  for spec in "$L fp8 fp8 64" "$L none auto 64" "$AWQ awq auto 1" "$L fp8 auto 1"; do
+    set -- $spec
+    quant=(); [ "$2" != none ] && quant=(--quantization "$2")
+    name=profile-8b-$2-kv$3-b$4
+    timeout 150 python -m services.cli profile --model "$1" --load-format dummy \
+      --batch-size "$4" --prompt-len 1000 --max-model-len 2048 "${quant[@]}" \
+      --kv-cache-dtype "$3" --json "$R/$name.json" run_num_steps -n 2 > "$R/$name.log" 2>&1
+    python -m services.cli profile-table --json-trace "$R/$name.json" --phase decode_1 \
+      > "$R/$name-decode.txt" 2>&1
+  done
+  ;;
+ab)  # this tree against the one in .base (a copy of the commit before, carried): the CUDA
+    # tests of the GEMVs, the int4 sweep at one row, then 8B batch-1 decode in each format
+    # with both trees, alternating, in one lease
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_quant_int4.py \
+    tests/test_kernels_triton.py -k "cuda and (w4a16 or gemv)" > "$R/pytest-ab.txt" 2>&1
+  timeout "${SWEEP_S:-240}" python benchmarks/gpu/int4_gemv_sweep.py 1 > "$R/int4-sweep-ab.txt" 2>&1
+  AWQ=$(awq_shape)
+  shapes=$(realpath $M)
+  for fmt in ${FORMATS:-awq fp8 none}; do
+    model=$L quant=(); [ "$fmt" = awq ] && model=$AWQ
+    [ "$fmt" != none ] && quant=(--quantization "$fmt")
+    model=$(realpath "$model")
+    for tree in new base; do
+      dir=$PWD; [ $tree = base ] && dir=$PWD/.base
+      (cd "$dir" && PYTHONPATH="/tmp/site:$dir" HEADRACE_SHAPES=$shapes timeout 150 \
+        python -m services.cli bench latency --model "$model" --load-format dummy --context-len 1000 --batch-size 1 --output-len 64 --iterations 3 \
+        --max-model-len 2048 "${quant[@]}" --json "$R/latency-8b-$fmt-b1-$tree.json" \
+        >> "$R/latency-ab.txt" 2>&1)
+    done
+  done
+  ;;
 esac
 lscpu | grep -E "Model name|^CPU\(s\)" > "$R/host.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$R/host.txt"
