@@ -39,8 +39,9 @@ output and log-sum-exp, and a second kernel merges them. The split count comes f
 ints only (the batch shape, the SM count, max_seq_len or the window), so a captured graph
 replays with any lengths up to max_seq_len.
 
-An fp8 cache's K and V are cast to q's dtype as they load; their per-tensor scales are
-applied outside the loop: k_scale to the score scale, v_scale to the normalised output.
+An fp8 cache's K and V are cast to q's dtype as they load (to fp16 under a bf16 q: the
+dots then run in fp16, see FP16_DOT); their per-tensor scales are applied outside the
+loop: k_scale to the score scale, v_scale to the normalised output.
 
 key_limits (a constexpr switch too) gives each query the last key it sees, past its own
 position where an image's tokens attend both ways (Gemma 3): a tile's keys then run to
@@ -98,9 +99,11 @@ def default_config(q: torch.Tensor, cache_dtype: torch.dtype | None = None
     """Decode tiles of 16 rows (a decode has only GROUP rows: wider tiles would multiply
     idle tensor-core work), prefill tiles of 64 rows, and splits until about one program
     per SM. Chosen by the H100 sweeps in benchmarks/gpu/kernels.md. An fp8 cache's decode
-    tiles hold half the bytes: five stages and four programs per SM keep more of them in
-    flight (17% faster than the bf16 config at 32 x 8000 keys on the H100,
-    benchmarks/gpu/fp8_attention_sweep.py). bf16 decodes split to about two programs per
+    tiles, since its dots run in fp16 (FP16_DOT), read 128 keys a step over three stages,
+    split to about two programs per SM: at Llama-3.1-8B's heads 64.7 against 71.9 us for
+    64 x 1000 keys, 218.5 against 266.0 for 32 x 8000, than the 64-key, five-stage, four
+    per SM tiles chosen before the fp16 dots (benchmarks/gpu/kv_layout_experiment.py,
+    benchmarks/issue30-h100/s5/kv-layout.txt). bf16 decodes split to about two programs per
     SM in parts of at least 128 keys: on the H100 as fast as one program per SM and 64
     keys, or faster (Phi-3 at batch 1: 10.8 against 12.1 us; Qwen3-30B-A3B at 32 x 4000
     keys: 100 against 133 us), in all of benchmarks/gpu/attention_splits.py's 32 cases but
@@ -116,8 +119,8 @@ def default_config(q: torch.Tensor, cache_dtype: torch.dtype | None = None
     if q.dtype == torch.float32:  # exact fp32 dots: 16 x 16 tiles, larger ones spill
         return AttentionConfig(TileConfig(16, 16, 4, 2), TileConfig(16, 16, 4, 2), programs, 64)
     if cache_dtype in FP8_DTYPES:
-        return AttentionConfig(TileConfig(16, 64, 4, 5), TileConfig(64, 64, 4, 2),
-                               4 * programs, 64)
+        return AttentionConfig(TileConfig(16, 128, 4, 3), TileConfig(64, 64, 4, 2),
+                               2 * programs, 64)
     decode_keys = 128 if q.shape[-1] <= 128 else 64
     return AttentionConfig(TileConfig(16, decode_keys, 4, 1), TileConfig(64, 64, 4, 2),
                            2 * programs, 128)
@@ -146,7 +149,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert head_dim >= 16, "head_dim: at least 16"
     assert block_size & (block_size - 1) == 0, "block_size: a power of two"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1
+    assert k_cache.stride() == v_cache.stride(), "K and V caches: one layout"
     group = num_heads // num_kv_heads
     scaled = k_cache.dtype in FP8_DTYPES
     assert not scaled or (k_scale is not None and v_scale is not None), "fp8 needs scales"
@@ -193,6 +197,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             ONE_TILE_EACH=one_tile_each,
             SEARCH_BLOCK=1 if one_tile_each else search_block(num_reqs),
             SPLIT=num_splits > 1, EXACT_DOT=q.dtype == torch.float32, SCALED=scaled,
+            FP16_DOT=scaled and q.dtype == torch.bfloat16,
             WINDOW=sliding_window is not None, SOFT_CAP=soft_cap is not None,
             LIMITS=key_limits is not None, num_warps=tile.num_warps,
             num_stages=tile.num_stages, **pdl_launch(q))
@@ -257,8 +262,9 @@ def _paged_attention_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         ONE_TILE_EACH: tl.constexpr, SEARCH_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-        EXACT_DOT: tl.constexpr, SCALED: tl.constexpr, WINDOW: tl.constexpr,
-        SOFT_CAP: tl.constexpr, LIMITS: tl.constexpr, PDL: tl.constexpr):
+        EXACT_DOT: tl.constexpr, SCALED: tl.constexpr, FP16_DOT: tl.constexpr,
+        WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, LIMITS: tl.constexpr,
+        PDL: tl.constexpr):
     overlap_previous(PDL)
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if ONE_TILE_EACH:
@@ -296,6 +302,13 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_ok[None, :], other=0.0)
     if SCALED:  # q.k * k_scale == q.(k_fp8 * k_scale): one multiply per score
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if FP16_DOT:
+        # bf16 q over an fp8 cache: the dots run in fp16, to which fp8 converts in one
+        # instruction per two values (to bf16 it takes several, and the conversion, not
+        # the bytes, bound the loop). q / 256 is exact in fp16 up to |q| = 2^24, and the
+        # 256 comes back in the score scale; p in [0, 1] is finer in fp16 than in bf16.
+        q = (q.to(tl.float32) * (1.0 / 256.0)).to(tl.float16)
+        qk_scale = qk_scale * 256.0
 
     # the keys this tile can see, [kv_begin, kv_end): up to its last query's position,
     # and with a window from the first BLOCK_N holding a key its first query sees (the

@@ -47,8 +47,8 @@ from kernels.gemv import (GemvTiles, _gemv_kernel, _sum_splits_kernel, gemv, gem
 from kernels.lora import lora_expand_ref, lora_expand_triton
 from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
                           gemma_norm_add_norm_triton, rms_norm_ref, rms_norm_triton)
-from kernels.quant import (quantize_per_token_ref, quantize_per_token_triton, scaled_mm,
-                           scaled_mm_ref, scaled_mm_triton)
+from kernels.quant import (ScaledMmTiles, quantize_per_token_ref, quantize_per_token_triton,
+                           scaled_mm, scaled_mm_ref, scaled_mm_triton)
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
 from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, ONE_BITS, TOP_P_STEPS,
                               _top_p_threshold_kernel, gumbel_argmax_ref,
@@ -529,17 +529,22 @@ def check_quantize(rows: int, cols: int, group: int | None, dtype: torch.dtype,
 
 def check_scaled_mm(rows: int, n: int, k: int, block_n: int, group_k: int,
                     qdtype: torch.dtype, out_dtype: torch.dtype, device: str,
-                    bias: bool = True, dispatch: bool = False) -> None:
+                    bias: bool = True, dispatch: bool = False,
+                    tiles: ScaledMmTiles | None = None) -> None:
     """The GEMM of twin-quantized operands against the twin; dispatch: through
-    scaled_mm (torch._scaled_mm where it applies) instead of the Triton kernel."""
+    scaled_mm (torch._scaled_mm or the decode tiles where they apply) instead of the
+    Triton kernel at `tiles` (None: its default)."""
     g, seed = fresh_generator()
     a = quantize_per_token_ref(rand(g, rows, k, dtype=torch.float32, device=device),
                                qdtype, group_k if group_k < k else None)
     b = quantize_per_token_ref(rand(g, n, k, dtype=torch.float32, device=device), qdtype)[0]
     b_scale = 0.5 + torch.rand(-(-n // block_n), -(-k // group_k), generator=g).to(device)
     b_bias = rand(g, n, dtype=out_dtype, device=device) if bias else None
-    run = scaled_mm if dispatch else scaled_mm_triton
-    out = run(a[0], a[1], b, b_scale, block_n, group_k, out_dtype, b_bias)
+    if dispatch:
+        out = scaled_mm(a[0], a[1], b, b_scale, block_n, group_k, out_dtype, b_bias)
+    else:
+        out = scaled_mm_triton(a[0], a[1], b, b_scale, block_n, group_k, out_dtype, b_bias,
+                               tiles)
     ref = scaled_mm_ref(a[0], a[1], b, b_scale, block_n, group_k, out_dtype, b_bias)
     assert_close(out, ref, f"scaled_mm {qdtype} {block_n}x{group_k}", seed)
 
@@ -778,6 +783,9 @@ def quant_kernels() -> None:
         check_scaled_mm(7, 130, 200, 1, 200, qdtype, torch.float32, "cpu")
         check_scaled_mm(20, 256, 384, 128, 128, qdtype, torch.float32, "cpu", bias=False)
         check_scaled_mm(3, 96, 256, 1, 128, qdtype, torch.float16, "cpu")
+    # the decode tiles' K steps of 256 past K's end, N off the 32-wide stripes
+    check_scaled_mm(40, 72, 320, 1, 320, torch.float8_e4m3fn, torch.float32, "cpu",
+                    tiles=ScaledMmTiles(64, 32, 256, 4, 3))
 
 
 @interpreter_check
@@ -1173,7 +1181,7 @@ def test_quant_kernels_cuda(model: str) -> None:
     for qdtype in (torch.int8, torch.float8_e4m3fn):
         for group in (None, 128):
             check_quantize(300, hidden, group, torch.bfloat16, qdtype, "cuda")
-        for rows in (1, 8, 1000):
+        for rows in (1, 8, 17, 64, 1000):  # 17 and 64: fp8 through decode_tiles
             check_scaled_mm(rows, n, hidden, 1, hidden, qdtype, torch.bfloat16, "cuda",
                             dispatch=True)
             check_scaled_mm(rows, n, hidden, 128, 128, qdtype, torch.bfloat16, "cuda")

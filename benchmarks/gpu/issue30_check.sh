@@ -129,6 +129,24 @@ ab)  # this tree against the one in .base (a copy of the commit before, carried)
     done
   done
   ;;
+b64)  # the fp8 cache's attention: its CUDA tests, the layout/tile experiment, then 8B
+     # batch-64 decode (context 1000) with fp8 weights and cache in this tree and in .base,
+     # and bf16 in this tree, in one lease
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+    -k "fp8_cache_kernels_cuda" > "$R/pytest-fp8-attention.txt" 2>&1
+  timeout 120 python benchmarks/gpu/kv_layout_experiment.py > "$R/kv-layout.txt" 2>&1
+  shapes=$(realpath $M) model=$(realpath $L)
+  for spec in "new fp8 fp8" "base fp8 fp8" "new none auto"; do
+    set -- $spec
+    dir=$PWD; [ $1 = base ] && dir=$PWD/.base
+    quant=(); [ $2 != none ] && quant=(--quantization $2)
+    (cd "$dir" && PYTHONPATH="/tmp/site:$dir" HEADRACE_SHAPES=$shapes timeout 150 \
+      python -m services.cli bench latency --model "$model" --load-format dummy \
+      --context-len 1000 --batch-size 64 --output-len 64 --iterations 2 --max-model-len 2048 \
+      "${quant[@]}" --kv-cache-dtype $3 --json "$R/latency-8b-$2-kv$3-b64-$1.json" \
+      >> "$R/latency-b64.txt" 2>&1)
+  done
+  ;;
 esac
 lscpu | grep -E "Model name|^CPU\(s\)" > "$R/host.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$R/host.txt"
