@@ -155,16 +155,17 @@ def write_float_weights(path: Path, out: Path) -> None:
 
 # --- transformers without torch ----------------------------------------------------------
 
-def transformers_without_torch(model_dir: Path) -> bool:
+def transformers_without_torch(model_dir: Path, trust_remote_code: bool = False) -> bool:
     """Have transformers run in this process as where torch is not installed (a set-up it
     supports: tokenizers, configs and file utilities work), unless the model's image
-    processor needs torch (a vision-language model's). For the processes that only read
-    the config and tokenize: transformers' configuration_utils, which AutoConfig and
-    AutoTokenizer load, imports torch whenever it is installed, 5-7 s of CPU per process
-    that never uses it. Python's own switch: an import finds sys.modules["torch"] None
-    absent. Only before transformers is imported (a GGUF converted here already did, with
-    torch); returns whether torch is kept out. allow_torch() lets it back in."""
-    if "transformers" in sys.modules or "torch" in sys.modules:
+    processor needs torch (a vision-language model's) or the model's own code may (with
+    trust_remote_code). For the processes that only read the config and tokenize:
+    transformers' configuration_utils, which AutoConfig and AutoTokenizer load, imports
+    torch whenever it is installed, 5-7 s of CPU per process that never uses it. Python's
+    own switch: an import finds sys.modules["torch"] None absent. Only before transformers
+    is imported (a GGUF converted here already did, with torch); returns whether torch is
+    kept out. allow_torch() lets it back in."""
+    if trust_remote_code or "transformers" in sys.modules or "torch" in sys.modules:
         return False
     config = model_dir / "config.json"
     if config.is_file() and "vision_config" in json.loads(config.read_text()):

@@ -42,7 +42,7 @@ def resolve_engine(config: EngineConfig, torch_free: bool = False) -> ResolvedMo
     (common.model_files.transformers_without_torch)."""
     model_dir = resolve_model(config.model, config.load_format, gguf_weights=False)
     if torch_free:
-        transformers_without_torch(model_dir)
+        transformers_without_torch(model_dir, config.trust_remote_code)
     hf_config = override(load_model_config(config.model, model_dir),
                          config.hf_config_overrides())
     check_model_support(hf_config, config.quantization)

@@ -7,11 +7,14 @@
   kernels/ imports them, and they reach the services only through the public entry points
   named in TOOL_ENTRY_POINTS;
 - relative imports are resolved and checked like absolute ones;
-- the gateway and tokenizer shells, the CLI and the launcher do not import torch."""
+- the gateway and tokenizer shells, the CLI and the launcher do not import torch, and
+  the stages that only tokenize (and the scheduler) load the model's config and tokenizer
+  without it."""
 
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -244,3 +247,24 @@ def test_xgrammar_takes_torch_after_a_torch_free_start():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "torch"
+
+
+def test_torch_stays_for_vision_models_and_remote_code(tmp_path):
+    """A vision-language model's image processor, and a model's own code, may need torch:
+    transformers then keeps it; a text model's config and tokenizer go without."""
+    text, vision = tmp_path / "text", tmp_path / "vision"
+    for directory, config in ((text, {"model_type": "llama"}),
+                              (vision, {"model_type": "qwen2_vl", "vision_config": {}})):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from common.model_files import transformers_without_torch\n"
+            f"print(transformers_without_torch(Path({str(vision)!r})),\n"
+            f"      transformers_without_torch(Path({str(text)!r}), trust_remote_code=True),\n"
+            f"      transformers_without_torch(Path({str(text)!r})),\n"
+            "      sys.modules['torch'])\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False", "True", "None"]

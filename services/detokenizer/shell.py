@@ -55,7 +55,7 @@ def given_up(batch: TokenBatch, reason: str) -> list[Output]:
 async def serve(ctx: ServiceContext) -> None:
     model_dir = resolve_model(ctx.engine.model, ctx.engine.load_format,
                               gguf_weights=False)  # the tokenizer only
-    transformers_without_torch(model_dir)
+    transformers_without_torch(model_dir, ctx.engine.trust_remote_code)
     detokenizer = Detokenizer(load_tokenizer(model_dir, ctx.engine.tokenizer))
     freeze_heap()
     await ctx.bus.consume(keys.DETOK, GROUP, ctx.consumer, handler(detokenizer),

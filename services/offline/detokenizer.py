@@ -197,7 +197,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from common.model_files import load_tokenizer, transformers_without_torch
 
-    transformers_without_torch(Path(args.model_dir))
+    transformers_without_torch(Path(args.model_dir), args.trust_remote_code)
     receive = Connection(args.input_fd, writable=False)
     send = Connection(args.output_fd, readable=False)
     tokenizer = load_tokenizer(args.model_dir, args.tokenizer, args.trust_remote_code)
