@@ -3,7 +3,8 @@ Hugging Face directory), or a hub id (downloaded with huggingface_hub when onlin
 reading its config, tokenizer and generation config.
 
 The tokenizer and gateway processes use this module, so torch and transformers are only
-imported inside the functions that need them.
+imported inside the functions that need them, and those processes can have transformers run
+without torch (transformers_without_torch).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -136,6 +138,7 @@ def write_hf_files(path: Path, out: Path) -> None:
 
 def write_float_weights(path: Path, out: Path) -> None:
     """The weights dequantized to float32 by transformers, as model*.safetensors."""
+    allow_torch()
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -148,6 +151,37 @@ def write_float_weights(path: Path, out: Path) -> None:
     model.save_pretrained(out)
     for name in ("config.json", "generation_config.json"):  # write_hf_files' own
         (out / name).unlink(missing_ok=True)
+
+
+# --- transformers without torch ----------------------------------------------------------
+
+def transformers_without_torch(model_dir: Path, trust_remote_code: bool = False) -> bool:
+    """Have transformers run in this process as where torch is not installed (a set-up it
+    supports: tokenizers, configs and file utilities work), unless the model's image
+    processor needs torch (a vision-language model's) or the model's own code may (with
+    trust_remote_code). For the processes that only read the config and tokenize:
+    transformers' configuration_utils, which AutoConfig and AutoTokenizer load, imports
+    torch whenever it is installed, 5-7 s of CPU per process that never uses it. Python's
+    own switch: an import finds sys.modules["torch"] None absent. Only before transformers
+    is imported (a GGUF converted here already did, with torch); returns whether torch is
+    kept out. allow_torch() lets it back in."""
+    if trust_remote_code or "transformers" in sys.modules or "torch" in sys.modules:
+        return False
+    config = model_dir / "config.json"
+    if config.is_file() and "vision_config" in json.loads(config.read_text()):
+        return False
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    # its import-time notice would tell the stage's log that torch is not installed
+    logging.getLogger("transformers").addFilter(
+        lambda record: "PyTorch was not found" not in record.getMessage())
+    return True
+
+
+def allow_torch() -> None:
+    """Undo transformers_without_torch: a later `import torch` (xgrammar's, a device
+    count's) loads it."""
+    if "torch" in sys.modules and sys.modules["torch"] is None:
+        del sys.modules["torch"]
 
 
 # --- the hub ---------------------------------------------------------------------------

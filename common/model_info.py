@@ -11,9 +11,10 @@ from typing import Any
 
 from common.config import ConfigError, EngineConfig, ServerConfig
 from common.lora import TARGET_MODULES
-from common.model_files import (is_gguf, load_generation_config, load_hf_config,
-                                load_tokenizer, max_model_len_of, read_chat_template,
-                                resolve_model, sliding_windows)
+from common.model_files import (allow_torch, is_gguf, load_generation_config,
+                                load_hf_config, load_tokenizer, max_model_len_of,
+                                read_chat_template, resolve_model, sliding_windows,
+                                transformers_without_torch)
 from common.model_support import UnsupportedModel, check_model_support, num_experts_of
 from common.quantization import GGUF_FILE_ATTR
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
@@ -34,10 +35,14 @@ class ResolvedModel:
     draft: DraftModel | None = None
 
 
-def resolve_engine(config: EngineConfig) -> ResolvedModel:
+def resolve_engine(config: EngineConfig, torch_free: bool = False) -> ResolvedModel:
     """The one place an engine config meets its model's files. A model headrace cannot
-    run (after --hf-overrides and --rope-scaling) is refused here, with UnsupportedModel."""
+    run (after --hf-overrides and --rope-scaling) is refused here, with UnsupportedModel.
+    torch_free: this process runs no model, so transformers may run without torch
+    (common.model_files.transformers_without_torch)."""
     model_dir = resolve_model(config.model, config.load_format, gguf_weights=False)
+    if torch_free:
+        transformers_without_torch(model_dir, config.trust_remote_code)
     hf_config = override(load_model_config(config.model, model_dir),
                          config.hf_config_overrides())
     check_model_support(hf_config, config.quantization)
@@ -177,6 +182,7 @@ def check_devices(config: EngineConfig, shards: int = 1) -> None:
     needed = per_shard * shards
     if needed == 1 or config.device == "cpu":
         return
+    allow_torch()
     import torch
 
     gpus = torch.cuda.device_count()
@@ -223,8 +229,9 @@ class ModelInfo:
         return self.config.max_model_len
 
 
-def load_model_info(config: EngineConfig) -> ModelInfo:
-    model = resolve_engine(config)
+def load_model_info(config: EngineConfig, torch_free: bool = False) -> ModelInfo:
+    """torch_free: as resolve_engine's (the gateway and tokenizer stages)."""
+    model = resolve_engine(config, torch_free)
     tokenizer = load_tokenizer(model.model_dir, config.tokenizer, config.trust_remote_code)
     if config.chat_template is not None:
         tokenizer.chat_template = read_chat_template(config.chat_template)

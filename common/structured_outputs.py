@@ -26,6 +26,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from common.model_files import allow_torch
 from common.sampling_params import SamplingError
 
 BACKENDS = ("auto", "xgrammar")  # --guided-decoding-backend; auto is xgrammar
@@ -40,6 +41,7 @@ def load_xgrammar() -> ModuleType:
     in the middle of serving, for a speed-up of calls that hand it tensors, which the
     bitmask calls do well enough without."""
     os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+    allow_torch()  # the tokenizer stage kept it out of transformers
     import xgrammar
 
     return xgrammar

@@ -343,7 +343,7 @@ def main(argv: list[str]) -> int:
         # hold, is refused before Redis or any child starts
         check_tool_parsers(server)
         check_tls(server)
-        resolve_engine(engine)
+        resolve_engine(engine, torch_free=True)
         check_local_shards(engine, server)
         check_devices(engine, len(local_shards(engine, server)))
         check_lora_modules(engine, server)

@@ -7,11 +7,14 @@
   kernels/ imports them, and they reach the services only through the public entry points
   named in TOOL_ENTRY_POINTS;
 - relative imports are resolved and checked like absolute ones;
-- the gateway and tokenizer shells, the CLI and the launcher do not import torch."""
+- the gateway and tokenizer shells, the CLI and the launcher do not import torch, and
+  the stages that only tokenize (and the scheduler) load the model's config and tokenizer
+  without it."""
 
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -173,3 +176,95 @@ def test_light_processes_import_no_torch(modules):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "", f"{modules} imported {result.stdout.strip()}"
+
+
+# Each light stage's start-up, as its serve() runs it, on the demo GGUF: its imports, the
+# model's config and tokenizer (and the tokenizer stage's input processor).
+STAGE_STARTS = {
+    "tokenizer": "import services.tokenizer.shell\n"
+                 "from common.model_info import load_model_info\n"
+                 "from services.tokenizer.core import InputProcessor\n"
+                 "InputProcessor.from_info(load_model_info(engine, torch_free=True))\n",
+    "gateway": "import services.gateway.shell\n"
+               "from common.model_info import load_model_info\n"
+               "load_model_info(engine, True)\n",
+    "scheduler": "import services.scheduler.shell\n"
+                 "from common.model_info import resolve_engine\n"
+                 "resolve_engine(engine, torch_free=True)\n",
+    "detokenizer": "import services.detokenizer.shell\n"
+                   "from common.model_files import (load_tokenizer, resolve_model,\n"
+                   "                                transformers_without_torch)\n"
+                   "from services.detokenizer.core import Detokenizer\n"
+                   "model_dir = resolve_model(engine.model, gguf_weights=False)\n"
+                   "transformers_without_torch(model_dir)\n"
+                   "Detokenizer(load_tokenizer(model_dir))\n",
+    # the offline engine's child, through its main: input closed, so it ends at once
+    "offline detokenizer": "import os\n"
+                           "from common.model_files import resolve_model\n"
+                           "from services.offline.detokenizer import main\n"
+                           "read_end, write_end = os.pipe()\n"
+                           "os.close(write_end)\n"
+                           "model_dir = resolve_model(engine.model, gguf_weights=False)\n"
+                           "assert main([str(model_dir), str(read_end), str(os.pipe()[1])]) == 0\n",
+}
+
+
+@pytest.mark.parametrize("stage", list(STAGE_STARTS))
+def test_light_stages_load_the_model_without_torch(stage):
+    """transformers' config module imports torch whenever it is installed (5-7 s of CPU
+    per process); these stages have transformers run without it."""
+    code = ("import sys\n"
+            "from common.config import EngineConfig\n"
+            "from services.demo import demo_model_path\n"
+            "engine = EngineConfig(model=demo_model_path())\n"
+            + STAGE_STARTS[stage]
+            + "print('torch' if sys.modules.get('torch') is not None else '')\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "", f"the {stage} stage imported torch"
+    assert "PyTorch was not found" not in result.stderr
+
+
+def test_xgrammar_takes_torch_after_a_torch_free_start():
+    """A structured request brings xgrammar, which needs torch, into the tokenizer stage
+    after it started without: its bitmask is built with torch."""
+    code = ("import sys\n"
+            "from common.config import EngineConfig\n"
+            "from common.model_info import load_model_info\n"
+            "from common.structured_outputs import load_xgrammar\n"
+            "from services.demo import demo_model_path\n"
+            "info = load_model_info(EngineConfig(model=demo_model_path()), torch_free=True)\n"
+            "assert sys.modules.get('torch', 0) is None, 'torch was not kept out'\n"
+            "xgr = load_xgrammar()\n"
+            "tokens = xgr.TokenizerInfo.from_huggingface(info.tokenizer,\n"
+            "                                            vocab_size=info.vocab_size)\n"
+            "compiled = xgr.GrammarCompiler(tokens).compile_json_schema('{\"type\": \"object\"}')\n"
+            "mask = xgr.allocate_token_bitmask(1, tokens.vocab_size)\n"
+            "xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)\n"
+            "print(type(mask).__module__)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "torch"
+
+
+def test_torch_stays_for_vision_models_and_remote_code(tmp_path):
+    """A vision-language model's image processor, and a model's own code, may need torch:
+    transformers then keeps it; a text model's config and tokenizer go without."""
+    text, vision = tmp_path / "text", tmp_path / "vision"
+    for directory, config in ((text, {"model_type": "llama"}),
+                              (vision, {"model_type": "qwen2_vl", "vision_config": {}})):
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from common.model_files import transformers_without_torch\n"
+            f"print(transformers_without_torch(Path({str(vision)!r})),\n"
+            f"      transformers_without_torch(Path({str(text)!r}), trust_remote_code=True),\n"
+            f"      transformers_without_torch(Path({str(text)!r})),\n"
+            "      sys.modules['torch'])\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False", "True", "None"]

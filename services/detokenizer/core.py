@@ -29,18 +29,25 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
-
-from transformers.convert_slow_tokenizer import bytes_to_unicode
-from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from common.detok_window import MAX_CHAR_BYTES, stop_lookback
 from common.messages import Abort, DetokItem, DetokParams, TextDelta, TokenLogprobs
 from common.token_text import TokenTexts
 
-_BYTE_LEVEL_CHARS = {char: byte for byte, char in bytes_to_unicode().items()}
 _BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not a character
+
+
+# transformers is imported on first use: a detokenizer process decides first whether
+# transformers may run without torch (common.model_files.transformers_without_torch)
+@cache
+def byte_level_chars() -> dict[str, int]:
+    """The byte-level BPE alphabet: each character's byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 @dataclass(slots=True)
@@ -105,8 +112,9 @@ class TokenBytes:
         if token is None:  # an id beyond the vocabulary decodes to nothing
             return b""
         if self.byte_level:  # added tokens may hold characters outside the alphabet
-            if all(char in _BYTE_LEVEL_CHARS for char in token):
-                return bytes(_BYTE_LEVEL_CHARS[char] for char in token)
+            chars = byte_level_chars()
+            if all(char in chars for char in token):
+                return bytes(chars[char] for char in token)
             return token.encode()
         byte = _BYTE_FALLBACK_PIECE.fullmatch(token)
         return bytes([int(byte.group(1), 16)]) if byte else token.encode()
@@ -155,6 +163,8 @@ def rust_decoder(tokenizer: Any) -> Any | None:
     Tokenizer's decode plus optional clean-up (which we never ask for): calling it directly
     skips transformers' per-call argument handling, two thirds of a short window's decode
     time, and matters at hundreds of windows a step. None for any other tokenizer."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
     if isinstance(tokenizer, TokenizersBackend) and \
             type(tokenizer)._decode is TokenizersBackend._decode:
         return tokenizer.backend_tokenizer

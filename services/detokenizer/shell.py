@@ -9,7 +9,7 @@ import time
 from common import keys
 from common.bus import Output
 from common.messages import Abort, ErrorReply, ReplyBatch, TextDelta, TokenBatch
-from common.model_files import load_tokenizer, resolve_model
+from common.model_files import load_tokenizer, resolve_model, transformers_without_torch
 from common.service import ServiceContext, freeze_heap, run_service
 from services.detokenizer.core import Detokenizer
 
@@ -55,6 +55,7 @@ def given_up(batch: TokenBatch, reason: str) -> list[Output]:
 async def serve(ctx: ServiceContext) -> None:
     model_dir = resolve_model(ctx.engine.model, ctx.engine.load_format,
                               gguf_weights=False)  # the tokenizer only
+    transformers_without_torch(model_dir, ctx.engine.trust_remote_code)
     detokenizer = Detokenizer(load_tokenizer(model_dir, ctx.engine.tokenizer))
     freeze_heap()
     await ctx.bus.consume(keys.DETOK, GROUP, ctx.consumer, handler(detokenizer),

@@ -72,7 +72,7 @@ async def forget_dead_gateways(bus: Bus) -> None:
 
 
 async def serve(ctx: ServiceContext) -> None:
-    info = await anyio.to_thread.run_sync(load_model_info, ctx.engine)
+    info = await anyio.to_thread.run_sync(load_model_info, ctx.engine, True)  # torch_free
     # unique across hosts and restarts: a restarted gateway must not read its
     # predecessor's replies
     gateway_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"

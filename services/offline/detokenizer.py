@@ -195,8 +195,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokenizer")
     parser.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args(argv)
-    from common.model_files import load_tokenizer
+    from common.model_files import load_tokenizer, transformers_without_torch
 
+    transformers_without_torch(Path(args.model_dir), args.trust_remote_code)
     receive = Connection(args.input_fd, writable=False)
     send = Connection(args.output_fd, readable=False)
     tokenizer = load_tokenizer(args.model_dir, args.tokenizer, args.trust_remote_code)

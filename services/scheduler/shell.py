@@ -343,7 +343,7 @@ def _error(reply_to: str, rid: str, status: int, message: str,
 
 async def serve(ctx: ServiceContext) -> None:
     check_shard(ctx.engine, ctx.server)
-    config = resolve_engine(ctx.engine).config  # imports transformers, and torch with it
+    config = resolve_engine(ctx.engine, torch_free=True).config
     freeze_heap()
     await SchedulerShell(ctx, config).run()
 

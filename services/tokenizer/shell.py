@@ -90,7 +90,7 @@ async def watch_shards(bus: Bus, router: Router, stop: anyio.Event) -> None:
 
 
 async def serve(ctx: ServiceContext) -> None:
-    info = load_model_info(ctx.engine)
+    info = load_model_info(ctx.engine, torch_free=True)
     processor = InputProcessor.from_info(info)
     config = info.config
     assert config.max_num_batched_tokens is not None
