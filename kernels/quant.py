@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import overlap_previous, pdl_launch
+
 FP8_DTYPE = torch.float8_e4m3fn
 QUANT_MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 MIN_SCALE = 1e-10  # an all-zero row still divides by something
@@ -82,13 +84,14 @@ def quantize_per_token_triton(x: torch.Tensor, dtype: torch.dtype, group: int | 
     if rows:
         _quantize_kernel[(rows, groups)](
             x, q, scale, cols, x.stride(0), group, QUANT_MAX[dtype], MIN_SCALE,
-            IS_INT=dtype == torch.int8, BLOCK=triton.next_power_of_2(group))
+            IS_INT=dtype == torch.int8, BLOCK=triton.next_power_of_2(group), **pdl_launch(x))
     return q, scale
 
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, scale_ptr, cols, x_stride, group, qmax, min_scale,
-                     IS_INT: tl.constexpr, BLOCK: tl.constexpr):
+                     IS_INT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    overlap_previous(PDL)
     row, g = tl.program_id(0), tl.program_id(1)
     offs = g * group + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < group) & (offs < cols)
@@ -190,7 +193,8 @@ def scaled_mm_triton(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
         a.stride(0), b.stride(0), a_scale.shape[1], min(group_k, k), block_n,
         HAS_BIAS=bias is not None, IS_INT=a.dtype == torch.int8,
         PER_K_SCALE=group_k < k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **pdl_launch(a))
     return c
 
 
@@ -198,9 +202,10 @@ def scaled_mm_triton(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
 def _scaled_mm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, M, N, K,
                       stride_a, stride_b, groups, group_k, block_n, HAS_BIAS: tl.constexpr,
                       IS_INT: tl.constexpr, PER_K_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One scale group over all of K (per-token activations, per-channel weights) scales
     the sums once after the loop; K groups scale each tile's."""
+    overlap_previous(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
