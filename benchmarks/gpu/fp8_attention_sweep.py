@@ -21,21 +21,28 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 BATCH, CONTEXT = 32, 8000
 
 
-def batch(cache_dtype: torch.dtype) -> dict:
+def batch(cache_dtype: torch.dtype, requests: int = BATCH, context: int = CONTEXT,
+          head_major: bool = False) -> dict:
+    """Decode inputs over random blocks; head_major: the cache's storage [blocks, KV heads,
+    block size, head_dim], passed as the usual [blocks, block size, KV heads, head_dim]
+    view (benchmarks/gpu/kv_layout_experiment.py)."""
     g = torch.Generator().manual_seed(0)
-    per_request = math.ceil(CONTEXT / BLOCK)
-    num_blocks = BATCH * per_request
-    tables = torch.randperm(num_blocks, generator=g).view(BATCH, per_request).int()
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    per_request = math.ceil(context / BLOCK)
+    num_blocks = requests * per_request
+    tables = torch.randperm(num_blocks, generator=g).view(requests, per_request).int()
+    shape = (num_blocks, KV_HEADS, BLOCK, HEAD_DIM) if head_major else \
+        (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     cache = [torch.randn(shape, device="cuda", dtype=torch.bfloat16).to(cache_dtype)
              for _ in range(2)]
+    if head_major:
+        cache = [c.transpose(1, 2) for c in cache]
     scaled = cache_dtype != torch.bfloat16
     one = torch.ones(1, device="cuda")
-    return dict(q=torch.randn(BATCH, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
+    return dict(q=torch.randn(requests, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
                 k_cache=cache[0], v_cache=cache[1], block_tables=tables.cuda(),
-                query_start_loc=torch.arange(BATCH + 1, dtype=torch.int32, device="cuda"),
-                seq_lens=torch.full((BATCH,), CONTEXT, dtype=torch.int32, device="cuda"),
-                scale=HEAD_DIM ** -0.5, max_query_len=1, max_seq_len=CONTEXT,
+                query_start_loc=torch.arange(requests + 1, dtype=torch.int32, device="cuda"),
+                seq_lens=torch.full((requests,), context, dtype=torch.int32, device="cuda"),
+                scale=HEAD_DIM ** -0.5, max_query_len=1, max_seq_len=context,
                 k_scale=one if scaled else None, v_scale=one if scaled else None)
 
 
