@@ -209,8 +209,20 @@ STAGE_STARTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def converted_demo() -> None:
+    """The demo GGUF converted, here: transformers reads a GGUF file only with torch, and
+    in a served stack the launcher converts it before any stage starts
+    (common.model_info.resolve_engine runs there first). On a fresh machine the stage
+    checks below would otherwise each convert it, with torch."""
+    from common.model_files import resolve_model
+    from services.demo import demo_model_path
+
+    resolve_model(demo_model_path(), gguf_weights=False)
+
+
 @pytest.mark.parametrize("stage", list(STAGE_STARTS))
-def test_light_stages_load_the_model_without_torch(stage):
+def test_light_stages_load_the_model_without_torch(stage, converted_demo):
     """transformers' config module imports torch whenever it is installed (5-7 s of CPU
     per process); these stages have transformers run without it."""
     code = ("import sys\n"
@@ -226,7 +238,7 @@ def test_light_stages_load_the_model_without_torch(stage):
     assert "PyTorch was not found" not in result.stderr
 
 
-def test_xgrammar_takes_torch_after_a_torch_free_start():
+def test_xgrammar_takes_torch_after_a_torch_free_start(converted_demo):
     """A structured request brings xgrammar, which needs torch, into the tokenizer stage
     after it started without: its bitmask is built with torch."""
     code = ("import sys\n"
