@@ -22,18 +22,27 @@ converted to it once, at load):
   (y = x[:, perm] @ W_sorted^T), a gather inside the load rather than another launch.
 
 Two kernels. The GEMV (one row: batch-1 decode) reads every weight once and is bound by
-turning nibbles into floats, not by memory, unless that costs about four instructions a
-weight: it keeps the nibbles in place (a 20-bit shift for the top three), ORs each under
-the exponent of 2^23 so that the word's bits read as the float 2^23 + q * 16^j, subtracts
-2^23 + z * 16^j (exact: (q - z) * 16^j, an integer under 2^24) and multiplies by the
-activation times 16^-j, one fused multiply-add into per-lane sums that the group's scale
-multiplies once a word. Its K tiles span whole groups (up to 1024 inputs, 512 bytes of
+turning nibbles into floats, not by memory (its loads alone run at 3.4-5.8 TB/s on an H200,
+the whole loop at 1.4-1.9: benchmarks/gpu/int4_packed_experiment.py). On CUDA it works on
+half pairs: one LOP3 ORs two nibbles of a word (bits 0-3 and 16-19, or 4-7 and 20-23)
+under fp16's exponent of 1024, so the word reads as the pair (1024 + q, 1024 + q') (or
+1024 + 16q: a packed multiply by 1/16 undoes it); a packed subtraction of 1024 + z leaves
+q - z exactly, a packed multiply-add with two activations accumulates the word's eight
+products in fp16, and only that sum is widened to float32 and times the group's scale.
+The loop's SASS at gate_up's tiles runs 4.1 instructions a weight, loads and activations
+included, where float32 arithmetic ran 6.5; 8B batch-1 decode went 2.90 -> 2.39 ms on an
+H200 (benchmarks/issue30-h100/s6). fp16 holds the products because each word's eight activations are scaled by the power of
+two that puts their largest under 2^8: |q - z| <= 16, so a word's sum stays under 2^15,
+and the smallest activations that matter stay normal; the sum is scaled back in float32. The interpreter, which has no inline assembly, runs the exact float32
+form: each nibble kept in place (a 20-bit shift for the top three), ORed under the
+exponent of 2^23 so that the word's bits read as the float 2^23 + q * 16^j, less
+2^23 + z * 16^j (exact: (q - z) * 16^j, an integer under 2^24), times the activation
+times 16^-j. Its K tiles span whole groups (up to 1024 inputs, 512 bytes of
 each row's words: HBM serves long runs faster than the 64-byte pieces of one group's
 tile), or lie inside one, so that each group of a tile has one scale and zero a row. The
 first tile's weights are loaded before the kernel waits on the previous one (kernels/pdl.py).
-The sums are exact products of exact integers with the activations in
-float32: the twin's rounding of each dequantized weight to the activation dtype is not
-repeated. Split-K partial sums are added by kernels/gemv.py's second launch, as there.
+Either way the error stays under the twin's, which rounds each dequantized weight to the
+activation dtype. Split-K partial sums are added by kernels/gemv.py's second launch, as there.
 The tiled GEMM (more rows: larger decode batches, prefill) dequantizes [BLOCK_N,
 BLOCK_K] tiles to the activation dtype and feeds tl.dot; from DEQUANTIZE_MIN_ROWS rows
 (prefill) the weight is dequantized once and cuBLAS multiplies. Tiles come from sweeps on
@@ -54,7 +63,35 @@ from kernels.gemv import sm_count, sum_splits
 from kernels.pdl import let_next_start, overlap_previous, pdl_launch, wait_for_previous
 
 PACK_FACTOR = 8  # int4 values per int32
-MAGIC = 0x4B000000  # the bits of 2^23: OR-ed mantissa bits read as 2^23 + their integer
+# One word's sum of (q - z) * x over its eight nibbles in packed half arithmetic (the
+# module's docstring): $1 the word; $2..$5 the activation pairs (x0, x4), (x1, x5), (x2, x6),
+# (x3, x7) as f16x2; $6 the pair (1024 + z, 1024 + z); $7 (-64 - z, -64 - z). 0x2C00 is
+# 1/16 in fp16; LUT 0xEA is (a & b) | c.
+WORD_SUM_ASM = tl.constexpr("""
+{
+.reg .b32 h0, h1, h2, h3, w2, acc, sixteenth;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 sixteenth, 0x2C002C00;
+lop3.b32 h0, $1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 h1, $1, 0x00F000F0, 0x64006400, 0xEA;
+shr.u32 w2, $1, 8;
+lop3.b32 h2, w2, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 h3, w2, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 h0, h0, $6;
+fma.rn.f16x2 h1, h1, sixteenth, $7;
+sub.f16x2 h2, h2, $6;
+fma.rn.f16x2 h3, h3, sixteenth, $7;
+mul.rn.f16x2 acc, h0, $2;
+fma.rn.f16x2 acc, h1, $3, acc;
+fma.rn.f16x2 acc, h2, $4, acc;
+fma.rn.f16x2 acc, h3, $5, acc;
+mov.b32 {lo, hi}, acc;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}
+""")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +107,15 @@ class Int4Tiles:
 
 
 # one row: 16 outputs x 1024 inputs (512 bytes of each row's words a step), and where the
-# H100 sweep found better at Llama-3.1-8B's projections, its tiles
-# (benchmarks/issue30-h100/s5/int4-sweep-ab.txt: 8.0, 6.2, 31.8 and 18.2 us at qkv, o,
-# gate_up and down, against 10.1, 9.7, 36.1 and 21.0 with 128 x 128 tiles)
+# H200 sweep of the packed loop found better at Llama-3.1-8B's projections, its tiles
+# (benchmarks/issue30-h100/s6/int4-sweep-ab.txt; the loop is bound by instructions, and
+# the H100's SMs and clocks are the H200's)
 GEMV_TILES = Int4Tiles(1, 16, 1024, num_warps=4, num_stages=1)
 TUNED_GEMV_TILES: dict[tuple[int, int, int], Int4Tiles] = {  # (N, K, SMs) -> tiles
-    (4096, 4096, 132): Int4Tiles(1, 32, 1024, num_warps=8, num_stages=1, split_k=1),
+    (6144, 4096, 132): Int4Tiles(1, 32, 1024, num_warps=4, num_stages=1, split_k=1),
+    (4096, 4096, 132): Int4Tiles(1, 16, 1024, num_warps=4, num_stages=1, split_k=2),
     (28672, 4096, 132): Int4Tiles(1, 32, 512, num_warps=4, num_stages=1, split_k=1),
-    (4096, 14336, 132): Int4Tiles(1, 32, 1024, num_warps=8, num_stages=1, split_k=1),
+    (4096, 14336, 132): Int4Tiles(1, 16, 1024, num_warps=4, num_stages=1, split_k=2),
 }
 GEMM_TILES = Int4Tiles(64, 128, 64, num_warps=4, num_stages=3)
 DECODE_TILES = Int4Tiles(16, 64, 128, num_warps=4, num_stages=3)  # 2..16 rows
@@ -207,7 +245,7 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                  num_stages=tiles.num_stages, **pdl_launch(x))
     if gemv:
         _w4a16_gemv_kernel[(stripes, split, m)](*args, GROUPS=max(1, block_k // group_size),
-                                                **flags)
+                                                PACKED=x.is_cuda, **flags)
     else:
         _w4a16_gemm_kernel[(rows, stripes, split)](*args, BLOCK_M=tiles.block_m, **flags)
     if split > 1:
@@ -292,6 +330,58 @@ def _nibble_sums(words, x8, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
+def _packed_nibble_sums(words, x8, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUPS: tl.constexpr):
+    """_nibble_sums in packed half arithmetic (CUDA only; the module's docstring). Each
+    word's eight activations are multiplied by 2^(7 - e) on the way in and its sum by
+    2^(e - 7) on the way out, 2^e their largest magnitude rounded down to a power of two:
+    a scale a thread finds in its own registers, where one for the tile would cost a
+    reduction across the program each step."""
+    per_group: tl.constexpr = BLOCK_K // 8 // GROUPS
+    shape: tl.constexpr = (BLOCK_N, BLOCK_K // 8)
+    # exponent bits, at least 2^-119 so that both powers below are normal floats
+    power = tl.maximum(tl.max(tl.abs(x8), axis=1).to(tl.int32, bitcast=True) & 0x7F800000,
+                       8 << 23)
+    up = ((254 << 23) - power + (7 << 23)).to(tl.float32, bitcast=True)  # 2^(7 - e)
+    down = (power - (7 << 23)).to(tl.float32, bitcast=True)  # 2^(e - 7)
+    x4a, x4b = tl.split(tl.reshape(x8 * up[:, None], (BLOCK_K // 8, 2, 2, 2)))  # j even, odd
+    x2a, x2b = tl.split(x4a)
+    x2c, x2d = tl.split(x4b)
+    x0, x4 = tl.split(x2a)
+    x2, x6 = tl.split(x2b)
+    x1, x5 = tl.split(x2c)
+    x3, x7 = tl.split(x2d)
+    zero = zero.to(tl.float32)
+    sums = tl.inline_asm_elementwise(
+        WORD_SUM_ASM, "=r,r,r,r,r,r,r,r",
+        [words, tl.broadcast_to(_half_pair(x0, x4)[None, :], shape),
+         tl.broadcast_to(_half_pair(x1, x5)[None, :], shape),
+         tl.broadcast_to(_half_pair(x2, x6)[None, :], shape),
+         tl.broadcast_to(_half_pair(x3, x7)[None, :], shape),
+         _per_word(_half_pair(1024.0 + zero, 1024.0 + zero), BLOCK_N, BLOCK_K, GROUPS),
+         _per_word(_half_pair(-64.0 - zero, -64.0 - zero), BLOCK_N, BLOCK_K, GROUPS)],
+        dtype=tl.int32, is_pure=True, pack=1)
+    return tl.reshape(sums.to(tl.float32, bitcast=True) * down[None, :],
+                      (BLOCK_N, GROUPS, per_group))
+
+
+@triton.jit
+def _half_pair(low, high):
+    """Two float32 tensors as fp16 pairs in int32s: low in bits 0-15, high in 16-31."""
+    return ((low.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
+            | (high.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16))
+
+
+@triton.jit
+def _per_word(per_group, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr):
+    """[BLOCK_N, GROUPS] -> [BLOCK_N, BLOCK_K / 8]: each group's value at its words."""
+    per_group_words: tl.constexpr = BLOCK_K // 8 // GROUPS
+    return tl.reshape(tl.broadcast_to(per_group[:, :, None],
+                                      (BLOCK_N, GROUPS, per_group_words)),
+                      (BLOCK_N, BLOCK_K // 8))
+
+
+@triton.jit
 def _nibble_products(words, place: tl.constexpr, xs, zero):
     """(q - zero) * xs for the nibble at bits 4 * place of each word, as
     ((q - zero) * 16^place) * (xs * 16^-place): both factors exact."""
@@ -304,9 +394,10 @@ def _nibble_products(words, place: tl.constexpr, xs, zero):
 def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr,
                        out_ptr, m, n, k, group_size, k_share, HAS_PERM: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUPS: tl.constexpr, PDL: tl.constexpr):
+                       GROUPS: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
     """One row of x (program_id 2) times a BLOCK_N stripe of W over one K share
-    (program_id 1): float32 partial sums into out [shares, m, n], or y itself. A K tile
+    (program_id 1): float32 partial sums into out [shares, m, n], or y itself; PACKED: in
+    packed half arithmetic (CUDA), else in float32 (the interpreter). A K tile
     spans GROUPS whole groups, or lies inside one (GROUPS 1), so that each row's words
     are read in long runs. The first tile's words, scales and zeros are loaded before
     waiting on the previous kernel (they are constants); each step then loads the next
@@ -339,7 +430,10 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
                          other=0)
         next_x8 = _x_tile(x_row, perm_ptr, tl.minimum(k0 + BLOCK_K, k - BLOCK_K), x_at,
                           HAS_PERM)
-        sums = _nibble_sums(words, x8, z, BLOCK_N, BLOCK_K, GROUPS)
+        if PACKED:
+            sums = _packed_nibble_sums(words, x8, z, BLOCK_N, BLOCK_K, GROUPS)
+        else:
+            sums = _nibble_sums(words, x8, z, BLOCK_N, BLOCK_K, GROUPS)
         lanes += sums * s.to(tl.float32)[:, :, None]
         words, s, z, x8 = next_words, next_s, next_z, next_x8
     acc = tl.sum(tl.sum(lanes, axis=2), axis=1)

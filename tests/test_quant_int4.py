@@ -209,13 +209,14 @@ def random_int4(k: int, n: int, group_size: int, g: torch.Generator,
 
 def check_w4a16(m: int, k: int, n: int, group_size: int, act_order: bool,
                 tiles: Int4Tiles | None, with_bias: bool, dtype: torch.dtype = torch.float16,
-                device: str = "cpu") -> None:
+                device: str = "cpu", x_scale: float = 1.0) -> None:
+    """x_scale: the activations' size (the packed GEMV scales them into fp16's range)."""
     g, seed = fresh_generator()
     w = random_int4(k, n, group_size, g, act_order)
     w = Int4Weight(*(t if t is None else t.to(device) for t in
                      (w.qweight, w.scales.to(dtype), w.zeros, w.perm)))
-    x = torch.randn(m, k, generator=g).to(device, dtype)
-    bias = torch.randn(n, generator=g).to(device, dtype) if with_bias else None
+    x = (torch.randn(m, k, generator=g) * x_scale).to(device, dtype)
+    bias = (torch.randn(n, generator=g) * x_scale).to(device, dtype) if with_bias else None
     ref = w4a16_gemm_ref(x, w.qweight, w.scales, w.zeros, group_size, w.perm, bias)
     out = w4a16_gemm_triton(x, w.qweight, w.scales, w.zeros, group_size, w.perm, bias,
                             tiles=tiles)
@@ -271,6 +272,16 @@ def test_w4a16_kernels_cuda(dtype: torch.dtype) -> None:
     for m in (1, 16, 17, 2048):
         check_w4a16(m, 4096, 6144, 128, False, None, m % 2 == 1, dtype, "cuda")
         check_w4a16(m, 14336, 4096, 128, True, None, False, dtype, "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("x_scale", [1e-5, 3e3, 3e4])
+def test_packed_gemv_cuda_keeps_large_and_small_activations(x_scale: float) -> None:
+    """The GEMV's fp16 products, in bf16 activations: a word's eight products of 3e3
+    would overflow fp16 unscaled, 3e4 is past fp16's largest value itself, and 1e-5 lies
+    below its normal range; at every tuned projection and the default tiles."""
+    for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (256, 96)):
+        check_w4a16(1, k, n, 128, False, None, True, torch.bfloat16, "cuda", x_scale)
 
 
 def test_canonical_packing_round_trips() -> None:

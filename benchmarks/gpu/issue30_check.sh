@@ -21,6 +21,13 @@ json.dump(config, open(sys.argv[1], "w"))
 PY
   echo "$dir"
 }
+latency_in() {  # TREE (new: this one; base: the copy in .base) ARGS...: bench latency there
+  local dir=$PWD shapes
+  shapes=$(realpath $M)
+  [ "$1" = base ] && dir=$PWD/.base
+  (cd "$dir" && PYTHONPATH="/tmp/site:$dir" HEADRACE_SHAPES=$shapes timeout 150 \
+    python -m services.cli bench latency "${@:2}")
+}
 case "$1" in
 1)
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
@@ -115,17 +122,13 @@ ab)  # this tree against the one in .base (a copy of the commit before, carried)
     tests/test_kernels_triton.py -k "cuda and (w4a16 or gemv)" > "$R/pytest-ab.txt" 2>&1
   timeout "${SWEEP_S:-240}" python benchmarks/gpu/int4_gemv_sweep.py 1 > "$R/int4-sweep-ab.txt" 2>&1
   AWQ=$(awq_shape)
-  shapes=$(realpath $M)
   for fmt in ${FORMATS:-awq fp8 none}; do
     model=$L quant=(); [ "$fmt" = awq ] && model=$AWQ
     [ "$fmt" != none ] && quant=(--quantization "$fmt")
-    model=$(realpath "$model")
     for tree in new base; do
-      dir=$PWD; [ $tree = base ] && dir=$PWD/.base
-      (cd "$dir" && PYTHONPATH="/tmp/site:$dir" HEADRACE_SHAPES=$shapes timeout 150 \
-        python -m services.cli bench latency --model "$model" --load-format dummy --context-len 1000 --batch-size 1 --output-len 64 --iterations 3 \
-        --max-model-len 2048 "${quant[@]}" --json "$R/latency-8b-$fmt-b1-$tree.json" \
-        >> "$R/latency-ab.txt" 2>&1)
+      latency_in $tree --model "$(realpath "$model")" --load-format dummy --context-len 1000 \
+        --batch-size 1 --output-len 64 --iterations 3 --max-model-len 2048 "${quant[@]}" \
+        --json "$R/latency-8b-$fmt-b1-$tree.json" >> "$R/latency-ab.txt" 2>&1
     done
   done
   ;;
@@ -135,16 +138,12 @@ b64)  # the fp8 cache's attention: its CUDA tests, the layout/tile experiment, t
   timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
     -k "fp8_cache_kernels_cuda" > "$R/pytest-fp8-attention.txt" 2>&1
   timeout 120 python benchmarks/gpu/kv_layout_experiment.py > "$R/kv-layout.txt" 2>&1
-  shapes=$(realpath $M) model=$(realpath $L)
   for spec in "new fp8 fp8" "base fp8 fp8" "new none auto"; do
     set -- $spec
-    dir=$PWD; [ $1 = base ] && dir=$PWD/.base
     quant=(); [ $2 != none ] && quant=(--quantization $2)
-    (cd "$dir" && PYTHONPATH="/tmp/site:$dir" HEADRACE_SHAPES=$shapes timeout 150 \
-      python -m services.cli bench latency --model "$model" --load-format dummy \
-      --context-len 1000 --batch-size 64 --output-len 64 --iterations 2 --max-model-len 2048 \
-      "${quant[@]}" --kv-cache-dtype $3 --json "$R/latency-8b-$2-kv$3-b64-$1.json" \
-      >> "$R/latency-b64.txt" 2>&1)
+    latency_in $1 --model "$(realpath $L)" --load-format dummy --context-len 1000 \
+      --batch-size 64 --output-len 64 --iterations 2 --max-model-len 2048 "${quant[@]}" \
+      --kv-cache-dtype $3 --json "$R/latency-8b-$2-kv$3-b64-$1.json" >> "$R/latency-b64.txt" 2>&1
   done
   ;;
 confirm)  # this tree alone, on another lease: 8B batch 64 (fp8 weights and cache, bf16)
