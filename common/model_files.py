@@ -255,8 +255,14 @@ def load_tokenizer(path: str | os.PathLike, tokenizer: str | None = None,
     """The model's tokenizer, or the one `tokenizer` names (a directory, .gguf or hub id)."""
     from transformers import AutoTokenizer
 
-    source = _resolve(tokenizer, "auto", weights=False) if tokenizer else Path(path)
+    source = resolve_tokenizer(tokenizer) if tokenizer else Path(path)
     return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+
+
+def resolve_tokenizer(tokenizer: str) -> Path:
+    """--tokenizer's directory: a .gguf converted (with torch: resolve_engine runs this
+    before transformers goes without it), a hub id fetched without weights."""
+    return _resolve(tokenizer, "auto", weights=False)
 
 
 def read_chat_template(template: str) -> str:

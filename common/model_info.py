@@ -13,8 +13,8 @@ from common.config import ConfigError, EngineConfig, ServerConfig
 from common.lora import TARGET_MODULES
 from common.model_files import (allow_torch, is_gguf, load_generation_config,
                                 load_hf_config, load_tokenizer, max_model_len_of,
-                                read_chat_template, resolve_model, sliding_windows,
-                                transformers_without_torch)
+                                read_chat_template, resolve_model, resolve_tokenizer,
+                                sliding_windows, transformers_without_torch)
 from common.model_support import UnsupportedModel, check_model_support, num_experts_of
 from common.quantization import GGUF_FILE_ATTR
 from common.sampling_defaults import SamplingDefaults, eos_token_ids, sampling_defaults
@@ -41,6 +41,8 @@ def resolve_engine(config: EngineConfig, torch_free: bool = False) -> ResolvedMo
     torch_free: this process runs no model, so transformers may run without torch
     (common.model_files.transformers_without_torch)."""
     model_dir = resolve_model(config.model, config.load_format, gguf_weights=False)
+    if config.tokenizer is not None:  # a .gguf tokenizer converts here, before torch goes
+        resolve_tokenizer(config.tokenizer)
     if torch_free:
         transformers_without_torch(model_dir, config.trust_remote_code)
     hf_config = override(load_model_config(config.model, model_dir),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -280,3 +281,44 @@ def test_torch_stays_for_vision_models_and_remote_code(tmp_path):
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "False", "True", "None"]
+
+
+def test_a_tool_parser_plugin_may_import_torch_in_a_torch_free_gateway(tmp_path):
+    """The gateway starts without torch; a --tool-parser-plugin that imports it still
+    loads, and registers its parser."""
+    plugin = tmp_path / "torch_parser.py"
+    plugin.write_text("import torch\n"
+                      "from services.gateway.tool_calls import register_tool_parser\n"
+                      "@register_tool_parser('with-torch', markers=('<call>',))\n"
+                      "def parse(text, tools):\n"
+                      "    return torch.tensor([1]).item()\n")
+    code = ("import sys\n"
+            "sys.modules['torch'] = None  # as transformers_without_torch leaves it\n"
+            "from services.gateway.tool_calls import TOOL_PARSERS, check_tool_parser\n"
+            f"check_tool_parser('with-torch', {str(plugin)!r})\n"
+            "print('with-torch' in TOOL_PARSERS, sys.modules['torch'].__name__)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "torch"]
+
+
+def test_a_gguf_tokenizer_converts_before_a_stage_goes_without_torch(tmp_path):
+    """--tokenizer given as a .gguf file, on a cold cache: resolve_engine (the launcher's
+    first step, and each stage's) converts it with torch, and the stage then loads it
+    without."""
+    from services.demo import demo_model_path
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", "llama")
+    code = ("import sys\n"
+            "from common.config import EngineConfig\n"
+            "from common.model_info import load_model_info\n"
+            f"engine = EngineConfig(model={str(model)!r}, tokenizer={demo_model_path()!r})\n"
+            "info = load_model_info(engine, torch_free=True)\n"
+            "print(info.tokenizer('The capital of France')['input_ids'])\n")
+    env = dict(os.environ, HEADRACE_CACHE_DIR=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [504, 3575, 282, 4649]

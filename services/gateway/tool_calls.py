@@ -70,6 +70,7 @@ from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any
 
+from common.model_files import allow_torch
 from services.gateway.json_text import CallObject, JsonText, Pairs, loads
 
 HERMES_START = "<tool_call>"
@@ -194,6 +195,7 @@ def load_tool_parser_plugin(path: str) -> None:
         raise ValueError(f"--tool-parser-plugin: {path!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
+    allow_torch()  # the gateway started without it; a plugin may import it
     try:
         spec.loader.exec_module(module)
     except Exception as e:  # the plugin's own error, named, instead of a traceback
