@@ -16,14 +16,29 @@ narrowed to divide block_k).
 The kernel, its tiles and their rules are the 16-bit GEMV's (kernels/gemv.py) at one byte a
 weight; benchmarks/gpu/fp8_gemv_sweep.py times the alternatives. The torch twin dequantizes
 to float32 and multiplies.
+
+One row on CUDA takes a kernel of its own, because there the GEMV is bound by its
+arithmetic, not its reads (benchmarks/gpu/fp8_packed_experiment.py: the loads alone ran
+1.4-2x faster than the whole loop on an H200): it reads the weights as words of four, turns
+each half word into an fp16 pair with one CVT (e4m3 converts exactly), multiplies them with
+the activations in packed fp16 and widens only each word's sum to float32. The four
+activations a word meets are scaled by the power of two that puts their largest in
+[2^3, 2^4), so that a product (|w| <= 448) and the word's sum stay inside fp16, and the
+sum is scaled back: the error stays that of fp16's rounding of the products, under the
+twin's bound.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
+import triton.language as tl
 
 from kernels.gemv import GemvTiles, default_tiles, launch_gemv, sm_count
+from kernels.packed_half import half_pair, power_of_two_scales
+from kernels.pdl import let_next_start, pdl_launch, wait_for_previous
 from kernels.quant import FP8_DTYPE, dequantize
 
 # (rows, N, K, SMs) -> tiles for scales that span all of K (per tensor, per channel): the
@@ -37,6 +52,39 @@ TUNED_TILES: dict[tuple[int, int, int, int], GemvTiles] = {
     (1, 28672, 4096, 132): GemvTiles(32, 256, True, 1, 4, 4),  # 45.0 us
     (1, 4096, 14336, 132): GemvTiles(8, 512, False, 1, 8, 1),  # 24.6 us
 }
+
+
+@dataclass(frozen=True, slots=True)
+class PackedTiles:
+    """The one-row packed kernel's tiles: block_n outputs x block_k inputs a step."""
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+PACKED_TILES = PackedTiles(16, 512)
+# (N, K, SMs) -> tiles where the H200 sweep found better than PACKED_TILES
+TUNED_PACKED_TILES: dict[tuple[int, int, int], PackedTiles] = {
+    (4096, 14336, 132): PackedTiles(8, 1024, num_warps=8),
+}
+# $1 a word of four e4m3 weights; $2, $3 the activation pairs (x0, x1) and (x2, x3) as
+# f16x2; out: the word's four products summed, in float32
+WORD_SUM_ASM = tl.constexpr("""
+{
+.reg .b16 lo, hi, a, b;
+.reg .b32 p0, p1, acc;
+.reg .f32 fa, fb;
+mov.b32 {lo, hi}, $1;
+cvt.rn.f16x2.e4m3x2 p0, lo;
+cvt.rn.f16x2.e4m3x2 p1, hi;
+mul.rn.f16x2 acc, p0, $2;
+fma.rn.f16x2 acc, p1, $3, acc;
+mov.b32 {a, b}, acc;
+cvt.f32.f16 fa, a;
+cvt.f32.f16 fb, b;
+add.f32 $0, fa, fb;
+}
+""")
 
 
 # --- torch reference twin ------------------------------------------------------------------
@@ -87,12 +135,100 @@ def fp8_gemv(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
 
 def fp8_gemv_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                    tiles: GemvTiles | None = None) -> torch.Tensor:
-    """tiles: force these tiles (the sweep); default: default_tiles by the shape."""
+                    tiles: GemvTiles | PackedTiles | None = None) -> torch.Tensor:
+    """tiles: force these tiles (the sweep; PackedTiles: the packed kernel, CUDA only);
+    default: the packed kernel for one row on CUDA, else default_tiles by the shape."""
     n, k = w_fp8.shape
     assert w_fp8.dtype == FP8_DTYPE, "e4m3 weights"
     scale, block_n, block_k = scale_blocks(w_scale, n, k, block)
     rows, sms = max(1, x.numel() // k), sm_count(x.device)
+    if isinstance(tiles, PackedTiles) or (tiles is None and takes_packed(x, w_fp8, rows)):
+        tiles = tiles or TUNED_PACKED_TILES.get((n, k, sms), PACKED_TILES)
+        return launch_packed(x, w_fp8, bias, tiles, scale, (block_n, block_k))
     tuned = TUNED_TILES.get((rows, n, k, sms)) if block_k == k else None
     tiles = tiles or tuned or default_tiles(rows, n, k, sms, 1, block_k)
     return launch_gemv(x, w_fp8, bias, tiles, scale, (block_n, block_k))
+
+
+def takes_packed(x: torch.Tensor, w_fp8: torch.Tensor, rows: int) -> bool:
+    """One row on CUDA (the interpreter has no inline assembly), weights readable as
+    words of four."""
+    return (rows == 1 and x.is_cuda and w_fp8.shape[1] % 4 == 0 and w_fp8.is_contiguous())
+
+
+def launch_packed(x: torch.Tensor, w_fp8: torch.Tensor, bias: torch.Tensor | None,
+                  tiles: PackedTiles, scale: torch.Tensor,
+                  scale_block: tuple[int, int]) -> torch.Tensor:
+    """The packed kernel for one row x [..., K]; scale as launch_gemv takes it."""
+    n, k = w_fp8.shape
+    x1 = x.reshape(1, k).contiguous()
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_n, block_k = scale_block
+    tile_k, per_k = tiles.block_k, block_k < k
+    if per_k:  # a K tile inside one scale block, as launch_gemv's
+        tile_k = min(tile_k, block_k & -block_k)
+        assert tile_k >= 16, f"fp8_gemv: K blocks of {block_k} split into no tile of 16+"
+    _packed_row_kernel[(triton.cdiv(n, tiles.block_n),)](
+        x1, w_fp8.view(torch.int32), scale, bias if bias is not None else y, y, n, k,
+        scale.shape[1], block_n, block_k, PER_K_SCALE=per_k, HAS_BIAS=bias is not None,
+        BLOCK_N=tiles.block_n, BLOCK_K=tile_k, num_warps=tiles.num_warps, num_stages=1,
+        **pdl_launch(x))
+    return y.reshape(*x.shape[:-1], n)
+
+
+# --- kernels -------------------------------------------------------------------------------
+
+@triton.jit
+def _packed_word_sums(words, x4, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each word's four weights times x4's row of four ([BLOCK_K / 4, 4] in float32),
+    summed: [BLOCK_N, BLOCK_K / 4] float32 (the module's docstring)."""
+    up, down = power_of_two_scales(tl.max(tl.abs(x4), axis=1), 3)
+    x_even, x_odd = tl.split(tl.reshape(x4 * up[:, None], (BLOCK_K // 4, 2, 2)))
+    x0, x2 = tl.split(x_even)
+    x1, x3 = tl.split(x_odd)
+    shape: tl.constexpr = (BLOCK_N, BLOCK_K // 4)
+    sums = tl.inline_asm_elementwise(
+        WORD_SUM_ASM, "=r,r,r,r",
+        [words, tl.broadcast_to(half_pair(x0, x1)[None, :], shape),
+         tl.broadcast_to(half_pair(x2, x3)[None, :], shape)],
+        dtype=tl.int32, is_pure=True, pack=1)
+    return sums.to(tl.float32, bitcast=True) * down[None, :]
+
+
+@triton.jit
+def _packed_row_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, n, k, scale_stride,
+                       scale_block_n, scale_block_k, PER_K_SCALE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
+    """y = x w^T for one row and a BLOCK_N stripe of w (int32 words of four e4m3, [N,
+    K / 4]) over all of K, scaled per K tile or once after the loop. As the 16-bit GEMV's
+    one-row loop: per-lane sums reduced once, the next tile loaded before the current
+    one's arithmetic, the first weights before waiting on the previous kernel."""
+    let_next_start(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n
+    cols = tl.arange(0, BLOCK_K // 4)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * (k // 4) + cols[None, :]
+    x_at = cols[:, None] * 4 + tl.arange(0, 4)[None, :]
+    scale_rows = scale_ptr + (offs_n // scale_block_n) * scale_stride
+    lanes = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
+    words = tl.load(w_rows, mask=n_ok[:, None] & (cols < k // 4)[None, :], other=0)
+    wait_for_previous(PDL)
+    x4 = tl.load(x_ptr + x_at, mask=x_at < k, other=0.0).to(tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_next = k0 + BLOCK_K
+        next_words = tl.load(w_rows + k_next // 4,
+                             mask=n_ok[:, None] & (k_next // 4 + cols < k // 4)[None, :],
+                             other=0)
+        next_x4 = tl.load(x_ptr + k_next + x_at, mask=k_next + x_at < k, other=0.0)
+        sums = _packed_word_sums(words, x4, BLOCK_N, BLOCK_K)
+        if PER_K_SCALE:
+            sums *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok, other=0.0)[:, None]
+        lanes += sums
+        words, x4 = next_words, next_x4.to(tl.float32)
+    acc = tl.sum(lanes, axis=1)
+    if not PER_K_SCALE:
+        acc *= tl.load(scale_rows, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv import sm_count, sum_splits
+from kernels.packed_half import half_pair, power_of_two_scales
 from kernels.pdl import let_next_start, overlap_previous, pdl_launch, wait_for_previous
 
 PACK_FACTOR = 8  # int4 values per int32
@@ -339,11 +340,7 @@ def _packed_nibble_sums(words, x8, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
     reduction across the program each step."""
     per_group: tl.constexpr = BLOCK_K // 8 // GROUPS
     shape: tl.constexpr = (BLOCK_N, BLOCK_K // 8)
-    # exponent bits, at least 2^-119 so that both powers below are normal floats
-    power = tl.maximum(tl.max(tl.abs(x8), axis=1).to(tl.int32, bitcast=True) & 0x7F800000,
-                       8 << 23)
-    up = ((254 << 23) - power + (7 << 23)).to(tl.float32, bitcast=True)  # 2^(7 - e)
-    down = (power - (7 << 23)).to(tl.float32, bitcast=True)  # 2^(e - 7)
+    up, down = power_of_two_scales(tl.max(tl.abs(x8), axis=1), 7)
     x4a, x4b = tl.split(tl.reshape(x8 * up[:, None], (BLOCK_K // 8, 2, 2, 2)))  # j even, odd
     x2a, x2b = tl.split(x4a)
     x2c, x2d = tl.split(x4b)
@@ -354,22 +351,15 @@ def _packed_nibble_sums(words, x8, zero, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
     zero = zero.to(tl.float32)
     sums = tl.inline_asm_elementwise(
         WORD_SUM_ASM, "=r,r,r,r,r,r,r,r",
-        [words, tl.broadcast_to(_half_pair(x0, x4)[None, :], shape),
-         tl.broadcast_to(_half_pair(x1, x5)[None, :], shape),
-         tl.broadcast_to(_half_pair(x2, x6)[None, :], shape),
-         tl.broadcast_to(_half_pair(x3, x7)[None, :], shape),
-         _per_word(_half_pair(1024.0 + zero, 1024.0 + zero), BLOCK_N, BLOCK_K, GROUPS),
-         _per_word(_half_pair(-64.0 - zero, -64.0 - zero), BLOCK_N, BLOCK_K, GROUPS)],
+        [words, tl.broadcast_to(half_pair(x0, x4)[None, :], shape),
+         tl.broadcast_to(half_pair(x1, x5)[None, :], shape),
+         tl.broadcast_to(half_pair(x2, x6)[None, :], shape),
+         tl.broadcast_to(half_pair(x3, x7)[None, :], shape),
+         _per_word(half_pair(1024.0 + zero, 1024.0 + zero), BLOCK_N, BLOCK_K, GROUPS),
+         _per_word(half_pair(-64.0 - zero, -64.0 - zero), BLOCK_N, BLOCK_K, GROUPS)],
         dtype=tl.int32, is_pure=True, pack=1)
     return tl.reshape(sums.to(tl.float32, bitcast=True) * down[None, :],
                       (BLOCK_N, GROUPS, per_group))
-
-
-@triton.jit
-def _half_pair(low, high):
-    """Two float32 tensors as fp16 pairs in int32s: low in bits 0-15, high in 16-31."""
-    return ((low.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
-            | (high.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16))
 
 
 @triton.jit

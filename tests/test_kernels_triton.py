@@ -41,7 +41,7 @@ from kernels.attention import paged_attention, paged_attention_ref
 from kernels.attention_inputs import (HeadNorms, _norm_rope_write_kv_kernel,
                                       norm_rope_write_kv_ref, norm_rope_write_kv_triton)
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
-from kernels.fp8_gemv import fp8_gemv, fp8_gemv_ref, fp8_gemv_triton
+from kernels.fp8_gemv import PackedTiles, fp8_gemv, fp8_gemv_ref, fp8_gemv_triton
 from kernels.gemv import (GemvTiles, _gemv_kernel, _sum_splits_kernel, gemv, gemv_ref,
                           gemv_triton)
 from kernels.lora import lora_expand_ref, lora_expand_triton
@@ -550,11 +550,12 @@ def check_scaled_mm(rows: int, n: int, k: int, block_n: int, group_k: int,
 
 
 def check_fp8_gemv(rows: int, n: int, k: int, scales: str, dtype: torch.dtype, device: str,
-                   tiles: GemvTiles | None = None, bias: bool = True) -> None:
+                   tiles: GemvTiles | PackedTiles | None = None, bias: bool = True,
+                   x_scale: float = 1.0) -> None:
     """The w8a16 GEMV (tiles None: the default table's) against its dequantize-then-matmul
     twin; scales "tensor", "channel" (both given as their element count, the block read
     from it), or "blocks" (128x128) and "rows" (1x64: per channel and K group), whose
-    shape is named."""
+    shape is named; x_scale: the activations' size."""
     g, seed = fresh_generator()
     w = rand(g, n, k, dtype=torch.float32, device=device, scale=100.0).clamp(-448, 448)
     w = w.to(torch.float8_e4m3fn)
@@ -562,8 +563,8 @@ def check_fp8_gemv(rows: int, n: int, k: int, scales: str, dtype: torch.dtype, d
     count = {"tensor": (1,), "channel": (n,)}.get(scales) or (-(-n // block[0]),
                                                                -(-k // block[1]))
     w_scale = (0.5 + torch.rand(*count, generator=g)).to(device) / 100
-    x = rand(g, rows, k, dtype=dtype, device=device)
-    b = rand(g, n, dtype=dtype, device=device) if bias else None
+    x = rand(g, rows, k, dtype=dtype, device=device, scale=x_scale)
+    b = rand(g, n, dtype=dtype, device=device, scale=x_scale) if bias else None
     out = fp8_gemv_triton(x, w, w_scale, b, block, tiles)
     ref = fp8_gemv_ref(x, w, w_scale, b, block)
     assert_close(out, ref, f"fp8_gemv {rows}x{k} -> {n} {scales} {tiles}", seed)
@@ -1217,6 +1218,20 @@ def test_fp8_gemv_cuda(projection: str) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, expected, "fp8_gemv in a CUDA graph", 0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("x_scale", [1e-5, 1.0, 3e4])
+def test_packed_fp8_gemv_cuda_keeps_large_and_small_activations(x_scale: float) -> None:
+    """One row takes the packed kernel, whose products are fp16: activations of 3e4 (a
+    product with 448 is past fp16's range unscaled) and 1e-5 (below its normal range),
+    every scale kind, K off the tiles (1000) and forced tiles."""
+    for scales in ("tensor", "channel", "blocks", "rows"):
+        check_fp8_gemv(1, 4096, 14336, scales, torch.bfloat16, "cuda", x_scale=x_scale)
+        check_fp8_gemv(1, 70, 1000, scales, torch.bfloat16, "cuda", x_scale=x_scale)
+    for tiles in (PackedTiles(8, 1024, 8), PackedTiles(32, 256), PackedTiles(16, 2048)):
+        check_fp8_gemv(1, 6144, 4096, "channel", torch.bfloat16, "cuda", tiles,
+                       x_scale=x_scale)
 
 
 

@@ -29,7 +29,9 @@ import triton
 import triton.language as tl
 
 from benchmarks.gpu.graph_timing import graph_us
-from kernels.int4 import TUNED_GEMV_TILES, unpack_int4, w4a16_gemm_ref, w4a16_gemm_triton
+from kernels.int4 import (TUNED_GEMV_TILES, WORD_SUM_ASM, unpack_int4, w4a16_gemm_ref,
+                          w4a16_gemm_triton)
+from kernels.packed_half import half_pair
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}
@@ -53,42 +55,6 @@ cvt.rn.f16x2.f32 $0, hi, lo;
 X_EVEN = tl.constexpr(X_PAIR_ASM.replace("SELECT", "0x5410"))
 X_ODD = tl.constexpr(X_PAIR_ASM.replace("SELECT", "0x7632"))
 
-F16X2_ASM = tl.constexpr("""
-{
-.reg .b32 h0, h1, h2, h3, w2, acc, k16;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-mov.b32 k16, 0x2C002C00;
-lop3.b32 h0, $1, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 h1, $1, 0x00F000F0, 0x64006400, 0xEA;
-shr.u32 w2, $1, 8;
-lop3.b32 h2, w2, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 h3, w2, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 h0, h0, $6;
-fma.rn.f16x2 h1, h1, k16, $7;
-sub.f16x2 h2, h2, $6;
-fma.rn.f16x2 h3, h3, k16, $7;
-mul.rn.f16x2 acc, h0, $2;
-fma.rn.f16x2 acc, h1, $3, acc;
-fma.rn.f16x2 acc, h2, $4, acc;
-fma.rn.f16x2 acc, h3, $5, acc;
-mov.b32 {lo, hi}, acc;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}
-""")
-
-
-@triton.jit
-def _half_bits(x):
-    """float32 -> its fp16's 16 bits in the low half of an int32."""
-    return x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-
-
-@triton.jit
-def _pair(a, b):
-    return _half_bits(a) | (_half_bits(b) << 16)
 
 
 @triton.jit
@@ -136,14 +102,14 @@ def _experiment_kernel(x_ptr, x32_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_p
             pd = tl.inline_asm_elementwise(X_ODD, "=r,r,r", [xb_, xd_], dtype=tl.int32,
                                            is_pure=True, pack=1)
             zf = z.to(tl.float32)
-            z1 = tl.reshape(tl.broadcast_to(_pair(1024.0 + zf, 1024.0 + zf)[:, :, None],
+            z1 = tl.reshape(tl.broadcast_to(half_pair(1024.0 + zf, 1024.0 + zf)[:, :, None],
                                             (BLOCK_N, GROUPS, per_group)),
                             (BLOCK_N, BLOCK_K // 8))
-            z2 = tl.reshape(tl.broadcast_to(_pair(-64.0 - zf, -64.0 - zf)[:, :, None],
+            z2 = tl.reshape(tl.broadcast_to(half_pair(-64.0 - zf, -64.0 - zf)[:, :, None],
                                             (BLOCK_N, GROUPS, per_group)),
                             (BLOCK_N, BLOCK_K // 8))
             sums = tl.inline_asm_elementwise(
-                F16X2_ASM, "=r,r,r,r,r,r,r,r",
+                WORD_SUM_ASM, "=r,r,r,r,r,r,r,r",
                 [words, tl.broadcast_to(pa[None, :], (BLOCK_N, BLOCK_K // 8)),
                  tl.broadcast_to(pb[None, :], (BLOCK_N, BLOCK_K // 8)),
                  tl.broadcast_to(pc[None, :], (BLOCK_N, BLOCK_K // 8)),
@@ -161,17 +127,17 @@ def _experiment_kernel(x_ptr, x32_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_p
             x1, x5 = tl.split(x2c)
             x3, x7 = tl.split(x2d)
             zf = z.to(tl.float32)
-            z1 = tl.reshape(tl.broadcast_to(_pair(1024.0 + zf, 1024.0 + zf)[:, :, None],
+            z1 = tl.reshape(tl.broadcast_to(half_pair(1024.0 + zf, 1024.0 + zf)[:, :, None],
                                             (BLOCK_N, GROUPS, per_group)),
                             (BLOCK_N, BLOCK_K // 8))
-            z2 = tl.reshape(tl.broadcast_to(_pair(-64.0 - zf, -64.0 - zf)[:, :, None],
+            z2 = tl.reshape(tl.broadcast_to(half_pair(-64.0 - zf, -64.0 - zf)[:, :, None],
                                             (BLOCK_N, GROUPS, per_group)),
                             (BLOCK_N, BLOCK_K // 8))
-            xa = tl.broadcast_to(_pair(x0, x4)[None, :], (BLOCK_N, BLOCK_K // 8))
-            xb = tl.broadcast_to(_pair(x1, x5)[None, :], (BLOCK_N, BLOCK_K // 8))
-            xc = tl.broadcast_to(_pair(x2, x6)[None, :], (BLOCK_N, BLOCK_K // 8))
-            xd = tl.broadcast_to(_pair(x3, x7)[None, :], (BLOCK_N, BLOCK_K // 8))
-            sums = tl.inline_asm_elementwise(F16X2_ASM, "=r,r,r,r,r,r,r,r",
+            xa = tl.broadcast_to(half_pair(x0, x4)[None, :], (BLOCK_N, BLOCK_K // 8))
+            xb = tl.broadcast_to(half_pair(x1, x5)[None, :], (BLOCK_N, BLOCK_K // 8))
+            xc = tl.broadcast_to(half_pair(x2, x6)[None, :], (BLOCK_N, BLOCK_K // 8))
+            xd = tl.broadcast_to(half_pair(x3, x7)[None, :], (BLOCK_N, BLOCK_K // 8))
+            sums = tl.inline_asm_elementwise(WORD_SUM_ASM, "=r,r,r,r,r,r,r,r",
                                              [words, xa, xb, xc, xd, z1, z2],
                                              dtype=tl.int32, is_pure=True, pack=1)
             sums = tl.reshape(sums.to(tl.float32, bitcast=True), (BLOCK_N, GROUPS, per_group))

@@ -132,6 +132,17 @@ ab)  # this tree against the one in .base (a copy of the commit before, carried)
     done
   done
   ;;
+ab-fp8)  # the packed one-row fp8 GEMV: its CUDA tests and experiment, then 8B batch-1 decode
+        # in fp8 with this tree and .base, alternating, in one lease
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+    -k "cuda and fp8_gemv" > "$R/pytest-fp8-ab.txt" 2>&1
+  timeout 150 python benchmarks/gpu/fp8_packed_experiment.py > "$R/fp8-packed-experiment.txt" 2>&1
+  for tree in new base new base; do
+    latency_in $tree --model "$(realpath $L)" --load-format dummy --context-len 1000 \
+      --batch-size 1 --output-len 64 --iterations 3 --max-model-len 2048 --quantization fp8 \
+      --json "$R/latency-8b-fp8-b1-$tree.json" >> "$R/latency-fp8-ab.txt" 2>&1
+  done
+  ;;
 b64)  # the fp8 cache's attention: its CUDA tests, the layout/tile experiment, then 8B
      # batch-64 decode (context 1000) with fp8 weights and cache in this tree and in .base,
      # and bf16 in this tree, in one lease
