@@ -16,6 +16,7 @@ from common.model_files import resolve_model
 from common.sampling_params import SamplingParams
 from services import LLM
 from services.demo import demo_model_path
+from services.offline.engine import WORKER_PROCESS_ENV
 from tests.test_lora import ADAPTERS, make_adapter, merged_greedy, mixed_batch
 from services.worker.layers.attention import Attention
 from tests.test_kernels_triton import (MIXED_REQUESTS, AttentionShape, check_attention,
@@ -84,6 +85,23 @@ def test_the_16_bit_gemv_gives_the_cublas_tokens(arch, tmp_path, monkeypatch):
         del llm
         gc.collect()
     assert tokens[True] == tokens[False]
+
+
+def test_the_worker_process_gives_the_in_process_tokens(tmp_path, monkeypatch):
+    """LLM's default on a GPU (tests/conftest.py keeps the model in the test's process for
+    the tests that inspect it): the executor in a worker process, with CUDA of its own,
+    gives the tokens of the executor in this process, greedy and seeded."""
+    model_dir = make_tiny_model(tmp_path, "llama")
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)] * 4
+    tokens = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(WORKER_PROCESS_ENV, mode)
+        with LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=256) as llm:
+            assert (llm.engine.executor is None) == (mode == "1")
+            outputs = llm.generate(tiny_prompts(), params, use_tqdm=False)
+        tokens[mode] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens["1"] == tokens["0"]
 
 
 @pytest.mark.parametrize("pooling", ["LAST", "MEAN"])

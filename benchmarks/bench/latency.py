@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--lora-adapters {args.lora_adapters} needs --enable-lora and "
                      f"--max-loras >= {args.lora_adapters} (one step holds them all)")
     configure_logging("bench")
-    engine = Engine(config)
+    engine = Engine(config, worker_process=False)  # run() inspects its model
     try:
         with tempfile.TemporaryDirectory(prefix="headrace-adapters-") as root:
             return run(args, argv, engine, Path(root))

@@ -6,7 +6,8 @@
 Workloads: `nano` (256 requests, prompt and output lengths uniform in [100, 1024], seed 0,
 133,966 output tokens), `8b` (64 requests of 1000-token prompts and 1000 output tokens) and
 `fixed` (--num-prompts of --prompt-len tokens and --output-len outputs). `inprocess`
-runs the engine's cores in this process; `pipeline` runs the same workload through the
+runs LLM's engine from this process (on a GPU its executor runs in a worker process:
+HEADRACE_WORKER_PROCESS=0 keeps it here); `pipeline` runs the same workload through the
 Redis-linked worker, scheduler, tokenizer and detokenizer processes; `http` through all of
 those and the gateway (what `headrace serve` runs), as streamed /v1/completions requests
 sent at once. So the cost of each serving layer is measured, not guessed: the report gives
@@ -52,7 +53,7 @@ from common.log import configure_logging
 from common.messages import GenerateRequest
 from common.sampling_params import SamplingParams
 from common.timing import PhaseClock
-from services.offline.engine import Engine
+from services.offline.engine import Engine, uses_worker_process
 from services.worker import load_weights
 
 SERVED_PATHS = ("pipeline", "http")  # through service processes
@@ -106,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "beyond temperature alone)")
     parser.add_argument("--step-thread", action=argparse.BooleanOptionalAction, default=True,
                         help="the in-process engine runs its executor on a step thread "
-                             "(LLM's default) or, with --no-step-thread, in its loop")
+                             "(LLM's default; in a worker process on a GPU) or, with "
+                             "--no-step-thread, in its loop")
     parser.add_argument("--compare", choices=("transformers",), default=None,
                         help="also run transformers' generate_batch on the same weights")
     parser.add_argument("--transformers-attn", default="paged|sdpa",
@@ -164,22 +166,28 @@ def with_sampling(workload: Workload, logprobs: int | None, top_p: float | None)
 
 def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None,
                   shape: ModelShape | None = None) -> RunResult:
+    """With a worker process the results are on the host when they come back (no sync),
+    and the routed experts' counters are the child's: the trace counts none."""
+    runner = None if engine.executor is None else engine.runner
     if trace is not None and shape is not None:
         engine.on_plan = lambda plan: trace.record(plan, shape, kv_waste(engine.scheduler))
-        reset_experts_read(engine.runner.model)
+        if runner is not None:
+            reset_experts_read(runner.model)
     run_id = uuid.uuid4().hex[:6]
     for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
         engine.add_request(f"{run_id}-{i}", prompt, params)
     output_tokens = 0
-    _sync(engine.runner.device)
+    if runner is not None:
+        _sync(runner.device)
     engine.clock = PhaseClock()
     start = time.perf_counter()
     while engine.has_unfinished():
         output_tokens += sum(len(d.token_ids) for d in engine.step())
-    _sync(engine.runner.device)
+    if runner is not None:
+        _sync(runner.device)
     engine.on_plan = None
-    if trace is not None and shape is not None:
-        trace.count_experts(shape, experts_read(engine.runner.model))
+    if trace is not None and shape is not None and runner is not None:
+        trace.count_experts(shape, experts_read(runner.model))
     return RunResult("inprocess", workload.name, len(workload.prompts), output_tokens,
                      time.perf_counter() - start, engine.clock.summary())
 
@@ -375,13 +383,17 @@ class EngineRuns:
 
 def run_engine(args: argparse.Namespace, config: EngineConfig) -> EngineRuns:
     """The in-process path (and the transformers comparison). The engine lives only in
-    this call, so its device memory can be released when it returns."""
-    engine = Engine(config, step_thread=args.step_thread)
-    workload = make_workload(args, engine.runner.model.vocab_size)
-    shape = ModelShape.of(engine.runner.model, engine.runner.hf_config,
-                          engine.config.tensor_parallel_size,
-                          engine.runner.kv_caches[0][0].element_size())
-    ceilings = measure_ceilings(engine.runner.device)
+    this call, so its device memory can be released when it returns. Its executor runs
+    where LLM's does, in a worker process on a GPU, unless the comparison, which copies
+    the model's weights, needs it here; the model's shape and the device's ceilings are
+    then measured first, on an engine with the model in this process."""
+    worker_process = args.compare is None and uses_worker_process(config, args.step_thread)
+    if worker_process:
+        shape, ceilings, device = measure_model(config)
+    engine = Engine(config, step_thread=args.step_thread, worker_process=worker_process)
+    if not worker_process:
+        shape, ceilings, device = model_facts(engine)
+    workload = make_workload(args, engine.info.vocab_size)
     # the kernels of every step shape compile untimed, on prompts the timed run won't reuse
     run_inprocess(engine, warmup_twin(workload, WARMUP_SEED))
     trace = Trace()
@@ -391,7 +403,27 @@ def run_engine(args: argparse.Namespace, config: EngineConfig) -> EngineRuns:
         results.append(run_transformers(engine, subset, args.transformers_attn))
         results.append(run_inprocess(engine, subset))
     engine.close()  # the served paths' worker takes the GPUs and the ranks' group
-    return EngineRuns(workload, results, trace, ceilings, engine.runner.device)
+    return EngineRuns(workload, results, trace, ceilings, device)
+
+
+def model_facts(engine: Engine) -> tuple[ModelShape, Ceilings, torch.device]:
+    """The shape of the model in the engine's process, and its device's ceilings."""
+    runner = engine.runner
+    shape = ModelShape.of(runner.model, runner.hf_config, engine.config.tensor_parallel_size,
+                          runner.kv_caches[0][0].element_size())
+    return shape, measure_ceilings(runner.device), runner.device
+
+
+def measure_model(config: EngineConfig) -> tuple[ModelShape, Ceilings, torch.device]:
+    """model_facts of an engine built for them alone (eager: no graphs to capture), its
+    device memory released before the timed engine's worker process loads the model."""
+    engine = Engine(dataclasses.replace(config, enforce_eager=True),
+                    detokenizer_process=False, step_thread=False)
+    facts = model_facts(engine)
+    engine.close()
+    del engine
+    release_device(facts[2])
+    return facts
 
 
 def release_device(device: torch.device) -> None:

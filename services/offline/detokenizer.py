@@ -20,10 +20,8 @@ their texts than on the text itself, and the loop waited on the full pipe (issue
 logprobs=1 cost the nano workload a third of its tokens per second). The parent keeps each
 batch's logprobs and puts them, with their texts, on the deltas that come back.
 
-The child is `python -m services.offline.detokenizer`, not a multiprocessing child: spawn
-would import the user's script again in the child, and fork would copy a process that
-holds CUDA and torch's threads. It loads only the tokenizer (no torch), and exits when its
-input pipe closes, so it ends with the engine or with the process that started it.
+The child is `python -m services.offline.detokenizer`, started as services/offline/
+children.py says. It loads only the tokenizer (no torch).
 """
 
 from __future__ import annotations
@@ -32,9 +30,7 @@ import argparse
 import gc
 import os
 import queue
-import subprocess
 import sys
-import threading
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -42,6 +38,7 @@ from pathlib import Path
 
 from common.messages import (DetokItem, ReplyBatch, TextDelta, TokenBatch, TokenLogprobs,
                              decode, encode, with_fields)
+from services.offline.children import end_child, pipe, start_child, start_reader
 
 EXIT_WAIT_S = 10.0
 # an item's (logprobs, prompt_logprobs), kept in the parent while its text is in the child
@@ -57,32 +54,18 @@ class DetokenizerProcess:
         self._with_texts = with_texts
         # per batch sent and not collected: its items' logprobs, None when it has none
         self._kept: deque[list[KeptLogprobs] | None] = deque()
-        to_child, from_parent = _pipe()
-        to_parent, from_child = _pipe()
-        args = [sys.executable, "-m", __name__, str(model_dir),
-                str(from_parent), str(to_parent)]
+        to_child, from_parent = pipe()
+        to_parent, from_child = pipe()
+        args = [str(model_dir), str(from_parent), str(to_parent)]
         if tokenizer is not None:
             args += ["--tokenizer", tokenizer]
         if trust_remote_code:
             args.append("--trust-remote-code")
-        try:
-            self.process = subprocess.Popen(args, pass_fds=(from_parent, to_parent),
-                                            env=_child_env())
-        finally:
-            os.close(from_parent)
-            os.close(to_parent)
+        self.process = start_child(__name__, args, (from_parent, to_parent))
         self._send = Connection(to_child, readable=False)
         self._receive = Connection(from_child, writable=False)
-        self._replies: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._reader, self._replies = start_reader(self._receive, "detokenizer-replies")
         self.pending = 0  # batches sent whose deltas are not collected yet
-        # Reads every reply as it comes, so that the child never blocks on a full pipe
-        # while the engine blocks sending it a large batch. It holds no reference to self:
-        # an engine dropped without close() closes its end of the pipe, the child exits,
-        # and so does the thread.
-        self._reader = threading.Thread(target=_read_replies,
-                                        args=(self._receive, self._replies),
-                                        name="detokenizer-replies", daemon=True)
-        self._reader.start()
 
     def submit(self, items: list[DetokItem]) -> None:
         kept: list[KeptLogprobs] | None = None
@@ -128,45 +111,11 @@ class DetokenizerProcess:
 
     def close(self) -> None:
         """The child sees its input end and exits (a second call does nothing)."""
-        if self._send.closed:
-            return
-        self._send.close()
-        try:
-            self.process.wait(EXIT_WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._reader.join(EXIT_WAIT_S)
-        self._receive.close()
+        end_child(self._send, self.process, self._reader, self._receive, EXIT_WAIT_S)
 
     def _exited(self) -> RuntimeError:
         return RuntimeError("the offline detokenizer process exited (code "
                             f"{self.process.wait()}): see its error above")
-
-
-def _read_replies(receive: Connection, replies: queue.SimpleQueue[bytes | None]) -> None:
-    """Queue each reply; None once the child has exited."""
-    while True:
-        try:
-            replies.put(receive.recv_bytes())
-        except (EOFError, OSError):
-            replies.put(None)
-            return
-
-
-def _pipe() -> tuple[int, int]:
-    """(write end, read end) of a new pipe."""
-    read_end, write_end = os.pipe()
-    return write_end, read_end
-
-
-def _child_env() -> dict[str, str]:
-    """This process's environment, with the directory that holds `services` first on the
-    child's path: the child imports the same code however this process found it."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
 
 
 # --- the child --------------------------------------------------------------------------

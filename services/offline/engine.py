@@ -7,10 +7,18 @@ launches it before step N's tokens are applied and detokenized (the plan-ahead o
 services/scheduler/request.py), and a detokenizer process (services/offline/detokenizer.py)
 turns the tokens into text beside this loop, so `step` returns the text of earlier steps
 as it comes back.
+
+On a GPU the executor runs in a worker process (services/offline/worker_process.py), as the
+served worker runs apart from the scheduler: there the loop's Python and the step thread's
+would share one GIL. On the CPU it runs on a step thread here (services/offline/steps.py),
+sparing the tests and the demo a child's start-up. `HEADRACE_WORKER_PROCESS=0|1` overrides
+that choice, as vLLM's VLLM_ENABLE_V1_MULTIPROCESSING does; the outputs are the same
+either way, token for token.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from common.config import ConfigError, EngineConfig
@@ -22,40 +30,57 @@ from common.timing import PhaseClock
 from services.detokenizer.core import Detokenizer
 from services.offline.detokenizer import DetokenizerProcess
 from services.offline.steps import Steps, launch_lag, start_steps
+from services.offline.worker_process import ProcessSteps
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.tokenizer.core import InputProcessor
-from services.worker.executor import start_executor
-from services.worker.model_runner import ModelRunner
+from services.worker.executor import Executor, start_executor
+from services.worker.model_runner import ModelRunner, resolve_device
 
 LOCAL_REPLY = "local"
+WORKER_PROCESS_ENV = "HEADRACE_WORKER_PROCESS"
 
 
 class Engine:
     def __init__(self, config: EngineConfig, detokenizer_process: bool = True,
-                 step_thread: bool = True) -> None:
+                 step_thread: bool = True, worker_process: bool | None = None) -> None:
         """detokenizer_process=False detokenizes every item in this loop, as the engine
         did before the process: the same deltas, each returned by the step that made it;
         step_thread=False calls the executor from this loop, as the engine did before the
-        thread (tests compare them)."""
-        self.info = load_model_info(config)
-        self.config = self.info.config
-        self.processor = InputProcessor.from_info(self.info)
-        self.detokenizer = Detokenizer(self.info.tokenizer)
-        # started before the model loads, so that its imports run meanwhile
-        self.detokenizer_process = DetokenizerProcess(
-            self.info.model_dir, self.detokenizer.with_texts, config.tokenizer,
-            config.trust_remote_code) if detokenizer_process else None
+        thread (tests compare them); worker_process: the executor in a child process,
+        by default on a GPU (`uses_worker_process`)."""
+        # started first, so that the child loads the model while this process loads the
+        # tokenizer
+        worker = ProcessSteps(config) if uses_worker_process(
+            config, step_thread, worker_process) else None
+        self.detokenizer_process: DetokenizerProcess | None = None
         try:
-            self.executor = start_executor(self.info.resolved)
+            self.info = load_model_info(config)
+            self.config = self.info.config
+            self.processor = InputProcessor.from_info(self.info)
+            self.detokenizer = Detokenizer(self.info.tokenizer)
+            # started before the model loads, so that its imports run meanwhile
+            if detokenizer_process:
+                self.detokenizer_process = DetokenizerProcess(
+                    self.info.model_dir, self.detokenizer.with_texts, config.tokenizer,
+                    config.trust_remote_code)
+            self.executor: Executor | None = None  # none here with a worker process
+            if worker is None:
+                self.executor = start_executor(self.info.resolved)
+                num_blocks = self.executor.num_blocks
+            else:
+                num_blocks = worker.ready()
         except BaseException:
+            if worker is not None:
+                worker.process.kill()  # it may be loading the model still
+                worker.close()
             self._close_detokenizer_process()
             raise
-        self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config,
-                                                               self.executor.num_blocks))
+        self.scheduler = Scheduler(SchedulerConfig.from_engine(self.config, num_blocks))
         self.on_plan: Callable[[StepPlan], None] | None = None  # benchmarks trace steps
         self.clock = PhaseClock()  # where the steps' time goes (benchmarks print it)
         self._adapters: dict[int, str] = {}  # LoRA id -> the path checked under it
-        self.steps: Steps = start_steps(self.executor, step_thread)
+        self.steps: Steps = worker if self.executor is None else start_steps(self.executor,
+                                                                             step_thread)
         self.lag = launch_lag(self.config)
 
     def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -92,13 +117,18 @@ class Engine:
     @property
     def runner(self) -> ModelRunner:
         """The rank in this process: benchmarks and the profiler inspect its model."""
+        if self.executor is None:
+            raise RuntimeError(
+                "the model runs in the engine's worker process; pass worker_process=False "
+                f"to Engine (or set {WORKER_PROCESS_ENV}=0) to have it in this one")
         return self.executor.runner
 
     def close(self) -> None:
-        """Let the tensor-parallel ranks and the detokenizer process go, so that another
-        engine can start here (a second call does nothing)."""
+        """Let the worker process, the tensor-parallel ranks and the detokenizer process
+        go, so that another engine can start here (a second call does nothing)."""
         self.steps.close()
-        self.executor.close()
+        if self.executor is not None:
+            self.executor.close()
         self._close_detokenizer_process()
 
     def _close_detokenizer_process(self) -> None:
@@ -157,6 +187,30 @@ class Engine:
                 self.scheduler.abort(abort.rid, abort.index, abort.reason, abort.stop_reason)
             deltas.append(delta)
         return deltas
+
+
+def uses_worker_process(config: EngineConfig, step_thread: bool = True,
+                        worker_process: bool | None = None) -> bool:
+    """Whether an engine so built runs its executor in a worker process: `worker_process`
+    if given, else with a step thread on a GPU, where the loop and the thread would share
+    the GIL, and not on the CPU, where a child's start-up would buy nothing;
+    HEADRACE_WORKER_PROCESS=0|1 decides the default instead. The child runs the executor
+    on a step thread: step_thread=False cannot go with it."""
+    if worker_process is None:
+        worker_process = step_thread and _worker_process_default(config)
+    if worker_process and not step_thread:
+        raise ValueError("step_thread=False calls the executor from the engine's loop: it "
+                         "cannot go with worker_process=True")
+    return worker_process
+
+
+def _worker_process_default(config: EngineConfig) -> bool:
+    chosen = os.environ.get(WORKER_PROCESS_ENV)
+    if chosen is None:
+        return resolve_device(config).type == "cuda"
+    if chosen not in ("0", "1"):
+        raise ConfigError(f"{WORKER_PROCESS_ENV}={chosen!r}: give 0 or 1")
+    return chosen == "1"
 
 
 def _decides_course(item: DetokItem) -> bool:

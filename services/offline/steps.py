@@ -1,4 +1,6 @@
-"""How the offline engine runs its steps: on a step thread beside its loop, or in the loop.
+"""How the offline engine runs its steps: on a step thread beside its loop, or in the loop
+(or, by default on a GPU, on a step thread in a worker process of its own:
+`ProcessSteps`, services/offline/worker_process.py).
 
 The loop (services/offline/engine.py) plans step N+1 while step N is out, then applies
 step N's tokens. With `ThreadedSteps` the executor runs on the served worker's step thread
