@@ -41,18 +41,6 @@ from kernels.packed_half import half_pair, power_of_two_scales
 from kernels.pdl import let_next_start, pdl_launch, wait_for_previous
 from kernels.quant import FP8_DTYPE, dequantize
 
-# (rows, N, K, SMs) -> tiles for scales that span all of K (per tensor, per channel): the
-# best of benchmarks/gpu/fp8_gemv_sweep.py where they beat the rules' by 3% or more, on an
-# H100 80GB HBM3 (132 SMs), 2026-11-27 (benchmarks/issue30-h100/s4/fp8-gemv-sweep-1row.txt):
-# Llama-3.1-8B's projections at one row, 8 warps on 512-1024-byte rows, and gate_up on
-# tensor cores at 32 x 256 bytes, 4 stages (default 14.4, 9.0, 51.9, 26.2 us)
-TUNED_TILES: dict[tuple[int, int, int, int], GemvTiles] = {
-    (1, 6144, 4096, 132): GemvTiles(8, 1024, False, 1, 8, 1),  # 12.0 us
-    (1, 4096, 4096, 132): GemvTiles(8, 512, False, 1, 8, 1),  # 8.5 us
-    (1, 28672, 4096, 132): GemvTiles(32, 256, True, 1, 4, 4),  # 45.0 us
-    (1, 4096, 14336, 132): GemvTiles(8, 512, False, 1, 8, 1),  # 24.6 us
-}
-
 
 @dataclass(frozen=True, slots=True)
 class PackedTiles:
@@ -62,8 +50,10 @@ class PackedTiles:
     num_warps: int = 4
 
 
+# 16 outputs x 512 inputs, and where the H200 sweep (benchmarks/gpu/fp8_packed_experiment.py,
+# benchmarks/issue30-h100/s6/fp8) found better at Llama-3.1-8B's projections, its tiles
+# (the one-row tiles the shared GEMV took before: benchmarks/issue30-h100/s4)
 PACKED_TILES = PackedTiles(16, 512)
-# (N, K, SMs) -> tiles where the H200 sweep found better than PACKED_TILES
 TUNED_PACKED_TILES: dict[tuple[int, int, int], PackedTiles] = {
     (4096, 14336, 132): PackedTiles(8, 1024, num_warps=8),
 }
@@ -145,8 +135,7 @@ def fp8_gemv_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     if isinstance(tiles, PackedTiles) or (tiles is None and takes_packed(x, w_fp8, rows)):
         tiles = tiles or TUNED_PACKED_TILES.get((n, k, sms), PACKED_TILES)
         return launch_packed(x, w_fp8, bias, tiles, scale, (block_n, block_k))
-    tuned = TUNED_TILES.get((rows, n, k, sms)) if block_k == k else None
-    tiles = tiles or tuned or default_tiles(rows, n, k, sms, 1, block_k)
+    tiles = tiles or default_tiles(rows, n, k, sms, 1, block_k)
     return launch_gemv(x, w_fp8, bias, tiles, scale, (block_n, block_k))
 
 

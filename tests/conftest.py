@@ -23,10 +23,6 @@ from common.redis_server import EmbeddedRedis
 from tests.redis_cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parent.parent
-# Tests inspect their engines' models (llm.engine.runner), which on a GPU would be in the
-# engine's worker process (services/offline/engine.py): they keep them in theirs. The worker
-# process's tests (test_offline_worker_process.py, test_gpu.py) choose it themselves.
-os.environ.setdefault("HEADRACE_WORKER_PROCESS", "0")
 
 
 @pytest.fixture

@@ -88,8 +88,7 @@ def test_the_16_bit_gemv_gives_the_cublas_tokens(arch, tmp_path, monkeypatch):
 
 
 def test_the_worker_process_gives_the_in_process_tokens(tmp_path, monkeypatch):
-    """LLM's default on a GPU (tests/conftest.py keeps the model in the test's process for
-    the tests that inspect it): the executor in a worker process, with CUDA of its own,
+    """HEADRACE_WORKER_PROCESS=1: the executor in a worker process, with CUDA of its own,
     gives the tokens of the executor in this process, greedy and seeded."""
     model_dir = make_tiny_model(tmp_path, "llama")
     params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),

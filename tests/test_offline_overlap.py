@@ -276,6 +276,19 @@ def test_the_loop_runs_ahead_of_the_detokenizer_process(tiny):
     engine.close()
 
 
+def mixed_params(stops: list[str]) -> list[SamplingParams]:
+    """Greedy with stop strings (from `stops`, strings the greedy answers contain), seeded
+    with n=2 and logprobs, unseeded, and max_tokens, twice over."""
+    return [SamplingParams(temperature=0.0, max_tokens=20, stop=[stops[0]]),
+            SamplingParams(temperature=0.0, max_tokens=7),
+            SamplingParams(temperature=0.9, seed=3, max_tokens=16, n=2, logprobs=2),
+            SamplingParams(temperature=0.0, max_tokens=20, stop=[stops[3]],
+                           include_stop_str_in_output=True),
+            SamplingParams(temperature=0.8, max_tokens=12),
+            SamplingParams(temperature=0.0, max_tokens=20, logprobs=0, stop=[stops[5]]),
+            ] * 2
+
+
 def test_outputs_equal_the_inline_engines_with_preemption(tiny, monkeypatch):
     """Greedy, seeded and unseeded sampling, n=2, logprobs, stop strings and max_tokens,
     on a KV cache so small that requests are preempted and recomputed."""
@@ -285,14 +298,7 @@ def test_outputs_equal_the_inline_engines_with_preemption(tiny, monkeypatch):
     greedy = SamplingParams(temperature=0.0, max_tokens=20)
     texts = [o.outputs[0].text for o in reference.generate(batch, greedy, use_tqdm=False)]
     stops = [text[6:8] for text in texts]  # strings the greedy answers do contain
-    params = [SamplingParams(temperature=0.0, max_tokens=20, stop=[stops[0]]),
-              SamplingParams(temperature=0.0, max_tokens=7),
-              SamplingParams(temperature=0.9, seed=3, max_tokens=16, n=2, logprobs=2),
-              SamplingParams(temperature=0.0, max_tokens=20, stop=[stops[3]],
-                             include_stop_str_in_output=True),
-              SamplingParams(temperature=0.8, max_tokens=12),
-              SamplingParams(temperature=0.0, max_tokens=20, logprobs=0, stop=[stops[5]]),
-              ] * 2
+    params = mixed_params(stops)
     expected = outputs(reference.generate(batch, params, use_tqdm=False))
     assert reference.engine.scheduler.num_preemptions > 0
     reference.close()

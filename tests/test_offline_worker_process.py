@@ -1,5 +1,5 @@
 """The offline engine's executor in a worker process (issue 31 item 1), real child processes
-on the CPU, where the engine keeps its executor in-process unless told otherwise: the
+on the CPU (the engine keeps its executor in-process unless told otherwise): the
 outputs are the in-line engine's to the token, at one rank and through tensor-parallel and
 pipeline-parallel ranks; a refused model, an executor error and a killed child each reach
 the caller as an error, never a hang; and nothing the engine starts outlives it.
@@ -25,7 +25,7 @@ from services.offline.engine import WORKER_PROCESS_ENV, Engine
 from services.offline.llm import LLM
 from services.offline.steps import ThreadedSteps
 from services.offline.worker_process import ProcessSteps
-from tests.test_offline_overlap import inline_llm, outputs, prompts
+from tests.test_offline_overlap import inline_llm, mixed_params, outputs, prompts
 from tests.test_offline_overlap_ranks import GREEDY, PROMPTS, SIZES, make_llm, tokens
 from tests.tiny_models import make_tiny_model
 
@@ -71,14 +71,7 @@ def test_outputs_equal_the_inline_engines_with_preemption(tiny, monkeypatch):
     greedy = SamplingParams(temperature=0.0, max_tokens=20)
     texts = [o.outputs[0].text for o in reference.generate(batch, greedy, use_tqdm=False)]
     stops = [text[6:8] for text in texts]  # strings the greedy answers do contain
-    params = [SamplingParams(temperature=0.0, max_tokens=20, stop=[stops[0]]),
-              SamplingParams(temperature=0.0, max_tokens=7),
-              SamplingParams(temperature=0.9, seed=3, max_tokens=16, n=2, logprobs=2),
-              SamplingParams(temperature=0.0, max_tokens=20, stop=[stops[3]],
-                             include_stop_str_in_output=True),
-              SamplingParams(temperature=0.8, max_tokens=12),
-              SamplingParams(temperature=0.0, max_tokens=20, logprobs=0, stop=[stops[5]]),
-              ] * 2
+    params = mixed_params(stops)
     expected = outputs(reference.generate(batch, params, use_tqdm=False))
     reference.close()
     monkeypatch.setenv(WORKER_PROCESS_ENV, "1")
@@ -202,14 +195,14 @@ def test_a_model_the_worker_process_refuses_raises_the_engines_error(tiny):
     assert children() == before
 
 
-def test_the_environment_picks_the_mode_and_the_cpu_keeps_the_model_here(tiny,
-                                                                         monkeypatch):
+def test_the_environment_picks_the_mode_and_the_default_keeps_the_model_here(tiny,
+                                                                             monkeypatch):
     config = EngineConfig(model=tiny, dtype="float32", device="auto")
     monkeypatch.delenv(WORKER_PROCESS_ENV, raising=False)
     before = children()
     engine = Engine(config, detokenizer_process=False)
     assert isinstance(engine.steps, ThreadedSteps) and engine.runner is not None
-    assert children() == before  # no child on the CPU by default
+    assert children() == before  # no child by default
     engine.close()
     monkeypatch.setenv(WORKER_PROCESS_ENV, "1")
     engine = Engine(config, detokenizer_process=False)

@@ -6,8 +6,8 @@
 Workloads: `nano` (256 requests, prompt and output lengths uniform in [100, 1024], seed 0,
 133,966 output tokens), `8b` (64 requests of 1000-token prompts and 1000 output tokens) and
 `fixed` (--num-prompts of --prompt-len tokens and --output-len outputs). `inprocess`
-runs LLM's engine from this process (on a GPU its executor runs in a worker process:
-HEADRACE_WORKER_PROCESS=0 keeps it here); `pipeline` runs the same workload through the
+runs LLM's engine from this process (HEADRACE_WORKER_PROCESS=1: its executor in a worker
+process); `pipeline` runs the same workload through the
 Redis-linked worker, scheduler, tokenizer and detokenizer processes; `http` through all of
 those and the gateway (what `headrace serve` runs), as streamed /v1/completions requests
 sent at once. So the cost of each serving layer is measured, not guessed: the report gives
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "beyond temperature alone)")
     parser.add_argument("--step-thread", action=argparse.BooleanOptionalAction, default=True,
                         help="the in-process engine runs its executor on a step thread "
-                             "(LLM's default; in a worker process on a GPU) or, with "
+                             "(LLM's default; in a worker process with HEADRACE_WORKER_PROCESS=1) or, with "
                              "--no-step-thread, in its loop")
     parser.add_argument("--compare", choices=("transformers",), default=None,
                         help="also run transformers' generate_batch on the same weights")
@@ -384,10 +384,10 @@ class EngineRuns:
 def run_engine(args: argparse.Namespace, config: EngineConfig) -> EngineRuns:
     """The in-process path (and the transformers comparison). The engine lives only in
     this call, so its device memory can be released when it returns. Its executor runs
-    where LLM's does, in a worker process on a GPU, unless the comparison, which copies
+    where LLM's does (in a worker process with HEADRACE_WORKER_PROCESS=1), unless the comparison, which copies
     the model's weights, needs it here; the model's shape and the device's ceilings are
     then measured first, on an engine with the model in this process."""
-    worker_process = args.compare is None and uses_worker_process(config, args.step_thread)
+    worker_process = args.compare is None and uses_worker_process(args.step_thread)
     if worker_process:
         shape, ceilings, device = measure_model(config)
     engine = Engine(config, step_thread=args.step_thread, worker_process=worker_process)

@@ -21,17 +21,18 @@ import triton
 import triton.language as tl
 
 from benchmarks.gpu.graph_timing import graph_us
-from kernels.fp8_gemv import WORD_SUM_ASM, fp8_gemv_ref, fp8_gemv_triton
-from kernels.packed_half import half_pair, power_of_two_scales
+from kernels.fp8_gemv import _packed_word_sums, fp8_gemv_ref, fp8_gemv_triton
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}
 TILES = [(bn, bk, w) for bn in (8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)]
 
+
 @triton.jit
 def _kernel(x_ptr, w_ptr, scale_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, MODE: tl.constexpr):
-    """MODE 0: loads only; 1: packed fp16. w as int32 words [N, K / 4]."""
+    """MODE 0: loads only; 1: the shipped packed loop (without masks, PDL or scale blocks).
+    w as int32 words [N, K / 4]."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n
     cols = tl.arange(0, BLOCK_K // 4)
@@ -48,17 +49,7 @@ def _kernel(x_ptr, w_ptr, scale_ptr, out_ptr, n, k, BLOCK_N: tl.constexpr,
         if MODE == 0:
             bits ^= words
         else:
-            up, down = power_of_two_scales(tl.max(tl.abs(x4), axis=1), 3)
-            x_even, x_odd = tl.split(tl.reshape(x4 * up[:, None], (BLOCK_K // 4, 2, 2)))
-            x0, x2 = tl.split(x_even)
-            x1, x3 = tl.split(x_odd)
-            shape: tl.constexpr = (BLOCK_N, BLOCK_K // 4)
-            sums = tl.inline_asm_elementwise(
-                WORD_SUM_ASM, "=r,r,r,r",
-                [words, tl.broadcast_to(half_pair(x0, x1)[None, :], shape),
-                 tl.broadcast_to(half_pair(x2, x3)[None, :], shape)],
-                dtype=tl.int32, is_pure=True, pack=1)
-            lanes += sums.to(tl.float32, bitcast=True) * down[None, :]
+            lanes += _packed_word_sums(words, x4, BLOCK_N, BLOCK_K)
         words, x4 = next_words, next_x4
     if MODE == 0:
         acc = tl.sum(bits, axis=1).to(tl.float32)

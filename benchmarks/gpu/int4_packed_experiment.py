@@ -5,9 +5,10 @@ same tiles and Llama-3.1-8B's projections, each replayed in a CUDA graph.
 - `read`: the loop's loads only (the words XOR-ed together): the rate this access pattern
   can read at, whatever the arithmetic costs (and the same for the fp8 GEMV's bytes).
 - `f16x2`: each word's eight nibbles turned into four packed half pairs (one LOP3 each, the
-  exponent of 1024 OR-ed in), less the zero in packed arithmetic, multiplied by x (scaled
-  by 2^-5 here) with packed fused multiply-adds, and only the word's sum widened to
-  float32. kernels/int4.py took this form, with a power-of-two scale per word.
+  exponent of 1024 OR-ed in), less the zero in packed arithmetic, multiplied by x with
+  packed fused multiply-adds, and only the word's sum widened to float32. kernels/int4.py
+  took this form (the loop here is its own, at the sweep's tiles); its first run scaled x
+  by 2^-5, not per word.
 - `pairs`: the same, with x read as bf16 pairs and permuted with PRMT.
 
 It also checks each against a float64 product, and writes the SASS of the shipped kernel
@@ -29,14 +30,13 @@ import triton
 import triton.language as tl
 
 from benchmarks.gpu.graph_timing import graph_us
-from kernels.int4 import (TUNED_GEMV_TILES, WORD_SUM_ASM, unpack_int4, w4a16_gemm_ref,
-                          w4a16_gemm_triton)
+from kernels.int4 import (TUNED_GEMV_TILES, WORD_SUM_ASM, _packed_nibble_sums, _per_word,
+                          unpack_int4, w4a16_gemm_ref, w4a16_gemm_triton)
 from kernels.packed_half import half_pair
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}
 GROUP = 128
-X_SCALE = 1.0 / 32  # x's scale inside fp16 (undone with the group's scale)
 TILES = [(bn, bk, w) for bn in (16, 32, 64) for bk in (512, 1024) for w in (4, 8)] + [
     (64, 256, 4), (128, 256, 4), (128, 256, 8), (64, 256, 8)]
 # x's bf16 pairs (x0, x1) and (x4, x5) -> the f16x2 pair (x0, x4) (selector 0x5410) or
@@ -60,8 +60,9 @@ X_ODD = tl.constexpr(X_PAIR_ASM.replace("SELECT", "0x7632"))
 @triton.jit
 def _experiment_kernel(x_ptr, x32_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, n, k, group_size,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-                       MODE: tl.constexpr, X_SCALE: tl.constexpr):
-    """MODE 0: loads only; 1: the f16x2 loop. One row, no split, no PDL."""
+                       MODE: tl.constexpr):
+    """MODE 0: loads only; 1: the shipped packed loop; 2: the same with x read as pairs.
+    One row, no split, no PDL."""
     stripe = tl.program_id(0)
     offs_n = stripe * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n
@@ -102,12 +103,8 @@ def _experiment_kernel(x_ptr, x32_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_p
             pd = tl.inline_asm_elementwise(X_ODD, "=r,r,r", [xb_, xd_], dtype=tl.int32,
                                            is_pure=True, pack=1)
             zf = z.to(tl.float32)
-            z1 = tl.reshape(tl.broadcast_to(half_pair(1024.0 + zf, 1024.0 + zf)[:, :, None],
-                                            (BLOCK_N, GROUPS, per_group)),
-                            (BLOCK_N, BLOCK_K // 8))
-            z2 = tl.reshape(tl.broadcast_to(half_pair(-64.0 - zf, -64.0 - zf)[:, :, None],
-                                            (BLOCK_N, GROUPS, per_group)),
-                            (BLOCK_N, BLOCK_K // 8))
+            z1 = _per_word(half_pair(1024.0 + zf, 1024.0 + zf), BLOCK_N, BLOCK_K, GROUPS)
+            z2 = _per_word(half_pair(-64.0 - zf, -64.0 - zf), BLOCK_N, BLOCK_K, GROUPS)
             sums = tl.inline_asm_elementwise(
                 WORD_SUM_ASM, "=r,r,r,r,r,r,r,r",
                 [words, tl.broadcast_to(pa[None, :], (BLOCK_N, BLOCK_K // 8)),
@@ -118,37 +115,13 @@ def _experiment_kernel(x_ptr, x32_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_p
             sums = tl.reshape(sums.to(tl.float32, bitcast=True), (BLOCK_N, GROUPS, per_group))
             lanes += sums * s.to(tl.float32)[:, :, None]
         else:
-            xs = tl.reshape(x8 * X_SCALE, (BLOCK_K // 8, 2, 2, 2))
-            x4a, x4b = tl.split(xs)  # j even, j odd
-            x2a, x2b = tl.split(x4a)
-            x2c, x2d = tl.split(x4b)
-            x0, x4 = tl.split(x2a)
-            x2, x6 = tl.split(x2b)
-            x1, x5 = tl.split(x2c)
-            x3, x7 = tl.split(x2d)
-            zf = z.to(tl.float32)
-            z1 = tl.reshape(tl.broadcast_to(half_pair(1024.0 + zf, 1024.0 + zf)[:, :, None],
-                                            (BLOCK_N, GROUPS, per_group)),
-                            (BLOCK_N, BLOCK_K // 8))
-            z2 = tl.reshape(tl.broadcast_to(half_pair(-64.0 - zf, -64.0 - zf)[:, :, None],
-                                            (BLOCK_N, GROUPS, per_group)),
-                            (BLOCK_N, BLOCK_K // 8))
-            xa = tl.broadcast_to(half_pair(x0, x4)[None, :], (BLOCK_N, BLOCK_K // 8))
-            xb = tl.broadcast_to(half_pair(x1, x5)[None, :], (BLOCK_N, BLOCK_K // 8))
-            xc = tl.broadcast_to(half_pair(x2, x6)[None, :], (BLOCK_N, BLOCK_K // 8))
-            xd = tl.broadcast_to(half_pair(x3, x7)[None, :], (BLOCK_N, BLOCK_K // 8))
-            sums = tl.inline_asm_elementwise(WORD_SUM_ASM, "=r,r,r,r,r,r,r,r",
-                                             [words, xa, xb, xc, xd, z1, z2],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-            sums = tl.reshape(sums.to(tl.float32, bitcast=True), (BLOCK_N, GROUPS, per_group))
+            sums = _packed_nibble_sums(words, x8, z, BLOCK_N, BLOCK_K, GROUPS)
             lanes += sums * s.to(tl.float32)[:, :, None]
         words, s, z, x8 = next_words, next_s, next_z, next_x8
     if MODE == 0:
         acc = tl.sum(bits, axis=1).to(tl.float32)
-    elif MODE == 2:
-        acc = tl.sum(tl.sum(lanes, axis=2), axis=1) * 256.0
-    else:
-        acc = tl.sum(tl.sum(lanes, axis=2), axis=1) * (1.0 / X_SCALE)
+    else:  # pairs: x came in at 2^-8
+        acc = tl.sum(tl.sum(lanes, axis=2), axis=1) * (256.0 if MODE == 2 else 1.0)
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -157,7 +130,7 @@ def experiment(x, qweight, scales, zeros, mode: int, bn: int, bk: int, warps: in
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _experiment_kernel[(triton.cdiv(n, bn),)](
         x, x.view(torch.int32), qweight, scales, zeros, y, n, k, GROUP, BLOCK_N=bn, BLOCK_K=bk,
-        GROUPS=max(1, bk // GROUP), MODE=mode, X_SCALE=X_SCALE, num_warps=warps,
+        GROUPS=max(1, bk // GROUP), MODE=mode, num_warps=warps,
         num_stages=1)
     return y
 

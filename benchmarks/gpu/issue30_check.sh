@@ -28,6 +28,19 @@ latency_in() {  # TREE (new: this one; base: the copy in .base) ARGS...: bench l
   (cd "$dir" && PYTHONPATH="/tmp/site:$dir" HEADRACE_SHAPES=$shapes timeout 150 \
     python -m services.cli bench latency "${@:2}")
 }
+latency_ab() {  # 8B batch-1 decode in each of FORMATS with this tree and .base, alternating
+  local AWQ fmt model quant tree
+  AWQ=$(awq_shape)
+  for fmt in ${FORMATS:-awq fp8 none}; do
+    model=$L quant=(); [ "$fmt" = awq ] && model=$AWQ
+    [ "$fmt" != none ] && quant=(--quantization "$fmt")
+    for tree in new base; do
+      latency_in $tree --model "$(realpath "$model")" --load-format dummy --context-len 1000 \
+        --batch-size 1 --output-len 64 --iterations 3 --max-model-len 2048 "${quant[@]}" \
+        --json "$R/latency-8b-$fmt-b1-$tree.json" >> "$R/latency-ab.txt" 2>&1
+    done
+  done
+}
 case "$1" in
 1)
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
@@ -121,16 +134,10 @@ ab)  # this tree against the one in .base (a copy of the commit before, carried)
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_quant_int4.py \
     tests/test_kernels_triton.py -k "cuda and (w4a16 or gemv)" > "$R/pytest-ab.txt" 2>&1
   timeout "${SWEEP_S:-240}" python benchmarks/gpu/int4_gemv_sweep.py 1 > "$R/int4-sweep-ab.txt" 2>&1
-  AWQ=$(awq_shape)
-  for fmt in ${FORMATS:-awq fp8 none}; do
-    model=$L quant=(); [ "$fmt" = awq ] && model=$AWQ
-    [ "$fmt" != none ] && quant=(--quantization "$fmt")
-    for tree in new base; do
-      latency_in $tree --model "$(realpath "$model")" --load-format dummy --context-len 1000 \
-        --batch-size 1 --output-len 64 --iterations 3 --max-model-len 2048 "${quant[@]}" \
-        --json "$R/latency-8b-$fmt-b1-$tree.json" >> "$R/latency-ab.txt" 2>&1
-    done
-  done
+  latency_ab
+  ;;
+latency-ab)  # ab's batch-1 decode alone
+  latency_ab
   ;;
 ab-fp8)  # the packed one-row fp8 GEMV: its CUDA tests and experiment, then 8B batch-1 decode
         # in fp8 with this tree and .base, alternating, in one lease

@@ -83,3 +83,12 @@ def end_child(send: Connection, process: subprocess.Popen, reader: threading.Thr
         process.wait()
     reader.join(wait_s)
     receive.close()
+
+
+def exit_now(code: int) -> None:
+    """The child's end, without the interpreter's teardown, as a tensor-parallel follower
+    ends (services/worker/ranks.py, leave_now): on a loaded CPU the teardown outlasted the
+    engine's wait at close(), which then killed the child."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import queue
 import sys
 from collections import deque
@@ -38,7 +37,7 @@ from pathlib import Path
 
 from common.messages import (DetokItem, ReplyBatch, TextDelta, TokenBatch, TokenLogprobs,
                              decode, encode, with_fields)
-from services.offline.children import end_child, pipe, start_child, start_reader
+from services.offline.children import end_child, exit_now, pipe, start_child, start_reader
 
 EXIT_WAIT_S = 10.0
 # an item's (logprobs, prompt_logprobs), kept in the parent while its text is in the child
@@ -159,10 +158,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    # skip the interpreter's teardown, as a tensor-parallel follower does
-    # (services/worker/ranks.py, leave_now): on a loaded CPU it outlasted the engine's
-    # wait at close(), which then killed this process
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main(sys.argv[1:]))

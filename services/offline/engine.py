@@ -8,12 +8,14 @@ services/scheduler/request.py), and a detokenizer process (services/offline/deto
 turns the tokens into text beside this loop, so `step` returns the text of earlier steps
 as it comes back.
 
-On a GPU the executor runs in a worker process (services/offline/worker_process.py), as the
-served worker runs apart from the scheduler: there the loop's Python and the step thread's
-would share one GIL. On the CPU it runs on a step thread here (services/offline/steps.py),
-sparing the tests and the demo a child's start-up. `HEADRACE_WORKER_PROCESS=0|1` overrides
-that choice, as vLLM's VLLM_ENABLE_V1_MULTIPROCESSING does; the outputs are the same
-either way, token for token.
+The executor may instead run in a worker process (services/offline/worker_process.py), as
+the served worker runs apart from the scheduler, so that the loop's Python and the step
+thread's do not share one GIL: `worker_process=True`, or HEADRACE_WORKER_PROCESS=1 (as
+vLLM's VLLM_ENABLE_V1_MULTIPROCESSING). It is off by default: on the H100 the nano
+workload ran no faster with it (14,081 and 15,031 tok/s against 14,801 and 15,784 with the
+step thread here, alternating in one lease: benchmarks/issue31-h100/s7/worker-process-ab),
+and the child's start-up costs seconds. The outputs are the same either way, token for
+token.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from services.offline.worker_process import ProcessSteps
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.tokenizer.core import InputProcessor
 from services.worker.executor import Executor, start_executor
-from services.worker.model_runner import ModelRunner, resolve_device
+from services.worker.model_runner import ModelRunner
 
 LOCAL_REPLY = "local"
 WORKER_PROCESS_ENV = "HEADRACE_WORKER_PROCESS"
@@ -46,12 +48,12 @@ class Engine:
         """detokenizer_process=False detokenizes every item in this loop, as the engine
         did before the process: the same deltas, each returned by the step that made it;
         step_thread=False calls the executor from this loop, as the engine did before the
-        thread (tests compare them); worker_process: the executor in a child process,
-        by default on a GPU (`uses_worker_process`)."""
+        thread (tests compare them); worker_process: the executor in a child process
+        (`uses_worker_process`)."""
         # started first, so that the child loads the model while this process loads the
         # tokenizer
-        worker = ProcessSteps(config) if uses_worker_process(
-            config, step_thread, worker_process) else None
+        worker = (ProcessSteps(config) if uses_worker_process(step_thread, worker_process)
+                  else None)
         self.detokenizer_process: DetokenizerProcess | None = None
         try:
             self.info = load_model_info(config)
@@ -189,25 +191,22 @@ class Engine:
         return deltas
 
 
-def uses_worker_process(config: EngineConfig, step_thread: bool = True,
-                        worker_process: bool | None = None) -> bool:
+def uses_worker_process(step_thread: bool = True, worker_process: bool | None = None
+                        ) -> bool:
     """Whether an engine so built runs its executor in a worker process: `worker_process`
-    if given, else with a step thread on a GPU, where the loop and the thread would share
-    the GIL, and not on the CPU, where a child's start-up would buy nothing;
-    HEADRACE_WORKER_PROCESS=0|1 decides the default instead. The child runs the executor
-    on a step thread: step_thread=False cannot go with it."""
+    if given, else HEADRACE_WORKER_PROCESS=0|1 (0 when unset: the module's docstring says
+    why). The child runs the executor on a step thread: step_thread=False cannot go with
+    it, and keeps the executor here whatever the environment says."""
     if worker_process is None:
-        worker_process = step_thread and _worker_process_default(config)
+        worker_process = step_thread and _worker_process_chosen()
     if worker_process and not step_thread:
         raise ValueError("step_thread=False calls the executor from the engine's loop: it "
                          "cannot go with worker_process=True")
     return worker_process
 
 
-def _worker_process_default(config: EngineConfig) -> bool:
-    chosen = os.environ.get(WORKER_PROCESS_ENV)
-    if chosen is None:
-        return resolve_device(config).type == "cuda"
+def _worker_process_chosen() -> bool:
+    chosen = os.environ.get(WORKER_PROCESS_ENV, "0")
     if chosen not in ("0", "1"):
         raise ConfigError(f"{WORKER_PROCESS_ENV}={chosen!r}: give 0 or 1")
     return chosen == "1"

@@ -21,7 +21,6 @@ children.py says, with its own torch and CUDA.
 from __future__ import annotations
 
 import gc
-import os
 import pickle
 import signal
 import sys
@@ -34,7 +33,7 @@ from common.config import EngineConfig
 from common.messages import DrainSteps, StepPlan, StepResult, decode, encode
 from common.model_info import resolve_engine
 from common.service import GIL_SWITCH_S
-from services.offline.children import end_child, pipe, start_child, start_reader
+from services.offline.children import end_child, exit_now, pipe, start_child, start_reader
 from services.worker.executor import Executor, start_executor
 from services.worker.step_thread import StepThread
 
@@ -185,8 +184,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    # skip the interpreter's teardown, as the detokenizer child does
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main(sys.argv[1:]))
