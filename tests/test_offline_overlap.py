@@ -29,7 +29,7 @@ from common.config import EngineConfig
 from common.messages import StepPlan, TextDelta
 from common.sampling_params import SamplingParams
 from services.offline import llm as llm_module
-from services.offline.engine import Engine
+from services.offline.engine import WORKER_PROCESS_ENV, Engine
 from services.offline.llm import LLM
 from services.offline.steps import start_steps
 from tests.tiny_models import make_tiny_model
@@ -289,9 +289,12 @@ def mixed_params(stops: list[str]) -> list[SamplingParams]:
             ] * 2
 
 
-def test_outputs_equal_the_inline_engines_with_preemption(tiny, monkeypatch):
+@pytest.mark.parametrize("worker_process", ["0", "1"])
+def test_outputs_equal_the_inline_engines_with_preemption(tiny, monkeypatch, worker_process):
     """Greedy, seeded and unseeded sampling, n=2, logprobs, stop strings and max_tokens,
-    on a KV cache so small that requests are preempted and recomputed."""
+    on a KV cache so small that requests are preempted and recomputed; with the executor
+    on the step thread here, and in the worker process (services/offline/
+    worker_process.py)."""
     config = {"num_gpu_blocks_override": 16, "block_size": 4}  # 64 token slots
     reference = inline_llm(monkeypatch, tiny, **config)
     batch = prompts(12, seed=2)
@@ -302,7 +305,9 @@ def test_outputs_equal_the_inline_engines_with_preemption(tiny, monkeypatch):
     expected = outputs(reference.generate(batch, params, use_tqdm=False))
     assert reference.engine.scheduler.num_preemptions > 0
     reference.close()
+    monkeypatch.setenv(WORKER_PROCESS_ENV, worker_process)
     llm = LLM(tiny, dtype="float32", device="cpu", **config)
+    assert (llm.engine.executor is None) == (worker_process == "1")
     llm.generate(batch, greedy, use_tqdm=False)  # the same ids as the reference's calls
     got = outputs(llm.generate(batch, params, use_tqdm=False))
     assert llm.engine.scheduler.num_preemptions > 0

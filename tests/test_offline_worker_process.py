@@ -1,9 +1,11 @@
 """The offline engine's executor in a worker process (issue 31 item 1), real child processes
 on the CPU (the engine keeps its executor in-process unless told otherwise): the
-outputs are the in-line engine's to the token, at one rank and through tensor-parallel and
-pipeline-parallel ranks; a refused model, an executor error and a killed child each reach
+outputs are the in-line engine's to the token through tensor-parallel and pipeline-parallel
+ranks (one rank's, with preemption, stop strings and logprobs, are in
+tests/test_offline_overlap.py); a refused model, an executor error and a killed child each reach
 the caller as an error, never a hang; and nothing the engine starts outlives it.
-tests/test_offline_overlap.py is the same engine with its executor on a step thread."""
+tests/test_offline_overlap.py is mostly the same engine with its executor on a step
+thread."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from services.offline.engine import WORKER_PROCESS_ENV, Engine
 from services.offline.llm import LLM
 from services.offline.steps import ThreadedSteps
 from services.offline.worker_process import ProcessSteps
-from tests.test_offline_overlap import inline_llm, mixed_params, outputs, prompts
+from tests.test_offline_overlap import prompts
 from tests.test_offline_overlap_ranks import GREEDY, PROMPTS, SIZES, make_llm, tokens
 from tests.tiny_models import make_tiny_model
 
@@ -60,28 +62,6 @@ def children() -> set[psutil.Process]:
     """This process's children (its multiprocessing resource tracker, once the in-process
     ranks of a test started one, among them)."""
     return set(psutil.Process().children())
-
-
-def test_outputs_equal_the_inline_engines_with_preemption(tiny, monkeypatch):
-    """Greedy, seeded and unseeded sampling, n=2, logprobs, stop strings and max_tokens,
-    on a KV cache so small that requests are preempted and recomputed."""
-    config = {"num_gpu_blocks_override": 16, "block_size": 4}  # 64 token slots
-    reference = inline_llm(monkeypatch, tiny, **config)
-    batch = prompts(12, seed=2)
-    greedy = SamplingParams(temperature=0.0, max_tokens=20)
-    texts = [o.outputs[0].text for o in reference.generate(batch, greedy, use_tqdm=False)]
-    stops = [text[6:8] for text in texts]  # strings the greedy answers do contain
-    params = mixed_params(stops)
-    expected = outputs(reference.generate(batch, params, use_tqdm=False))
-    reference.close()
-    monkeypatch.setenv(WORKER_PROCESS_ENV, "1")
-    with LLM(tiny, dtype="float32", device="cpu", **config) as llm:
-        assert llm.engine.executor is None
-        llm.generate(batch, greedy, use_tqdm=False)  # the same ids as the reference's calls
-        got = outputs(llm.generate(batch, params, use_tqdm=False))
-        assert llm.engine.scheduler.num_preemptions > 0
-    assert got == expected
-    assert any(isinstance(c[6], str) for _, _, cs in got for c in cs)  # stop strings hit
 
 
 # long: 70 s on two cores; test_close_with_and_collection_leave_no_process runs two ranks

@@ -58,8 +58,8 @@ X_ODD = tl.constexpr(X_PAIR_ASM.replace("SELECT", "0x7632"))
 
 
 @triton.jit
-def _experiment_kernel(x_ptr, x32_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, n, k, group_size,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+def _experiment_kernel(x_ptr, x32_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr, n, k,
+                       group_size, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
                        MODE: tl.constexpr):
     """MODE 0: loads only; 1: the shipped packed loop; 2: the same with x read as pairs.
     One row, no split, no PDL."""
