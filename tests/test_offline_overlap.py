@@ -86,6 +86,24 @@ def outputs(results) -> list[tuple]:
                c.finish_reason, c.stop_reason) for c in r.outputs]) for r in results]
 
 
+def logprob_values_apart(outs: list[tuple]) -> tuple[list[tuple], list[float]]:
+    """`outputs` with each logprob's value (and the cumulative logprob) taken out, and those
+    values in order: another process's CPU matmuls may add up in another order (its own
+    threads, fewer on a loaded machine), so its logprobs agree to float32's rounding, not to
+    the bit, while its tokens and texts are the same."""
+    rest, values = [], []
+    for rid, prompt, completions in outs:
+        kept = []
+        for index, text, ids, logprobs, cumulative, finish, stop in completions:
+            entries = [{token: (lp.rank, lp.decoded_token) for token, lp in step.items()}
+                       for step in logprobs or []]
+            values += [lp.logprob for step in logprobs or [] for lp in step.values()]
+            values += [] if cumulative is None else [cumulative]
+            kept.append((index, text, ids, entries, finish, stop))
+        rest.append((rid, prompt, kept))
+    return rest, values
+
+
 def test_each_step_is_launched_before_the_previous_ones_tokens_are_applied(tiny):
     engine = make_engine(tiny)
     events: list[tuple[str, int]] = []
@@ -312,7 +330,12 @@ def test_outputs_equal_the_inline_engines_with_preemption(tiny, monkeypatch, wor
     got = outputs(llm.generate(batch, params, use_tqdm=False))
     assert llm.engine.scheduler.num_preemptions > 0
     llm.close()
-    assert got == expected
+    if worker_process == "0":
+        assert got == expected
+    else:  # logprob_values_apart says why not to the bit
+        (got_rest, got_values), (rest, values) = map(logprob_values_apart, (got, expected))
+        assert got_rest == rest
+        assert got_values == pytest.approx(values, rel=1e-5, abs=1e-5)
     assert any(isinstance(c[6], str) for _, _, cs in got for c in cs)  # stop strings hit
 
 
