@@ -107,8 +107,9 @@ def logprob_values_apart(outs: list[tuple]) -> tuple[list[tuple], list[float]]:
 def test_each_step_is_launched_before_the_previous_ones_tokens_are_applied(tiny):
     engine = make_engine(tiny)
     events: list[tuple[str, int]] = []
-    launch, update, postprocess = (engine.steps.launch, engine.scheduler.update,
-                                   engine.postprocess)
+    launch, update = engine.steps.launch, engine.scheduler.update
+    process = engine.detokenizer_process
+    submit = process.submit
 
     def queue_plan(plan: StepPlan):
         events.append(("launch", plan.step))
@@ -120,19 +121,25 @@ def test_each_step_is_launched_before_the_previous_ones_tokens_are_applied(tiny)
 
     def detokenize(items):
         events.append(("detokenize", len(items)))
-        return postprocess(items)
+        return submit(items)
 
-    engine.steps.launch, engine.scheduler.update, engine.postprocess = (
-        queue_plan, apply, detokenize)
+    engine.steps.launch, engine.scheduler.update, process.submit = queue_plan, apply, detokenize
     run(engine, [(p, SamplingParams(temperature=0.0, max_tokens=8)) for p in prompts(4)])
     engine.close()
     launched = [step for kind, step in events if kind == "launch"]
     applied = [step for kind, step in events if kind == "apply"]
     assert applied == launched  # every step's tokens, in order
-    for step in launched[:-1]:  # the last one has no successor to overlap
+    lag = engine.lag
+    assert lag == 2
+    for step in launched[:-lag]:  # the last ones have no successors to overlap
         apply_at = events.index(("apply", step))
-        assert events.index(("launch", step + 1)) < apply_at
-        assert events[apply_at + 1][0] == "detokenize"  # after the next launch too
+        assert events.index(("launch", step + lag)) < apply_at
+        # the text's work waits for the step after to be launched: the next plan needs
+        # only the tokens
+        after = events[apply_at + 1:]
+        assert after[0] == ("launch", step + lag + 1) or after[0][0] == "apply"
+        assert next(kind for kind, _ in after if kind != "apply") in ("launch", "detokenize")
+    assert sum(n for kind, n in events if kind == "detokenize") == 4 * 8
 
 
 class SlowExecutor:
@@ -284,7 +291,9 @@ def test_the_loop_runs_ahead_of_the_detokenizer_process(tiny):
             steps += 1
         # every token was sampled and applied with no text back: nothing waited for it
         assert deltas == [] and steps >= 6
-        assert background.pending >= 6 and engine.has_unfinished()
+        # one batch a step, but the steps out when nothing is left to plan go together: the
+        # loop drains them
+        assert background.pending >= 6 - engine.lag and engine.has_unfinished()
     finally:
         os.kill(background.process.pid, signal.SIGCONT)
     while engine.has_unfinished():
@@ -390,12 +399,12 @@ def test_a_stop_string_ends_the_plans_as_in_the_loop(tiny):
     assert finish["a"] == ("stop", stop) and "".join(
         d.text for d in deltas if d.rid == "a") == texts["0"][:texts["0"].index(stop)]
     assert tokens["a"] < 20
-    # the step that completed the stop string, and the one in flight when its text came
-    assert in_plans["a"] == tokens["a"] + 1
+    # the step that completed the stop string, and those out when its text came
+    assert in_plans["a"] == tokens["a"] + engine.lag
     assert finish["b"] == ("length", None) and tokens["b"] == 9 and in_plans["b"] == 9
 
 
-def test_an_abort_with_a_step_in_flight_drops_that_steps_tokens(tiny):
+def test_an_abort_with_steps_in_flight_drops_their_tokens(tiny):
     engine = make_engine(tiny)
     plans: list[StepPlan] = []
     engine.on_plan = plans.append
@@ -406,14 +415,15 @@ def test_an_abort_with_a_step_in_flight_drops_that_steps_tokens(tiny):
         deltas += engine.step()
     applied = len(engine.scheduler.by_rid["a"][0].output_token_ids)
     in_flight = sum("a#0" in p.req_ids for p in plans)
-    assert in_flight == applied + 1  # one step of it is launched and not applied
+    # the steps the last plan was made ahead of are out, and that plan's
+    assert in_flight == applied + engine.lag + 1
     engine.abort("a")
     plans_at_abort = len(plans)
     while engine.has_unfinished():
         deltas += engine.step()
     engine.close()
     assert not any("a#0" in p.req_ids for p in plans[plans_at_abort:])
-    # the tokens applied before the abort come back as text; the in-flight step's do not
+    # the tokens applied before the abort come back as text; the in-flight steps' do not
     assert sum(len(d.token_ids) for d in deltas if d.rid == "a") == applied
     assert sum(len(d.token_ids) for d in deltas if d.rid == "b") == 30
 

@@ -106,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="every request samples with this top_p (the sampler's cost "
                              "beyond temperature alone)")
     parser.add_argument("--step-thread", action=argparse.BooleanOptionalAction, default=True,
-                        help="the in-process engine runs its executor on a step thread "
-                             "(LLM's default; in a worker process with HEADRACE_WORKER_PROCESS=1) or, with "
-                             "--no-step-thread, in its loop")
+                        help="the in-process engine runs its executor on a step thread, "
+                             "as LLM does (in a worker process with "
+                             "HEADRACE_WORKER_PROCESS=1), or, with --no-step-thread, in "
+                             "its loop")
     parser.add_argument("--compare", choices=("transformers",), default=None,
                         help="also run transformers' generate_batch on the same weights")
     parser.add_argument("--transformers-attn", default="paged|sdpa",
@@ -384,9 +385,10 @@ class EngineRuns:
 def run_engine(args: argparse.Namespace, config: EngineConfig) -> EngineRuns:
     """The in-process path (and the transformers comparison). The engine lives only in
     this call, so its device memory can be released when it returns. Its executor runs
-    where LLM's does (in a worker process with HEADRACE_WORKER_PROCESS=1), unless the comparison, which copies
-    the model's weights, needs it here; the model's shape and the device's ceilings are
-    then measured first, on an engine with the model in this process."""
+    where LLM's does (in a worker process with HEADRACE_WORKER_PROCESS=1), unless the
+    comparison, which copies the model's weights, needs it here; the model's shape and the
+    device's ceilings are then measured first, on an engine with the model in this
+    process."""
     worker_process = args.compare is None and uses_worker_process(args.step_thread)
     if worker_process:
         shape, ceilings, device = measure_model(config)

@@ -21,13 +21,6 @@ json.dump(config, open(sys.argv[1], "w"))
 PY
   echo "$dir"
 }
-latency_in() {  # TREE (new: this one; base: the copy in .base) ARGS...: bench latency there
-  local dir=$PWD shapes
-  shapes=$(realpath $M)
-  [ "$1" = base ] && dir=$PWD/.base
-  (cd "$dir" && PYTHONPATH="/tmp/site:$dir" HEADRACE_SHAPES=$shapes timeout 150 \
-    python -m services.cli bench latency "${@:2}")
-}
 latency_ab() {  # 8B batch-1 decode in each of FORMATS with this tree and .base, alternating
   local AWQ fmt model quant tree
   AWQ=$(awq_shape)
@@ -35,7 +28,7 @@ latency_ab() {  # 8B batch-1 decode in each of FORMATS with this tree and .base,
     model=$L quant=(); [ "$fmt" = awq ] && model=$AWQ
     [ "$fmt" != none ] && quant=(--quantization "$fmt")
     for tree in new base; do
-      latency_in $tree --model "$(realpath "$model")" --load-format dummy --context-len 1000 \
+      bench_in $tree 150 latency --model "$(realpath "$model")" --load-format dummy --context-len 1000 \
         --batch-size 1 --output-len 64 --iterations 3 --max-model-len 2048 "${quant[@]}" \
         --json "$R/latency-8b-$fmt-b1-$tree.json" >> "$R/latency-ab.txt" 2>&1
     done
@@ -59,6 +52,10 @@ case "$1" in
       --output-len 64 --iterations 2 --max-model-len 2048 "${quant[@]}" \
       --json "$R/latency-8b-$2-b1.json" >> "$R/latency.txt" 2>&1
   done
+  ;;
+sweeps)  # the one-row tiles of the int4 and fp8 GEMVs, on this card
+  timeout "${SWEEP_S:-200}" python benchmarks/gpu/int4_gemv_sweep.py 1 > "$R/int4-sweep.txt" 2>&1
+  timeout 150 python benchmarks/gpu/fp8_packed_experiment.py > "$R/fp8-packed-experiment.txt" 2>&1
   ;;
 gemv)  # the fp8 weight-only GEMV against its twin, the layer's choice of it, 8B batch-1
        # decode in bf16 and fp8, then the GEMV's tiles against cuBLAS at the 8B projections
@@ -116,9 +113,13 @@ fp8)  # the fp8 GEMV's CUDA tests at its tuned tiles, 8B batch-1 decode in fp8, 
   ;;
 profile)  # eager per-kernel device times of one decode step: fp8 weights with an fp8 KV cache
           # and bf16 at batch 64 (prompt 1000), AWQ int4 and fp8 at batch 1
+  # PROFILE_SPECS: "format kv-dtype batch" triples, space-separated, comma between
   AWQ=$(awq_shape)
-  for spec in "$L fp8 fp8 64" "$L none auto 64" "$AWQ awq auto 1" "$L fp8 auto 1"; do
+  IFS=, read -ra specs <<< "${PROFILE_SPECS:-fp8 fp8 64,none auto 64,awq auto 1,fp8 auto 1}"
+  for spec in "${specs[@]}"; do
     set -- $spec
+    model=$L; [ "$1" = awq ] && model=$AWQ
+    set -- "$model" "$@"
     quant=(); [ "$2" != none ] && quant=(--quantization "$2")
     name=profile-8b-$2-kv$3-b$4
     timeout 150 python -m services.cli profile --model "$1" --load-format dummy \
@@ -145,7 +146,7 @@ ab-fp8)  # the packed one-row fp8 GEMV: its CUDA tests and experiment, then 8B b
     -k "cuda and fp8_gemv" > "$R/pytest-fp8-ab.txt" 2>&1
   timeout 150 python benchmarks/gpu/fp8_packed_experiment.py > "$R/fp8-packed-experiment.txt" 2>&1
   for tree in new base new base; do
-    latency_in $tree --model "$(realpath $L)" --load-format dummy --context-len 1000 \
+    bench_in $tree 150 latency --model "$(realpath $L)" --load-format dummy --context-len 1000 \
       --batch-size 1 --output-len 64 --iterations 3 --max-model-len 2048 --quantization fp8 \
       --json "$R/latency-8b-fp8-b1-$tree.json" >> "$R/latency-fp8-ab.txt" 2>&1
   done
@@ -159,7 +160,7 @@ b64)  # the fp8 cache's attention: its CUDA tests, the layout/tile experiment, t
   for spec in "new fp8 fp8" "base fp8 fp8" "new none auto"; do
     set -- $spec
     quant=(); [ $2 != none ] && quant=(--quantization $2)
-    latency_in $1 --model "$(realpath $L)" --load-format dummy --context-len 1000 \
+    bench_in $1 150 latency --model "$(realpath $L)" --load-format dummy --context-len 1000 \
       --batch-size 64 --output-len 64 --iterations 2 --max-model-len 2048 "${quant[@]}" \
       --kv-cache-dtype $3 --json "$R/latency-8b-$2-kv$3-b64-$1.json" >> "$R/latency-b64.txt" 2>&1
   done

@@ -26,6 +26,31 @@ steps)  # the in-process path with the executor on the step thread and in the lo
       $flag --json "$R/throughput-nano$flag.json" > "$R/throughput-nano$flag.txt" 2>&1
   done
   ;;
+ab)  # the in-process nano workload in this tree and in .base (a copy of the commit before),
+    # alternating in one lease, with the executor on the step thread and in the worker
+    # process (EXTRA: more bench flags, such as --logprobs 1; TAG names the files)
+  for round in 1 2; do
+    for tree in new base; do
+      for wp in 0 1; do
+        name=throughput-nano${TAG:-}-$tree-wp$wp-$round
+        HEADRACE_WORKER_PROCESS=$wp bench_in $tree 150 throughput \
+          --model "$(realpath $M/qwen3-0.6b-shape)" --load-format dummy --workload nano \
+          --path inprocess ${EXTRA:-} --json "$R/$name.json" > "$R/$name.txt" 2>&1
+      done
+    done
+  done
+  ;;
+paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
+       # the executor in the worker process and then on the step thread (WPS: which of the
+       # two, 1 and 0; EXTRA: more flags; TAG names the files)
+  for round in $(seq ${ROUNDS:-2}); do
+    for wp in ${WPS:-1 0}; do
+      HEADRACE_WORKER_PROCESS=$wp bench 280 throughput --model $M/qwen3-0.6b-shape \
+        --load-format dummy --workload nano --path inprocess,http ${EXTRA:-} \
+        >> "$R/throughput-nano${TAG:-}-paths-wp$wp.txt" 2>&1
+    done
+  done
+  ;;
 itl)  # one streamed chat at a time, without and with logprobs, through `headrace serve`
   port_free 8800 || exit 1
   python -m services.cli serve $M/qwen3-0.6b-shape --load-format dummy --port 8800 \

@@ -2,20 +2,19 @@
 
 A step is schedule, execute, postprocess. The Redis pipeline runs exactly these cores; only
 the transport between them differs. Two things keep the device busy while the host works,
-as the served pipeline's processes do: the scheduler plans step N+1 and the executor
+as the served pipeline's processes do: the scheduler plans step N+2 and the executor
 launches it before step N's tokens are applied and detokenized (the plan-ahead of
-services/scheduler/request.py), and a detokenizer process (services/offline/detokenizer.py)
-turns the tokens into text beside this loop, so `step` returns the text of earlier steps
-as it comes back.
+services/scheduler/request.py; services/offline/steps.py says why two), and a detokenizer
+process (services/offline/detokenizer.py) turns the tokens into text beside this loop, so
+`step` returns the text of earlier steps as it comes back.
 
 The executor may instead run in a worker process (services/offline/worker_process.py), as
 the served worker runs apart from the scheduler, so that the loop's Python and the step
 thread's do not share one GIL: `worker_process=True`, or HEADRACE_WORKER_PROCESS=1 (as
 vLLM's VLLM_ENABLE_V1_MULTIPROCESSING). It is off by default: on the H100 the nano
-workload ran no faster with it (14,081 and 15,031 tok/s against 14,801 and 15,784 with the
-step thread here, alternating in one lease: benchmarks/issue31-h100/s7/worker-process-ab),
-and the child's start-up costs seconds. The outputs are the same either way, token for
-token.
+workload ran at 16,562, 16,460 and 16,277 tok/s with it and at 14,043 and 16,640 with the
+step thread here (two leases: benchmarks/issue31-h100/s8), no clear gain for a child whose
+start-up costs seconds. The outputs are the same either way, token for token.
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ from collections.abc import Callable
 
 from common.config import ConfigError, EngineConfig
 from common.lora import read_adapter_config
-from common.messages import DetokItem, ImageInput, LoRARequest, StepPlan, TextDelta
+from common.messages import (DetokItem, ImageInput, LoRARequest, StepPlan, StepResult,
+                             TextDelta)
 from common.model_info import load_model_info
 from common.sampling_params import SamplingParams
 from common.timing import PhaseClock
@@ -146,42 +146,56 @@ class Engine:
         return self.scheduler.has_unfinished() or (process is not None and process.pending > 0)
 
     def step(self) -> list[TextDelta]:
-        """Plan and launch the next step, then finish the previous one: the scheduler plans
-        ahead of the tokens (see services/scheduler/request.py), so the host updates and
-        detokenizes step N while the device runs step N+1. Returns the text of this step
-        that the loop detokenized and whatever the detokenizer process has sent back; with
-        nothing left to run, it waits for the process."""
+        """Finish the oldest step out, plan and launch the next, then hand out text: the
+        scheduler plans ahead of the tokens (see services/scheduler/request.py), so the
+        device runs the step after while the host applies a step's tokens. What does not
+        change the next plan (the detokenizer process's items, and the caller's work on the
+        deltas this returns) comes after the launch, so that the device never waits on it.
+        Returns the text that the loop detokenized and whatever the detokenizer process has
+        sent back; with nothing left to run, it waits for the process."""
         clock = self.clock
         clock.start()
+        # every result but the steps the last launch left out: each plan is made from the
+        # same tokens however the step thread is timed (services/offline/steps.py)
+        deltas, beside = self._apply(self.steps.results(keep=self.lag))
         plan = self.scheduler.schedule()
         if plan is not None:
             if self.on_plan is not None:
                 self.on_plan(plan)
             self.steps.launch(plan)
         clock.lap("schedule")
-        # every result but the steps the launch leaves out: the next plan is made from the
-        # same tokens however the step thread is timed (services/offline/steps.py)
-        results = self.steps.results(keep=0 if plan is None else self.lag)
-        clock.lap("execute")
-        deltas: list[TextDelta] = []
-        for result in results:
-            items = self.scheduler.update(result)
-            clock.lap("update")
-            deltas += self.postprocess(items)
-            clock.lap("postprocess")
-        if self.detokenizer_process is not None:
-            deltas += self.detokenizer_process.collect(wait=plan is None and not results)
+        if plan is None:  # nothing to launch: the steps still out finish now
+            more, more_beside = self._apply(self.steps.results(keep=0))
+            deltas, beside = deltas + more, beside + more_beside
+        process = self.detokenizer_process
+        if process is not None:
+            if beside:
+                process.submit(beside)
+                clock.lap("postprocess")
+            deltas += process.collect(wait=plan is None and not deltas and not beside)
             clock.lap("collect")
         return deltas
 
-    def postprocess(self, items: list[DetokItem]) -> list[TextDelta]:
-        """The deltas of the items that must be detokenized before the next plan; the
-        others go to the detokenizer process."""
-        if self.detokenizer_process is not None:
-            beside = [item for item in items if not _decides_course(item)]
-            if beside:
-                self.detokenizer_process.submit(beside)
+    def _apply(self, results: list[StepResult]) -> tuple[list[TextDelta], list[DetokItem]]:
+        """Apply `results` to the scheduler: the deltas of the items detokenized here, and
+        the items left for the detokenizer process."""
+        clock = self.clock
+        clock.lap("execute")
+        deltas: list[TextDelta] = []
+        beside: list[DetokItem] = []
+        for result in results:
+            items = self.scheduler.update(result)
+            clock.lap("update")
+            if self.detokenizer_process is not None:
+                beside += [item for item in items if not _decides_course(item)]
                 items = [item for item in items if _decides_course(item)]
+            deltas += self._detokenize(items)
+            clock.lap("postprocess")
+        return deltas, beside
+
+    def _detokenize(self, items: list[DetokItem]) -> list[TextDelta]:
+        """The items' deltas, made here; a stop string found aborts its request before the
+        next plan."""
         deltas = []
         for item in items:
             delta, abort = self.detokenizer.process(item)
