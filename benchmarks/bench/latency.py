@@ -93,7 +93,11 @@ def main(argv: list[str]) -> int:
         parser.error(f"--lora-adapters {args.lora_adapters} needs --enable-lora and "
                      f"--max-loras >= {args.lora_adapters} (one step holds them all)")
     configure_logging("bench")
-    engine = Engine(config, worker_process=False)  # run() inspects its model
+    # run() inspects its model. Each step's text is made in the loop, so that a token's
+    # arrival is when its step's tokens were applied: from the detokenizer process, texts
+    # come back in bunches whenever it falls behind (a loaded CPU), and a median of gaps
+    # then reads 0
+    engine = Engine(config, detokenizer_process=False, worker_process=False)
     try:
         with tempfile.TemporaryDirectory(prefix="headrace-adapters-") as root:
             return run(args, argv, engine, Path(root))
