@@ -37,6 +37,11 @@ _SEED_MASK = (1 << 64) - 1  # torch seeds are uint64; any Python int maps into t
 # Up to this k, torch.topk finds the k-th largest logit; past it, a threshold search over
 # the whole row costs less than topk's sort of a large k.
 TOP_K_BOUND = 1024
+# A step of this many rows or fewer sorts for top-p on a GPU rather than searching: on the
+# H100 at 151,936 columns one row sorts in 84 us against the search's 421, while two to
+# eight rows take the segmented sort, 310-388 against 442-456 us
+# (benchmarks/gpu/top_p_sweep.py, benchmarks/issue31-h100/s8/top-p/).
+SORTED_TOP_P_ROWS = 1
 
 
 @dataclass(slots=True)
@@ -374,7 +379,11 @@ def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor,
     threshold search over the whole row (kernels/sampling.py), no sort. `ordered` may hold
     each row's m largest probabilities, descending, where no row has more than m nonzero
     ones but for ties with the m-th: the threshold found among them is the one a full
-    sort finds."""
+    sort finds. On a GPU, a batch of at most SORTED_TOP_P_ROWS rows is sorted instead of
+    searched: the search is one program a row, thirty passes over it, so a single row
+    leaves the device's other SMs idle for the whole search."""
+    if ordered is None and probs.is_cuda and probs.shape[0] <= SORTED_TOP_P_ROWS:
+        ordered = probs.sort(dim=-1, descending=True).values
     if ordered is None:
         search = top_p_threshold_triton if probs.is_cuda else top_p_threshold_ref
         return probs.masked_fill(probs < search(probs.contiguous(), top_p).unsqueeze(1), 0.0)
