@@ -51,6 +51,27 @@ paths)  # this tree's nano workload on both paths in one command, ROUNDS times o
     done
   done
   ;;
+itl-ab)  # one streamed chat at a time with top_p 0.95, through `headrace serve` of this tree
+        # and then of the copy in .base (the commit before; TREES: which of the two)
+  model=$(realpath $M/qwen3-0.6b-shape)
+  for tree in ${TREES:-new base}; do
+    dir=$PWD; [ $tree = base ] && dir=$PWD/.base
+    port_free 8800 || exit 1
+    (cd "$dir" && PYTHONPATH="/tmp/site:$dir" exec python -m services.cli serve \
+      "$model" --load-format dummy --port 8800 \
+      --run-dir /tmp/hr-serve-$tree --served-model-name qwen3) > "$R/serve-$tree.log" 2>&1 &
+    serve=$!
+    wait_healthy 8800
+    for seed in 7 1; do  # 7: the warm-up, on other prompts
+      timeout 150 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
+        --seed $seed --disable-tqdm --endpoint chat --num-prompts $([ $seed = 7 ] && echo 16 || echo 64) \
+        --max-concurrency 1 --dataset random --random-input-len 32 --random-output-len 64 \
+        --temperature 0.7 --top-p 0.95 --save-result "$R/chat-c1-topp-$tree-$seed.json" \
+        > "$R/chat-c1-topp-$tree-$seed.txt" 2>&1
+    done
+    kill -TERM $serve; wait $serve
+  done
+  ;;
 itl)  # one streamed chat at a time, without and with logprobs, through `headrace serve`
   port_free 8800 || exit 1
   python -m services.cli serve $M/qwen3-0.6b-shape --load-format dummy --port 8800 \
