@@ -330,14 +330,20 @@ def one_gpu_reference(tmp_path) -> tuple[str, list, dict, list]:
         return model_dir, prompts, kwargs, greedy(one, prompts, 32)
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_two_stages_in_cuda_graphs_give_the_eager_and_one_gpu_tokens(tmp_path):
+def test_two_stages_in_cuda_graphs_give_the_eager_and_one_gpu_tokens(tmp_path, monkeypatch):
     """PP=2 over NCCL, each stage replaying graphs of its own layers (the second with the
     hidden states received as a graph input; the sends and receives outside the graphs):
     the greedy tokens of the stages run eagerly and of one GPU, through chunked prefills
     (mixed graphs) and decodes; with a draft model (whole on the last stage, in graphs of
-    its own) too. float32, where no near-tie flips between one GPU's step shapes and the
-    stages' micro-batches."""
+    its own) too; and the default's, whose stages run in the engine's worker process.
+    float32, where no near-tie flips between one GPU's step shapes and the stages'
+    micro-batches."""
     model_dir, prompts, kwargs, want = one_gpu_reference(tmp_path)
+    monkeypatch.delenv(WORKER_PROCESS_ENV, raising=False)
+    with LLM(model_dir, pipeline_parallel_size=2, **kwargs) as llm:
+        assert llm.engine.executor is None  # stages on GPUs: in the worker process
+        assert greedy(llm, prompts, 32) == want
+    monkeypatch.setenv(WORKER_PROCESS_ENV, "0")  # the first stage's runner is read here
     for eager in (False, True):
         with LLM(model_dir, pipeline_parallel_size=2, enforce_eager=eager, **kwargs) as llm:
             runner = llm.engine.runner  # the first stage's
@@ -357,11 +363,12 @@ def test_two_stages_in_cuda_graphs_give_the_eager_and_one_gpu_tokens(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
-def test_two_stages_of_two_ranks_in_cuda_graphs_give_one_gpus_tokens(tmp_path):
+def test_two_stages_of_two_ranks_in_cuda_graphs_give_one_gpus_tokens(tmp_path, monkeypatch):
     """TP=2 x PP=2 over NCCL on four GPUs, each stage a tensor-parallel pair replaying
     graphs of its own layers: one GPU's greedy tokens through chunked prefills and decodes
     (float32, as above)."""
     model_dir, prompts, kwargs, want = one_gpu_reference(tmp_path)
+    monkeypatch.setenv(WORKER_PROCESS_ENV, "0")  # the first stage's runner is read here
     with LLM(model_dir, tensor_parallel_size=2, pipeline_parallel_size=2, **kwargs) as llm:
         assert llm.engine.runner.graphs is not None
         assert greedy(llm, prompts, 32) == want

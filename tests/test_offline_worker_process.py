@@ -1,5 +1,5 @@
 """The offline engine's executor in a worker process (issue 31 item 1), real child processes
-on the CPU (the engine keeps its executor in-process unless told otherwise): the
+on the CPU (where the engine keeps its executor in-process unless told otherwise): the
 outputs are the in-line engine's to the token through tensor-parallel and pipeline-parallel
 ranks (one rank's, with preemption, stop strings and logprobs, are in
 tests/test_offline_overlap.py); a refused model, an executor error and a killed child each reach
@@ -23,7 +23,7 @@ from common.config import ConfigError, EngineConfig
 from common.lora import WEIGHTS_FILE
 from common.messages import LoRARequest
 from common.sampling_params import SamplingParams
-from services.offline.engine import WORKER_PROCESS_ENV, Engine
+from services.offline.engine import WORKER_PROCESS_ENV, Engine, uses_worker_process
 from services.offline.llm import LLM
 from services.offline.steps import ThreadedSteps
 from services.offline.worker_process import ProcessSteps
@@ -173,6 +173,22 @@ def test_a_model_the_worker_process_refuses_raises_the_engines_error(tiny):
     with pytest.raises(ConfigError, match="needs 2 GPUs"):
         Engine(config, worker_process=False)
     assert children() == before
+
+
+def test_the_default_puts_pipeline_stages_on_gpus_in_the_worker_process(tiny, monkeypatch):
+    """Where the first stage's step thread is the bound (services/offline/engine.py);
+    the environment still decides, and one rank or the CPU keeps the model here."""
+    monkeypatch.delenv(WORKER_PROCESS_ENV, raising=False)
+    stages = {"pipeline_parallel_size": 2}
+    assert uses_worker_process(EngineConfig(model=tiny, device="cuda", **stages))
+    assert not uses_worker_process(EngineConfig(model=tiny, device="cuda"))
+    assert not uses_worker_process(EngineConfig(model=tiny, device="cpu", **stages))
+    assert not uses_worker_process(EngineConfig(model=tiny, device="cuda", **stages),
+                                   step_thread=False)
+    monkeypatch.setenv(WORKER_PROCESS_ENV, "0")
+    assert not uses_worker_process(EngineConfig(model=tiny, device="cuda", **stages))
+    monkeypatch.setenv(WORKER_PROCESS_ENV, "1")
+    assert uses_worker_process(EngineConfig(model=tiny, device="cpu"))
 
 
 def test_the_environment_picks_the_mode_and_the_default_keeps_the_model_here(tiny,

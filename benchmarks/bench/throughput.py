@@ -5,20 +5,20 @@
 
 Workloads: `nano` (256 requests, prompt and output lengths uniform in [100, 1024], seed 0,
 133,966 output tokens), `8b` (64 requests of 1000-token prompts and 1000 output tokens) and
-`fixed` (--num-prompts of --prompt-len tokens and --output-len outputs). `inprocess`
-runs LLM's engine from this process (HEADRACE_WORKER_PROCESS=1: its executor in a worker
-process); `pipeline` runs the same workload through the
-Redis-linked worker, scheduler, tokenizer and detokenizer processes; `http` through all of
-those and the gateway (what `headrace serve` runs), as streamed /v1/completions requests
-sent at once. So the cost of each serving layer is measured, not guessed: the report gives
-each path's throughput as a ratio of the in-process one (`both` means inprocess,pipeline).
-Every path warms up first on other prompts of the same lengths, so that the timed prompts
-are not in the prefix cache. `--compare transformers` runs transformers' generate_batch on
-the same weights and prompts (a subset, at one fixed output length, since it cannot take a
-length per request) and the same for ours, and prints the ratio. The served paths run
-`--data-parallel-size` shards (the in-process engine is always one); with
-`--compare-data-parallel` each served path also runs with one shard, in the same command,
-and the report gives the ratio of the shards' throughput to the one's.
+`fixed` (--num-prompts of --prompt-len tokens and --output-len outputs). `inprocess` runs
+LLM's engine from this process (its executor in a worker process where LLM's is: for
+pipeline stages on GPUs, or with HEADRACE_WORKER_PROCESS=1); `pipeline` runs the same
+workload through the Redis-linked worker, scheduler, tokenizer and detokenizer processes;
+`http` through all of those and the gateway (what `headrace serve` runs), as streamed
+/v1/completions requests sent at once. So the cost of each serving layer is measured, not
+guessed: the report gives each path's throughput as a ratio of the in-process one (`both`
+means inprocess,pipeline). Every path warms up first on other prompts of the same lengths,
+so that the timed prompts are not in the prefix cache. `--compare transformers` runs
+transformers' generate_batch on the same weights and prompts (a subset, at one fixed output
+length, since it cannot take a length per request) and the same for ours, and prints the
+ratio. The served paths run `--data-parallel-size` shards (the in-process engine is always
+one); with `--compare-data-parallel` each served path also runs with one shard, in the same
+command, and the report gives the ratio of the shards' throughput to the one's.
 """
 
 from __future__ import annotations
@@ -107,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "beyond temperature alone)")
     parser.add_argument("--step-thread", action=argparse.BooleanOptionalAction, default=True,
                         help="the in-process engine runs its executor on a step thread, "
-                             "as LLM does (in a worker process with "
-                             "HEADRACE_WORKER_PROCESS=1), or, with --no-step-thread, in "
-                             "its loop")
+                             "as LLM does (in a worker process for pipeline stages on "
+                             "GPUs or with HEADRACE_WORKER_PROCESS=1), or, with "
+                             "--no-step-thread, in its loop")
     parser.add_argument("--compare", choices=("transformers",), default=None,
                         help="also run transformers' generate_batch on the same weights")
     parser.add_argument("--transformers-attn", default="paged|sdpa",
@@ -385,11 +385,11 @@ class EngineRuns:
 def run_engine(args: argparse.Namespace, config: EngineConfig) -> EngineRuns:
     """The in-process path (and the transformers comparison). The engine lives only in
     this call, so its device memory can be released when it returns. Its executor runs
-    where LLM's does (in a worker process with HEADRACE_WORKER_PROCESS=1), unless the
+    where LLM's does (services/offline/engine.py's uses_worker_process), unless the
     comparison, which copies the model's weights, needs it here; the model's shape and the
     device's ceilings are then measured first, on an engine with the model in this
     process."""
-    worker_process = args.compare is None and uses_worker_process(args.step_thread)
+    worker_process = args.compare is None and uses_worker_process(config, args.step_thread)
     if worker_process:
         shape, ceilings, device = measure_model(config)
     engine = Engine(config, step_thread=args.step_thread, worker_process=worker_process)

@@ -4,16 +4,16 @@
 # two_stages: greedy tokens against the stages eager and one GPU), then Llama-3.1-8B
 # shapes, the nano lengths over 1,024 requests in-process: two stages in CUDA graphs (the
 # default), two stages eager, two tensor-parallel ranks, and one GPU (issue 32's goal: two
-# stages at 1.7x one GPU or more); EAGER=0 leaves out the eager stages. A run past the 470 s
-# budget is cut short; PYTEST=0 leaves out the test. RUNS picks the runs (default "pp2
-# pp2-eager tp2 pp1"; tp2pp2 needs four GPUs: two stages of two tensor-parallel ranks;
-# pp1-seqs512 is one GPU seating as many requests as two stages do by default; pp2-wp and
+# stages at 1.7x one GPU or more); EAGER=0 leaves out the eager stages. A run past the budget
+# (BUDGET_S seconds, 470 unless set) is cut short; PYTEST=0 leaves out the test. RUNS picks
+# the runs (default "pp2 pp2-eager tp2 pp1"; tp2pp2 needs four GPUs: two stages of two
+# tensor-parallel ranks; pp1-seqs512 is one GPU seating as many requests as two stages do by default; pp2-wp and
 # pp1-wp run the in-process engine's executor in its worker process
 # (HEADRACE_WORKER_PROCESS=1); pp2-http and pp1-http time `serve`).
 #   source .devkit/env.sh && bash benchmarks/gpu/pp_check.sh
 set -uo pipefail
 source benchmarks/gpu/common.sh
-deadline=$((SECONDS + 470))
+deadline=$((SECONDS + ${BUDGET_S:-470}))
 limit() {  # CAP: seconds a run may take, CAP or what is left of the budget
   local left=$((deadline - SECONDS))
   echo $((left < $1 ? (left > 1 ? left : 1) : $1))
@@ -33,9 +33,9 @@ for run in ${RUNS:-pp2 pp2-eager tp2 pp1}; do
     tp2pp2) nano tp2pp2 150 --tensor-parallel-size 2 --pipeline-parallel-size 2 ;;
     pp1) nano pp1 120 ;;
     pp1-seqs512) nano pp1-seqs512 120 --max-num-seqs 512 ;;
-    pp2-wp) HEADRACE_WORKER_PROCESS=1 nano pp2-wp 120 --pipeline-parallel-size 2 ;;
+    pp2-wp) HEADRACE_WORKER_PROCESS=1 nano pp2-wp 200 --pipeline-parallel-size 2 ;;
     pp1-wp) HEADRACE_WORKER_PROCESS=1 nano pp1-wp 120 ;;
-    pp2-http) NANO_PATH=http nano pp2-http 180 --pipeline-parallel-size 2 ;;
+    pp2-http) NANO_PATH=http nano pp2-http 240 --pipeline-parallel-size 2 ;;
     pp1-http) NANO_PATH=http nano pp1-http 180 ;;
   esac
 done

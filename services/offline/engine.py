@@ -11,10 +11,14 @@ process (services/offline/detokenizer.py) turns the tokens into text beside this
 The executor may instead run in a worker process (services/offline/worker_process.py), as
 the served worker runs apart from the scheduler, so that the loop's Python and the step
 thread's do not share one GIL: `worker_process=True`, or HEADRACE_WORKER_PROCESS=1 (as
-vLLM's VLLM_ENABLE_V1_MULTIPROCESSING). It is off by default: on the H100 the nano
-workload ran at 16,562, 16,460 and 16,277 tok/s with it and at 14,043 and 16,640 with the
-step thread here (two leases: benchmarks/issue31-h100/s8), no clear gain for a child whose
-start-up costs seconds. The outputs are the same either way, token for token.
+vLLM's VLLM_ENABLE_V1_MULTIPROCESSING). Unset, it is on for pipeline stages on GPUs only.
+There the steps are many and short, and the first stage's step thread is the bound: two
+stages ran the nano lengths of Llama-3.1-8B at 13,988 tok/s with it and 11,964 without
+(2x H200, one lease: benchmarks/pp-h200x2-overlap/wp). For one GPU it brought no clear gain
+for a child whose start-up costs seconds: the nano workload ran at 16,562, 16,460 and
+16,277 tok/s with it and at 14,043 and 16,640 with the step thread here (H100, two leases:
+benchmarks/issue31-h100/s8). On the CPU the model, not the host, is the bound. The
+outputs are the same either way, token for token.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from services.offline.worker_process import ProcessSteps
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.tokenizer.core import InputProcessor
 from services.worker.executor import Executor, start_executor
-from services.worker.model_runner import ModelRunner
+from services.worker.model_runner import ModelRunner, resolve_device
 
 LOCAL_REPLY = "local"
 WORKER_PROCESS_ENV = "HEADRACE_WORKER_PROCESS"
@@ -52,8 +56,8 @@ class Engine:
         (`uses_worker_process`)."""
         # started first, so that the child loads the model while this process loads the
         # tokenizer
-        worker = (ProcessSteps(config) if uses_worker_process(step_thread, worker_process)
-                  else None)
+        worker = (ProcessSteps(config)
+                  if uses_worker_process(config, step_thread, worker_process) else None)
         self.detokenizer_process: DetokenizerProcess | None = None
         try:
             self.info = load_model_info(config)
@@ -205,25 +209,32 @@ class Engine:
         return deltas
 
 
-def uses_worker_process(step_thread: bool = True, worker_process: bool | None = None
-                        ) -> bool:
-    """Whether an engine so built runs its executor in a worker process: `worker_process`
-    if given, else HEADRACE_WORKER_PROCESS=0|1 (0 when unset: the module's docstring says
-    why). The child runs the executor on a step thread: step_thread=False cannot go with
-    it, and keeps the executor here whatever the environment says."""
+def uses_worker_process(config: EngineConfig, step_thread: bool = True,
+                        worker_process: bool | None = None) -> bool:
+    """Whether an engine of `config` so built runs its executor in a worker process:
+    `worker_process` if given, else HEADRACE_WORKER_PROCESS=0|1, else whether it runs
+    pipeline stages on GPUs (the module's docstring says why). The child runs the executor
+    on a step thread: step_thread=False cannot go with it, and keeps the executor here
+    whatever the environment says."""
     if worker_process is None:
-        worker_process = step_thread and _worker_process_chosen()
+        worker_process = step_thread and _worker_process_chosen(_stages_on_gpus(config))
     if worker_process and not step_thread:
         raise ValueError("step_thread=False calls the executor from the engine's loop: it "
                          "cannot go with worker_process=True")
     return worker_process
 
 
-def _worker_process_chosen() -> bool:
-    chosen = os.environ.get(WORKER_PROCESS_ENV, "0")
+def _worker_process_chosen(default: bool) -> bool:
+    chosen = os.environ.get(WORKER_PROCESS_ENV)
+    if chosen is None:
+        return default
     if chosen not in ("0", "1"):
         raise ConfigError(f"{WORKER_PROCESS_ENV}={chosen!r}: give 0 or 1")
     return chosen == "1"
+
+
+def _stages_on_gpus(config: EngineConfig) -> bool:
+    return config.pipeline_parallel_size > 1 and resolve_device(config).type == "cuda"
 
 
 def _decides_course(item: DetokItem) -> bool:
