@@ -33,6 +33,7 @@ for run in ${RUNS:-pp2 pp2-eager tp2 pp1}; do
     tp2pp2) nano tp2pp2 150 --tensor-parallel-size 2 --pipeline-parallel-size 2 ;;
     pp1) nano pp1 120 ;;
     pp1-seqs512) nano pp1-seqs512 120 --max-num-seqs 512 ;;
+    pp2-seqs512) nano pp2-seqs512 200 --pipeline-parallel-size 2 --max-num-seqs 512 ;;
     pp2-wp) HEADRACE_WORKER_PROCESS=1 nano pp2-wp 200 --pipeline-parallel-size 2 ;;
     pp1-wp) HEADRACE_WORKER_PROCESS=1 nano pp1-wp 120 ;;
     pp2-http) NANO_PATH=http nano pp2-http 240 --pipeline-parallel-size 2 ;;
