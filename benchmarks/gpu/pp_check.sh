@@ -7,9 +7,10 @@
 # stages at 1.7x one GPU or more); EAGER=0 leaves out the eager stages. A run past the budget
 # (BUDGET_S seconds, 470 unless set) is cut short; PYTEST=0 leaves out the test. RUNS picks
 # the runs (default "pp2 pp2-eager tp2 pp1"; tp2pp2 needs four GPUs: two stages of two
-# tensor-parallel ranks; pp1-seqs512 is one GPU seating as many requests as two stages do by default; pp2-wp and
-# pp1-wp run the in-process engine's executor in its worker process
-# (HEADRACE_WORKER_PROCESS=1); pp2-http and pp1-http time `serve`).
+# tensor-parallel ranks; pp1-seqs512 is one GPU seating as many requests as two stages do
+# by default, pp2-seqs512 two stages seating twice that; pp2-wp and pp1-wp run the
+# in-process engine's executor in its worker process (HEADRACE_WORKER_PROCESS=1: where
+# two stages go by default); pp2-http and pp1-http time `serve`).
 #   source .devkit/env.sh && bash benchmarks/gpu/pp_check.sh
 set -uo pipefail
 source benchmarks/gpu/common.sh
