@@ -6,7 +6,7 @@ Reading this module tells the whole protocol:
     gateway <──ReplyBatch── detokenizer <──TokenBatch── scheduler <──StepResult/WorkerReady──┘
     gateway, detokenizer ──Abort──> scheduler;  any stage ──ErrorReply──> gateway
 
-Records are frozen dataclasses. Fields are only ever appended (with defaults), so an older
+Records are frozen dataclasses (`record`). Fields are only ever appended (with defaults), so an older
 reader ignores what it does not know and a newer reader fills in what an older writer did
 not send. Token ids and floats travel as packed little-endian int32 / float32 bytes, the
 timestamps of the hops a message passed (common/hops.py) as float64. An embedding travels
@@ -43,6 +43,39 @@ Floats = Annotated[list[float], _Packed("<f4")]
 Times = Annotated[list[float], _Packed("<f8")]  # wall-clock stamps, see common/hops.py
 
 _REGISTRY: dict[str, type] = {}
+_FACTORY = object()  # a defaulted-by-factory argument left out
+
+
+def record(cls: type) -> type:
+    """A frozen dataclass with slots whose __init__ sets the slots directly, as the codec
+    builds decoded records: dataclasses' own __init__ goes through object.__setattr__ for
+    each field, which takes twice as long, and the scheduler and the offline engine build
+    a few records a token."""
+    cls = dataclass(frozen=True, slots=True)(cls)
+    env: dict[str, Any] = {"FACTORY": _FACTORY}
+    params, lines = [], []
+    for i, f in enumerate(dataclasses.fields(cls)):
+        assert f.init and not f.kw_only and f.name != "self", f"{cls.__name__}.{f.name}"
+        env[f"set{i}"] = getattr(cls, f.name).__set__
+        value = f.name
+        if f.default is not dataclasses.MISSING:
+            env[f"default{i}"] = f.default
+            params.append(f"{f.name}=default{i}")
+        elif f.default_factory is not dataclasses.MISSING:
+            env[f"factory{i}"] = f.default_factory
+            params.append(f"{f.name}=FACTORY")
+            value = f"factory{i}() if {f.name} is FACTORY else {f.name}"
+        else:
+            params.append(f.name)
+        lines.append(f"    set{i}(self, {value})")
+    # the source is built from the class's field names only
+    exec(f"def __init__(self, {', '.join(params)}):\n" + "\n".join(lines or ["    pass"]),
+         env)
+    init = env["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    if not hasattr(cls, "__post_init__"):
+        cls.__init__ = init
+    return cls
 
 
 def message(tag: str, version: int = 1) -> Callable[[type], type]:
@@ -57,7 +90,7 @@ def message(tag: str, version: int = 1) -> Callable[[type], type]:
 
 # --- records nested inside messages ------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
+@record
 class TokenLogprobs:
     """Logprobs at one position: entry 0 is the chosen token, then the top-k."""
     token_ids: Tokens
@@ -66,7 +99,7 @@ class TokenLogprobs:
     texts: list[str] = field(default_factory=list)  # filled in by the detokenizer
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PromptLogprobs:
     """Prompt logprobs of one request for positions [start, start + rows)."""
     req_id: str
@@ -83,7 +116,7 @@ class PromptLogprobs:
                 for i in range(len(self.ranks))]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LoRARequest:
     """A LoRA adapter to generate under, as vLLM's: a PEFT directory, named for clients,
     with an id unique to its path (the worker's slots and the prefix cache key on it)."""
@@ -92,7 +125,7 @@ class LoRARequest:
     lora_path: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ImageInput:
     """One image of a prompt, as the tokenizer stage processed it: its placeholder tokens
     are prompt_token_ids[offset:offset + length], and its patches (the model's image
@@ -114,7 +147,7 @@ class ImageInput:
     bidirectional: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class NewRequest:
     """A request the worker has not seen (or sees again after preemption)."""
     req_id: str
@@ -127,21 +160,21 @@ class NewRequest:
     images: list[ImageInput] = field(default_factory=list)  # in prompt order
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PooledOutput:
     """The embedding of one request whose prompt a step finished computing."""
     req_id: str
     data: bytes  # little-endian float32, hidden_size of them
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class CachedRequest:
     """A running request that got more blocks this step."""
     req_id: str
     new_block_ids: Tokens
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class DetokParams:
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
@@ -149,7 +182,7 @@ class DetokParams:
     include_stop_str_in_output: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class DetokItem:
     """New tokens of one completion, with the context any detokenizer replica needs."""
     rid: str
@@ -170,7 +203,7 @@ class DetokItem:
     embedding: bytes | None = None  # an embedding request's answer (PooledOutput.data)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TextDelta:
     """What the gateway appends to one completion; `seq` orders and de-duplicates."""
     rid: str
@@ -191,7 +224,7 @@ class TextDelta:
 # --- messages ------------------------------------------------------------------------------
 
 @message("generate")
-@dataclass(frozen=True, slots=True)
+@record
 class GenerateRequest:
     """gateway -> tokenizer (hr:requests). `params` holds only what the client set; the
     tokenizer fills the rest from the model's generation config."""
@@ -215,7 +248,7 @@ class GenerateRequest:
 
 
 @message("admit")
-@dataclass(frozen=True, slots=True)
+@record
 class AdmitRequest:
     """tokenizer -> scheduler (hr:admit): a validated, tokenized request."""
     TYPE: ClassVar[str]
@@ -233,7 +266,7 @@ class AdmitRequest:
 
 
 @message("abort")
-@dataclass(frozen=True, slots=True)
+@record
 class Abort:
     """gateway (client gone) or detokenizer (stop string) -> scheduler (hr:control)."""
     TYPE: ClassVar[str]
@@ -245,7 +278,7 @@ class Abort:
 
 
 @message("routed")
-@dataclass(frozen=True, slots=True)
+@record
 class Routed:
     """tokenizer -> gateway (hr:replies:<gateway>): the shard a request went to, so that
     the gateway sends its abort there and ends it if that shard stops."""
@@ -256,7 +289,7 @@ class Routed:
 
 
 @message("error")
-@dataclass(frozen=True, slots=True)
+@record
 class ErrorReply:
     """any stage -> gateway (hr:replies:<gateway>): the request ends with this error."""
     TYPE: ClassVar[str]
@@ -269,7 +302,7 @@ class ErrorReply:
 
 
 @message("plan")
-@dataclass(frozen=True, slots=True)
+@record
 class StepPlan:
     """scheduler -> worker (hr:steps): what one engine step computes."""
     TYPE: ClassVar[str]
@@ -291,7 +324,7 @@ class StepPlan:
 
 
 @message("drain")
-@dataclass(frozen=True, slots=True)
+@record
 class DrainSteps:
     """scheduler -> worker (hr:steps): no plan follows until some of the steps sent come
     back. A worker of pipeline stages holds its newest steps' results until later plans
@@ -303,7 +336,7 @@ class DrainSteps:
 
 
 @message("result")
-@dataclass(frozen=True, slots=True)
+@record
 class StepResult:
     """worker -> scheduler (hr:results): the tokens one step sampled."""
     TYPE: ClassVar[str]
@@ -328,7 +361,7 @@ class StepResult:
 
 
 @message("worker_ready")
-@dataclass(frozen=True, slots=True)
+@record
 class WorkerReady:
     """worker -> scheduler (hr:results): the worker (re)started with a fresh KV cache."""
     TYPE: ClassVar[str]
@@ -342,7 +375,7 @@ class WorkerReady:
 
 
 @message("worker_failed")
-@dataclass(frozen=True, slots=True)
+@record
 class WorkerFailed:
     """worker -> gateways (stored at the shard's worker:failed key): the worker could not
     load the model, `failures` times in a row, the last for `reason`; a worker that starts
@@ -356,7 +389,7 @@ class WorkerFailed:
 
 
 @message("request_failed")
-@dataclass(frozen=True, slots=True)
+@record
 class RequestFailed:
     """worker -> scheduler (hr:results): requests the worker could not run (an image whose
     pixels lapsed from Redis); it left them out of their step, and the scheduler ends each
@@ -370,7 +403,7 @@ class RequestFailed:
 
 
 @message("tokens")
-@dataclass(frozen=True, slots=True)
+@record
 class TokenBatch:
     """scheduler -> detokenizers (hr:detok): one step's new tokens, every request."""
     TYPE: ClassVar[str]
@@ -382,7 +415,7 @@ class TokenBatch:
 
 
 @message("replies")
-@dataclass(frozen=True, slots=True)
+@record
 class ReplyBatch:
     """detokenizer -> one gateway (hr:replies:<gateway>): text for its requests."""
     TYPE: ClassVar[str]
@@ -392,7 +425,7 @@ class ReplyBatch:
 
 
 @message("sched_stats")
-@dataclass(frozen=True, slots=True)
+@record
 class SchedulerStats:
     """scheduler -> gateways (a key, read at /metrics scrape time)."""
     TYPE: ClassVar[str]
@@ -415,7 +448,7 @@ class SchedulerStats:
 
 
 @message("response")
-@dataclass(frozen=True, slots=True)
+@record
 class StoredResponse:
     """gateway -> gateways (a key with a TTL): a /v1/responses answer, so that any replica
     can retrieve it or continue from it (previous_response_id). `messages` is the

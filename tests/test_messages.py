@@ -81,6 +81,52 @@ def test_with_fields_copies_as_dataclasses_replace(delta, logprobs):
         with_fields(delta, txt="")
 
 
+RECORDS = [v for v in vars(messages).values() if isinstance(v, type)
+           and dataclasses.is_dataclass(v) and v.__module__ == messages.__name__]
+
+
+def dataclass_twin(cls: type) -> type:
+    """`cls` as dataclasses alone builds it: the reference for `record`'s __init__."""
+    fields = {f.name: (f.default if f.default is not dataclasses.MISSING
+                       else dataclasses.field(default_factory=f.default_factory))
+              for f in dataclasses.fields(cls)
+              if f.default is not dataclasses.MISSING
+              or f.default_factory is not dataclasses.MISSING}
+    namespace = {"__annotations__": typing.get_type_hints(cls, include_extras=True), **fields}
+    return dataclasses.dataclass(frozen=True, slots=True)(type(cls.__name__, (), namespace))
+
+
+@pytest.mark.parametrize("cls", RECORDS, ids=lambda cls: cls.__name__)
+def test_a_records_init_builds_what_dataclasses_init_builds(cls):
+    """record's __init__ sets the slots itself: by position or by name, every default
+    and default factory as dataclasses' (a fresh list each), still frozen, and a missing
+    or unknown argument still a TypeError."""
+    twin = dataclass_twin(cls)
+    required = [f for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    args = [object() for _ in required]
+    by_name, by_place = cls(**{f.name: a for f, a in zip(required, args)}), cls(*args)
+    want = twin(*args)
+    for f in dataclasses.fields(cls):
+        assert getattr(by_name, f.name) == getattr(want, f.name), f.name
+        assert getattr(by_place, f.name) == getattr(want, f.name), f.name
+        if f.default_factory is not dataclasses.MISSING:
+            assert getattr(by_name, f.name) is not getattr(by_place, f.name)
+    every = [object() for _ in dataclasses.fields(cls)]
+    assert astuple(cls(*every)) == astuple(twin(*every))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(by_name, dataclasses.fields(cls)[0].name, None)
+    if required:
+        with pytest.raises(TypeError):
+            cls(*args[:-1])
+    with pytest.raises(TypeError):
+        cls(*args, no_such_field=1)
+
+
+def astuple(obj: Any) -> tuple:
+    return tuple(getattr(obj, f.name) for f in dataclasses.fields(obj))
+
+
 def test_every_registered_message_is_covered():
     assert set(_REGISTRY) == {"generate", "admit", "abort", "error", "plan", "result",
                               "worker_ready", "worker_failed", "request_failed", "tokens",
