@@ -10,11 +10,15 @@ in flight on both hosts' gateways. What is promised, and asserted for each fault
 - the healthy host keeps serving: requests sent to it DETECT_S after the fault began (the
   liveness TTL and a watch) all succeed with their text, whichever shard they queued on
   (the faulted shard gets no new request once its keys lapse);
-- once healed (link up, netem off, or the host's serve started again), host 1's gateway
-  answers and its shard takes requests again within RECOVER_S.
+- once healed (link up, loss and latency off, or the host's serve started again), host
+  1's gateway answers and its shard takes requests again within RECOVER_S.
+
+The loss and latency are tc netem's where the kernel has it, else a user-space forwarder
+spliced into the link (benchmarks/bench/link_impairment.py; tests/test_link_impairment.py).
 
 Long (minutes each): `make test-long`. Skips with the reason where namespaces cannot be
-made (not root, no iproute2), and the netem test where the kernel has no netem qdisc."""
+made (not root, no iproute2), and the loss test where neither netem nor the forwarder can
+run."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import aiohttp
 import anyio
 import pytest
 
-from benchmarks.bench.hosts import SimulatedHosts, why_no_namespaces, why_no_netem
+from benchmarks.bench.hosts import SimulatedHosts, why_no_link_impairment, why_no_namespaces
 from common import keys
 from common.bus import decode_value
 from tests.e2e_fixtures import API_KEY, MODEL_NAME
@@ -164,8 +168,8 @@ def test_a_link_cut_for_20s_and_restored(hosts, baseline):
 
 
 def test_packet_loss_and_200ms_latency_on_a_link(hosts, baseline):
-    if (reason := why_no_netem()) is not None:  # a kernel without CONFIG_NET_SCH_NETEM
-        pytest.skip(f"no netem on this machine: {reason}")
+    if (reason := why_no_link_impairment()) is not None:
+        pytest.skip(f"no netem and no forwarder on this machine: {reason}")
     run = run_fault(hosts, lambda: hosts.degrade_link(1, 10, 200), CUT_S,
                     lambda: hosts.heal_link(1))
     assert_promises(hosts, run, baseline)

@@ -2,6 +2,8 @@
 a bridge, running one `headrace serve` (its gateway, tokenizer, detokenizer and one
 data-parallel shard's scheduler and worker) against a Redis Cluster that listens on the
 bridge's address in the root namespace. Needs root (or CAP_NET_ADMIN) and `ip`/`tc`.
+degrade_link uses netem where the kernel has it, else a user-space forwarder spliced into
+the link (benchmarks/bench/link_impairment.py).
 
     with SimulatedHosts(run_dir, model, hosts=2) as hosts:
         hosts.start_all(); hosts.wait_healthy()
@@ -15,6 +17,7 @@ not meet, and clean-up removes only its own: the processes first, then the names
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -28,6 +31,8 @@ from types import TracebackType
 
 import psutil
 
+from benchmarks.bench.link_impairment import (Impairment, start_forwarder, stop_forwarder,
+                                              why_no_packet_sockets)
 from benchmarks.bench.redis_cluster import LocalCluster
 from benchmarks.bench.redis_nodes import start_or_stop
 from common.redis_server import spawn_child
@@ -53,7 +58,7 @@ def _tc(namespace: str | None, *args: str) -> None:
 
 
 def why_no_namespaces() -> str | None:
-    """None when this process may make namespaces, bridges and netem qdiscs; else why not."""
+    """None when this process may make namespaces, bridges and veth pairs; else why not."""
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "the `ip` and `tc` commands (iproute2) are not installed"
     if os.geteuid() != 0:
@@ -66,6 +71,7 @@ def why_no_namespaces() -> str | None:
     return None
 
 
+@functools.cache  # the kernel's qdiscs do not change while this process runs
 def why_no_netem() -> str | None:
     """None when `tc qdisc ... netem` works here; else why not (a kernel built without
     CONFIG_NET_SCH_NETEM says "Specified qdisc kind is unknown")."""
@@ -83,6 +89,20 @@ def why_no_netem() -> str | None:
     return None
 
 
+def link_impairment_kind() -> str:
+    """How degrade_link impairs a link here: "netem" where the kernel has it (the first
+    choice: no process in the path to be scheduled), else "forwarder"."""
+    return "netem" if why_no_netem() is None else "forwarder"
+
+
+def why_no_link_impairment() -> str | None:
+    """None when degrade_link works here, by netem or else by the forwarder (which needs
+    root, namespaces and AF_PACKET sockets); else why not."""
+    if why_no_netem() is None:
+        return None
+    return why_no_namespaces() or why_no_packet_sockets()
+
+
 @dataclass(slots=True)
 class Host:
     index: int
@@ -92,6 +112,7 @@ class Host:
     address: str
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
+    forwarder: subprocess.Popen[bytes] | None = None  # while degraded, where no netem
 
     @property
     def url(self) -> str:
@@ -127,6 +148,14 @@ class SimulatedHosts:
     def bridge_address(self) -> str:
         return f"{self.subnet}.1"
 
+    @property
+    def bridge_mac(self) -> str:
+        """A locally administered MAC from the pid. Set, it stays: a bridge left to itself
+        takes its lowest port's, which changes when degrade_link swaps a port, and every
+        host's ARP entry for the bridge's address would point nowhere."""
+        pid = int(self.tag)
+        return "02:68:72:" + ":".join(f"{(pid >> shift) % 256:02x}" for shift in (16, 8, 0))
+
     def __enter__(self) -> SimulatedHosts:
         start_or_stop(self.make_network_and_cluster, self.close)
         return self
@@ -146,7 +175,7 @@ class SimulatedHosts:
         if (reason := why_no_namespaces()) is not None:
             raise HostsUnavailable(reason)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "add", self.bridge, "address", self.bridge_mac, "type", "bridge")
         self._made.append(("link", "del", self.bridge))
         _ip("addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -168,6 +197,7 @@ class SimulatedHosts:
     def close(self) -> None:
         """Everything this object made, whatever state it is in; never raises."""
         for host in self.members:
+            self.unsplice_forwarder(host.index)
             self.kill_host(host.index)
         if self.cluster is not None:
             self.cluster.stop()
@@ -279,16 +309,55 @@ class SimulatedHosts:
         _ip("link", "set", self.members[i].link, "up")
 
     def degrade_link(self, i: int, loss_pct: float = 10.0, delay_ms: int = 200) -> None:
-        """Packet loss and latency on host i's link, each way (netem on both ends)."""
+        """Packet loss and latency on host i's link, each way: netem on both ends where the
+        kernel has it, else the forwarder spliced into the link."""
+        if link_impairment_kind() == "forwarder":
+            self.splice_forwarder(i, Impairment(loss_pct, delay_ms))
+            return
         host = self.members[i]
         netem = ("netem", "loss", f"{loss_pct:g}%", "delay", f"{delay_ms}ms")
         _tc(None, "qdisc", "add", "dev", host.link, "root", *netem)
         _tc(host.namespace, "qdisc", "add", "dev", host.peer, "root", *netem)
 
     def heal_link(self, i: int) -> None:
+        """Host i's link as before degrade_link; nothing to do where it is not degraded."""
+        if link_impairment_kind() == "forwarder":
+            self.unsplice_forwarder(i)
+            return
         host = self.members[i]
         for namespace, dev in ((None, host.link), (host.namespace, host.peer)):
             try:
                 _tc(namespace, "qdisc", "del", "dev", dev, "root")
             except subprocess.CalledProcessError:  # none there
                 pass
+
+    def splice_links(self, i: int) -> tuple[str, str, str]:
+        """What splice_forwarder adds for host i: a veth pair (its end on the bridge, the
+        forwarder's end) and a bridge kept down that holds the forwarder's two ends."""
+        return f"hri{self.tag}h{i}", f"hrj{self.tag}h{i}", f"hrw{self.tag}h{i}"
+
+    def splice_forwarder(self, i: int, impairment: Impairment) -> None:
+        """Host i's link off the bridge, joined to it again through the forwarder and a new
+        veth pair: the same frames, MACs and addresses end to end, so connections live on.
+        The forwarder's ends sit on a bridge kept down, which drops each frame they receive
+        once the forwarder has read it: unbridged, this namespace's stack would take them,
+        and answer a host's ARP for the bridge's address past the delay."""
+        host, (on_bridge, forwarder_end, hold) = self.members[i], self.splice_links(i)
+        _ip("link", "add", hold, "type", "bridge")
+        _ip("link", "add", on_bridge, "type", "veth", "peer", "name", forwarder_end)
+        _ip("link", "set", forwarder_end, "master", hold, "up")
+        host.forwarder = start_forwarder(host.link, forwarder_end, impairment,
+                                         self.run_dir / f"forwarder{i}.log")
+        _ip("link", "set", host.link, "master", hold)  # off the bridge: through the forwarder
+        _ip("link", "set", on_bridge, "master", self.bridge, "up")
+
+    def unsplice_forwarder(self, i: int) -> None:
+        """The forwarder stopped, host i's link back on the bridge and what splice_forwarder
+        added deleted; safe where nothing is spliced."""
+        host, (on_bridge, _, hold) = self.members[i], self.splice_links(i)
+        if host.forwarder is not None:
+            stop_forwarder(host.forwarder)
+            host.forwarder = None
+        _ip("link", "set", host.link, "master", self.bridge, check=False)
+        _ip("link", "del", on_bridge, check=False)  # its peer, the forwarder's end, goes too
+        _ip("link", "del", hold, check=False)

@@ -603,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "server)")
     p.add_argument("--fault-every-s", type=float, default=120.0,
                    help="with --hosts: a random fault on a random host this often: its "
-                        "link cut for 20 s, its processes killed, or netem loss and "
+                        "link cut for 20 s, its processes killed, or loss and "
                         "latency (default 120)")
     return p
 

@@ -10,11 +10,12 @@ few fixed prompts whose text is known from before the first fault: one that come
 longer than it should, or repeats a piece, counts as a duplicated delivery, any other
 difference as a wrong text (both must stay 0). Every --fault-every-s one random fault hits
 one random host: its link cut for 20 s, its processes all killed (started again 10 s
-later), or 10% loss and 200 ms latency each way for 30 s (tc netem; left out, and said so
-in the report, where the kernel has no netem). Failed requests are
-counted with their reason; they may only end while a fault lasts, until its host answers
-again, or within GRACE_S after. The memory of every process of every host and of every Redis node is sampled
-as in the single-host soak, with the same growth rule, plot and report."""
+later), or 10% loss and 200 ms latency each way for 30 s (lossy-link: tc netem, or where
+the kernel has none a user-space forwarder spliced into the link; the report says which,
+or why it was left out). Failed requests are counted with their reason; they may only
+end while a fault lasts, until its host answers again, or within GRACE_S after. The memory
+of every process of every host and of every Redis node is sampled as in the single-host
+soak, with the same growth rule, plot and report."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ import aiohttp
 import psutil
 import uvloop
 
-from benchmarks.bench.hosts import SimulatedHosts, why_no_namespaces, why_no_netem
+from benchmarks.bench.hosts import (SimulatedHosts, link_impairment_kind,
+                                   why_no_link_impairment, why_no_namespaces)
 from benchmarks.bench.serve import SseDecoder, metrics_url, redacted, scrape
 from benchmarks.bench.soak import (CONNECTION_BACKOFF_S, Call, Target, event_outcome,
                                    headrace_processes, learn_target, machine, memory_of,
@@ -56,7 +58,8 @@ GREEDY_SHARE = 0.25
 GREEDY_PROMPTS = ("The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,",
                   "Once upon a time", "Roses are red,", "import numpy as np",
                   "Dear Sir,", "SELECT * FROM")
-FAULTS = {"link-cut": 20.0, "host-killed": 10.0, "netem": 30.0}  # kind -> seconds held
+LOSSY_LINK = "lossy-link"  # 10% loss and 200 ms latency each way
+FAULTS = {"link-cut": 20.0, "host-killed": 10.0, LOSSY_LINK: 30.0}  # kind -> seconds held
 GRACE_S = 60.0  # a failure this long after a fault healed is no longer the fault's
 BACK_WAIT_S = 300.0  # a healed host answers /health again this soon
 
@@ -85,9 +88,11 @@ def plan_fault(rng: random.Random, hosts: int, kinds: list[str]) -> tuple[str, i
 
 def fault_kinds() -> tuple[list[str], str]:
     """The faults this machine can make, and a line on any it cannot."""
-    if (reason := why_no_netem()) is not None:
-        return sorted(set(FAULTS) - {"netem"}), f"netem left out: {reason}"
-    return sorted(FAULTS), "all faults available"
+    if (reason := why_no_link_impairment()) is not None:
+        return sorted(set(FAULTS) - {LOSSY_LINK}), f"{LOSSY_LINK} left out: {reason}"
+    how = ("tc netem" if link_impairment_kind() == "netem"
+           else "a user-space forwarder (the kernel has no netem)")
+    return sorted(FAULTS), f"all faults available; {LOSSY_LINK} by {how}"
 
 
 def greedy_call(rng: random.Random, target: Target) -> Call:
