@@ -101,13 +101,20 @@ def top_p_threshold_ref(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tenso
     find. That mass only falls as the probability rises, and a non-negative float's bit
     pattern orders as its value, so a binary search over the patterns finds the smallest
     threshold whose mass above is below top_p: fixed steps, fixed shapes, no host sync."""
+    return _pattern_search(probs, probs, top_p, top_p)
+
+
+def _pattern_search(probs: torch.Tensor, mass: torch.Tensor, limit: torch.Tensor,
+                    top_p: torch.Tensor) -> torch.Tensor:
+    """The smallest pattern t for which the `mass` of the tokens with probs > t, summed in
+    mass's dtype, is below `limit`; 0 where top_p is 1."""
     rows = probs.shape[0]
     lo = torch.zeros(rows, dtype=torch.int32, device=probs.device)
     hi = torch.full((rows,), ONE_BITS, dtype=torch.int32, device=probs.device)
     for _ in range(TOP_P_STEPS):
         mid = lo + (hi - lo) // 2
         pivot = mid.view(torch.float32).unsqueeze(1)
-        below = torch.where(probs > pivot, probs, 0.0).sum(dim=-1) < top_p
+        below = torch.where(probs > pivot, mass, 0).sum(dim=-1) < limit
         hi = torch.where(below, mid, hi)
         lo = torch.where(below, lo, mid + 1)
     # Rounding can leave a row's mass short of 1.0, so top_p=1 is not left to the search.
@@ -136,3 +143,160 @@ def _top_p_threshold_kernel(probs_ptr, stride_row, top_p_ptr, out_ptr, vocab,
         lo = tl.where(below, lo, mid + 1)
     threshold = tl.where(top_p < 1.0, hi.to(tl.float32, bitcast=True), 0.0)
     tl.store(out_ptr + row + tl.arange(0, 1), threshold)
+
+
+# --- top-p split across many programs: a radix select on exact masses -------------------------
+#
+# The search above is one program a row and thirty passes over it, so a batch of a few rows
+# leaves nearly every SM idle (~365 us on an H100 at any batch up to the SM count). Here a
+# row is split into chunks, one program each, and the threshold's bit pattern is found a
+# few bits a round, most significant first (the patterns of non-negative floats order as
+# their values, and a probability's lies below 2**30): in round r every program adds the
+# mass of each of its tokens whose pattern matches the bits chosen so far into the bin of
+# its next bits, and the next round (or the last launch) picks the highest bin whose mass
+# at or above it (with the mass above the bins' range) reaches top_p. The threshold this
+# lands on is the twin's: the smallest pattern whose mass strictly above is below top_p.
+#
+# Masses are fixed-point integers, each probability times 2**62 truncated, so sums are exact
+# and independent of order: the bins are summed by atomic adds (one per token, whatever the
+# bin count, so a round can take 10 bits) yet every run gives the same answer, and the
+# kernel equals its twin top_p_threshold_exact_ref bit for bit on any input. It parts from
+# the float32 search (top_p_threshold_ref) only where that search's own rounding (about
+# 1e-7 of a row's mass a sum) puts a row's mass on the other side of top_p; truncation
+# costs each token under 2**-62, under 1e-13 a row at any real vocabulary.
+
+# Figures below: H200, 151,936 columns, softmax of randn * 3 logits and flat (all tied)
+# rows, CUDA graphs (benchmarks/issue31-h100/s10/).
+FIXED_POINT = 2.0 ** 62  # a row's masses sum to about 1, far below int64's 2**63
+# 30 bits in three rounds of 1024 bins. Four rounds of 256 (8, 8, 8, 6) read less of the
+# bins and win by up to 15% on randn rows (417 against 478 us at 128 rows), but every round
+# of a flat row sends all its tokens' atomics to one bin, so they lose 1390 to 1200 us
+# there, past the one-program-a-row search's 1245.
+RADIX_BITS = (10, 10, 10)
+RADIX_BLOCK = 1024  # columns per iteration of a program
+# Programs a round aims at, rows times chunks, but no chunk past RADIX_MAX_CHUNK: 512
+# programs beat 2048 up to 32 rows (54 against 64 us at 8: each program reads its row's
+# bins whole), while at 128 rows chunks of ~10 blocks beat ~38 (481 against 512 us).
+RADIX_PROGRAMS = 512
+RADIX_MAX_CHUNK = 8 * RADIX_BLOCK
+# Each row's bins are kept in this many copies, chunk c adding into copy c % RADIX_COPIES:
+# atomics on one address queue in L2, and most of a row's tokens fall in a few bins (all of
+# them in one for a flat row). One row: 57.6 us with one copy, 28.4 with 4, 24.6 with 8.
+RADIX_COPIES = 8
+
+
+def top_p_threshold_radix(probs: torch.Tensor, top_p: torch.Tensor,
+                          round_bits: tuple[int, ...] = RADIX_BITS,
+                          programs: int = RADIX_PROGRAMS, copies: int = RADIX_COPIES
+                          ) -> torch.Tensor:
+    """top_p_threshold_triton's contract (rows summing to at most about 1), its threshold
+    found on exact masses (top_p_threshold_exact_ref): len(round_bits) + 1 launches and a
+    fill, whatever the batch, rows x chunks programs each. round_bits, programs and copies
+    are for benchmarks/gpu/top_p_sweep.py to try others."""
+    rows, vocab = probs.shape
+    assert probs.dtype == torch.float32 and probs.stride(1) == 1 and sum(round_bits) == 30
+    assert copies & (copies - 1) == 0  # a power of two, as tl.arange needs
+    chunk = min(triton.cdiv(vocab, max(1, programs // rows)), RADIX_MAX_CHUNK)
+    chunk = triton.cdiv(chunk, RADIX_BLOCK) * RADIX_BLOCK
+    grid = (rows, triton.cdiv(vocab, chunk))
+    # every round's bins in one buffer: one fill, not one a round
+    sizes = [rows * copies << bits for bits in round_bits]
+    bins = torch.zeros(sum(sizes), dtype=torch.int64, device=probs.device).split(sizes)
+    # (lowest pattern still possible, mass above its range) per row after rounds 0..R-2
+    state = torch.empty(len(round_bits) - 1, rows, 2, dtype=torch.int64, device=probs.device)
+    shift = 30
+    for r, bits in enumerate(round_bits):
+        shift -= bits
+        prev = max(r - 1, 0)  # round 0 reads nothing before it; any valid buffer will do
+        _top_p_bins_kernel[grid](
+            probs, probs.stride(0), top_p, bins[prev], bins[r], state, vocab, chunk,
+            ROUND=r, SHIFT=shift, BITS=bits, PREV_SHIFT=shift + bits,
+            PREV_BITS=round_bits[prev], COPIES=copies, SCALE=FIXED_POINT, BLOCK=RADIX_BLOCK,
+            num_warps=4)
+    out = torch.empty(rows, dtype=torch.float32, device=probs.device)
+    _top_p_pick_kernel[(rows,)](top_p, bins[-1], state, out, ROUND=len(round_bits),
+                                BITS=round_bits[-1], COPIES=copies, SCALE=FIXED_POINT,
+                                num_warps=4)
+    return out
+
+
+def top_p_threshold_exact_ref(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top_p_threshold_ref's search on the radix kernel's fixed-point masses, whose sums are
+    exact: the radix kernel's twin, equal to it on any input."""
+    mass = (probs * FIXED_POINT).to(torch.int64)
+    limit = torch.ceil(top_p * FIXED_POINT).to(torch.int64)  # integer mass < top_p * 2**62
+    return _pattern_search(probs, mass, limit, top_p)
+
+
+@triton.jit
+def _narrow(bins_ptr, lo, above, limit, SHIFT: tl.constexpr, BITS: tl.constexpr,
+            COPIES: tl.constexpr):
+    """One round's choice for a row: the bins hold the masses of the tokens matching lo's
+    bits above SHIFT + BITS, keyed by their next BITS bits; the threshold lies in the
+    highest bin whose mass at or above it reaches top_p (bin 0 if none does: every token
+    may stay). Returns lo with that bin's bits and the mass above that bin."""
+    idx = tl.arange(0, 1 << BITS)
+    mass = tl.sum(tl.load(bins_ptr + tl.arange(0, COPIES)[:, None] * (1 << BITS) + idx), axis=0)
+    at_or_above = above + tl.cumsum(mass, axis=0, reverse=True)
+    pick = tl.max(tl.where(at_or_above >= limit, idx, 0), axis=0)
+    above = above + tl.sum(tl.where(idx > pick, mass, 0), axis=0)
+    return lo | (pick.to(tl.int64) << SHIFT), above
+
+
+@triton.jit
+def _row_state(top_p_ptr, prev_bins_ptr, state_ptr, row, rows, ROUND: tl.constexpr,
+               SHIFT: tl.constexpr, BITS: tl.constexpr, COPIES: tl.constexpr,
+               SCALE: tl.constexpr):
+    """(lo, mass above lo's range) after round ROUND - 1's choice: every program of a row
+    makes it from the same integers, so all agree; the caller stores it once."""
+    limit = tl.ceil(tl.load(top_p_ptr + row) * SCALE).to(tl.int64)
+    if ROUND == 1:
+        lo = tl.zeros([], tl.int64)
+        above = tl.zeros([], tl.int64)
+    else:
+        lo = tl.load(state_ptr + ((ROUND - 2) * rows + row) * 2)
+        above = tl.load(state_ptr + ((ROUND - 2) * rows + row) * 2 + 1)
+    return _narrow(prev_bins_ptr + row * COPIES * (1 << BITS), lo, above, limit, SHIFT, BITS,
+                   COPIES)
+
+
+@triton.jit
+def _top_p_bins_kernel(probs_ptr, stride_row, top_p_ptr, prev_bins_ptr, bins_ptr, state_ptr,
+                       vocab, chunk, ROUND: tl.constexpr, SHIFT: tl.constexpr,
+                       BITS: tl.constexpr, PREV_SHIFT: tl.constexpr, PREV_BITS: tl.constexpr,
+                       COPIES: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    rows = tl.num_programs(0)
+    part = tl.program_id(1)
+    if ROUND == 0:
+        lo = tl.zeros([], tl.int64)
+    else:
+        lo, above = _row_state(top_p_ptr, prev_bins_ptr, state_ptr, row, rows, ROUND,
+                               PREV_SHIFT, PREV_BITS, COPIES, SCALE)
+        if part == 0:
+            tl.store(state_ptr + ((ROUND - 1) * rows + row) * 2, lo)
+            tl.store(state_ptr + ((ROUND - 1) * rows + row) * 2 + 1, above)
+    prefix = lo.to(tl.int32) >> (SHIFT + BITS)
+    my_bins = bins_ptr + (row * COPIES + part % COPIES) * (1 << BITS)
+    end = tl.minimum(part * chunk + chunk, vocab)
+    for start in range(part * chunk, end, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(probs_ptr + row * stride_row + cols, mask=cols < end, other=0.0)
+        pattern = x.to(tl.int32, bitcast=True)
+        mass = (x * SCALE).to(tl.int64)
+        # zeros add nothing: skipping them spares the atomics for dropped tokens
+        hit = ((pattern >> (SHIFT + BITS)) == prefix) & (mass > 0)
+        key = (pattern >> SHIFT) & ((1 << BITS) - 1)
+        # integer adds commute, so the order the atomics land in changes nothing
+        tl.atomic_add(my_bins + key, mass, mask=hit, sem="relaxed")
+
+
+@triton.jit
+def _top_p_pick_kernel(top_p_ptr, bins_ptr, state_ptr, out_ptr, ROUND: tl.constexpr,
+                       BITS: tl.constexpr, COPIES: tl.constexpr, SCALE: tl.constexpr):
+    row = tl.program_id(0)
+    lo, _ = _row_state(top_p_ptr, bins_ptr, state_ptr, row, tl.num_programs(0), ROUND, 0,
+                       BITS, COPIES, SCALE)
+    threshold = lo.to(tl.int32).to(tl.float32, bitcast=True)
+    # top_p=1 keeps every token, whatever the fixed-point sums say
+    tl.store(out_ptr + row, tl.where(tl.load(top_p_ptr + row) < 1.0, threshold, 0.0))

@@ -50,9 +50,11 @@ from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
 from kernels.quant import (ScaledMmTiles, quantize_per_token_ref, quantize_per_token_triton,
                            scaled_mm, scaled_mm_ref, scaled_mm_triton)
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
-from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, ONE_BITS, TOP_P_STEPS,
-                              _top_p_threshold_kernel, gumbel_argmax_ref,
-                              gumbel_argmax_triton, philox_uniform, top_p_threshold_ref,
+from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, FIXED_POINT, ONE_BITS, RADIX_BITS,
+                              RADIX_BLOCK, RADIX_COPIES, TOP_P_STEPS, _top_p_bins_kernel,
+                              _top_p_pick_kernel, _top_p_threshold_kernel, gumbel_argmax_ref,
+                              gumbel_argmax_triton, philox_uniform, top_p_threshold_exact_ref,
+                              top_p_threshold_radix, top_p_threshold_ref,
                               top_p_threshold_triton)
 from kernels.triton_attention import (MAX_SPLITS, AttentionConfig, TileConfig, default_config,
                                       paged_attention_triton, split_count, visible_span)
@@ -499,8 +501,11 @@ def check_sampler_fused_logprobs(vocab: int, device: str) -> None:
 
 
 def check_top_p_threshold(rows: int, vocab: int, device: str) -> None:
-    """The same threshold as the twin (and so the same top-p set as a sort), on logits
-    with many exact ties and a third of the rows' tokens dropped, top_p across (0, 1]."""
+    """Both kernels' threshold equal to the twin's (and so the same top-p set as a sort),
+    on logits with many exact ties and a third of the rows' tokens dropped, top_p across
+    (0, 1]: so few distinct probabilities that no row's mass at a step lies within float
+    rounding of top_p, where the radix kernel's exact sums and the twin's float ones could
+    differ (check_top_p_exact_masses covers that)."""
     g, seed = fresh_generator()
     logits = torch.round(rand(g, rows, vocab, dtype=torch.float32, device=device,
                               scale=4.0) * 2) / 2
@@ -508,9 +513,45 @@ def check_top_p_threshold(rows: int, vocab: int, device: str) -> None:
     probs = torch.softmax(logits, dim=-1)
     choices = torch.tensor([1e-6, 0.1, 0.5, 0.9, 0.99, 1.0])
     top_p = choices[torch.randint(0, len(choices), (rows,), generator=g)].to(device)
-    out = top_p_threshold_triton(probs, top_p)
-    assert torch.equal(out, top_p_threshold_ref(probs, top_p)), f"top-p (seed {seed})"
-    assert torch.equal(out[top_p == 1.0], torch.zeros_like(out[top_p == 1.0]))
+    ref = top_p_threshold_ref(probs, top_p)
+    for kernel in (top_p_threshold_triton, top_p_threshold_radix):
+        out = kernel(probs, top_p)
+        assert torch.equal(out, ref), f"{kernel.__name__} (seed {seed})"
+    assert torch.equal(ref[top_p == 1.0], torch.zeros_like(ref[top_p == 1.0]))
+
+
+def assert_top_p_bounds(probs: torch.Tensor, top_p: torch.Tensor, threshold: torch.Tensor,
+                        slack: float, what: str) -> None:
+    """threshold is the smallest pattern whose mass strictly above is below top_p, with
+    masses summed in float64 (close to exact here) and `slack` allowed either side."""
+    wide = probs.double()
+    for row in torch.nonzero(top_p < 1.0).flatten().tolist():
+        t, p = threshold[row], top_p[row].item()
+        assert wide[row][wide[row] > t].sum() < p + slack, f"{what}: mass above, row {row}"
+        if t > 0:  # the pattern below t must still leave top_p's mass above it
+            below = (t.view(torch.int32) - 1).view(torch.float32)
+            assert wide[row][wide[row] > below].sum() >= p - slack, f"{what}: row {row}"
+
+
+def check_top_p_exact_masses(rows: int, vocab: int, device: str) -> None:
+    """The radix kernel against its fixed-point twin, bit for bit, where float sums round:
+    most of each row's tokens tiny (1e-7 down past 2**-62, where the fixed point drops
+    them) and tied in runs, a few large ones, zeros, top_p up to 1 - 1e-6 so that it
+    falls among the tiny ones. Both land on the exact threshold (within 1e-10: the
+    truncation, float64's sums); the float32 twin only within its rounding, 1e-5."""
+    g, seed = fresh_generator()
+    tiny = torch.exp(-torch.randint(16, 50, (rows, vocab), generator=g).double())
+    probs = torch.where(torch.rand(rows, vocab, generator=g) < 0.01,
+                        torch.rand(rows, vocab, generator=g, dtype=torch.float64), tiny)
+    probs[:, ::7] = 0.0
+    probs = (probs / probs.sum(dim=-1, keepdim=True)).float().to(device)
+    choices = torch.tensor([1e-6, 0.3, 0.9, 0.999, 1 - 1e-5, 1 - 1e-6, 1.0])
+    top_p = choices[torch.randint(0, len(choices), (rows,), generator=g)].to(device)
+    out = top_p_threshold_radix(probs, top_p)
+    assert torch.equal(out, top_p_threshold_exact_ref(probs, top_p)), f"radix (seed {seed})"
+    assert_top_p_bounds(probs, top_p, out, 1e-10, f"radix (seed {seed})")
+    assert_top_p_bounds(probs, top_p, top_p_threshold_ref(probs, top_p), 1e-5,
+                        f"float twin (seed {seed})")
 
 
 def check_quantize(rows: int, cols: int, group: int | None, dtype: torch.dtype,
@@ -770,6 +811,8 @@ def top_p_kernel() -> None:
     """A vocabulary over two iterations and a partial last one, and one short of a block."""
     check_top_p_threshold(6, 2 * BLOCK_TOP_P + 37, "cpu")
     check_top_p_threshold(3, 300, "cpu")
+    check_top_p_exact_masses(5, 3 * RADIX_BLOCK + 11, "cpu")
+    check_top_p_exact_masses(2, 300, "cpu")
 
 
 @interpreter_check
@@ -1116,6 +1159,25 @@ def test_top_p_kernel_compiles_for_sm90() -> None:
 
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
+def test_top_p_radix_kernels_compile_for_sm90() -> None:
+    """Every round of the radix select (the first reads no earlier bins) and its pick, at
+    the bits top_p_threshold_radix uses: int64 atomics, the bins' reverse cumsum."""
+    types = dict(probs_ptr="*fp32", stride_row="i32", top_p_ptr="*fp32", prev_bins_ptr="*i64",
+                 bins_ptr="*i64", state_ptr="*i64", vocab="i32", chunk="i32")
+    shift = 30
+    for r, bits in enumerate(RADIX_BITS):
+        shift -= bits
+        compile_for_sm90(_top_p_bins_kernel, types, dict(
+            ROUND=r, SHIFT=shift, BITS=bits, PREV_SHIFT=shift + bits,
+            PREV_BITS=RADIX_BITS[max(r - 1, 0)], COPIES=RADIX_COPIES, SCALE=FIXED_POINT,
+            BLOCK=RADIX_BLOCK))
+    compile_for_sm90(_top_p_pick_kernel, dict(top_p_ptr="*fp32", bins_ptr="*i64",
+                                              state_ptr="*i64", out_ptr="*fp32"),
+                     dict(ROUND=len(RADIX_BITS), BITS=RADIX_BITS[-1], COPIES=RADIX_COPIES,
+                          SCALE=FIXED_POINT))
+
+
+@pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
 def test_gemv_compiles_for_sm90() -> None:
     """The GEMV's default tiles (default_tiles), launched with PDL (kernels/pdl.py). fp8 weights: one row per channel and per
     128x128 block (CUDA-core sums), more rows per channel and per block (tensor cores on
@@ -1153,8 +1215,13 @@ def test_sampling_kernel_cuda() -> None:
         check_gumbel_argmax(rows, 128256, torch.float32, "cuda")
     check_gumbel_distribution("cuda", draws=20000)
     check_sampler_fused_logprobs(151936, "cuda")
-    for rows in (1, 32, 256):
+
+
+@needs_cuda
+def test_top_p_kernels_cuda() -> None:
+    for rows in (1, 8, 32, 256):
         check_top_p_threshold(rows, 151936, "cuda")
+        check_top_p_exact_masses(rows, 151936, "cuda")
 
 
 @needs_cuda

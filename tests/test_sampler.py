@@ -17,7 +17,7 @@ from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
 from services.worker.sampler import (
     Sampler, SamplerOutput, SamplingRow, apply_min_p, apply_penalties, apply_top_k,
-    SORTED_TOP_P_ROWS, apply_top_p, make_generator, prompt_logprobs, top_k_threshold,
+    RADIX_TOP_P_ROWS, apply_top_p, make_generator, prompt_logprobs, top_k_threshold,
     top_logprobs, unpack_logprobs)
 
 DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
@@ -505,16 +505,17 @@ def test_top_p_search_equals_the_sorted_twin(device: torch.device) -> None:
 
 
 def test_top_p_of_a_few_rows_equals_the_search_over_many(device: torch.device) -> None:
-    """On a GPU a batch of up to SORTED_TOP_P_ROWS is sorted, a larger one searched: the
-    same tokens stay either way, ties and dropped tokens included."""
+    """A batch of up to RADIX_TOP_P_ROWS takes the radix select, a larger one the search:
+    the same tokens stay either way, ties and dropped tokens included."""
     rng = random.Random(21)
     logits = torch.round(seeded_logits(3000, 48, 3000, 3.0) * 2) / 2
     logits[::5, :1000] = float("-inf")
     probs = torch.softmax(logits, dim=-1).to(device)
     ps = torch.tensor([rng.choice([1e-6, 0.3, 0.8, 0.95, 1.0]) for _ in range(48)],
                       device=device)
-    few = SORTED_TOP_P_ROWS
-    assert torch.equal(apply_top_p(probs[:few], ps[:few]), apply_top_p(probs, ps)[:few])
+    copies = RADIX_TOP_P_ROWS // 48 + 1
+    many = apply_top_p(probs.repeat(copies, 1), ps.repeat(copies))
+    assert torch.equal(apply_top_p(probs, ps), many[:48])
 
 
 def test_top_p_search_keeps_ties_at_the_edge(device: torch.device) -> None:

@@ -10,8 +10,9 @@ for one step: each seeded request draws its noise from its own generator, so its
 depends on its own logits and seed alone, never on the rest of the batch. On CUDA, a step
 whose rows ask for temperature alone (no top-k/p, min-p, penalties, logprobs or seeds)
 samples in one Triton pass instead (kernels/sampling.py: the Gumbel-max form of the race).
-Nothing sorts the vocabulary: top-p's set comes from a threshold search (a Triton kernel on
-CUDA), top-k's from torch.topk or, for a large k, a search too. Logprobs are left on the
+Nothing sorts the vocabulary: top-p's set comes from a threshold found over each row
+(top_p_threshold: Triton kernels on CUDA), top-k's from torch.topk or, for a large k, a
+search too. Logprobs are left on the
 device, fixed-shape, and leave with the token ids in one copy (SamplerOutput.packed):
 nothing in a step waits for the device.
 Speculative decoding's rejection sampling draws from the same distributions with the same
@@ -31,17 +32,23 @@ import torch
 from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
 from kernels.grammar_mask import apply_token_bitmask
-from kernels.sampling import gumbel_argmax_triton, top_p_threshold_ref, top_p_threshold_triton
+from kernels.sampling import (gumbel_argmax_triton, top_p_threshold_exact_ref,
+                              top_p_threshold_radix, top_p_threshold_ref,
+                              top_p_threshold_triton)
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are uint64; any Python int maps into that range
 # Up to this k, torch.topk finds the k-th largest logit; past it, a threshold search over
 # the whole row costs less than topk's sort of a large k.
 TOP_K_BOUND = 1024
-# A step of this many rows or fewer sorts for top-p on a GPU rather than searching: on the
-# H100 at 151,936 columns one row sorts in 84 us against the search's 421, while two to
-# eight rows take the segmented sort, 310-388 against 442-456 us
-# (benchmarks/gpu/top_p_sweep.py, benchmarks/issue31-h100/s8/top-p/).
-SORTED_TOP_P_ROWS = 1
+# A step of this many rows or fewer finds its top-p threshold by the radix select, a larger
+# one by the one-program-a-row search (kernels/sampling.py). On an H200 at 151,936 columns
+# (benchmarks/issue31-h100/s10/top-p-sweep.txt, CUDA graphs) the radix select takes 25, 54,
+# 82 and 479 us at 1, 8, 16 and 128 rows of randn * 3 logits, against the search's 432, 452,
+# 456 and 1245 and a full sort's 81, 380, 531 and 2583. Past 128 it still wins on those rows
+# (938 against 1584 us at 256) but not on flat ones, whose atomics all land on one bin (2345
+# against 1581); at 128 flat rows it holds even (1200 against 1245), at 1 it is near the
+# sort (78 against 73). The sort wins nowhere else, so top-p no longer sorts.
+RADIX_TOP_P_ROWS = 128
 
 
 @dataclass(slots=True)
@@ -376,23 +383,30 @@ def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor,
                 ordered: torch.Tensor | None = None) -> torch.Tensor:
     """Zero all but the smallest most-likely set whose mass reaches top_p (and tokens tied
     with its least likely member); top_p=1 keeps everything. Without `ordered`, a
-    threshold search over the whole row (kernels/sampling.py), no sort. `ordered` may hold
+    threshold found over the whole row, no sort (top_p_threshold). `ordered` may hold
     each row's m largest probabilities, descending, where no row has more than m nonzero
     ones but for ties with the m-th: the threshold found among them is the one a full
-    sort finds. On a GPU, a batch of at most SORTED_TOP_P_ROWS rows is sorted instead of
-    searched: the search is one program a row, thirty passes over it, so a single row
-    leaves the device's other SMs idle for the whole search."""
-    if ordered is None and probs.is_cuda and probs.shape[0] <= SORTED_TOP_P_ROWS:
-        ordered = probs.sort(dim=-1, descending=True).values
+    sort finds."""
     if ordered is None:
-        search = top_p_threshold_triton if probs.is_cuda else top_p_threshold_ref
-        return probs.masked_fill(probs < search(probs.contiguous(), top_p).unsqueeze(1), 0.0)
+        threshold = top_p_threshold(probs.contiguous(), top_p)
+        return probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)
     width = ordered.shape[1]
     before = (ordered.cumsum(dim=-1) < top_p.unsqueeze(1)).sum(dim=-1)
     # Rounding can leave a cumsum short of 1.0, so top_p=1 is not left to the arithmetic.
     num_kept = torch.where(top_p < 1.0, before + 1, width).clamp_max(width)
     least_kept = ordered.gather(1, (num_kept - 1).unsqueeze(1))
     return probs.masked_fill(probs < least_kept, 0.0)
+
+
+def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's top-p threshold (kernels/sampling.py): up to RADIX_TOP_P_ROWS rows the
+    radix select on exact masses, past it the search on float32 ones; on CPU each kernel's
+    torch twin, so a CPU run keeps the tokens a GPU keeps. The two differ only where float
+    rounding puts a row's mass on the other side of top_p."""
+    if probs.shape[0] <= RADIX_TOP_P_ROWS:
+        return (top_p_threshold_radix if probs.is_cuda else top_p_threshold_exact_ref)(
+            probs, top_p)
+    return (top_p_threshold_triton if probs.is_cuda else top_p_threshold_ref)(probs, top_p)
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
