@@ -6,9 +6,9 @@ Reading this module tells the whole protocol:
     gateway <──ReplyBatch── detokenizer <──TokenBatch── scheduler <──StepResult/WorkerReady──┘
     gateway, detokenizer ──Abort──> scheduler;  any stage ──ErrorReply──> gateway
 
-Records are frozen dataclasses (`record`). Fields are only ever appended (with defaults), so an older
-reader ignores what it does not know and a newer reader fills in what an older writer did
-not send. Token ids and floats travel as packed little-endian int32 / float32 bytes, the
+Records are frozen dataclasses (`record`). Fields are only ever appended (with defaults),
+so an older reader ignores what it does not know and a newer reader fills in what an older
+writer did not send. Token ids and floats travel as packed little-endian int32 / float32 bytes, the
 timestamps of the hops a message passed (common/hops.py) as float64. An embedding travels
 as the bytes of its little-endian float32 vector, from the worker to the gateway.
 """
@@ -51,6 +51,7 @@ def record(cls: type) -> type:
     builds decoded records: dataclasses' own __init__ goes through object.__setattr__ for
     each field, which takes twice as long, and the scheduler and the offline engine build
     a few records a token."""
+    assert not hasattr(cls, "__post_init__"), f"{cls.__name__}: this __init__ would skip it"
     cls = dataclass(frozen=True, slots=True)(cls)
     env: dict[str, Any] = {"FACTORY": _FACTORY}
     params, lines = [], []
@@ -73,8 +74,7 @@ def record(cls: type) -> type:
          env)
     init = env["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
-    if not hasattr(cls, "__post_init__"):
-        cls.__init__ = init
+    cls.__init__ = init
     return cls
 
 
