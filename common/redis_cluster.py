@@ -28,11 +28,13 @@ import redis
 import redis.asyncio as aioredis
 import redis.cluster
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import (AskError, AuthenticationError, ClusterDownError,
                               NoPermissionError, RedisClusterException, TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 from common.redis_lanes import Command, Lanes
 from common.redis_sentinel import (blocking_sentinel_client, is_sentinel_url,
@@ -137,9 +139,13 @@ def plain_client(url: str) -> aioredis.Redis | RedisCluster:
 
 def blocking_client(url: str, name: str | None,
                     timeout_s: float) -> redis.Redis | redis.cluster.RedisCluster:
-    """A blocking redis-py client of a server or of a cluster, for a thread of its own."""
+    """A blocking redis-py client of a server or of a cluster, for a thread of its own.
+    A command fails after `timeout_s`, once: redis-py's own default would retry it ten
+    times with backoff (a timed-out SET took 15 s with a 1 s timeout), hidden from the
+    caller, whose retries keep to a schedule of their own (a heartbeat's TTL)."""
     options: dict[str, Any] = dict(client_name=name, socket_timeout=timeout_s,
-                                   socket_connect_timeout=timeout_s)
+                                   socket_connect_timeout=timeout_s,
+                                   retry=Retry(NoBackoff(), 0))
     if is_cluster_url(url):
         nodes = [redis.cluster.ClusterNode(host, port) for host, port in cluster_addresses(url)]
         with unreachable_as_connection_error():

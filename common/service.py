@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import redis
+import redis.cluster
 
 from common.bus import UNAVAILABLE, Bus
 from common.config import (EngineConfig, ServerConfig, add_engine_args, add_server_args,
@@ -29,6 +31,7 @@ from common.stalls import report_stalls, watch_collections, watch_loop
 
 HEARTBEAT_S = 1.0
 ALIVE_TTL_MS = 4000
+BEAT_LANES = 2  # see Beat
 TAKEN_FOR_DEAD_EXIT = 3
 LOAD_FAILED_EXIT = 4  # the launcher stops restarting a worker after a few of these in a row
 REDIS_REFUSED_EXIT = 5  # Redis rejected the process's credentials (or its ACL user's rights)
@@ -102,13 +105,22 @@ def run_service(name: str, argv: list[str], body: Body, description: str = "",
                   backend_options={"use_uvloop": True})
     except* TakenForDead as group:
         get_logger("headrace.process").error("taken for dead by the other stages; exiting "
-                                             "to be restarted", reason=str(group.exceptions[0]))
+                                             "to be restarted", reason=str(first_leaf(group)))
         code = TAKEN_FOR_DEAD_EXIT
     except* ModelLoadFailed as group:
         get_logger("headrace.process").error("cannot load the model; exiting",
-                                             reason=str(group.exceptions[0]))
+                                             reason=str(first_leaf(group)))
         code = LOAD_FAILED_EXIT
     return code
+
+
+def first_leaf(group: BaseExceptionGroup) -> BaseException:
+    """The first exception in a group that task groups nested (the worker's own task group
+    inside the service's): its message, not "unhandled errors in a TaskGroup"."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
 
 
 def freeze_heap() -> None:
@@ -157,38 +169,77 @@ class ModelLoadFailed(Exception):
 
 
 class Beat:
-    """Renews a liveness key from its own thread over its own connection, so the key
-    outlives event-loop stalls (a gateway with thousands of streams on a loaded 2-core host
-    stalls for seconds) and lapses only when the whole process stops or dies. `taken`
+    """Renews a liveness key from threads of its own over connections of their own, so the
+    key outlives event-loop stalls (a gateway with thousands of streams on a loaded 2-core
+    host stalls for seconds) and lapses only when the whole process stops or dies. `taken`
     names the value found where this process's own was expected, or the error that kept
-    the key from being renewed for its whole TTL."""
+    the key from being renewed for its whole TTL.
+
+    BEAT_LANES lanes, each a thread with a TCP connection, take turns half a period apart:
+    on a lossy link a segment lost twice holds its connection through two retransmission
+    timeouts (a SET took 5.7 s at 10% loss and 200 ms each way, on a 4 s TTL), and the
+    key lapses only when every lane's connection stalls at once."""
 
     def __init__(self, url: str, key: str, value: str, name: str | None) -> None:
-        self.client = blocking_client(url, name, timeout_s=HEARTBEAT_S)
+        # A SET that a lost segment delays still renews the key if it lands within the
+        # TTL; giving up sooner only adds a new connection's handshake on the same link.
+        timeout_s = ALIVE_TTL_MS / 1000 - HEARTBEAT_S
+        self.clients = [blocking_client(url, name, timeout_s) for _ in range(BEAT_LANES)]
         self.key, self.value = key, value
         self.stopping = threading.Event()
         self.taken: str | None = None
+        self.held = False  # some lane has set the key: from then on it holds our value
         self.renewed = time.monotonic()  # the key's last renewal (or the beat's start)
+        self.lanes = [threading.Thread(target=self.run, args=(client, n / BEAT_LANES),
+                                       name=f"heartbeat {key} {n}", daemon=True)
+                      for n, client in enumerate(self.clients)]
 
-    def run(self) -> None:
-        held = False
+    def start(self) -> None:
+        for lane in self.lanes:
+            lane.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for lane in self.lanes:
+            lane.join()
+
+    def run(self, client: redis.Redis | redis.cluster.RedisCluster, phase: float) -> None:
+        """One lane: a SET begun every HEARTBEAT_S from `phase` of a period on, the next at
+        once after one that was slow or failed."""
         try:
+            if self.stopping.wait(phase * HEARTBEAT_S):
+                return
             while self.taken is None:
+                began = time.monotonic()
                 try:
-                    before = self.client.set(self.key, self.value, px=ALIVE_TTL_MS, get=True)
-                except UNAVAILABLE:  # the same classes in redis-py's blocking client
-                    pass  # Redis is restarting; the bus's own retries report it
+                    before = client.set(self.key, self.value, px=ALIVE_TTL_MS, get=True)
+                except UNAVAILABLE as e:  # the same classes in redis-py's blocking client
+                    self._missed(e)  # Redis restarting, or a slow link: another lane may land
                 except Exception as e:  # a thread dead of it would let the key lapse unsaid
                     self._failed(e)
                 else:
-                    if held and before != self.value.encode():
+                    if self.held and before != self.value.encode():
                         self.taken = f"{self.key} was {before!r}, not this process's " \
                                      f"{self.value!r}"
-                    held, self.renewed = True, time.monotonic()
-                if self.stopping.wait(HEARTBEAT_S):
+                    self._renewed()
+                if self.stopping.wait(max(0.0, began + HEARTBEAT_S - time.monotonic())):
                     return
         finally:
-            self.client.close()
+            client.close()
+
+    def _renewed(self) -> None:
+        """A renewal, and a warning where the key came within half its TTL of lapsing: a
+        slow link or a stalled Redis shows in the log before the other stages see a gap."""
+        now = time.monotonic()
+        if (unrenewed_ms := (now - self.renewed) * 1000) > ALIVE_TTL_MS / 2:
+            get_logger("headrace.process").warning("heartbeat late", key=self.key,
+                                                   unrenewed_ms=round(unrenewed_ms))
+        self.held, self.renewed = True, max(self.renewed, now)
+
+    def _missed(self, error: Exception) -> None:
+        get_logger("headrace.process").warning(
+            "heartbeat missed", key=self.key, error=f"{type(error).__name__}: {error}",
+            unrenewed_ms=round((time.monotonic() - self.renewed) * 1000))
 
     def _failed(self, error: Exception) -> None:
         """An error the beat does not expect (Redis refusing the SET: out of memory, a
@@ -210,12 +261,11 @@ async def heartbeat(bus: Bus, key: str, value: str, stop: anyio.Event) -> None:
     Finding the key lapsed or taken by another process raises TakenForDead: the process
     exits to be restarted afresh, since what it holds (a KV cache, running requests) was
     already written off by the others and cannot be trusted to match theirs. With the
-    beat in a thread, that happens only when the process was stopped (SIGSTOP, a frozen
+    beat in threads, that happens only when the process was stopped (SIGSTOP, a frozen
     VM), Redis lost the key or refused to renew it for a whole TTL (Beat._failed), never
     because its event loop was late."""
     beat = Beat(bus.url, key, value, bus.name)
-    thread = threading.Thread(target=beat.run, name=f"heartbeat {key}", daemon=True)
-    thread.start()
+    beat.start()
     try:
         while not stop.is_set() and beat.taken is None:
             with anyio.move_on_after(HEARTBEAT_S):
@@ -223,9 +273,8 @@ async def heartbeat(bus: Bus, key: str, value: str, stop: anyio.Event) -> None:
         if beat.taken is not None:
             raise TakenForDead(beat.taken)
     finally:
-        beat.stopping.set()
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(thread.join)
+            await anyio.to_thread.run_sync(beat.stop)
             try:
                 await bus.forget(key)
             except UNAVAILABLE:

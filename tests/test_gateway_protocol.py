@@ -19,8 +19,8 @@ from common.messages import (ErrorReply, GenerateRequest, SchedulerStats, TextDe
                              TokenLogprobs, encode)
 from services.gateway import responses
 from services.gateway.core import (STALE_S, Backend, Call, Echo, Shard, admission_error,
-                                   dead_reply_streams, queue_depth, request_ids,
-                                   scheduler_gone, scheduler_restarted)
+                                   dead_reply_streams, queue_depth, redis_out_of_sight,
+                                   request_ids, scheduler_gone, scheduler_restarted)
 from services.gateway.protocol import _UNSUPPORTED as UNSUPPORTED
 from services.gateway.protocol import Limits, parse_detokenize, parse_job, parse_tokenize
 from services.gateway.request_bodies import (ChatCompletionRequest, CompletionRequest,
@@ -661,7 +661,18 @@ def test_admission():
     assert admission_error(Backend([Shard(None, False), UP], 0, now), 4, now) is None
     stale = Backend([UP], 0, now - STALE_S - 0.1)
     assert not stale.alive(now) and admission_error(stale, 4, now).status == 503
+    assert "not reached Redis" in admission_error(stale, 4, now).message
     assert not Backend().alive(now)
+
+
+def test_a_gateway_tells_a_lapsed_scheduler_from_redis_out_of_its_sight():
+    """A slow or lossy link that keeps the gateway from Redis ends its streams with that
+    reason, not with a scheduler's death that no one saw."""
+    now = 100.0
+    assert Backend([UP], 0, now - 1).why_down(now) is None
+    assert Backend([Shard(None, True)], 0, now - 1).why_down(now) is scheduler_gone
+    assert Backend([UP], 0, now - STALE_S - 0.1).why_down(now) is redis_out_of_sight
+    assert "not reached Redis for 5 s" in redis_out_of_sight("r").message
 
 
 @pytest.mark.parametrize("body,flag", [

@@ -6,7 +6,9 @@ in flight on both hosts' gateways. What is promised, and asserted for each fault
 
 - every stream in flight, on either host, ends: with its greedy text (the one served before
   any fault) or with an error; the healthy host's streams never wait more than END_S for
-  their next event, the faulted host's end within HOST_END_S of the fault's start;
+  their next event, the faulted host's end within HOST_END_S of the fault's start; under
+  loss and latency the lossy host's shard is slow, not gone: the healthy host's streams
+  it serves end with their text, waiting up to SLOW_LINK_END_S for an event;
 - the healthy host keeps serving: requests sent to it DETECT_S after the fault began (the
   liveness TTL and a watch) all succeed with their text, whichever shard they queued on
   (the faulted shard gets no new request once its keys lapse);
@@ -44,6 +46,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8,",
            "Once upon a time", "Roses are red,", "import numpy as np"]
 MAX_TOKENS = 96  # long enough that a fault lands mid-stream on the CPU
 END_S = 10.0  # the healthy host's streams: the longest wait for an event after a fault
+# ... but for a stream the lossy host's shard serves, whose every step crosses the link:
+# TCP's retransmission timeouts double (1, 2, 4 s) where a segment is lost again (12.4 s
+# seen at 10% loss and 200 ms each way); below READ_S, so no client gives up on it
+SLOW_LINK_END_S = 20.0
 CUT_S = 20.0  # how long the link is cut
 DETECT_S = 6.0  # a lost shard's liveness keys lapse (TTL 4 s) and the stages see it
 HOST_END_S = CUT_S + 30.0  # the faulted host's streams end this soon after the fault
@@ -130,13 +136,14 @@ def shard_prompt_tokens(hosts: SimulatedHosts, shard: int) -> int:
         client.close()
 
 
-def assert_promises(hosts: SimulatedHosts, run: FaultRun, baseline: list[str]) -> None:
+def assert_promises(hosts: SimulatedHosts, run: FaultRun, baseline: list[str],
+                    end_s: float = END_S) -> None:
     logs = hosts.log_tail(0) + "\n" + hosts.log_tail(1)
     for outcome, text in zip(run.healthy_host, baseline):
         assert outcome.done or outcome.error, (outcome, logs)
         assert outcome.error or outcome.text == text, (outcome, text)
-        assert outcome.longest_gap(run.fault_at) <= END_S, (outcome, logs)
-        assert outcome.ended_at - max([run.fault_at, *outcome.chunk_times]) <= END_S, outcome
+        assert outcome.longest_gap(run.fault_at) <= end_s, (outcome, logs)
+        assert outcome.ended_at - max([run.fault_at, *outcome.chunk_times]) <= end_s, outcome
     for outcome, text in zip(run.faulted_host, baseline):
         assert outcome.done or outcome.error, (outcome, logs)
         assert outcome.error or outcome.text == text, (outcome, text)
@@ -172,7 +179,8 @@ def test_packet_loss_and_200ms_latency_on_a_link(hosts, baseline):
         pytest.skip(f"no netem and no forwarder on this machine: {reason}")
     run = run_fault(hosts, lambda: hosts.degrade_link(1, 10, 200), CUT_S,
                     lambda: hosts.heal_link(1))
-    assert_promises(hosts, run, baseline)
+    assert_promises(hosts, run, baseline, SLOW_LINK_END_S)
+    assert all(o.error is None for o in run.healthy_host), run.healthy_host  # slow, not lost
     assert_host_takes_work_again(hosts, baseline)
 
 

@@ -15,7 +15,8 @@ import structlog
 
 from common import service
 from common.bus import Bus
-from common.service import ALIVE_TTL_MS, GIL_SWITCH_S, HEARTBEAT_S, TakenForDead, heartbeat
+from common.service import (ALIVE_TTL_MS, GIL_SWITCH_S, HEARTBEAT_S, TakenForDead, first_leaf,
+                            heartbeat)
 
 BODY = """
 import asyncio, gc, json, sys
@@ -89,11 +90,11 @@ def refusing_clients(monkeypatch, faults: int | None) -> None:
     Redis does; a short beat and TTL keep the tests quick."""
     monkeypatch.setattr(service, "HEARTBEAT_S", 0.05)
     monkeypatch.setattr(service, "ALIVE_TTL_MS", 400)
-    make = service.blocking_client
+    make, refused = service.blocking_client, [0]  # counted over every lane's client
 
     def refusing(*args, **kwargs):
         client = make(*args, **kwargs)
-        real_set, refused = client.set, [0]
+        real_set = client.set
 
         def set_(*a, **kw):
             if faults is None or refused[0] < faults:
@@ -152,3 +153,11 @@ def test_a_heartbeat_refused_for_its_whole_ttl_takes_the_process_for_dead(
     assert len(raised) == 1 and "not renewed" in str(raised[0]) and "OOM" in str(raised[0])
     failures = beat_failures(logs)  # each one logged, until the TTL had passed
     assert len(failures) > 1 and failures[-1]["unrenewed_ms"] >= 400 > failures[0]["unrenewed_ms"]
+
+
+def test_the_exit_line_names_the_reason_inside_nested_task_groups():
+    """The worker's task group inside the service's wraps a TakenForDead twice: the log
+    line says why the process was taken for dead, not "unhandled errors in a TaskGroup"."""
+    nested = BaseExceptionGroup("outer", [BaseExceptionGroup("inner", [
+        TakenForDead("hr:{s1}:alive:worker was None")])])
+    assert str(first_leaf(nested)) == "hr:{s1}:alive:worker was None"

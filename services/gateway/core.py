@@ -493,8 +493,16 @@ class Backend:
 
     def alive(self, now: float) -> bool:
         """Some shard's scheduler runs, as of a recent look."""
-        return any(s.scheduler_epoch is not None for s in self.shards) and \
-            now - self.seen_at <= STALE_S
+        return self.why_down(now) is None
+
+    def why_down(self, now: float) -> Callable[[str], ErrorReply] | None:
+        """The error the gateway's requests end with when it sees no scheduler, or has not
+        seen Redis for STALE_S (a slow or lossy link: the stages may be well), else None."""
+        if now - self.seen_at > STALE_S:
+            return redis_out_of_sight
+        if all(s.scheduler_epoch is None for s in self.shards):
+            return scheduler_gone
+        return None
 
     def lost_shards(self, before: Backend) -> list[tuple[int, Callable[[str], ErrorReply]]]:
         """Shards whose scheduler, there at the last look, is gone (its key lapsed) or was
@@ -543,7 +551,10 @@ SHUTTING_DOWN = ApiError(503, "The server is shutting down; send the request aga
 def admission_error(backend: Backend, max_queue_len: int, now: float) -> ApiError | None:
     if (failure := load_failure(backend.shards)) is not None:
         return ApiError(503, worker_cannot_load(*failure))
-    if not backend.alive(now):
+    if (down := backend.why_down(now)) is redis_out_of_sight:
+        return ApiError(503, f"This gateway has not reached Redis for {STALE_S:g} s; try "
+                             "again later.")
+    if down is not None:
         return ApiError(503, "The scheduler is not running; try again later.")
     if backend.queue_depth > max_queue_len:
         return ApiError(503, f"The server is overloaded: {backend.queue_depth} requests are "
@@ -560,6 +571,11 @@ def shutting_down(rid: str) -> ErrorReply:
 def scheduler_restarted(rid: str) -> ErrorReply:
     return ErrorReply(rid, 503, "The scheduler restarted and lost the request; send it "
                                 "again.", "ServiceUnavailableError")
+
+
+def redis_out_of_sight(rid: str) -> ErrorReply:
+    return ErrorReply(rid, 503, f"This gateway has not reached Redis for {STALE_S:g} s; the "
+                                "request was ended.", "ServiceUnavailableError")
 
 
 def scheduler_gone(rid: str) -> ErrorReply:

@@ -22,8 +22,7 @@ from common.model_info import load_model_info
 from common.service import ServiceContext, freeze_heap, heartbeat, run_service
 from services.gateway.app import Gateway
 from services.gateway.http_options import apply_log_levels, tls_context
-from services.gateway.core import (dead_reply_streams, load_failed, load_failure,
-                                   scheduler_gone)
+from services.gateway.core import dead_reply_streams, load_failed, load_failure
 
 WATCH_S = 0.25
 TRIM_EVERY_S = 5.0
@@ -44,8 +43,8 @@ async def watch_backend(gateway: Gateway) -> None:
         before = gateway.backend
         await gateway.refresh_backend()
         now = time.monotonic()
-        if not gateway.backend.alive(now):
-            gateway.replies.fail_all(scheduler_gone)
+        if (down := gateway.backend.why_down(now)) is not None:
+            gateway.replies.fail_all(down)
         elif (failure := load_failure(gateway.backend.shards)) is not None:
             gateway.replies.fail_all(load_failed(*failure))  # no worker will serve them
         else:
