@@ -52,7 +52,8 @@ paths)  # this tree's nano workload on both paths in one command, ROUNDS times o
   done
   ;;
 itl-ab)  # one streamed chat at a time with top_p 0.95, through `headrace serve` of this tree
-        # and then of the copy in .base (the commit before; TREES: which of the two)
+        # and then of the copy in .base (the commit before; TREES: which of the two;
+        # CONCURRENCY: chats at a time, 1 by default, each its 64 timed prompts' worth)
   model=$(realpath $M/qwen3-0.6b-shape)
   for tree in ${TREES:-new base}; do
     dir=$PWD; [ $tree = base ] && dir=$PWD/.base
@@ -62,12 +63,14 @@ itl-ab)  # one streamed chat at a time with top_p 0.95, through `headrace serve`
       --run-dir /tmp/hr-serve-$tree --served-model-name qwen3) > "$R/serve-$tree.log" 2>&1 &
     serve=$!
     wait_healthy 8800
+    c=${CONCURRENCY:-1}
     for seed in 7 1; do  # 7: the warm-up, on other prompts
       timeout 150 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
-        --seed $seed --disable-tqdm --endpoint chat --num-prompts $([ $seed = 7 ] && echo 16 || echo 64) \
-        --max-concurrency 1 --dataset random --random-input-len 32 --random-output-len 64 \
-        --temperature 0.7 --top-p 0.95 --save-result "$R/chat-c1-topp-$tree-$seed.json" \
-        > "$R/chat-c1-topp-$tree-$seed.txt" 2>&1
+        --seed $seed --disable-tqdm --endpoint chat \
+        --num-prompts $(( c * ($seed == 7 ? 16 : 64) )) --max-concurrency $c \
+        --dataset random --random-input-len 32 --random-output-len 64 \
+        --temperature 0.7 --top-p 0.95 --save-result "$R/chat-c$c-topp-$tree-$seed.json" \
+        > "$R/chat-c$c-topp-$tree-$seed.txt" 2>&1
     done
     kill -TERM $serve; wait $serve
   done
