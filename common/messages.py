@@ -8,9 +8,10 @@ Reading this module tells the whole protocol:
 
 Records are frozen dataclasses (`record`). Fields are only ever appended (with defaults),
 so an older reader ignores what it does not know and a newer reader fills in what an older
-writer did not send. Token ids and floats travel as packed little-endian int32 / float32 bytes, the
-timestamps of the hops a message passed (common/hops.py) as float64. An embedding travels
-as the bytes of its little-endian float32 vector, from the worker to the gateway.
+writer did not send. Token ids and floats travel as packed little-endian int32 / float32
+bytes, the timestamps of the hops a message passed (common/hops.py) as float64. An
+embedding travels as the bytes of its little-endian float32 vector, from the worker to the
+gateway.
 """
 
 from __future__ import annotations

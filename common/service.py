@@ -184,7 +184,7 @@ class Beat:
         # A SET that a lost segment delays still renews the key if it lands within the
         # TTL; giving up sooner only adds a new connection's handshake on the same link.
         timeout_s = ALIVE_TTL_MS / 1000 - HEARTBEAT_S
-        self.clients = [blocking_client(url, name, timeout_s) for _ in range(BEAT_LANES)]
+        clients = [blocking_client(url, name, timeout_s) for _ in range(BEAT_LANES)]
         self.key, self.value = key, value
         self.stopping = threading.Event()
         self.taken: str | None = None
@@ -192,7 +192,7 @@ class Beat:
         self.renewed = time.monotonic()  # the key's last renewal (or the beat's start)
         self.lanes = [threading.Thread(target=self.run, args=(client, n / BEAT_LANES),
                                        name=f"heartbeat {key} {n}", daemon=True)
-                      for n, client in enumerate(self.clients)]
+                      for n, client in enumerate(clients)]
 
     def start(self) -> None:
         for lane in self.lanes:
