@@ -14,6 +14,7 @@ from services import LLM
 from services.worker.layers.attention import Attention
 from services.worker.memory import kv_cache_bytes_per_block
 from tests.tiny_models import make_tiny_model
+from tests.tiny_models import model_in_this_process  # noqa: F401 (autouse)
 
 PROMPT_LENGTHS = (3, 11, 25, 6)
 # mean |logprob difference| of the prompt tokens, fp8 cache against the float32 one. The

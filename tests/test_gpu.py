@@ -22,6 +22,7 @@ from services.worker.layers.attention import Attention
 from tests.test_kernels_triton import (MIXED_REQUESTS, AttentionShape, check_attention,
                                        check_write_kv)
 from tests.tiny_models import TOKENIZER_DIR, make_tiny_model
+from tests.tiny_models import model_in_this_process  # noqa: F401 (autouse)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -88,19 +89,23 @@ def test_the_16_bit_gemv_gives_the_cublas_tokens(arch, tmp_path, monkeypatch):
 
 
 def test_the_worker_process_gives_the_in_process_tokens(tmp_path, monkeypatch):
-    """HEADRACE_WORKER_PROCESS=1: the executor in a worker process, with CUDA of its own,
-    gives the tokens of the executor in this process, greedy and seeded."""
+    """HEADRACE_WORKER_PROCESS=1, and the default on a GPU: the executor in a worker
+    process, with CUDA of its own, gives the tokens of the executor in this process, greedy
+    and seeded."""
     model_dir = make_tiny_model(tmp_path, "llama")
     params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)] * 4
     tokens = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv(WORKER_PROCESS_ENV, mode)
+    for mode in ("0", "1", None):
+        if mode is None:
+            monkeypatch.delenv(WORKER_PROCESS_ENV)
+        else:
+            monkeypatch.setenv(WORKER_PROCESS_ENV, mode)
         with LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=256) as llm:
-            assert (llm.engine.executor is None) == (mode == "1")
+            assert (llm.engine.executor is None) == (mode != "0")
             outputs = llm.generate(tiny_prompts(), params, use_tqdm=False)
         tokens[mode] = [o.outputs[0].token_ids for o in outputs]
-    assert tokens["1"] == tokens["0"]
+    assert tokens["1"] == tokens["0"] == tokens[None]
 
 
 @pytest.mark.parametrize("pooling", ["LAST", "MEAN"])
@@ -341,7 +346,7 @@ def test_two_stages_in_cuda_graphs_give_the_eager_and_one_gpu_tokens(tmp_path, m
     model_dir, prompts, kwargs, want = one_gpu_reference(tmp_path)
     monkeypatch.delenv(WORKER_PROCESS_ENV, raising=False)
     with LLM(model_dir, pipeline_parallel_size=2, **kwargs) as llm:
-        assert llm.engine.executor is None  # stages on GPUs: in the worker process
+        assert llm.engine.executor is None  # on GPUs: in the worker process
         assert greedy(llm, prompts, 32) == want
     monkeypatch.setenv(WORKER_PROCESS_ENV, "0")  # the first stage's runner is read here
     for eager in (False, True):

@@ -19,6 +19,7 @@ from services import LLM
 from services.demo import demo_model_path
 from services.worker.memory import kv_cache_bytes_per_block
 from tests.tiny_models import make_tiny_model
+from tests.tiny_models import model_in_this_process  # noqa: F401 (autouse)
 
 MAX_TOKENS = 24
 PROMPTS = [

@@ -175,18 +175,20 @@ def test_a_model_the_worker_process_refuses_raises_the_engines_error(tiny):
     assert children() == before
 
 
-def test_the_default_puts_pipeline_stages_on_gpus_in_the_worker_process(tiny, monkeypatch):
-    """Where the first stage's step thread is the bound (services/offline/engine.py);
-    the environment still decides, and one rank or the CPU keeps the model here."""
+def test_the_default_puts_a_model_on_gpus_in_the_worker_process(tiny, monkeypatch):
+    """Where the loop's host work bounds the steps (services/offline/engine.py); the
+    environment still decides, and the CPU keeps the model here."""
     monkeypatch.delenv(WORKER_PROCESS_ENV, raising=False)
     stages = {"pipeline_parallel_size": 2}
     assert uses_worker_process(EngineConfig(model=tiny, device="cuda", **stages))
-    assert not uses_worker_process(EngineConfig(model=tiny, device="cuda"))
+    assert uses_worker_process(EngineConfig(model=tiny, device="cuda"))
     assert not uses_worker_process(EngineConfig(model=tiny, device="cpu", **stages))
+    assert not uses_worker_process(EngineConfig(model=tiny, device="cpu"))
     assert not uses_worker_process(EngineConfig(model=tiny, device="cuda", **stages),
                                    step_thread=False)
     monkeypatch.setenv(WORKER_PROCESS_ENV, "0")
     assert not uses_worker_process(EngineConfig(model=tiny, device="cuda", **stages))
+    assert not uses_worker_process(EngineConfig(model=tiny, device="cuda"))
     monkeypatch.setenv(WORKER_PROCESS_ENV, "1")
     assert uses_worker_process(EngineConfig(model=tiny, device="cpu"))
 

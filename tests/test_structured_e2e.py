@@ -24,6 +24,7 @@ from common.sampling_params import SamplingParams
 from services import LLM
 from services.demo import demo_model_path
 from tests.tiny_models import make_tiny_model
+from tests.tiny_models import model_in_this_process  # noqa: F401 (autouse)
 
 # A bounded string by pattern, not maxLength: xgrammar 0.2.8 lets raw control characters
 # into a string with a length bound, which JSON forbids (mlc-ai/xgrammar issue 800, open);

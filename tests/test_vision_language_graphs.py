@@ -27,6 +27,7 @@ from tests.test_models import Paged, token_ids
 from tests.test_vision_language import IMAGE, MAX_TOKENS, chat, check_against_reference, \
     random_image
 from tests.tiny_models import make_tiny_llava, make_tiny_vl_model
+from tests.tiny_models import model_in_this_process  # noqa: F401 (autouse)
 
 CPU = torch.device("cpu")
 

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -142,6 +143,16 @@ def make_tiny_model(tmp_path: Path, arch: str, *, seed: int = 0,
            **(generation or {})}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
+
+
+@pytest.fixture(autouse=True)
+def model_in_this_process(monkeypatch):
+    """The engine's executor in the test's process, where the test reads its runner (graphs,
+    caches, modules): on a GPU the default is a worker process (services/offline/engine.py).
+    Autouse in each module that imports it; a test may set the environment itself."""
+    from services.offline.engine import WORKER_PROCESS_ENV
+
+    monkeypatch.setenv(WORKER_PROCESS_ENV, "0")
 
 
 # --- vision-language models ---------------------------------------------------------------

@@ -11,14 +11,16 @@ process (services/offline/detokenizer.py) turns the tokens into text beside this
 The executor may instead run in a worker process (services/offline/worker_process.py), as
 the served worker runs apart from the scheduler, so that the loop's Python and the step
 thread's do not share one GIL: `worker_process=True`, or HEADRACE_WORKER_PROCESS=1 (as
-vLLM's VLLM_ENABLE_V1_MULTIPROCESSING). Unset, it is on for pipeline stages on GPUs only.
-There the steps are many and short, and the first stage's step thread is the bound: two
-stages ran the nano lengths of Llama-3.1-8B at 13,988 tok/s with it and 11,964 without
-(2x H200, one lease: benchmarks/pp-h200x2-overlap/wp). For one GPU it brought no clear gain
-for a child whose start-up costs seconds: the nano workload ran at 16,562, 16,460 and
-16,277 tok/s with it and at 14,043 and 16,640 with the step thread here (H100, two leases:
-benchmarks/issue31-h100/s8). On the CPU the model, not the host, is the bound. The
-outputs are the same either way, token for token.
+vLLM's VLLM_ENABLE_V1_MULTIPROCESSING). Unset, it is on wherever the model runs on GPUs,
+as vLLM's engine core runs in a process of its own by default. There the loop's host work
+bounds the steps, and the child ran faster on the means of every lease that measured both:
+two pipeline stages of Llama-3.1-8B at 13,988 tok/s against 11,964 (2x H200:
+benchmarks/pp-h200x2-overlap/wp); one H100's nano workload at 16,157 against 15,824 tok/s,
+and at 11,066 against 10,415 with logprobs=1 (one lease: benchmarks/issue31-h100/s11),
+after 16,562, 16,460 and 16,277 against 14,043 and 16,640 (two leases: benchmarks/
+issue31-h100/s8). The child's start-up (seconds) runs while this process loads the
+tokenizer. On the CPU the model, not the host, is the bound, and the executor stays here.
+The outputs are the same either way, token for token.
 """
 
 from __future__ import annotations
@@ -212,12 +214,12 @@ class Engine:
 def uses_worker_process(config: EngineConfig, step_thread: bool = True,
                         worker_process: bool | None = None) -> bool:
     """Whether an engine of `config` so built runs its executor in a worker process:
-    `worker_process` if given, else HEADRACE_WORKER_PROCESS=0|1, else whether it runs
-    pipeline stages on GPUs (the module's docstring says why). The child runs the executor
+    `worker_process` if given, else HEADRACE_WORKER_PROCESS=0|1, else whether it runs on
+    GPUs (the module's docstring says why). The child runs the executor
     on a step thread: step_thread=False cannot go with it, and keeps the executor here
     whatever the environment says."""
     if worker_process is None:
-        worker_process = step_thread and _worker_process_chosen(_stages_on_gpus(config))
+        worker_process = step_thread and _worker_process_chosen(_on_gpus(config))
     if worker_process and not step_thread:
         raise ValueError("step_thread=False calls the executor from the engine's loop: it "
                          "cannot go with worker_process=True")
@@ -233,8 +235,8 @@ def _worker_process_chosen(default: bool) -> bool:
     return chosen == "1"
 
 
-def _stages_on_gpus(config: EngineConfig) -> bool:
-    return config.pipeline_parallel_size > 1 and resolve_device(config).type == "cuda"
+def _on_gpus(config: EngineConfig) -> bool:
+    return resolve_device(config).type == "cuda"
 
 
 def _decides_course(item: DetokItem) -> bool:
