@@ -6,8 +6,8 @@
 Workloads: `nano` (256 requests, prompt and output lengths uniform in [100, 1024], seed 0,
 133,966 output tokens), `8b` (64 requests of 1000-token prompts and 1000 output tokens) and
 `fixed` (--num-prompts of --prompt-len tokens and --output-len outputs). `inprocess` runs
-LLM's engine from this process (its executor in a worker process where LLM's is: for
-pipeline stages on GPUs, or with HEADRACE_WORKER_PROCESS=1); `pipeline` runs the same
+LLM's engine from this process (its executor in a worker process where LLM's is: on
+GPUs, unless HEADRACE_WORKER_PROCESS=0); `pipeline` runs the same
 workload through the Redis-linked worker, scheduler, tokenizer and detokenizer processes;
 `http` through all of those and the gateway (what `headrace serve` runs), as streamed
 /v1/completions requests sent at once. So the cost of each serving layer is measured, not
@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "beyond temperature alone)")
     parser.add_argument("--step-thread", action=argparse.BooleanOptionalAction, default=True,
                         help="the in-process engine runs its executor on a step thread, "
-                             "as LLM does (in a worker process for pipeline stages on "
-                             "GPUs or with HEADRACE_WORKER_PROCESS=1), or, with "
+                             "as LLM does (in a worker process on GPUs unless "
+                             "HEADRACE_WORKER_PROCESS=0), or, with "
                              "--no-step-thread, in its loop")
     parser.add_argument("--compare", choices=("transformers",), default=None,
                         help="also run transformers' generate_batch on the same weights")

@@ -1,7 +1,8 @@
 """Where the in-process loop's time goes on the nano workload, with the executor wherever
 HEADRACE_WORKER_PROCESS puts it: the whole run under cProfile (the loop's thread only),
 after one run without it, printing tok/s, the loop's phases and how far the detokenizer
-process fell behind (its batches not yet back, after each step).
+process fell behind (its batches not yet back, after each step). --logprobs N: every
+request also asks for N logprobs.
 
     source .devkit/env.sh && HEADRACE_WORKER_PROCESS=1 python benchmarks/gpu/loop_profile.py \
         --model .devkit/models/qwen3-0.6b-shape --load-format dummy --out $OUT
@@ -18,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.bench.throughput import run_inprocess  # noqa: E402
+from benchmarks.bench.throughput import run_inprocess, with_sampling  # noqa: E402
 from benchmarks.bench.workloads import nano_workload, with_output_len  # noqa: E402
 from common.config import add_engine_args, engine_config_from_args  # noqa: E402
 from services.offline.engine import Engine  # noqa: E402
@@ -68,13 +69,15 @@ def timeline(stamps: list[list[float]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N")
     add_engine_args(parser)
     args = parser.parse_args()
     engine = Engine(engine_config_from_args(args))
-    run_inprocess(engine, with_output_len(nano_workload(256, seed=1), 4, 8))  # the warm-up
+    warmup = with_output_len(nano_workload(256, seed=1), 4, 8)
+    run_inprocess(engine, with_sampling(warmup, args.logprobs, None))
     lines = []
     for profiled, seed in ((False, 0), (True, 2)):  # 2: no prefix the first run cached
-        workload = nano_workload(256, seed=seed)
+        workload = with_sampling(nano_workload(256, seed=seed), args.logprobs, None)
         seen = pending_after_steps(engine)
         stamps = step_times(engine)
         host = cProfile.Profile()
