@@ -8,9 +8,10 @@
 # (BUDGET_S seconds, 470 unless set) is cut short; PYTEST=0 leaves out the test. RUNS picks
 # the runs (default "pp2 pp2-eager tp2 pp1"; tp2pp2 needs four GPUs: two stages of two
 # tensor-parallel ranks; pp1-seqs512 is one GPU seating as many requests as two stages do
-# by default, pp2-seqs512 two stages seating twice that; pp2-wp and pp1-wp run the
-# in-process engine's executor in its worker process (HEADRACE_WORKER_PROCESS=1: where
-# two stages go by default); pp2-http and pp1-http time `serve`).
+# by default, pp2-seqs512 two stages seating twice that, pp2-seqs1024 two stages seating
+# every request at once; pp2-wp and pp1-wp run the in-process engine's executor in its
+# worker process (HEADRACE_WORKER_PROCESS=1: where a model on GPUs goes by default);
+# pp2-http and pp1-http time `serve`).
 #   source .devkit/env.sh && bash benchmarks/gpu/pp_check.sh
 set -uo pipefail
 source benchmarks/gpu/common.sh
@@ -35,6 +36,7 @@ for run in ${RUNS:-pp2 pp2-eager tp2 pp1}; do
     pp1) nano pp1 120 ;;
     pp1-seqs512) nano pp1-seqs512 120 --max-num-seqs 512 ;;
     pp2-seqs512) nano pp2-seqs512 200 --pipeline-parallel-size 2 --max-num-seqs 512 ;;
+    pp2-seqs1024) nano pp2-seqs1024 200 --pipeline-parallel-size 2 --max-num-seqs 1024 ;;
     pp2-wp) HEADRACE_WORKER_PROCESS=1 nano pp2-wp 200 --pipeline-parallel-size 2 ;;
     pp1-wp) HEADRACE_WORKER_PROCESS=1 nano pp1-wp 120 ;;
     pp2-http) NANO_PATH=http nano pp2-http 240 --pipeline-parallel-size 2 ;;
