@@ -276,8 +276,7 @@ class Scheduler:
         adapters = StepAdapters(self.config.max_loras)
         batch, budget = self._schedule_running(budget, adapters)
         if self.num_preemptions == preemptions_before:  # no room to spare for new ones
-            batch += self._schedule_waiting(budget, PartialPrefills.after(batch, self.config),
-                                            adapters)
+            batch += self._schedule_waiting(budget, batch, adapters)
         if not batch:
             return None
         return self._make_plan(batch)
@@ -315,20 +314,21 @@ class Scheduler:
     def _append_tokens(self, req: Request, tokens: list[int]) -> list[int]:
         """Append a step's tokens up to the first that ends the request; a speculating
         request's computed tokens move back over its rejected drafts."""
-        known_before = req.num_known_tokens
+        outputs = req.output_token_ids
+        num_before = len(outputs)
         if req.num_drafts_in_flight:
             self.spec.add(req.num_drafts_in_flight, len(tokens) - 1)
             # its last token is sampled, not computed; a preemption may have reset it to 0
             req.num_computed_tokens = min(req.num_computed_tokens,
-                                          known_before + len(tokens) - 1)
+                                          req.num_known_tokens + len(tokens) - 1)
             req.num_drafts_in_flight = 0
         for token in tokens:
-            req.output_token_ids.append(token)
+            outputs.append(token)
             self.generation_tokens += 1
             self._check_finish(req, token)
             if req.finish_reason is not None:
                 break
-        return req.output_token_ids[known_before - req.num_prompt_tokens:]
+        return outputs[num_before:]
 
     # --- scheduling -----------------------------------------------------------------------
 
@@ -352,11 +352,15 @@ class Scheduler:
             i += 1
         return batch, budget
 
-    def _schedule_waiting(self, budget: int, partial: PartialPrefills, adapters: StepAdapters
-                          ) -> list[tuple[Request, int, list]]:
+    def _schedule_waiting(self, budget: int, running: list[tuple[Request, int, list]],
+                          adapters: StepAdapters) -> list[tuple[Request, int, list]]:
+        """Start waiting requests after the step's `running` ones."""
+        seats = max_running(self.config.max_num_seqs, self.config.pipeline_stages)
+        if not self.waiting or len(self.running) >= seats:
+            return []  # none can start: spare counting the running batch's prefills
+        partial = PartialPrefills.after(running, self.config)
         batch: list[tuple[Request, int, list]] = []
         deferred: list[Request] = []
-        seats = max_running(self.config.max_num_seqs, self.config.pipeline_stages)
         while len(self.waiting) and budget > 0 and len(self.running) < seats:
             req = self.waiting.pop()
             if req.num_pending or not adapters.admits(req):
@@ -407,6 +411,8 @@ class Scheduler:
             if remaining == 1:
                 req.draft_token_ids = self._propose(req, budget - 1)
                 return 1 + len(req.draft_token_ids)
+        if remaining == 1 and not req.images:
+            return 1  # the decode step: one token passes any cap of a positive budget
         n = min(remaining, budget, self._chunk_cap(remaining))
         if n < remaining and not self.config.enable_chunked_prefill:
             return 0
@@ -513,10 +519,12 @@ class Scheduler:
             num_scheduled.append(n)
             num_computed.append(req.num_computed_tokens)
             req.num_computed_tokens += n
-            num_drafts.append(len(req.draft_token_ids))
-            drafts += req.draft_token_ids
-            req.num_drafts_in_flight, req.draft_token_ids = len(req.draft_token_ids), []
-            if req.num_computed_tokens - num_drafts[-1] == req.num_tokens and not req.embed:
+            num_draft = req.num_drafts_in_flight = len(req.draft_token_ids)
+            num_drafts.append(num_draft)
+            if num_draft:
+                drafts += req.draft_token_ids
+                req.draft_token_ids = []
+            if req.num_computed_tokens - num_draft == req.num_tokens and not req.embed:
                 req.num_pending += 1  # this step samples the request's next token
         self.step += 1
         plan = StepPlan(step=self.step, req_ids=req_ids, num_scheduled_tokens=num_scheduled,
@@ -531,7 +539,8 @@ class Scheduler:
 
     def _check_finish(self, req: Request, token: int) -> None:
         params = req.params
-        reached_min = len(req.output_token_ids) >= params.min_tokens
+        num_output = len(req.output_token_ids)
+        reached_min = num_output >= params.min_tokens
         # A grammar admits EOS only where it is complete, and then nothing else is left for
         # it to admit: its end ends the request (services/worker/grammar.py).
         eos_ends = params.structured_outputs is not None or (reached_min
@@ -542,7 +551,7 @@ class Scheduler:
             req.finish_reason, req.stop_reason = "stop", token
         if req.finish_reason is None:
             max_tokens = params.max_tokens
-            if ((max_tokens is not None and len(req.output_token_ids) >= max_tokens)
+            if ((max_tokens is not None and num_output >= max_tokens)
                     or req.num_known_tokens >= self.config.max_model_len):
                 req.finish_reason = "length"
 
@@ -576,6 +585,7 @@ class Scheduler:
 
     def _detok_item(self, req: Request, new: list[int], lp: TokenLogprobs | None) -> DetokItem:
         seq = len(req.output_token_ids) - len(new)
+        first = seq == 0  # the first item also carries what the request brought in
         context, num_context_prompt = make_context(
             req.prompt_token_ids, req.output_token_ids, len(new), req.stop_lookback)
         return DetokItem(
@@ -584,9 +594,9 @@ class Scheduler:
             params=req.detok_params, num_prompt_tokens=req.num_prompt_tokens,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             logprobs=[lp] if lp is not None else [],
-            prompt_logprobs=req.prompt_logprobs if seq == 0 else [],
-            request_stamps=req.stamps if seq == 0 else [],
-            num_cached_tokens=req.num_cached_tokens if seq == 0 else 0)
+            prompt_logprobs=req.prompt_logprobs if first else [],
+            request_stamps=req.stamps if first else [],
+            num_cached_tokens=req.num_cached_tokens if first else 0)
 
     def _embedding_item(self, req: Request, pooled: PooledOutput) -> DetokItem:
         """The embedding request's answer; it ends here. Its embedding counts even when it

@@ -92,9 +92,12 @@ class KVCacheManager:
     def _cache_full_blocks(self, req: Request, num_computed_after: int) -> None:
         if not self.enable_caching:
             return
-        full = min(num_computed_after, req.num_known_tokens) // self.block_size
         start = self.num_hashed.get(req.req_id, 0)
+        full = num_computed_after // self.block_size
         if full <= start:  # the common decode step: no block filled up
+            return
+        full = min(full, req.num_known_tokens // self.block_size)  # known tokens only
+        if full <= start:
             return
         self._extend_hashes(req)
         blocks = self.req_blocks[req.req_id]

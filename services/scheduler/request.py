@@ -78,7 +78,8 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Sequence length including tokens sampled but not yet reported."""
-        return self.num_known_tokens + self.num_pending
+        # num_known_tokens spelled out: read a few times per token, a nested property costs
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
