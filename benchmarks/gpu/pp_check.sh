@@ -33,7 +33,7 @@ for run in ${RUNS:-pp2 pp2-eager tp2 pp1}; do
     pp2-eager) [ "${EAGER:-1}" = 1 ] && nano pp2-eager 150 --pipeline-parallel-size 2 --enforce-eager ;;
     tp2) nano tp2 120 --tensor-parallel-size 2 ;;
     tp2pp2) nano tp2pp2 150 --tensor-parallel-size 2 --pipeline-parallel-size 2 ;;
-    pp1) nano pp1 120 ;;
+    pp1) nano pp1 200 ;;  # with the worker process the model loads twice (measure_model)
     pp1-seqs512) nano pp1-seqs512 120 --max-num-seqs 512 ;;
     pp2-seqs512) nano pp2-seqs512 200 --pipeline-parallel-size 2 --max-num-seqs 512 ;;
     pp2-seqs1024) nano pp2-seqs1024 200 --pipeline-parallel-size 2 --max-num-seqs 1024 ;;
