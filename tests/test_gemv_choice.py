@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 from kernels.gemv import gemv_triton
 from services import LLM
-from services.offline.engine import WORKER_PROCESS_ENV
 from services.worker.layers import gemv_choice
 from services.worker.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
 from tests.tiny_models import make_tiny_model
+from tests.tiny_models import model_in_this_process  # noqa: F401 (autouse)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -49,7 +49,6 @@ def test_cpu_and_eager_engines_never_take_the_gemv(device, eager, tmp_path, monk
     """A bf16 engine on the CPU, or eager on CUDA (a Triton launch costs the host more than
     cuBLAS's), times nothing and every projection keeps F.linear."""
     monkeypatch.setattr(gemv_choice, "rows_for", lambda layers: pytest.fail("timed"))
-    monkeypatch.setenv(WORKER_PROCESS_ENV, "0")  # the runner is read here (and patched)
     llm = LLM(str(make_tiny_model(tmp_path, "llama")), dtype="bfloat16", device=device,
               enforce_eager=eager, num_gpu_blocks_override=64)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
