@@ -42,8 +42,8 @@ from kernels.attention_inputs import (HeadNorms, _norm_rope_write_kv_kernel,
                                       norm_rope_write_kv_ref, norm_rope_write_kv_triton)
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
 from kernels.fp8_gemv import PackedTiles, fp8_gemv, fp8_gemv_ref, fp8_gemv_triton
-from kernels.gemv import (GemvTiles, _gemv_kernel, _sum_splits_kernel, gemv, gemv_ref,
-                          gemv_triton)
+from kernels.gemv import (GemvTiles, _gemv_kernel, gemv, gemv_ref, gemv_triton,
+                          split_counters)
 from kernels.lora import lora_expand_ref, lora_expand_triton
 from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
                           gemma_norm_add_norm_triton, rms_norm_ref, rms_norm_triton)
@@ -83,6 +83,13 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, seed: int) -> 
     """‖out − ref‖ / ‖ref‖ within the dtype's tolerance; NaN never passes."""
     error = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     assert error <= TOLERANCE[ref.dtype], f"{what}: relative error {error:.3g} (seed {seed})"
+
+
+def assert_finished_shares(out: torch.Tensor, again: Callable[[], torch.Tensor]) -> None:
+    """A GEMV split in K leaves every stripe's counter at zero (finish_share), so that
+    the next launch, run by `again`, finishes each stripe too and gives the same bits."""
+    assert not split_counters(out.device).any(), "a split GEMV left a counter set"
+    assert torch.equal(again(), out), "a second launch gave other sums"
 
 
 # --- paged attention ---------------------------------------------------------------------
@@ -607,6 +614,7 @@ def check_fp8_gemv(rows: int, n: int, k: int, scales: str, dtype: torch.dtype, d
     x = rand(g, rows, k, dtype=dtype, device=device, scale=x_scale)
     b = rand(g, n, dtype=dtype, device=device, scale=x_scale) if bias else None
     out = fp8_gemv_triton(x, w, w_scale, b, block, tiles)
+    assert_finished_shares(out, lambda: fp8_gemv_triton(x, w, w_scale, b, block, tiles))
     ref = fp8_gemv_ref(x, w, w_scale, b, block)
     assert_close(out, ref, f"fp8_gemv {rows}x{k} -> {n} {scales} {tiles}", seed)
 
@@ -621,6 +629,7 @@ def check_gemv(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
     x = rand(g, rows, k, dtype=dtype, device=device)
     b = rand(g, n, dtype=dtype, device=device) if bias else None
     out = gemv_triton(x, w, b, tiles)
+    assert_finished_shares(out, lambda: gemv_triton(x, w, b, tiles))
     assert_close(out, gemv_ref(x, w, b), f"gemv {rows}x{k} -> {n} {dtype} {tiles}", seed)
 
 # --- interpreter checks: tiny shapes, each run in a subprocess -----------------------------
@@ -1182,9 +1191,10 @@ def test_gemv_compiles_for_sm90() -> None:
     """The GEMV's default tiles (default_tiles), launched with PDL (kernels/pdl.py). fp8 weights: one row per channel and per
     128x128 block (CUDA-core sums), more rows per channel and per block (tensor cores on
     bf16). bf16 and fp16 weights, no scale: one row on the CUDA cores and on tensor cores
-    (the widest projections), more rows on tensor cores. And the K split's sum."""
+    (the widest projections), more rows on tensor cores. Each with the K split's sum
+    (finish_share)."""
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16",
-                 out_ptr="*bf16", m="i32", n="i32", k="i32", stride_x="i32", stride_w="i32",
+                 y_ptr="*bf16", parts_ptr="*fp32", counters_ptr="*i32", m="i32", n="i32", k="i32", stride_x="i32", stride_w="i32",
                  scale_stride="i32", scale_block_n="i32", scale_block_k="i32", k_share="i32")
     for per_k, dot, block_m, block_n, block_k in [(False, False, 1, 8, 512),
                                                   (True, False, 1, 32, 128),
@@ -1196,16 +1206,12 @@ def test_gemv_compiles_for_sm90() -> None:
             BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
     for dtype in ("bf16", "fp16"):
         half = dict(types, x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", scale_ptr=f"*{dtype}",
-                    bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
+                    bias_ptr=f"*{dtype}", y_ptr=f"*{dtype}")
         for dot, block_m, block_n, block_k in [(False, 1, 8, 256), (True, 16, 32, 64),
                                                (True, 16, 32, 128)]:
             compile_for_sm90(_gemv_kernel, half, dict(
                 HAS_SCALE=False, PER_K_SCALE=False, HAS_BIAS=True, USE_DOT=dot,
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
-    compile_for_sm90(_sum_splits_kernel, dict(parts_ptr="*fp32", bias_ptr="*bf16",
-                                              y_ptr="*bf16", size="i32", n="i32",
-                                              splits="i32"),
-                     dict(HAS_BIAS=True, BLOCK=1024, PDL=True))
 
 
 @needs_cuda
