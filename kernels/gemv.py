@@ -212,11 +212,12 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         scale.shape[1] if scale is not None else 0, block_n, block_k, k_share,
         HAS_SCALE=scale is not None, PER_K_SCALE=per_k, HAS_BIAS=bias is not None,
         USE_DOT=tiles.dot, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tile_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
+        SPLIT=split > 1, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **pdl_launch(x))
     return y.reshape(*x.shape[:-1], n)
 
 
-SPLIT_COUNTERS = 1 << 14  # the most stripes (times rows, in the int4 GEMV) a split launch counts
+SPLIT_COUNTERS = 1 << 14  # the most stripes (times rows: the int4 GEMV) a split launch counts
 
 
 @functools.cache
@@ -250,7 +251,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, parts_ptr, counters_p
                  stride_x, stride_w, scale_stride, scale_block_n, scale_block_k, k_share,
                  HAS_SCALE: tl.constexpr, PER_K_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     """A BLOCK_N stripe of y's columns over one K share (program_id 1), finished by
     finish_share. Without HAS_SCALE the scale arguments are not read."""
     let_next_start(PDL)
@@ -290,19 +291,20 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, parts_ptr, counters_p
                        other=0.0).to(tl.float32)[None, :]
     finish_share(acc, y_ptr, parts_ptr, counters_ptr + stripe,
                  offs_m[:, None] * n + offs_n[None, :], m_ok[:, None] & n_ok[None, :],
-                 share, tl.num_programs(1), m * n)
+                 share, tl.num_programs(1), m * n, SPLIT)
 
 
 @triton.jit
-def finish_share(acc, y_ptr, parts_ptr, counter_ptr, at, ok, share, shares, size):
-    """acc: one K share's float32 sums for y's elements `at` (of `size`, flattened). With one
-    share they are y's. Else they go to parts [shares, size], and the share that counts in
-    last at the stripe's counter adds up all of them, in share order (a second launch's
-    order: the same float32 sums), rounds them into y and zeroes the counter. The barrier
-    orders the program's stores before its count, whose release (gpu scope) makes them
-    visible to the share that reads them; that one reads past L1, which is not coherent
-    across SMs."""
-    if shares == 1:
+def finish_share(acc, y_ptr, parts_ptr, counter_ptr, at, ok, share, shares, size,
+                 SPLIT: tl.constexpr):
+    """acc: one K share's float32 sums for y's elements `at` (of `size`, flattened). Without
+    SPLIT (one share) they are y's, and parts and the counter are not read. Else they go to
+    parts [shares, size], and the share that counts in last at the stripe's counter adds up
+    all of them, in share order (a second launch's order: the same float32 sums), rounds
+    them into y and zeroes the counter. The barrier orders the program's stores before its
+    count, whose release (gpu scope) makes them visible to the share that reads them; that
+    one reads past L1, which is not coherent across SMs."""
+    if not SPLIT:
         tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(parts_ptr + share * size + at, acc, mask=ok)

@@ -242,7 +242,7 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     parts, counters = split_buffers(split, m, n, stripes * rows, y)
     args = (x2, qweight, scales, zeros, perm if perm is not None else x2,
             bias if bias is not None else x2, y, parts, counters, m, n, k, group_size, k_share)
-    flags = dict(HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
+    flags = dict(HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=split > 1,
                  BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
                  num_stages=tiles.num_stages, **pdl_launch(x))
     if gemv:
@@ -387,8 +387,9 @@ def _nibble_products(words, place: tl.constexpr, xs, zero):
 def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr,
                        y_ptr, parts_ptr, counters_ptr, m, n, k, group_size, k_share,
                        HAS_PERM: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUPS: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, PACKED: tl.constexpr,
+                       PDL: tl.constexpr):
     """One row of x (program_id 2) times a BLOCK_N stripe of W over one K share
     (program_id 1), finished by finish_share; PACKED: in
     packed half arithmetic (CUDA), else in float32 (the interpreter). A K tile
@@ -435,7 +436,8 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < tl.where(share == 0, n, 0),
                        other=0.0).to(tl.float32)
     finish_share(acc, y_ptr, parts_ptr, counters_ptr + row * tl.num_programs(0) + stripe,
-                 row.to(tl.int64) * n + offs_n, n_ok, share, tl.num_programs(1), m * n)
+                 row.to(tl.int64) * n + offs_n, n_ok, share, tl.num_programs(1), m * n,
+                 SPLIT)
 
 
 @triton.jit
@@ -459,8 +461,8 @@ def _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_n, n_ok, k0, k, g
 def _w4a16_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, y_ptr,
                        parts_ptr, counters_ptr, m, n, k, group_size, k_share,
                        HAS_PERM: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """A BLOCK_M x BLOCK_N tile of y over one K share (program_id 2): each K step
     dequantizes a weight tile to the activation dtype and feeds tl.dot with float32
     accumulation, finished by finish_share."""
@@ -485,7 +487,7 @@ def _w4a16_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
     tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     finish_share(acc, y_ptr, parts_ptr, counters_ptr + tile,
                  offs_m.to(tl.int64)[:, None] * n + offs_n[None, :],
-                 m_ok[:, None] & n_ok[None, :], share, tl.num_programs(2), m * n)
+                 m_ok[:, None] & n_ok[None, :], share, tl.num_programs(2), m * n, SPLIT)
 
 
 @triton.jit

@@ -44,6 +44,7 @@ from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
 from kernels.fp8_gemv import PackedTiles, fp8_gemv, fp8_gemv_ref, fp8_gemv_triton
 from kernels.gemv import (GemvTiles, _gemv_kernel, gemv, gemv_ref, gemv_triton,
                           split_counters)
+from kernels.int4 import _w4a16_gemm_kernel, _w4a16_gemv_kernel
 from kernels.lora import lora_expand_ref, lora_expand_triton
 from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
                           gemma_norm_add_norm_triton, rms_norm_ref, rms_norm_triton)
@@ -1188,22 +1189,24 @@ def test_top_p_radix_kernels_compile_for_sm90() -> None:
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
 def test_gemv_compiles_for_sm90() -> None:
-    """The GEMV's default tiles (default_tiles), launched with PDL (kernels/pdl.py). fp8 weights: one row per channel and per
-    128x128 block (CUDA-core sums), more rows per channel and per block (tensor cores on
-    bf16). bf16 and fp16 weights, no scale: one row on the CUDA cores and on tensor cores
-    (the widest projections), more rows on tensor cores. Each with the K split's sum
-    (finish_share)."""
+    """The GEMV's default tiles (default_tiles), launched with PDL (kernels/pdl.py). fp8
+    weights: one row per channel and per 128x128 block (CUDA-core sums), more rows per
+    channel and per block (tensor cores on bf16). bf16 and fp16 weights, no scale: one row
+    on the CUDA cores and on tensor cores (the widest projections), more rows on tensor
+    cores. Each with K split (finish_share's counted sum) and whole."""
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16",
-                 y_ptr="*bf16", parts_ptr="*fp32", counters_ptr="*i32", m="i32", n="i32", k="i32", stride_x="i32", stride_w="i32",
-                 scale_stride="i32", scale_block_n="i32", scale_block_k="i32", k_share="i32")
+                 y_ptr="*bf16", parts_ptr="*fp32", counters_ptr="*i32", m="i32", n="i32",
+                 k="i32", stride_x="i32", stride_w="i32", scale_stride="i32",
+                 scale_block_n="i32", scale_block_k="i32", k_share="i32")
     for per_k, dot, block_m, block_n, block_k in [(False, False, 1, 8, 512),
                                                   (True, False, 1, 32, 128),
                                                   (False, True, 16, 32, 128),
                                                   (False, True, 16, 32, 256),
                                                   (True, True, 16, 32, 128)]:
-        compile_for_sm90(_gemv_kernel, types, dict(
-            HAS_SCALE=True, PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
+        for split in (False, True):
+            compile_for_sm90(_gemv_kernel, types, dict(
+                HAS_SCALE=True, PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PDL=True))
     for dtype in ("bf16", "fp16"):
         half = dict(types, x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", scale_ptr=f"*{dtype}",
                     bias_ptr=f"*{dtype}", y_ptr=f"*{dtype}")
@@ -1211,7 +1214,24 @@ def test_gemv_compiles_for_sm90() -> None:
                                                (True, 16, 32, 128)]:
             compile_for_sm90(_gemv_kernel, half, dict(
                 HAS_SCALE=False, PER_K_SCALE=False, HAS_BIAS=True, USE_DOT=dot,
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=dot, PDL=True))
+
+
+@pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
+def test_int4_kernels_compile_for_sm90() -> None:
+    """The W4A16 GEMV in packed half arithmetic (its inline PTX) at the 8B tiles and the
+    tiled GEMM, each with K split (finish_share's counted sum) and whole."""
+    types = dict(x_ptr="*bf16", qweight_ptr="*i32", scales_ptr="*bf16", zeros_ptr="*u8",
+                 perm_ptr="*i32", bias_ptr="*bf16", y_ptr="*bf16", parts_ptr="*fp32",
+                 counters_ptr="*i32", m="i32", n="i32", k="i32", group_size="i32",
+                 k_share="i32")
+    for split in (False, True):
+        compile_for_sm90(_w4a16_gemv_kernel, types, dict(
+            HAS_PERM=split, HAS_BIAS=True, SPLIT=split, BLOCK_N=16, BLOCK_K=1024, GROUPS=8,
+            PACKED=True, PDL=True))
+        compile_for_sm90(_w4a16_gemm_kernel, types, dict(
+            HAS_PERM=not split, HAS_BIAS=True, SPLIT=split, BLOCK_M=16, BLOCK_N=64,
+            BLOCK_K=128, PDL=True))
 
 
 @needs_cuda
