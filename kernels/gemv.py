@@ -10,10 +10,7 @@ weight tiles contiguous along K and either sums products on the CUDA cores (one 
 lane keeps its own sums in the tile's layout, reduced once after the loop, and the next
 tile's loads go out before the current one's arithmetic) or feeds tl.dot with x padded to
 16 rows (more rows). When N is small for the chip, K splits across programs (split_k), each
-writing float32 partial sums; the share that finishes a stripe last adds them up in x's
-dtype (finish_share), where a second launch did before: at batch-1 decode each launch in
-the chain of a step's small kernels costs a microsecond or two, and an 8B int4 step had
-64 of these.
+writing float32 partial sums that a second launch adds up (with the bias) in x's dtype.
 
 A scale, when there is one, comes as blocks [ceil(N / scale_block_n), ceil(K /
 scale_block_k)]; a block that spans all of K multiplies each output once after the loop, a
@@ -34,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import let_next_start, pdl_launch, wait_for_previous
+from kernels.pdl import let_next_start, overlap_previous, pdl_launch, wait_for_previous
 
 GEMV_MAX_ROWS = 16
 DOT_MIN_ROWS = 16  # tl.dot's smallest M: fewer rows are padded with masked loads
@@ -202,58 +199,41 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     split = max(1, min(tiles.split_k, triton.cdiv(k, tile_k)))
     k_share = triton.cdiv(triton.cdiv(k, split), tile_k) * tile_k
     split = triton.cdiv(k, k_share)
-    stripes = triton.cdiv(n, tiles.block_n)
-    parts, counters = split_buffers(split, m, n, stripes, y)
+    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     assert tiles.dot or m == 1, "more than one row takes tensor cores (tiles.dot)"
     block_m = max(triton.next_power_of_2(m), DOT_MIN_ROWS) if tiles.dot else 1
-    _gemv_kernel[(stripes, split)](
-        x2, w, scale if scale is not None else w, bias if bias is not None else y, y, parts,
-        counters, m, n, k, x2.stride(0), w.stride(0),
-        scale.shape[1] if scale is not None else 0, block_n, block_k, k_share,
-        HAS_SCALE=scale is not None, PER_K_SCALE=per_k, HAS_BIAS=bias is not None,
-        USE_DOT=tiles.dot, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tile_k,
-        SPLIT=split > 1, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **pdl_launch(x))
+    _gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
+        x2, w, scale if scale is not None else w, bias if bias is not None else y, out, m, n,
+        k, x2.stride(0), w.stride(0), scale.shape[1] if scale is not None else 0, block_n,
+        block_k, k_share, HAS_SCALE=scale is not None, PER_K_SCALE=per_k,
+        HAS_BIAS=bias is not None and split == 1, USE_DOT=tiles.dot, BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tile_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl_launch(x))
+    if split > 1:
+        sum_splits(out, bias, y)
     return y.reshape(*x.shape[:-1], n)
 
 
-SPLIT_COUNTERS = 1 << 14  # the most stripes (times rows: the int4 GEMV) a split launch counts
-
-
-@functools.cache
-def split_counters(device: torch.device) -> torch.Tensor:
-    """One int32 counter per stripe of a split GEMV, zero between launches: the share that
-    finishes a stripe zeroes it again. Kernels on one device run in stream order, so the
-    launches share it."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # made inside a graph, its zeros would be written only when the graph replays
-        raise RuntimeError("a split GEMV ran first inside a CUDA graph capture: "
-                           "run the model once eagerly before capturing")
-    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-
-
-def split_buffers(split: int, m: int, n: int, counted: int, y: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 partial sums [split, m, n] of a launch split in K and the counters of its
-    `counted` stripes; y stands in for both where K is not split (the kernel never reads
-    them then)."""
-    if split == 1:
-        return y, y
-    assert counted <= SPLIT_COUNTERS, f"a split GEMV of {counted} stripes"
-    parts = torch.empty(split, m, n, dtype=torch.float32, device=y.device)
-    return parts, split_counters(y.device)
+def sum_splits(parts: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+    """y [m, n] = the K shares' float32 partial sums parts [splits, m, n] (+ bias), added
+    up in one launch."""
+    splits, m, n = parts.shape
+    _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](
+        parts, bias if bias is not None else y, y, m * n, n, splits,
+        HAS_BIAS=bias is not None, BLOCK=1024, **pdl_launch(y))
 
 
 # --- kernels -------------------------------------------------------------------------------
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, parts_ptr, counters_ptr, m, n, k,
-                 stride_x, stride_w, scale_stride, scale_block_n, scale_block_k, k_share,
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
+                 stride_w, scale_stride, scale_block_n, scale_block_k, k_share,
                  HAS_SCALE: tl.constexpr, PER_K_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
-    """A BLOCK_N stripe of y's columns over one K share (program_id 1), finished by
-    finish_share. Without HAS_SCALE the scale arguments are not read."""
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """A BLOCK_N stripe of y's columns over one K share (program_id 1); with more than one
+    share, float32 partial sums into out [shares, m, n], else y itself. Without HAS_SCALE
+    the scale arguments are not read."""
     let_next_start(PDL)
     stripe, share = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -286,36 +266,11 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, parts_ptr, counters_p
                             PER_K_SCALE, BLOCK_N, BLOCK_K, PDL)[None, :]
     if HAS_SCALE and not PER_K_SCALE:
         acc *= tl.load(scale_rows, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:  # in the first share's sums
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < tl.where(share == 0, n, 0),
-                       other=0.0).to(tl.float32)[None, :]
-    finish_share(acc, y_ptr, parts_ptr, counters_ptr + stripe,
-                 offs_m[:, None] * n + offs_n[None, :], m_ok[:, None] & n_ok[None, :],
-                 share, tl.num_programs(1), m * n, SPLIT)
-
-
-@triton.jit
-def finish_share(acc, y_ptr, parts_ptr, counter_ptr, at, ok, share, shares, size,
-                 SPLIT: tl.constexpr):
-    """acc: one K share's float32 sums for y's elements `at` (of `size`, flattened). Without
-    SPLIT (one share) they are y's, and parts and the counter are not read. Else they go to
-    parts [shares, size], and the share that counts in last at the stripe's counter adds up
-    all of them, in share order (a second launch's order: the same float32 sums), rounds
-    them into y and zeroes the counter. The barrier orders the program's stores before its
-    count, whose release (gpu scope) makes them visible to the share that reads them; that
-    one reads past L1, which is not coherent across SMs."""
-    if not SPLIT:
-        tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.store(parts_ptr + share * size + at, acc, mask=ok)
-        tl.debug_barrier()
-        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == shares - 1:
-            total = tl.zeros_like(acc)
-            for s in range(0, shares):
-                total += tl.load(parts_ptr + s * size + at, mask=ok, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(y_ptr + at, total.to(y_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(counter_ptr, 0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    at = (share * m + offs_m)[:, None] * n + offs_n[None, :]
+    tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -347,3 +302,18 @@ def _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
         lanes += wf * xs.to(tl.float32)[None, :]
         w, xs = w_next, x_next
     return tl.sum(lanes, axis=1)
+
+
+@triton.jit
+def _sum_splits_kernel(parts_ptr, bias_ptr, y_ptr, size, n, splits,
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """y = the K shares' float32 partial sums [splits, size] added up (+ bias)."""
+    overlap_previous(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, splits):
+        acc += tl.load(parts_ptr + s * size + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)

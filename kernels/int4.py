@@ -42,8 +42,7 @@ each row's words: HBM serves long runs faster than the 64-byte pieces of one gro
 tile), or lie inside one, so that each group of a tile has one scale and zero a row. The
 first tile's weights are loaded before the kernel waits on the previous one (kernels/pdl.py).
 Either way the error stays under the twin's, which rounds each dequantized weight to the
-activation dtype. Split-K partial sums are added by the share that finishes a stripe last
-(kernels/gemv.py's finish_share).
+activation dtype. Split-K partial sums are added by kernels/gemv.py's second launch, as there.
 The tiled GEMM (more rows: larger decode batches, prefill) dequantizes [BLOCK_N,
 BLOCK_K] tiles to the activation dtype and feeds tl.dot; from DEQUANTIZE_MIN_ROWS rows
 (prefill) the weight is dequantized once and cuBLAS multiplies. Tiles come from sweeps on
@@ -60,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv import finish_share, sm_count, split_buffers
+from kernels.gemv import sm_count, sum_splits
 from kernels.packed_half import half_pair, power_of_two_scales
 from kernels.pdl import let_next_start, overlap_previous, pdl_launch, wait_for_previous
 
@@ -239,10 +238,10 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     split = split_count(tiles, stripes * rows, k, block_k, sm_count(x.device))
     k_share = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_share)
-    parts, counters = split_buffers(split, m, n, stripes * rows, y)
+    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     args = (x2, qweight, scales, zeros, perm if perm is not None else x2,
-            bias if bias is not None else x2, y, parts, counters, m, n, k, group_size, k_share)
-    flags = dict(HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=split > 1,
+            bias if bias is not None else x2, out, m, n, k, group_size, k_share)
+    flags = dict(HAS_PERM=perm is not None, HAS_BIAS=bias is not None and split == 1,
                  BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
                  num_stages=tiles.num_stages, **pdl_launch(x))
     if gemv:
@@ -250,6 +249,8 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                                                 PACKED=x.is_cuda, **flags)
     else:
         _w4a16_gemm_kernel[(rows, stripes, split)](*args, BLOCK_M=tiles.block_m, **flags)
+    if split > 1:
+        sum_splits(out, bias, y)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -385,13 +386,11 @@ def _nibble_products(words, place: tl.constexpr, xs, zero):
 
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr,
-                       y_ptr, parts_ptr, counters_ptr, m, n, k, group_size, k_share,
-                       HAS_PERM: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, PACKED: tl.constexpr,
-                       PDL: tl.constexpr):
+                       out_ptr, m, n, k, group_size, k_share, HAS_PERM: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUPS: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
     """One row of x (program_id 2) times a BLOCK_N stripe of W over one K share
-    (program_id 1), finished by finish_share; PACKED: in
+    (program_id 1): float32 partial sums into out [shares, m, n], or y itself; PACKED: in
     packed half arithmetic (CUDA), else in float32 (the interpreter). A K tile
     spans GROUPS whole groups, or lies inside one (GROUPS 1), so that each row's words
     are read in long runs. The first tile's words, scales and zeros are loaded before
@@ -432,12 +431,10 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
         lanes += sums * s.to(tl.float32)[:, :, None]
         words, s, z, x8 = next_words, next_s, next_z, next_x8
     acc = tl.sum(tl.sum(lanes, axis=2), axis=1)
-    if HAS_BIAS:  # in the first share's sums
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < tl.where(share == 0, n, 0),
-                       other=0.0).to(tl.float32)
-    finish_share(acc, y_ptr, parts_ptr, counters_ptr + row * tl.num_programs(0) + stripe,
-                 row.to(tl.int64) * n + offs_n, n_ok, share, tl.num_programs(1), m * n,
-                 SPLIT)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (share * m + row).to(tl.int64) * n + offs_n,
+             acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -458,14 +455,13 @@ def _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_n, n_ok, k0, k, g
 
 
 @triton.jit
-def _w4a16_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, y_ptr,
-                       parts_ptr, counters_ptr, m, n, k, group_size, k_share,
-                       HAS_PERM: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _w4a16_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, out_ptr,
+                       m, n, k, group_size, k_share, HAS_PERM: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """A BLOCK_M x BLOCK_N tile of y over one K share (program_id 2): each K step
     dequantizes a weight tile to the activation dtype and feeds tl.dot with float32
-    accumulation, finished by finish_share."""
+    accumulation; partial sums into out [shares, m, n], or y itself."""
     overlap_previous(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -481,13 +477,11 @@ def _w4a16_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
         w = _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_n, n_ok, k0, k,
                               group_size, xs.dtype, BLOCK_N, BLOCK_K)
         acc = tl.dot(xs, tl.trans(w), acc)
-    if HAS_BIAS:  # in the first share's sums
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < tl.where(share == 0, n, 0),
-                       other=0.0).to(tl.float32)[None, :]
-    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    finish_share(acc, y_ptr, parts_ptr, counters_ptr + tile,
-                 offs_m.to(tl.int64)[:, None] * n + offs_n[None, :],
-                 m_ok[:, None] & n_ok[None, :], share, tl.num_programs(2), m * n, SPLIT)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    at = (share * m + offs_m).to(tl.int64)[:, None] * n + offs_n[None, :]
+    tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit

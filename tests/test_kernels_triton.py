@@ -42,8 +42,8 @@ from kernels.attention_inputs import (HeadNorms, _norm_rope_write_kv_kernel,
                                       norm_rope_write_kv_ref, norm_rope_write_kv_triton)
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
 from kernels.fp8_gemv import PackedTiles, fp8_gemv, fp8_gemv_ref, fp8_gemv_triton
-from kernels.gemv import (GemvTiles, _gemv_kernel, gemv, gemv_ref, gemv_triton,
-                          split_counters)
+from kernels.gemv import (GemvTiles, _gemv_kernel, _sum_splits_kernel, gemv, gemv_ref,
+                          gemv_triton)
 from kernels.int4 import _w4a16_gemm_kernel, _w4a16_gemv_kernel
 from kernels.lora import lora_expand_ref, lora_expand_triton
 from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
@@ -84,13 +84,6 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, seed: int) -> 
     """‖out − ref‖ / ‖ref‖ within the dtype's tolerance; NaN never passes."""
     error = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     assert error <= TOLERANCE[ref.dtype], f"{what}: relative error {error:.3g} (seed {seed})"
-
-
-def assert_finished_shares(out: torch.Tensor, again: Callable[[], torch.Tensor]) -> None:
-    """A GEMV split in K leaves every stripe's counter at zero (finish_share), so that
-    the next launch, run by `again`, finishes each stripe too and gives the same bits."""
-    assert not split_counters(out.device).any(), "a split GEMV left a counter set"
-    assert torch.equal(again(), out), "a second launch gave other sums"
 
 
 # --- paged attention ---------------------------------------------------------------------
@@ -615,7 +608,6 @@ def check_fp8_gemv(rows: int, n: int, k: int, scales: str, dtype: torch.dtype, d
     x = rand(g, rows, k, dtype=dtype, device=device, scale=x_scale)
     b = rand(g, n, dtype=dtype, device=device, scale=x_scale) if bias else None
     out = fp8_gemv_triton(x, w, w_scale, b, block, tiles)
-    assert_finished_shares(out, lambda: fp8_gemv_triton(x, w, w_scale, b, block, tiles))
     ref = fp8_gemv_ref(x, w, w_scale, b, block)
     assert_close(out, ref, f"fp8_gemv {rows}x{k} -> {n} {scales} {tiles}", seed)
 
@@ -630,7 +622,6 @@ def check_gemv(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
     x = rand(g, rows, k, dtype=dtype, device=device)
     b = rand(g, n, dtype=dtype, device=device) if bias else None
     out = gemv_triton(x, w, b, tiles)
-    assert_finished_shares(out, lambda: gemv_triton(x, w, b, tiles))
     assert_close(out, gemv_ref(x, w, b), f"gemv {rows}x{k} -> {n} {dtype} {tiles}", seed)
 
 # --- interpreter checks: tiny shapes, each run in a subprocess -----------------------------
@@ -1189,49 +1180,48 @@ def test_top_p_radix_kernels_compile_for_sm90() -> None:
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
 def test_gemv_compiles_for_sm90() -> None:
-    """The GEMV's default tiles (default_tiles), launched with PDL (kernels/pdl.py). fp8
-    weights: one row per channel and per 128x128 block (CUDA-core sums), more rows per
-    channel and per block (tensor cores on bf16). bf16 and fp16 weights, no scale: one row
-    on the CUDA cores and on tensor cores (the widest projections), more rows on tensor
-    cores. Each with K split (finish_share's counted sum) and whole."""
+    """The GEMV's default tiles (default_tiles), launched with PDL (kernels/pdl.py). fp8 weights: one row per channel and per
+    128x128 block (CUDA-core sums), more rows per channel and per block (tensor cores on
+    bf16). bf16 and fp16 weights, no scale: one row on the CUDA cores and on tensor cores
+    (the widest projections), more rows on tensor cores. And the K split's sum."""
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16",
-                 y_ptr="*bf16", parts_ptr="*fp32", counters_ptr="*i32", m="i32", n="i32",
-                 k="i32", stride_x="i32", stride_w="i32", scale_stride="i32",
-                 scale_block_n="i32", scale_block_k="i32", k_share="i32")
+                 out_ptr="*bf16", m="i32", n="i32", k="i32", stride_x="i32", stride_w="i32",
+                 scale_stride="i32", scale_block_n="i32", scale_block_k="i32", k_share="i32")
     for per_k, dot, block_m, block_n, block_k in [(False, False, 1, 8, 512),
                                                   (True, False, 1, 32, 128),
                                                   (False, True, 16, 32, 128),
                                                   (False, True, 16, 32, 256),
                                                   (True, True, 16, 32, 128)]:
-        for split in (False, True):
-            compile_for_sm90(_gemv_kernel, types, dict(
-                HAS_SCALE=True, PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot,
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, PDL=True))
+        compile_for_sm90(_gemv_kernel, types, dict(
+            HAS_SCALE=True, PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
     for dtype in ("bf16", "fp16"):
         half = dict(types, x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", scale_ptr=f"*{dtype}",
-                    bias_ptr=f"*{dtype}", y_ptr=f"*{dtype}")
+                    bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
         for dot, block_m, block_n, block_k in [(False, 1, 8, 256), (True, 16, 32, 64),
                                                (True, 16, 32, 128)]:
             compile_for_sm90(_gemv_kernel, half, dict(
                 HAS_SCALE=False, PER_K_SCALE=False, HAS_BIAS=True, USE_DOT=dot,
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=dot, PDL=True))
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
+    compile_for_sm90(_sum_splits_kernel, dict(parts_ptr="*fp32", bias_ptr="*bf16",
+                                              y_ptr="*bf16", size="i32", n="i32",
+                                              splits="i32"),
+                     dict(HAS_BIAS=True, BLOCK=1024, PDL=True))
 
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
 def test_int4_kernels_compile_for_sm90() -> None:
-    """The W4A16 GEMV in packed half arithmetic (its inline PTX) at the 8B tiles and the
-    tiled GEMM, each with K split (finish_share's counted sum) and whole."""
+    """The W4A16 GEMV in packed half arithmetic (its inline PTX) at the 8B tiles, with and
+    without act-order, and the tiled GEMM of decode batches."""
     types = dict(x_ptr="*bf16", qweight_ptr="*i32", scales_ptr="*bf16", zeros_ptr="*u8",
-                 perm_ptr="*i32", bias_ptr="*bf16", y_ptr="*bf16", parts_ptr="*fp32",
-                 counters_ptr="*i32", m="i32", n="i32", k="i32", group_size="i32",
-                 k_share="i32")
-    for split in (False, True):
+                 perm_ptr="*i32", bias_ptr="*bf16", out_ptr="*fp32", m="i32", n="i32",
+                 k="i32", group_size="i32", k_share="i32")
+    for act_order in (False, True):
         compile_for_sm90(_w4a16_gemv_kernel, types, dict(
-            HAS_PERM=split, HAS_BIAS=True, SPLIT=split, BLOCK_N=16, BLOCK_K=1024, GROUPS=8,
+            HAS_PERM=act_order, HAS_BIAS=not act_order, BLOCK_N=16, BLOCK_K=1024, GROUPS=8,
             PACKED=True, PDL=True))
-        compile_for_sm90(_w4a16_gemm_kernel, types, dict(
-            HAS_PERM=not split, HAS_BIAS=True, SPLIT=split, BLOCK_M=16, BLOCK_N=64,
-            BLOCK_K=128, PDL=True))
+    compile_for_sm90(_w4a16_gemm_kernel, dict(types, out_ptr="*bf16"), dict(
+        HAS_PERM=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=True))
 
 
 @needs_cuda
