@@ -232,7 +232,7 @@ def test_random_adapters_are_peft_adapters_the_engine_serves(tiny, tmp_path):
 def test_latency_command_decodes_under_lora_adapters(tiny, tmp_path):
     out = tmp_path / "latency.json"
     common = ["bench", "latency", "--model", str(tiny), "--context-len", "16",
-              "--output-len", "4", "--iterations", "1", "--batch-size", "4",
+              "--output-len", "8", "--iterations", "1", "--batch-size", "4",
               "--num-gpu-blocks-override", "64", "--device", "cpu", "--lora-adapters", "2"]
     refused = run_command(*common, timeout=300)
     assert refused.returncode == 2 and "needs --enable-lora" in refused.stderr
@@ -273,7 +273,7 @@ def test_latency_floor_counts_quantized_weights(tiny, tmp_path, one_rank_latency
     """--quantization fp8 (quantized on load) holds a byte per projection weight where
     float32 holds four, plus a float32 scale per output row: the bytes the floor counts
     shrink by exactly that."""
-    fp8 = run_latency(tiny, tmp_path / "latency.json", "--output-len", "4", "--load-format",
+    fp8 = run_latency(tiny, tmp_path / "latency.json", "--output-len", "8", "--load-format",
                       "dummy", "--quantization", "fp8")
     assert fp8["floor_ms_per_token"] > 0
     read = {0: one_rank_latency["weight_bytes"], 2: fp8["weight_bytes"]}

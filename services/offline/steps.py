@@ -38,7 +38,7 @@ from services.worker.executor import Executor
 from services.worker.step_thread import StepThread
 
 JOIN_WAIT_S = 10.0
-LAUNCH_LAG = 2
+LAUNCH_LAG = 3
 
 
 class Steps(Protocol):
@@ -136,15 +136,17 @@ def _stop_thread(thread: StepThread, switch_interval: float) -> None:
 
 
 def launch_lag(config: EngineConfig) -> int:
-    """The launched steps without results once the newest is launched: two, or those
+    """The launched steps without results once the newest is launched: three, or those
     pipeline stages hold (common/pipeline.py) where more. One would do (the runner plans
     ahead of one step, services/worker/model_runner.py), but then a step's tokens must be
     applied and the plan after next made and launched while one step runs, and where a
     step is short the device waits: on the H100 the nano workload ran at 16,562 tok/s
     with two against 15,388 with one, its device idle 0.59 against 1.02 s between steps
-    (with the worker process, one lease: benchmarks/issue31-h100/s8/lag). The served
-    scheduler keeps two to four out for the same reason (services/scheduler/inflight.py);
-    here the number is fixed, so that the plans are the same however the threads run."""
+    (with the worker process, one lease: benchmarks/issue31-h100/s8/lag); on another lease,
+    alternating, 14,710 and 15,096 with two, 15,584 and 15,887 with three, 15,987 with four
+    (benchmarks/issue31-h100/s12/lag.txt). The served scheduler keeps two to four out for
+    the same reason (services/scheduler/inflight.py); here the number is fixed, so that the
+    plans are the same however the threads run."""
     return max(LAUNCH_LAG, held_steps(config.pipeline_parallel_size))
 
 
