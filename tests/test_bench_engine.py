@@ -229,6 +229,15 @@ def test_random_adapters_are_peft_adapters_the_engine_serves(tiny, tmp_path):
     assert got[:2] != [merged_greedy(tiny, None, prompt) for prompt in prompts[:2]]
 
 
+def test_latency_command_refuses_outputs_too_short_to_time(tiny):
+    """Four tokens all come back with the last launched steps' drain: every decode gap
+    would read 0 (a division by zero once), so the command says what it needs."""
+    refused = run_command("bench", "latency", "--model", str(tiny), "--context-len", "16",
+                          "--output-len", "4", "--device", "cpu", timeout=300)
+    assert refused.returncode == 2
+    assert "--output-len 4: at least 6" in refused.stderr, refused.stderr[-2000:]
+
+
 def test_latency_command_decodes_under_lora_adapters(tiny, tmp_path):
     out = tmp_path / "latency.json"
     common = ["bench", "latency", "--model", str(tiny), "--context-len", "16",

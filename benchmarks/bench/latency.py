@@ -33,6 +33,7 @@ from common.log import configure_logging
 from common.messages import LoRARequest
 from common.sampling_params import SamplingParams
 from services.offline.engine import Engine
+from services.offline.steps import launch_lag
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +93,11 @@ def main(argv: list[str]) -> int:
                                    and config.max_loras >= args.lora_adapters):
         parser.error(f"--lora-adapters {args.lora_adapters} needs --enable-lora and "
                      f"--max-loras >= {args.lora_adapters} (one step holds them all)")
+    # the last steps launched come back together once nothing is left to plan, so a
+    # batch's decode gaps are all 0 unless it outlasts them
+    if args.output_len < (shortest := 2 * launch_lag(config)):
+        parser.error(f"--output-len {args.output_len}: at least {shortest}, twice the "
+                     "steps the engine keeps launched, so that tokens come back apart")
     configure_logging("bench")
     # run() inspects its model. Each step's text is made in the loop, so that a token's
     # arrival is when its step's tokens were applied: from the detokenizer process, texts
