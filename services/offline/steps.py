@@ -136,8 +136,9 @@ def _stop_thread(thread: StepThread, switch_interval: float) -> None:
 
 
 def launch_lag(config: EngineConfig) -> int:
-    """The launched steps without results once the newest is launched: three, or those
-    pipeline stages hold (common/pipeline.py) where more. One would do (the runner plans
+    """The launched steps without results once the newest is launched: three, or with
+    pipeline stages the steps they hold (common/pipeline.py; two stages were measured with
+    two out, benchmarks/pp-h200x2-overlap). One would do (the runner plans
     ahead of one step, services/worker/model_runner.py), but then a step's tokens must be
     applied and the plan after next made and launched while one step runs, and where a
     step is short the device waits: on the H100 the nano workload ran at 16,562 tok/s
@@ -147,7 +148,7 @@ def launch_lag(config: EngineConfig) -> int:
     (benchmarks/issue31-h100/s12/lag.txt). The served scheduler keeps two to four out for
     the same reason (services/scheduler/inflight.py); here the number is fixed, so that the
     plans are the same however the threads run."""
-    return max(LAUNCH_LAG, held_steps(config.pipeline_parallel_size))
+    return held_steps(config.pipeline_parallel_size) or LAUNCH_LAG
 
 
 def start_steps(executor: Executor, threaded: bool) -> Steps:
