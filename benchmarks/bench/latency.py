@@ -32,8 +32,7 @@ from common.config import ConfigError, add_engine_args, engine_config_from_args
 from common.log import configure_logging
 from common.messages import LoRARequest
 from common.sampling_params import SamplingParams
-from services.offline.engine import Engine
-from services.offline.steps import launch_lag
+from services.offline.engine import Engine, launch_lag
 
 
 def build_parser() -> argparse.ArgumentParser:
