@@ -17,6 +17,7 @@ gateway.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import sys
 import types
 import typing
@@ -565,7 +566,21 @@ def _build_codec(hint: Any) -> tuple[Converter, Converter]:
         return _record_codec(hint)
     if hint is Any:
         return (lambda v: v, lambda w: w)
+    if isinstance(hint, type) and issubclass(hint, enum.IntEnum):
+        return _enum_codec(hint)
     return _scalar_codec((_scalar_type(hint),))
+
+
+def _enum_codec(kind: type[enum.IntEnum]) -> tuple[Converter, Converter]:
+    """An IntEnum travels as its integer; one the reader does not know is refused."""
+    def from_wire(w: Any) -> enum.IntEnum:
+        if type(w) is not int:
+            raise MessageError(f"{kind.__name__} is an integer, got {type(w).__name__}")
+        try:
+            return kind(w)
+        except ValueError:
+            raise MessageError(f"{w} is no {kind.__name__}") from None
+    return int, from_wire
 
 
 def _record_codec(cls: type) -> tuple[Converter, Converter]:

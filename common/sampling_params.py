@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import types
@@ -25,6 +26,16 @@ class SamplingError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what a caller of the engine gets back while a completion runs. The offline
+    LLM asks for FINAL_ONLY, as vLLM's does: its completions' text is then detokenized
+    once, at their end, instead of a step at a time (services/scheduler/core.py). A request
+    with stop strings still goes a step at a time, since its text decides where it ends."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +78,8 @@ class SamplingParams:
     # (bad_words_token_ids), with and without a leading space, as vLLM does.
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    # vLLM's; set by the offline LLM, never by a client of the server
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids", "eos_token_ids", "bad_words"):
@@ -186,8 +199,8 @@ class SamplingParams:
 _INT_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)
                     if f.type in ("int", "int | None"))
 _FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.type == "float")
-# Set by the tokenizer stage from the model, never by a client.
-INTERNAL_PARAMS = frozenset({"eos_token_ids", "bad_words_token_ids"})
+# Set by the tokenizer stage from the model, or by the offline LLM; never by a client.
+INTERNAL_PARAMS = frozenset({"eos_token_ids", "bad_words_token_ids", "output_kind"})
 # Every parameter a client may set, in field order: the one list the gateway, the tokenizer
 # stage and `headrace generate` derive theirs from.
 CLIENT_PARAMS = tuple(f.name for f in dataclasses.fields(SamplingParams)

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from common import messages
 from common.hops import request_stages, step_stages
-from common.messages import (_REGISTRY, DetokItem, DetokParams, MessageError, ReplyBatch,
-                             StepPlan, TextDelta, TokenBatch, TokenLogprobs, decode, encode,
-                             with_fields)
-from common.sampling_params import SamplingParams
+from common.messages import (_REGISTRY, DetokItem, DetokParams, MessageError, NewRequest,
+                             ReplyBatch, StepPlan, TextDelta, TokenBatch, TokenLogprobs,
+                             decode, encode, with_fields)
+from common.sampling_params import RequestOutputKind, SamplingParams
 
 INT32 = st.integers(-2**31, 2**31 - 1)
 TEXT = st.text(max_size=12)
@@ -31,7 +31,8 @@ PARAMS = st.sampled_from([
     SamplingParams(), SamplingParams(temperature=0.0, max_tokens=3),
     SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=11, stop=["\n", "END"],
                    stop_token_ids=[2], logprobs=3, presence_penalty=0.5, n=2),
-    SamplingParams(min_tokens=4, ignore_eos=True, prompt_logprobs=1, min_p=0.1)])
+    SamplingParams(min_tokens=4, ignore_eos=True, prompt_logprobs=1, min_p=0.1),
+    SamplingParams(logprobs=1, output_kind=RequestOutputKind.FINAL_ONLY)])
 
 
 def strategy(hint: Any) -> st.SearchStrategy:
@@ -164,6 +165,19 @@ def test_arbitrary_bytes_decode_or_raise_message_error_only(data):
     except MessageError:
         return
     assert type(msg) in _REGISTRY.values()
+
+
+def test_an_output_kind_travels_as_its_integer_and_an_unknown_one_is_refused():
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
+    plan = StepPlan(1, ["a"], [1], [0], new=[NewRequest("a", [5], 1, [0], params)])
+    body = msgpack.unpackb(encode(plan), raw=False)
+    assert body["new"][0]["params"]["output_kind"] == 2
+    assert decode(encode(plan)).new[0].params.output_kind is RequestOutputKind.FINAL_ONLY
+    for bad, says in ((7, "7 is no RequestOutputKind"), ("2", "is an integer, got str"),
+                      (True, "is an integer, got bool")):
+        body["new"][0]["params"]["output_kind"] = bad
+        with pytest.raises(MessageError, match=says):
+            decode(msgpack.packb(body))
 
 
 def test_malformed_messages_raise_one_typed_error():

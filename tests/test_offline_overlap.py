@@ -27,7 +27,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.messages import StepPlan, TextDelta
-from common.sampling_params import SamplingParams
+from common.sampling_params import RequestOutputKind, SamplingParams
 from services.offline import llm as llm_module
 from services.offline.engine import WORKER_PROCESS_ENV, Engine
 from services.offline.llm import LLM
@@ -367,6 +367,36 @@ def test_logprobs_and_their_texts_equal_the_inline_engines(tiny):
     first = next(d for d in results[0][0][("0", 0)])
     assert first[5] and all(lp.texts for lp in first[5])  # texts are there to compare
     assert len(results[0][1]) == 3
+
+
+@pytest.mark.parametrize("detokenizer_process", [True, False])
+def test_a_final_only_completion_is_the_sum_of_its_steps(tiny, detokenizer_process):
+    """LLM.generate's FINAL_ONLY: one delta a completion, at its end, holding what its
+    steps' deltas add up to: text, token ids, logprobs with their texts, finish. Some
+    completions end on a stop token, whose text is left out."""
+    stop_ids = tuple(range(5, VOCAB, 29))
+
+    def completions(kind: RequestOutputKind) -> dict[tuple[str, int], list[tuple]]:
+        engine = make_engine(tiny, detokenizer_process)
+        requests = [(p, SamplingParams(temperature=0.0, max_tokens=24, logprobs=2,
+                                       stop_token_ids=stop_ids, output_kind=kind,
+                                       skip_special_tokens=i % 2 == 0))
+                    for i, p in enumerate(prompts(8, seed=5))]
+        try:
+            return by_completion(run(engine, requests))
+        finally:
+            engine.close()
+
+    steps, final = (completions(kind) for kind in (RequestOutputKind.CUMULATIVE,
+                                                   RequestOutputKind.FINAL_ONLY))
+    assert all(len(deltas) == 1 for deltas in final.values())
+    assert {key: deltas[0][1:] for key, deltas in final.items()} == {
+        key: ("".join(d[1] for d in deltas), [t for d in deltas for t in d[2]],
+              deltas[-1][3], deltas[-1][4], [lp for d in deltas for lp in d[5]])
+        for key, deltas in steps.items()}
+    finishes = [deltas[0][3] for deltas in final.values()]
+    assert "stop" in finishes and "length" in finishes
+    assert all(deltas[0][1] for deltas in final.values())  # text to compare
 
 
 def test_a_stop_string_ends_the_plans_as_in_the_loop(tiny):

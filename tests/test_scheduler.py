@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from common.messages import AdmitRequest, LoRARequest, PooledOutput, StepPlan, StepResult
-from common.sampling_params import SamplingParams
+from common.messages import (AdmitRequest, DetokItem, LoRARequest, PooledOutput, StepPlan,
+                             StepResult, TokenLogprobs, with_fields)
+from common.sampling_params import RequestOutputKind, SamplingParams
 from common.speculative import SpeculativeConfig
 from services.scheduler import core
 from services.scheduler.core import Scheduler, SchedulerConfig
@@ -361,6 +362,44 @@ def test_preemption_by_recompute_keeps_outputs_exact(lag, caplog):
     for i, p in enumerate(ps):
         assert run.outputs[(f"r{i}", 0)] == reference(p, 12)
     assert sched.kv.usage == 0.0
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_final_only_completion_is_one_item_at_its_end(lag):
+    """FINAL_ONLY (the offline LLM's): no item until the completion ends, then one with all
+    of its tokens from seq 0, the prompt's tail as context and every token's logprobs,
+    through preemption. With stop strings it goes a step at a time: its text may end it."""
+    sched, worker = make(num_blocks=12, block_size=4, budget=32, max_seqs=8)
+    final = RequestOutputKind.FINAL_ONLY
+    ps = prompts(6, seed=3, lo=6, hi=14)
+    for i, p in enumerate(ps):
+        admit(sched, f"r{i}", p, max_tokens=12, output_kind=final)
+    admit(sched, "stops", ps[0], max_tokens=12, output_kind=final, stop=["x"])
+    admit(sched, "steps", ps[1], max_tokens=12)
+    items: list[DetokItem] = []
+    update, execute = sched.update, worker.execute
+
+    def with_logprobs(plan: StepPlan) -> StepResult:  # a made-up logprob per token
+        result = execute(plan)
+        return with_fields(result, logprobs=[TokenLogprobs([t], [-t / 100], 1)
+                                             for t in result.token_ids])
+
+    def recorded(result: StepResult) -> list[DetokItem]:
+        items.extend(out := update(result))
+        return out
+
+    sched.update, worker.execute = recorded, with_logprobs
+    run = drive(sched, worker, lag=lag)
+    assert sched.num_preemptions > 0
+    for i, p in enumerate(ps):
+        [item] = [it for it in items if it.rid == f"r{i}"]
+        assert item.new_token_ids == reference(p, 12) == run.outputs[(f"r{i}", 0)]
+        assert (item.seq, item.finish_reason) == (0, "length")
+        assert item.num_context_prompt == len(item.context_ids) > 0
+        assert item.context_ids == p[-len(item.context_ids):]
+        assert [lp.logprobs for lp in item.logprobs] == [[-t / 100] for t in reference(p, 12)]
+    for rid in ("stops", "steps"):
+        assert [len(it.new_token_ids) for it in items if it.rid == rid] == [1] * 12
 
 
 def test_priority_policy_orders_and_preempts_by_priority(caplog):

@@ -51,7 +51,7 @@ from common.config import (EngineConfig, ServerConfig, add_engine_args, add_serv
                            parse_configs)
 from common.log import configure_logging
 from common.messages import GenerateRequest
-from common.sampling_params import SamplingParams
+from common.sampling_params import RequestOutputKind, SamplingParams
 from common.timing import PhaseClock
 from services.offline.engine import Engine, uses_worker_process
 from services.worker import load_weights
@@ -168,7 +168,8 @@ def with_sampling(workload: Workload, logprobs: int | None, top_p: float | None)
 def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None,
                   shape: ModelShape | None = None) -> RunResult:
     """With a worker process the results are on the host when they come back (no sync),
-    and the routed experts' counters are the child's: the trace counts none."""
+    and the routed experts' counters are the child's: the trace counts none. Each
+    completion's text comes at its end, as LLM.generate asks for it (FINAL_ONLY)."""
     runner = None if engine.executor is None else engine.runner
     if trace is not None and shape is not None:
         engine.on_plan = lambda plan: trace.record(plan, shape, kv_waste(engine.scheduler))
@@ -176,7 +177,8 @@ def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None
             reset_experts_read(runner.model)
     run_id = uuid.uuid4().hex[:6]
     for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
-        engine.add_request(f"{run_id}-{i}", prompt, params)
+        engine.add_request(f"{run_id}-{i}", prompt,
+                           params.replace(output_kind=RequestOutputKind.FINAL_ONLY))
     output_tokens = 0
     if runner is not None:
         _sync(runner.device)

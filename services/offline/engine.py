@@ -4,9 +4,12 @@ A step is schedule, execute, postprocess. The Redis pipeline runs exactly these 
 the transport between them differs. Two things keep the device busy while the host works,
 as the served pipeline's processes do: the scheduler plans step N+2 and the executor
 launches it before step N's tokens are applied and detokenized (the plan-ahead of
-services/scheduler/request.py; services/offline/steps.py says why two), and a detokenizer
-process (services/offline/detokenizer.py) turns the tokens into text beside this loop, so
-`step` returns the text of earlier steps as it comes back.
+services/scheduler/request.py; services/offline/steps.py says how many), and a
+detokenizer process (services/offline/detokenizer.py) turns the tokens into text beside
+this loop, so `step` returns the text of earlier steps as it comes back. LLM.generate asks
+for each completion's text at its end (FINAL_ONLY, as vLLM's LLM does): the scheduler then
+makes one item of the whole completion, not one a step, and most of the per-token work of
+handing items over and taking text back goes.
 
 The executor may instead run in a worker process (services/offline/worker_process.py), as
 the served worker runs apart from the scheduler, so that the loop's Python and the step

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from common.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from common.config import ConfigError, EngineConfig
 from common.messages import ImageInput, LoRARequest, TextDelta, TokenLogprobs
-from common.sampling_params import SamplingParams, best_of_indices
+from common.sampling_params import RequestOutputKind, SamplingParams, best_of_indices
 from services.offline.engine import Engine
 
 PromptInput = str | list[int] | dict[str, Any]
@@ -280,11 +280,13 @@ def _apply(out: RequestOutput, delta: TextDelta) -> None:
 
 
 def _generated(params: SamplingParams) -> SamplingParams:
-    """What the engine runs: best_of completions, each scored by its tokens' logprobs."""
+    """What the engine runs: best_of completions, each scored by its tokens' logprobs;
+    each completion's text made once, at its end (the caller sees only finished ones)."""
+    final = params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
     if params.num_generated == params.n:
-        return params
+        return final
     logprobs = 0 if params.logprobs is None else params.logprobs
-    return params.replace(n=params.num_generated, best_of=None, logprobs=logprobs)
+    return final.replace(n=params.num_generated, best_of=None, logprobs=logprobs)
 
 
 def _keep_best(out: RequestOutput, params: SamplingParams) -> None:

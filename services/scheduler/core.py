@@ -303,7 +303,14 @@ class Scheduler:
             req.num_pending -= 1
             kept = self._append_tokens(req, result.token_ids[end - count:end])
             req.proposal, req.proposal_after = proposal, req.num_known_tokens
-            items.append(self._detok_item(req, kept, lp))
+            lps = [lp] if lp is not None else []
+            if not req.final_only:
+                items.append(self._detok_item(req, kept, lps))
+            elif req.finish_reason is None:
+                req.held_logprobs += lps
+            else:  # its whole output in one item, detokenized once
+                items.append(self._detok_item(req, req.output_token_ids,
+                                              req.held_logprobs + lps))
             if req.finish_reason is not None:
                 self._finish(req)
         for pooled in result.embeddings:
@@ -583,7 +590,8 @@ class Scheduler:
                        # the first prompt token has no logprob; the worker scores the rest
                        prompt_logprobs=[] if params.prompt_logprobs is None else [None])
 
-    def _detok_item(self, req: Request, new: list[int], lp: TokenLogprobs | None) -> DetokItem:
+    def _detok_item(self, req: Request, new: list[int], logprobs: list[TokenLogprobs]
+                    ) -> DetokItem:
         seq = len(req.output_token_ids) - len(new)
         first = seq == 0  # the first item also carries what the request brought in
         context, num_context_prompt = make_context(
@@ -593,7 +601,7 @@ class Scheduler:
             context_ids=context, num_context_prompt=num_context_prompt,
             params=req.detok_params, num_prompt_tokens=req.num_prompt_tokens,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            logprobs=[lp] if lp is not None else [],
+            logprobs=logprobs,
             prompt_logprobs=req.prompt_logprobs if first else [],
             request_stamps=req.stamps if first else [],
             num_cached_tokens=req.num_cached_tokens if first else 0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from common.detok_window import detok_params, stop_lookback
 from common.messages import DetokParams, ImageInput, LoRARequest, TokenLogprobs
-from common.sampling_params import SamplingParams
+from common.sampling_params import RequestOutputKind, SamplingParams
 from common.speculative import NgramIndex
 from common.tokens import slice_tokens
 
@@ -62,10 +62,16 @@ class Request:
     # made once: every step's DetokItem of this request carries them
     detok_params: DetokParams = field(init=False)
     stop_lookback: int = field(init=False)
+    # one DetokItem at its end, not one a step (FINAL_ONLY without stop strings, whose
+    # text could end it early); meanwhile its tokens' logprobs wait here
+    final_only: bool = field(init=False)
+    held_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.detok_params = detok_params(self.params)
         self.stop_lookback = stop_lookback(self.params.stop)
+        self.final_only = (self.params.output_kind == RequestOutputKind.FINAL_ONLY
+                           and not self.params.stop)
 
     @property
     def num_prompt_tokens(self) -> int:
