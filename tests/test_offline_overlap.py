@@ -29,6 +29,7 @@ from common.config import EngineConfig
 from common.messages import StepPlan, TextDelta
 from common.sampling_params import RequestOutputKind, SamplingParams
 from services.offline import llm as llm_module
+from services.offline import engine as engine_module
 from services.offline.engine import WORKER_PROCESS_ENV, Engine
 from services.offline.llm import LLM
 from services.offline.steps import LAUNCH_LAG, start_steps
@@ -477,3 +478,39 @@ def test_a_dead_detokenizer_process_is_an_error_and_close_ends_it(tiny):
     engine.close()
     assert process.poll() == 0
     engine.close()  # a second close does nothing
+
+
+def test_a_batch_runs_with_fewer_collections_and_leaves_them_as_they_were():
+    gc.unfreeze()
+    before = gc.get_threshold()
+    with pytest.raises(KeyError):
+        with engine_module.fewer_collections():
+            assert gc.get_threshold() == (engine_module.BATCH_GC_THRESHOLD, *before[1:])
+            assert gc.get_freeze_count() > 0  # the heap alive at the start
+            raise KeyError("a failing batch restores them too")
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's own frozen heap is left frozen
+    frozen = gc.get_freeze_count()
+    try:
+        with engine_module.fewer_collections():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+def test_llm_generate_runs_its_batch_with_fewer_collections(tiny, monkeypatch):
+    seen = []
+    llm = LLM(tiny, dtype="float32", device="cpu")
+    step = llm.engine.step
+
+    def observed():
+        seen.append(gc.get_threshold()[0])
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", observed)
+    llm.generate([prompts(1)[0]], SamplingParams(temperature=0.0, max_tokens=4),
+                 use_tqdm=False)
+    llm.close()
+    assert seen and set(seen) == {engine_module.BATCH_GC_THRESHOLD}
+    assert gc.get_threshold()[0] != engine_module.BATCH_GC_THRESHOLD

@@ -184,8 +184,9 @@ def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None
         _sync(runner.device)
     engine.clock = PhaseClock()
     start = time.perf_counter()
-    while engine.has_unfinished():
-        output_tokens += sum(len(d.token_ids) for d in engine.step())
+    with fewer_collections():  # as LLM.generate runs its batch
+        while engine.has_unfinished():
+            output_tokens += sum(len(d.token_ids) for d in engine.step())
     if runner is not None:
         _sync(runner.device)
     engine.on_plan = None

@@ -21,7 +21,7 @@ from common.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from common.config import ConfigError, EngineConfig
 from common.messages import ImageInput, LoRARequest, TextDelta, TokenLogprobs
 from common.sampling_params import RequestOutputKind, SamplingParams, best_of_indices
-from services.offline.engine import Engine
+from services.offline.engine import Engine, fewer_collections
 
 PromptInput = str | list[int] | dict[str, Any]
 # a prompt's text (None for token ids), its token ids and its processed images
@@ -237,13 +237,14 @@ class LLM:
                 self.engine.abort(rid)
             raise
         bar = tqdm(total=len(encoded), desc="Processed prompts", disable=not use_tqdm)
-        while self.engine.has_unfinished():
-            for delta in self.engine.step():
-                out = outputs[delta.rid]
-                was_finished = out.finished
-                _apply(out, delta)
-                if out.finished and not was_finished:
-                    bar.update(1)
+        with fewer_collections():
+            while self.engine.has_unfinished():
+                for delta in self.engine.step():
+                    out = outputs[delta.rid]
+                    was_finished = out.finished
+                    _apply(out, delta)
+                    if out.finished and not was_finished:
+                        bar.update(1)
         bar.close()
         for out, params in zip(outputs.values(), params_list):
             if params.num_generated > params.n:
