@@ -53,7 +53,7 @@ from common.log import configure_logging
 from common.messages import GenerateRequest
 from common.sampling_params import RequestOutputKind, SamplingParams
 from common.timing import PhaseClock
-from services.offline.engine import Engine, uses_worker_process
+from services.offline.engine import Engine, fewer_collections, uses_worker_process
 from services.worker import load_weights
 
 SERVED_PATHS = ("pipeline", "http")  # through service processes
