@@ -9,7 +9,8 @@
 # the runs (default "pp2 pp2-eager tp2 pp1"; tp2pp2 needs four GPUs: two stages of two
 # tensor-parallel ranks; pp1-seqs512 is one GPU seating as many requests as two stages do
 # by default, pp2-seqs512 two stages seating twice that, pp2-seqs1024 two stages seating
-# every request at once, pp1-seqs1024 one GPU seating every request at once; pp2-wp and pp1-wp run the in-process engine's executor in its
+# every request at once, pp1-seqs1024 and tp2-seqs1024 one GPU and two tensor-parallel
+# ranks seating every request at once; pp2-wp and pp1-wp run the in-process engine's executor in its
 # worker process (HEADRACE_WORKER_PROCESS=1: where a model on GPUs goes by default);
 # pp2-http and pp1-http time `serve`).
 #   source .devkit/env.sh && bash benchmarks/gpu/pp_check.sh
@@ -32,6 +33,7 @@ for run in ${RUNS:-pp2 pp2-eager tp2 pp1}; do
     pp2) nano pp2 120 --pipeline-parallel-size 2 ;;
     pp2-eager) [ "${EAGER:-1}" = 1 ] && nano pp2-eager 150 --pipeline-parallel-size 2 --enforce-eager ;;
     tp2) nano tp2 120 --tensor-parallel-size 2 ;;
+    tp2-seqs1024) nano tp2-seqs1024 150 --tensor-parallel-size 2 --max-num-seqs 1024 ;;
     tp2pp2) nano tp2pp2 150 --tensor-parallel-size 2 --pipeline-parallel-size 2 ;;
     pp1) nano pp1 200 ;;  # with the worker process the model loads twice (measure_model)
     pp1-seqs512) nano pp1-seqs512 120 --max-num-seqs 512 ;;
