@@ -139,6 +139,26 @@ def test_random_token_ids_concatenate_to_the_full_decode(tok, detok, seed):
     assert_never_rewrites(result, expected)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_text_is_the_same_in_one_item_as_a_token_at_a_time(tok, detok, seed):
+    """A FINAL_ONLY completion comes as one item; a streamed one a token at a time. Bytes
+    that are no character (U+FFFD) just before a character cut by the end are the case
+    that once differed: a token at a time had sent them, one item dropped them."""
+    rng = random.Random(seed)
+    partial = [i for i in range(256, 4000) if invalid_utf8(TokenBytes(tok).piece(i, False))]
+    lone, lead = (next(i for i in range(len(tok)) if TokenBytes(tok).piece(i, False) == b)
+                  for b in (b"\x80", b"\xe2"))  # no character; a cut one at the end
+    prompt = tok.encode(PROMPT)
+    outputs = [rng.choice(partial) if rng.random() < 0.5 else rng.randrange(len(tok))
+               for _ in range(rng.randint(5, 60))] + [lone, lead][:seed % 3]
+    params = SamplingParams(skip_special_tokens=seed % 2 == 0)
+    one_token = run(detok, prompt, outputs, params, rng, max_chunk=1)
+    one_item, _ = detok.process(detok_item(prompt, outputs, 0, len(outputs), params,
+                                           "length"))
+    assert one_item.text == one_token.text == run(detok, prompt, outputs, params, rng).text
+    assert not any(sent.endswith(REPLACEMENT) for sent in one_token.sent[:-1])
+
+
 def invalid_utf8(piece: bytes) -> bool:
     try:
         piece.decode()

@@ -225,17 +225,24 @@ class Detokenizer:
         return context[skip:], max(0, num_prompt - skip)
 
     def _text(self, ids: list[int], params: DetokParams, complete: bool) -> str:
-        """The decoded ids; without complete, only up to the last finished character."""
+        """The decoded ids; without complete, only up to the last finished character and
+        without the U+FFFD of bytes that are no character at its end: those are sent once
+        a character follows them, or at the end. So no step's text ends in U+FFFD, and
+        the end (which drops a cut character's U+FFFD with them) never takes back text
+        sent before: the text is the same however the tokens come in steps, one item of
+        a whole FINAL_ONLY completion included."""
         if not complete:
             ids = ids[:len(ids) - self.bytes.num_unfinished(ids, params.skip_special_tokens)]
         if not ids:
             return ""
         if self._rust is not None:
-            return self._rust.decode(ids, skip_special_tokens=params.skip_special_tokens)
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
-            clean_up_tokenization_spaces=False)
+            text = self._rust.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        else:
+            text = self.tokenizer.decode(
+                ids, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                clean_up_tokenization_spaces=False)
+        return text if complete else text.rstrip(REPLACEMENT)
 
     # --- logprobs ---------------------------------------------------------------------
 
