@@ -3,9 +3,9 @@ model's engine (tokenizer, scheduler, detokenizer process) runs the nano workloa
 lengths with steps that return random tokens at once, so what is timed is the loop's own
 work (schedule, update, hand-over to the detokenizer process, collect). Prints the cost
 per token a step at a time (CUMULATIVE) and at each completion's end (FINAL_ONLY, as
-LLM.generate asks), alternating, each under the collector settings LLM.generate runs
-with (services/offline/engine.py's fewer_collections), and checks that both give every completion the same
-text, token ids and logprobs.
+LLM.generate asks), alternating, each under LLM.generate's collector settings
+(services/offline/engine.py's fewer_collections), and checks that both give every
+completion the same text, token ids and logprobs.
 
     .venv/bin/python benchmarks/offline-loop-cpu/loop_host_cost.py [--prompts 512] [--logprobs 1]
 """

@@ -283,11 +283,12 @@ def _apply(out: RequestOutput, delta: TextDelta) -> None:
 def _generated(params: SamplingParams) -> SamplingParams:
     """What the engine runs: best_of completions, each scored by its tokens' logprobs;
     each completion's text made once, at its end (the caller sees only finished ones)."""
-    final = params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+    final = RequestOutputKind.FINAL_ONLY
     if params.num_generated == params.n:
-        return final
+        return params.replace(output_kind=final)
     logprobs = 0 if params.logprobs is None else params.logprobs
-    return final.replace(n=params.num_generated, best_of=None, logprobs=logprobs)
+    return params.replace(n=params.num_generated, best_of=None, logprobs=logprobs,
+                          output_kind=final)
 
 
 def _keep_best(out: RequestOutput, params: SamplingParams) -> None:

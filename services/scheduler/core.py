@@ -306,11 +306,11 @@ class Scheduler:
             lps = [lp] if lp is not None else []
             if not req.final_only:
                 items.append(self._detok_item(req, kept, lps))
-            elif req.finish_reason is None:
+            else:
                 req.held_logprobs += lps
-            else:  # its whole output in one item, detokenized once
-                items.append(self._detok_item(req, req.output_token_ids,
-                                              req.held_logprobs + lps))
+                if req.finish_reason is not None:  # its whole output in one item
+                    items.append(self._detok_item(req, req.output_token_ids,
+                                                  req.held_logprobs))
             if req.finish_reason is not None:
                 self._finish(req)
         for pooled in result.embeddings:
