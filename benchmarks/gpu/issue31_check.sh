@@ -3,6 +3,28 @@
 #   source .devkit/env.sh && bash benchmarks/gpu/issue31_check.sh STAGE
 set -uo pipefail
 source benchmarks/gpu/common.sh
+latency_8b_ab() {  # Llama-3.1-8B shapes' batch-1 decode in each of FORMATS, this tree then
+                 # .base (bf16, AWQ int4 under a written quantization_config, fp8 on load)
+  local fmt model quant tree awq=/tmp/llama-3.1-8b-awq-shape
+  rm -rf $awq && cp -r $M/llama-3.1-8b-shape $awq
+  python - $awq/config.json <<'PY'
+import json, sys
+config = json.load(open(sys.argv[1]))
+config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                 "zero_point": True, "version": "gemm"}
+json.dump(config, open(sys.argv[1], "w"))
+PY
+  for fmt in $FORMATS; do
+    model=$(realpath $M/llama-3.1-8b-shape) quant=()
+    [ "$fmt" = awq ] && model=$awq
+    [ "$fmt" != none ] && quant=(--quantization "$fmt")
+    for tree in new base; do
+      bench_in $tree 150 latency --model "$model" --load-format dummy --context-len 1000 \
+        --batch-size 1 --output-len 64 --iterations 3 --max-model-len 2048 "${quant[@]}" \
+        --json "$R/latency-8b-$fmt-b1-$tree.json" >> "$R/latency-ab.txt" 2>&1
+    done
+  done
+}
 case "$1" in
 latency)  # small-batch decode steps: 0.6B at batch 1 and 8, 8B at batch 1
   for spec in "qwen3-0.6b-shape 1 62" "qwen3-0.6b-shape 8 62" "llama-3.1-8b-shape 1 1000"; do
@@ -11,6 +33,37 @@ latency)  # small-batch decode steps: 0.6B at batch 1 and 8, 8B at batch 1
       --output-len 64 --iterations 3 --max-model-len 2048 \
       --json "$R/latency-$1-b$2.json" >> "$R/latency.txt" 2>&1
   done
+  ;;
+profile)  # eager per-kernel device times of one decode step of the small batches (SPECS:
+         # "shape batch context" triples, comma between)
+  IFS=, read -ra specs <<< "${SPECS:-qwen3-0.6b-shape 1 62,llama-3.1-8b-shape 1 1000}"
+  for spec in "${specs[@]}"; do
+    set -- $spec
+    name=profile-$1-b$2
+    timeout 150 python -m services.cli profile --model $M/$1 --load-format dummy \
+      --batch-size $2 --prompt-len $3 --max-model-len 2048 --json "$R/$name.json" \
+      run_num_steps -n 2 > "$R/$name.log" 2>&1
+    python -m services.cli profile-table --json-trace "$R/$name.json" --phase decode_1 \
+      > "$R/$name-decode.txt" 2>&1
+  done
+  ;;
+fused-ab)  # the down projection's activation fused into its GEMV: the GEMVs' CUDA tests,
+          # then small-batch decode with this tree and .base (the commit before), alternating
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+    tests/test_quant_int4.py -k "gemv_cuda or w4a16_kernels_cuda or packed_gemv_cuda" \
+    > "$R/pytest-gemv-cuda.txt" 2>&1
+  for round in 1 2; do
+    for spec in "qwen3-0.6b-shape 1 62" "qwen3-0.6b-shape 8 62"; do
+      set -- $spec
+      for tree in new base; do
+        bench_in $tree 120 latency --model "$(realpath $M/$1)" --load-format dummy \
+          --context-len $3 --batch-size $2 --output-len 64 --iterations 3 \
+          --max-model-len 2048 --json "$R/latency-$1-b$2-$tree-$round.json" \
+          >> "$R/latency-ab.txt" 2>&1
+      done
+    done
+  done
+  FORMATS="${FORMATS:-none awq fp8}" latency_8b_ab
   ;;
 nano)  # the nano workload on both user paths, then with logprobs=1, then with top_p
   for extra in "" "--logprobs 1" "--top-p 0.9"; do
