@@ -1,12 +1,5 @@
 """The gated activations of Llama-style MLPs: SiLU (Llama, Qwen, Phi-3) and tanh-approximated
-GELU (Gemma's GeGLU), both act(gate) * up over one fused [gate; up] input.
-
-Named "silu" and "gelu_tanh" (GATED_ACTS). The decode GEMVs (kernels/gemv.py, fp8_gemv.py,
-int4.py) take the [gate; up] input of the down projection themselves (`act`), computing
-each input value with `load_gated` as this module's kernel computes it, so a decode step
-launches no activation kernel: at a small model's batch 1 each launch costs about as much
-as the work it does.
-"""
+GELU (Gemma's GeGLU), both act(gate) * up over one fused [gate; up] input."""
 
 from __future__ import annotations
 
@@ -20,19 +13,6 @@ from kernels.pdl import overlap_previous, pdl_launch
 # columns per program: wide enough for 16-byte accesses across 4 warps, narrow enough
 # that a decode batch's few rows still spread over every SM
 BLOCK_COLS = 1024
-
-
-def activated(x: torch.Tensor, act: str | None) -> torch.Tensor:
-    """The input a GEMV given `act` multiplies: x itself (act None), else act(gate) * up of
-    x = [..., gate; up]; for the paths that do not fuse it."""
-    if act is None:
-        return x
-    return GATED_ACTS[act](x)
-
-
-def act_code(act: str | None) -> int:
-    """A kernel's ACT constant: 0 none, 1 SiLU, 2 tanh GELU."""
-    return {None: 0, "silu": 1, "gelu_tanh": 2}[act]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +30,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """out: a contiguous [..., d] buffer to write into, allocated when None."""
-    return _act_and_mul_triton(x, out, "silu")
+    return _act_and_mul_triton(x, out, gelu_tanh=False)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -69,13 +49,11 @@ def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None = None
                              ) -> torch.Tensor:
     """out: a contiguous [..., d] buffer to write into, allocated when None."""
-    return _act_and_mul_triton(x, out, "gelu_tanh")
+    return _act_and_mul_triton(x, out, gelu_tanh=True)
 
 
-GATED_ACTS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
-
-
-def _act_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None, act: str) -> torch.Tensor:
+def _act_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool
+                        ) -> torch.Tensor:
     d = x.shape[-1] // 2
     rows = x.reshape(-1, 2 * d)
     assert rows.stride(1) == 1
@@ -84,42 +62,27 @@ def _act_and_mul_triton(x: torch.Tensor, out: torch.Tensor | None, act: str) -> 
     assert out.is_contiguous() and out.shape == (*x.shape[:-1], d)
     block = min(BLOCK_COLS, triton.next_power_of_2(d))
     _act_and_mul_kernel[(rows.shape[0], triton.cdiv(d, block))](
-        rows, out, d, rows.stride(0), ACT=act_code(act), BLOCK=block, num_warps=4,
+        rows, out, d, rows.stride(0), GELU_TANH=gelu_tanh, BLOCK=block, num_warps=4,
         **pdl_launch(x))
     return out
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, d, stride_row, ACT: tl.constexpr,
+def _act_and_mul_kernel(x_ptr, out_ptr, d, stride_row, GELU_TANH: tl.constexpr,
                         BLOCK: tl.constexpr, PDL: tl.constexpr):
     overlap_previous(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    gated = load_gated(x_ptr + row * stride_row, cols, cols < d, d, ACT)
-    tl.store(out_ptr + row * d + cols, gated, mask=cols < d)
-
-
-@triton.jit
-def load_gated(x_ptr, at, mask, up_offset, ACT: tl.constexpr):
-    """x's values at `at` (masked lanes 0): loaded as they are (ACT 0), or act(gate) * up of
-    a [gate; up] row whose up half starts up_offset after x_ptr, in the row's dtype."""
-    if ACT == 0:
-        return tl.load(x_ptr + at, mask=mask, other=0.0)
-    gate = tl.load(x_ptr + at, mask=mask, other=0.0)
-    up = tl.load(x_ptr + up_offset + at, mask=mask, other=0.0)
-    return act_times_up(gate, up, ACT)
-
-
-@triton.jit
-def act_times_up(gate, up, ACT: tl.constexpr):
-    """act(gate) * up in gate's dtype (ACT 1: SiLU, 2: tanh GELU), with the activation
-    rounded to that dtype before the product, as the reference rounds it."""
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_row + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_row + d + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    if ACT == 2:
+    if GELU_TANH:
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi)
         # tanh(z) = 2 sigmoid(2z) - 1: exp overflows to inf for very negative z, giving -1
         act = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
     else:
         act = g / (1.0 + tl.exp(-g))
+    # the activation rounded to the activation dtype before the product, as the reference
     act = act.to(gate.dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(gate.dtype)
+    tl.store(out_ptr + row * d + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)

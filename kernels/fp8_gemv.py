@@ -36,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activation import act_code, activated, load_gated
 from kernels.gemv import GemvTiles, default_tiles, launch_gemv, sm_count
 from kernels.packed_half import half_pair, power_of_two_scales
 from kernels.pdl import let_next_start, pdl_launch, wait_for_previous
@@ -101,12 +100,12 @@ def scale_blocks(w_scale: torch.Tensor, n: int, k: int, block: tuple[int, int] |
 
 
 def fp8_gemv_ref(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                 act: str | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, block: tuple[int, int] | None = None
+                 ) -> torch.Tensor:
     """Dequantize to float32, one float32 matmul (+ bias), the result in x's dtype."""
     n, k = w_fp8.shape
     scale, block_n, block_k = scale_blocks(w_scale, n, k, block)
-    y = activated(x, act).float() @ dequantize(w_fp8, scale, block_n, block_k).T
+    y = x.float() @ dequantize(w_fp8, scale, block_n, block_k).T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
@@ -115,31 +114,29 @@ def fp8_gemv_ref(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
 # --- dispatch ------------------------------------------------------------------------------
 
 def fp8_gemv(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-             bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-             act: str | None = None) -> torch.Tensor:
-    """x [..., K] (at most GEMV_MAX_ROWS rows; [..., 2K] with act, kernels/gemv.py) ->
-    [..., N]. The one dispatch point: CUDA tensors take the Triton kernel, others the
-    twin."""
+             bias: torch.Tensor | None = None, block: tuple[int, int] | None = None
+             ) -> torch.Tensor:
+    """x [..., K] (at most GEMV_MAX_ROWS rows) -> [..., N]. The one dispatch point: CUDA
+    tensors take the Triton kernel, others the twin."""
     if x.is_cuda:
-        return fp8_gemv_triton(x, w_fp8, w_scale, bias, block, act=act)
-    return fp8_gemv_ref(x, w_fp8, w_scale, bias, block, act)
+        return fp8_gemv_triton(x, w_fp8, w_scale, bias, block)
+    return fp8_gemv_ref(x, w_fp8, w_scale, bias, block)
 
 
 def fp8_gemv_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                    tiles: GemvTiles | PackedTiles | None = None, act: str | None = None
-                    ) -> torch.Tensor:
+                    tiles: GemvTiles | PackedTiles | None = None) -> torch.Tensor:
     """tiles: force these tiles (the sweep; PackedTiles: the packed kernel, CUDA only);
     default: the packed kernel for one row on CUDA, else default_tiles by the shape."""
     n, k = w_fp8.shape
     assert w_fp8.dtype == FP8_DTYPE, "e4m3 weights"
     scale, block_n, block_k = scale_blocks(w_scale, n, k, block)
-    rows, sms = max(1, x.numel() // x.shape[-1]), sm_count(x.device)
+    rows, sms = max(1, x.numel() // k), sm_count(x.device)
     if isinstance(tiles, PackedTiles) or (tiles is None and takes_packed(x, w_fp8, rows)):
         tiles = tiles or TUNED_PACKED_TILES.get((n, k, sms), PACKED_TILES)
-        return launch_packed(x, w_fp8, bias, tiles, scale, (block_n, block_k), act)
+        return launch_packed(x, w_fp8, bias, tiles, scale, (block_n, block_k))
     tiles = tiles or default_tiles(rows, n, k, sms, 1, block_k)
-    return launch_gemv(x, w_fp8, bias, tiles, scale, (block_n, block_k), act)
+    return launch_gemv(x, w_fp8, bias, tiles, scale, (block_n, block_k))
 
 
 def takes_packed(x: torch.Tensor, w_fp8: torch.Tensor, rows: int) -> bool:
@@ -149,12 +146,11 @@ def takes_packed(x: torch.Tensor, w_fp8: torch.Tensor, rows: int) -> bool:
 
 
 def launch_packed(x: torch.Tensor, w_fp8: torch.Tensor, bias: torch.Tensor | None,
-                  tiles: PackedTiles, scale: torch.Tensor, scale_block: tuple[int, int],
-                  act: str | None = None) -> torch.Tensor:
-    """The packed kernel for one row x [..., K] ([..., 2K] with act); scale as launch_gemv
-    takes it."""
+                  tiles: PackedTiles, scale: torch.Tensor,
+                  scale_block: tuple[int, int]) -> torch.Tensor:
+    """The packed kernel for one row x [..., K]; scale as launch_gemv takes it."""
     n, k = w_fp8.shape
-    x1 = x.reshape(1, x.shape[-1]).contiguous()
+    x1 = x.reshape(1, k).contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k = scale_block
     tile_k, per_k = tiles.block_k, block_k < k
@@ -164,7 +160,6 @@ def launch_packed(x: torch.Tensor, w_fp8: torch.Tensor, bias: torch.Tensor | Non
     _packed_row_kernel[(triton.cdiv(n, tiles.block_n),)](
         x1, w_fp8.view(torch.int32), scale, bias if bias is not None else y, y, n, k,
         scale.shape[1], block_n, block_k, PER_K_SCALE=per_k, HAS_BIAS=bias is not None,
-        ACT=act_code(act),
         BLOCK_N=tiles.block_n, BLOCK_K=tile_k, num_warps=tiles.num_warps, num_stages=1,
         **pdl_launch(x))
     return y.reshape(*x.shape[:-1], n)
@@ -192,13 +187,12 @@ def _packed_word_sums(words, x4, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _packed_row_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, n, k, scale_stride,
                        scale_block_n, scale_block_k, PER_K_SCALE: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
     """y = x w^T for one row and a BLOCK_N stripe of w (int32 words of four e4m3, [N,
     K / 4]) over all of K, scaled per K tile or once after the loop. As the 16-bit GEMV's
     one-row loop: per-lane sums reduced once, the next tile loaded before the current
-    one's arithmetic, the first weights before waiting on the previous kernel. ACT: x is a
-    [gate; up] row (kernels/activation.load_gated)."""
+    one's arithmetic, the first weights before waiting on the previous kernel."""
     let_next_start(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n
@@ -209,13 +203,13 @@ def _packed_row_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, n, k, scale_s
     lanes = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
     words = tl.load(w_rows, mask=n_ok[:, None] & (cols < k // 4)[None, :], other=0)
     wait_for_previous(PDL)
-    x4 = load_gated(x_ptr, x_at, x_at < k, k, ACT).to(tl.float32)
+    x4 = tl.load(x_ptr + x_at, mask=x_at < k, other=0.0).to(tl.float32)
     for k0 in range(0, k, BLOCK_K):
         k_next = k0 + BLOCK_K
         next_words = tl.load(w_rows + k_next // 4,
                              mask=n_ok[:, None] & (k_next // 4 + cols < k // 4)[None, :],
                              other=0)
-        next_x4 = load_gated(x_ptr, k_next + x_at, k_next + x_at < k, k, ACT)
+        next_x4 = tl.load(x_ptr + k_next + x_at, mask=k_next + x_at < k, other=0.0)
         sums = _packed_word_sums(words, x4, BLOCK_N, BLOCK_K)
         if PER_K_SCALE:
             sums *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok, other=0.0)[:, None]

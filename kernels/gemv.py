@@ -20,9 +20,6 @@ The tiles come from a table keyed by the rows, N, K and the SM count (TUNED_TILE
 from benchmarks/gpu/gemv_sweep.py), else from rules scaled to the weight's bytes
 (default_tiles), never from runtime autotuning, so a step replays in a CUDA graph. The torch
 twin multiplies in float32.
-
-`act` ("silu", "gelu_tanh"; kernels/activation.py) makes x the [gate; up] input of a down
-projection, [..., 2K]: the kernel multiplies act(gate) * up, computed as it loads x.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activation import act_code, activated, load_gated
 from kernels.pdl import let_next_start, overlap_previous, pdl_launch, wait_for_previous
 
 GEMV_MAX_ROWS = 16
@@ -109,10 +105,10 @@ TUNED_TILES: dict[tuple[int, int, int, int], GemvTiles] = {
 
 # --- torch reference twin ------------------------------------------------------------------
 
-def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-             act: str | None = None) -> torch.Tensor:
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """One float32 matmul (+ bias), the result in x's dtype."""
-    y = activated(x, act).float() @ w.float().T
+    y = x.float() @ w.float().T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
@@ -120,13 +116,12 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 # --- dispatch ------------------------------------------------------------------------------
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         act: str | None = None) -> torch.Tensor:
-    """x [..., K] (at most GEMV_MAX_ROWS rows; [..., 2K] with act) -> [..., N]. The one
-    dispatch point: CUDA tensors take the Triton kernel, others the twin."""
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (at most GEMV_MAX_ROWS rows) -> [..., N]. The one dispatch point: CUDA
+    tensors take the Triton kernel, others the twin."""
     if x.is_cuda:
-        return gemv_triton(x, w, bias, act=act)
-    return gemv_ref(x, w, bias, act)
+        return gemv_triton(x, w, bias)
+    return gemv_ref(x, w, bias)
 
 
 @functools.cache
@@ -171,26 +166,23 @@ def tiles_for(rows: int, n: int, k: int, sms: int) -> GemvTiles:
 
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                tiles: GemvTiles | None = None, act: str | None = None) -> torch.Tensor:
+                tiles: GemvTiles | None = None) -> torch.Tensor:
     """tiles: force these tiles (the sweep); default: tiles_for the shape."""
     n, k = w.shape
     assert w.dtype == x.dtype, f"gemv: {w.dtype} weights for {x.dtype} activations"
-    tiles = tiles or tiles_for(max(1, x.numel() // x.shape[-1]), n, k, sm_count(x.device))
-    return launch_gemv(x, w, bias, tiles, act=act)
+    tiles = tiles or tiles_for(max(1, x.numel() // k), n, k, sm_count(x.device))
+    return launch_gemv(x, w, bias, tiles)
 
 
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                 tiles: GemvTiles, scale: torch.Tensor | None = None,
-                scale_block: tuple[int, int] | None = None, act: str | None = None
-                ) -> torch.Tensor:
-    """The kernel (and the K split's sum) for x [..., K] ([..., 2K] with act) and w [N, K];
-    scale: float32 blocks [ceil(N / block_n), ceil(K / block_k)] of scale_block (block_n,
-    block_k)."""
+                scale_block: tuple[int, int] | None = None) -> torch.Tensor:
+    """The kernel (and the K split's sum) for x [..., K] and w [N, K]; scale: float32
+    blocks [ceil(N / block_n), ceil(K / block_k)] of scale_block (block_n, block_k)."""
     n, k = w.shape
     assert w.stride(1) == 1, "row-major weights"
-    width = 2 * k if act else k
-    assert x.shape[-1] == width and x.dtype in (torch.bfloat16, torch.float16)
-    x2 = x.reshape(-1, width)
+    assert x.shape[-1] == k and x.dtype in (torch.bfloat16, torch.float16)
+    x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
@@ -214,8 +206,7 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         x2, w, scale if scale is not None else w, bias if bias is not None else y, out, m, n,
         k, x2.stride(0), w.stride(0), scale.shape[1] if scale is not None else 0, block_n,
         block_k, k_share, HAS_SCALE=scale is not None, PER_K_SCALE=per_k,
-        HAS_BIAS=bias is not None and split == 1, USE_DOT=tiles.dot, ACT=act_code(act),
-        BLOCK_M=block_m,
+        HAS_BIAS=bias is not None and split == 1, USE_DOT=tiles.dot, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tile_k, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **pdl_launch(x))
     if split > 1:
@@ -238,11 +229,11 @@ def sum_splits(parts: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) 
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
                  stride_w, scale_stride, scale_block_n, scale_block_k, k_share,
                  HAS_SCALE: tl.constexpr, PER_K_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 USE_DOT: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """A BLOCK_N stripe of y's columns over one K share (program_id 1); with more than one
     share, float32 partial sums into out [shares, m, n], else y itself. Without HAS_SCALE
-    the scale arguments are not read. ACT: x holds [gate; up] rows (load_gated)."""
+    the scale arguments are not read."""
     let_next_start(PDL)
     stripe, share = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -261,8 +252,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
             k_ok = k0 + offs_k < k_hi
             w = tl.load(w_rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            xs = load_gated(x_rows, k0 + offs_k[None, :], m_ok[:, None] & k_ok[None, :], k,
-                            ACT)
+            xs = tl.load(x_rows + k0 + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0)
             # 16-bit weights are x's dtype; fp8 values are exact in it: exact products,
             # float32 sums
             part = tl.dot(xs, tl.trans(w.to(xs.dtype)))
@@ -271,8 +262,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
                                 other=0.0)[None, :]
             acc += part
     else:
-        acc = _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, k, scale_block_k,
-                            PER_K_SCALE, ACT, BLOCK_N, BLOCK_K, PDL)[None, :]
+        acc = _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
+                            PER_K_SCALE, BLOCK_N, BLOCK_K, PDL)[None, :]
     if HAS_SCALE and not PER_K_SCALE:
         acc *= tl.load(scale_rows, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
@@ -283,9 +274,9 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
 
 
 @triton.jit
-def _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, k, scale_block_k,
-                  PER_K_SCALE: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
+                  PER_K_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr):
     """x's first row times the stripe over [k_lo, k_hi), scaled per K tile or not at all.
     Products are summed per lane in the weight tile's own layout, with one cross-lane
     reduction after the loop (a 3-d broadcast against x's rows made the compiler shuffle
@@ -298,13 +289,13 @@ def _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, k, scale_block_k,
     k_ok = k_lo + offs_k < k_hi
     w = tl.load(w_rows + k_lo + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
     wait_for_previous(PDL)
-    xs = load_gated(x_ptr, k_lo + offs_k, k_ok, k, ACT)
+    xs = tl.load(x_ptr + k_lo + offs_k, mask=k_ok, other=0.0)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_next = k0 + BLOCK_K + offs_k
         next_ok = k_next < k_hi
         w_next = tl.load(w_rows + k_next[None, :], mask=n_ok[:, None] & next_ok[None, :],
                          other=0.0)
-        x_next = load_gated(x_ptr, k_next, next_ok, k, ACT)
+        x_next = tl.load(x_ptr + k_next, mask=next_ok, other=0.0)
         wf = w.to(tl.float32)
         if PER_K_SCALE:
             wf *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok, other=0.0)[:, None]

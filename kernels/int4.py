@@ -59,7 +59,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activation import act_code, activated, act_times_up
 from kernels.gemv import sm_count, sum_splits
 from kernels.packed_half import half_pair, power_of_two_scales
 from kernels.pdl import let_next_start, overlap_previous, pdl_launch, wait_for_previous
@@ -157,11 +156,9 @@ def dequantize_int4_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torc
 
 def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None = None,
-                   bias: torch.Tensor | None = None, act: str | None = None
-                   ) -> torch.Tensor:
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize, then one float32 matmul; the result in x's dtype."""
     w = dequantize_int4_ref(qweight, scales, zeros, group_size).to(x.dtype)
-    x = activated(x, act)
     if perm is not None:
         x = x[..., perm.long()]
     y = x.float() @ w.float().T
@@ -174,13 +171,12 @@ def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None = None,
-               bias: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
-    """x [..., K] ([..., 2K] with act, kernels/gemv.py) -> [..., N]. The one dispatch point
-    for this op: CUDA tensors take the Triton kernels (the GEMV at one row, else the tiled
-    GEMM), others the twin."""
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N]. The one dispatch point for this op: CUDA tensors take the
+    Triton kernels (the GEMV at one row, else the tiled GEMM), others the twin."""
     if x.is_cuda:
-        return w4a16_gemm_triton(x, qweight, scales, zeros, group_size, perm, bias, act=act)
-    return w4a16_gemm_ref(x, qweight, scales, zeros, group_size, perm, bias, act)
+        return w4a16_gemm_triton(x, qweight, scales, zeros, group_size, perm, bias)
+    return w4a16_gemm_ref(x, qweight, scales, zeros, group_size, perm, bias)
 
 
 def default_tiles(m: int, n: int, k: int, sms: int) -> Int4Tiles:
@@ -219,25 +215,22 @@ def split_count(tiles: Int4Tiles, stripes: int, k: int, block_k: int, sms: int) 
 def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                       zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None,
-                      tiles: Int4Tiles | None = None, act: str | None = None) -> torch.Tensor:
+                      tiles: Int4Tiles | None = None) -> torch.Tensor:
     """tiles: force these tiles (block_m 1: the GEMV; the sweep and tests); default: by the
-    row count. act: the GEMV applies it as it loads x; the other paths before."""
+    row count."""
     n, k = qweight.shape[0], qweight.shape[1] * PACK_FACTOR
-    width = 2 * k if act else k
-    assert x.shape[-1] == width and qweight.is_contiguous() and scales.is_contiguous()
+    assert x.shape[-1] == k and qweight.is_contiguous() and scales.is_contiguous()
     assert zeros.is_contiguous() and k % group_size == 0 and group_size % 8 == 0
-    x2 = x.reshape(-1, width).contiguous()
+    x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
     if tiles is None and m >= DEQUANTIZE_MIN_ROWS:
-        return dequantized_matmul(activated(x2, act), qweight, scales, zeros, group_size,
-                                  perm, bias).reshape(*x.shape[:-1], n)
+        return dequantized_matmul(x2, qweight, scales, zeros, group_size, perm,
+                                  bias).reshape(*x.shape[:-1], n)
     tiles = tiles or default_tiles(m, n, k, sm_count(x.device))
     gemv = tiles.block_m == 1
-    if not gemv:
-        x2, act = activated(x2, act), None
     block_k = (gemv_k_tile(tiles.block_k, group_size, k) if gemv
                else k_tile(tiles.block_k, group_size))
     stripes = triton.cdiv(n, tiles.block_n)
@@ -252,8 +245,7 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                  BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
                  num_stages=tiles.num_stages, **pdl_launch(x))
     if gemv:
-        _w4a16_gemv_kernel[(stripes, split, m)](*args, x2.stride(0), ACT=act_code(act),
-                                                GROUPS=max(1, block_k // group_size),
+        _w4a16_gemv_kernel[(stripes, split, m)](*args, GROUPS=max(1, block_k // group_size),
                                                 PACKED=x.is_cuda, **flags)
     else:
         _w4a16_gemm_kernel[(rows, stripes, split)](*args, BLOCK_M=tiles.block_m, **flags)
@@ -299,14 +291,12 @@ def _x_columns(perm_ptr, offs_k, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_row, perm_ptr, k0, x_at, k, HAS_PERM: tl.constexpr, ACT: tl.constexpr):
+def _x_tile(x_row, perm_ptr, k0, x_at, HAS_PERM: tl.constexpr):
     """x's columns lined up with weight columns k0 + x_at ([BLOCK_K / 8, 8]: a word's
-    eight), through perm under act-order, in float32; ACT: act(gate) * up of a [gate; up]
-    row of 2k (kernels/activation.py)."""
-    cols = _x_columns(perm_ptr, k0 + x_at, HAS_PERM)
-    if ACT == 0:
-        return tl.load(x_row + cols).to(tl.float32)
-    return act_times_up(tl.load(x_row + cols), tl.load(x_row + k + cols), ACT).to(tl.float32)
+    eight), through perm under act-order, in float32."""
+    if HAS_PERM:
+        return tl.load(x_row + tl.load(perm_ptr + k0 + x_at)).to(tl.float32)
+    return tl.load(x_row + k0 + x_at).to(tl.float32)
 
 
 @triton.jit
@@ -396,10 +386,9 @@ def _nibble_products(words, place: tl.constexpr, xs, zero):
 
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr,
-                       out_ptr, m, n, k, group_size, k_share, stride_x,
-                       HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-                       PACKED: tl.constexpr, PDL: tl.constexpr):
+                       out_ptr, m, n, k, group_size, k_share, HAS_PERM: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUPS: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
     """One row of x (program_id 2) times a BLOCK_N stripe of W over one K share
     (program_id 1): float32 partial sums into out [shares, m, n], or y itself; PACKED: in
     packed half arithmetic (CUDA), else in float32 (the interpreter). A K tile
@@ -407,8 +396,7 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
     are read in long runs. The first tile's words, scales and zeros are loaded before
     waiting on the previous kernel (they are constants); each step then loads the next
     tile before its own arithmetic, and the sums stay per lane in the words' layout until
-    one reduction after the loop. x's rows are stride_x apart ([gate; up] rows under
-    ACT)."""
+    one reduction after the loop."""
     let_next_start(PDL)
     stripe, share, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = stripe * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -416,7 +404,7 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
     cols = tl.arange(0, BLOCK_K // 8)
     w_rows = qweight_ptr + offs_n.to(tl.int64)[:, None] * (k // 8) + cols[None, :]
     at_group = (offs_n * (k // group_size))[:, None] + tl.arange(0, GROUPS)[None, :]
-    x_row = x_ptr + row.to(tl.int64) * stride_x
+    x_row = x_ptr + row.to(tl.int64) * k
     x_at = cols[:, None] * 8 + tl.arange(0, 8)[None, :]
     k_lo = share * k_share
     k_hi = tl.minimum(k_lo + k_share, k)
@@ -425,7 +413,7 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
     s = tl.load(scales_ptr + at_group + k_lo // group_size, mask=n_ok[:, None], other=0.0)
     z = tl.load(zeros_ptr + at_group + k_lo // group_size, mask=n_ok[:, None], other=0)
     wait_for_previous(PDL)
-    x8 = _x_tile(x_row, perm_ptr, k_lo, x_at, k, HAS_PERM, ACT)
+    x8 = _x_tile(x_row, perm_ptr, k_lo, x_at, HAS_PERM)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         # the next tile; past the share's end, x is read at its last tile and not used
         ahead = (offs_n < tl.where(k0 + BLOCK_K < k_hi, n, 0))[:, None]
@@ -434,8 +422,8 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
                          other=0.0)
         next_z = tl.load(zeros_ptr + at_group + (k0 + BLOCK_K) // group_size, mask=ahead,
                          other=0)
-        next_x8 = _x_tile(x_row, perm_ptr, tl.minimum(k0 + BLOCK_K, k - BLOCK_K), x_at, k,
-                          HAS_PERM, ACT)
+        next_x8 = _x_tile(x_row, perm_ptr, tl.minimum(k0 + BLOCK_K, k - BLOCK_K), x_at,
+                          HAS_PERM)
         if PACKED:
             sums = _packed_nibble_sums(words, x8, z, BLOCK_N, BLOCK_K, GROUPS)
         else:

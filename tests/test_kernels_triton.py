@@ -19,7 +19,6 @@ the GPU.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import random
@@ -625,33 +624,6 @@ def check_gemv(rows: int, n: int, k: int, dtype: torch.dtype, device: str,
     out = gemv_triton(x, w, b, tiles)
     assert_close(out, gemv_ref(x, w, b), f"gemv {rows}x{k} -> {n} {dtype} {tiles}", seed)
 
-
-ACT_KERNELS = {"silu": silu_and_mul_triton, "gelu_tanh": gelu_tanh_and_mul_triton}
-
-
-def check_gated_gemv(rows: int, n: int, k: int, act: str, dtype: torch.dtype, device: str,
-                     tiles: GemvTiles | PackedTiles | None = None, fp8: bool = False) -> None:
-    """A down projection's GEMV given the [gate; up] input (act), 16-bit or fp8 weights
-    per channel: equal, bit for bit, to the same kernel given the activation kernel's
-    output, and close to the twin."""
-    g, seed = fresh_generator()
-    gate_up = rand(g, rows, 2 * k, dtype=dtype, device=device, scale=2.0)
-    b = rand(g, n, dtype=dtype, device=device)
-    if fp8:
-        w = rand(g, n, k, dtype=torch.float32, device=device, scale=100.0).clamp(-448, 448)
-        w, w_scale = w.to(torch.float8_e4m3fn), (0.5 + torch.rand(n, generator=g)).to(device)
-        run = functools.partial(fp8_gemv_triton, w_fp8=w, w_scale=w_scale / 100, bias=b,
-                                tiles=tiles)
-        ref = fp8_gemv_ref(gate_up, w, w_scale / 100, b, act=act)
-    else:
-        w = rand(g, n, k, dtype=dtype, device=device, scale=k ** -0.5)
-        run = functools.partial(gemv_triton, w=w, bias=b, tiles=tiles)
-        ref = gemv_ref(gate_up, w, b, act)
-    fused = run(gate_up, act=act)
-    what = f"{'fp8' if fp8 else dtype} gemv of {act}(gate) * up, {rows}x{k} -> {n} {tiles}"
-    assert torch.equal(fused, run(ACT_KERNELS[act](gate_up))), f"{what} (seed {seed})"
-    assert_close(fused, ref, what, seed)
-
 # --- interpreter checks: tiny shapes, each run in a subprocess -----------------------------
 
 CHECKS: dict[str, Callable[[], None]] = {}
@@ -877,8 +849,6 @@ def fp8_gemv_kernels() -> None:
     check_fp8_gemv(3, 40, 1000, "blocks", torch.float16, "cpu",
                    GemvTiles(16, 64, dot=True, split_k=3))
     check_fp8_gemv(1, 40, 1000, "tensor", torch.bfloat16, "cpu", GemvTiles(16, 128, split_k=4))
-    for rows in (1, 3):
-        check_gated_gemv(rows, 70, 300, "silu", torch.float16, "cpu", fp8=True)
 
 
 
@@ -896,9 +866,6 @@ def gemv_kernels() -> None:
     check_gemv(8, 70, 1000, torch.float16, "cpu", GemvTiles(32, 64, dot=True, split_k=4),
                bias=False)
     check_gemv(16, 17, 129, torch.float16, "cpu", GemvTiles(16, 32, dot=True, split_k=2))
-    for rows, tiles in ((1, None), (8, None), (1, GemvTiles(8, 64, split_k=3))):
-        check_gated_gemv(rows, 70, 300, "silu", torch.float16, "cpu", tiles)
-    check_gated_gemv(2, 40, 130, "gelu_tanh", torch.float16, "cpu")
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_under_triton_interpreter(check: str) -> None:
@@ -1216,8 +1183,7 @@ def test_gemv_compiles_for_sm90() -> None:
     """The GEMV's default tiles (default_tiles), launched with PDL (kernels/pdl.py). fp8 weights: one row per channel and per
     128x128 block (CUDA-core sums), more rows per channel and per block (tensor cores on
     bf16). bf16 and fp16 weights, no scale: one row on the CUDA cores and on tensor cores
-    (the widest projections), more rows on tensor cores; a down projection's [gate; up]
-    input (ACT) on both. And the K split's sum."""
+    (the widest projections), more rows on tensor cores. And the K split's sum."""
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16",
                  out_ptr="*bf16", m="i32", n="i32", k="i32", stride_x="i32", stride_w="i32",
                  scale_stride="i32", scale_block_n="i32", scale_block_k="i32", k_share="i32")
@@ -1227,17 +1193,16 @@ def test_gemv_compiles_for_sm90() -> None:
                                                   (False, True, 16, 32, 256),
                                                   (True, True, 16, 32, 128)]:
         compile_for_sm90(_gemv_kernel, types, dict(
-            HAS_SCALE=True, PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot, ACT=int(dot),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
+            HAS_SCALE=True, PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
     for dtype in ("bf16", "fp16"):
         half = dict(types, x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", scale_ptr=f"*{dtype}",
                     bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
         for dot, block_m, block_n, block_k in [(False, 1, 8, 256), (True, 16, 32, 64),
                                                (True, 16, 32, 128)]:
-            for act in (0, 1, 2):
-                compile_for_sm90(_gemv_kernel, half, dict(
-                    HAS_SCALE=False, PER_K_SCALE=False, HAS_BIAS=True, USE_DOT=dot, ACT=act,
-                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
+            compile_for_sm90(_gemv_kernel, half, dict(
+                HAS_SCALE=False, PER_K_SCALE=False, HAS_BIAS=True, USE_DOT=dot,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
     compile_for_sm90(_sum_splits_kernel, dict(parts_ptr="*fp32", bias_ptr="*bf16",
                                               y_ptr="*bf16", size="i32", n="i32",
                                               splits="i32"),
@@ -1247,16 +1212,14 @@ def test_gemv_compiles_for_sm90() -> None:
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
 def test_int4_kernels_compile_for_sm90() -> None:
     """The W4A16 GEMV in packed half arithmetic (its inline PTX) at the 8B tiles, with and
-    without act-order, with and without a [gate; up] input (ACT), and the tiled GEMM of
-    decode batches."""
+    without act-order, and the tiled GEMM of decode batches."""
     types = dict(x_ptr="*bf16", qweight_ptr="*i32", scales_ptr="*bf16", zeros_ptr="*u8",
                  perm_ptr="*i32", bias_ptr="*bf16", out_ptr="*fp32", m="i32", n="i32",
                  k="i32", group_size="i32", k_share="i32")
     for act_order in (False, True):
-        for act in (0, 1):
-            compile_for_sm90(_w4a16_gemv_kernel, dict(types, stride_x="i32"), dict(
-                HAS_PERM=act_order, HAS_BIAS=not act_order, ACT=act, BLOCK_N=16,
-                BLOCK_K=1024, GROUPS=8, PACKED=True, PDL=True))
+        compile_for_sm90(_w4a16_gemv_kernel, types, dict(
+            HAS_PERM=act_order, HAS_BIAS=not act_order, BLOCK_N=16, BLOCK_K=1024, GROUPS=8,
+            PACKED=True, PDL=True))
     compile_for_sm90(_w4a16_gemm_kernel, dict(types, out_ptr="*bf16"), dict(
         HAS_PERM=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=True))
 
@@ -1327,9 +1290,6 @@ def test_fp8_gemv_cuda(projection: str) -> None:
     check_fp8_gemv(1, n, k, "channel", torch.bfloat16, "cuda", GemvTiles(32, 256, split_k=4))
     check_fp8_gemv(8, n, k, "blocks", torch.bfloat16, "cuda",
                    GemvTiles(64, 128, dot=True, split_k=2))
-    if projection == "down":  # its [gate; up] input, on the packed kernel and on the other
-        for rows in (1, 8):
-            check_gated_gemv(rows, n, k, "silu", torch.bfloat16, "cuda", fp8=True)
     w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
     w_scale = torch.rand(n, 1, device="cuda") / 100
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -1383,10 +1343,6 @@ def test_gemv_cuda(model: str) -> None:
             check_gemv(rows, n, k, torch.float16, "cuda", bias=False)
         check_gemv(1, n, k, torch.bfloat16, "cuda", GemvTiles(16, 128, split_k=4))
         check_gemv(1, n, k, torch.bfloat16, "cuda", GemvTiles(32, 64, dot=True))
-    if "down" in DECODE_PROJECTIONS[model]:  # its [gate; up] input, at 1 and 8 rows
-        k, n = DECODE_PROJECTIONS[model]["down"]
-        for rows, act in ((1, "silu"), (8, "silu"), (1, "gelu_tanh")):
-            check_gated_gemv(rows, n, k, act, torch.bfloat16, "cuda")
     k, n = DECODE_PROJECTIONS[model]["o"]
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

@@ -47,11 +47,8 @@ profile)  # eager per-kernel device times of one decode step of the small batche
       > "$R/$name-decode.txt" 2>&1
   done
   ;;
-fused-ab)  # the down projection's activation fused into its GEMV: the GEMVs' CUDA tests,
-          # then small-batch decode with this tree and .base (the commit before), alternating
-  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
-    tests/test_quant_int4.py -k "gemv_cuda or w4a16_kernels_cuda or packed_gemv_cuda" \
-    > "$R/pytest-gemv-cuda.txt" 2>&1
+latency-ab)  # small-batch decode with this tree and .base (the commit before), alternating:
+            # 0.6B at batch 1 and 8 twice, then the 8B's batch 1 in each of FORMATS
   for round in 1 2; do
     for spec in "qwen3-0.6b-shape 1 62" "qwen3-0.6b-shape 8 62"; do
       set -- $spec

@@ -33,7 +33,6 @@ from torch import nn
 from common.config import EngineConfig
 from common.lora import TARGET_MODULES, WEIGHTS_FILE, AdapterError, read_adapter_config
 from common.messages import LoRARequest
-from kernels.activation import activated
 from kernels.lora import lora_expand
 from services.worker.layers.linear import OutputShard, RowParallelLinear, ShardId
 from services.worker.layers.quantization import UnquantizedMethod
@@ -100,11 +99,9 @@ class LoRALinear(nn.Module):
         self.lora_b = _zeros(extended, max_loras, out_features, max_rank)
         self.starts = tuple(shard.offset for shard in list(slices.values())[1:])
 
-    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The matmul gives the base projection (a row-parallel rank's partial sum) and the
-        shrink; the expand adds the delta before `finish` reduces over the ranks. act: x is
-        [gate; up], activated here first (the shrink needs the input itself)."""
-        x = activated(x, act)
+        shrink; the expand adds the delta before `finish` reduces over the ranks."""
         rows = x.reshape(-1, self.in_features)
         if self.stacked:
             y = F.linear(rows, self.weight, self.bias)

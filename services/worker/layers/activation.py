@@ -1,15 +1,30 @@
-"""The gated activation of Llama-style MLPs, from the config's name (transformers' ACT2FN
-names) to the kernels' (kernels/activation.py). The down projection takes the [gate; up]
-output with this name and applies it itself: a decode GEMV as it reads its input, other
-paths with the activation kernel first."""
+"""The gated activations of Llama-style MLPs as modules, chosen by the config's name."""
 
 from __future__ import annotations
 
-KERNEL_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+import torch
+from torch import nn
+
+from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 
 
-def gated_activation(name: str) -> str:
-    if name not in KERNEL_ACTS:
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
+
+
+class GeluTanhAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_and_mul(x)
+
+
+# transformers' ACT2FN names
+GATED_ACTIVATIONS: dict[str, type[nn.Module]] = {"silu": SiluAndMul,
+                                                  "gelu_pytorch_tanh": GeluTanhAndMul}
+
+
+def gated_activation(name: str) -> nn.Module:
+    if name not in GATED_ACTIVATIONS:
         raise ValueError(f"unsupported MLP activation {name!r}; supported: "
-                         f"{', '.join(KERNEL_ACTS)}")
-    return KERNEL_ACTS[name]
+                         f"{', '.join(GATED_ACTIVATIONS)}")
+    return GATED_ACTIVATIONS[name]()

@@ -159,9 +159,8 @@ class LinearBase(nn.Module, abc.ABC):
             result[shard_id] = tuple(shape)
         return result
 
-    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
-        """act: x is [gate; up] and the input act(gate) * up (QuantMethod.apply)."""
-        return self.method.apply(self, x, self.bias, act)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """What follows the matmul (a LoRA wrapper runs its own matmul, then this)."""
@@ -264,8 +263,8 @@ class RowParallelLinear(LinearBase):
         """The output is whole on every rank."""
         return {None: OutputShard(0, self.output_size, 0, self.output_size)}
 
-    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
-        return self.finish(self.method.apply(self, x, None, act))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.method.apply(self, x, None))
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's partial sums summed over the ranks, plus the bias (or left to the

@@ -119,14 +119,14 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden_size = hf_config.hidden_size
         intermediate = intermediate_size or hf_config.intermediate_size
-        self.act = gated_activation(activation_name(hf_config))
+        self.act_fn = gated_activation(activation_name(hf_config))
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate] * 2,
                                                        bias=flags.mlp_bias)
         self.down_proj = RowParallelLinear(intermediate, hidden_size, bias=flags.mlp_bias,
                                            reduce_results=flags.mlp_reduces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), act=self.act)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.activation import activated
 from kernels.gemv import gemv
 
 
@@ -56,11 +55,9 @@ class QuantMethod(abc.ABC):
         """Repack or requantize once every checkpoint tensor is in."""
 
     @abc.abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-              act: str | None = None) -> torch.Tensor:
-        """y = x W^T (+ bias), for x [..., input_size]; no host syncs (CUDA graphs). act
-        (kernels/activation.py): x is [..., 2 * input_size], [gate; up], and the input
-        is act(gate) * up, which a decode GEMV computes as it reads x."""
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        """y = x W^T (+ bias), for x [..., input_size]; no host syncs (CUDA graphs)."""
 
 
 class UnquantizedMethod(QuantMethod):
@@ -76,8 +73,8 @@ class UnquantizedMethod(QuantMethod):
                                        output_dim=0, input_dim=1, loader=layer.weight_loader)
         layer.gemv_rows = range(0)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-              act: str | None = None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
         if x.numel() // x.shape[-1] in layer.gemv_rows:
-            return gemv(x, layer.weight, bias, act)
-        return F.linear(activated(x, act), layer.weight, bias)
+            return gemv(x, layer.weight, bias)
+        return F.linear(x, layer.weight, bias)

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.activation import activated
 from kernels.gguf import GGUFType, bytes_per_row, gguf_linear, gguf_type, layout
 from services.worker.layers.checkpoint import CheckpointSlice
 from services.worker.layers.quantization.base import QuantMethod, quant_parameter
@@ -234,9 +233,8 @@ class GGUFMethod(QuantMethod):
                                                  loader=layer.weight_loader))
         layer.gguf_parts = merged
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-              act: str | None = None) -> torch.Tensor:
-        x = activated(x, act)
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
         outputs = [part_linear(x, part, layer.gguf_input_size) for part in layer.gguf_parts]
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return y if bias is None else y + bias

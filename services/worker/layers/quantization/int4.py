@@ -208,11 +208,11 @@ class Int4Method(QuantMethod):
         groups = g_idx.numel() // self.group(g_idx.numel())
         return g_idx - self.first_group(layer, groups)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-              act: str | None = None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
         group_size = layer.qweight.shape[1] * PACK_FACTOR // layer.scales.shape[1]
         return w4a16_gemm(x, layer.qweight, layer.scales, layer.zeros, group_size,
-                          layer.perm, bias, act)
+                          layer.perm, bias)
 
 
 class AWQMethod(Int4Method):

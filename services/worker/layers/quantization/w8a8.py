@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from common.quantization import QuantSpec
-from kernels.activation import activated
 from kernels.fp8_gemv import fp8_gemv
 from kernels.gemv import GEMV_MAX_ROWS
 from kernels.quant import FP8_DTYPE, quantize_per_token, quantize_static, scaled_mm
@@ -114,14 +113,13 @@ class W8A8Method(QuantMethod):
             layer.weight_scale = nn.Parameter(torch.cat(rows), requires_grad=False)
         del layer.weight_scale_inv
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-              act: str | None = None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.takes_gemv(rows):
             y = fp8_gemv(rows, layer.weight, layer.weight_scale, bias,
-                         block=(layer.block_n, layer.group_k), act=act)
+                         block=(layer.block_n, layer.group_k))
             return y.view(*x.shape[:-1], y.shape[-1])
-        rows = activated(rows, act)
         if self.spec.activations == "static":
             q = quantize_static(rows, layer.input_scale, self.qdtype)
             scale = layer.input_scale.expand(rows.shape[0], 1)
