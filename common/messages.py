@@ -119,6 +119,43 @@ class PromptLogprobs:
 
 
 @record
+class StepLogprobs:
+    """The sampled tokens' logprobs of one step, end to end: the step's row i (of its
+    req_ids) has widths[i] entries, the chosen token then its top-k, or none (0). The
+    worker fills these columns straight from its one copy of the step's output, and they
+    travel as four packed arrays: a record a row cost the worker, the wire and the
+    scheduler about 5 us a row (issue 31), and rows() makes them once, where they are
+    taken apart."""
+    widths: Tokens
+    token_ids: Tokens
+    logprobs: Floats
+    ranks: Tokens  # one per row with entries
+    # each token id's text, or none: the offline engine adds them as steps come in
+    texts: list[str] = field(default_factory=list)
+
+    def rows(self) -> list[TokenLogprobs | None]:
+        widths, ids, values, ranks = self.widths, self.token_ids, self.logprobs, self.ranks
+        texts = self.texts
+        if (min(widths, default=0) < 0 or sum(widths) != len(ids) or len(values) != len(ids)
+                or len(widths) - widths.count(0) != len(ranks)
+                or len(texts) not in (0, len(ids))):
+            raise MessageError(f"step logprobs of widths {widths} do not match their "
+                               f"{len(ids)} ids, {len(values)} values, {len(ranks)} ranks "
+                               f"and {len(texts)} texts")
+        out: list[TokenLogprobs | None] = []
+        at = taken = 0
+        for width in widths:
+            if not width:
+                out.append(None)
+                continue
+            end = at + width
+            out.append(TokenLogprobs(ids[at:end], values[at:end], ranks[taken],
+                                     texts[at:end]))
+            at, taken = end, taken + 1
+        return out
+
+
+@record
 class LoRARequest:
     """A LoRA adapter to generate under, as vLLM's: a PEFT directory, named for clients,
     with an id unique to its path (the worker's slots and the prefix cache key on it)."""
@@ -337,7 +374,7 @@ class DrainSteps:
     scheduler_epoch: str = ""
 
 
-@message("result")
+@message("result", version=2)  # 2: logprobs as StepLogprobs columns
 @record
 class StepResult:
     """worker -> scheduler (hr:results): the tokens one step sampled."""
@@ -346,7 +383,7 @@ class StepResult:
     step: int
     req_ids: list[str]  # the requests that sampled, batch order
     token_ids: Tokens
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    logprobs: StepLogprobs | None = None  # of the rows that asked for them
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     epoch: str = ""
     execute_ms: float = 0.0

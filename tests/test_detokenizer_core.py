@@ -14,6 +14,7 @@ from common.messages import (Abort, DetokItem, TextDelta, TokenBatch, TokenLogpr
                              encode)
 from common.sampling_params import SamplingParams
 from common.detok_window import detok_params, make_context, stop_lookback
+from common.token_text import TokenTexts
 from services.detokenizer.core import Detokenizer, TokenBytes, find_stop, unfinished_bytes
 from tests.text_fixtures import SAMPLE_TEXTS, byte_fallback_tokenizer, smollm2_tokenizer
 
@@ -401,6 +402,32 @@ def test_logprob_texts_keep_sentencepiece_leading_spaces():
     the = tok.convert_tokens_to_ids("\u2581the")
     assert tok.decode([the]) == "the"  # the decoder strips a text's first space
     assert Detokenizer(tok).token_text(the) == " the"
+
+
+@pytest.mark.parametrize("rust", [True, False])
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_texts_looked_up_together_are_each_ids_own(tok, kind, rust, monkeypatch):
+    """A batch of ids (repeats, special tokens, byte pieces and SentencePiece word starts
+    among them) through the one-call lookup, in a table partly filled an id at a time:
+    each the single-token decode, leading spaces restored, and in the order asked; from
+    the Rust tokenizer's batch and from transformers' decode a token at a time."""
+    tokenizer = tok if kind == "byte-level" else byte_fallback_tokenizer()
+    ids = tokenizer.encode(" the world 🎉 €, east of the sun") + [tokenizer.eos_token_id]
+    ids = ids + ids[::-1] + random.Random(0).sample(range(len(tokenizer)), 50)
+    if not rust:
+        monkeypatch.setattr("common.token_text.rust_decoder", lambda tokenizer: None)
+    texts = TokenTexts(tokenizer)
+    one_at_a_time = [TokenTexts(tokenizer)(i) for i in ids]
+    texts(ids[3])
+    assert texts.texts(ids) == one_at_a_time
+    assert one_at_a_time[:3] == [_marked(tokenizer, i) for i in ids[:3]]
+
+
+def _marked(tokenizer, token_id: int) -> str:
+    """decode([id]) with the SentencePiece word start it strips put back."""
+    text = tokenizer.decode([token_id])
+    return (" " + text if tokenizer.convert_ids_to_tokens(token_id).startswith("\u2581")
+            and not text.startswith(" ") else text)
 
 
 # --- randomized: stop strings against a one-shot reference ------------------------------

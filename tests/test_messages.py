@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from common import messages
 from common.hops import request_stages, step_stages
 from common.messages import (_REGISTRY, DetokItem, DetokParams, MessageError, NewRequest,
-                             ReplyBatch, StepPlan, TextDelta, TokenBatch, TokenLogprobs,
-                             decode, encode, with_fields)
+                             ReplyBatch, StepLogprobs, StepPlan, StepResult, TextDelta,
+                             TokenBatch, TokenLogprobs, decode, encode, with_fields)
 from common.sampling_params import RequestOutputKind, SamplingParams
 
 INT32 = st.integers(-2**31, 2**31 - 1)
@@ -144,6 +144,31 @@ def test_token_ids_travel_as_packed_int32_bytes():
     assert body["num_scheduled_tokens"] == (1).to_bytes(4, "little") + (300).to_bytes(
         4, "little")
     assert len(body["num_computed_tokens"]) == 8
+
+
+def test_a_steps_logprobs_travel_as_columns_and_come_apart_into_its_rows():
+    """Rows 0 and 2 of three asked for logprobs (one and two entries), row 1 for none: four
+    packed arrays on the wire, a TokenLogprobs or None a row out of rows()."""
+    columns = StepLogprobs([1, 0, 2], [7, 9, 4], [-0.5, -0.25, -2.0], [1, 3])
+    result = decode(encode(StepResult(3, ["a", "b", "c"], [7, 8, 9], columns)))
+    assert result.logprobs == columns
+    assert [type(v) for v in msgpack.unpackb(encode(result))["logprobs"].values()] == [bytes] * 4
+    assert columns.rows() == [TokenLogprobs([7], [-0.5], 1), None,
+                              TokenLogprobs([9, 4], [-0.25, -2.0], 3)]
+    texted = with_fields(columns, texts=["a", "b", "c"])
+    assert decode(encode(StepResult(3, ["a", "b", "c"], [7, 8, 9], texted))).logprobs == texted
+    assert [row and row.texts for row in texted.rows()] == [["a"], None, ["b", "c"]]
+
+
+@pytest.mark.parametrize("columns", [
+    StepLogprobs([1, 0, 2], [7, 9], [-0.5, -0.25, -2.0], [1, 3]),  # an id short
+    StepLogprobs([1, 0, 2], [7, 9, 4], [-0.5, -0.25], [1, 3]),  # a value short
+    StepLogprobs([1, 0, 2], [7, 9, 4], [-0.5, -0.25, -2.0], [1]),  # a rank short
+    StepLogprobs([1, -1, 3], [7, 9, 4], [-0.5, -0.25, -2.0], [1, 3]),  # a negative width
+    StepLogprobs([1, 0, 2], [7, 9, 4], [-0.5, -0.25, -2.0], [1, 3], ["a", "b"])])  # texts
+def test_step_logprobs_whose_columns_disagree_are_refused(columns):
+    with pytest.raises(MessageError, match="do not match"):
+        columns.rows()
 
 
 @settings(max_examples=100, deadline=None)

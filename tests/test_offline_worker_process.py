@@ -23,6 +23,7 @@ from common.config import ConfigError, EngineConfig
 from common.lora import WEIGHTS_FILE
 from common.messages import LoRARequest
 from common.sampling_params import SamplingParams
+from common.token_text import TokenTexts
 from services.offline.engine import WORKER_PROCESS_ENV, Engine, uses_worker_process
 from services.offline.llm import LLM
 from services.offline.steps import ThreadedSteps
@@ -84,6 +85,26 @@ def test_ranks_in_the_worker_process_give_the_inline_loops_tokens(tiny, size, in
 def tokens_of_one_rank(tiny: str) -> list[list[int]]:
     with LLM(tiny, device="cpu", seed=3) as one:
         return tokens(one)[::2]
+
+
+def test_logprobs_from_the_worker_process_are_the_inline_loops(tiny, in_child):
+    """A step's logprobs cross the pipe as columns (common/messages.StepLogprobs) and get
+    their texts as they come in: every completion's and prompt's logprobs, with their
+    tokens' texts, are the in-line loop's."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+    asked = [{"prompt_token_ids": p} for p in PROMPTS]
+    with make_llm(tiny, step_thread=False) as inline:
+        want = inline.generate(asked, params, use_tqdm=False)
+    with make_llm(tiny) as llm:
+        assert isinstance(llm.engine.steps, ProcessSteps)
+        got = llm.generate(asked, params, use_tqdm=False)
+        spelled = TokenTexts(llm.get_tokenizer())
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+    assert [o.prompt_logprobs for o in got] == [o.prompt_logprobs for o in want]
+    entries = [e for o in got for position in o.outputs[0].logprobs for e in position.items()]
+    assert len(entries) >= 3 * 8 * len(PROMPTS)
+    assert all(lp.decoded_token == spelled(token_id) for token_id, lp in entries)
 
 
 def test_close_with_and_collection_leave_no_process(tiny, in_child):

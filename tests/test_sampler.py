@@ -99,8 +99,10 @@ def forbid_syncs(device: torch.device) -> Iterator[None]:
 
 
 def host_logprobs(out: SamplerOutput, num_rows: int) -> list[TokenLogprobs | None]:
-    """The step's logprobs as the worker reads them: out of the one packed copy."""
-    return unpack_logprobs(out.packed().cpu(), num_rows, out.logprobs)
+    """The step's logprobs as the worker reads them out of the one packed copy, and the
+    scheduler takes them apart."""
+    columns = unpack_logprobs(out.packed().cpu(), num_rows, out.logprobs)
+    return [] if columns is None else columns.rows()
 
 
 # --- greedy --------------------------------------------------------------------------------

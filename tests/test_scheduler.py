@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from common.messages import (AdmitRequest, DetokItem, LoRARequest, PooledOutput, StepPlan,
-                             StepResult, TokenLogprobs, with_fields)
+                             StepLogprobs, StepResult, with_fields)
 from common.sampling_params import RequestOutputKind, SamplingParams
 from common.speculative import SpeculativeConfig
 from services.scheduler import core
@@ -381,8 +381,9 @@ def test_a_final_only_completion_is_one_item_at_its_end(lag):
 
     def with_logprobs(plan: StepPlan) -> StepResult:  # a made-up logprob per token
         result = execute(plan)
-        return with_fields(result, logprobs=[TokenLogprobs([t], [-t / 100], 1)
-                                             for t in result.token_ids])
+        tokens = result.token_ids
+        return with_fields(result, logprobs=StepLogprobs(
+            [1] * len(tokens), tokens, [-t / 100 for t in tokens], [1] * len(tokens)))
 
     def recorded(result: StepResult) -> list[DetokItem]:
         items.extend(out := update(result))

@@ -90,6 +90,17 @@ ab)  # the in-process nano workload in this tree and in .base (a copy of the com
     done
   done
   ;;
+lp-ab)  # the nano workload on both paths, without and with logprobs=1, in this tree and in
+       # .base (the commit before), alternating in one lease
+  for tree in new base; do
+    for extra in "" "--logprobs 1"; do
+      name=throughput-nano$(echo "$extra" | tr -d ' -')-$tree
+      bench_in $tree 280 throughput --model "$(realpath $M/qwen3-0.6b-shape)" \
+        --load-format dummy --workload nano --path inprocess,http $extra \
+        --json "$R/$name.json" > "$R/$name.txt" 2>&1
+    done
+  done
+  ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
        # the executor in the worker process and then on the step thread (WPS: which of the
        # two, 1 and 0; EXTRA: more flags; TAG names the files)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.bench.throughput import with_sampling  # noqa: E402
 from benchmarks.bench.workloads import nano_workload  # noqa: E402
 from common.config import EngineConfig  # noqa: E402
-from common.messages import StepPlan, StepResult, TokenLogprobs  # noqa: E402
+from common.messages import StepLogprobs, StepPlan, StepResult  # noqa: E402
 from common.sampling_params import RequestOutputKind  # noqa: E402
 from common.timing import PhaseClock  # noqa: E402
 from services.demo import demo_model_path  # noqa: E402
@@ -47,8 +47,9 @@ class InstantSteps:
                                             plan.num_scheduled_tokens)
                    if start + n >= self.prompt_len[r]]
         tokens = [self.rng.randrange(10_000) for _ in req_ids]
-        logprobs = [TokenLogprobs([t, 5], [-0.5, -1.0], 1) for t in tokens] \
-            if self.logprobs else []
+        count = len(tokens)
+        logprobs = StepLogprobs([2] * count, [x for t in tokens for x in (t, 5)],
+                                [-0.5, -1.0] * count, [1] * count) if self.logprobs else None
         self.done.append(StepResult(plan.step, req_ids, tokens, logprobs))
 
     def results(self, keep: int) -> list[StepResult]:

@@ -34,7 +34,7 @@ from typing import Any
 
 from common.detok_window import MAX_CHAR_BYTES, stop_lookback
 from common.messages import Abort, DetokItem, DetokParams, TextDelta, TokenLogprobs
-from common.token_text import TokenTexts
+from common.token_text import TokenTexts, rust_decoder
 
 _BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not a character
@@ -158,19 +158,6 @@ def _text_ids(item: DetokItem) -> list[int]:
     return ids
 
 
-def rust_decoder(tokenizer: Any) -> Any | None:
-    """The `tokenizers` Tokenizer behind a transformers fast tokenizer whose decode is that
-    Tokenizer's decode plus optional clean-up (which we never ask for): calling it directly
-    skips transformers' per-call argument handling, two thirds of a short window's decode
-    time, and matters at hundreds of windows a step. None for any other tokenizer."""
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    if isinstance(tokenizer, TokenizersBackend) and \
-            type(tokenizer)._decode is TokenizersBackend._decode:
-        return tokenizer.backend_tokenizer
-    return None
-
-
 class Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -210,9 +197,8 @@ class Detokenizer:
             rid=item.rid, index=item.index, seq=item.seq, text=text[start:max(start, end)],
             token_ids=list(item.new_token_ids), num_prompt_tokens=item.num_prompt_tokens,
             finish_reason=finish_reason, stop_reason=stop_reason,
-            logprobs=[self.with_texts(lp) for lp in item.logprobs],
-            prompt_logprobs=[None if lp is None else self.with_texts(lp)
-                             for lp in item.prompt_logprobs],
+            logprobs=self.with_texts(item.logprobs),
+            prompt_logprobs=self.with_texts(item.prompt_logprobs),
             request_stamps=item.request_stamps, num_cached_tokens=item.num_cached_tokens)
         return delta, abort
 
@@ -246,8 +232,21 @@ class Detokenizer:
 
     # --- logprobs ---------------------------------------------------------------------
 
-    def with_texts(self, lp: TokenLogprobs) -> TokenLogprobs:
-        """`lp` with each entry's token text (a cached table: no tokenizer call)."""
-        token_text = self.token_text
-        return TokenLogprobs(lp.token_ids, lp.logprobs, lp.rank,
-                             [token_text(t) for t in lp.token_ids])
+    def with_texts(self, logprobs: list[TokenLogprobs | None]) -> list[TokenLogprobs | None]:
+        """Each entry with its tokens' texts, looked up in one pass (None, and an entry
+        that has them, stay as they are): a FINAL_ONLY completion brings all of its tokens'
+        logprobs at once."""
+        if not logprobs:
+            return []
+        texts = self.token_text.texts([t for lp in logprobs if lp is not None and not lp.texts
+                                       for t in lp.token_ids])
+        out: list[TokenLogprobs | None] = []
+        at = 0
+        for lp in logprobs:
+            if lp is None or lp.texts:
+                out.append(lp)
+                continue
+            end = at + len(lp.token_ids)
+            out.append(TokenLogprobs(lp.token_ids, lp.logprobs, lp.rank, texts[at:end]))
+            at = end
+        return out

@@ -46,9 +46,9 @@ KeptLogprobs = tuple[list[TokenLogprobs], list[TokenLogprobs | None]]
 
 class DetokenizerProcess:
     """The parent's end: `submit` a step's items, `collect` the deltas that are back.
-    `with_texts` gives a TokenLogprobs its entries' texts (Detokenizer.with_texts)."""
+    `with_texts` gives logprobs their entries' texts (Detokenizer.with_texts)."""
 
-    def __init__(self, model_dir: Path, with_texts: Callable[[TokenLogprobs], TokenLogprobs],
+    def __init__(self, model_dir: Path, with_texts: Callable[[list], list],
                  tokenizer: str | None = None, trust_remote_code: bool = False) -> None:
         self._with_texts = with_texts
         # per batch sent and not collected: its items' logprobs, None when it has none
@@ -103,10 +103,8 @@ class DetokenizerProcess:
         them."""
         if not logprobs and not prompt_logprobs:
             return delta
-        with_texts = self._with_texts
-        return with_fields(delta, logprobs=[with_texts(lp) for lp in logprobs],
-                           prompt_logprobs=[None if lp is None else with_texts(lp)
-                                            for lp in prompt_logprobs])
+        return with_fields(delta, logprobs=self._with_texts(logprobs),
+                           prompt_logprobs=self._with_texts(prompt_logprobs))
 
     def close(self) -> None:
         """The child sees its input end and exits (a second call does nothing)."""

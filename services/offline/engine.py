@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from common.config import ConfigError, EngineConfig
 from common.lora import read_adapter_config
 from common.messages import (DetokItem, ImageInput, LoRARequest, StepPlan, StepResult,
-                             TextDelta)
+                             TextDelta, with_fields)
 from common.model_info import load_model_info
 from common.sampling_params import SamplingParams
 from common.timing import PhaseClock
@@ -198,6 +198,8 @@ class Engine:
         deltas: list[TextDelta] = []
         beside: list[DetokItem] = []
         for result in results:
+            if result.logprobs is not None:
+                result = self._with_texts(result)
             items = self.scheduler.update(result)
             clock.lap("update")
             if self.detokenizer_process is not None:
@@ -206,6 +208,15 @@ class Engine:
             deltas += self._detokenize(items)
             clock.lap("postprocess")
         return deltas, beside
+
+    def _with_texts(self, result: StepResult) -> StepResult:
+        """The step's logprobs with their tokens' texts, looked up as the step comes in:
+        a FINAL_ONLY completion's all at its end took the loop a second of the nano
+        workload's tail on an H200 (benchmarks/issue31-h200), where this step's lookups
+        run while the device computes the next."""
+        columns = result.logprobs
+        texts = self.detokenizer.token_text.texts(columns.token_ids)
+        return with_fields(result, logprobs=with_fields(columns, texts=texts))
 
     def _detokenize(self, items: list[DetokItem]) -> list[TextDelta]:
         """The items' deltas, made here; a stop string found aborts its request before the

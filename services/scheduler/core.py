@@ -290,7 +290,8 @@ class Scheduler:
             if chunk.start == len(req.prompt_logprobs):  # not a recompute after preemption
                 req.prompt_logprobs.extend(chunk.rows())
         items = []
-        logprobs = result.logprobs or [None] * len(result.req_ids)
+        logprobs = (result.logprobs.rows() if result.logprobs is not None
+                    else [None] * len(result.req_ids))
         counts = result.num_tokens or [1] * len(result.req_ids)
         ends = itertools.accumulate(counts)
         proposals = split_drafts(result.num_draft_tokens, result.draft_token_ids,

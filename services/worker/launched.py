@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.messages import PooledOutput, PromptLogprobs, StepResult
+from common.messages import PooledOutput, PromptLogprobs, StepResult, with_fields
 from services.worker.grammar import accept
 from services.worker.request_state import RequestState
 from services.worker.sampler import SampledLogprobs, unpack_logprobs
@@ -69,7 +69,8 @@ def finish(launched: Launched) -> StepResult:
         num_tokens = [1] * len(token_ids) + [len(tokens) for tokens in emitted]
         req_ids += [s.req_id for s in launched.spec]
         token_ids += [token for tokens in emitted for token in tokens]
-        logprobs = logprobs and logprobs + [None] * len(launched.spec)
+        if logprobs is not None:  # the speculating rows asked for none
+            logprobs = with_fields(logprobs, widths=logprobs.widths + [0] * len(launched.spec))
     num_drafts, drafts = _proposals(launched, req_ids)
     return StepResult(step=launched.step, req_ids=req_ids,
                       token_ids=token_ids, logprobs=logprobs,

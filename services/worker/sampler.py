@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.messages import TokenLogprobs
+from common.messages import StepLogprobs
 from common.sampling_params import SamplingParams
 from kernels.grammar_mask import apply_token_bitmask
 from kernels.sampling import (gumbel_argmax_triton, top_p_threshold_exact_ref,
@@ -71,7 +71,7 @@ class GrammarMask:
 class SampledLogprobs:
     """The logprobs of the rows of a step that asked for them, still on the device:
     fixed-shape, every row padded to the batch's largest logprobs."""
-    rows: list[int]  # their batch rows
+    rows: list[int]  # their batch rows, ascending
     widths: list[int]  # 1 + each one's params.logprobs
     token_ids: torch.Tensor  # int64 [R, k+1]: column 0 the chosen token, then the top-k
     logprobs: torch.Tensor  # float32 [R, k+1]
@@ -94,22 +94,24 @@ class SamplerOutput:
 
 
 def unpack_logprobs(host: torch.Tensor, num_rows: int, layout: SampledLogprobs | None
-                    ) -> list[TokenLogprobs | None]:
-    """Each row's TokenLogprobs (None where it asked for none) from SamplerOutput.packed()
-    on the host; `layout` is the output's logprobs (only its rows and widths are read)."""
+                    ) -> StepLogprobs | None:
+    """The step's logprobs as columns, in batch-row order, from SamplerOutput.packed() on
+    the host; `layout` is the output's logprobs (only its rows and widths are read). No
+    record a row: numpy takes each row's first `width` entries at once."""
     if layout is None:
-        return []
+        return None
     count = len(layout.rows)
     width = (host.shape[0] - num_rows - count) // (2 * count)
-    ids_end = num_rows + count * width
-    ids = host[num_rows:ids_end].view(count, width).tolist()
-    values = host[ids_end:ids_end + count * width].int().view(torch.float32)
-    values_list = values.view(count, width).tolist()
-    ranks = host[ids_end + count * width:].tolist()
-    out: list[TokenLogprobs | None] = [None] * num_rows
-    for j, (row, w) in enumerate(zip(layout.rows, layout.widths)):
-        out[row] = TokenLogprobs(ids[j][:w], values_list[j][:w], ranks[j])
-    return out
+    block = host[num_rows:].numpy()
+    # each row's first `widths` entries of its `width`
+    taken = np.arange(width)[None, :] < np.asarray(layout.widths)[:, None]
+    ids = block[:count * width].reshape(count, width)[taken]
+    values = block[count * width:2 * count * width].astype(np.int32).view(np.float32)
+    row_widths = np.zeros(num_rows, dtype=np.int64)
+    row_widths[layout.rows] = layout.widths
+    return StepLogprobs(row_widths.tolist(), ids.tolist(),
+                        values.reshape(count, width)[taken].tolist(),
+                        block[2 * count * width:].tolist())
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
