@@ -45,6 +45,70 @@ def philox_uniform(rows: int, vocab: int, seed: int, device: torch.device) -> to
     return out
 
 
+def top1_logprobs_triton(logits: torch.Tensor, chosen: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logprobs of logprobs=0 and 1 in one pass a row: (ids int64 [rows, 2]: the chosen
+    token and the most likely one; their logprobs float32 [rows, 2]; ranks int64 [rows],
+    1 + the tokens of a strictly larger logit than the chosen one's). torch's
+    log_softmax, gather, topk and comparison took about 0.7 ms of a 256-row step over
+    Qwen3's 151,936 columns, six passes and as many launches (issue 31)."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1
+    ids = torch.empty((rows, 2), dtype=torch.int64, device=logits.device)
+    values = torch.empty((rows, 2), dtype=torch.float32, device=logits.device)
+    ranks = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _top1_logprobs_kernel[(rows,)](logits, logits.stride(0), chosen, ids, values, ranks,
+                                   vocab, BLOCK=BLOCK_VOCAB, num_warps=8)
+    return ids, values, ranks
+
+
+def top1_logprobs_ref(logits: torch.Tensor, chosen: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The twin: log_softmax in float32, the chosen token's entry, the first maximum."""
+    x = logits.float()
+    logprobs = torch.log_softmax(x, dim=-1)
+    chosen = chosen.long()[:, None]
+    top = x.argmax(dim=-1, keepdim=True)
+    ranks = (x > x.gather(1, chosen)).sum(dim=-1) + 1
+    return (torch.cat([chosen, top], dim=1),
+            torch.cat([logprobs.gather(1, chosen), logprobs.gather(1, top)], dim=1), ranks)
+
+
+@triton.jit
+def _top1_logprobs_kernel(logits_ptr, stride_row, chosen_ptr, ids_ptr, values_ptr,
+                          ranks_ptr, vocab, BLOCK: tl.constexpr):
+    """One row: the running maximum and the sum of exp(x - maximum), rescaled as the
+    maximum grows (-inf columns, which a grammar mask leaves, add nothing), each lane's
+    first maximum, and how many columns beat the chosen token's logit."""
+    row = tl.program_id(0)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    token = tl.load(chosen_ptr + row)
+    chosen = tl.load(base + token).to(tl.float32)
+    top = tl.full([], float("-inf"), tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_col = tl.zeros([BLOCK], tl.int32)
+    beaten = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        new_top = tl.maximum(top, tl.max(x, axis=0))
+        if new_top > float("-inf"):
+            total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
+            top = new_top
+        take = x > best  # strict: each lane keeps its first maximum
+        best = tl.where(take, x, best)
+        best_col = tl.where(take, cols, best_col)
+        beaten += (x > chosen).to(tl.int32)
+    lse = top + tl.log(total)
+    first = tl.min(tl.where(best == top, best_col, vocab), axis=0)
+    tl.store(ids_ptr + 2 * row, token.to(tl.int64))
+    tl.store(ids_ptr + 2 * row + 1, first.to(tl.int64))
+    tl.store(values_ptr + 2 * row, chosen - lse)
+    tl.store(values_ptr + 2 * row + 1, top - lse)
+    tl.store(ranks_ptr + row, (tl.sum(beaten, axis=0) + 1).to(tl.int64))
+
+
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride_row, temperature_ptr, out_ptr, seed, vocab,
                           BLOCK: tl.constexpr):

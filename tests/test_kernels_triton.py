@@ -52,9 +52,11 @@ from kernels.quant import (ScaledMmTiles, quantize_per_token_ref, quantize_per_t
                            scaled_mm, scaled_mm_ref, scaled_mm_triton)
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
 from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, FIXED_POINT, ONE_BITS, RADIX_BITS,
-                              RADIX_BLOCK, RADIX_COPIES, TOP_P_STEPS, _top_p_bins_kernel,
+                              RADIX_BLOCK, RADIX_COPIES, TOP_P_STEPS, _top1_logprobs_kernel,
+                              _top_p_bins_kernel,
                               _top_p_pick_kernel, _top_p_threshold_kernel, gumbel_argmax_ref,
-                              gumbel_argmax_triton, philox_uniform, top_p_threshold_exact_ref,
+                              gumbel_argmax_triton, philox_uniform, top1_logprobs_ref,
+                              top1_logprobs_triton, top_p_threshold_exact_ref,
                               top_p_threshold_radix, top_p_threshold_ref,
                               top_p_threshold_triton)
 from kernels.triton_attention import (MAX_SPLITS, AttentionConfig, TileConfig, default_config,
@@ -461,6 +463,22 @@ def check_gumbel_argmax(rows: int, vocab: int, dtype: torch.dtype, device: str) 
     assert torch.equal(out, ref), f"gumbel argmax {dtype} (seed {seed})"
 
 
+def check_top1_logprobs(rows: int, vocab: int, dtype: torch.dtype, device: str) -> None:
+    """The one-pass logprobs of the chosen token and the likeliest against the twin: ids
+    and ranks exactly, logprobs to float32's rounding of a sum over the row. Row 0's
+    first block is -inf (a grammar mask's), and bf16 logits tie, where the first
+    maximum is the likeliest."""
+    g, seed = fresh_generator()
+    logits = rand(g, rows, vocab, dtype=dtype, device=device, scale=3.0)
+    logits[0, :min(BLOCK_VOCAB, vocab // 2)] = float("-inf")
+    chosen = torch.randint(vocab // 2, vocab, (rows,), generator=g).to(device)
+    (ids, values, ranks), (ref_ids, ref_values, ref_ranks) = (
+        top1_logprobs_triton(logits, chosen), top1_logprobs_ref(logits, chosen))
+    what = f"top1 logprobs {rows}x{vocab} {dtype} (seed {seed})"
+    assert torch.equal(ids, ref_ids) and torch.equal(ranks, ref_ranks), what
+    torch.testing.assert_close(values, ref_values, rtol=1e-5, atol=1e-5, msg=what)
+
+
 def check_gumbel_distribution(device: str, draws: int = 1500) -> None:
     """The kernel draws from softmax(logits / T): one row repeated `draws` times (each row
     has its own noise), every token's frequency within 4.5 standard errors."""
@@ -475,15 +493,16 @@ def check_gumbel_distribution(device: str, draws: int = 1500) -> None:
     assert ((freq - p).abs() <= bound).all(), f"{freq} vs {p} (seed {seed})"
 
 
-def check_sampler_fused_logprobs(vocab: int, device: str) -> None:
+def check_sampler_fused_logprobs(vocab: int, device: str, top: int = 2) -> None:
     """Temperature-only rows that ask for logprobs keep the sampler's fused draw: the tokens
     are the kernel's for the sampler's first seed, and each asking row's logprobs those of
-    its raw logits (what the general path reports), the others' none."""
+    its raw logits (what the general path reports), the others' none. `top`: the first
+    row's logprobs; at most 1 on CUDA, one pass a row (top1_logprobs_triton) finds them."""
     from common.sampling_params import SamplingParams
     from services.worker.sampler import Sampler, SamplingRow, _plain_random, top_logprobs
 
     g, seed = fresh_generator()
-    temperatures, asks = [0.7, 1.3, 0.5], [2, None, 0]
+    temperatures, asks = [0.7, 1.3, 0.5], [top, None, 0]
     rows = [SamplingRow(SamplingParams(temperature=t, logprobs=k), [1, 2], [3], None)
             for t, k in zip(temperatures, asks)]
     assert all(_plain_random(row) for row in rows)
@@ -494,11 +513,16 @@ def check_sampler_fused_logprobs(vocab: int, device: str) -> None:
     tokens = gumbel_argmax_ref(logits, torch.tensor(temperatures, device=device), uniform)
     assert torch.equal(out.token_ids, tokens), f"fused tokens (seed {seed})"
     lp = out.logprobs
-    assert lp is not None and lp.rows == [0, 2] and lp.widths == [3, 1]
-    ids, values, ranks = top_logprobs(torch.log_softmax(logits[[0, 2]], dim=-1),
-                                      tokens[[0, 2]], 2)
+    assert lp is not None and lp.rows == [0, 2] and lp.widths == [top + 1, 1]
+    if device == "cuda" and top <= 1:
+        ids, values, ranks = top1_logprobs_ref(logits[[0, 2]], tokens[[0, 2]])
+        ids, values = ids[:, :top + 1], values[:, :top + 1]
+        torch.testing.assert_close(lp.logprobs, values, rtol=1e-5, atol=1e-5)
+    else:
+        ids, values, ranks = top_logprobs(torch.log_softmax(logits[[0, 2]], dim=-1),
+                                          tokens[[0, 2]], top)
+        assert torch.equal(lp.logprobs, values), f"fused logprobs (seed {seed})"
     assert torch.equal(lp.token_ids, ids) and torch.equal(lp.ranks, ranks)
-    assert torch.equal(lp.logprobs, values), f"fused logprobs (seed {seed})"
 
 
 def check_top_p_threshold(rows: int, vocab: int, device: str) -> None:
@@ -800,9 +824,12 @@ def lora_kernels() -> None:
 
 @interpreter_check
 def sampling_kernel() -> None:
-    """A vocabulary over two iterations and a partial last one; bf16 and fp32 logits."""
+    """A vocabulary over two iterations and a partial last one; bf16 and fp32 logits; the
+    one-pass logprobs of the chosen token and the likeliest."""
     check_gumbel_argmax(5, 2 * BLOCK_VOCAB + 37, torch.float32, "cpu")
     check_gumbel_argmax(3, 300, torch.bfloat16, "cpu")
+    check_top1_logprobs(5, 2 * BLOCK_VOCAB + 37, torch.float32, "cpu")
+    check_top1_logprobs(3, 300, torch.bfloat16, "cpu")
     check_gumbel_distribution("cpu")
     check_sampler_fused_logprobs(2 * BLOCK_VOCAB + 37, "cpu")
 
@@ -1150,6 +1177,15 @@ def test_fused_kernels_compile_for_sm90() -> None:
 
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
+def test_top1_logprobs_kernel_compiles_for_sm90() -> None:
+    """Its running maximum and sum are loop-carried scalars under a branch."""
+    for dtype in ("fp32", "bf16"):
+        compile_for_sm90(_top1_logprobs_kernel, dict(
+            logits_ptr=f"*{dtype}", stride_row="i32", chosen_ptr="*i64", ids_ptr="*i64",
+            values_ptr="*fp32", ranks_ptr="*i64", vocab="i32"), dict(BLOCK=BLOCK_VOCAB))
+
+
+@pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
 def test_top_p_kernel_compiles_for_sm90() -> None:
     """The interpreter let the kernel read a plain global, which a GPU compile refuses:
     every top-p request on CUDA failed."""
@@ -1229,8 +1265,11 @@ def test_sampling_kernel_cuda() -> None:
     for rows in (1, 256):
         check_gumbel_argmax(rows, 151936, torch.bfloat16, "cuda")
         check_gumbel_argmax(rows, 128256, torch.float32, "cuda")
+        check_top1_logprobs(rows, 151936, torch.float32, "cuda")
+        check_top1_logprobs(rows, 128256, torch.bfloat16, "cuda")
     check_gumbel_distribution("cuda", draws=20000)
-    check_sampler_fused_logprobs(151936, "cuda")
+    for top in (2, 1, 0):
+        check_sampler_fused_logprobs(151936, "cuda", top)
 
 
 @needs_cuda

@@ -101,6 +101,18 @@ lp-ab)  # the nano workload on both paths, without and with logprobs=1, in this 
     done
   done
   ;;
+lp-check)  # the sampler's CUDA logprob tests, then the nano workload with logprobs=1 on both
+          # paths and without, in this tree, and with logprobs=1 in-process in .base
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+    tests/test_sampler.py -k "sampling_kernel_cuda or logprob" > "$R/pytest-logprobs-cuda.txt" 2>&1
+  for run in "new --logprobs 1" "new" "base --logprobs 1"; do
+    set -- $run
+    paths=inprocess,http; [ $1 = base ] && paths=inprocess
+    name=throughput-nano$(echo "${*:2}" | tr -d ' -')-$1
+    bench_in $1 200 throughput --model "$(realpath $M/qwen3-0.6b-shape)" --load-format dummy \
+      --workload nano --path $paths "${@:2}" --json "$R/$name.json" > "$R/$name.txt" 2>&1
+  done
+  ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
        # the executor in the worker process and then on the step thread (WPS: which of the
        # two, 1 and 0; EXTRA: more flags; TAG names the files)

@@ -32,9 +32,9 @@ import torch
 from common.messages import StepLogprobs
 from common.sampling_params import SamplingParams
 from kernels.grammar_mask import apply_token_bitmask
-from kernels.sampling import (gumbel_argmax_triton, top_p_threshold_exact_ref,
-                              top_p_threshold_radix, top_p_threshold_ref,
-                              top_p_threshold_triton)
+from kernels.sampling import (gumbel_argmax_triton, top1_logprobs_triton,
+                              top_p_threshold_exact_ref, top_p_threshold_radix,
+                              top_p_threshold_ref, top_p_threshold_triton)
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are uint64; any Python int maps into that range
 # Up to this k, torch.topk finds the k-th largest logit; past it, a threshold search over
@@ -222,8 +222,11 @@ class Sampler:
         """The logprobs of the rows in `wanted`, given their raw logits and tokens, left on
         the device: they reach the host with the token ids (SamplerOutput.packed)."""
         widths = [rows[i].params.logprobs + 1 for i in wanted]
-        ids, values, ranks = top_logprobs(torch.log_softmax(logits, dim=-1), chosen,
-                                          max(widths) - 1)
+        k = max(widths) - 1
+        if logits.is_cuda and k <= 1:  # the chosen token and the likeliest: one pass a row
+            ids, values, ranks = top1_logprobs_triton(logits, chosen)
+            return SampledLogprobs(wanted, widths, ids[:, :k + 1], values[:, :k + 1], ranks)
+        ids, values, ranks = top_logprobs(torch.log_softmax(logits, dim=-1), chosen, k)
         return SampledLogprobs(wanted, widths, ids, values, ranks)
 
     def _rows(self, tensor: torch.Tensor, wanted: list[int], num_rows: int) -> torch.Tensor:
