@@ -423,6 +423,21 @@ def test_texts_looked_up_together_are_each_ids_own(tok, kind, rust, monkeypatch)
     assert one_at_a_time[:3] == [_marked(tokenizer, i) for i in ids[:3]]
 
 
+def test_preloaded_texts_are_those_looked_up_one_at_a_time(tok):
+    """preload fills the table for every id the model may sample, those past the
+    tokenizer's own (a model's padded vocabulary) included, with the texts the lookup
+    finds an id at a time; the lookup then decodes nothing."""
+    vocab_size = len(tok) + 64
+    ids = random.Random(1).sample(range(vocab_size), 300) + [len(tok) + 3, 0]
+    preloaded = TokenTexts(tok)
+    preloaded.preload(vocab_size)
+    lazy = TokenTexts(tok)
+    assert preloaded.texts(ids) == [lazy(i) for i in ids]
+    assert len(preloaded._texts) == vocab_size
+    preloaded.tokenizer = preloaded._rust = None  # any decode now fails
+    assert preloaded.texts(ids[::-1]) == [lazy(i) for i in ids[::-1]]
+
+
 def _marked(tokenizer, token_id: int) -> str:
     """decode([id]) with the SentencePiece word start it strips put back."""
     text = tokenizer.decode([token_id])

@@ -99,6 +99,8 @@ def test_logprobs_from_the_worker_process_are_the_inline_loops(tiny, in_child):
         want = inline.generate(asked, params, use_tqdm=False)
     with make_llm(tiny) as llm:
         assert isinstance(llm.engine.steps, ProcessSteps)
+        # read while the child loaded the model: every id it may sample
+        assert len(llm.engine.detokenizer.token_text._texts) == llm.engine.info.vocab_size
         got = llm.generate(asked, params, use_tqdm=False)
         spelled = TokenTexts(llm.get_tokenizer())
     for field in ("logprobs", "prompt_logprobs"):

@@ -113,6 +113,28 @@ lp-check)  # the sampler's CUDA logprob tests, then the nano workload with logpr
       --workload nano --path $paths "${@:2}" --json "$R/$name.json" > "$R/$name.txt" 2>&1
   done
   ;;
+lp-profile)  # benchmarks/gpu/loop_profile.py (tok/s, the loop's phases, the device's idle
+            # time between steps, the loop under cProfile) on the nano workload, this tree
+            # with logprobs=1 and without, .base with them; then the in-process path with
+            # logprobs=1, this tree and .base alternating twice
+  mkdir -p .base/benchmarks/gpu && cp benchmarks/gpu/loop_profile.py .base/benchmarks/gpu/
+  model=$(realpath $M/qwen3-0.6b-shape)
+  for run in "new 1" "new 0" "base 1"; do
+    set -- $run
+    dir=$PWD; [ $1 = base ] && dir=$PWD/.base
+    lp=(); [ $2 = 1 ] && lp=(--logprobs 1)
+    (cd "$dir" && PYTHONPATH="/tmp/site:$dir" timeout 150 python \
+      benchmarks/gpu/loop_profile.py --model "$model" --load-format dummy "${lp[@]}" \
+      --out "$R/loop-$1-lp$2") > "$R/loop-$1-lp$2.txt" 2>&1
+  done
+  for round in 1 2; do
+    for tree in new base; do
+      name=throughput-nanologprobs1-$tree-$round
+      bench_in $tree 120 throughput --model "$model" --load-format dummy --workload nano \
+        --path inprocess --logprobs 1 --json "$R/$name.json" > "$R/$name.txt" 2>&1
+    done
+  done
+  ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
        # the executor in the worker process and then on the step thread (WPS: which of the
        # two, 1 and 0; EXTRA: more flags; TAG names the files)

@@ -30,12 +30,19 @@ from services.demo import demo_model_path  # noqa: E402
 from services.offline.engine import Engine, fewer_collections  # noqa: E402
 
 
-class InstantSteps:
-    """Steps whose results are ready when launched: a random token for each request
-    whose prompt the step finishes, and a made-up logprob for it when asked."""
+# the GPU runs' dummy weights sample over the whole of Qwen3-0.6B's vocabulary, past the
+# 49,152 ids of the tokenizer its shape directory carries
+QWEN3_VOCAB = 151_936
 
-    def __init__(self, logprobs: bool) -> None:
+
+class InstantSteps:
+    """Steps whose results are ready when launched: a random token of the vocabulary for
+    each request whose prompt the step finishes, and a made-up logprob for it and for
+    another random token, its top 1, when asked."""
+
+    def __init__(self, logprobs: bool, vocab_size: int) -> None:
         self.prompt_len: dict[str, int] = {}
+        self.vocab_size = vocab_size
         self.done: list[StepResult] = []
         self.logprobs = logprobs
         self.rng = random.Random(0)
@@ -46,9 +53,10 @@ class InstantSteps:
         req_ids = [r for r, start, n in zip(plan.req_ids, plan.num_computed_tokens,
                                             plan.num_scheduled_tokens)
                    if start + n >= self.prompt_len[r]]
-        tokens = [self.rng.randrange(10_000) for _ in req_ids]
+        tokens = [self.rng.randrange(self.vocab_size) for _ in req_ids]
+        top = [self.rng.randrange(self.vocab_size) for _ in req_ids]
         count = len(tokens)
-        logprobs = StepLogprobs([2] * count, [x for t in tokens for x in (t, 5)],
+        logprobs = StepLogprobs([2] * count, [x for pair in zip(tokens, top) for x in pair],
                                 [-0.5, -1.0] * count, [1] * count) if self.logprobs else None
         self.done.append(StepResult(plan.step, req_ids, tokens, logprobs))
 
@@ -61,12 +69,13 @@ class InstantSteps:
         """Nothing runs beside the loop."""
 
 
-def run(kind: RequestOutputKind, prompts: int, logprobs: int | None
-        ) -> tuple[float, int, dict, dict]:
+def run(kind: RequestOutputKind, prompts: int, logprobs: int | None,
+        vocab_size: int = QWEN3_VOCAB) -> tuple[float, int, dict, dict]:
     engine = Engine(EngineConfig(model=demo_model_path(), max_num_seqs=128,
                                  num_gpu_blocks_override=9000), worker_process=False)
+    engine.detokenizer.token_text.preload(vocab_size)  # as with a worker process
     engine.steps.close()
-    engine.steps = InstantSteps(logprobs is not None)
+    engine.steps = InstantSteps(logprobs is not None, vocab_size)
     workload = with_sampling(nano_workload(prompts), logprobs, None)
     for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
         engine.add_request(str(i), prompt, params.replace(output_kind=kind))

@@ -84,6 +84,8 @@ class Engine:
                 self.executor = start_executor(self.info.resolved)
                 num_blocks = self.executor.num_blocks
             else:
+                # the child loads the model meanwhile: logprobs' texts are one lookup a step
+                self.detokenizer.token_text.preload(self.info.vocab_size)
                 num_blocks = worker.ready()
         except BaseException:
             if worker is not None:
