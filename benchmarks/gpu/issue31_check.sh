@@ -135,6 +135,16 @@ lp-profile)  # benchmarks/gpu/loop_profile.py (tok/s, the loop's phases, the dev
     done
   done
   ;;
+lp-cost)  # what logprobs=1 costs the nano workload on both paths, in this tree: without and
+         # with them alternating, ROUNDS times (2 by default)
+  for round in $(seq ${ROUNDS:-2}); do
+    for extra in "" "--logprobs 1"; do
+      name=throughput-nano$(echo "$extra" | tr -d ' -')-$round
+      bench 200 throughput --model $M/qwen3-0.6b-shape --load-format dummy --workload nano \
+        --path inprocess,http $extra --json "$R/$name.json" > "$R/$name.txt" 2>&1
+    done
+  done
+  ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
        # the executor in the worker process and then on the step thread (WPS: which of the
        # two, 1 and 0; EXTRA: more flags; TAG names the files)
