@@ -31,18 +31,21 @@ from services.offline.engine import Engine, fewer_collections  # noqa: E402
 
 
 # the GPU runs' dummy weights sample over the whole of Qwen3-0.6B's vocabulary, past the
-# 49,152 ids of the tokenizer its shape directory carries
+# 49,152 ids of the tokenizer its shape directory carries: the nano workload's logprobs=1
+# brought 126k distinct ids on the H200
 QWEN3_VOCAB = 151_936
 
 
 class InstantSteps:
-    """Steps whose results are ready when launched: a random token of the vocabulary for
-    each request whose prompt the step finishes, and a made-up logprob for it and for
-    another random token, its top 1, when asked."""
+    """Steps whose results are ready when launched: a random token of the tokenizer's for
+    each request whose prompt the step finishes, and when asked a made-up logprob for it
+    and for its top 1, a random id of the model's vocabulary (the text of ids past the
+    tokenizer's is empty, and the streamed text can drop a character they split:
+    benchmarks/offline-loop-cpu/README.md)."""
 
-    def __init__(self, logprobs: bool, vocab_size: int) -> None:
+    def __init__(self, logprobs: bool, num_tokens: int, vocab_size: int) -> None:
         self.prompt_len: dict[str, int] = {}
-        self.vocab_size = vocab_size
+        self.num_tokens, self.vocab_size = num_tokens, vocab_size
         self.done: list[StepResult] = []
         self.logprobs = logprobs
         self.rng = random.Random(0)
@@ -53,7 +56,7 @@ class InstantSteps:
         req_ids = [r for r, start, n in zip(plan.req_ids, plan.num_computed_tokens,
                                             plan.num_scheduled_tokens)
                    if start + n >= self.prompt_len[r]]
-        tokens = [self.rng.randrange(self.vocab_size) for _ in req_ids]
+        tokens = [self.rng.randrange(self.num_tokens) for _ in req_ids]
         top = [self.rng.randrange(self.vocab_size) for _ in req_ids]
         count = len(tokens)
         logprobs = StepLogprobs([2] * count, [x for pair in zip(tokens, top) for x in pair],
@@ -75,7 +78,7 @@ def run(kind: RequestOutputKind, prompts: int, logprobs: int | None,
                                  num_gpu_blocks_override=9000), worker_process=False)
     engine.detokenizer.token_text.preload(vocab_size)  # as with a worker process
     engine.steps.close()
-    engine.steps = InstantSteps(logprobs is not None, vocab_size)
+    engine.steps = InstantSteps(logprobs is not None, len(engine.info.tokenizer), vocab_size)
     workload = with_sampling(nano_workload(prompts), logprobs, None)
     for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
         engine.add_request(str(i), prompt, params.replace(output_kind=kind))
