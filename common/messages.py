@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import sys
 import types
 import typing
@@ -134,14 +135,9 @@ class StepLogprobs:
     texts: list[str] = field(default_factory=list)
 
     def rows(self) -> list[TokenLogprobs | None]:
+        self._check()
         widths, ids, values, ranks = self.widths, self.token_ids, self.logprobs, self.ranks
         texts = self.texts
-        if (min(widths, default=0) < 0 or sum(widths) != len(ids) or len(values) != len(ids)
-                or len(widths) - widths.count(0) != len(ranks)
-                or len(texts) not in (0, len(ids))):
-            raise MessageError(f"step logprobs of widths {widths} do not match their "
-                               f"{len(ids)} ids, {len(values)} values, {len(ranks)} ranks "
-                               f"and {len(texts)} texts")
         out: list[TokenLogprobs | None] = []
         at = taken = 0
         for width in widths:
@@ -153,6 +149,41 @@ class StepLogprobs:
                                      texts[at:end]))
             at, taken = end, taken + 1
         return out
+
+    def select(self, rows: list[int]) -> StepLogprobs:
+        """The columns of these rows, in this order, -1 for a row without entries: the
+        served scheduler sends a TokenBatch's logprobs so, its row i items[i]'s."""
+        if rows == list(range(len(self.widths))):
+            return self
+        self._check()
+        widths, ids, values, texts = self.widths, self.token_ids, self.logprobs, self.texts
+        starts = list(itertools.accumulate(widths, initial=0))
+        rank_of = list(itertools.accumulate((w > 0 for w in widths), initial=0))
+        out_widths: list[int] = []
+        out_ids: list[int] = []
+        out_values: list[float] = []
+        out_ranks: list[int] = []
+        out_texts: list[str] = []
+        for row in rows:
+            width = widths[row] if row >= 0 else 0
+            out_widths.append(width)
+            if width:
+                at = starts[row]
+                out_ids += ids[at:at + width]
+                out_values += values[at:at + width]
+                out_ranks.append(self.ranks[rank_of[row]])
+                out_texts += texts[at:at + width]
+        return StepLogprobs(out_widths, out_ids, out_values, out_ranks, out_texts)
+
+    def _check(self) -> None:
+        widths, ids, texts = self.widths, self.token_ids, self.texts
+        if (min(widths, default=0) < 0 or sum(widths) != len(ids)
+                or len(self.logprobs) != len(ids)
+                or len(widths) - widths.count(0) != len(self.ranks)
+                or len(texts) not in (0, len(ids))):
+            raise MessageError(f"step logprobs of widths {widths} do not match their "
+                               f"{len(ids)} ids, {len(self.logprobs)} values, "
+                               f"{len(self.ranks)} ranks and {len(texts)} texts")
 
 
 @record
@@ -441,7 +472,7 @@ class RequestFailed:
     status: int = 503
 
 
-@message("tokens")
+@message("tokens", version=2)  # 2: the items' sampled logprobs as columns
 @record
 class TokenBatch:
     """scheduler -> detokenizers (hr:detok): one step's new tokens, every request."""
@@ -451,6 +482,10 @@ class TokenBatch:
     items: list[DetokItem]
     stamps: Times = field(default_factory=list)  # the step's, from its StepResult
     shard: int = 0  # whose scheduler: a stop string's abort goes back to it
+    # Row i: items[i]'s new token's logprobs, where the item carries none of its own. The
+    # step's columns go on as the worker sent them: a TokenLogprobs record an item cost
+    # the scheduler a record and a map on the wire each (issue 31).
+    logprobs: StepLogprobs | None = None
 
 
 @message("replies")

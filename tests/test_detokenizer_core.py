@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from common.messages import (Abort, DetokItem, TextDelta, TokenBatch, TokenLogprobs, decode,
-                             encode)
+from common.messages import (Abort, DetokItem, MessageError, StepLogprobs, TextDelta,
+                             TokenBatch, TokenLogprobs, decode, encode)
 from common.sampling_params import SamplingParams
 from common.detok_window import detok_params, make_context, stop_lookback
 from common.token_text import TokenTexts
@@ -421,6 +421,29 @@ def test_texts_looked_up_together_are_each_ids_own(tok, kind, rust, monkeypatch)
     texts(ids[3])
     assert texts.texts(ids) == one_at_a_time
     assert one_at_a_time[:3] == [_marked(tokenizer, i) for i in ids[:3]]
+
+
+def test_a_batchs_logprob_columns_go_to_its_items_with_their_texts(tok, detok):
+    """items_of: row i of the batch's columns is items[i]'s logprobs, spelled as one id at
+    a time; an item without a row keeps its own; a batch whose rows do not match its
+    items, or an item with both, is refused."""
+    params = SamplingParams()
+    own = [TokenLogprobs([5], [-0.5], 1)]  # float32-exact, as it comes off the wire
+    items = [detok_item([1, 2], [10, 11], 0, 1, params),
+             detok_item([1, 2], [10, 11], 1, 1, params, logprobs=own),
+             detok_item([1, 2], [12], 0, 1, params)]
+    columns = StepLogprobs([2, 0, 1], [10, 300, 12], [-0.5, -1.0, -0.25], [1, 4])
+    batch = decode(encode(TokenBatch(3, items, logprobs=columns)))
+    got = detok.items_of(batch)
+    spelled = TokenTexts(tok)
+    assert [item.logprobs for item in got] == [
+        [TokenLogprobs([10, 300], [-0.5, -1.0], 1, [spelled(10), spelled(300)])], own,
+        [TokenLogprobs([12], [-0.25], 4, [spelled(12)])]]
+    assert detok.items_of(TokenBatch(3, items)) == items
+    with pytest.raises(MessageError, match="logprobs for 2"):
+        detok.items_of(TokenBatch(3, items, logprobs=columns.select([0, 2])))
+    with pytest.raises(MessageError, match="of its own"):
+        detok.items_of(TokenBatch(3, items, logprobs=columns.select([0, 0, 2])))
 
 
 def test_preloaded_texts_are_those_looked_up_one_at_a_time(tok):

@@ -160,6 +160,20 @@ def test_a_steps_logprobs_travel_as_columns_and_come_apart_into_its_rows():
     assert [row and row.texts for row in texted.rows()] == [["a"], None, ["b", "c"]]
 
 
+def test_selected_rows_are_those_rows_in_that_order():
+    """select: the rows asked for, reordered, repeated, -1 and width-0 rows empty; all of
+    them in order is the columns themselves; columns that disagree are refused."""
+    columns = StepLogprobs([1, 0, 2], [7, 9, 4], [-0.5, -0.25, -2.0], [1, 3], ["a", "b", "c"])
+    rows = columns.rows()
+    picked = columns.select([2, -1, 0, 1, 2])
+    assert picked.rows() == [rows[2], None, rows[0], None, rows[2]]
+    assert picked.widths == [2, 0, 1, 0, 2] and picked.ranks == [3, 1, 3]
+    assert columns.select([0, 1, 2]) is columns
+    assert columns.select([]).rows() == []
+    with pytest.raises(MessageError, match="do not match"):
+        StepLogprobs([1, 2], [7], [-0.5], [1, 2]).select([1])
+
+
 @pytest.mark.parametrize("columns", [
     StepLogprobs([1, 0, 2], [7, 9], [-0.5, -0.25, -2.0], [1, 3]),  # an id short
     StepLogprobs([1, 0, 2], [7, 9, 4], [-0.5, -0.25], [1, 3]),  # a value short

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from common.messages import (AdmitRequest, DetokItem, LoRARequest, PooledOutput, StepPlan,
-                             StepLogprobs, StepResult, with_fields)
+                             StepLogprobs, StepResult, TokenBatch, decode, encode,
+                             with_fields)
 from common.sampling_params import RequestOutputKind, SamplingParams
 from common.speculative import SpeculativeConfig
 from services.scheduler import core
@@ -362,6 +363,57 @@ def test_preemption_by_recompute_keeps_outputs_exact(lag, caplog):
     for i, p in enumerate(ps):
         assert run.outputs[(f"r{i}", 0)] == reference(p, 12)
     assert sched.kv.usage == 0.0
+
+
+def test_columns_give_each_item_the_logprobs_records_give_it():
+    """update_columns (the served scheduler's) leaves a step's sampled logprobs as columns,
+    row i items[i]'s, which travel in the TokenBatch: joined back, every item is the one
+    update (records) makes. Under preemption, one request aborted midway (its rows are
+    left out), rows without logprobs (width 0) and a FINAL_ONLY completion (its item
+    carries its own records)."""
+    ps = prompts(6, seed=5, lo=6, hi=14)
+    seen: dict[str, list[DetokItem]] = {}
+    for way in ("records", "columns"):
+        sched, worker = make(num_blocks=12, block_size=4, budget=32, max_seqs=8)
+        for i, p in enumerate(ps):
+            admit(sched, f"lp{i}" if i % 2 else f"r{i}", p, max_tokens=12,
+                  logprobs=1 if i % 2 else None)
+        admit(sched, "lp-final", ps[0], max_tokens=12, logprobs=1,
+              output_kind=RequestOutputKind.FINAL_ONLY)
+        items = seen[way] = []
+        execute, steps = worker.execute, iter(range(10_000))
+        update, update_columns = sched.update, sched.update_columns
+
+        def with_logprobs(plan: StepPlan, execute=execute) -> StepResult:
+            result = execute(plan)
+            widths = [2 if rid.startswith("lp") else 0 for rid in result.req_ids]
+            ids = [x for rid, t in zip(result.req_ids, result.token_ids)
+                   if rid.startswith("lp") for x in (t, t + 1)]
+            return decode(encode(with_fields(result, logprobs=StepLogprobs(  # as sent
+                widths, ids, [-x / 100 for x in ids], [x % 5 + 1 for x in ids[::2]]))))
+
+        def applied(result: StepResult, sched=sched, way=way, items=items, steps=steps,
+                    update=update, update_columns=update_columns) -> list[DetokItem]:
+            if next(steps) == 6:
+                sched.abort("lp3")
+            if way == "records":
+                out = update(result)
+            else:
+                out, columns = update_columns(result)
+                batch = decode(encode(TokenBatch(result.step, out, logprobs=columns)))
+                rows = batch.logprobs.rows() if batch.logprobs else [None] * len(out)
+                out = [item if row is None else with_fields(item, logprobs=[row])
+                       for item, row in zip(batch.items, rows)]
+            items.extend(out)
+            return out
+
+        sched.update, worker.execute = applied, with_logprobs
+        drive(sched, worker, lag=1)
+        assert sched.num_preemptions > 0
+    assert seen["columns"] == seen["records"]
+    with_lps = [item for item in seen["records"] if item.logprobs]
+    assert {item.rid for item in with_lps} == {"lp1", "lp3", "lp5", "lp-final"}
+    assert [len(item.logprobs) for item in with_lps if item.rid == "lp-final"] == [12]
 
 
 @pytest.mark.parametrize("lag", [0, 1])

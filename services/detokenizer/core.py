@@ -33,7 +33,8 @@ from functools import cache
 from typing import Any
 
 from common.detok_window import MAX_CHAR_BYTES, stop_lookback
-from common.messages import Abort, DetokItem, DetokParams, TextDelta, TokenLogprobs
+from common.messages import (Abort, DetokItem, DetokParams, MessageError, TextDelta,
+                             TokenBatch, TokenLogprobs, with_fields)
 from common.token_text import TokenTexts, rust_decoder
 
 _BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -231,6 +232,26 @@ class Detokenizer:
         return text if complete else text.rstrip(REPLACEMENT)
 
     # --- logprobs ---------------------------------------------------------------------
+
+    def items_of(self, batch: TokenBatch) -> list[DetokItem]:
+        """The batch's items, each given its row of the batch's logprob columns, whose
+        texts are looked up for the whole batch at once."""
+        columns = batch.logprobs
+        if columns is None:
+            return batch.items
+        rows = with_fields(columns, texts=self.token_text.texts(columns.token_ids)).rows()
+        if len(rows) != len(batch.items):
+            raise MessageError(f"a batch of {len(batch.items)} items has logprobs for "
+                               f"{len(rows)}")
+        items = []
+        for item, row in zip(batch.items, rows):
+            if row is not None:
+                if item.logprobs:
+                    raise MessageError(f"item {item.rid!r} has logprobs of its own and a row "
+                                       "of its batch's")
+                item = with_fields(item, logprobs=[row])
+            items.append(item)
+        return items
 
     def with_texts(self, logprobs: list[TokenLogprobs | None]) -> list[TokenLogprobs | None]:
         """Each entry with its tokens' texts, looked up in one pass (None, and an entry

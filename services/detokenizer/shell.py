@@ -31,7 +31,7 @@ def handler(detokenizer: Detokenizer):
         received = time.time()
         by_gateway: dict[str, list[TextDelta]] = {}
         outputs: list[Output] = []
-        for item in batch.items:
+        for item in detokenizer.items_of(batch):
             delta, abort = detokenizer.process(item)
             by_gateway.setdefault(item.reply_to, []).append(delta)
             if abort is not None:

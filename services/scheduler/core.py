@@ -40,8 +40,8 @@ from common.config import EngineConfig
 from common.detok_window import make_context
 from common.hops import NUM_REQUEST_STAMPS
 from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
-                             PooledOutput, SchedulerStats, StepPlan, StepResult,
-                             TokenLogprobs)
+                             PooledOutput, SchedulerStats, StepLogprobs, StepPlan,
+                             StepResult, TokenLogprobs)
 from common.pipeline import max_running, micro_batches
 from common.speculative import SpeculativeConfig, may_speculate, split_drafts
 from services.scheduler.kv_cache_manager import KVCacheManager
@@ -282,42 +282,60 @@ class Scheduler:
         return self._make_plan(batch)
 
     def update(self, result: StepResult) -> list[DetokItem]:
-        """Apply a step's sampled tokens; returns what the detokenizers should see."""
+        """Apply a step's sampled tokens; returns what the detokenizers should see, each
+        item with its token's logprobs as a record."""
+        return self._apply(result, records=True)[0]
+
+    def update_columns(self, result: StepResult
+                       ) -> tuple[list[DetokItem], StepLogprobs | None]:
+        """As `update`, but the step's sampled logprobs stay columns: row i of the second
+        is items[i]'s (a TokenBatch's `logprobs`). A FINAL_ONLY completion still holds
+        records until its end, and its item carries them."""
+        return self._apply(result, records=False)
+
+    def _apply(self, result: StepResult, records: bool
+               ) -> tuple[list[DetokItem], StepLogprobs | None]:
         for chunk in result.prompt_logprobs:
             req = self.requests.get(chunk.req_id)
             if req is None:
                 continue
             if chunk.start == len(req.prompt_logprobs):  # not a recompute after preemption
                 req.prompt_logprobs.extend(chunk.rows())
-        items = []
-        logprobs = (result.logprobs.rows() if result.logprobs is not None
-                    else [None] * len(result.req_ids))
+        columns = result.logprobs
+        sampled = columns.rows() if columns is not None and records else None
+        items: list[DetokItem] = []
+        rows: list[int] = []  # each item's row of `columns`; -1: none, or its own records
         counts = result.num_tokens or [1] * len(result.req_ids)
         ends = itertools.accumulate(counts)
         proposals = split_drafts(result.num_draft_tokens, result.draft_token_ids,
                                  len(result.req_ids))
-        for req_id, end, count, lp, proposal in zip(result.req_ids, ends, counts, logprobs,
-                                                    proposals):
+        for row, (req_id, end, count, proposal) in enumerate(zip(result.req_ids, ends, counts,
+                                                                 proposals)):
             req = self.requests.get(req_id)
             if req is None:
                 continue  # finished or aborted after this step was planned
             req.num_pending -= 1
             kept = self._append_tokens(req, result.token_ids[end - count:end])
             req.proposal, req.proposal_after = proposal, req.num_known_tokens
-            lps = [lp] if lp is not None else []
+            if sampled is None and columns is not None and req.final_only:
+                sampled = columns.rows()  # held until its end as records
+            lps = [sampled[row]] if sampled is not None and sampled[row] is not None else []
             if not req.final_only:
-                items.append(self._detok_item(req, kept, lps))
+                items.append(self._detok_item(req, kept, lps if records else []))
+                rows.append(row)
             else:
                 req.held_logprobs += lps
                 if req.finish_reason is not None:  # its whole output in one item
                     items.append(self._detok_item(req, req.output_token_ids,
                                                   req.held_logprobs))
+                    rows.append(-1)
             if req.finish_reason is not None:
                 self._finish(req)
         for pooled in result.embeddings:
             if (req := self.requests.get(pooled.req_id)) is not None:
                 items.append(self._embedding_item(req, pooled))
-        return items
+                rows.append(-1)
+        return items, None if columns is None or records else columns.select(rows)
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> list[int]:
         """Append a step's tokens up to the first that ends the request; a speculating

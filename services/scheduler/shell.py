@@ -172,9 +172,10 @@ class SchedulerShell:
         outputs: list[Output] = []
         for result in self.results:  # all of the current worker's: _worker_ready clears
             assert self.core is not None
-            if items := self.core.update(result):
+            items, logprobs = self.core.update_columns(result)
+            if items:
                 outputs.append((keys.DETOK, TokenBatch(result.step, items, result.stamps,
-                                                        self.shard)))
+                                                        self.shard, logprobs)))
         self.results = []
         return outputs
 
