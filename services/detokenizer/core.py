@@ -255,8 +255,9 @@ class Detokenizer:
 
     def with_texts(self, logprobs: list[TokenLogprobs | None]) -> list[TokenLogprobs | None]:
         """Each entry with its tokens' texts, looked up in one pass (None, and an entry
-        that has them, stay as they are): a FINAL_ONLY completion brings all of its tokens'
-        logprobs at once."""
+        that has them, stay as they are: a batch's rows get theirs in items_of, the offline
+        engine's as their steps come in): a FINAL_ONLY completion brings all of its
+        tokens' logprobs at once."""
         if not logprobs:
             return []
         texts = self.token_text.texts([t for lp in logprobs if lp is not None and not lp.texts

@@ -40,6 +40,7 @@ from common.messages import (DetokItem, ReplyBatch, TextDelta, TokenBatch, Token
 from services.offline.children import end_child, exit_now, pipe, start_child, start_reader
 
 EXIT_WAIT_S = 10.0
+WithTexts = Callable[[list[TokenLogprobs | None]], list[TokenLogprobs | None]]
 # an item's (logprobs, prompt_logprobs), kept in the parent while its text is in the child
 KeptLogprobs = tuple[list[TokenLogprobs], list[TokenLogprobs | None]]
 
@@ -48,7 +49,7 @@ class DetokenizerProcess:
     """The parent's end: `submit` a step's items, `collect` the deltas that are back.
     `with_texts` gives logprobs their entries' texts (Detokenizer.with_texts)."""
 
-    def __init__(self, model_dir: Path, with_texts: Callable[[list], list],
+    def __init__(self, model_dir: Path, with_texts: WithTexts,
                  tokenizer: str | None = None, trust_remote_code: bool = False) -> None:
         self._with_texts = with_texts
         # per batch sent and not collected: its items' logprobs, None when it has none
