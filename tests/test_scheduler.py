@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from common.messages import (AdmitRequest, DetokItem, LoRARequest, PooledOutput, StepPlan,
-                             StepLogprobs, StepResult, TokenBatch, decode, encode,
-                             with_fields)
+from common.messages import (AdmitRequest, DetokItem, LoRARequest, MessageError,
+                             PooledOutput, StepLogprobs, StepPlan, StepResult, TokenBatch,
+                             decode, encode, with_fields)
 from common.sampling_params import RequestOutputKind, SamplingParams
 from common.speculative import SpeculativeConfig
 from services.scheduler import core
@@ -414,6 +414,16 @@ def test_columns_give_each_item_the_logprobs_records_give_it():
     with_lps = [item for item in seen["records"] if item.logprobs]
     assert {item.rid for item in with_lps} == {"lp1", "lp3", "lp5", "lp-final"}
     assert [len(item.logprobs) for item in with_lps if item.rid == "lp-final"] == [12]
+
+
+@pytest.mark.parametrize("way", ["update", "update_columns"])
+def test_logprobs_for_other_rows_than_the_steps_are_refused(way):
+    sched, worker = make()
+    admit(sched, "lp", [1, 2, 3], max_tokens=4, logprobs=1)
+    result = worker.execute(sched.schedule())
+    bad = with_fields(result, logprobs=StepLogprobs([1, 1], [5, 6], [-0.5, -0.5], [1, 1]))
+    with pytest.raises(MessageError, match="logprobs for 2 rows of its 1"):
+        getattr(sched, way)(bad)
 
 
 @pytest.mark.parametrize("lag", [0, 1])

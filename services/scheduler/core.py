@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from common.config import EngineConfig
 from common.detok_window import make_context
 from common.hops import NUM_REQUEST_STAMPS
-from common.messages import (AdmitRequest, CachedRequest, DetokItem, NewRequest,
-                             PooledOutput, SchedulerStats, StepLogprobs, StepPlan,
-                             StepResult, TokenLogprobs)
+from common.messages import (AdmitRequest, CachedRequest, DetokItem, MessageError,
+                             NewRequest, PooledOutput, SchedulerStats, StepLogprobs,
+                             StepPlan, StepResult, TokenLogprobs)
 from common.pipeline import max_running, micro_batches
 from common.speculative import SpeculativeConfig, may_speculate, split_drafts
 from services.scheduler.kv_cache_manager import KVCacheManager
@@ -302,6 +302,9 @@ class Scheduler:
             if chunk.start == len(req.prompt_logprobs):  # not a recompute after preemption
                 req.prompt_logprobs.extend(chunk.rows())
         columns = result.logprobs
+        if columns is not None and len(columns.widths) != len(result.req_ids):
+            raise MessageError(f"step {result.step} has logprobs for {len(columns.widths)} "
+                               f"rows of its {len(result.req_ids)}")
         sampled = columns.rows() if columns is not None and records else None
         items: list[DetokItem] = []
         rows: list[int] = []  # each item's row of `columns`; -1: none, or its own records
