@@ -188,6 +188,13 @@ def test_latency_command_reports_decode_time(tiny, tmp_path, tp, one_rank_latenc
     assert data["decode_tokens_per_s"] > 0
 
 
+def test_latency_command_times_steps_with_logprobs(tiny, tmp_path):
+    """--logprobs N: every request asks for them, and the run checks that each token came
+    back with its logprobs."""
+    data = run_latency(tiny, tmp_path / "latency.json", "--output-len", "8", "--logprobs", "1")
+    assert data["logprobs"] == 1 and data["decode_ms_per_token_median"] > 0
+
+
 def test_latency_command_speculates_on_a_repeating_prompt(tiny, tmp_path):
     """--prompt-period makes the prompt repeat, so ngram speculation always finds drafts;
     the timed iterations' drafts and acceptances are reported (none without it)."""

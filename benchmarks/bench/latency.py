@@ -1,7 +1,7 @@
 """`headrace bench latency`: one batch's prefill time and per-token decode latency.
 
     headrace bench latency --model DIR --load-format dummy --context-len 1000 \\
-        [--batch-size 1] [--output-len 128] [--iterations 3] [--json FILE] \\
+        [--batch-size 1] [--output-len 128] [--iterations 3] [--logprobs N] [--json FILE] \\
         [--enable-lora --max-loras 4 --max-lora-rank 16 --lora-adapters 4]
 
 Each iteration prefills `batch-size` prompts of `context-len` tokens and decodes
@@ -50,18 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-adapters", type=int, default=0,
                         help="random LoRA adapters the batch's requests take in turn (0: the "
                              "base model); needs --enable-lora and --max-loras >= N")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help="every request also asks for its tokens' logprobs and the top N "
+                             "(what a greedy chat with logprobs costs the step)")
     parser.add_argument("--json", default=None, help="write the results to this file")
     add_engine_args(parser)
     return parser
 
 
 def time_one_batch(engine: Engine, prompts: list[list[int]], output_len: int,
-                   adapters: Sequence[LoRARequest] = ()) -> tuple[float, list[float]]:
+                   adapters: Sequence[LoRARequest] = (), logprobs: int | None = None
+                   ) -> tuple[float, list[float]]:
     """(seconds to the first token, seconds between each later token and the one before),
     for the batch's first request. Steps run back to back with no synchronisation of our
     own, as in serving: the engine launches a step before the previous one's tokens are
     back, so the gap between tokens is what a streaming client sees."""
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len,
+                            logprobs=logprobs)
     run_id = uuid.uuid4().hex[:6]
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{run_id}-{i}", prompt, params,
@@ -73,7 +78,10 @@ def time_one_batch(engine: Engine, prompts: list[list[int]], output_len: int,
     while engine.has_unfinished():
         deltas = engine.step()
         now = time.perf_counter()
-        arrivals += [now] * sum(len(d.token_ids) for d in deltas if d.rid == first)
+        mine = [d for d in deltas if d.rid == first]
+        arrivals += [now] * sum(len(d.token_ids) for d in mine)
+        if logprobs is not None and any(len(d.logprobs) != len(d.token_ids) for d in mine):
+            raise RuntimeError("a step's tokens came back without their logprobs")
     return arrivals[0] - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
 
 
@@ -121,12 +129,14 @@ def run(args: argparse.Namespace, argv: list[str], engine: Engine, adapter_root:
                              vocab_size=engine.runner.model.vocab_size).prompts
     if args.prompt_period > 0:
         prompts = [repeated(p[:args.prompt_period], args.context_len) for p in prompts]
-    time_one_batch(engine, prompts, 4, adapters)  # warm-up: compiles, graphs, adapters
+    # warm-up: compiles, graphs, adapters
+    time_one_batch(engine, prompts, 4, adapters, args.logprobs)
     prefills, decodes = [], []
     spec = engine.scheduler.spec  # the timed iterations' share of its counters
     drafted, accepted = -spec.num_draft_tokens, -spec.num_accepted_tokens
     for _ in range(args.iterations):
-        prefill, steps = time_one_batch(engine, prompts, args.output_len, adapters)
+        prefill, steps = time_one_batch(engine, prompts, args.output_len, adapters,
+                                        args.logprobs)
         prefills.append(prefill)
         decodes += steps
     drafted += spec.num_draft_tokens
@@ -154,7 +164,7 @@ def run(args: argparse.Namespace, argv: list[str], engine: Engine, adapter_root:
               "weight_bytes": shape.weight_bytes + shape.decode_expert_bytes(args.batch_size),
               "copy_bandwidth_tb_s": ceilings.copy_bytes_per_s / 1e12,
               "draft_tokens": drafted, "accepted_draft_tokens": accepted,
-              "lora_adapters": len(adapters)}
+              "lora_adapters": len(adapters), "logprobs": args.logprobs}
     print(f"{result['machine']['device']}: batch {args.batch_size}, context "
           f"{args.context_len}: prefill {result['prefill_ms']:.1f} ms; decode "
           f"{result['decode_ms_per_token_median']:.3f} ms/token median "
@@ -163,7 +173,8 @@ def run(args: argparse.Namespace, argv: list[str], engine: Engine, adapter_root:
           f" ms/token ({result['floor_ms_per_token'] / result['decode_ms_per_token_mean']:.0%}"
           f" of it achieved); {result['decode_tokens_per_s']:.1f} tokens/s" + (f"; {accepted} of {drafted} draft tokens accepted"
                                  if drafted else "")
-          + (f"; {len(adapters)} LoRA adapters" if adapters else ""))
+          + (f"; {len(adapters)} LoRA adapters" if adapters else "")
+          + (f"; logprobs={args.logprobs}" if args.logprobs is not None else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

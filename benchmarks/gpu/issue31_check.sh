@@ -145,6 +145,18 @@ lp-cost)  # what logprobs=1 costs the nano workload on both paths, in this tree:
     done
   done
   ;;
+latency-lp)  # the 0.6B batch-1 decode step, greedy, without and with logprobs=1 (what a
+            # chat's logprobs cost the worker's step, apart from the served stages),
+            # alternating twice
+  for round in 1 2; do
+    for extra in "" "--logprobs 1"; do
+      name=latency-qwen3-0.6b-b1$(echo "$extra" | tr -d ' -')-$round
+      bench 120 latency --model $M/qwen3-0.6b-shape --load-format dummy --context-len 62 \
+        --batch-size 1 --output-len 64 --iterations 3 --max-model-len 2048 $extra \
+        --json "$R/$name.json" >> "$R/latency-lp.txt" 2>&1
+    done
+  done
+  ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
        # the executor in the worker process and then on the step thread (WPS: which of the
        # two, 1 and 0; EXTRA: more flags; TAG names the files)
