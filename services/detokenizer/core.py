@@ -33,8 +33,8 @@ from functools import cache
 from typing import Any
 
 from common.detok_window import MAX_CHAR_BYTES, stop_lookback
-from common.messages import (Abort, DetokItem, DetokParams, MessageError, TextDelta,
-                             TokenBatch, TokenLogprobs, with_fields)
+from common.messages import (Abort, DetokItem, DetokParams, MessageError, StepLogprobs,
+                             TextDelta, TokenBatch, TokenLogprobs, with_fields)
 from common.token_text import TokenTexts, rust_decoder
 
 _BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -239,7 +239,7 @@ class Detokenizer:
         columns = batch.logprobs
         if columns is None:
             return batch.items
-        rows = with_fields(columns, texts=self.token_text.texts(columns.token_ids)).rows()
+        rows = self.spelled(columns).rows()
         if len(rows) != len(batch.items):
             raise MessageError(f"a batch of {len(batch.items)} items has logprobs for "
                                f"{len(rows)}")
@@ -252,6 +252,10 @@ class Detokenizer:
                 item = with_fields(item, logprobs=[row])
             items.append(item)
         return items
+
+    def spelled(self, columns: StepLogprobs) -> StepLogprobs:
+        """The columns with their tokens' texts, looked up in one call."""
+        return with_fields(columns, texts=self.token_text.texts(columns.token_ids))
 
     def with_texts(self, logprobs: list[TokenLogprobs | None]) -> list[TokenLogprobs | None]:
         """Each entry with its tokens' texts, looked up in one pass (None, and an entry

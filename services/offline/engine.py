@@ -216,9 +216,7 @@ class Engine:
         a FINAL_ONLY completion's all at its end took the loop a second of the nano
         workload's tail on an H200 (benchmarks/issue31-h200), where this step's lookups
         run while the device computes the next."""
-        columns = result.logprobs
-        texts = self.detokenizer.token_text.texts(columns.token_ids)
-        return with_fields(result, logprobs=with_fields(columns, texts=texts))
+        return with_fields(result, logprobs=self.detokenizer.spelled(result.logprobs))
 
     def _detokenize(self, items: list[DetokItem]) -> list[TextDelta]:
         """The items' deltas, made here; a stop string found aborts its request before the
