@@ -45,68 +45,109 @@ def philox_uniform(rows: int, vocab: int, seed: int, device: torch.device) -> to
     return out
 
 
-def top1_logprobs_triton(logits: torch.Tensor, chosen: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The logprobs of logprobs=0 and 1 in one pass a row: (ids int64 [rows, 2]: the chosen
-    token and the most likely one; their logprobs float32 [rows, 2]; ranks int64 [rows],
-    1 + the tokens of a strictly larger logit than the chosen one's). torch's
+# A row of top1_logprobs_triton's first pass is split into chunks of this many columns, a
+# program each, and a second launch combines them: one program a row (as before) walked
+# Qwen3's 151,936 columns in 75 dependent loads, tens of microseconds on one SM, which
+# was most of what logprobs cost a batch-1 step (issue 31).
+TOP1_CHUNK = 4096
+
+
+def top1_logprobs_triton(logits: torch.Tensor, chosen: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """The logprobs of logprobs=0 and 1 in one read of the logits: int64 [6 * rows], the
+    layout SamplerOutput.packed sends to the host in one copy: each row's token (`chosen`,
+    int64 [rows], or where it is None, as greedy picks, the row's first maximum), then
+    ids [rows, 2] (that token and the likeliest), their logprobs' float32 bits [rows, 2]
+    (sign-extended), and ranks [rows] (1 + the columns of a strictly larger logit). torch's
     log_softmax, gather, topk and comparison took about 0.7 ms of a 256-row step over
-    Qwen3's 151,936 columns, six passes and as many launches (issue 31)."""
+    Qwen3's columns, six passes and as many launches (issue 31)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1
-    ids = torch.empty((rows, 2), dtype=torch.int64, device=logits.device)
-    values = torch.empty((rows, 2), dtype=torch.float32, device=logits.device)
-    ranks = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _top1_logprobs_kernel[(rows,)](logits, logits.stride(0), chosen, ids, values, ranks,
-                                   vocab, BLOCK=BLOCK_VOCAB, num_warps=8)
-    return ids, values, ranks
+    chunks = triton.cdiv(vocab, TOP1_CHUNK)
+    maxima = torch.empty((rows, chunks, 2), dtype=torch.float32, device=logits.device)
+    counts = torch.empty((rows, chunks, 2), dtype=torch.int32, device=logits.device)
+    out = torch.empty(6 * rows, dtype=torch.int64, device=logits.device)
+    chosen_ptr = out if chosen is None else chosen  # unread without a chosen token
+    _top1_chunk_kernel[(rows, chunks)](logits, logits.stride(0), chosen_ptr, maxima, counts,
+                                       vocab, CHOSEN=chosen is not None, BLOCK=TOP1_CHUNK,
+                                       num_warps=4)
+    _top1_combine_kernel[(rows,)](logits, logits.stride(0), chosen_ptr, maxima, counts, out,
+                                  vocab, chunks, CHOSEN=chosen is not None,
+                                  CHUNKS=triton.next_power_of_2(chunks), num_warps=1)
+    return out
 
 
-def top1_logprobs_ref(logits: torch.Tensor, chosen: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The twin: log_softmax in float32, the chosen token's entry, the first maximum."""
+def top1_logprobs_ref(logits: torch.Tensor, chosen: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """The twin: log_softmax in float32, the chosen token's entry (the first maximum where
+    none is given, as torch.argmax picks), the first maximum, packed the same way."""
     x = logits.float()
     logprobs = torch.log_softmax(x, dim=-1)
-    chosen = chosen.long()[:, None]
     top = x.argmax(dim=-1, keepdim=True)
+    chosen = top if chosen is None else chosen.long()[:, None]
     ranks = (x > x.gather(1, chosen)).sum(dim=-1) + 1
-    return (torch.cat([chosen, top], dim=1),
-            torch.cat([logprobs.gather(1, chosen), logprobs.gather(1, top)], dim=1), ranks)
+    values = torch.cat([logprobs.gather(1, chosen), logprobs.gather(1, top)], dim=1)
+    return torch.cat([chosen.flatten(), torch.cat([chosen, top], dim=1).flatten(),
+                      values.view(torch.int32).long().flatten(), ranks])
 
 
 @triton.jit
-def _top1_logprobs_kernel(logits_ptr, stride_row, chosen_ptr, ids_ptr, values_ptr,
-                          ranks_ptr, vocab, BLOCK: tl.constexpr):
-    """One row: the running maximum and the sum of exp(x - maximum), rescaled as the
-    maximum grows (-inf columns, which a grammar mask leaves, add nothing), each lane's
-    first maximum, and how many columns beat the chosen token's logit."""
+def _top1_chunk_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, counts_ptr, vocab,
+                       CHOSEN: tl.constexpr, BLOCK: tl.constexpr):
+    """One chunk of a row, read once: its maximum, the sum of exp(x - maximum) (-inf
+    columns, which a grammar mask leaves, add nothing), its first maximum's column, and
+    how many of its columns beat the chosen token's logit."""
     row = tl.program_id(0)
+    part = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride_row
-    token = tl.load(chosen_ptr + row)
-    chosen = tl.load(base + token).to(tl.float32)
-    top = tl.full([], float("-inf"), tl.float32)
-    total = tl.full([], 0.0, tl.float32)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_col = tl.zeros([BLOCK], tl.int32)
-    beaten = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        new_top = tl.maximum(top, tl.max(x, axis=0))
-        if new_top > float("-inf"):
-            total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
-            top = new_top
-        take = x > best  # strict: each lane keeps its first maximum
-        best = tl.where(take, x, best)
-        best_col = tl.where(take, cols, best_col)
-        beaten += (x > chosen).to(tl.int32)
+    cols = part * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    top = tl.max(x, axis=0)
+    total = tl.sum(tl.where(x > float("-inf"), tl.exp(x - top), 0.0), axis=0)
+    first = tl.min(tl.where(x == top, cols, vocab), axis=0)
+    beaten = tl.full([], 0, tl.int32)
+    if CHOSEN:
+        chosen = tl.load(base + tl.load(chosen_ptr + row)).to(tl.float32)
+        beaten = tl.sum((x > chosen).to(tl.int32), axis=0)
+    at = (row * tl.num_programs(1) + part) * 2
+    tl.store(maxima_ptr + at, top)
+    tl.store(maxima_ptr + at + 1, total)
+    tl.store(counts_ptr + at, first)
+    tl.store(counts_ptr + at + 1, beaten)
+
+
+@triton.jit
+def _top1_combine_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, counts_ptr, out_ptr,
+                         vocab, chunks, CHOSEN: tl.constexpr, CHUNKS: tl.constexpr):
+    """A row's chunks into its logsumexp, first maximum and rank, written in place in the
+    packed layout."""
+    row = tl.program_id(0)
+    rows = tl.num_programs(0)
+    part = tl.arange(0, CHUNKS)
+    at = (row * chunks + part) * 2
+    valid = part < chunks
+    tops = tl.load(maxima_ptr + at, mask=valid, other=float("-inf"))
+    totals = tl.load(maxima_ptr + at + 1, mask=valid, other=0.0)
+    top = tl.max(tops, axis=0)
+    total = tl.sum(tl.where(tops > float("-inf"), totals * tl.exp(tops - top), 0.0), axis=0)
     lse = top + tl.log(total)
-    first = tl.min(tl.where(best == top, best_col, vocab), axis=0)
-    tl.store(ids_ptr + 2 * row, token.to(tl.int64))
-    tl.store(ids_ptr + 2 * row + 1, first.to(tl.int64))
-    tl.store(values_ptr + 2 * row, chosen - lse)
-    tl.store(values_ptr + 2 * row + 1, top - lse)
-    tl.store(ranks_ptr + row, (tl.sum(beaten, axis=0) + 1).to(tl.int64))
+    first = tl.min(tl.where(tops == top, tl.load(counts_ptr + at, mask=valid, other=0), vocab),
+                   axis=0)
+    if CHOSEN:
+        token = tl.load(chosen_ptr + row)
+        chosen = tl.load(logits_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32)
+        rank = tl.sum(tl.load(counts_ptr + at + 1, mask=valid, other=0), axis=0) + 1
+    else:
+        token = first.to(tl.int64)
+        chosen = top
+        rank = tl.full([], 1, tl.int32)  # nothing beats a first maximum
+    tl.store(out_ptr + row, token)
+    tl.store(out_ptr + rows + 2 * row, token)
+    tl.store(out_ptr + rows + 2 * row + 1, first.to(tl.int64))
+    values = 3 * rows + 2 * row
+    tl.store(out_ptr + values, (chosen - lse).to(tl.int32, bitcast=True).to(tl.int64))
+    tl.store(out_ptr + values + 1, (top - lse).to(tl.int32, bitcast=True).to(tl.int64))
+    tl.store(out_ptr + 5 * rows + row, rank.to(tl.int64))
 
 
 @triton.jit

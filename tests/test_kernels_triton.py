@@ -52,7 +52,8 @@ from kernels.quant import (ScaledMmTiles, quantize_per_token_ref, quantize_per_t
                            scaled_mm, scaled_mm_ref, scaled_mm_triton)
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
 from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, FIXED_POINT, ONE_BITS, RADIX_BITS,
-                              RADIX_BLOCK, RADIX_COPIES, TOP_P_STEPS, _top1_logprobs_kernel,
+                              RADIX_BLOCK, RADIX_COPIES, TOP1_CHUNK, TOP_P_STEPS,
+                              _top1_chunk_kernel, _top1_combine_kernel,
                               _top_p_bins_kernel,
                               _top_p_pick_kernel, _top_p_threshold_kernel, gumbel_argmax_ref,
                               gumbel_argmax_triton, philox_uniform, top1_logprobs_ref,
@@ -463,20 +464,32 @@ def check_gumbel_argmax(rows: int, vocab: int, dtype: torch.dtype, device: str) 
     assert torch.equal(out, ref), f"gumbel argmax {dtype} (seed {seed})"
 
 
+def split_top1(packed: torch.Tensor, rows: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """top1_logprobs' packed output as (tokens, ids [rows, 2], logprobs [rows, 2], ranks)."""
+    ids = packed[rows:3 * rows].view(rows, 2)
+    values = packed[3 * rows:5 * rows].to(torch.int32).view(torch.float32).view(rows, 2)
+    return packed[:rows], ids, values, packed[5 * rows:]
+
+
 def check_top1_logprobs(rows: int, vocab: int, dtype: torch.dtype, device: str) -> None:
-    """The one-pass logprobs of the chosen token and the likeliest against the twin: ids
-    and ranks exactly, logprobs to float32's rounding of a sum over the row. Row 0's
-    first block is -inf (a grammar mask's), and bf16 logits tie, where the first
-    maximum is the likeliest."""
+    """The one-read logprobs of the chosen token and the likeliest against the twin, for
+    given tokens and for greedy's (none given): tokens, ids and ranks exactly, logprobs to
+    float32's rounding of a sum over the row. Row 0's first chunk is -inf (a grammar
+    mask's), and bf16 logits tie, where the first maximum is the likeliest."""
     g, seed = fresh_generator()
     logits = rand(g, rows, vocab, dtype=dtype, device=device, scale=3.0)
-    logits[0, :min(BLOCK_VOCAB, vocab // 2)] = float("-inf")
-    chosen = torch.randint(vocab // 2, vocab, (rows,), generator=g).to(device)
-    (ids, values, ranks), (ref_ids, ref_values, ref_ranks) = (
-        top1_logprobs_triton(logits, chosen), top1_logprobs_ref(logits, chosen))
-    what = f"top1 logprobs {rows}x{vocab} {dtype} (seed {seed})"
-    assert torch.equal(ids, ref_ids) and torch.equal(ranks, ref_ranks), what
-    torch.testing.assert_close(values, ref_values, rtol=1e-5, atol=1e-5, msg=what)
+    logits[0, :min(TOP1_CHUNK, vocab // 2)] = float("-inf")
+    given = torch.randint(vocab // 2, vocab, (rows,), generator=g).to(device)
+    for chosen in (given, None):
+        got = split_top1(top1_logprobs_triton(logits, chosen), rows)
+        want = split_top1(top1_logprobs_ref(logits, chosen), rows)
+        what = f"top1 logprobs {rows}x{vocab} {dtype} chosen {chosen is not None} (seed {seed})"
+        for i in (0, 1, 3):
+            assert torch.equal(got[i], want[i]), what
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5, msg=what)
+    assert torch.equal(split_top1(top1_logprobs_triton(logits), rows)[0],
+                       logits.argmax(dim=-1)), "greedy's token is torch.argmax's"
 
 
 def check_gumbel_distribution(device: str, draws: int = 1500) -> None:
@@ -499,7 +512,8 @@ def check_sampler_fused_logprobs(vocab: int, device: str, top: int = 2) -> None:
     its raw logits (what the general path reports), the others' none. `top`: the first
     row's logprobs; at most 1 on CUDA, one pass a row (top1_logprobs_triton) finds them."""
     from common.sampling_params import SamplingParams
-    from services.worker.sampler import Sampler, SamplingRow, _plain_random, top_logprobs
+    from services.worker.sampler import (Sampler, SamplingRow, _plain_random, top_logprobs,
+                                         unpack_logprobs)
 
     g, seed = fresh_generator()
     temperatures, asks = [0.7, 1.3, 0.5], [top, None, 0]
@@ -514,15 +528,18 @@ def check_sampler_fused_logprobs(vocab: int, device: str, top: int = 2) -> None:
     assert torch.equal(out.token_ids, tokens), f"fused tokens (seed {seed})"
     lp = out.logprobs
     assert lp is not None and lp.rows == [0, 2] and lp.widths == [top + 1, 1]
+    columns = unpack_logprobs(out.packed.cpu(), len(rows), lp)
+    assert columns is not None and out.packed[:len(rows)].equal(tokens)
     if device == "cuda" and top <= 1:
-        ids, values, ranks = top1_logprobs_ref(logits[[0, 2]], tokens[[0, 2]])
-        ids, values = ids[:, :top + 1], values[:, :top + 1]
-        torch.testing.assert_close(lp.logprobs, values, rtol=1e-5, atol=1e-5)
+        _, ids, values, ranks = split_top1(top1_logprobs_ref(logits[[0, 2]], tokens[[0, 2]]), 2)
     else:
         ids, values, ranks = top_logprobs(torch.log_softmax(logits[[0, 2]], dim=-1),
                                           tokens[[0, 2]], top)
-        assert torch.equal(lp.logprobs, values), f"fused logprobs (seed {seed})"
-    assert torch.equal(lp.token_ids, ids) and torch.equal(lp.ranks, ranks)
+    ids, values = ids[:, :top + 1].tolist(), values[:, :top + 1].tolist()
+    assert columns.widths == [top + 1, 0, 1]
+    assert columns.token_ids == ids[0] + ids[1][:1], f"fused ids (seed {seed})"
+    assert columns.ranks == ranks.tolist()
+    assert columns.logprobs == pytest.approx(values[0] + values[1][:1], rel=1e-5, abs=1e-5)
 
 
 def check_top_p_threshold(rows: int, vocab: int, device: str) -> None:
@@ -825,10 +842,10 @@ def lora_kernels() -> None:
 @interpreter_check
 def sampling_kernel() -> None:
     """A vocabulary over two iterations and a partial last one; bf16 and fp32 logits; the
-    one-pass logprobs of the chosen token and the likeliest."""
+    one-read logprobs of the chosen token and the likeliest, over three chunks and one."""
     check_gumbel_argmax(5, 2 * BLOCK_VOCAB + 37, torch.float32, "cpu")
     check_gumbel_argmax(3, 300, torch.bfloat16, "cpu")
-    check_top1_logprobs(5, 2 * BLOCK_VOCAB + 37, torch.float32, "cpu")
+    check_top1_logprobs(5, 2 * TOP1_CHUNK + 37, torch.float32, "cpu")
     check_top1_logprobs(3, 300, torch.bfloat16, "cpu")
     check_gumbel_distribution("cpu")
     check_sampler_fused_logprobs(2 * BLOCK_VOCAB + 37, "cpu")
@@ -1177,12 +1194,19 @@ def test_fused_kernels_compile_for_sm90() -> None:
 
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
-def test_top1_logprobs_kernel_compiles_for_sm90() -> None:
-    """Its running maximum and sum are loop-carried scalars under a branch."""
+def test_top1_logprobs_kernels_compile_for_sm90() -> None:
+    """Both passes, with a chosen token and without (greedy's): the branches give a count
+    and a rank of different origins the same type."""
     for dtype in ("fp32", "bf16"):
-        compile_for_sm90(_top1_logprobs_kernel, dict(
-            logits_ptr=f"*{dtype}", stride_row="i32", chosen_ptr="*i64", ids_ptr="*i64",
-            values_ptr="*fp32", ranks_ptr="*i64", vocab="i32"), dict(BLOCK=BLOCK_VOCAB))
+        for chosen in (True, False):
+            compile_for_sm90(_top1_chunk_kernel, dict(
+                logits_ptr=f"*{dtype}", stride_row="i32", chosen_ptr="*i64",
+                maxima_ptr="*fp32", counts_ptr="*i32", vocab="i32"),
+                dict(CHOSEN=chosen, BLOCK=TOP1_CHUNK))
+            compile_for_sm90(_top1_combine_kernel, dict(
+                logits_ptr=f"*{dtype}", stride_row="i32", chosen_ptr="*i64",
+                maxima_ptr="*fp32", counts_ptr="*i32", out_ptr="*i64", vocab="i32",
+                chunks="i32"), dict(CHOSEN=chosen, CHUNKS=64))
 
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")

@@ -16,9 +16,9 @@ import torch
 from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
 from services.worker.sampler import (
-    Sampler, SamplerOutput, SamplingRow, apply_min_p, apply_penalties, apply_top_k,
-    RADIX_TOP_P_ROWS, apply_top_p, make_generator, prompt_logprobs, top_k_threshold,
-    top_logprobs, unpack_logprobs)
+    RADIX_TOP_P_ROWS, GrammarMask, Sampler, SamplerOutput, SamplingRow, apply_min_p,
+    apply_penalties, apply_top_k, apply_top_p, make_generator, prompt_logprobs,
+    top_k_threshold, top_logprobs, unpack_logprobs)
 
 DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 
@@ -101,7 +101,7 @@ def forbid_syncs(device: torch.device) -> Iterator[None]:
 def host_logprobs(out: SamplerOutput, num_rows: int) -> list[TokenLogprobs | None]:
     """The step's logprobs as the worker reads them out of the one packed copy, and the
     scheduler takes them apart."""
-    columns = unpack_logprobs(out.packed().cpu(), num_rows, out.logprobs)
+    columns = unpack_logprobs(out.packed.cpu(), num_rows, out.logprobs)
     return [] if columns is None else columns.rows()
 
 
@@ -113,7 +113,7 @@ def test_all_greedy_is_argmax(device: torch.device) -> None:
     out = Sampler(device, 0).sample(logits, rows)
     assert out.token_ids.dtype == torch.int64 and out.token_ids.device.type == device.type
     assert torch.equal(out.token_ids, logits.argmax(dim=-1))
-    assert out.logprobs is None and out.packed() is out.token_ids
+    assert out.logprobs is None and out.packed is out.token_ids
 
 
 def test_greedy_rows_beside_random_rows_are_argmax(device: torch.device) -> None:
@@ -441,6 +441,32 @@ def test_logprobs_come_from_raw_logits(device: torch.device, ks: list[int | None
     assert entries[1].rank == 1 and len(entries[1].token_ids) == ks[1] + 1
 
 
+def test_greedy_logprobs_of_one_read_equal_the_general_paths(device: torch.device) -> None:
+    """Greedy rows asking for logprobs 0, 1 or none, on tied logits under a grammar mask,
+    take their tokens and logprobs from one read of the logits: every row in the packed
+    block, the ones that asked for none at width 0. Tokens, ids, ranks and logprobs are
+    the general path's, which a row asking for 2 still takes."""
+    ks = [1, None, 0, 1, None]
+    logits = tied_logits(31, len(ks), 300).to(device)
+    bitmask = torch.full((1, 10), -1, dtype=torch.int32, device=device)
+    bitmask[0, :4] = 0  # row 3 may not take its first 128 tokens
+    mask = GrammarMask(bitmask, torch.tensor([3], device=device))
+    rows = [make_row(SamplingParams(temperature=0.0, logprobs=k), device) for k in ks]
+    out = Sampler(device, 0).sample(logits.clone(), rows, mask)
+    assert out.logprobs is not None and out.logprobs.rows == list(range(len(ks)))
+    assert out.logprobs.widths == [2, 0, 1, 2, 0]
+    masked = logits.clone()
+    masked[3, :128] = float("-inf")
+    assert torch.equal(out.token_ids, masked.argmax(dim=-1))
+    assert_same_logprobs(host_logprobs(out, len(ks)),
+                         reference_token_logprobs(masked, out.token_ids, rows))
+    wider = rows + [make_row(SamplingParams(temperature=0.0, logprobs=2), device)]
+    general = Sampler(device, 0).sample(torch.cat([masked, logits[:1]]), wider)
+    assert general.logprobs is not None and general.logprobs.rows == [0, 2, 3, 5]
+    assert_same_logprobs(host_logprobs(general, len(wider))[:len(ks)],
+                         host_logprobs(out, len(ks)))
+
+
 @pytest.mark.parametrize("k", [0, 4])
 def test_prompt_logprobs_shapes_values_and_ranks(device: torch.device, k: int) -> None:
     num_positions, vocab = 9, 40
@@ -605,7 +631,7 @@ def test_packed_logprobs_equal_the_former_path(device: torch.device,
     logits = tied_logits(22, len(params), 500).to(device)
     rows = [make_row(p, device) for p in params]
     out = Sampler(device, 5).sample(logits.clone(), rows)
-    packed = out.packed().cpu()
+    packed = out.packed.cpu()
     assert torch.equal(packed[:len(rows)], out.token_ids.cpu())
     assert_same_logprobs(host_logprobs(out, len(rows)),
                          reference_token_logprobs(logits, out.token_ids, rows))
@@ -629,6 +655,6 @@ def test_logprobs_sample_without_a_device_sync(device: torch.device) -> None:
               SamplingParams(temperature=0.8, top_p=0.95, seed=4, logprobs=0)]
     rows = [make_row(p, device) for p in params]
     with forbid_syncs(device):
-        packed = Sampler(device, 0).sample(logits, rows).packed()
+        packed = Sampler(device, 0).sample(logits, rows).packed
     # the tokens, then 3 rows of 6 ids and 6 values, then 3 ranks: one fixed-width copy
     assert packed.shape == (4 + 3 * 6 * 2 + 3,)

@@ -25,6 +25,49 @@ PY
     done
   done
 }
+serve_tree() {  # TREE: `headrace serve` of the 0.6B shapes from this tree (new) or .base,
+              # on port 8800, its pid in $serve, once healthy
+  local dir=$PWD model
+  model=$(realpath $M/qwen3-0.6b-shape)
+  [ "$1" = base ] && dir=$PWD/.base
+  port_free 8800 || return 1
+  (cd "$dir" && PYTHONPATH="/tmp/site:$dir" exec python -m services.cli serve "$model" \
+    --load-format dummy --port 8800 --run-dir /tmp/hr-serve-$1 --served-model-name qwen3) \
+    > "$R/serve-$1.log" 2>&1 &
+  serve=$!
+  wait_healthy 8800
+}
+stop_serve() { kill -TERM $serve; wait $serve; }
+itl_chats() {  # SUFFIX: greedy chats one at a time, without and with logprobs, each warmed
+              # up on 16 other prompts first
+  local extra name
+  for extra in "" "--logprobs 1"; do
+    name=$(echo "chat-c1$extra" | tr -d ' -')$1
+    timeout 100 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
+      --seed 7 --disable-tqdm --endpoint chat --num-prompts 16 --max-concurrency 1 \
+      --dataset random --random-input-len 32 --random-output-len 64 $extra \
+      > "$R/warmup-$name.txt" 2>&1
+    timeout 150 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
+      --seed 1 --disable-tqdm --endpoint chat --num-prompts 64 --max-concurrency 1 \
+      --dataset random --random-input-len 32 --random-output-len 64 $extra \
+      --save-result "$R/serve-$name.json" > "$R/serve-$name.txt" 2>&1
+  done
+}
+latency_lp_ab() {  # the 0.6B batch-1 step, greedy, without and with logprobs=1, this tree
+                  # then .base, twice over
+  local round tree extra name
+  for round in 1 2; do
+    for tree in new base; do
+      for extra in "" "--logprobs 1"; do
+        name=latency-qwen3-0.6b-b1$(echo "$extra" | tr -d ' -')-$tree-$round
+        bench_in $tree 120 latency --model "$(realpath $M/qwen3-0.6b-shape)" \
+          --load-format dummy --context-len 62 --batch-size 1 --output-len 64 \
+          --iterations 3 --max-model-len 2048 $extra --json "$R/$name.json" \
+          >> "$R/latency-lp-ab.txt" 2>&1
+      done
+    done
+  done
+}
 case "$1" in
 latency)  # small-batch decode steps: 0.6B at batch 1 and 8, 8B at batch 1
   for spec in "qwen3-0.6b-shape 1 62" "qwen3-0.6b-shape 8 62" "llama-3.1-8b-shape 1 1000"; do
@@ -145,17 +188,10 @@ lp-cost)  # what logprobs=1 costs the nano workload on both paths, in this tree:
     done
   done
   ;;
-latency-lp)  # the 0.6B batch-1 decode step, greedy, without and with logprobs=1 (what a
-            # chat's logprobs cost the worker's step, apart from the served stages),
-            # alternating twice
-  for round in 1 2; do
-    for extra in "" "--logprobs 1"; do
-      name=latency-qwen3-0.6b-b1$(echo "$extra" | tr -d ' -')-$round
-      bench 120 latency --model $M/qwen3-0.6b-shape --load-format dummy --context-len 62 \
-        --batch-size 1 --output-len 64 --iterations 3 --max-model-len 2048 $extra \
-        --json "$R/$name.json" >> "$R/latency-lp.txt" 2>&1
-    done
-  done
+latency-lp-ab)  # the sampler's CUDA tests, then latency_lp_ab
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+    tests/test_sampler.py -k "cuda" > "$R/pytest-sampler-cuda.txt" 2>&1
+  latency_lp_ab
   ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
        # the executor in the worker process and then on the step thread (WPS: which of the
@@ -171,15 +207,8 @@ paths)  # this tree's nano workload on both paths in one command, ROUNDS times o
 itl-ab)  # one streamed chat at a time with top_p 0.95, through `headrace serve` of this tree
         # and then of the copy in .base (the commit before; TREES: which of the two;
         # CONCURRENCY: chats at a time, 1 by default, each its 64 timed prompts' worth)
-  model=$(realpath $M/qwen3-0.6b-shape)
   for tree in ${TREES:-new base}; do
-    dir=$PWD; [ $tree = base ] && dir=$PWD/.base
-    port_free 8800 || exit 1
-    (cd "$dir" && PYTHONPATH="/tmp/site:$dir" exec python -m services.cli serve \
-      "$model" --load-format dummy --port 8800 \
-      --run-dir /tmp/hr-serve-$tree --served-model-name qwen3) > "$R/serve-$tree.log" 2>&1 &
-    serve=$!
-    wait_healthy 8800
+    serve_tree $tree || exit 1
     c=${CONCURRENCY:-1}
     for seed in 7 1; do  # 7: the warm-up, on other prompts
       timeout 150 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
@@ -189,27 +218,19 @@ itl-ab)  # one streamed chat at a time with top_p 0.95, through `headrace serve`
         --temperature 0.7 --top-p 0.95 --save-result "$R/chat-c$c-topp-$tree-$seed.json" \
         > "$R/chat-c$c-topp-$tree-$seed.txt" 2>&1
     done
-    kill -TERM $serve; wait $serve
+    stop_serve
   done
   ;;
 itl)  # one streamed chat at a time, without and with logprobs, through `headrace serve`
-  port_free 8800 || exit 1
-  python -m services.cli serve $M/qwen3-0.6b-shape --load-format dummy --port 8800 \
-    --run-dir /tmp/hr-serve --served-model-name qwen3 > "$R/serve.log" 2>&1 &
-  serve=$!
-  wait_healthy 8800
-  for extra in "" "--logprobs 1"; do
-    name=$(echo "chat-c1$extra" | tr -d ' -')
-    timeout 100 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
-      --seed 7 --disable-tqdm --endpoint chat --num-prompts 16 --max-concurrency 1 \
-      --dataset random --random-input-len 32 --random-output-len 64 $extra \
-      > "$R/warmup-$name.txt" 2>&1
-    timeout 150 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
-      --seed 1 --disable-tqdm --endpoint chat --num-prompts 64 --max-concurrency 1 \
-      --dataset random --random-input-len 32 --random-output-len 64 $extra \
-      --save-result "$R/serve-$name.json" > "$R/serve-$name.txt" 2>&1
+  serve_tree new && itl_chats "" && stop_serve
+  ;;
+itl-lp-ab)  # the same, through `headrace serve` of this tree and then of .base (the commit
+           # before), ROUNDS times over
+  for round in $(seq ${ROUNDS:-1}); do
+    for tree in new base; do
+      serve_tree $tree && itl_chats "-$tree-$round" && stop_serve
+    done
   done
-  kill -TERM $serve; wait $serve
   ;;
 esac
 lscpu | grep -E "Model name|^CPU\(s\)" > "$R/host.txt"

@@ -17,7 +17,7 @@ import torch
 from common.messages import PooledOutput, PromptLogprobs, StepResult, with_fields
 from services.worker.grammar import accept
 from services.worker.request_state import RequestState
-from services.worker.sampler import SampledLogprobs, unpack_logprobs
+from services.worker.sampler import LogprobsLayout, unpack_logprobs
 from services.worker.spec_verify import emitted_tokens
 
 
@@ -29,10 +29,10 @@ class Launched:
     started: float
     prompt_logprobs: list[PromptLogprobs]
     sampling: list[RequestState] = field(default_factory=list)
-    # SamplerOutput.packed(): a token per sampling row, then their logprobs if any
+    # SamplerOutput.packed: a token per sampling row, then their logprobs if any
     host: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     done: torch.cuda.Event | None = None
-    logprobs: SampledLogprobs | None = None  # which rows of `host` have logprobs
+    logprobs: LogprobsLayout | None = None  # which rows of `host` have logprobs
     on_host_at: float = 0.0  # wall clock; set at launch on a synchronous device (the CPU)
     pooled_states: list[RequestState] = field(default_factory=list)
     pooled: torch.Tensor | None = None  # their embeddings, a row each, on the host when done

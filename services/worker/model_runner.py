@@ -385,7 +385,7 @@ class ModelRunner:
             state.pending += 1
             state.sample_row = row
         launched.sampling = inputs.sampling
-        launched.host = launched.to_host(out.packed())  # the logprobs too, in one copy
+        launched.host = launched.to_host(out.packed)  # the logprobs too, in one copy
         launched.logprobs = out.logprobs
         return out.token_ids
 

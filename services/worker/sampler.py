@@ -9,7 +9,9 @@ than applied here. The device work is batched over rows with tensors, but
 for one step: each seeded request draws its noise from its own generator, so its token
 depends on its own logits and seed alone, never on the rest of the batch. On CUDA, a step
 whose rows ask for temperature alone (no top-k/p, min-p, penalties, logprobs or seeds)
-samples in one Triton pass instead (kernels/sampling.py: the Gumbel-max form of the race).
+samples in one Triton pass instead (kernels/sampling.py: the Gumbel-max form of the race),
+and a greedy step whose rows ask for at most the chosen token's and the likeliest's
+logprobs takes its tokens and logprobs from one read of the logits (top1_logprobs_triton).
 Nothing sorts the vocabulary: top-p's set comes from a threshold found over each row
 (top_p_threshold: Triton kernels on CUDA), top-k's from torch.topk or, for a large k, a
 search too. Logprobs are left on the
@@ -32,7 +34,7 @@ import torch
 from common.messages import StepLogprobs
 from common.sampling_params import SamplingParams
 from kernels.grammar_mask import apply_token_bitmask
-from kernels.sampling import (gumbel_argmax_triton, top1_logprobs_triton,
+from kernels.sampling import (gumbel_argmax_triton, top1_logprobs_ref, top1_logprobs_triton,
                               top_p_threshold_exact_ref, top_p_threshold_radix,
                               top_p_threshold_ref, top_p_threshold_triton)
 
@@ -68,50 +70,45 @@ class GrammarMask:
 
 
 @dataclass(slots=True)
-class SampledLogprobs:
-    """The logprobs of the rows of a step that asked for them, still on the device:
-    fixed-shape, every row padded to the batch's largest logprobs."""
-    rows: list[int]  # their batch rows, ascending
-    widths: list[int]  # 1 + each one's params.logprobs
-    token_ids: torch.Tensor  # int64 [R, k+1]: column 0 the chosen token, then the top-k
-    logprobs: torch.Tensor  # float32 [R, k+1]
-    ranks: torch.Tensor  # int64 [R]
+class LogprobsLayout:
+    """Which rows of a step's packed output carry logprobs, and how many each."""
+    rows: list[int]  # the batch rows whose logprobs the packed block holds, ascending
+    widths: list[int]  # 1 + each one's params.logprobs; 0 for a row that asked for none
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # int64 [N], on the logits' device
-    logprobs: SampledLogprobs | None = None  # None when no row asked for logprobs
+    # int64 [N + ...]: the token ids, then the layout's rows' logprobs ids [R, w], values
+    # (their float32 bits) [R, w] and ranks [R], so that one copy brings a step's output to
+    # the host; the token ids alone when no row asked for logprobs
+    packed: torch.Tensor
+    logprobs: LogprobsLayout | None = None
 
-    def packed(self) -> torch.Tensor:
-        """int64 [N + ...]: the token ids, then the logprobs' ids, values (as their float32
-        bits) and ranks, so that one copy brings a step's output to the host."""
-        lp = self.logprobs
-        if lp is None:
-            return self.token_ids
-        return torch.cat([self.token_ids, lp.token_ids.flatten(),
-                          lp.logprobs.view(torch.int32).long().flatten(), lp.ranks])
+    @classmethod
+    def of_tokens(cls, token_ids: torch.Tensor) -> SamplerOutput:
+        """A step's output where no row asked for logprobs."""
+        return cls(token_ids, token_ids)
 
 
-def unpack_logprobs(host: torch.Tensor, num_rows: int, layout: SampledLogprobs | None
+def unpack_logprobs(host: torch.Tensor, num_rows: int, layout: LogprobsLayout | None
                     ) -> StepLogprobs | None:
-    """The step's logprobs as columns, in batch-row order, from SamplerOutput.packed() on
-    the host; `layout` is the output's logprobs (only its rows and widths are read). No
-    record a row: numpy takes each row's first `width` entries at once."""
+    """The step's logprobs as columns, in batch-row order, from SamplerOutput.packed on
+    the host. No record a row: numpy takes each row's first `width` entries at once."""
     if layout is None:
         return None
     count = len(layout.rows)
     width = (host.shape[0] - num_rows - count) // (2 * count)
     block = host[num_rows:].numpy()
-    # each row's first `widths` entries of its `width`
-    taken = np.arange(width)[None, :] < np.asarray(layout.widths)[:, None]
+    widths = np.asarray(layout.widths)
+    taken = np.arange(width)[None, :] < widths[:, None]  # each row's first `widths`
     ids = block[:count * width].reshape(count, width)[taken]
     values = block[count * width:2 * count * width].astype(np.int32).view(np.float32)
     row_widths = np.zeros(num_rows, dtype=np.int64)
-    row_widths[layout.rows] = layout.widths
+    row_widths[layout.rows] = widths
     return StepLogprobs(row_widths.tolist(), ids.tolist(),
                         values.reshape(count, width)[taken].tolist(),
-                        block[2 * count * width:].tolist())
+                        block[2 * count * width:][widths > 0].tolist())
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -132,7 +129,9 @@ class Sampler:
         if mask is not None:
             apply_token_bitmask(logits, mask.bitmask, mask.rows)
         if all(_plain_greedy(row) for row in rows):
-            return SamplerOutput(logits.argmax(dim=-1))
+            return SamplerOutput.of_tokens(logits.argmax(dim=-1))
+        if all(_top1_greedy(row) for row in rows):
+            return self._sample_greedy_top1(logits, rows)
         if logits.is_cuda and all(_plain_random(row) for row in rows):
             return self._sample_fused(logits, rows)
         logits = logits.float()
@@ -144,9 +143,21 @@ class Sampler:
         processed = block_early_stops(apply_penalties(processed, rows), rows)
         token_ids = self._choose(processed, rows)
         if raw is None:
-            return SamplerOutput(token_ids)
-        chosen = self._rows(token_ids, wanted, len(rows))
-        return SamplerOutput(token_ids, self._logprobs(raw, chosen, wanted, rows))
+            return SamplerOutput.of_tokens(token_ids)
+        return self._with_logprobs(token_ids, raw, wanted, rows)
+
+    def _sample_greedy_top1(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+                            ) -> SamplerOutput:
+        """Greedy rows asking for logprobs 0 or 1 (or none): their tokens and every row's
+        logprobs in one read of the logits, two launches, already packed. Through the
+        general path a batch-1 chat with logprobs cost its step an argmax, a one-program
+        pass over the row and the packing's copies (issue 31)."""
+        top1 = top1_logprobs_triton if logits.is_cuda else top1_logprobs_ref
+        packed = top1(logits)
+        widths = [0 if row.params.logprobs is None else row.params.logprobs + 1
+                  for row in rows]
+        return SamplerOutput(packed[:len(rows)], packed,
+                             LogprobsLayout(list(range(len(rows))), widths))
 
     def _sample_fused(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
                       ) -> SamplerOutput:
@@ -159,10 +170,9 @@ class Sampler:
         token_ids = gumbel_argmax_triton(logits, temperature, self._kernel_seeds.getrandbits(31))
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not wanted:
-            return SamplerOutput(token_ids)
-        raw = self._rows(logits.float(), wanted, len(rows))
-        chosen = self._rows(token_ids, wanted, len(rows))
-        return SamplerOutput(token_ids, self._logprobs(raw, chosen, wanted, rows))
+            return SamplerOutput.of_tokens(token_ids)
+        return self._with_logprobs(token_ids, self._rows(logits.float(), wanted, len(rows)),
+                                   wanted, rows)
 
     # --- choosing tokens ---------------------------------------------------------------
 
@@ -217,17 +227,20 @@ class Sampler:
 
     # --- logprobs ----------------------------------------------------------------------
 
-    def _logprobs(self, logits: torch.Tensor, chosen: torch.Tensor, wanted: list[int],
-                  rows: Sequence[SamplingRow]) -> SampledLogprobs:
-        """The logprobs of the rows in `wanted`, given their raw logits and tokens, left on
-        the device: they reach the host with the token ids (SamplerOutput.packed)."""
+    def _with_logprobs(self, token_ids: torch.Tensor, logits: torch.Tensor, wanted: list[int],
+                       rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """The step's output with the logprobs of the rows in `wanted`, given their raw
+        logits, left on the device: they reach the host with the token ids."""
         widths = [rows[i].params.logprobs + 1 for i in wanted]
         k = max(widths) - 1
-        if logits.is_cuda and k <= 1:  # the chosen token and the likeliest: one pass a row
-            ids, values, ranks = top1_logprobs_triton(logits, chosen)
-            return SampledLogprobs(wanted, widths, ids[:, :k + 1], values[:, :k + 1], ranks)
-        ids, values, ranks = top_logprobs(torch.log_softmax(logits, dim=-1), chosen, k)
-        return SampledLogprobs(wanted, widths, ids, values, ranks)
+        chosen = self._rows(token_ids, wanted, len(rows))
+        if logits.is_cuda and k <= 1:  # the chosen token and the likeliest: one read a row
+            block = [top1_logprobs_triton(logits, chosen)[len(wanted):]]
+        else:
+            ids, values, ranks = top_logprobs(torch.log_softmax(logits, dim=-1), chosen, k)
+            block = [ids.flatten(), values.view(torch.int32).long().flatten(), ranks]
+        return SamplerOutput(token_ids, torch.cat([token_ids, *block]),
+                             LogprobsLayout(wanted, widths))
 
     def _rows(self, tensor: torch.Tensor, wanted: list[int], num_rows: int) -> torch.Tensor:
         if len(wanted) == num_rows:
@@ -483,6 +496,13 @@ def _plain_random(row: SamplingRow) -> bool:
 
 def _plain_greedy(row: SamplingRow) -> bool:
     return row.params.greedy and _raw_logits(row)
+
+
+def _top1_greedy(row: SamplingRow) -> bool:
+    """Greedy on the raw logits, asking for the chosen token's logprob and the likeliest's
+    at most."""
+    params = row.params
+    return params.greedy and _unchanged_logits(row) and (params.logprobs or 0) <= 1
 
 
 def _raw_logits(row: SamplingRow) -> bool:
