@@ -189,8 +189,8 @@ lp-cost)  # what logprobs=1 costs the nano workload on both paths, in this tree:
   done
   ;;
 latency-lp-ab)  # the sampler's CUDA tests, then latency_lp_ab
-  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
-    tests/test_sampler.py -k "cuda" > "$R/pytest-sampler-cuda.txt" 2>&1
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py::test_sampling_kernel_cuda \
+    tests/test_sampler.py -k "sampling_kernel_cuda or cuda" > "$R/pytest-sampler-cuda.txt" 2>&1
   latency_lp_ab
   ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
