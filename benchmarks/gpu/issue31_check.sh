@@ -188,9 +188,10 @@ lp-cost)  # what logprobs=1 costs the nano workload on both paths, in this tree:
     done
   done
   ;;
-latency-lp-ab)  # the sampler's CUDA tests, then latency_lp_ab
-  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py::test_sampling_kernel_cuda \
-    tests/test_sampler.py -k "sampling_kernel_cuda or cuda" > "$R/pytest-sampler-cuda.txt" 2>&1
+latency-lp-ab)  # the sampler's and the input copies' CUDA tests, then latency_lp_ab
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_step_inputs.py \
+    tests/test_kernels_triton.py::test_sampling_kernel_cuda tests/test_sampler.py \
+    -k "cuda or CUDA or gpu" > "$R/pytest-sampler-cuda.txt" 2>&1
   latency_lp_ab
   ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
@@ -223,6 +224,33 @@ itl-ab)  # one streamed chat at a time with top_p 0.95, through `headrace serve`
   ;;
 itl)  # one streamed chat at a time, without and with logprobs, through `headrace serve`
   serve_tree new && itl_chats "" && stop_serve
+  ;;
+itl-spy)  # the itl stage's chats with py-spy (in .devkit/whl) sampling the worker and the
+          # scheduler through each timed run: spy-STAGE-NAME.txt, their busiest functions
+  export PATH=/tmp/site/bin:$PATH
+  serve_tree new || exit 1
+  for extra in "" "--logprobs 1"; do
+    name=$(echo "chat-c1$extra" | tr -d ' -')
+    timeout 100 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
+      --seed 7 --disable-tqdm --endpoint chat --num-prompts 16 --max-concurrency 1 \
+      --dataset random --random-input-len 32 --random-output-len 64 $extra \
+      > "$R/warmup-$name.txt" 2>&1
+    spies=()
+    for stage in worker scheduler; do
+      py-spy record --nonblocking --threads -d 4 -r 500 -f raw -o "$R/spy-$stage-$name.raw" \
+        -p "$(pgrep -f "services.cli $stage " | head -n 1)" > "$R/spy-$stage-$name.log" 2>&1 &
+      spies+=($!)
+    done
+    timeout 150 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
+      --seed 1 --disable-tqdm --endpoint chat --num-prompts 64 --max-concurrency 1 \
+      --dataset random --random-input-len 32 --random-output-len 64 $extra \
+      --save-result "$R/serve-$name.json" > "$R/serve-$name.txt" 2>&1
+    wait "${spies[@]}"
+  done
+  stop_serve
+  for raw in "$R"/spy-*.raw; do
+    python benchmarks/gpu/top_frames.py "$raw" > "${raw%.raw}.txt"
+  done
   ;;
 itl-lp-ab)  # the same, through `headrace serve` of this tree and then of .base (the commit
            # before), ROUNDS times over
