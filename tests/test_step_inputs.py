@@ -2,17 +2,13 @@
 plan's requests end to end, each token's position and KV cache slot, the block tables,
 and which rows sample, verify drafts, take prompt logprobs or pool."""
 
-import time
-
 import numpy as np
-import pytest
 import torch
 
 from common.messages import StepPlan
 from common.sampling_params import SamplingParams
 from services.worker.inputs import flatten, prepare_inputs
 from services.worker.request_state import RequestState
-from services.worker.transfers import staged, to_device, values_to_device
 
 BLOCK_SIZE = 4
 CPU = torch.device("cpu")
@@ -113,25 +109,3 @@ def test_an_embedding_request_pools_every_chunk_and_never_samples():
         # (state, first token index in the batch, count, its prompt's last chunk)
         assert inputs.pooling_rows == [(e, 1, scheduled, last)]
         assert inputs.sampling == [b]
-
-
-def test_host_arrays_reach_the_cpu_as_they_are():
-    array = np.arange(6, dtype=np.int64)
-    assert np.shares_memory(staged(array, CPU).numpy(), array)  # no copy for the CPU
-    assert to_device(array, CPU).tolist() == list(range(6))
-    assert values_to_device([0.5, 2.0], torch.float32, CPU).tolist() == [0.5, 2.0]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_host_copy_to_the_gpu_does_not_wait_for_the_work_queued_there():
-    """From pageable memory the first copy of a step waited for the step in flight."""
-    cuda = torch.device("cuda")
-    array = np.arange(1000, dtype=np.int64)
-    assert staged(array, cuda).is_pinned()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # about a second of the device spinning
-    start = time.perf_counter()
-    on_device = to_device(array, cuda)
-    queued_s = time.perf_counter() - start
-    torch.cuda.synchronize()
-    assert queued_s < 0.25 and on_device.cpu().tolist() == array.tolist()

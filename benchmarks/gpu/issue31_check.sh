@@ -38,17 +38,22 @@ serve_tree() {  # TREE: `headrace serve` of the 0.6B shapes from this tree (new)
   wait_healthy 8800
 }
 stop_serve() { kill -TERM $serve; wait $serve; }
-itl_chats() {  # SUFFIX: greedy chats one at a time, without and with logprobs, each warmed
-              # up on 16 other prompts first
-  local extra name
+itl_chats() {  # SUFFIX: greedy chats one at a time without and with logprobs, each warmed
+              # up on 16 other prompts first, then timed in the order A B B A (64 prompts
+              # each: seed 1 for the first pair, 2 for the second), so that a drift over the
+              # server's life falls on both alike
+  local extra seed name run suffix=$1
   for extra in "" "--logprobs 1"; do
-    name=$(echo "chat-c1$extra" | tr -d ' -')$1
     timeout 100 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
       --seed 7 --disable-tqdm --endpoint chat --num-prompts 16 --max-concurrency 1 \
       --dataset random --random-input-len 32 --random-output-len 64 $extra \
-      > "$R/warmup-$name.txt" 2>&1
+      > "$R/warmup-$(echo "chat-c1$extra" | tr -d ' -')$suffix.txt" 2>&1
+  done
+  for run in "1" "1 --logprobs 1" "2 --logprobs 1" "2"; do
+    seed=${run%% *} extra=${run#"$seed"}
+    name=$(echo "chat-c1$extra" | tr -d ' -')-s$seed$suffix
     timeout 150 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
-      --seed 1 --disable-tqdm --endpoint chat --num-prompts 64 --max-concurrency 1 \
+      --seed $seed --disable-tqdm --endpoint chat --num-prompts 64 --max-concurrency 1 \
       --dataset random --random-input-len 32 --random-output-len 64 $extra \
       --save-result "$R/serve-$name.json" > "$R/serve-$name.txt" 2>&1
   done

@@ -22,7 +22,6 @@ from common.messages import StepPlan
 from common.speculative import split_drafts
 from services.worker.layers.attention import AttentionMetadata
 from services.worker.request_state import RequestState
-from services.worker.transfers import to_device
 
 
 @dataclass(slots=True)
@@ -180,3 +179,7 @@ def _spec_indices(batch: FlatBatch, spec: list[int], device: torch.device) -> to
     ends = batch.query_start_loc[1:]
     return to_device(np.concatenate([np.arange(ends[i] - 1 - len(batch.drafts[i]), ends[i])
                                      for i in spec]), device)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)

@@ -37,7 +37,6 @@ from kernels.lora import lora_expand
 from services.worker.layers.linear import OutputShard, RowParallelLinear, ShardId
 from services.worker.layers.quantization import UnquantizedMethod
 from services.worker.models.llama import MissingLayer
-from services.worker.transfers import staged
 
 _WEIGHT_NAME = re.compile(r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 ModuleKey = tuple[int, str]  # (decoder layer, PEFT module name)
@@ -252,7 +251,7 @@ class LoRAManager:
                             for lora in loras], dtype=np.int32)
         token_slots = np.repeat(slots, num_scheduled)
         buffer = self.batch.token_slots
-        buffer[:len(token_slots)].copy_(staged(token_slots, buffer.device), non_blocking=True)
+        buffer[:len(token_slots)].copy_(torch.from_numpy(token_slots), non_blocking=True)
         buffer[len(token_slots):].fill_(-1)  # rows a CUDA graph pads the batch with
 
     def _slot(self, lora: LoRARequest, needed: set[int]) -> int:

@@ -42,7 +42,7 @@ from services.worker.grammar import Grammars, MaskRow
 from services.worker.images import (EncoderCache, key_limits, mrope_positions_of_step,
                                     mrope_step_positions, profile_image_grids,
                                     step_image_slices)
-from services.worker.inputs import StepInputs, prepare_inputs
+from services.worker.inputs import StepInputs, prepare_inputs, to_device
 from services.worker.launched import Launched, finish
 from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
 from services.worker.layers.gemv_choice import choose_gemv
@@ -58,7 +58,6 @@ from services.worker.pooler import Pooler
 from services.worker.request_state import RequestState
 from services.worker.sampler import GrammarMask, Sampler, SamplingRow, prompt_logprobs
 from services.worker.spec_verify import last_emitted, verify
-from services.worker.transfers import to_device
 
 log = logging.getLogger("headrace.worker")
 

@@ -37,7 +37,6 @@ from kernels.grammar_mask import apply_token_bitmask
 from kernels.sampling import (gumbel_argmax_triton, top1_logprobs_ref, top1_logprobs_triton,
                               top_p_threshold_exact_ref, top_p_threshold_radix,
                               top_p_threshold_ref, top_p_threshold_triton)
-from services.worker.transfers import to_device, values_to_device
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are uint64; any Python int maps into that range
 # Up to this k, torch.topk finds the k-th largest logit; past it, a threshold search over
@@ -166,8 +165,8 @@ class Sampler:
         from the raw logits, which the kernel leaves as they are. Logprobs alone do not
         send a step down the general path: its per-row Python and two dozen launches were
         the step thread's share of what logprobs=1 cost the nano workload (issue 31)."""
-        temperature = values_to_device([row.params.temperature for row in rows],
-                                       torch.float32, self.device)
+        temperature = to_device([row.params.temperature for row in rows], torch.float32,
+                                self.device)
         token_ids = gumbel_argmax_triton(logits, temperature, self._kernel_seeds.getrandbits(31))
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not wanted:
@@ -249,7 +248,7 @@ class Sampler:
         return tensor[self._tensor(wanted, torch.int64)]
 
     def _tensor(self, values: Sequence, dtype: torch.dtype) -> torch.Tensor:
-        return values_to_device(values, dtype, self.device)
+        return to_device(values, dtype, self.device)
 
     def _column(self, values: Sequence[float]) -> torch.Tensor:
         return _column(values, self.device)
@@ -267,10 +266,10 @@ def apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]
             for t in rows[i].params.allowed_token_ids if t < vocab_size]
     forbidden = torch.ones(len(limited) * vocab_size, dtype=torch.bool)
     forbidden[flat] = False  # built on the host: one copy to the device, not one per row
-    index = values_to_device(limited, torch.int64, logits.device)
+    index = to_device(limited, torch.int64, logits.device)
     out = logits.clone()
     out[index] = logits[index].masked_fill(
-        to_device(forbidden.view(len(limited), vocab_size), logits.device),
+        forbidden.view(len(limited), vocab_size).to(logits.device, non_blocking=True),
         float("-inf"))
     return out
 
@@ -287,8 +286,7 @@ def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     if not flat:
         return logits
     banned = logits.clone()
-    banned.view(-1).index_fill_(0, values_to_device(flat, torch.int64, logits.device),
-                              float("-inf"))
+    banned.view(-1).index_fill_(0, to_device(flat, torch.int64, logits.device), float("-inf"))
     return banned
 
 
@@ -314,8 +312,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
         return logits
     flat, biases = zip(*pairs)
     out = logits.clone()
-    out.view(-1).index_add_(0, values_to_device(flat, torch.int64, logits.device),
-                            values_to_device(biases, logits.dtype, logits.device))
+    out.view(-1).index_add_(0, to_device(flat, torch.int64, logits.device),
+                            to_device(biases, logits.dtype, logits.device))
     return out
 
 
@@ -352,8 +350,7 @@ def block_early_stops(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     blocked = logits.clone()
     # index_fill_ takes the value as a scalar; item assignment would copy it to the device
     # as a tensor, a blocking copy.
-    blocked.view(-1).index_fill_(0, values_to_device(flat, torch.int64, logits.device),
-                               float("-inf"))
+    blocked.view(-1).index_fill_(0, to_device(flat, torch.int64, logits.device), float("-inf"))
     return blocked
 
 
@@ -454,9 +451,15 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int
     return top_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, k)
 
 
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # non_blocking: a pageable host->device copy is staged by the driver, so unlike a
+    # blocking copy it does not wait for the GPU queue to drain.
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
     """float32 [rows, 1], to broadcast one value per row over the vocabulary."""
-    return values_to_device(values, torch.float32, device).unsqueeze(1)
+    return to_device(values, torch.float32, device).unsqueeze(1)
 
 
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int,
@@ -466,7 +469,7 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int,
     # One pass over all ids: converting list by list costs about twice as much.
     ids = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, sum(lengths))
     ids += np.repeat(np.arange(len(token_lists), dtype=np.int64) * vocab_size, lengths)
-    flat = to_device(ids, device)
+    flat = torch.from_numpy(ids).to(device, non_blocking=True)
     counts = torch.zeros(len(token_lists) * vocab_size, device=device)
     # index_add_, not bincount: bincount reads the largest id back to size its output.
     counts.index_add_(0, flat, torch.ones(flat.shape, device=device))

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.worker.sampler import Sampler, SamplingRow
-from services.worker.transfers import values_to_device
+from services.worker.sampler import Sampler, SamplingRow, to_device
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow],
@@ -34,13 +33,13 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow],
     position = [[start + min(j, n - 1) for j in range(width)]
                 for start, n in zip(itertools.accumulate([0] + counts), counts)]
     padded = [list(d) + [-1] * (width - len(d)) for d in drafts]  # -1 never matches
-    draft = values_to_device(padded, torch.int64, sampler.device)
+    draft = to_device(padded, torch.int64, sampler.device)
     position_rows = [row for row, n in zip(rows, counts) for _ in range(n)]
     # position j of a row checks its draft j; its last position has none (-1)
-    claims = values_to_device([t for d, n in zip(padded, counts) for t in d[:n]],
-                              torch.int64, sampler.device)
+    claims = to_device([t for d, n in zip(padded, counts) for t in d[:n]], torch.int64,
+                       sampler.device)
     targets = _targets(sampler, logits, position_rows, claims)
-    flat = values_to_device(position, torch.int64, sampler.device)
+    flat = to_device(position, torch.int64, sampler.device)
     accepted, replacement = (t[flat] for t in targets)
     tokens = torch.where(accepted, draft, replacement)
     emitted = accepted.long().cumprod(dim=1).sum(dim=1, keepdim=True) + 1
@@ -68,7 +67,7 @@ def _targets(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow]
     accepted = greedy == drafts
     if not random_rows:
         return accepted, greedy
-    index = values_to_device(random_rows, torch.int64, sampler.device)
+    index = to_device(random_rows, torch.int64, sampler.device)
     sub = [rows[i] for i in random_rows]
     probs = sampler.probs(logits.float()[index], sub)
     probs = probs / probs.sum(dim=-1, keepdim=True)
