@@ -94,21 +94,29 @@ class SamplerOutput:
 def unpack_logprobs(host: torch.Tensor, num_rows: int, layout: LogprobsLayout | None
                     ) -> StepLogprobs | None:
     """The step's logprobs as columns, in batch-row order, from SamplerOutput.packed on
-    the host. No record a row: numpy takes each row's first `width` entries at once."""
+    the host. No record a row: numpy takes the rows' entries at once, and where every row
+    fills the block's width (each asked for as many) it takes them as they lie: the masks
+    were most of this function's cost at batch 1, which a served chat waits on."""
     if layout is None:
         return None
     count = len(layout.rows)
     width = (host.shape[0] - num_rows - count) // (2 * count)
     block = host[num_rows:].numpy()
-    widths = np.asarray(layout.widths)
-    taken = np.arange(width)[None, :] < widths[:, None]  # each row's first `widths`
-    ids = block[:count * width].reshape(count, width)[taken]
-    values = block[count * width:2 * count * width].astype(np.int32).view(np.float32)
-    row_widths = np.zeros(num_rows, dtype=np.int64)
-    row_widths[layout.rows] = widths
-    return StepLogprobs(row_widths.tolist(), ids.tolist(),
-                        values.reshape(count, width)[taken].tolist(),
-                        block[2 * count * width:][widths > 0].tolist())
+    size = count * width
+    widths = layout.widths
+    ids, ranks = block[:size], block[2 * size:]
+    values = block[size:2 * size].astype(np.int32).view(np.float32)
+    if min(widths) < width:  # each row's first `widths` entries; a row of none, no rank
+        asked = np.asarray(widths)
+        taken = (np.arange(width)[None, :] < asked[:, None]).ravel()
+        ids, values, ranks = ids[taken], values[taken], ranks[asked > 0]
+    if count == num_rows:  # then its rows are all of the step's
+        step_widths = list(widths)
+    else:
+        step_widths = [0] * num_rows
+        for row, row_width in zip(layout.rows, widths):
+            step_widths[row] = row_width
+    return StepLogprobs(step_widths, ids.tolist(), values.tolist(), ranks.tolist())
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
