@@ -26,12 +26,14 @@ PY
   done
 }
 serve_tree() {  # TREE: `headrace serve` of the 0.6B shapes from this tree (new) or .base,
-              # on port 8800, its pid in $serve, once healthy
+              # on port 8800, its pid in $serve, once healthy (EXTRA_PATH: a folder put
+              # first on its processes' PYTHONPATH)
   local dir=$PWD model
   model=$(realpath $M/qwen3-0.6b-shape)
   [ "$1" = base ] && dir=$PWD/.base
   port_free 8800 || return 1
-  (cd "$dir" && PYTHONPATH="/tmp/site:$dir" exec python -m services.cli serve "$model" \
+  (cd "$dir" && PYTHONPATH="${EXTRA_PATH:+$EXTRA_PATH:}/tmp/site:$dir" \
+    exec python -m services.cli serve "$model" \
     --load-format dummy --port 8800 --run-dir /tmp/hr-serve-$1 --served-model-name qwen3) \
     > "$R/serve-$1.log" 2>&1 &
   serve=$!
@@ -256,6 +258,15 @@ itl-spy)  # the itl stage's chats with py-spy (in .devkit/whl) sampling the work
   for raw in "$R"/spy-*.raw; do
     python benchmarks/gpu/top_frames.py "$raw" > "${raw%.raw}.txt"
   done
+  ;;
+itl-gil)  # the itl chats (A B B A) through this tree's serve with Python's switch interval
+         # at its default, 5 ms, and then at SWITCH seconds (1e-4 by default) in every
+         # served process, set by a sitecustomize: whether the worker's step thread waits
+         # for the GIL that its event loop's thread holds
+  serve_tree new && itl_chats "-default" && stop_serve
+  mkdir -p /tmp/switch
+  echo "import sys; sys.setswitchinterval(${SWITCH:-1e-4})" > /tmp/switch/sitecustomize.py
+  EXTRA_PATH=/tmp/switch serve_tree new && itl_chats "-switch" && stop_serve
   ;;
 itl-lp-ab)  # the same, through `headrace serve` of this tree and then of .base (the commit
            # before), ROUNDS times over
