@@ -3,15 +3,17 @@ plan's requests end to end, each token's position and KV cache slot, the block t
 and which rows sample, verify drafts, take prompt logprobs or pool."""
 
 import numpy as np
+import pytest
 import torch
 
 from common.messages import StepPlan
 from common.sampling_params import SamplingParams
-from services.worker.inputs import flatten, prepare_inputs
+from services.worker.inputs import flatten, prepare_inputs, to_device_together
 from services.worker.request_state import RequestState
 
 BLOCK_SIZE = 4
 CPU = torch.device("cpu")
+DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 
 
 def state(req_id: str, prompt: list[int], output: list[int], blocks: list[int],
@@ -109,3 +111,22 @@ def test_an_embedding_request_pools_every_chunk_and_never_samples():
         # (state, first token index in the batch, count, its prompt's last chunk)
         assert inputs.pooling_rows == [(e, 1, scheduled, last)]
         assert inputs.sampling == [b]
+
+
+def together_cases() -> list[np.ndarray]:
+    """int64 and int32, empty, 2-D, and a strided view (a transposed pair's row)."""
+    pairs = np.asarray([[1, 2], [3, 4], [5, 6]], dtype=np.int64).T
+    return [np.arange(5), np.zeros(0, dtype=np.int64), np.arange(6, dtype=np.int32).reshape(2, 3),
+            pairs[1], np.arange(3, dtype=np.int32)]
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_arrays_copied_together_keep_their_values_dtypes_and_shapes(device: torch.device):
+    arrays = together_cases()
+    moved = to_device_together(arrays, device)
+    assert [t.device.type for t in moved] == [device.type] * len(arrays)
+    for array, tensor in zip(arrays, moved):
+        assert tensor.dtype == torch.from_numpy(array).dtype
+        assert tuple(tensor.shape) == array.shape and tensor.cpu().tolist() == array.tolist()
+    moved[0][1] = 100  # each a view of its own bytes: writing one leaves the rest
+    assert moved[3].cpu().tolist() == [2, 4, 6] and moved[0].cpu().tolist()[:3] == [0, 100, 2]
