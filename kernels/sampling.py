@@ -87,8 +87,15 @@ def top1_logprobs_ref(logits: torch.Tensor, chosen: torch.Tensor | None = None
     chosen = top if chosen is None else chosen.long()[:, None]
     ranks = (x > x.gather(1, chosen)).sum(dim=-1) + 1
     values = torch.cat([logprobs.gather(1, chosen), logprobs.gather(1, top)], dim=1)
-    return torch.cat([chosen.flatten(), torch.cat([chosen, top], dim=1).flatten(),
-                      values.view(torch.int32).long().flatten(), ranks])
+    return packed_logprobs(chosen.flatten(), torch.cat([chosen, top], dim=1), values, ranks)
+
+
+def packed_logprobs(tokens: torch.Tensor, ids: torch.Tensor, values: torch.Tensor,
+                    ranks: torch.Tensor) -> torch.Tensor:
+    """int64: the tokens [N], then ids [R, w], their logprobs' float32 bits [R, w]
+    (sign-extended) and ranks [R], as top1_logprobs_triton writes them: the layout that
+    SamplerOutput.packed sends to the host in one copy."""
+    return torch.cat([tokens, ids.flatten(), values.view(torch.int32).long().flatten(), ranks])
 
 
 @triton.jit

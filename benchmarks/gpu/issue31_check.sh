@@ -40,24 +40,26 @@ serve_tree() {  # TREE: `headrace serve` of the 0.6B shapes from this tree (new)
   wait_healthy 8800
 }
 stop_serve() { kill -TERM $serve; wait $serve; }
+chats() {  # SEED PROMPTS NAME [FLAGS...]: greedy chats one at a time against port 8800,
+           # the summary in NAME.txt and, for a timed run (seed other than 7), NAME.json
+  local seed=$1 prompts=$2 name=$3 save=()
+  [ "$seed" != 7 ] && save=(--save-result "$R/$name.json")
+  timeout 150 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
+    --seed $seed --disable-tqdm --endpoint chat --num-prompts $prompts --max-concurrency 1 \
+    --dataset random --random-input-len 32 --random-output-len 64 "${@:4}" "${save[@]}" \
+    > "$R/$name.txt" 2>&1
+}
 itl_chats() {  # SUFFIX: greedy chats one at a time without and with logprobs, each warmed
               # up on 16 other prompts first, then timed in the order A B B A (64 prompts
               # each: seed 1 for the first pair, 2 for the second), so that a drift over the
               # server's life falls on both alike
-  local extra seed name run suffix=$1
+  local extra seed run suffix=$1
   for extra in "" "--logprobs 1"; do
-    timeout 100 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
-      --seed 7 --disable-tqdm --endpoint chat --num-prompts 16 --max-concurrency 1 \
-      --dataset random --random-input-len 32 --random-output-len 64 $extra \
-      > "$R/warmup-$(echo "chat-c1$extra" | tr -d ' -')$suffix.txt" 2>&1
+    chats 7 16 "warmup-$(echo "chat-c1$extra" | tr -d ' -')$suffix" $extra
   done
   for run in "1" "1 --logprobs 1" "2 --logprobs 1" "2"; do
     seed=${run%% *} extra=${run#"$seed"}
-    name=$(echo "chat-c1$extra" | tr -d ' -')-s$seed$suffix
-    timeout 150 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
-      --seed $seed --disable-tqdm --endpoint chat --num-prompts 64 --max-concurrency 1 \
-      --dataset random --random-input-len 32 --random-output-len 64 $extra \
-      --save-result "$R/serve-$name.json" > "$R/serve-$name.txt" 2>&1
+    chats $seed 64 "serve-$(echo "chat-c1$extra" | tr -d ' -')-s$seed$suffix" $extra
   done
 }
 latency_lp_ab() {  # the 0.6B batch-1 step, greedy, without and with logprobs=1, this tree
@@ -238,20 +240,14 @@ itl-spy)  # the itl stage's chats with py-spy (in .devkit/whl) sampling the work
   serve_tree new || exit 1
   for extra in "" "--logprobs 1"; do
     name=$(echo "chat-c1$extra" | tr -d ' -')
-    timeout 100 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
-      --seed 7 --disable-tqdm --endpoint chat --num-prompts 16 --max-concurrency 1 \
-      --dataset random --random-input-len 32 --random-output-len 64 $extra \
-      > "$R/warmup-$name.txt" 2>&1
+    chats 7 16 "warmup-$name" $extra
     spies=()
     for stage in worker scheduler; do
       py-spy record --nonblocking --threads -d 4 -r 500 -f raw -o "$R/spy-$stage-$name.raw" \
         -p "$(pgrep -f "services.cli $stage " | head -n 1)" > "$R/spy-$stage-$name.log" 2>&1 &
       spies+=($!)
     done
-    timeout 150 python -m services.cli bench serve --base-url http://127.0.0.1:8800 \
-      --seed 1 --disable-tqdm --endpoint chat --num-prompts 64 --max-concurrency 1 \
-      --dataset random --random-input-len 32 --random-output-len 64 $extra \
-      --save-result "$R/serve-$name.json" > "$R/serve-$name.txt" 2>&1
+    chats 1 64 "serve-$name" $extra
     wait "${spies[@]}"
   done
   stop_serve

@@ -188,11 +188,12 @@ def to_device_together(arrays: list[np.ndarray], device: torch.device) -> list[t
     the copy only queues, whatever its size."""
     starts = np.zeros(len(arrays) + 1, dtype=np.int64)
     np.cumsum([-(-a.nbytes // 8) * 8 for a in arrays], out=starts[1:])
+    offsets = starts[:-1].tolist()
     host = torch.empty(int(starts[-1]), dtype=torch.uint8, pin_memory=device.type == "cuda")
     flat = host.numpy()
-    for array, start in zip(arrays, starts.tolist()):
+    for array, start in zip(arrays, offsets):
         flat[start:start + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
     moved = host.to(device, non_blocking=True)
     return [moved[start:start + array.nbytes].view(_TORCH_DTYPES[array.dtype.type])
-            .view(array.shape) for array, start in zip(arrays, starts.tolist())]
+            .view(array.shape) for array, start in zip(arrays, offsets)]
 

@@ -34,9 +34,10 @@ import torch
 from common.messages import StepLogprobs
 from common.sampling_params import SamplingParams
 from kernels.grammar_mask import apply_token_bitmask
-from kernels.sampling import (gumbel_argmax_triton, top1_logprobs_ref, top1_logprobs_triton,
-                              top_p_threshold_exact_ref, top_p_threshold_radix,
-                              top_p_threshold_ref, top_p_threshold_triton)
+from kernels.sampling import (gumbel_argmax_triton, packed_logprobs, top1_logprobs_ref,
+                              top1_logprobs_triton, top_p_threshold_exact_ref,
+                              top_p_threshold_radix, top_p_threshold_ref,
+                              top_p_threshold_triton)
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are uint64; any Python int maps into that range
 # Up to this k, torch.topk finds the k-th largest logit; past it, a threshold search over
@@ -243,12 +244,11 @@ class Sampler:
         k = max(widths) - 1
         chosen = self._rows(token_ids, wanted, len(rows))
         if logits.is_cuda and k <= 1:  # the chosen token and the likeliest: one read a row
-            block = [top1_logprobs_triton(logits, chosen)[len(wanted):]]
+            packed = torch.cat([token_ids, top1_logprobs_triton(logits, chosen)[len(wanted):]])
         else:
-            ids, values, ranks = top_logprobs(torch.log_softmax(logits, dim=-1), chosen, k)
-            block = [ids.flatten(), values.view(torch.int32).long().flatten(), ranks]
-        return SamplerOutput(token_ids, torch.cat([token_ids, *block]),
-                             LogprobsLayout(wanted, widths))
+            packed = packed_logprobs(token_ids, *top_logprobs(
+                torch.log_softmax(logits, dim=-1), chosen, k))
+        return SamplerOutput(token_ids, packed, LogprobsLayout(wanted, widths))
 
     def _rows(self, tensor: torch.Tensor, wanted: list[int], num_rows: int) -> torch.Tensor:
         if len(wanted) == num_rows:
