@@ -197,10 +197,14 @@ lp-cost)  # what logprobs=1 costs the nano workload on both paths, in this tree:
     done
   done
   ;;
-latency-lp-ab)  # the sampler's and the input copies' CUDA tests, then latency_lp_ab
+latency-lp-ab)  # the sampler's, the input copies' and the output blocks' CUDA tests, the
+               # copies' host cost (input_copies.py), then latency_lp_ab
   timeout 200 python -m pytest -q -p no:cacheprovider tests/test_step_inputs.py \
     tests/test_kernels_triton.py::test_sampling_kernel_cuda tests/test_sampler.py \
     -k "cuda or CUDA or gpu" > "$R/pytest-sampler-cuda.txt" 2>&1
+  timeout 100 python -m pytest -q -p no:cacheprovider tests/test_launched.py \
+    >> "$R/pytest-sampler-cuda.txt" 2>&1
+  timeout 60 python benchmarks/gpu/input_copies.py > "$R/input-copies.txt" 2>&1
   latency_lp_ab
   ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
@@ -269,6 +273,22 @@ itl-lp-ab)  # the same, through `headrace serve` of this tree and then of .base 
   for round in $(seq ${ROUNDS:-1}); do
     for tree in new base; do
       serve_tree $tree && itl_chats "-$tree-$round" && stop_serve
+    done
+  done
+  ;;
+placement)  # the 0.6B batch-1 step (latency, no logprobs), ROUNDS times over, unpinned and
+           # pinned (taskset) to one CPU, to a CPU and its hyperthread sibling, and to two
+           # CPUs of separate cores: whether a slow run is where its threads land
+  { lscpu; lscpu -e; nvidia-smi topo -m; } > "$R/topology.txt" 2>&1
+  sib=$(tr ',-' '\n\n' < /sys/devices/system/cpu/cpu2/topology/thread_siblings_list | grep -vx 2 | head -n 1)
+  other=$(for c in 4 5 6 7 8 9 10; do grep -qw $c /sys/devices/system/cpu/cpu2/topology/thread_siblings_list || { echo $c; break; }; done)
+  for round in $(seq ${ROUNDS:-3}); do
+    for cpus in all 2 "2,${sib:-3}" "2,$other"; do
+      pin=(); [ "$cpus" != all ] && pin=(taskset -c "$cpus")
+      name=latency-b1-cpus$(echo "$cpus" | tr , _)-$round
+      "${pin[@]}" timeout 120 python -m services.cli bench latency --model $M/qwen3-0.6b-shape \
+        --load-format dummy --context-len 62 --batch-size 1 --output-len 64 --iterations 20 \
+        --max-model-len 2048 --json "$R/$name.json" > "$R/$name.txt" 2>&1
     done
   done
   ;;

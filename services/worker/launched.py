@@ -3,8 +3,9 @@
 Everything a step sends back (sampled tokens with their logprobs, verified drafts, the
 draft model's proposals, embeddings) is copied to pinned host memory behind one CUDA event, recorded
 after the last copy, so a single wait covers them all; on the CPU the values are on the
-host already. Finishing a step appends its tokens to their requests (and their grammars)
-and turns them into the StepResult the scheduler reads.
+host already. The pinned blocks are the worker's, taken back once the step is finished.
+Finishing a step appends its tokens to their requests (and their grammars) and turns them
+into the StepResult the scheduler reads.
 """
 
 from __future__ import annotations
@@ -19,6 +20,24 @@ from services.worker.grammar import accept
 from services.worker.request_state import RequestState
 from services.worker.sampler import LogprobsLayout, unpack_logprobs
 from services.worker.spec_verify import emitted_tokens
+
+
+class PinnedBlocks:
+    """Pinned host blocks for steps' outputs, each reused once its step is finished: a
+    fresh block from torch's caching host allocator every step cost an H200's host 6-19 us
+    a step more than a reused one (benchmarks/gpu/input_copies.py, issue 31)."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}  # by size, powers of two
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        size = max(64, 1 << max(nbytes - 1, 0).bit_length())
+        free = self._free.get(size)
+        return free.pop() if free else torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def give_back(self, blocks: list[torch.Tensor]) -> None:
+        for block in blocks:
+            self._free.setdefault(block.numel(), []).append(block)
 
 
 @dataclass(slots=True)
@@ -40,13 +59,18 @@ class Launched:
     spec_host: torch.Tensor | None = None  # spec_verify.verify's rows for them
     drafted: list[RequestState] = field(default_factory=list)  # the draft model's rows
     drafts_host: torch.Tensor | None = None  # their proposals, k each
+    pinned: PinnedBlocks | None = None  # where the copies land, on a GPU
+    blocks: list[torch.Tensor] = field(default_factory=list)  # those taken from it
 
     def to_host(self, values: torch.Tensor) -> torch.Tensor:
         """`values` on the host once `done` fires: the event is recorded again after each
         copy, so it stands for all of the step's."""
         if values.device.type != "cuda":
             return values
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        assert self.pinned is not None
+        nbytes = values.numel() * values.element_size()
+        self.blocks.append(self.pinned.take(nbytes))
+        host = self.blocks[-1][:nbytes].view(values.dtype).view(values.shape)
         host.copy_(values, non_blocking=True)
         self.done = torch.cuda.Event()
         self.done.record()
@@ -72,13 +96,16 @@ def finish(launched: Launched) -> StepResult:
         if logprobs is not None:  # the speculating rows asked for none
             logprobs = with_fields(logprobs, widths=logprobs.widths + [0] * len(launched.spec))
     num_drafts, drafts = _proposals(launched, req_ids)
-    return StepResult(step=launched.step, req_ids=req_ids,
-                      token_ids=token_ids, logprobs=logprobs,
-                      prompt_logprobs=launched.prompt_logprobs,
-                      execute_ms=1000 * (time.perf_counter() - launched.started),
-                      stamps=[on_host], embeddings=_embeddings(launched),
-                      num_tokens=num_tokens, num_draft_tokens=num_drafts,
-                      draft_token_ids=drafts)
+    result = StepResult(step=launched.step, req_ids=req_ids,
+                        token_ids=token_ids, logprobs=logprobs,
+                        prompt_logprobs=launched.prompt_logprobs,
+                        execute_ms=1000 * (time.perf_counter() - launched.started),
+                        stamps=[on_host], embeddings=_embeddings(launched),
+                        num_tokens=num_tokens, num_draft_tokens=num_drafts,
+                        draft_token_ids=drafts)
+    if launched.pinned is not None:  # the result holds copies: the blocks are free again
+        launched.pinned.give_back(launched.blocks)
+    return result
 
 
 def _append_sampled(launched: Launched) -> list[int]:

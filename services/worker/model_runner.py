@@ -43,7 +43,7 @@ from services.worker.images import (EncoderCache, key_limits, mrope_positions_of
                                     mrope_step_positions, profile_image_grids,
                                     step_image_slices)
 from services.worker.inputs import StepInputs, prepare_inputs, to_device
-from services.worker.launched import Launched, finish
+from services.worker.launched import Launched, PinnedBlocks, finish
 from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
 from services.worker.layers.gemv_choice import choose_gemv
 from services.worker.layers.parallel import min_over_ranks, tp_size, use_peer_all_reduce
@@ -130,6 +130,7 @@ class ModelRunner:
         self.image_tokens = ImageTokens.for_model(model_dir, hf_config) \
             if self.model.multimodal else None
         self._pending: Launched | None = None
+        self._pinned = PinnedBlocks()  # the host side of launched steps' copies
         self._unshared = 0  # a pipeline stage's launched steps whose results are not back
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._connect_peers()
@@ -363,7 +364,8 @@ class ModelRunner:
         """Queue the step's tokens: sampled, verified drafts, and the draft model's
         proposals after them, each copied to the host behind the launched step's event."""
         launched = Launched(step, started, [self._prompt_logprobs(hidden, *row)
-                                            for row in inputs.prompt_logprob_rows])
+                                            for row in inputs.prompt_logprob_rows],
+                            pinned=self._pinned)
         if not inputs.sampling and not inputs.spec:
             return launched
         sampled = self._sample_tokens(launched, inputs, hidden) if inputs.sampling else None

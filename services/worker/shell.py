@@ -30,6 +30,7 @@ from services.worker.step_thread import StepThread
 
 GROUP = "worker"
 PREFETCH = 4
+STEP_THREADS_JOIN_S = 10.0  # the step thread and its device waiter, once stopped
 
 log = get_logger("headrace.worker")
 
@@ -68,6 +69,9 @@ class WorkerShell:
             tg.start_soon(self._read, steps)
             await self._write(results)
             tg.cancel_scope.cancel()
+        # its last post is out; the device waiter may still be in a call on the executor,
+        # which serve() closes next
+        steps.join(STEP_THREADS_JOIN_S)
         log.info("worker loop times", **steps.clock.summary())
 
     async def _read(self, steps: StepThread) -> None:
