@@ -36,7 +36,8 @@ TOOL_ENTRY_POINTS = (
     "services.demo",             # demo_model_path
     "services.gateway",          # services/gateway/public.py: Choice, parse_job,
                                  # validate_body, chunk_writer
-    "services.worker",           # services/worker/__init__.py: load_weights
+    "services.worker",           # services/worker/__init__.py: load_weights,
+                                 # to_device_together
     "services.scheduler",        # services/scheduler/__init__.py: Scheduler, SchedulerConfig
 )
 # Libraries every tool may use whole: the corridor, the kernels, the tools themselves.

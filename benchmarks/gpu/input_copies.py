@@ -1,17 +1,18 @@
-"""What a step's input copies cost the host in steady decoding: each step queues about a
-step's worth of device work, then copies its inputs and waits for the step before last,
-as the worker does (services/worker/launched.py). Three ways, interleaved step by step so
-that a drift of the host falls on all alike:
+"""What a step's copies cost the host in steady decoding: each step queues about a
+step's worth of device work, then copies and waits for the step before last, as the worker
+does (services/worker/launched.py). The ways are interleaved step by step, so that a drift
+of the host falls on all alike. A step's inputs:
 
 - nine: an array a copy, from pageable memory (the worker before b815006);
-- together: services/worker/inputs.py::to_device_together, the arrays packed into one
-  pageable buffer, one copy, and split into their views;
+- together: services.worker.to_device_together, the arrays packed into one pageable
+  buffer, one copy, and split into their views (the worker now);
 - flat-pageable and flat-pinned: the packed bytes' copy alone, from pageable memory and
   from a block of torch's caching host allocator (as b815006 did).
 
-Then the step's output (six int64 a row: a greedy step's tokens and top-1 logprobs) to the
-host: into a pinned block from torch's caching host allocator each step, as
-services/worker/launched.py does, or into one of a ring of pinned blocks allocated once.
+Its output (six int64 a row: a greedy step's tokens and top-1 logprobs) to the host:
+
+- out-alloc: into a fresh pinned block from torch's caching host allocator (before);
+- out-ring: into one of four pinned blocks allocated once (as PinnedBlocks does now).
 
     source .devkit/env.sh && python benchmarks/gpu/input_copies.py [--steps 2000]
 """
@@ -26,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from services.worker.inputs import to_device, to_device_together
+from services.worker import to_device_together
 
 
 def step_arrays(batch: int) -> list[np.ndarray]:
@@ -95,7 +96,8 @@ def main() -> None:
     cycles = sleep_cycles_for(args.step_ms)
     for batch in (1, 64):
         arrays = step_arrays(batch)
-        ways = {"nine": lambda: [to_device(a, cuda) for a in arrays],
+        ways = {"nine": lambda: [torch.from_numpy(a).to(cuda, non_blocking=True)
+                                 for a in arrays],
                 "together": lambda: to_device_together(arrays, cuda),
                 "flat-pageable": lambda: flat_copy(arrays, cuda, pinned=False),
                 "flat-pinned": lambda: flat_copy(arrays, cuda, pinned=True),

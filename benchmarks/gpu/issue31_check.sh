@@ -52,15 +52,21 @@ chats() {  # SEED PROMPTS NAME [FLAGS...]: greedy chats one at a time against po
 itl_chats() {  # SUFFIX: greedy chats one at a time without and with logprobs, each warmed
               # up on 16 other prompts first, then timed in the order A B B A (64 prompts
               # each: seed 1 for the first pair, 2 for the second), so that a drift over the
-              # server's life falls on both alike
-  local extra seed run suffix=$1
+              # server's life falls on both alike; ABBA such rounds (1 by default; round r
+              # after the first on seeds 10r+1 and 10r+2). benchmarks/gpu/itl_cost.py sums up
+  local extra seed run round first second suffix=$1
   for extra in "" "--logprobs 1"; do
     chats 7 16 "warmup-$(echo "chat-c1$extra" | tr -d ' -')$suffix" $extra
   done
-  for run in "1" "1 --logprobs 1" "2 --logprobs 1" "2"; do
-    seed=${run%% *} extra=${run#"$seed"}
-    chats $seed 64 "serve-$(echo "chat-c1$extra" | tr -d ' -')-s$seed$suffix" $extra
+  for round in $(seq ${ABBA:-1}); do
+    first=1 second=2
+    [ $round -gt 1 ] && first=$((10 * round + 1)) second=$((10 * round + 2))
+    for run in "$first" "$first --logprobs 1" "$second --logprobs 1" "$second"; do
+      seed=${run%% *} extra=${run#"$seed"}
+      chats $seed 64 "serve-$(echo "chat-c1$extra" | tr -d ' -')-s$seed$suffix" $extra
+    done
   done
+  python benchmarks/gpu/itl_cost.py "$R" > "$R/itl-cost.txt" 2>&1
 }
 latency_lp_ab() {  # the 0.6B batch-1 step, greedy, without and with logprobs=1, this tree
                   # then .base, twice over

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -21,3 +22,10 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
     # loader imports the models and layers, which must not all load for each one of them.
     from services.worker.loader import load_weights as load_into
     load_into(model, weights)
+
+
+def to_device_together(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Int64 and int32 arrays on `device` in one copy, each a tensor of its dtype and
+    shape: how the worker sends a step's inputs (benchmarks/gpu/input_copies.py times it)."""
+    from services.worker.inputs import to_device_together as copy_together
+    return copy_together(arrays, device)
