@@ -246,6 +246,7 @@ itl)  # one streamed chat at a time, without and with logprobs, through `headrac
   ;;
 itl-spy)  # the itl stage's chats with py-spy (in .devkit/whl) sampling the worker and the
           # scheduler through each timed run: spy-STAGE-NAME.txt, their busiest functions
+          # (SPY_FLAGS: more py-spy flags, such as --gil for the GIL holder's samples only)
   export PATH=/tmp/site/bin:$PATH
   serve_tree new || exit 1
   for extra in "" "--logprobs 1"; do
@@ -253,7 +254,7 @@ itl-spy)  # the itl stage's chats with py-spy (in .devkit/whl) sampling the work
     chats 7 16 "warmup-$name" $extra
     spies=()
     for stage in worker scheduler; do
-      py-spy record --nonblocking --threads -d 4 -r 500 -f raw -o "$R/spy-$stage-$name.raw" \
+      py-spy record --nonblocking --threads ${SPY_FLAGS:-} -d 4 -r 500 -f raw -o "$R/spy-$stage-$name.raw" \
         -p "$(pgrep -f "services.cli $stage " | head -n 1)" > "$R/spy-$stage-$name.log" 2>&1 &
       spies+=($!)
     done
