@@ -45,116 +45,149 @@ def philox_uniform(rows: int, vocab: int, seed: int, device: torch.device) -> to
     return out
 
 
-# A row of top1_logprobs_triton's first pass is split into chunks of this many columns, a
-# program each, and a second launch combines them: one program a row (as before) walked
-# Qwen3's 151,936 columns in 75 dependent loads, tens of microseconds on one SM, which
-# was most of what logprobs cost a batch-1 step (issue 31).
-TOP1_CHUNK = 4096
+# A row of top_logprobs_triton's first pass is split into chunks of this many columns, a
+# program each, and a second launch combines them: one program a row walked Qwen3's
+# 151,936 columns in 75 dependent loads, tens of microseconds on one SM, which was most of
+# what logprobs cost a batch-1 step (issue 31).
+LOGPROBS_CHUNK = 4096
+# Past this many top logprobs a row, the sampler asks torch (log_softmax, topk): each one
+# more is two more reductions over every chunk here (vLLM's --max-logprobs is 20).
+MAX_KERNEL_LOGPROBS = 32
 
 
-def top1_logprobs_triton(logits: torch.Tensor, chosen: torch.Tensor | None = None
-                         ) -> torch.Tensor:
-    """The logprobs of logprobs=0 and 1 in one read of the logits: int64 [6 * rows], the
-    layout SamplerOutput.packed sends to the host in one copy: each row's token (`chosen`,
-    int64 [rows], or where it is None, as greedy picks, the row's first maximum), then
-    ids [rows, 2] (that token and the likeliest), their logprobs' float32 bits [rows, 2]
-    (sign-extended), and ranks [rows] (1 + the columns of a strictly larger logit). torch's
-    log_softmax, gather, topk and comparison took about 0.7 ms of a 256-row step over
-    Qwen3's columns, six passes and as many launches (issue 31)."""
+def top_logprobs_triton(logits: torch.Tensor, k: int, chosen: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """A row's chosen token, its logprob and rank, and the row's k likeliest tokens with
+    their logprobs, in one read of the logits: int64 [rows * (2 * k + 4)], the layout
+    SamplerOutput.packed sends to the host in one copy (packed_logprobs): each row's token
+    (`chosen`, int64 [rows], or where it is None, as greedy picks, the row's first
+    maximum), then ids [rows, k + 1] (that token, then the likeliest k, the lower column
+    first among equal logits), their logprobs' float32 bits [rows, k + 1] (sign-extended),
+    and ranks [rows] (1 + the columns of a strictly larger logit). torch's log_softmax,
+    gather, topk and comparison took about 0.7 ms of a 256-row step over Qwen3's columns,
+    six passes and as many launches, and as much host time again (issue 31)."""
     rows, vocab = logits.shape
-    assert logits.stride(1) == 1
-    chunks = triton.cdiv(vocab, TOP1_CHUNK)
-    maxima = torch.empty((rows, chunks, 2), dtype=torch.float32, device=logits.device)
-    counts = torch.empty((rows, chunks, 2), dtype=torch.int32, device=logits.device)
-    out = torch.empty(6 * rows, dtype=torch.int64, device=logits.device)
+    assert logits.stride(1) == 1 and 1 <= k <= min(vocab, MAX_KERNEL_LOGPROBS)
+    chunks = triton.cdiv(vocab, LOGPROBS_CHUNK)
+    device = logits.device
+    maxima = torch.empty((rows, chunks, 2), dtype=torch.float32, device=device)
+    beaten = torch.empty((rows, chunks), dtype=torch.int32, device=device)
+    tops = torch.empty((rows, chunks, k), dtype=torch.float32, device=device)
+    columns = torch.empty((rows, chunks, k), dtype=torch.int32, device=device)
+    out = torch.empty(rows * (2 * k + 4), dtype=torch.int64, device=device)
     chosen_ptr = out if chosen is None else chosen  # unread without a chosen token
-    _top1_chunk_kernel[(rows, chunks)](logits, logits.stride(0), chosen_ptr, maxima, counts,
-                                       vocab, CHOSEN=chosen is not None, BLOCK=TOP1_CHUNK,
-                                       num_warps=4)
-    _top1_combine_kernel[(rows,)](logits, logits.stride(0), chosen_ptr, maxima, counts, out,
-                                  vocab, chunks, CHOSEN=chosen is not None,
-                                  CHUNKS=triton.next_power_of_2(chunks), num_warps=1)
+    _top_chunk_kernel[(rows, chunks)](logits, logits.stride(0), chosen_ptr, maxima, beaten,
+                                      tops, columns, vocab, CHOSEN=chosen is not None, K=k,
+                                      BLOCK=LOGPROBS_CHUNK, num_warps=4)
+    k_slots = triton.next_power_of_2(k)
+    _top_combine_kernel[(rows,)](logits, logits.stride(0), chosen_ptr, maxima, beaten, tops,
+                                 columns, out, vocab, chunks, CHOSEN=chosen is not None, K=k,
+                                 CHUNKS=triton.next_power_of_2(chunks), K_SLOTS=k_slots,
+                                 num_warps=1 if chunks * k_slots <= 256 else 4)
     return out
 
 
-def top1_logprobs_ref(logits: torch.Tensor, chosen: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+def top_logprobs_ref(logits: torch.Tensor, k: int, chosen: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """The twin: log_softmax in float32, the chosen token's entry (the first maximum where
-    none is given, as torch.argmax picks), the first maximum, packed the same way."""
+    none is given, as torch.argmax picks), the k likeliest from a stable sort (the lower
+    column first among equal logits, as the kernel takes them; topk's order among equals
+    is its own), packed the same way."""
     x = logits.float()
     logprobs = torch.log_softmax(x, dim=-1)
-    top = x.argmax(dim=-1, keepdim=True)
-    chosen = top if chosen is None else chosen.long()[:, None]
-    ranks = (x > x.gather(1, chosen)).sum(dim=-1) + 1
-    values = torch.cat([logprobs.gather(1, chosen), logprobs.gather(1, top)], dim=1)
-    return packed_logprobs(chosen.flatten(), torch.cat([chosen, top], dim=1), values, ranks)
+    token = x.argmax(dim=-1, keepdim=True) if chosen is None else chosen.long()[:, None]
+    ranks = (x > x.gather(1, token)).sum(dim=-1) + 1
+    top = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+    return packed_logprobs(token.flatten(), torch.cat([token, top], dim=1),
+                           logprobs.gather(1, torch.cat([token, top], dim=1)), ranks)
 
 
 def packed_logprobs(tokens: torch.Tensor, ids: torch.Tensor, values: torch.Tensor,
                     ranks: torch.Tensor) -> torch.Tensor:
     """int64: the tokens [N], then ids [R, w], their logprobs' float32 bits [R, w]
-    (sign-extended) and ranks [R], as top1_logprobs_triton writes them: the layout that
+    (sign-extended) and ranks [R], as top_logprobs_triton writes them: the layout that
     SamplerOutput.packed sends to the host in one copy."""
     return torch.cat([tokens, ids.flatten(), values.view(torch.int32).long().flatten(), ranks])
 
 
 @triton.jit
-def _top1_chunk_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, counts_ptr, vocab,
-                       CHOSEN: tl.constexpr, BLOCK: tl.constexpr):
+def _top_chunk_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, beaten_ptr, tops_ptr,
+                      columns_ptr, vocab, CHOSEN: tl.constexpr, K: tl.constexpr,
+                      BLOCK: tl.constexpr):
     """One chunk of a row, read once: its maximum, the sum of exp(x - maximum) (-inf
-    columns, which a grammar mask leaves, add nothing), its first maximum's column, and
-    how many of its columns beat the chosen token's logit."""
+    columns, which a grammar mask leaves, add nothing), how many of its columns beat the
+    chosen token's logit, and its K largest logits with their columns, each the lowest
+    column of its value not taken yet (`vocab` once every column is taken)."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride_row
     cols = part * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    valid = cols < vocab
+    x = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32)
     top = tl.max(x, axis=0)
     total = tl.sum(tl.where(x > float("-inf"), tl.exp(x - top), 0.0), axis=0)
-    first = tl.min(tl.where(x == top, cols, vocab), axis=0)
-    beaten = tl.full([], 0, tl.int32)
+    at = row * tl.num_programs(1) + part
+    tl.store(maxima_ptr + 2 * at, top)
+    tl.store(maxima_ptr + 2 * at + 1, total)
     if CHOSEN:
         chosen = tl.load(base + tl.load(chosen_ptr + row)).to(tl.float32)
-        beaten = tl.sum((x > chosen).to(tl.int32), axis=0)
-    at = (row * tl.num_programs(1) + part) * 2
-    tl.store(maxima_ptr + at, top)
-    tl.store(maxima_ptr + at + 1, total)
-    tl.store(counts_ptr + at, first)
-    tl.store(counts_ptr + at + 1, beaten)
+        tl.store(beaten_ptr + at, tl.sum((x > chosen).to(tl.int32), axis=0))
+    taken = cols >= vocab
+    for j in tl.static_range(K):
+        best = tl.max(tl.where(taken, float("-inf"), x), axis=0)
+        col = tl.min(tl.where(~taken & (x == best), cols, vocab), axis=0)
+        tl.store(tops_ptr + at * K + j, best)
+        tl.store(columns_ptr + at * K + j, col)
+        taken = taken | (cols == col)
 
 
 @triton.jit
-def _top1_combine_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, counts_ptr, out_ptr,
-                         vocab, chunks, CHOSEN: tl.constexpr, CHUNKS: tl.constexpr):
-    """A row's chunks into its logsumexp, first maximum and rank, written in place in the
+def _top_combine_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, beaten_ptr, tops_ptr,
+                        columns_ptr, out_ptr, vocab, chunks, CHOSEN: tl.constexpr,
+                        K: tl.constexpr, CHUNKS: tl.constexpr, K_SLOTS: tl.constexpr):
+    """A row's chunks into its logsumexp, rank and K likeliest (the chunks' candidates,
+    taken largest first, the lower column first among equals), written in place in the
     packed layout."""
     row = tl.program_id(0)
     rows = tl.num_programs(0)
     part = tl.arange(0, CHUNKS)
-    at = (row * chunks + part) * 2
     valid = part < chunks
-    tops = tl.load(maxima_ptr + at, mask=valid, other=float("-inf"))
-    totals = tl.load(maxima_ptr + at + 1, mask=valid, other=0.0)
-    top = tl.max(tops, axis=0)
-    total = tl.sum(tl.where(tops > float("-inf"), totals * tl.exp(tops - top), 0.0), axis=0)
+    at = row * chunks + part
+    maxima = tl.load(maxima_ptr + 2 * at, mask=valid, other=float("-inf"))
+    totals = tl.load(maxima_ptr + 2 * at + 1, mask=valid, other=0.0)
+    top = tl.max(maxima, axis=0)
+    total = tl.sum(tl.where(maxima > float("-inf"), totals * tl.exp(maxima - top), 0.0), axis=0)
     lse = top + tl.log(total)
-    first = tl.min(tl.where(tops == top, tl.load(counts_ptr + at, mask=valid, other=0), vocab),
-                   axis=0)
+    slot = tl.arange(0, CHUNKS * K_SLOTS)
+    part_of, j_of = slot // K_SLOTS, slot % K_SLOTS
+    held = (part_of < chunks) & (j_of < K)
+    candidate = (row * chunks + part_of) * K + j_of
+    values = tl.load(tops_ptr + candidate, mask=held, other=float("-inf"))
+    cols = tl.load(columns_ptr + candidate, mask=held, other=vocab)
+    taken = cols >= vocab
+    width = K + 1
+    ids_at = rows + row * width
+    values_at = rows + rows * width + row * width
+    first = tl.min(tl.where(~taken & (values == top), cols, vocab), axis=0)
+    for j in tl.static_range(K):
+        best = tl.max(tl.where(taken, float("-inf"), values), axis=0)
+        col = tl.min(tl.where(~taken & (values == best), cols, vocab), axis=0)
+        tl.store(out_ptr + ids_at + 1 + j, col.to(tl.int64))
+        tl.store(out_ptr + values_at + 1 + j,
+                 (best - lse).to(tl.int32, bitcast=True).to(tl.int64))
+        taken = taken | (cols == col)
     if CHOSEN:
         token = tl.load(chosen_ptr + row)
         chosen = tl.load(logits_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32)
-        rank = tl.sum(tl.load(counts_ptr + at + 1, mask=valid, other=0), axis=0) + 1
+        rank = tl.sum(tl.load(beaten_ptr + at, mask=valid, other=0), axis=0) + 1
     else:
         token = first.to(tl.int64)
         chosen = top
         rank = tl.full([], 1, tl.int32)  # nothing beats a first maximum
     tl.store(out_ptr + row, token)
-    tl.store(out_ptr + rows + 2 * row, token)
-    tl.store(out_ptr + rows + 2 * row + 1, first.to(tl.int64))
-    values = 3 * rows + 2 * row
-    tl.store(out_ptr + values, (chosen - lse).to(tl.int32, bitcast=True).to(tl.int64))
-    tl.store(out_ptr + values + 1, (top - lse).to(tl.int32, bitcast=True).to(tl.int64))
-    tl.store(out_ptr + 5 * rows + row, rank.to(tl.int64))
+    tl.store(out_ptr + ids_at, token)
+    tl.store(out_ptr + values_at, (chosen - lse).to(tl.int32, bitcast=True).to(tl.int64))
+    tl.store(out_ptr + rows + 2 * rows * width + row, rank.to(tl.int64))
 
 
 @triton.jit

@@ -51,13 +51,13 @@ from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
 from kernels.quant import (ScaledMmTiles, quantize_per_token_ref, quantize_per_token_triton,
                            scaled_mm, scaled_mm_ref, scaled_mm_triton)
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
-from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, FIXED_POINT, ONE_BITS, RADIX_BITS,
-                              RADIX_BLOCK, RADIX_COPIES, TOP1_CHUNK, TOP_P_STEPS,
-                              _top1_chunk_kernel, _top1_combine_kernel,
-                              _top_p_bins_kernel,
+from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, FIXED_POINT, LOGPROBS_CHUNK,
+                              MAX_KERNEL_LOGPROBS, ONE_BITS, RADIX_BITS, RADIX_BLOCK,
+                              RADIX_COPIES, TOP_P_STEPS, _top_chunk_kernel,
+                              _top_combine_kernel, _top_p_bins_kernel,
                               _top_p_pick_kernel, _top_p_threshold_kernel, gumbel_argmax_ref,
-                              gumbel_argmax_triton, philox_uniform, top1_logprobs_ref,
-                              top1_logprobs_triton, top_p_threshold_exact_ref,
+                              gumbel_argmax_triton, philox_uniform, top_logprobs_ref,
+                              top_logprobs_triton, top_p_threshold_exact_ref,
                               top_p_threshold_radix, top_p_threshold_ref,
                               top_p_threshold_triton)
 from kernels.triton_attention import (MAX_SPLITS, AttentionConfig, TileConfig, default_config,
@@ -464,31 +464,39 @@ def check_gumbel_argmax(rows: int, vocab: int, dtype: torch.dtype, device: str) 
     assert torch.equal(out, ref), f"gumbel argmax {dtype} (seed {seed})"
 
 
-def split_top1(packed: torch.Tensor, rows: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """top1_logprobs' packed output as (tokens, ids [rows, 2], logprobs [rows, 2], ranks)."""
-    ids = packed[rows:3 * rows].view(rows, 2)
-    values = packed[3 * rows:5 * rows].to(torch.int32).view(torch.float32).view(rows, 2)
-    return packed[:rows], ids, values, packed[5 * rows:]
+def split_top(packed: torch.Tensor, rows: int, k: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """top_logprobs' packed output as (tokens, ids [rows, k + 1], logprobs [rows, k + 1],
+    ranks)."""
+    width = k + 1
+    ids = packed[rows:rows + rows * width].view(rows, width)
+    values = packed[rows + rows * width:rows + 2 * rows * width]
+    return (packed[:rows], ids, values.to(torch.int32).view(torch.float32).view(rows, width),
+            packed[rows + 2 * rows * width:])
 
 
-def check_top1_logprobs(rows: int, vocab: int, dtype: torch.dtype, device: str) -> None:
-    """The one-read logprobs of the chosen token and the likeliest against the twin, for
+def check_top_logprobs(rows: int, vocab: int, k: int, dtype: torch.dtype, device: str
+                       ) -> None:
+    """The one-read logprobs of the chosen token and the k likeliest against the twin, for
     given tokens and for greedy's (none given): tokens, ids and ranks exactly, logprobs to
     float32's rounding of a sum over the row. Row 0's first chunk is -inf (a grammar
-    mask's), and bf16 logits tie, where the first maximum is the likeliest."""
+    mask's), row 1 has fewer finite logits than k, and bf16 logits tie, where the first
+    maximum is the likeliest and the lower column comes first."""
     g, seed = fresh_generator()
     logits = rand(g, rows, vocab, dtype=dtype, device=device, scale=3.0)
-    logits[0, :min(TOP1_CHUNK, vocab // 2)] = float("-inf")
+    logits[0, :min(LOGPROBS_CHUNK, vocab // 2)] = float("-inf")
+    if rows > 1:
+        logits[1, max(1, k // 2):] = float("-inf")
     given = torch.randint(vocab // 2, vocab, (rows,), generator=g).to(device)
+    given[1:2] = 0  # row 1's chosen token is finite
     for chosen in (given, None):
-        got = split_top1(top1_logprobs_triton(logits, chosen), rows)
-        want = split_top1(top1_logprobs_ref(logits, chosen), rows)
-        what = f"top1 logprobs {rows}x{vocab} {dtype} chosen {chosen is not None} (seed {seed})"
+        got = split_top(top_logprobs_triton(logits, k, chosen), rows, k)
+        want = split_top(top_logprobs_ref(logits, k, chosen), rows, k)
+        what = f"top {k} logprobs {rows}x{vocab} {dtype} chosen {chosen is not None} (seed {seed})"
         for i in (0, 1, 3):
             assert torch.equal(got[i], want[i]), what
         torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5, msg=what)
-    assert torch.equal(split_top1(top1_logprobs_triton(logits), rows)[0],
+    assert torch.equal(split_top(top_logprobs_triton(logits, k), rows, k)[0],
                        logits.argmax(dim=-1)), "greedy's token is torch.argmax's"
 
 
@@ -510,10 +518,9 @@ def check_sampler_fused_logprobs(vocab: int, device: str, top: int = 2) -> None:
     """Temperature-only rows that ask for logprobs keep the sampler's fused draw: the tokens
     are the kernel's for the sampler's first seed, and each asking row's logprobs those of
     its raw logits (what the general path reports), the others' none. `top`: the first
-    row's logprobs; at most 1 on CUDA, one pass a row (top1_logprobs_triton) finds them."""
+    row's logprobs; on CUDA one pass a row (top_logprobs_triton) finds them."""
     from common.sampling_params import SamplingParams
-    from services.worker.sampler import (Sampler, SamplingRow, _plain_random, top_logprobs,
-                                         unpack_logprobs)
+    from services.worker.sampler import Sampler, SamplingRow, _plain_random, unpack_logprobs
 
     g, seed = fresh_generator()
     temperatures, asks = [0.7, 1.3, 0.5], [top, None, 0]
@@ -530,11 +537,8 @@ def check_sampler_fused_logprobs(vocab: int, device: str, top: int = 2) -> None:
     assert lp is not None and lp.rows == [0, 2] and lp.widths == [top + 1, 1]
     columns = unpack_logprobs(out.packed.cpu(), len(rows), lp)
     assert columns is not None and out.packed[:len(rows)].equal(tokens)
-    if device == "cuda" and top <= 1:
-        _, ids, values, ranks = split_top1(top1_logprobs_ref(logits[[0, 2]], tokens[[0, 2]]), 2)
-    else:
-        ids, values, ranks = top_logprobs(torch.log_softmax(logits[[0, 2]], dim=-1),
-                                          tokens[[0, 2]], top)
+    _, ids, values, ranks = split_top(top_logprobs_ref(logits[[0, 2]], max(top, 1),
+                                                       tokens[[0, 2]]), 2, max(top, 1))
     ids, values = ids[:, :top + 1].tolist(), values[:, :top + 1].tolist()
     assert columns.widths == [top + 1, 0, 1]
     assert columns.token_ids == ids[0] + ids[1][:1], f"fused ids (seed {seed})"
@@ -842,11 +846,13 @@ def lora_kernels() -> None:
 @interpreter_check
 def sampling_kernel() -> None:
     """A vocabulary over two iterations and a partial last one; bf16 and fp32 logits; the
-    one-read logprobs of the chosen token and the likeliest, over three chunks and one."""
+    one-read logprobs of the chosen token and the k likeliest, over three chunks and one."""
     check_gumbel_argmax(5, 2 * BLOCK_VOCAB + 37, torch.float32, "cpu")
     check_gumbel_argmax(3, 300, torch.bfloat16, "cpu")
-    check_top1_logprobs(5, 2 * TOP1_CHUNK + 37, torch.float32, "cpu")
-    check_top1_logprobs(3, 300, torch.bfloat16, "cpu")
+    check_top_logprobs(5, 2 * LOGPROBS_CHUNK + 37, 1, torch.float32, "cpu")
+    check_top_logprobs(4, 2 * LOGPROBS_CHUNK + 37, 5, torch.float32, "cpu")
+    check_top_logprobs(3, 300, 20, torch.bfloat16, "cpu")
+    check_top_logprobs(2, 12, 12, torch.float32, "cpu")
     check_gumbel_distribution("cpu")
     check_sampler_fused_logprobs(2 * BLOCK_VOCAB + 37, "cpu")
 
@@ -1194,19 +1200,24 @@ def test_fused_kernels_compile_for_sm90() -> None:
 
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
-def test_top1_logprobs_kernels_compile_for_sm90() -> None:
-    """Both passes, with a chosen token and without (greedy's): the branches give a count
-    and a rank of different origins the same type."""
+def test_top_logprobs_kernels_compile_for_sm90() -> None:
+    """Both passes, with a chosen token and without (greedy's), for k of 1, 5 and the most
+    the sampler asks of them: the branches give a count and a rank of different origins the
+    same type, and 32 candidates of 64 chunks fit one program."""
     for dtype in ("fp32", "bf16"):
         for chosen in (True, False):
-            compile_for_sm90(_top1_chunk_kernel, dict(
-                logits_ptr=f"*{dtype}", stride_row="i32", chosen_ptr="*i64",
-                maxima_ptr="*fp32", counts_ptr="*i32", vocab="i32"),
-                dict(CHOSEN=chosen, BLOCK=TOP1_CHUNK))
-            compile_for_sm90(_top1_combine_kernel, dict(
-                logits_ptr=f"*{dtype}", stride_row="i32", chosen_ptr="*i64",
-                maxima_ptr="*fp32", counts_ptr="*i32", out_ptr="*i64", vocab="i32",
-                chunks="i32"), dict(CHOSEN=chosen, CHUNKS=64))
+            for k in (1, 5, MAX_KERNEL_LOGPROBS):
+                compile_for_sm90(_top_chunk_kernel, dict(
+                    logits_ptr=f"*{dtype}", stride_row="i32", chosen_ptr="*i64",
+                    maxima_ptr="*fp32", beaten_ptr="*i32", tops_ptr="*fp32",
+                    columns_ptr="*i32", vocab="i32"),
+                    dict(CHOSEN=chosen, K=k, BLOCK=LOGPROBS_CHUNK))
+                compile_for_sm90(_top_combine_kernel, dict(
+                    logits_ptr=f"*{dtype}", stride_row="i32", chosen_ptr="*i64",
+                    maxima_ptr="*fp32", beaten_ptr="*i32", tops_ptr="*fp32",
+                    columns_ptr="*i32", out_ptr="*i64", vocab="i32", chunks="i32"),
+                    dict(CHOSEN=chosen, K=k, CHUNKS=64,
+                         K_SLOTS=triton.next_power_of_2(k)))
 
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
@@ -1289,10 +1300,12 @@ def test_sampling_kernel_cuda() -> None:
     for rows in (1, 256):
         check_gumbel_argmax(rows, 151936, torch.bfloat16, "cuda")
         check_gumbel_argmax(rows, 128256, torch.float32, "cuda")
-        check_top1_logprobs(rows, 151936, torch.float32, "cuda")
-        check_top1_logprobs(rows, 128256, torch.bfloat16, "cuda")
+        check_top_logprobs(rows, 151936, 1, torch.float32, "cuda")
+        check_top_logprobs(rows, 128256, 1, torch.bfloat16, "cuda")
+        check_top_logprobs(rows, 151936, 5, torch.float32, "cuda")
+        check_top_logprobs(rows, 151936, 20, torch.bfloat16, "cuda")
     check_gumbel_distribution("cuda", draws=20000)
-    for top in (2, 1, 0):
+    for top in (5, 2, 1, 0):
         check_sampler_fused_logprobs(151936, "cuda", top)
 
 

@@ -442,11 +442,11 @@ def test_logprobs_come_from_raw_logits(device: torch.device, ks: list[int | None
 
 
 def test_greedy_logprobs_of_one_read_equal_the_general_paths(device: torch.device) -> None:
-    """Greedy rows asking for logprobs 0, 1 or none, on tied logits under a grammar mask,
-    take their tokens and logprobs from one read of the logits: every row in the packed
-    block, the ones that asked for none at width 0. Tokens, ids, ranks and logprobs are
-    the general path's, which a row asking for 2 still takes."""
-    ks = [1, None, 0, 1, None]
+    """Greedy rows asking for logprobs 0, 1, 5 or none, on tied logits under a grammar
+    mask, take their tokens and logprobs from one read of the logits: every row in the
+    packed block, the ones that asked for none at width 0. Tokens, ids, ranks and logprobs
+    are the general path's, which a row with a penalty still takes."""
+    ks = [1, None, 0, 5, None]
     logits = tied_logits(31, len(ks), 300).to(device)
     bitmask = torch.full((1, 10), -1, dtype=torch.int32, device=device)
     bitmask[0, :4] = 0  # row 3 may not take its first 128 tokens
@@ -454,13 +454,14 @@ def test_greedy_logprobs_of_one_read_equal_the_general_paths(device: torch.devic
     rows = [make_row(SamplingParams(temperature=0.0, logprobs=k), device) for k in ks]
     out = Sampler(device, 0).sample(logits.clone(), rows, mask)
     assert out.logprobs is not None and out.logprobs.rows == list(range(len(ks)))
-    assert out.logprobs.widths == [2, 0, 1, 2, 0]
+    assert out.logprobs.widths == [2, 0, 1, 6, 0]
     masked = logits.clone()
     masked[3, :128] = float("-inf")
     assert torch.equal(out.token_ids, masked.argmax(dim=-1))
     assert_same_logprobs(host_logprobs(out, len(ks)),
                          reference_token_logprobs(masked, out.token_ids, rows))
-    wider = rows + [make_row(SamplingParams(temperature=0.0, logprobs=2), device)]
+    wider = rows + [make_row(SamplingParams(temperature=0.0, logprobs=2,
+                                            repetition_penalty=1.5), device)]
     general = Sampler(device, 0).sample(torch.cat([masked, logits[:1]]), wider)
     assert general.logprobs is not None and general.logprobs.rows == [0, 2, 3, 5]
     assert_same_logprobs(host_logprobs(general, len(wider))[:len(ks)],
@@ -607,11 +608,14 @@ def test_top_k_search_equals_topk(device: torch.device) -> None:
 def reference_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
                              rows: Sequence[SamplingRow]) -> list[TokenLogprobs | None]:
     """The former path, kept as the twin: the wanted rows' top-k read back on their own
-    (three copies that waited for the device), entry by entry."""
+    (three copies that waited for the device), entry by entry; among equal logits the
+    lower column first, as the sampler's one read takes them (topk's order is its own)."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     k = max(rows[i].params.logprobs for i in wanted)
-    ids, values, ranks = top_logprobs(torch.log_softmax(logits[wanted].float(), dim=-1),
-                                      tokens[wanted], k)
+    logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)
+    ids, values, ranks = top_logprobs(logprobs, tokens[wanted], k)
+    order = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices[:, :k]
+    ids[:, 1:], values[:, 1:] = order, logprobs.gather(1, order)
     out: list[TokenLogprobs | None] = [None] * len(rows)
     for j, i in enumerate(wanted):
         width = rows[i].params.logprobs + 1

@@ -213,6 +213,21 @@ latency-lp-ab)  # the sampler's, the input copies' and the output blocks' CUDA t
   timeout 60 python benchmarks/gpu/input_copies.py > "$R/input-copies.txt" 2>&1
   latency_lp_ab
   ;;
+detok-ab)  # the sampler's CUDA tests, then the detokenizer-bound workload of
+          # stage_scaling.sh (n=4, logprobs=5, 256 streams) at REPLICAS (1 2 4) through
+          # `serve` of this tree and of .base, ROUNDS (1) times over: $R/{new,base}-ROUND/
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_step_inputs.py \
+    tests/test_kernels_triton.py::test_sampling_kernel_cuda tests/test_sampler.py \
+    -k "cuda or CUDA or gpu" > "$R/pytest-sampler-cuda.txt" 2>&1
+  tail -n 1 "$R/pytest-sampler-cuda.txt"
+  for round in $(seq ${ROUNDS:-1}); do
+    for tree in new base; do
+      dir=$PWD; [ $tree = base ] && dir=$PWD/.base
+      R=$R/$tree-$round SERVE_TREE=$dir WORKLOADS=detok REPLICAS=${REPLICAS:-1 2 4} \
+        DEADLINE_S=100000 bash benchmarks/gpu/stage_scaling.sh 2>&1 | grep -E "^==|^\| [0-9]"
+    done
+  done
+  ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
        # the executor in the worker process and then on the step thread (WPS: which of the
        # two, 1 and 0; EXTRA: more flags; TAG names the files)

@@ -22,6 +22,7 @@ source benchmarks/gpu/common.sh
 MODEL=${MODEL:-$M/qwen3-0.6b-shape}
 SERVE_FLAGS=${SERVE_FLAGS---load-format dummy}  # set empty for a model with weights
 REPLICAS=${REPLICAS:-1 2 4 8}
+WORKLOADS=${WORKLOADS:-tok detok}  # which of the two run, in this order
 API_SERVERS=${API_SERVERS:-4}
 PORT=${PORT:-8800}
 TOK_PROMPTS=${TOK_PROMPTS:-2000}
@@ -35,6 +36,9 @@ DETOK_N=${DETOK_N:-4}
 DETOK_LOGPROBS=${DETOK_LOGPROBS:-5}
 DETOK_CONCURRENCY=${DETOK_CONCURRENCY:-64}  # x n streams: serve's --max-num-seqs (256)
 WARMUP_DIVISOR=${WARMUP_DIVISOR:-8}  # a warm-up sends this fraction of the timed requests
+SERVE_TREE=${SERVE_TREE:-$PWD}  # the checkout whose `serve` runs (the client is this one's)
+SPY=${SPY:-}  # roles (as `services.cli ROLE`) that py-spy samples for SPY_S s of each timed run
+SPY_S=${SPY_S:-8}
 DEADLINE_S=${DEADLINE_S:-400}  # no further replica count starts after this many seconds
 
 tok_flags() {  # NUM_PROMPTS
@@ -61,10 +65,20 @@ run_workload() {  # NAME NUM_PROMPTS: the warm-up (seed 7), then the timed run (
       > "$R/$name-gpu.csv" 2> /dev/null &
     sampler=$!
   fi
+  local spies=()
+  for role in $SPY; do
+    py-spy record --nonblocking --threads -d "$SPY_S" -r 500 -f raw -o "$R/spy-$role-$name.raw" \
+      -p "$(pgrep -f "services.cli $role " | head -n 1)" > "$R/spy-$role-$name.log" 2>&1 &
+    spies+=($!)
+  done
   timeout 150 python -m services.cli bench serve --base-url "http://127.0.0.1:$PORT" \
     --seed 1 --disable-tqdm --save-result "$R/$name.json" $("${kind}_flags" "$prompts") \
     > "$R/$name.txt" 2>&1
   [ -n "$sampler" ] && kill "$sampler"
+  for spy in "${spies[@]}"; do wait "$spy"; done
+  for role in $SPY; do
+    python benchmarks/gpu/top_frames.py "$R/spy-$role-$name.raw" > "$R/spy-$role-$name.txt"
+  done
   python -m benchmarks.bench.proc_cpu snapshot /tmp/cpu-after.json "$serve"
   python -m benchmarks.bench.proc_cpu diff /tmp/cpu-before.json /tmp/cpu-after.json \
     > "$R/$name-cpu.json"
@@ -80,17 +94,21 @@ for n in $REPLICAS; do
     break
   fi
   port_free "$PORT" || exit 1
-  # python itself in the background (not a shell function's subshell), so that the kill
+  # python itself in the background (exec: not a subshell around it), so that the kill
   # below reaches the launcher
-  python -m services.cli serve "$MODEL" $SERVE_FLAGS --tokenizer-replicas "$n" \
-    --detokenizer-replicas "$n" --api-server-count "$API_SERVERS" --port "$PORT" \
-    --run-dir "/tmp/hr-scaling-$n" --served-model-name scaling > "$R/serve-$n.log" 2>&1 &
+  model=$(realpath "$MODEL")
+  (cd "$SERVE_TREE" && PYTHONPATH="/tmp/site:$PWD" exec python -m services.cli serve "$model" \
+    $SERVE_FLAGS --tokenizer-replicas "$n" --detokenizer-replicas "$n" \
+    --api-server-count "$API_SERVERS" --port "$PORT" --run-dir "/tmp/hr-scaling-$n" \
+    --served-model-name scaling) > "$R/serve-$n.log" 2>&1 &
   serve=$!
   started=$SECONDS
   wait_healthy "$PORT"
   echo "== $n replicas (healthy after $(( SECONDS - started )) s)"
-  run_workload "tok-$n" "$TOK_PROMPTS"
-  run_workload "detok-$n" "$DETOK_PROMPTS"
+  for kind in $WORKLOADS; do
+    prompts=TOK_PROMPTS; [ "$kind" = detok ] && prompts=DETOK_PROMPTS
+    run_workload "$kind-$n" "${!prompts}"
+  done
   kill -TERM $serve; wait $serve
   echo "== $n replicas done after $(( SECONDS - started )) s"
 done

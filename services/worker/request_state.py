@@ -39,6 +39,17 @@ class RequestState:
     # None: every axis is the token's index
     mrope: np.ndarray | None = None
     mrope_delta: int = 0
+    # Made once: its lists are the ones the request grows, and a 256-row step made one a
+    # row each time, as it asked each row's fixed penalties again (issue 31).
+    _row: SamplingRow = field(init=False)
+    _penalised: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._row = SamplingRow(self.params, self.prompt_ids, self.output_ids, self.generator)
+        p = self.params
+        self._penalised = (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                           or p.repetition_penalty != 1.0
+                           or any(len(word) > 1 for word in p.bad_words_token_ids))
 
     @classmethod
     def new(cls, new: NewRequest, device: torch.device) -> RequestState:
@@ -57,10 +68,8 @@ class RequestState:
     def needs_history(self) -> bool:
         """Penalties, min_tokens, grammars and bad words of several tokens read the output
         so far."""
-        p = self.params
-        return (self.structured or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                or p.repetition_penalty != 1.0 or p.min_tokens > len(self.output_ids)
-                or any(len(word) > 1 for word in p.bad_words_token_ids))
+        return (self._penalised or self.structured
+                or self.params.min_tokens > len(self.output_ids))
 
     def held_back(self) -> tuple[int, ...]:
         """The ids min_tokens keeps a structured request from sampling yet."""
@@ -73,4 +82,4 @@ class RequestState:
         return slice_tokens(self.prompt_ids, self.output_ids, start, end)
 
     def sampling_row(self) -> SamplingRow:
-        return SamplingRow(self.params, self.prompt_ids, self.output_ids, self.generator)
+        return self._row

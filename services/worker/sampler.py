@@ -10,8 +10,8 @@ for one step: each seeded request draws its noise from its own generator, so its
 depends on its own logits and seed alone, never on the rest of the batch. On CUDA, a step
 whose rows ask for temperature alone (no top-k/p, min-p, penalties, logprobs or seeds)
 samples in one Triton pass instead (kernels/sampling.py: the Gumbel-max form of the race),
-and a greedy step whose rows ask for at most the chosen token's and the likeliest's
-logprobs takes its tokens and logprobs from one read of the logits (top1_logprobs_triton).
+and a greedy step on the raw logits takes its tokens and logprobs from one read of them
+(top_logprobs_triton, which finds any step's logprobs up to MAX_KERNEL_LOGPROBS a row).
 Nothing sorts the vocabulary: top-p's set comes from a threshold found over each row
 (top_p_threshold: Triton kernels on CUDA), top-k's from torch.topk or, for a large k, a
 search too. Logprobs are left on the
@@ -34,8 +34,8 @@ import torch
 from common.messages import StepLogprobs
 from common.sampling_params import SamplingParams
 from kernels.grammar_mask import apply_token_bitmask
-from kernels.sampling import (gumbel_argmax_triton, packed_logprobs, top1_logprobs_ref,
-                              top1_logprobs_triton, top_p_threshold_exact_ref,
+from kernels.sampling import (MAX_KERNEL_LOGPROBS, gumbel_argmax_triton, packed_logprobs,
+                              top_logprobs_ref, top_logprobs_triton, top_p_threshold_exact_ref,
                               top_p_threshold_radix, top_p_threshold_ref,
                               top_p_threshold_triton)
 
@@ -139,8 +139,8 @@ class Sampler:
             apply_token_bitmask(logits, mask.bitmask, mask.rows)
         if all(_plain_greedy(row) for row in rows):
             return SamplerOutput.of_tokens(logits.argmax(dim=-1))
-        if all(_top1_greedy(row) for row in rows):
-            return self._sample_greedy_top1(logits, rows)
+        if all(_greedy_on_raw_logits(row) for row in rows):
+            return self._sample_greedy_with_logprobs(logits, rows)
         if logits.is_cuda and all(_plain_random(row) for row in rows):
             return self._sample_fused(logits, rows)
         logits = logits.float()
@@ -155,16 +155,16 @@ class Sampler:
             return SamplerOutput.of_tokens(token_ids)
         return self._with_logprobs(token_ids, raw, wanted, rows)
 
-    def _sample_greedy_top1(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
-                            ) -> SamplerOutput:
-        """Greedy rows asking for logprobs 0 or 1 (or none): their tokens and every row's
-        logprobs in one read of the logits, two launches, already packed. Through the
-        general path a batch-1 chat with logprobs cost its step an argmax, a one-program
-        pass over the row and the packing's copies (issue 31)."""
-        top1 = top1_logprobs_triton if logits.is_cuda else top1_logprobs_ref
-        packed = top1(logits)
+    def _sample_greedy_with_logprobs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+                                     ) -> SamplerOutput:
+        """Greedy rows, some asking for logprobs: their tokens and every row's logprobs in
+        one read of the logits, two launches, already packed. Through the general path a
+        batch-1 chat with logprobs cost its step an argmax, a one-program pass over the row
+        and the packing's copies, and a 256-row step with logprobs=5 half a millisecond of
+        host time in the processing it skips (issue 31)."""
         widths = [0 if row.params.logprobs is None else row.params.logprobs + 1
                   for row in rows]
+        packed = _top_logprobs(logits, max(widths) - 1)
         return SamplerOutput(packed[:len(rows)], packed,
                              LogprobsLayout(list(range(len(rows))), widths))
 
@@ -243,8 +243,8 @@ class Sampler:
         widths = [rows[i].params.logprobs + 1 for i in wanted]
         k = max(widths) - 1
         chosen = self._rows(token_ids, wanted, len(rows))
-        if logits.is_cuda and k <= 1:  # the chosen token and the likeliest: one read a row
-            packed = torch.cat([token_ids, top1_logprobs_triton(logits, chosen)[len(wanted):]])
+        if k <= MAX_KERNEL_LOGPROBS:
+            packed = torch.cat([token_ids, _top_logprobs(logits, k, chosen)[len(wanted):]])
         else:
             packed = packed_logprobs(token_ids, *top_logprobs(
                 torch.log_softmax(logits, dim=-1), chosen, k))
@@ -459,6 +459,14 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int
     return top_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, k)
 
 
+def _top_logprobs(logits: torch.Tensor, k: int, chosen: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """kernels/sampling.py's packed logprobs (k of them, 1 at least) of these logits: the
+    kernel on CUDA, its twin elsewhere."""
+    top = top_logprobs_triton if logits.is_cuda else top_logprobs_ref
+    return top(logits, max(k, 1), chosen)
+
+
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # non_blocking: a pageable host->device copy is staged by the driver, so unlike a
     # blocking copy it does not wait for the GPU queue to drain.
@@ -506,11 +514,11 @@ def _plain_greedy(row: SamplingRow) -> bool:
     return row.params.greedy and _raw_logits(row)
 
 
-def _top1_greedy(row: SamplingRow) -> bool:
-    """Greedy on the raw logits, asking for the chosen token's logprob and the likeliest's
-    at most."""
+def _greedy_on_raw_logits(row: SamplingRow) -> bool:
+    """Greedy on the raw logits, asking for as many logprobs as one read of them finds."""
     params = row.params
-    return params.greedy and _unchanged_logits(row) and (params.logprobs or 0) <= 1
+    return (params.greedy and _unchanged_logits(row)
+            and (params.logprobs or 0) <= MAX_KERNEL_LOGPROBS)
 
 
 def _raw_logits(row: SamplingRow) -> bool:
