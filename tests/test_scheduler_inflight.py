@@ -171,6 +171,45 @@ async def test_a_new_prefill_waits_behind_at_most_one_queued_step(redis_url):
         tg.cancel_scope.cancel()
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("early_rows, commits", [
+    (2, [["StepPlan"], ["TokenBatch"]]), (3, [["StepPlan", "TokenBatch"]])])
+async def test_many_rows_of_results_send_the_plans_before_their_tokens(
+        redis_url, monkeypatch, early_rows, commits):
+    """A result of EARLY_PLAN_ROWS rows or more: the round's plan leaves in a commit of its
+    own, before the tokens are applied and encoded; fewer rows: plan and tokens in one."""
+    monkeypatch.setattr(shell, "EARLY_PLAN_ROWS", early_rows)
+    config = EngineConfig(max_model_len=256, max_num_batched_tokens=256)
+    async with Bus(redis_url) as bus, anyio.create_task_group() as tg:
+        await bus.ensure_group(keys.steps(), "worker")
+        await bus.set_alive(keys.alive_worker(), "epoch-1", 30_000)
+        await bus.publish(keys.results(), WorkerReady("w", "epoch-1", 64, 16, 256))
+        sent: list[list[str]] = []
+        commit = bus.commit
+
+        async def logged(outputs, done=()):  # the scheduler's: this test publishes too
+            names = [type(msg).__name__ for _, msg in outputs]
+            if {"StepPlan", "TokenBatch"} & set(names):
+                sent.append(names)
+            return await commit(outputs, done)
+        monkeypatch.setattr(bus, "commit", logged)
+        ctx = ServiceContext("scheduler", "t", config, ServerConfig(), bus, anyio.Event())
+        tg.start_soon(SchedulerShell(ctx, config).run)
+        params = SamplingParams(max_tokens=50, ignore_eos=True, eos_token_ids=(0,), n=2)
+        await bus.publish(keys.admit(), AdmitRequest("a", "gw", [5, 6, 7], params))
+        assert [(await next_plan(bus)).step for _ in range(2)] == [1, 2]
+        sent.clear()
+        await bus.publish(keys.results(), StepResult(1, ["a#0", "a#1"], [9, 9],
+                                                     epoch="epoch-1"))
+        assert (await next_plan(bus)).step == 3
+        with anyio.fail_after(5):
+            while not any("TokenBatch" in names for names in sent):
+                await anyio.sleep(0.01)
+        assert sent == commits
+        ctx.stop.set()
+        tg.cancel_scope.cancel()
+
+
 def test_a_gap_small_beside_a_long_step_keeps_the_depth():
     """On the CPU a step takes ~100 ms and a hop a few: queueing deeper would only make
     new requests wait a whole step longer."""
@@ -256,7 +295,8 @@ class Rounds:
         """One round's `schedule` calls and the plans it sends."""
         self.calls = 0
         entries = [Entry("s", b"0-1", {}, msg) for msg in msgs]
-        sent = [msg for _, msg in self.shell._round(entries)]
+        outputs = self.shell._plan_round(entries) + self.shell._result_round()
+        sent = [msg for _, msg in outputs]
         return self.calls, [msg for msg in sent if isinstance(msg, StepPlan)]
 
     def result(self, step: int, token: int = 9) -> StepResult:

@@ -6,6 +6,12 @@ once, so only the core's Python is timed: `schedule` (planning, block allocation
 `update` (appending tokens, finish checks, the detokenizers' items). Both run once per
 engine step in the in-process loop and in the served scheduler, so their cost per token
 bounds either path's throughput on a given host. No model and no GPU.
+
+`--served` times what the served scheduler does instead: `update_columns`, which leaves a
+step's logprobs as the worker's columns, and `encode`, the MessagePack of each plan and of
+each step's TokenBatch. `--n` and `--logprobs` give every request n completions and each
+sampled token that many logprobs (the detokenizer-bound workload of
+benchmarks/gpu/stage_scaling.sh asks n=4, logprobs=5).
 """
 
 from __future__ import annotations
@@ -17,43 +23,65 @@ import platform
 import time
 
 from benchmarks.bench.workloads import nano_workload
-from common.messages import AdmitRequest, StepResult
+from common.messages import AdmitRequest, StepLogprobs, StepResult, TokenBatch, encode
 from services.scheduler import Scheduler, SchedulerConfig
 
 NUM_BLOCKS = 1 << 20  # as many as the requests need: no preemption in the timed run
 TOKEN = 7  # every step samples this token (ignore_eos: it ends nothing)
 
 
-def nano_requests(num_prompts: int, seed: int) -> list[AdmitRequest]:
+def nano_requests(num_prompts: int, seed: int, n: int = 1, logprobs: int | None = None
+                  ) -> list[AdmitRequest]:
     """The nano workload's requests, admitted as the tokenizer would admit them."""
     workload = nano_workload(num_prompts, seed)
-    return [AdmitRequest(f"r{i}", "bench", prompt, params)
+    return [AdmitRequest(f"r{i}", "bench", prompt, params.replace(n=n, logprobs=logprobs))
             for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params))]
 
 
-def run(config: SchedulerConfig, requests: list[AdmitRequest]) -> dict[str, float]:
-    """Seconds in schedule and update over the whole run, steps and tokens reported."""
+def step_logprobs(rows: int, logprobs: int | None) -> StepLogprobs | None:
+    """A step's logprobs columns as the worker sends them: every row logprobs + 1 entries."""
+    if logprobs is None:
+        return None
+    width = logprobs + 1
+    return StepLogprobs([width] * rows, [TOKEN] * (rows * width), [-0.5] * (rows * width),
+                        [1] * rows)
+
+
+def run(config: SchedulerConfig, requests: list[AdmitRequest], served: bool = False
+        ) -> dict[str, float]:
+    """Seconds in schedule, update and (served) encode over the whole run, steps and
+    tokens reported."""
     scheduler = Scheduler(config)
     for admit in requests:
         scheduler.add_request(admit)
-    schedule_s = update_s = 0.0
+    logprobs = requests[0].params.logprobs
+    schedule_s = update_s = encode_s = 0.0
     steps = tokens = 0
     clock = time.perf_counter
     while scheduler.has_unfinished():
         started = clock()
         plan = scheduler.schedule()
-        planned = clock()
+        schedule_s += clock() - started
         assert plan is not None, "nothing planned with requests left"
         # a prompt's chunk before its last samples nothing: as the worker, leave it out
         sampled = [rid for rid in plan.req_ids if scheduler.requests[rid].num_pending]
-        items = scheduler.update(StepResult(step=plan.step, req_ids=sampled,
-                                            token_ids=[TOKEN] * len(sampled)))
-        schedule_s += planned - started
-        update_s += clock() - planned
+        result = StepResult(step=plan.step, req_ids=sampled, token_ids=[TOKEN] * len(sampled),
+                            logprobs=step_logprobs(len(sampled), logprobs))
+        started = clock()
+        if served:
+            items, columns = scheduler.update_columns(result)
+            updated = clock()
+            encode(plan)
+            encode(TokenBatch(plan.step, items, logprobs=columns))
+            encode_s += clock() - updated
+        else:
+            items = scheduler.update(result)
+            updated = clock()
+        update_s += updated - started
         steps += 1
         tokens += sum(len(item.new_token_ids) for item in items)
-    return {"schedule_s": schedule_s, "update_s": update_s, "steps": steps,
-            "tokens": tokens}
+    return {"schedule_s": schedule_s, "update_s": update_s, "encode_s": encode_s,
+            "steps": steps, "tokens": tokens}
 
 
 def main(argv: list[str]) -> int:
@@ -66,6 +94,11 @@ def main(argv: list[str]) -> int:
                         help="plan as for this many pipeline stages (common/pipeline.py)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs; the fastest is reported (the others show the noise)")
+    parser.add_argument("--n", type=int, default=1, help="completions a request")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="logprobs each sampled token carries")
+    parser.add_argument("--served", action="store_true",
+                        help="update_columns and encode, as the served scheduler does")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
@@ -73,18 +106,17 @@ def main(argv: list[str]) -> int:
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=4096, block_size=16, num_blocks=NUM_BLOCKS,
                              pipeline_stages=args.pipeline_stages)
-    runs = [run(config, nano_requests(args.num_prompts, args.seed))
-            for _ in range(args.repeat)]
+    runs = [run(config, nano_requests(args.num_prompts, args.seed, args.n, args.logprobs),
+                args.served) for _ in range(args.repeat)]
+    phases = ("schedule", "update", "encode") if args.served else ("schedule", "update")
     for figures in runs:
-        per_token = {k: figures[f"{k}_s"] / figures["tokens"] * 1e6
-                     for k in ("schedule", "update")}
+        per_token = {k: figures[f"{k}_s"] / figures["tokens"] * 1e6 for k in phases}
         figures.update({f"{k}_us_per_token": v for k, v in per_token.items()})
         print(f"steps {figures['steps']:6d}  tokens {figures['tokens']:7d}  "
-              f"schedule {per_token['schedule']:6.2f} us/token  "
-              f"update {per_token['update']:6.2f} us/token")
-    best = min(runs, key=lambda f: f["schedule_s"] + f["update_s"])
-    total = best["schedule_us_per_token"] + best["update_us_per_token"]
-    print(f"best: schedule + update {total:.2f} us/token")
+              + "  ".join(f"{k} {v:6.2f} us/token" for k, v in per_token.items()))
+    best = min(runs, key=lambda f: sum(f[f"{k}_s"] for k in phases))
+    total = sum(best[f"{k}_us_per_token"] for k in phases)
+    print(f"best: {' + '.join(phases)} {total:.2f} us/token")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs,

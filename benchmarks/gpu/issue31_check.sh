@@ -213,6 +213,22 @@ latency-lp-ab)  # the sampler's, the input copies' and the output blocks' CUDA t
   timeout 60 python benchmarks/gpu/input_copies.py > "$R/input-copies.txt" 2>&1
   latency_lp_ab
   ;;
+latency-topk-ab)  # the 0.6B decode step in process, greedy: batch 1 with logprobs=1 and
+                 # batch 256 with logprobs=5, this tree then .base, ROUNDS (1) times over
+  for round in $(seq ${ROUNDS:-1}); do
+    for spec in "1 1" "256 5"; do
+      set -- $spec
+      for tree in new base; do
+        bench_in $tree 150 latency --model "$(realpath $M/qwen3-0.6b-shape)" \
+          --load-format dummy --context-len 62 --batch-size $1 --output-len 64 \
+          --iterations 3 --max-model-len 2048 --logprobs $2 \
+          --json "$R/latency-b$1-lp$2-$tree-$round.json" >> "$R/latency-topk-ab.txt" 2>&1
+        python -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], {k: v for k, v in d.items() if 'ms' in k or 'latency' in k})" \
+          "$R/latency-b$1-lp$2-$tree-$round.json"
+      done
+    done
+  done
+  ;;
 detok-ab)  # the sampler's CUDA tests, then the detokenizer-bound workload of
           # stage_scaling.sh (n=4, logprobs=5, 256 streams) at REPLICAS (1 2 4) through
           # `serve` of this tree and of .base, ROUNDS (1) times over: $R/{new,base}-ROUND/

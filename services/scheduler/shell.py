@@ -5,7 +5,8 @@ not yet reported (services/scheduler/inflight.py), so the worker does not wait o
 hop: while the device runs step N+1, the plan of N+2 is made from N's result, before those
 steps' tokens are known (see services/scheduler/request.py). A result frees its slot at
 once; the next plan is made before the result's tokens are applied, and both leave in one
-commit with the acknowledgements of what was read.
+commit with the acknowledgements of what was read, unless the tokens are many: then the
+plan goes first, on its own, and the worker has it while the tokens are applied.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ STATS_EVERY_S = 0.5
 # gauges then vanish from /metrics instead of reading their last value forever.
 STATS_TTL_S = 20 * STATS_EVERY_S
 WORKER_GRACE_S = 60.0  # admissions wait this long for a (new) worker, then get a 503
+# From this many rows of results in a read, the plans leave in a commit of their own before
+# the tokens are applied: applying and encoding a row's token costs the scheduler about
+# 10 us (`headrace bench scheduler --served --n 4 --logprobs 5`, 2-CPU box), so at 64 rows
+# the plans would wait several Redis round trips for them; at 256 rows (n=4 streams), 2.5 ms.
+EARLY_PLAN_ROWS = 64
 
 log = get_logger("headrace.scheduler")
 
@@ -84,7 +90,12 @@ class SchedulerShell:
                                               block_ms=None if pending else READ_BLOCK_MS)
                 clock.lap("read")
                 pending = {}
-                outputs = self._round(entries)
+                outputs = self._plan_round(entries)
+                if outputs and self._rows_to_apply() >= EARLY_PLAN_ROWS:
+                    await self.bus.commit(outputs)
+                    clock.lap("commit")
+                    outputs = []
+                outputs += self._result_round()
                 if outputs or entries:
                     await self.bus.commit(outputs, done=entries)
                 clock.lap("commit")
@@ -98,25 +109,32 @@ class SchedulerShell:
         await self.bus.forget(keys.scheduler_stats(self.shard))  # stopped: no figures
         log.info("scheduler loop times", **self.clock.summary())
 
-    def _round(self, entries: list[Entry]) -> list[Output]:
-        """What one read's entries send: the tokens first, then the plans and any drain.
-
-        Plan before applying the results (the scheduler plans ahead of the tokens anyway),
-        so that the tokens and the plans leave in one round trip. Plan again after them
-        only where they may have woken a request the first plan could not take, since
-        nothing else would wake it before the next read times out (READ_BLOCK_MS)."""
+    def _plan_round(self, entries: list[Entry]) -> list[Output]:
+        """What a read's entries send before its results' tokens: replies to what was
+        read, then the plans. Planning comes before applying the results (the scheduler
+        plans ahead of the tokens anyway), so that the tokens and the plans can leave in
+        one round trip."""
         outputs = self._handle(entries)
-        plans = self._plan()
+        outputs += self._plan()
         self.clock.lap("schedule")
+        return outputs
+
+    def _result_round(self) -> list[Output]:
+        """The results' tokens, then the plans they allow: another plan only where they
+        may have woken a request the first plan could not take, since nothing else would
+        wake it before the next read times out (READ_BLOCK_MS), and any drain."""
         woken = self._results_may_wake()
         unfinished = self._num_unfinished()
-        outputs += self._apply_results()
+        outputs = self._apply_results()
         self.clock.lap("update")
         if woken or self._room_freed_for_waiting(unfinished):
-            plans += self._plan()
-        plans += self._drain()
+            outputs += self._plan()
+        outputs += self._drain()
         self.clock.lap("schedule")
-        return outputs + plans
+        return outputs
+
+    def _rows_to_apply(self) -> int:
+        return sum(len(result.req_ids) for result in self.results)
 
     def _results_may_wake(self) -> bool:
         """Whether a request may wait for the tokens of this round's results: every
