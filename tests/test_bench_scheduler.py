@@ -20,3 +20,14 @@ def test_the_scheduler_bench_generates_every_requests_tokens(tmp_path, capsys):
     for run in figures["runs"]:
         assert run["steps"] > 0 and run["schedule_s"] > 0 and run["update_s"] > 0
     assert "us/token" in capsys.readouterr().out
+
+
+def test_the_served_path_encodes_every_step_of_n_completions_with_logprobs(tmp_path):
+    """--served: update_columns and the encoding of plans and TokenBatches, each request's
+    n completions run to their length, each token with its logprobs' columns."""
+    out = tmp_path / "served.json"
+    assert main(["--num-prompts", "3", "--max-num-seqs", "8", "--repeat", "1", "--n", "2",
+                 "--logprobs", "3", "--served", "--json", str(out)]) == 0
+    run, = json.loads(out.read_text())["runs"]
+    assert run["tokens"] == 2 * sum(r.params.max_tokens for r in nano_requests(3, 0))
+    assert run["encode_s"] > 0 and run["encode_us_per_token"] > 0

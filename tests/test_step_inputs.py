@@ -130,3 +130,16 @@ def test_arrays_copied_together_keep_their_values_dtypes_and_shapes(device: torc
         assert tuple(tensor.shape) == array.shape and tensor.cpu().tolist() == array.tolist()
     moved[0][1] = 100  # each a view of its own bytes: writing one leaves the rest
     assert moved[3].cpu().tolist() == [2, 4, 6] and moved[0].cpu().tolist()[:3] == [0, 100, 2]
+
+
+def test_a_requests_sampling_row_follows_its_tokens_and_min_tokens():
+    """The row is made once, over the lists the request grows: it sees every token sampled
+    since, and the history a step needs ends once min_tokens is reached (a penalty's
+    never does)."""
+    a = state("a", [1, 2], [], [0], SamplingParams(min_tokens=2))
+    row = a.sampling_row()
+    assert a.needs_history()
+    a.output_ids += [5, 6]
+    assert a.sampling_row() is row and list(row.output_token_ids) == [5, 6]
+    assert not a.needs_history()
+    assert state("b", [1], [7], [0], SamplingParams(presence_penalty=0.5)).needs_history()
