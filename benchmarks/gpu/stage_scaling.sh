@@ -96,7 +96,7 @@ for n in $REPLICAS; do
   port_free "$PORT" || exit 1
   # python itself in the background (exec: not a subshell around it), so that the kill
   # below reaches the launcher
-  model=$(realpath "$MODEL")
+  model=$MODEL; [ -e "$MODEL" ] && model=$(realpath "$MODEL")  # a path, from the tree
   (cd "$SERVE_TREE" && PYTHONPATH="/tmp/site:$PWD" exec python -m services.cli serve "$model" \
     $SERVE_FLAGS --tokenizer-replicas "$n" --detokenizer-replicas "$n" \
     --api-server-count "$API_SERVERS" --port "$PORT" --run-dir "/tmp/hr-scaling-$n" \
