@@ -15,7 +15,7 @@ import torch
 from common.messages import ImageInput, LoRARequest, NewRequest
 from common.sampling_params import SamplingParams
 from common.tokens import slice_tokens
-from services.worker.sampler import SamplingRow, make_generator
+from services.worker.sampler import SamplingRow, has_penalty, make_generator
 
 
 @dataclass(slots=True)
@@ -46,10 +46,8 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self._row = SamplingRow(self.params, self.prompt_ids, self.output_ids, self.generator)
-        p = self.params
-        self._penalised = (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                           or p.repetition_penalty != 1.0
-                           or any(len(word) > 1 for word in p.bad_words_token_ids))
+        self._penalised = (has_penalty(self.params)
+                           or any(len(word) > 1 for word in self.params.bad_words_token_ids))
 
     @classmethod
     def new(cls, new: NewRequest, device: torch.device) -> RequestState:

@@ -328,11 +328,11 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Repetition penalty over prompt and output ids; frequency and presence penalties over
     output ids. Returns `logits` itself when no row has a penalty."""
-    if not any(_has_penalty(row.params) for row in rows):
+    if not any(has_penalty(row.params) for row in rows):
         return logits
     device = logits.device
     # Only penalised rows contribute ids, so long prompts of the others are not copied.
-    outputs = [row.output_token_ids if _has_penalty(row.params) else () for row in rows]
+    outputs = [row.output_token_ids if has_penalty(row.params) else () for row in rows]
     prompts = [row.prompt_token_ids if row.params.repetition_penalty != 1.0 else ()
                for row in rows]
     counts = _token_counts(outputs, logits.shape[1], device)
@@ -492,7 +492,7 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int,
     return counts.view(len(token_lists), vocab_size)
 
 
-def _has_penalty(params: SamplingParams) -> bool:
+def has_penalty(params: SamplingParams) -> bool:
     return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0)
 
@@ -529,6 +529,6 @@ def _raw_logits(row: SamplingRow) -> bool:
 def _unchanged_logits(row: SamplingRow) -> bool:
     """Nothing changes the row's logits before the choice."""
     params = row.params
-    return (not _has_penalty(params) and not _blocks_early_stops(row)
+    return (not has_penalty(params) and not _blocks_early_stops(row)
             and not params.logit_bias and not params.allowed_token_ids
             and not params.bad_words_token_ids)
