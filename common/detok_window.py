@@ -4,6 +4,7 @@ services/detokenizer/core.py for how the window is read). Both sides apply these
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from common.messages import DetokParams
@@ -37,6 +38,16 @@ def make_context(prompt_ids: list[int], output_ids: list[int], num_new: int,
 
 
 def detok_params(params: SamplingParams) -> DetokParams:
-    return DetokParams(stop=list(params.stop), skip_special_tokens=params.skip_special_tokens,
-                       spaces_between_special_tokens=params.spaces_between_special_tokens,
-                       include_stop_str_in_output=params.include_stop_str_in_output)
+    """The request's DetokParams, one object for all requests whose are equal: a
+    TokenBatch carries each distinct object once (common/token_columns.py)."""
+    return _shared_detok_params(tuple(params.stop), params.skip_special_tokens,
+                                params.spaces_between_special_tokens,
+                                params.include_stop_str_in_output)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_detok_params(stop: tuple[str, ...], skip_special_tokens: bool,
+                         spaces_between_special_tokens: bool,
+                         include_stop_str_in_output: bool) -> DetokParams:
+    return DetokParams(list(stop), skip_special_tokens, spaces_between_special_tokens,
+                       include_stop_str_in_output)

@@ -472,19 +472,49 @@ class RequestFailed:
     status: int = 503
 
 
-@message("tokens", version=2)  # 2: the items' sampled logprobs as columns
+@record
+class DetokExtras:
+    """What a TokenBatch row carries besides its new tokens, on the few rows that do: a
+    completion's first (what the request brought in), its last (why it ended), a held
+    FINAL_ONLY output's logprobs, an embedding's answer."""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    request_stamps: Times = field(default_factory=list)
+    num_cached_tokens: int = 0
+    embedding: bytes | None = None
+
+
+@message("tokens", version=3)  # 3: a column a field, not a record an item
 @record
 class TokenBatch:
-    """scheduler -> detokenizers (hr:detok): one step's new tokens, every request."""
+    """scheduler -> detokenizers (hr:detok): one step's new tokens, every request, a row
+    each, as columns (common/token_columns.py writes and reads them). A DetokItem a row
+    cost the scheduler a record, a map and two packed arrays on the wire each, most of its
+    time at 256 streams (issue 31); a row's DetokItem is made again where it is
+    detokenized, on a replica that scales out."""
     TYPE: ClassVar[str]
     VERSION: ClassVar[int]
     step: int
-    items: list[DetokItem]
+    rids: list[str]
+    indexes: Tokens
+    reply_to: list[str]
+    seqs: Tokens
+    new_ends: Tokens  # row i's new tokens are new_token_ids[new_ends[i-1]:new_ends[i]]
+    new_token_ids: Tokens
+    context_ends: Tokens  # and its context, context_ids[context_ends[i-1]:context_ends[i]]
+    context_ids: Tokens
+    num_context_prompt: Tokens
+    num_prompt_tokens: Tokens
+    params: list[DetokParams]  # the distinct ones; row i has params[params_of[i]]
+    params_of: Tokens
+    extras: dict[int, DetokExtras] = field(default_factory=dict)  # by row
     stamps: Times = field(default_factory=list)  # the step's, from its StepResult
     shard: int = 0  # whose scheduler: a stop string's abort goes back to it
-    # Row i: items[i]'s new token's logprobs, where the item carries none of its own. The
-    # step's columns go on as the worker sent them: a TokenLogprobs record an item cost
-    # the scheduler a record and a map on the wire each (issue 31).
+    # Row i: its new token's logprobs, where its extras carry none. The step's columns go
+    # on as the worker sent them: a TokenLogprobs record a row cost the scheduler a record
+    # and a map on the wire each (issue 31).
     logprobs: StepLogprobs | None = None
 
 
@@ -544,7 +574,7 @@ def plain_fields(msg: Any) -> dict[str, str]:
     if hasattr(msg, "rid"):
         out["rid"] = msg.rid
     else:
-        for name in ("req_ids", "items"):
+        for name in ("req_ids", "items", "rids"):
             if hasattr(msg, name):
                 out["n"] = str(len(getattr(msg, name)))
         if hasattr(msg, "step"):
@@ -626,6 +656,8 @@ def _build_codec(hint: Any) -> tuple[Converter, Converter]:
                     lambda w: None if w is None else frm(w))
         return _scalar_codec(args)
     if origin in (list, tuple):
+        if args[0] in _EXACT:
+            return _scalar_list_codec(args[0])
         to, frm = _codec(args[0])
         return (lambda v: [to(x) for x in v], lambda w: [frm(x) for x in _typed(w, list)])
     if origin is dict and args[0] is int:  # as pairs: decode takes only string map keys
@@ -641,6 +673,21 @@ def _build_codec(hint: Any) -> tuple[Converter, Converter]:
     if isinstance(hint, type) and issubclass(hint, enum.IntEnum):
         return _enum_codec(hint)
     return _scalar_codec((_scalar_type(hint),))
+
+
+def _scalar_list_codec(kind: type) -> tuple[Converter, Converter]:
+    """A list of str, int, float or bool: no call an element on either side when every
+    element is of the exact type (a step's request ids, a batch's rids), the scalar
+    codec's checks for one that is not."""
+    frm = _codec(kind)[1]
+
+    def from_wire(w: Any) -> list:
+        if type(w) is not list:
+            w = _typed(w, list)
+        if all(type(x) is kind for x in w):
+            return w
+        return [frm(x) for x in w]
+    return list, from_wire
 
 
 def _enum_codec(kind: type[enum.IntEnum]) -> tuple[Converter, Converter]:

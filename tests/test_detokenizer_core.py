@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from common.messages import (Abort, DetokItem, MessageError, StepLogprobs, TextDelta,
-                             TokenBatch, TokenLogprobs, decode, encode)
+                             TokenLogprobs, decode, encode)
+from common.token_columns import batch_items, token_batch
 from common.sampling_params import SamplingParams
 from common.detok_window import detok_params, make_context, stop_lookback
 from common.token_text import TokenTexts
@@ -52,7 +53,7 @@ def detok_item(prompt: list[int], outputs: list[int], seq: int, num_new: int,
     item = DetokItem("r1", 0, "gw", seq, outputs[seq:seq + num_new], context,
                      num_context_prompt, detok_params(params), len(prompt), finish_reason,
                      None, logprobs or [])
-    return decode(encode(TokenBatch(0, [item]))).items[0]
+    return batch_items(decode(encode(token_batch(0, [item]))))[0]
 
 
 def run(detok: Detokenizer, prompt: list[int], outputs: list[int], params: SamplingParams,
@@ -433,17 +434,17 @@ def test_a_batchs_logprob_columns_go_to_its_items_with_their_texts(tok, detok):
              detok_item([1, 2], [10, 11], 1, 1, params, logprobs=own),
              detok_item([1, 2], [12], 0, 1, params)]
     columns = StepLogprobs([2, 0, 1], [10, 300, 12], [-0.5, -1.0, -0.25], [1, 4])
-    batch = decode(encode(TokenBatch(3, items, logprobs=columns)))
+    batch = decode(encode(token_batch(3, items, logprobs=columns)))
     got = detok.items_of(batch)
     spelled = TokenTexts(tok)
     assert [item.logprobs for item in got] == [
         [TokenLogprobs([10, 300], [-0.5, -1.0], 1, [spelled(10), spelled(300)])], own,
         [TokenLogprobs([12], [-0.25], 4, [spelled(12)])]]
-    assert detok.items_of(TokenBatch(3, items)) == items
+    assert detok.items_of(token_batch(3, items)) == items
     with pytest.raises(MessageError, match="logprobs for 2"):
-        detok.items_of(TokenBatch(3, items, logprobs=columns.select([0, 2])))
+        detok.items_of(token_batch(3, items, logprobs=columns.select([0, 2])))
     with pytest.raises(MessageError, match="of its own"):
-        detok.items_of(TokenBatch(3, items, logprobs=columns.select([0, 0, 2])))
+        detok.items_of(token_batch(3, items, logprobs=columns.select([0, 0, 2])))
 
 
 def test_preloaded_texts_are_those_looked_up_one_at_a_time(tok):

@@ -13,7 +13,8 @@ import pytest
 from common import keys
 from common.bus import Bus
 from common.messages import (Abort, DetokItem, DetokParams, ErrorReply, GenerateRequest,
-                             TokenBatch, encode)
+                             encode)
+from common.token_columns import token_batch
 from services.demo import demo_model_path
 from services.detokenizer.shell import given_up as detokenizer_gave_up
 from services.tokenizer.shell import GROUP, given_up
@@ -63,7 +64,7 @@ def test_a_batch_the_detokenizer_gives_up_on_ends_each_of_its_requests():
     params = DetokParams()
     items = [DetokItem(rid, index, gateway, 0, [5], [4], 1, params, 3)
              for rid, index, gateway in (("a", 0, "g1"), ("a", 1, "g1"), ("b", 0, "g2"))]
-    outputs = detokenizer_gave_up(TokenBatch(3, items, shard=1), "KeyError: 7")
+    outputs = detokenizer_gave_up(token_batch(3, items, shard=1), "KeyError: 7")
     assert outputs == [
         (keys.replies("g1"), ErrorReply("a", 500, "The detokenizer could not process this "
                                         "request's tokens: KeyError: 7", "InternalServerError")),

@@ -20,8 +20,9 @@ from common import messages
 from common.hops import request_stages, step_stages
 from common.messages import (_REGISTRY, DetokItem, DetokParams, MessageError, NewRequest,
                              ReplyBatch, StepLogprobs, StepPlan, StepResult, TextDelta,
-                             TokenBatch, TokenLogprobs, decode, encode, with_fields)
+                             TokenLogprobs, decode, encode, with_fields)
 from common.sampling_params import RequestOutputKind, SamplingParams
+from common.token_columns import batch_items, token_batch
 
 INT32 = st.integers(-2**31, 2**31 - 1)
 TEXT = st.text(max_size=12)
@@ -46,6 +47,8 @@ def strategy(hint: Any) -> st.SearchStrategy:
         return st.one_of(*(strategy(a) for a in args))
     if origin is list:
         return st.lists(strategy(args[0]), max_size=3)
+    if origin is dict and args[0] is int:
+        return st.dictionaries(st.integers(-2**63, 2**63 - 1), strategy(args[1]), max_size=3)
     if hint is dict or origin is dict:
         return st.dictionaries(TEXT, JSON_SCALAR, max_size=3)
     if hint is SamplingParams:
@@ -267,12 +270,12 @@ def test_values_that_cannot_be_encoded_raise_message_error():
 
 
 def test_an_older_reader_ignores_fields_it_does_not_know():
-    body = msgpack.unpackb(messages.encode(TokenBatch(3, [DetokItem(
+    body = msgpack.unpackb(messages.encode(token_batch(3, [DetokItem(
         "r", 0, "x", 0, [5], [1, 2], 2, DetokParams(), 2)])), raw=False)
     body["added_later"] = 42
-    body["items"][0]["also_new"] = "?"
+    body["params"][0]["also_new"] = "?"
     decoded = messages.decode(msgpack.packb(body))
-    assert decoded.step == 3 and decoded.items[0].new_token_ids == [5]
+    assert decoded.step == 3 and batch_items(decoded)[0].new_token_ids == [5]
 
 
 def test_fields_at_their_empty_default_stay_off_the_wire():
@@ -297,7 +300,7 @@ def test_packed_fields_take_numpy_arrays_and_tuples():
 
 def test_stamps_keep_microseconds_across_the_wire():
     stamps = [1_790_000_000.123456, 1_790_000_000.123457, 1_790_000_000.5]
-    batch = decode(encode(TokenBatch(1, [], stamps)))
+    batch = decode(encode(token_batch(1, [], stamps)))
     assert batch.stamps == stamps
 
 

@@ -27,6 +27,7 @@ from common.model_files import load_hf_config
 from common.model_info import check_pipeline_parallel, resolve_engine
 from common.sampling_params import SamplingParams
 from common.service import ServiceContext
+from common.token_columns import batch_items
 from services import LLM
 from services.scheduler.shell import SchedulerShell
 from services.worker.cuda_graphs import StepGraphs
@@ -339,7 +340,7 @@ async def serve_stream(config: EngineConfig, executor: Executor, redis_url: str
                 for entry in await bus.tail({keys.DETOK: last}, count=100, block_ms=100):
                     last = entry.id
                     assert isinstance(entry.msg, TokenBatch)
-                    for item in entry.msg.items:
+                    for item in batch_items(entry.msg):
                         tokens[item.rid] += item.new_token_ids
                         if item.finish_reason is not None:
                             finished.add(item.rid)

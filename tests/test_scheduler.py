@@ -23,6 +23,7 @@ from common.messages import (AdmitRequest, DetokItem, LoRARequest, MessageError,
                              decode, encode, with_fields)
 from common.sampling_params import RequestOutputKind, SamplingParams
 from common.speculative import SpeculativeConfig
+from common.token_columns import batch_items
 from services.scheduler import core
 from services.scheduler.core import Scheduler, SchedulerConfig
 
@@ -399,11 +400,9 @@ def test_columns_give_each_item_the_logprobs_records_give_it():
             if way == "records":
                 out = update(result)
             else:
-                out, columns = update_columns(result)
-                batch = decode(encode(TokenBatch(result.step, out, logprobs=columns)))
-                rows = batch.logprobs.rows() if batch.logprobs else [None] * len(out)
-                out = [item if row is None else with_fields(item, logprobs=[row])
-                       for item, row in zip(batch.items, rows)]
+                written, columns = update_columns(result)
+                batch = decode(encode(written.batch(result.step, logprobs=columns)))
+                out = batch_items(batch, batch.logprobs.rows() if batch.logprobs else None)
             items.extend(out)
             return out
 

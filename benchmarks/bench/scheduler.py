@@ -23,7 +23,7 @@ import platform
 import time
 
 from benchmarks.bench.workloads import nano_workload
-from common.messages import AdmitRequest, StepLogprobs, StepResult, TokenBatch, encode
+from common.messages import AdmitRequest, StepLogprobs, StepResult, encode
 from services.scheduler import Scheduler, SchedulerConfig
 
 NUM_BLOCKS = 1 << 20  # as many as the requests need: no preemption in the timed run
@@ -69,17 +69,18 @@ def run(config: SchedulerConfig, requests: list[AdmitRequest], served: bool = Fa
                             logprobs=step_logprobs(len(sampled), logprobs))
         started = clock()
         if served:
-            items, columns = scheduler.update_columns(result)
+            rows, columns = scheduler.update_columns(result)
             updated = clock()
             encode(plan)
-            encode(TokenBatch(plan.step, items, logprobs=columns))
+            encode(rows.batch(plan.step, logprobs=columns))
             encode_s += clock() - updated
+            tokens += len(rows.new_token_ids)
         else:
             items = scheduler.update(result)
             updated = clock()
+            tokens += sum(len(item.new_token_ids) for item in items)
         update_s += updated - started
         steps += 1
-        tokens += sum(len(item.new_token_ids) for item in items)
     return {"schedule_s": schedule_s, "update_s": update_s, "encode_s": encode_s,
             "steps": steps, "tokens": tokens}
 

@@ -229,15 +229,19 @@ latency-topk-ab)  # the 0.6B decode step in process, greedy: batch 1 with logpro
     done
   done
   ;;
-detok-ab)  # the sampler's CUDA tests, then the detokenizer-bound workload of
-          # stage_scaling.sh (n=4, logprobs=5, 256 streams) at REPLICAS (1 2 4) through
-          # `serve` of this tree and of .base, ROUNDS (1) times over: $R/{new,base}-ROUND/
-  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_step_inputs.py \
-    tests/test_kernels_triton.py::test_sampling_kernel_cuda tests/test_sampler.py \
-    -k "cuda or CUDA or gpu" > "$R/pytest-sampler-cuda.txt" 2>&1
-  tail -n 1 "$R/pytest-sampler-cuda.txt"
+detok-ab)  # the sampler's CUDA tests (TESTS=0: none), then the detokenizer-bound workload
+          # of stage_scaling.sh (n=4, logprobs=5, 256 streams) at REPLICAS (1 2 4) through
+          # `serve` of this tree and of .base, ROUNDS (1) times over, this tree first in odd
+          # rounds and .base first in even ones: $R/{new,base}-ROUND/
+  if [ "${TESTS:-1}" = 1 ]; then
+    timeout 200 python -m pytest -q -p no:cacheprovider tests/test_step_inputs.py \
+      tests/test_kernels_triton.py::test_sampling_kernel_cuda tests/test_sampler.py \
+      -k "cuda or CUDA or gpu" > "$R/pytest-sampler-cuda.txt" 2>&1
+    tail -n 1 "$R/pytest-sampler-cuda.txt"
+  fi
   for round in $(seq ${ROUNDS:-1}); do
-    for tree in new base; do
+    trees="new base"; [ $((round % 2)) = 0 ] && trees="base new"
+    for tree in $trees; do
       dir=$PWD; [ $tree = base ] && dir=$PWD/.base
       R=$R/$tree-$round SERVE_TREE=$dir WORKLOADS=detok REPLICAS=${REPLICAS:-1 2 4} \
         DEADLINE_S=100000 bash benchmarks/gpu/stage_scaling.sh 2>&1 | grep -E "^==|^\| [0-9]"

@@ -33,8 +33,9 @@ from functools import cache
 from typing import Any
 
 from common.detok_window import MAX_CHAR_BYTES, stop_lookback
-from common.messages import (Abort, DetokItem, DetokParams, MessageError, StepLogprobs,
-                             TextDelta, TokenBatch, TokenLogprobs, with_fields)
+from common.messages import (Abort, DetokItem, DetokParams, StepLogprobs, TextDelta,
+                             TokenBatch, TokenLogprobs, with_fields)
+from common.token_columns import batch_items
 from common.token_text import TokenTexts, rust_decoder
 
 _BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -234,24 +235,10 @@ class Detokenizer:
     # --- logprobs ---------------------------------------------------------------------
 
     def items_of(self, batch: TokenBatch) -> list[DetokItem]:
-        """The batch's items, each given its row of the batch's logprob columns, whose
-        texts are looked up for the whole batch at once."""
+        """The batch's rows as items, each given its row of the batch's logprob columns,
+        whose texts are looked up for the whole batch at once."""
         columns = batch.logprobs
-        if columns is None:
-            return batch.items
-        rows = self.spelled(columns).rows()
-        if len(rows) != len(batch.items):
-            raise MessageError(f"a batch of {len(batch.items)} items has logprobs for "
-                               f"{len(rows)}")
-        items = []
-        for item, row in zip(batch.items, rows):
-            if row is not None:
-                if item.logprobs:
-                    raise MessageError(f"item {item.rid!r} has logprobs of its own and a row "
-                                       "of its batch's")
-                item = with_fields(item, logprobs=[row])
-            items.append(item)
-        return items
+        return batch_items(batch, None if columns is None else self.spelled(columns).rows())
 
     def spelled(self, columns: StepLogprobs) -> StepLogprobs:
         """The columns with their tokens' texts, looked up in one call."""

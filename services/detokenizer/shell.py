@@ -45,7 +45,7 @@ def handler(detokenizer: Detokenizer):
 def given_up(batch: TokenBatch, reason: str) -> list[Output]:
     """When the detokenizer gives up on a batch (Bus.consume's on_dead), each request in
     it ends with the reason, and the scheduler stops generating for it."""
-    rids = {item.rid: item.reply_to for item in batch.items}
+    rids = dict(zip(batch.rids, batch.reply_to))
     message = f"The detokenizer could not process this request's tokens: {reason}"
     return [output for rid, reply_to in rids.items() for output in (
         (keys.replies(reply_to), ErrorReply(rid, 500, message, "InternalServerError")),

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from common.messages import (DetokItem, ReplyBatch, TextDelta, TokenBatch, TokenLogprobs,
                              decode, encode, with_fields)
+from common.token_columns import batch_items, token_batch
 from services.offline.children import end_child, exit_now, pipe, start_child, start_reader
 
 EXIT_WAIT_S = 10.0
@@ -74,7 +75,7 @@ class DetokenizerProcess:
             items = [with_fields(item, logprobs=[], prompt_logprobs=[])
                      if item.logprobs or item.prompt_logprobs else item for item in items]
         try:
-            self._send.send_bytes(encode(TokenBatch(step=0, items=items)))
+            self._send.send_bytes(encode(token_batch(0, items)))
         except BrokenPipeError:
             raise self._exited() from None
         self._kept.append(kept)
@@ -130,7 +131,7 @@ def serve(receive: Connection, send: Connection, tokenizer) -> None:
             return
         # no item here has stop strings (the engine keeps those), so none aborts
         send.send_bytes(encode(ReplyBatch([detokenizer.process(item)[0]
-                                           for item in batch.items])))
+                                           for item in batch_items(batch)])))
 
 
 def main(argv: list[str]) -> int:

@@ -44,6 +44,7 @@ from common.messages import (AdmitRequest, CachedRequest, DetokItem, MessageErro
                              StepPlan, StepResult, TokenLogprobs)
 from common.pipeline import max_running, micro_batches
 from common.speculative import SpeculativeConfig, may_speculate, split_drafts
+from common.token_columns import ItemFields, TokenColumns
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, Status
 
@@ -284,17 +285,24 @@ class Scheduler:
     def update(self, result: StepResult) -> list[DetokItem]:
         """Apply a step's sampled tokens; returns what the detokenizers should see, each
         item with its token's logprobs as a record."""
-        return self._apply(result, records=True)[0]
+        return [DetokItem(*fields) for fields, _ in self._apply(result, records=True)]
 
     def update_columns(self, result: StepResult
-                       ) -> tuple[list[DetokItem], StepLogprobs | None]:
-        """As `update`, but the step's sampled logprobs stay columns: row i of the second
-        is items[i]'s (a TokenBatch's `logprobs`). A FINAL_ONLY completion still holds
-        records until its end, and its item carries them."""
-        return self._apply(result, records=False)
+                       ) -> tuple[TokenColumns, StepLogprobs | None]:
+        """As `update`, but the items are a TokenBatch's columns and the step's sampled
+        logprobs stay columns: row i of the second is the first's row i. A FINAL_ONLY
+        completion still holds records until its end, and its row carries them."""
+        columns = TokenColumns()
+        rows: list[int] = []  # each row's row of the step's logprobs; -1: none, or its own
+        for fields, row in self._apply(result, records=False):
+            columns.append(*fields)
+            rows.append(row)
+        logprobs = result.logprobs
+        return columns, None if logprobs is None else logprobs.select(rows)
 
-    def _apply(self, result: StepResult, records: bool
-               ) -> tuple[list[DetokItem], StepLogprobs | None]:
+    def _apply(self, result: StepResult, records: bool) -> list[tuple[ItemFields, int]]:
+        """Each item's fields (DetokItem's, in order) with its row of the step's logprobs
+        columns (-1: none, or its own records)."""
         for chunk in result.prompt_logprobs:
             req = self.requests.get(chunk.req_id)
             if req is None:
@@ -306,8 +314,7 @@ class Scheduler:
             raise MessageError(f"step {result.step} has logprobs for {len(columns.widths)} "
                                f"rows of its {len(result.req_ids)}")
         sampled = columns.rows() if columns is not None and records else None
-        items: list[DetokItem] = []
-        rows: list[int] = []  # each item's row of `columns`; -1: none, or its own records
+        items: list[tuple[ItemFields, int]] = []
         counts = result.num_tokens or [1] * len(result.req_ids)
         ends = itertools.accumulate(counts)
         proposals = split_drafts(result.num_draft_tokens, result.draft_token_ids,
@@ -324,21 +331,18 @@ class Scheduler:
                 sampled = columns.rows()  # held until its end as records
             lps = [sampled[row]] if sampled is not None and sampled[row] is not None else []
             if not req.final_only:
-                items.append(self._detok_item(req, kept, lps if records else []))
-                rows.append(row)
+                items.append((self._item_fields(req, kept, lps if records else []), row))
             else:
                 req.held_logprobs += lps
                 if req.finish_reason is not None:  # its whole output in one item
-                    items.append(self._detok_item(req, req.output_token_ids,
-                                                  req.held_logprobs))
-                    rows.append(-1)
+                    items.append((self._item_fields(req, req.output_token_ids,
+                                                    req.held_logprobs), -1))
             if req.finish_reason is not None:
                 self._finish(req)
         for pooled in result.embeddings:
             if (req := self.requests.get(pooled.req_id)) is not None:
-                items.append(self._embedding_item(req, pooled))
-                rows.append(-1)
-        return items, None if columns is None or records else columns.select(rows)
+                items.append((self._embedding_fields(req, pooled), -1))
+        return items
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> list[int]:
         """Append a step's tokens up to the first that ends the request; a speculating
@@ -612,32 +616,25 @@ class Scheduler:
                        # the first prompt token has no logprob; the worker scores the rest
                        prompt_logprobs=[] if params.prompt_logprobs is None else [None])
 
-    def _detok_item(self, req: Request, new: list[int], logprobs: list[TokenLogprobs]
-                    ) -> DetokItem:
+    def _item_fields(self, req: Request, new: list[int], logprobs: list[TokenLogprobs]
+                     ) -> ItemFields:
         seq = len(req.output_token_ids) - len(new)
         first = seq == 0  # the first item also carries what the request brought in
         context, num_context_prompt = make_context(
             req.prompt_token_ids, req.output_token_ids, len(new), req.stop_lookback)
-        return DetokItem(
-            rid=req.rid, index=req.index, reply_to=req.reply_to, seq=seq, new_token_ids=new,
-            context_ids=context, num_context_prompt=num_context_prompt,
-            params=req.detok_params, num_prompt_tokens=req.num_prompt_tokens,
-            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-            logprobs=logprobs,
-            prompt_logprobs=req.prompt_logprobs if first else [],
-            request_stamps=req.stamps if first else [],
-            num_cached_tokens=req.num_cached_tokens if first else 0)
+        return (req.rid, req.index, req.reply_to, seq, new, context, num_context_prompt,
+                req.detok_params, len(req.prompt_token_ids), req.finish_reason,
+                req.stop_reason, logprobs, req.prompt_logprobs if first else [],
+                req.stamps if first else [], req.num_cached_tokens if first else 0, None)
 
-    def _embedding_item(self, req: Request, pooled: PooledOutput) -> DetokItem:
+    def _embedding_fields(self, req: Request, pooled: PooledOutput) -> ItemFields:
         """The embedding request's answer; it ends here. Its embedding counts even when it
         was preempted after its last chunk was planned: that step computed it whole."""
         req.finish_reason = "stop"  # as vLLM ends a pooling request
         self._finish(req)
-        return DetokItem(
-            rid=req.rid, index=req.index, reply_to=req.reply_to, seq=0, new_token_ids=[],
-            context_ids=[], num_context_prompt=0, params=req.detok_params,
-            num_prompt_tokens=req.num_prompt_tokens, finish_reason=req.finish_reason,
-            request_stamps=req.stamps, embedding=pooled.data)
+        return (req.rid, req.index, req.reply_to, 0, [], [], 0, req.detok_params,
+                req.num_prompt_tokens, req.finish_reason, None, [], [], req.stamps, 0,
+                pooled.data)
 
     # --- introspection ------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from common.config import EngineConfig
 from common.log import get_logger
 from common.image_blobs import renew_every_s
 from common.messages import (Abort, AdmitRequest, DrainSteps, ErrorReply, RequestFailed,
-                             SchedulerStats, StepResult, TokenBatch, WorkerReady)
+                             SchedulerStats, StepResult, WorkerReady)
 from common.model_info import check_shard, resolve_engine
 from common.service import ServiceContext, freeze_heap, heartbeat, run_service
 from common.timing import PhaseClock
@@ -190,10 +190,10 @@ class SchedulerShell:
         outputs: list[Output] = []
         for result in self.results:  # all of the current worker's: _worker_ready clears
             assert self.core is not None
-            items, logprobs = self.core.update_columns(result)
-            if items:
-                outputs.append((keys.DETOK, TokenBatch(result.step, items, result.stamps,
-                                                        self.shard, logprobs)))
+            columns, logprobs = self.core.update_columns(result)
+            if len(columns):
+                outputs.append((keys.DETOK, columns.batch(result.step, result.stamps,
+                                                          self.shard, logprobs)))
         self.results = []
         return outputs
 
