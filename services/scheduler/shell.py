@@ -183,7 +183,10 @@ class SchedulerShell:
         """Frees the step's slot now; its tokens are applied after the next plan is out."""
         if self.core is None or result.epoch != self.worker_epoch:
             return  # from a worker that is gone
+        depth = self.steps.depth
         self.steps.finished(result.step, result.stamps)
+        if self.steps.depth != depth:
+            log.info("steps planned ahead", depth=self.steps.depth, step=result.step)
         self.results.append(result)
 
     def _apply_results(self) -> list[Output]:

@@ -134,18 +134,22 @@ class StepThread:
             self.post(item, StepResult(plan.step, [], [], epoch=self.epoch,
                                        stamps=[plan.planned_at, now, now]))
             return True
-        launched_at = time.time()
+        submitted_at = time.time()
         done = self.executor.submit(plan)
-        self.launched.append((item, launched_at))
+        self.launched.append((item, submitted_at))
         self._deliver(done)
         self.clock.lap("submit")
         return True
 
     def _deliver(self, results: list[StepResult]) -> None:
         for result in results:
-            entry, launched_at = self.launched.popleft()
+            entry, submitted_at = self.launched.popleft()
             done_at = result.stamps[-1]  # when the executor had its tokens
-            # a step launched behind another starts when that one is done
+            # when its forward went onto the device's queue, where the executor says (its
+            # inputs took the host a while after the plan came), and a step launched
+            # behind another starts when that one is done: the scheduler reads a device
+            # that waited for a plan from the gap (services/scheduler/inflight.py)
+            launched_at = result.stamps[0] if len(result.stamps) > 1 else submitted_at
             started = max(launched_at, self.last_done)
             self.last_done = done_at
             if self.log_slow_steps:
