@@ -110,37 +110,3 @@ def test_a_step_slower_than_usual_is_logged_with_its_shape():
 def test_steps_that_are_all_slow_are_not_each_logged():
     slow = slow_steps([step_thread.SLOW_STEP_S + 0.03] * 4)  # a CPU's steps
     assert [entry["step"] for entry in slow] == [0]
-
-
-class PreparingDevice(TimedDevice):
-    """Takes `prepare` seconds over a step's inputs before its forward goes onto the
-    device's queue, and says when it did, as the model runner's results do."""
-
-    def __init__(self, prepare: float) -> None:
-        super().__init__([])
-        self.prepare = prepare
-
-    def submit(self, plan: StepPlan) -> list[StepResult]:
-        time.sleep(self.prepare)
-        launched = time.time()
-        return [StepResult(plan.step, plan.req_ids, [1] * len(plan.req_ids),
-                           stamps=[launched, time.time()])]
-
-
-def test_a_step_starts_when_its_forward_is_launched_not_when_its_plan_came():
-    """The scheduler reads a device that waited for a plan from the gap between a step's
-    start and the last one's end: a start stamped when the plan came would hide the
-    host's time over the inputs, in which the device sat idle."""
-    posted: list[StepResult | None] = []
-    thread = StepThread(PreparingDevice(0.05), "e1", lambda entry, result: posted.append(result))
-    thread.start()
-    planned_at = time.time()
-    thread.put(Entry("steps", b"1-0", {}, StepPlan(0, ["a"], [1], [0], epoch="e1",
-                                                    planned_at=planned_at)))
-    thread.stop()
-    deadline = time.monotonic() + 10
-    while len(posted) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    result = posted[0]
-    assert result is not None and result.stamps[0] == planned_at
-    assert result.stamps[1] - planned_at >= 0.05 and result.stamps[2] >= result.stamps[1]

@@ -53,8 +53,6 @@ class Launched:
     done: torch.cuda.Event | None = None
     logprobs: LogprobsLayout | None = None  # which rows of `host` have logprobs
     on_host_at: float = 0.0  # wall clock; set at launch on a synchronous device (the CPU)
-    # wall clock: when its forward began to go onto the device's queue, its inputs ready
-    launched_at: float = 0.0
     pooled_states: list[RequestState] = field(default_factory=list)
     pooled: torch.Tensor | None = None  # their embeddings, a row each, on the host when done
     spec: list[RequestState] = field(default_factory=list)  # verified drafts' requests
@@ -84,8 +82,7 @@ def finish(launched: Launched) -> StepResult:
     requests."""
     if launched.done is not None:
         launched.done.synchronize()
-    # when the tokens reached the host: the worker shell adds the plan's stamp, and puts
-    # the launch's at the later of it and the step before's end
+    # when the tokens reached the host: the worker shell adds the plan's and the start's
     on_host = launched.on_host_at or time.time()
     token_ids = _append_sampled(launched)
     req_ids = [s.req_id for s in launched.sampling]
@@ -103,8 +100,7 @@ def finish(launched: Launched) -> StepResult:
                         token_ids=token_ids, logprobs=logprobs,
                         prompt_logprobs=launched.prompt_logprobs,
                         execute_ms=1000 * (time.perf_counter() - launched.started),
-                        stamps=[launched.launched_at, on_host],
-                        embeddings=_embeddings(launched),
+                        stamps=[on_host], embeddings=_embeddings(launched),
                         num_tokens=num_tokens, num_draft_tokens=num_drafts,
                         draft_token_ids=drafts)
     if launched.pinned is not None:  # the result holds copies: the blocks are free again

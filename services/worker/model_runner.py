@@ -190,13 +190,12 @@ class ModelRunner:
         done = self._finish_last(self._pending is not None and self._pending.done is None)
         started = time.perf_counter()
         inputs = self._prepare(plan)
-        launched_at = time.time()  # its forward starts going onto the device's queue
         hidden = self._run(inputs)
         # Penalties, min_tokens and grammars need the last step's tokens to sample: wait
         # for them now, while the device runs this step's forward pass.
         done += self._finish_last(any(s.pending and s.needs_history()
                                       for s in inputs.sampling))
-        launched = self._sample(plan.step, inputs, hidden, started, launched_at)
+        launched = self._sample(plan.step, inputs, hidden, started)
         self._pool(launched, inputs.pooling_rows, hidden)
         done += self._finish_last()
         self._pending = launched
@@ -213,10 +212,9 @@ class ModelRunner:
         in flight (the scheduler plans none such), so the first stage knows every input."""
         started = time.perf_counter()
         inputs = self._prepare(plan)
-        launched_at = time.time()  # its forward starts going onto the device's queue
         hidden = self._run(inputs)
         if self.stage.is_last:
-            launched = self._sample(plan.step, inputs, hidden, started, launched_at)
+            launched = self._sample(plan.step, inputs, hidden, started)
             self._pool(launched, inputs.pooling_rows, hidden)
             return self._post(self._finish_last(), launched)
         if self.stage.inbox is None:
@@ -361,13 +359,13 @@ class ModelRunner:
             self.stage.send_next(hidden if key is None else hidden.clone())
         return hidden
 
-    def _sample(self, step: int, inputs: StepInputs, hidden: torch.Tensor, started: float,
-                launched_at: float) -> Launched:
+    def _sample(self, step: int, inputs: StepInputs, hidden: torch.Tensor, started: float
+                ) -> Launched:
         """Queue the step's tokens: sampled, verified drafts, and the draft model's
         proposals after them, each copied to the host behind the launched step's event."""
         launched = Launched(step, started, [self._prompt_logprobs(hidden, *row)
                                             for row in inputs.prompt_logprob_rows],
-                            pinned=self._pinned, launched_at=launched_at)
+                            pinned=self._pinned)
         if not inputs.sampling and not inputs.spec:
             return launched
         sampled = self._sample_tokens(launched, inputs, hidden) if inputs.sampling else None

@@ -134,22 +134,24 @@ class StepThread:
             self.post(item, StepResult(plan.step, [], [], epoch=self.epoch,
                                        stamps=[plan.planned_at, now, now]))
             return True
-        submitted_at = time.time()
+        launched_at = time.time()
         done = self.executor.submit(plan)
-        self.launched.append((item, submitted_at))
+        self.launched.append((item, launched_at))
         self._deliver(done)
         self.clock.lap("submit")
         return True
 
     def _deliver(self, results: list[StepResult]) -> None:
         for result in results:
-            entry, submitted_at = self.launched.popleft()
+            entry, launched_at = self.launched.popleft()
             done_at = result.stamps[-1]  # when the executor had its tokens
-            # when its forward went onto the device's queue, where the executor says (its
-            # inputs took the host a while after the plan came), and a step launched
-            # behind another starts when that one is done: the scheduler reads a device
-            # that waited for a plan from the gap (services/scheduler/inflight.py)
-            launched_at = result.stamps[0] if len(result.stamps) > 1 else submitted_at
+            # a step launched behind another starts when that one is done. Otherwise its
+            # start is when this thread took its plan, its inputs not yet made: the
+            # scheduler deepens its queue only for a device that waited with no plan here
+            # (services/scheduler/inflight.py). A wait while the host made the inputs is
+            # not one that plans further ahead help: stamped at the forward's launch
+            # instead, the depth went to 4 at once, with no more requests/s and a costlier
+            # batch-1 ITL (benchmarks/issue31-h200, sixth session)
             started = max(launched_at, self.last_done)
             self.last_done = done_at
             if self.log_slow_steps:
