@@ -150,8 +150,8 @@ class StepThread:
             # scheduler deepens its queue only for a device that waited with no plan here
             # (services/scheduler/inflight.py). A wait while the host made the inputs is
             # not one that plans further ahead help: stamped at the forward's launch
-            # instead, the depth went to 4 at once, with no more requests/s and a costlier
-            # batch-1 ITL (benchmarks/issue31-h200, sixth session)
+            # instead, the depth went to 4 at once, with no more requests/s
+            # (benchmarks/issue31-h200, sixth session)
             started = max(launched_at, self.last_done)
             self.last_done = done_at
             if self.log_slow_steps:
