@@ -618,6 +618,9 @@ class Scheduler:
 
     def _item_fields(self, req: Request, new: list[int], logprobs: list[TokenLogprobs]
                      ) -> ItemFields:
+        """The DetokItem of `new`, as its fields in order: a tuple, since the served
+        scheduler writes them into a TokenBatch's columns and a record a row was most of
+        what building the batch cost."""
         seq = len(req.output_token_ids) - len(new)
         first = seq == 0  # the first item also carries what the request brought in
         context, num_context_prompt = make_context(
