@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import struct
 import sys
 import types
 import typing
@@ -801,13 +802,22 @@ _EXACT = {str: "str", int: "int", float: "float", bool: "bool"}
 def _packed_codec(dtype: np.dtype) -> tuple[Converter, Converter]:
     # array.array packs and unpacks a short list several times faster than numpy, and most
     # packed fields hold a token or two; numpy takes arrays and tensors' numpy views.
+    # struct packs a long list of ints or doubles in half array's time (a TokenBatch's
+    # 4,096 context ids: 31 against 65 us); float32 stays with array, which turns a value
+    # past float32's range into inf where struct refuses it.
     code = {"<i4": "i", "<f4": "f", "<f8": "d"}[dtype.str]
     assert array(code).itemsize == dtype.itemsize, f"array {code!r} is not {dtype}"
+    by_struct = code != "f"
 
     def to_wire(v: Any) -> bytes:
         if type(v) is not list or _BIG_ENDIAN:
             return np.asarray(v, dtype=dtype).tobytes()
-        return array(code, v).tobytes()
+        if len(v) < STRUCT_MIN_ITEMS or not by_struct:
+            return array(code, v).tobytes()
+        try:
+            return struct.pack(f"<{len(v)}{code}", *v)
+        except struct.error as e:  # an int out of int32's range, or no int
+            raise ValueError(f"cannot pack a {dtype} array: {e}") from None
 
     def from_wire(w: Any) -> list:
         if type(w) is not bytes:
@@ -822,6 +832,7 @@ def _packed_codec(dtype: np.dtype) -> tuple[Converter, Converter]:
 
 
 _BIG_ENDIAN = sys.byteorder == "big"  # array.array packs in the host's order
+STRUCT_MIN_ITEMS = 16  # from here struct packs faster than array (same figures)
 
 
 def _scalar_type(hint: Any) -> type:

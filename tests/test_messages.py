@@ -265,6 +265,10 @@ def test_malformed_messages_raise_one_typed_error():
 def test_values_that_cannot_be_encoded_raise_message_error():
     with pytest.raises(MessageError):
         messages.encode(StepPlan(1, ["r"], [2**40], [0]))  # not an int32
+    long = messages.STRUCT_MIN_ITEMS  # a list this long packs by struct, not array
+    for bad in ([2**31] * long, [1.5] * long, [None] * long):
+        with pytest.raises(MessageError):
+            messages.encode(StepPlan(1, ["r"] * long, bad, [0] * long))
     with pytest.raises(MessageError):
         messages.encode(DetokParams())  # a record, not a registered message
 
@@ -312,3 +316,17 @@ def test_stages_come_from_consecutive_stamps():
     assert step_stages([1.0, 2.0, 3.0]) == []  # a writer that did not stamp every hop
     assert request_stages([0.0, 1.0, 2.0, 3.0]) == []
     assert step_stages([5.0, 4.0, 6.0, 7.0, 8.0])[0] == ("plan_to_worker", 0.0)  # no negatives
+
+
+@pytest.mark.parametrize("count", [1, 15, 16, 4096])
+def test_packed_arrays_of_every_length_round_trip(count):
+    """Short lists pack by array, long ones by struct: the same bytes either way."""
+    ints = [(-1) ** i * (i * 7919 % 2**31) for i in range(count)]
+    stamps = [1_790_000_000.123456 + i for i in range(count)]
+    values = [-i / 3 for i in range(count)]
+    result = StepResult(3, ["r"] * count, ints, StepLogprobs([1] * count, ints, values, ints),
+                        stamps=stamps)
+    assert decode(encode(result)) == dataclasses.replace(
+        result, logprobs=StepLogprobs([1] * count, ints, [float(np.float32(v)) for v in values],
+                                      ints))
+    assert np.frombuffer(messages._codec(messages.Tokens)[0](ints), "<i4").tolist() == ints
