@@ -202,6 +202,40 @@ def test_cuda_graphs_give_the_eager_tokens(real_model):
     assert greedy(graphs, prompts) == greedy(eager, prompts)
 
 
+def test_greedy_decodes_sample_in_the_graphs_heads_as_eager_steps_do(real_model, monkeypatch):
+    """Greedy decode steps without logprobs and with logprobs 0 and 1 sample in their decode
+    graph's heads (12 requests: padding rows in the 16-wide graph); logprobs=2 takes the
+    sampler. Tokens and logprobs are eager execution's."""
+    kwargs = dict(dtype="float32", num_gpu_blocks_override=512, max_num_seqs=16,
+                  max_model_len=2048)
+    graphs = LLM(real_model, **kwargs)
+    runner_graphs = graphs.engine.runner.graphs
+    replayed: list[int] = []
+    sample = runner_graphs.sample
+    monkeypatch.setattr(runner_graphs, "sample",
+                        lambda key, k: replayed.append(k) or sample(key, k))
+    eager = LLM(real_model, enforce_eager=True, **kwargs)
+    for logprobs in (None, 0, 1, 2):
+        replayed.clear()
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                logprobs=logprobs)
+        ours, want = (llm.generate(PROMPTS * 3, params, use_tqdm=False)
+                      for llm in (graphs, eager))
+        assert set(replayed) == ({0} if logprobs is None else {1} if logprobs < 2 else set())
+        for a, b in zip(ours, want):
+            tokens = a.outputs[0].token_ids
+            assert tokens == b.outputs[0].token_ids
+            if logprobs is None:
+                assert a.outputs[0].logprobs is None
+                continue
+            # the chosen token's entry: the others of logprobs=2 may swap places on a
+            # near-tie, the graphs' sums not being the eager kernels' to the last bit
+            for token, x, y in zip(tokens, a.outputs[0].logprobs, b.outputs[0].logprobs,
+                                   strict=True):
+                assert len(x) == len(y) and x[token].rank == y[token].rank == 1
+                assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-3)
+
+
 def test_mixed_graphs_give_the_eager_prompt_logprobs(real_model):
     """Prefills replay mixed graphs (padded request slots and tokens); every prompt token's
     logprob, read from the replay's hidden states, is the eager one's."""

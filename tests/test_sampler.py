@@ -16,9 +16,10 @@ import torch
 from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
 from services.worker.sampler import (
-    RADIX_TOP_P_ROWS, GrammarMask, Sampler, SamplerOutput, SamplingRow, apply_min_p,
-    apply_penalties, apply_top_k, apply_top_p, make_generator, prompt_logprobs,
-    top_k_threshold, top_logprobs, unpack_logprobs)
+    GRAPH_HEADS, RADIX_TOP_P_ROWS, GrammarMask, Sampler, SamplerOutput, SamplingRow,
+    apply_min_p, apply_penalties, apply_top_k, apply_top_p, graph_head, graph_head_output,
+    greedy_head, make_generator, prompt_logprobs, top_k_threshold, top_logprobs,
+    unpack_logprobs)
 
 DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 
@@ -466,6 +467,39 @@ def test_greedy_logprobs_of_one_read_equal_the_general_paths(device: torch.devic
     assert general.logprobs is not None and general.logprobs.rows == [0, 2, 3, 5]
     assert_same_logprobs(host_logprobs(general, len(wider))[:len(ks)],
                          host_logprobs(out, len(ks)))
+
+
+def test_a_graph_head_samples_greedy_rows_on_raw_logits_with_one_logprob_at_most() -> None:
+    def head(*params: SamplingParams) -> int | None:
+        return graph_head([make_row(p, torch.device("cpu")) for p in params])
+    greedy = SamplingParams(temperature=0.0)
+    assert head(greedy, greedy) == 0
+    assert head(greedy, SamplingParams(temperature=0.0, logprobs=0)) == 1
+    assert head(SamplingParams(temperature=0.0, logprobs=1), greedy) == 1
+    assert head(greedy, SamplingParams(temperature=0.0, logprobs=2)) is None
+    assert head(greedy, SamplingParams(temperature=0.7)) is None
+    assert head(greedy, SamplingParams(temperature=0.0, repetition_penalty=1.2)) is None
+    assert head(SamplingParams(temperature=0.0, logit_bias={3: 1.0})) is None
+
+
+@pytest.mark.parametrize("k", GRAPH_HEADS)
+def test_a_graph_heads_padded_output_reads_as_the_samplers(device: torch.device,
+                                                           k: int) -> None:
+    """A head samples every row of its graph, the padding rows after the step's too: the
+    step's rows read back from its one copy as the sampler's output for them alone, rows
+    of logprobs 0, 1 and none side by side."""
+    logprobs = [0, None, 1, 1, None] if k else [None] * 5
+    rows = [make_row(SamplingParams(temperature=0.0, logprobs=n), device) for n in logprobs]
+    logits = tied_logits(12, 8, 300).to(device)
+    logits[len(rows):] = 0.0  # padding: what an earlier step left in the graph's buffers
+    assert graph_head(rows) == k
+    out = graph_head_output(greedy_head(logits, k), rows, k)
+    want = Sampler(device, 0).sample(logits[:len(rows)].clone(), rows)
+    assert torch.equal(out.token_ids, want.token_ids)
+    assert (out.logprobs is None) == (want.logprobs is None) == (k == 0)
+    if k:
+        assert out.logprobs is not None and out.logprobs.padding == 3
+        assert host_logprobs(out, len(rows)) == host_logprobs(want, len(rows))
 
 
 @pytest.mark.parametrize("k", [0, 4])

@@ -511,6 +511,9 @@ class ProfiledRunner:
     def profile_run(self) -> None:
         self.profiled = True
 
+    def graph_head_bytes(self) -> int:
+        return GIB // 2
+
 
 @pytest.fixture
 def device_memory(monkeypatch):
@@ -537,6 +540,17 @@ def test_kv_cache_memory_bytes_sizes_the_cache_instead_of_the_utilization(device
                            kv_cache_memory=68 * GIB)
     with pytest.raises(MemoryError, match="--kv-cache-memory-bytes .* does not fit"):
         plan_num_blocks(too_big, ProfiledRunner(), per_block)
+
+
+def test_cuda_graphs_reserve_their_scaled_activations_and_their_heads_logits(device_memory):
+    """2 GiB of profiled activations over 8,192 tokens scale to 128 MiB for graphs of 512;
+    beside them the workspaces' 256 MiB and the sampling heads' logits (half a GiB here)."""
+    per_block = 2**20
+    config = EngineConfig(model="m", max_model_len=64, max_num_batched_tokens=8192,
+                          max_num_seqs=256)
+    graphs = 128 * 2**20 + 256 * 2**20 + GIB // 2
+    assert plan_num_blocks(config, ProfiledRunner(), per_block) \
+        == (int(80 * GIB * 0.9) - 12 * GIB - GIB - graphs) // per_block
 
 
 def test_serve_refuses_a_certificate_it_cannot_load(tmp_path, certificate):

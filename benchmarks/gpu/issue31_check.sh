@@ -204,13 +204,15 @@ lp-cost)  # what logprobs=1 costs the nano workload on both paths, in this tree:
   done
   ;;
 latency-lp-ab)  # the sampler's, the input copies' and the output blocks' CUDA tests, the
-               # copies' host cost (input_copies.py), then latency_lp_ab
-  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_step_inputs.py \
-    tests/test_kernels_triton.py::test_sampling_kernel_cuda tests/test_sampler.py \
-    -k "cuda or CUDA or gpu" > "$R/pytest-sampler-cuda.txt" 2>&1
-  timeout 100 python -m pytest -q -p no:cacheprovider tests/test_launched.py \
-    >> "$R/pytest-sampler-cuda.txt" 2>&1
-  timeout 60 python benchmarks/gpu/input_copies.py > "$R/input-copies.txt" 2>&1
+               # copies' host cost (input_copies.py; TESTS=0: neither), then latency_lp_ab
+  if [ "${TESTS:-1}" != 0 ]; then
+    timeout 200 python -m pytest -q -p no:cacheprovider tests/test_step_inputs.py \
+      tests/test_kernels_triton.py::test_sampling_kernel_cuda tests/test_sampler.py \
+      -k "cuda or CUDA or gpu" > "$R/pytest-sampler-cuda.txt" 2>&1
+    timeout 100 python -m pytest -q -p no:cacheprovider tests/test_launched.py \
+      >> "$R/pytest-sampler-cuda.txt" 2>&1
+    timeout 60 python benchmarks/gpu/input_copies.py > "$R/input-copies.txt" 2>&1
+  fi
   latency_lp_ab
   ;;
 latency-topk-ab)  # the 0.6B decode step in process, greedy: batch 1 with logprobs=1 and

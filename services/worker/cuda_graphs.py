@@ -17,6 +17,14 @@ and a stage before the last returns the hidden states it sends on. The receives 
 stay outside the graphs, in the runner's step, so a stage never waits on another inside
 a replay.
 
+On the last stage each decode graph has heads: small graphs replayed after it that take
+its hidden states to the greedy tokens, by the argmax or with their top logprobs
+(services/worker/sampler.greedy_head). A greedy decode step then launches its sampling as
+one replay instead of issuing the kernels of the lm_head, the logits and the sampler one
+by one: four launches without logprobs, five and as many allocations with them (issue
+31). The heads stay apart from the forward graphs so that each of those is captured once: a head
+costs the host one replay more.
+
 A step replays the smallest graph of its kind that fits. Its inputs are copied into the
 graphs' static buffers; the unused request slots have no queries and context length 0,
 the tokens past the last real one have cache slot -1 and form the kernel's padding tail
@@ -29,6 +37,7 @@ import torch
 
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
 from services.worker.models import CausalLM
+from services.worker.sampler import greedy_head
 
 MAX_TOKENS = 512  # beyond this a step's device time hides its launches
 
@@ -60,10 +69,12 @@ def mixed_sizes(max_tokens: int) -> list[int]:
 class StepGraphs:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int, receives: torch.dtype | None = None) -> None:
+                 block_size: int, receives: torch.dtype | None = None,
+                 heads: tuple[int, ...] = ()) -> None:
         """receives: on a pipeline stage after the first, the dtype of the hidden states
-        it receives from the stage before."""
-        self.model, self.kv_caches = model, kv_caches
+        it receives from the stage before; heads: the k of each head a decode graph has
+        (greedy_head's), none where the stage does not sample."""
+        self.model, self.kv_caches, self.head_ks = model, kv_caches, heads
         self.decode_sizes = decode_sizes(min(max_num_seqs, MAX_TOKENS))
         self.mixed_sizes = mixed_sizes(min(max_num_batched_tokens, MAX_TOKENS))
         self.max_model_len = max_model_len
@@ -85,6 +96,9 @@ class StepGraphs:
         self.mixed_starts = ints(rows + 1)
         self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[bool, int], torch.Tensor] = {}  # each graph's hidden states
+        # by (decode size, k): a decode graph's heads and their outputs
+        self.heads: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.head_outputs: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def sizes(self) -> dict[str, list[int]]:
@@ -107,6 +121,13 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[key] = self.forward(*key)
             self.graphs[key] = graph
+        heads = [(size, k) for size in reversed(self.decode_sizes) for k in self.head_ks]
+        for head in heads:  # after every forward graph: each reads its graph's output
+            self.head(*head)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.head_outputs[head] = self.head(*head)
+            self.heads[head] = graph
         torch.cuda.synchronize()
 
     def run(self, key: tuple[bool, int], input_ids: torch.Tensor, positions: torch.Tensor,
@@ -117,6 +138,15 @@ class StepGraphs:
         self.load(key, input_ids, positions, attn, hidden)
         self.graphs[key].replay()
         return self.outputs[key][:input_ids.shape[0]]
+
+    def sample(self, key: tuple[bool, int], k: int) -> torch.Tensor | None:
+        """Head k's output for the step graph `key` has just replayed, over all the graph's
+        rows (the next replay overwrites it); None where that graph has no such head."""
+        head = self.heads.get((key[1], k)) if not key[0] else None
+        if head is None:
+            return None
+        head.replay()
+        return self.head_outputs[(key[1], k)]
 
     def load(self, key: tuple[bool, int], input_ids: torch.Tensor, positions: torch.Tensor,
              attn: AttentionMetadata, hidden: torch.Tensor | None = None) -> None:
@@ -149,3 +179,7 @@ class StepGraphs:
         return self.model(self.input_ids[:size], self.positions[:size],
                           ForwardContext(attn, self.kv_caches),
                           None if self.hidden is None else self.hidden[:size])
+
+    def head(self, size: int, k: int) -> torch.Tensor:
+        """Head k of decode graph `size` over that graph's output buffer."""
+        return greedy_head(self.model.compute_logits(self.outputs[(False, size)]), k)

@@ -20,6 +20,8 @@ class Profilable(Protocol):
 
     def profile_run(self) -> None: ...
 
+    def graph_head_bytes(self) -> int: ...
+
 
 def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype,
                              tp_size: int = 1, num_layers: int | None = None) -> int:
@@ -71,7 +73,7 @@ def _profiled_budget(config: EngineConfig, runner: Profilable) -> int:
     free, total = torch.cuda.mem_get_info()
     outside_torch = max((total - free) - torch.cuda.memory_reserved(), 0)
     torch.cuda.empty_cache()
-    graphs = _graph_reserve(config, peak - weights)
+    graphs = _graph_reserve(config, peak - weights, runner)
     budget = int(total * config.gpu_memory_utilization) - peak - outside_torch - graphs
     log.info("memory profile: total %.2f GiB, weights %.2f GiB, activation peak %.2f GiB, "
              "CUDA graphs %.2f GiB, outside torch %.2f GiB, KV budget %.2f GiB",
@@ -88,14 +90,17 @@ def _profiled_budget(config: EngineConfig, runner: Profilable) -> int:
     return config.kv_cache_memory
 
 
-def _graph_reserve(config: EngineConfig, activations: int) -> int:
+def _graph_reserve(config: EngineConfig, activations: int, runner: Profilable) -> int:
     """CUDA graphs keep their activations in a pool of their own, captured after the KV
-    cache exists: the profiled activations scaled to the largest graph's tokens, plus room
-    for the per-graph workspaces. On a pipeline stage after the first the profile holds
-    the hidden states received too, so the scaled share covers the graphs' buffer for
-    them; every stage captures, each its own layers."""
+    cache exists: the profiled activations scaled to the largest graph's tokens, room for
+    the per-graph workspaces, and the logits of the decode graphs' sampling heads (the
+    scaled share holds a fraction of the sampler's, which does not shrink with the
+    tokens). On a pipeline stage after the first the profile holds the hidden states
+    received too, so the scaled share covers the graphs' buffer for them; every stage
+    captures, each its own layers."""
     if config.enforce_eager:
         return 0
     assert config.max_num_batched_tokens is not None
     tokens = graph_tokens(config.max_num_seqs, config.max_num_batched_tokens)
-    return activations * tokens // config.max_num_batched_tokens + 256 * 2**20
+    return (activations * tokens // config.max_num_batched_tokens + 256 * 2**20
+            + runner.graph_head_bytes())

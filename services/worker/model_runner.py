@@ -36,7 +36,7 @@ from common.model_info import DraftModel
 from common.pipeline import held_steps
 from common.sampling_params import SamplingParams
 from common.speculative import may_speculate
-from services.worker.cuda_graphs import StepGraphs, graph_tokens
+from services.worker.cuda_graphs import MAX_TOKENS, StepGraphs, graph_tokens
 from services.worker.draft import DraftRunner
 from services.worker.grammar import Grammars, MaskRow
 from services.worker.images import (EncoderCache, key_limits, mrope_positions_of_step,
@@ -56,7 +56,9 @@ from services.worker.models import kv_cache_shape
 from services.worker.models.qwen2_vl import mrope_positions
 from services.worker.pooler import Pooler
 from services.worker.request_state import RequestState
-from services.worker.sampler import GrammarMask, Sampler, SamplingRow, prompt_logprobs
+from services.worker.sampler import (GRAPH_HEADS, GrammarMask, Sampler, SamplerOutput,
+                                     SamplingRow, graph_head, graph_head_output,
+                                     prompt_logprobs)
 from services.worker.spec_verify import last_emitted, verify
 
 log = logging.getLogger("headrace.worker")
@@ -329,7 +331,7 @@ class ModelRunner:
         self.scales_pending = [m for m in self.scales_pending if m.calculate_scales]
         if self.scales_pending:
             graphs = None
-        key = None if graphs is None or not replays_graph(inputs) \
+        key = inputs.graph = None if graphs is None or not replays_graph(inputs) \
             else graphs.key(attn, inputs.input_ids.shape[0])
         if key is None and self.images is not None:
             hidden = self.model(inputs.input_ids, inputs.positions,
@@ -379,9 +381,11 @@ class ModelRunner:
                        ) -> torch.Tensor:
         """The tokens of the rows that reached their last token; they stay on the device
         too, for the next step's gathers. Returns them."""
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        out = self.sampler.sample(logits, [s.sampling_row() for s in inputs.sampling],
-                                  self._grammar_mask(inputs.sampling))
+        rows = [s.sampling_row() for s in inputs.sampling]
+        out = self._sample_in_graph(inputs, rows)
+        if out is None:
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            out = self.sampler.sample(logits, rows, self._grammar_mask(inputs.sampling))
         self._last_tokens = out.token_ids
         for row, state in enumerate(inputs.sampling):
             state.pending += 1
@@ -390,6 +394,19 @@ class ModelRunner:
         launched.host = launched.to_host(out.packed)  # the logprobs too, in one copy
         launched.logprobs = out.logprobs
         return out.token_ids
+
+    def _sample_in_graph(self, inputs: StepInputs, rows: list[SamplingRow]
+                         ) -> SamplerOutput | None:
+        """A decode step's greedy tokens, with logprobs=0 or 1, from a head of the graph
+        that replayed it (cuda_graphs.py); None where the sampler must choose them: a
+        random draw, processed logits, a grammar, or a row that does not sample."""
+        if inputs.graph is None or len(rows) != inputs.input_ids.shape[0] \
+                or any(state.structured for state in inputs.sampling):
+            return None
+        k = graph_head(rows)
+        assert self.graphs is not None
+        out = None if k is None else self.graphs.sample(inputs.graph, k)
+        return None if out is None else graph_head_output(out, rows, k)
 
     def _verify(self, launched: Launched, inputs: StepInputs, hidden: torch.Tensor
                 ) -> torch.Tensor:
@@ -517,6 +534,14 @@ class ModelRunner:
         if use_peer_all_reduce(tokens, self.hf_config.hidden_size, self.dtype, self.device):
             log.info("all-reduces of up to %d tokens go over peer memory", tokens)
 
+    def graph_head_bytes(self) -> int:
+        """The logits the decode graphs' heads hold in the graphs' pool (cuda_graphs.py),
+        the largest graph's: the lm_head's, in the model's dtype, and their float32 copy."""
+        if not self.stage.is_last:
+            return 0
+        rows = min(self.config.max_num_seqs, MAX_TOKENS)  # the largest decode graph's
+        return rows * self.model.vocab_size * (self.dtype.itemsize + 4)
+
     def _capture_graphs(self) -> StepGraphs | None:
         """None on the CPU and under --enforce-eager. A vision-language model's graphs
         wrap its language model alone (token ids to embeddings, 1-D positions): they
@@ -529,7 +554,8 @@ class ModelRunner:
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         graphs = StepGraphs(self.model, self.kv_caches, config.max_num_seqs,
                             config.max_num_batched_tokens, config.max_model_len,
-                            self.block_size, None if self.stage.is_first else self.dtype)
+                            self.block_size, None if self.stage.is_first else self.dtype,
+                            GRAPH_HEADS if self.stage.is_last else ())
         start = time.perf_counter()
         graphs.capture()
         if self.draft is not None:

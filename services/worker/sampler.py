@@ -12,6 +12,9 @@ whose rows ask for temperature alone (no top-k/p, min-p, penalties, logprobs or 
 samples in one Triton pass instead (kernels/sampling.py: the Gumbel-max form of the race),
 and a greedy step on the raw logits takes its tokens and logprobs from one read of them
 (top_logprobs_triton, which finds any step's logprobs up to MAX_KERNEL_LOGPROBS a row).
+A greedy decode step whose rows ask for one logprob at most never reaches the Sampler: a
+head of the CUDA graph that computed it samples it (greedy_head, graph_head;
+services/worker/cuda_graphs.py).
 Nothing sorts the vocabulary: top-p's set comes from a threshold found over each row
 (top_p_threshold: Triton kernels on CUDA), top-k's from torch.topk or, for a large k, a
 search too. Logprobs are left on the
@@ -75,6 +78,9 @@ class LogprobsLayout:
     """Which rows of a step's packed output carry logprobs, and how many each."""
     rows: list[int]  # the batch rows whose logprobs the packed block holds, ascending
     widths: list[int]  # 1 + each one's params.logprobs; 0 for a row that asked for none
+    # rows after the step's in each of the block's parts: a captured graph's padding rows,
+    # whose tokens and logprobs nobody reads (graph_head_output)
+    padding: int = 0
 
 
 @dataclass(slots=True)
@@ -100,13 +106,13 @@ def unpack_logprobs(host: torch.Tensor, num_rows: int, layout: LogprobsLayout | 
     were most of this function's cost at batch 1, which a served chat waits on."""
     if layout is None:
         return None
-    count = len(layout.rows)
-    width = (host.shape[0] - num_rows - count) // (2 * count)
-    block = host[num_rows:].numpy()
-    size = count * width
+    count, padding = len(layout.rows), layout.padding
+    width = (host.shape[0] - num_rows - count - 2 * padding) // (2 * (count + padding))
+    block = host[num_rows + padding:].numpy()
+    size, held = count * width, (count + padding) * width
     widths = layout.widths
-    ids, ranks = block[:size], block[2 * size:]
-    values = block[size:2 * size].astype(np.int32).view(np.float32)
+    ids, ranks = block[:size], block[2 * held:2 * held + count]
+    values = block[held:held + size].astype(np.int32).view(np.float32)
     if min(widths) < width:  # each row's first `widths` entries; a row of none, no rank
         asked = np.asarray(widths)
         taken = (np.arange(width)[None, :] < asked[:, None]).ravel()
@@ -162,8 +168,7 @@ class Sampler:
         batch-1 chat with logprobs cost its step an argmax, a one-program pass over the row
         and the packing's copies, and a 256-row step with logprobs=5 half a millisecond of
         host time in the processing it skips (issue 31)."""
-        widths = [0 if row.params.logprobs is None else row.params.logprobs + 1
-                  for row in rows]
+        widths = _widths(rows)
         packed = _top_logprobs(logits, max(widths) - 1)
         return SamplerOutput(packed[:len(rows)], packed,
                              LogprobsLayout(list(range(len(rows))), widths))
@@ -457,6 +462,51 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs of each next prompt token plus the top-k, from the raw logits."""
     return top_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, k)
+
+
+# --- sampling inside a decode step's CUDA graph ------------------------------------------
+
+# The most logprobs a row may ask for and still be sampled by a decode graph's head
+# (services/worker/cuda_graphs.py): logprobs=0 and 1 (a chat's `logprobs: true`, and
+# top_logprobs=1) cost the step the one read of its logits that the argmax makes; each
+# larger k would be one more head per graph.
+HEAD_LOGPROBS = 1
+GRAPH_HEADS = (0, HEAD_LOGPROBS)  # the k of each head a decode graph has
+
+
+def graph_head(rows: Sequence[SamplingRow]) -> int | None:
+    """Which head of a decode graph samples these rows: 0, the argmax (no row asks for
+    logprobs), or HEAD_LOGPROBS, the top-logprobs kernel; None where a row needs the
+    sampler (a random draw, processed logits, more logprobs)."""
+    if not all(_greedy_on_raw_logits(row) for row in rows):
+        return None
+    asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+    if not asked:
+        return 0
+    return HEAD_LOGPROBS if max(asked) <= HEAD_LOGPROBS else None
+
+
+def greedy_head(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """What head k computes from a graph's logits, fixed-shape: the greedy tokens (k = 0),
+    or those and k top logprobs a row, packed (SamplerOutput.packed's layout, over every
+    row of the graph)."""
+    return logits.argmax(dim=-1) if k == 0 else _top_logprobs(logits, k)
+
+
+def graph_head_output(out: torch.Tensor, rows: Sequence[SamplingRow], k: int
+                      ) -> SamplerOutput:
+    """The step's output from head k's `out` over a graph's rows, of which the step's are
+    the first: the padding rows' tokens and logprobs go unread."""
+    if k == 0:
+        return SamplerOutput.of_tokens(out[:len(rows)])
+    padding = out.shape[0] // (2 * k + 4) - len(rows)
+    return SamplerOutput(out[:len(rows)], out,
+                         LogprobsLayout(list(range(len(rows))), _widths(rows), padding))
+
+
+def _widths(rows: Sequence[SamplingRow]) -> list[int]:
+    """Each row's logprobs entries: its chosen token's and its top ones; 0 for none."""
+    return [0 if row.params.logprobs is None else row.params.logprobs + 1 for row in rows]
 
 
 def _top_logprobs(logits: torch.Tensor, k: int, chosen: torch.Tensor | None = None
