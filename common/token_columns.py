@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import pairwise
-
 from typing import Any
 
 from common.messages import (DetokExtras, DetokItem, DetokParams, MessageError,

@@ -5,7 +5,14 @@ of times a step. A kernel launched with PDL may be scheduled while the one befor
 still running its last programs: it opens with `overlap_previous`, which lets the next
 kernel in turn be scheduled (gdc_launch_dependents) and then waits until everything the
 previous kernel wrote is visible (gdc_wait), so it reads nothing early. CUDA graphs keep
-these edges. HEADRACE_PDL=0 launches plainly (to measure what it saves)."""
+these edges.
+
+Off unless HEADRACE_PDL=1: on an H200, bf16 decode graphs captured with it gave other
+greedy tokens than without it, deterministically, in the first request's row alone, as if
+that row's attention missed the KV just written for its token
+(benchmarks/issue31-h200/heads7/leaseM-pdl). PDL changes no arithmetic, so some kernel
+reads early; the earliest programs of a kernel are the ones that can. Until that kernel
+is found, the 10% it saved batch-1 decode on the H100 (issue 29) is given back."""
 
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("HEADRACE_PDL", "1") != "0"
+ENABLED = os.environ.get("HEADRACE_PDL", "0") == "1"
 
 
 @functools.cache
