@@ -22,8 +22,8 @@ its hidden states to the greedy tokens, by the argmax or with their top logprobs
 (services/worker/sampler.greedy_head). A greedy decode step then launches its sampling as
 one replay instead of issuing the kernels of the lm_head, the logits and the sampler one
 by one: four launches without logprobs, five and as many allocations with them (issue
-31). The heads stay apart from the forward graphs so that each of those is captured once: a head
-costs the host one replay more.
+31). The heads stay apart from the forward graphs so that each of those is captured once:
+a head costs the host one replay more.
 
 A step replays the smallest graph of its kind that fits. Its inputs are copied into the
 graphs' static buffers; the unused request slots have no queries and context length 0,
