@@ -400,12 +400,14 @@ class ModelRunner:
         """A decode step's greedy tokens, with logprobs=0 or 1, from a head of the graph
         that replayed it (cuda_graphs.py); None where the sampler must choose them: a
         random draw, processed logits, a grammar, or a row that does not sample."""
-        if inputs.graph is None or len(rows) != inputs.input_ids.shape[0] \
-                or any(state.structured for state in inputs.sampling):
+        if inputs.graph is None or len(rows) != inputs.input_ids.shape[0]:
             return None
+        # graph_head first: a random row ends its scan, the grammars' scan after it
         k = graph_head(rows)
+        if k is None or any(state.structured for state in inputs.sampling):
+            return None
         assert self.graphs is not None
-        out = None if k is None else self.graphs.sample(inputs.graph, k)
+        out = self.graphs.sample(inputs.graph, k)
         return None if out is None else graph_head_output(out, rows, k)
 
     def _verify(self, launched: Launched, inputs: StepInputs, hidden: torch.Tensor
