@@ -5,14 +5,12 @@ of times a step. A kernel launched with PDL may be scheduled while the one befor
 still running its last programs: it opens with `overlap_previous`, which lets the next
 kernel in turn be scheduled (gdc_launch_dependents) and then waits until everything the
 previous kernel wrote is visible (gdc_wait), so it reads nothing early. CUDA graphs keep
-these edges.
+these edges. HEADRACE_PDL=0 launches plainly (to measure what it saves).
 
-Off unless HEADRACE_PDL=1: on an H200, bf16 decode graphs captured with it gave other
-greedy tokens than without it, deterministically, in the first request's row alone, as if
-that row's attention missed the KV just written for its token
-(benchmarks/issue31-h200/heads7/leaseM-pdl). PDL changes no arithmetic, so some kernel
-reads early; the earliest programs of a kernel are the ones that can. Until that kernel
-is found, the 10% it saved batch-1 decode on the H100 (issue 29) is given back."""
+PDL changes no token: with the start-up choice between the 16-bit GEMV and cuBLAS fixed
+(services/worker/layers/gemv_choice.py), bf16 decode graphs give the same greedy tokens
+with it and without it (benchmarks/issue31-h200/pdl8). An H200 run that seemed to show
+otherwise compared two processes whose timings had chosen differently."""
 
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("HEADRACE_PDL", "0") == "1"
+ENABLED = os.environ.get("HEADRACE_PDL", "1") != "0"
 
 
 @functools.cache

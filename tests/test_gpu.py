@@ -42,6 +42,17 @@ def greedy(llm: LLM, prompts, max_tokens: int = 24) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def fix_gemv(monkeypatch, rows: range) -> None:
+    """Every 16-bit projection takes the GEMV at `rows` and cuBLAS elsewhere, in place of
+    the worker's start-up timing (gemv_choice.py), which may choose otherwise in another
+    process: on random weights, whose logits tie to one bf16 step, that alone changes
+    greedy tokens (benchmarks/issue31-h200/pdl8)."""
+    from services.worker.layers import gemv_choice
+
+    monkeypatch.setattr(gemv_choice, "_CHOSEN", {})
+    monkeypatch.setattr(gemv_choice, "rows_for", lambda layers: rows)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral-window", "qwen2-window",
                                   "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
                                   "qwen3_moe"])
@@ -68,15 +79,13 @@ def test_the_16_bit_gemv_gives_the_cublas_tokens(arch, tmp_path, monkeypatch):
     """A tiny fp16 model (qwen2: q/k/v biases; phi3: fused checkpoints) with every
     projection on the GEMV for decode steps of up to 16 rows (kernels/gemv.py, in the CUDA
     graphs) gives the greedy tokens of every projection on cuBLAS."""
-    from services.worker.layers import gemv_choice
     from services.worker.layers.linear import LinearBase
 
     model_dir = make_tiny_model(tmp_path, arch)
     prompts = tiny_prompts((5, 40, 77, 12))
     tokens = {}
     for rows in (range(1, 17), range(0)):
-        monkeypatch.setattr(gemv_choice, "_CHOSEN", {})
-        monkeypatch.setattr(gemv_choice, "rows_for", lambda layers, rows=rows: rows)
+        fix_gemv(monkeypatch, rows)
         llm = LLM(str(model_dir), dtype="float16", block_size=16, num_gpu_blocks_override=256,
                   max_num_batched_tokens=32, max_num_seqs=8)
         linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
@@ -192,11 +201,12 @@ def test_real_model_on_gpu_matches_transformers_fp32(real_model):
         assert_greedy_agrees(hf, tokenizer(prompt)["input_ids"], ours)
 
 
-def test_cuda_graphs_give_the_eager_tokens(real_model):
-    """In float32: in bf16 the graphs' small-batch projections take the Triton GEMVs where
-    eager steps keep cuBLAS, and the random weights' near-ties break either way (row 1's
-    fourth token on an H200, benchmarks/issue31-h200/heads7/leaseM-pdl)."""
-    kwargs = dict(dtype="float32", num_gpu_blocks_override=512, max_num_seqs=16,
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_give_the_eager_tokens(real_model, dtype, monkeypatch):
+    """In bf16 with every projection on cuBLAS, as eager steps have them: the graphs'
+    Triton GEMVs round otherwise and break the random weights' ties otherwise."""
+    fix_gemv(monkeypatch, range(0))
+    kwargs = dict(dtype=dtype, num_gpu_blocks_override=512, max_num_seqs=16,
                   max_model_len=2048)
     graphs = LLM(real_model, **kwargs)
     assert graphs.engine.runner.graphs is not None
@@ -208,20 +218,21 @@ def test_cuda_graphs_give_the_eager_tokens(real_model):
 
 @pytest.mark.skipif(not torch.cuda.is_available()
                     or torch.cuda.get_device_capability()[0] < 9, reason="PDL is Hopper's")
-@pytest.mark.xfail(strict=True, reason="some PDL kernel reads early: kernels/pdl.py")
 def test_programmatic_dependent_launch_changes_no_token(real_model, monkeypatch):
     """PDL only lets a kernel start before the one it reads from has ended (kernels/pdl.py):
-    bf16 decode graphs captured with it and without it give the same greedy tokens. On an
-    H200 (benchmarks/issue31-h200/heads7/leaseM-pdl) they did not: row 0 repeated its
-    tokens with PDL on, as if its attention missed the KV just written. Strict: once the
-    early read is fixed this passes, fails as an xfail, and PDL may go back on."""
+    bf16 decode graphs with every projection on the GEMV (the PDL kernels at every layer)
+    give the same greedy tokens with it and without it."""
     import kernels.pdl
 
+    fix_gemv(monkeypatch, range(1, 17))
     kwargs = dict(num_gpu_blocks_override=512, max_num_seqs=16, max_model_len=2048)
-    monkeypatch.setattr(kernels.pdl, "ENABLED", True)
-    with_pdl = greedy(LLM(real_model, **kwargs), PROMPTS * 3)
-    monkeypatch.setattr(kernels.pdl, "ENABLED", False)
-    assert with_pdl == greedy(LLM(real_model, **kwargs), PROMPTS * 3)
+    tokens = []
+    for enabled in (True, False):
+        monkeypatch.setattr(kernels.pdl, "ENABLED", enabled)
+        llm = LLM(real_model, **kwargs)
+        tokens.append(greedy(llm, PROMPTS * 3))
+        llm.close()
+    assert tokens[0] == tokens[1]
 
 
 def test_greedy_decodes_sample_in_the_graphs_heads_as_eager_steps_do(real_model, monkeypatch):

@@ -1435,8 +1435,8 @@ if __name__ == "__main__":
 
 
 def test_pdl_is_asked_only_of_cuda_tensors(monkeypatch) -> None:
-    """The interpreter and CPU tensors launch plainly; CUDA tensors take PDL only where
-    HEADRACE_PDL=1 turned it on (kernels/pdl.py says why it is off by default)."""
+    """The interpreter and CPU tensors launch plainly; HEADRACE_PDL=0 turns it off (the
+    A/B of benchmarks/issue29-h100/pdl)."""
     import kernels.pdl as pdl
     assert pdl.pdl_launch(torch.zeros(1)) == {"PDL": False}
     monkeypatch.setattr(pdl, "ENABLED", False)

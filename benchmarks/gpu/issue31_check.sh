@@ -105,6 +105,25 @@ profile)  # eager per-kernel device times of one decode step of the small batche
       > "$R/$name-decode.txt" 2>&1
   done
   ;;
+pdl-ab)  # the graphs' GPU tests (TESTS=0: none), then the 0.6B decode step at batch 1
+        # and 8 with PDL (the default) and with HEADRACE_PDL=0, ROUNDS (2) times over, PDL
+        # first in odd rounds and last in even ones
+  if [ "${TESTS:-1}" != 0 ]; then
+    timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k \
+      "eager_tokens or programmatic or heads or 16_bit_gemv" > "$R/pytest-graphs.txt" 2>&1
+  fi
+  for round in $(seq ${ROUNDS:-2}); do
+    for batch in 1 8; do
+      order="1 0"; [ $((round % 2)) = 0 ] && order="0 1"
+      for pdl in $order; do
+        HEADRACE_PDL=$pdl bench 120 latency --model "$M/qwen3-0.6b-shape" \
+          --load-format dummy --context-len 62 --batch-size $batch --output-len 64 \
+          --iterations 3 --max-model-len 2048 \
+          --json "$R/latency-qwen3-0.6b-b$batch-pdl$pdl-$round.json" >> "$R/pdl-ab.txt" 2>&1
+      done
+    done
+  done
+  ;;
 latency-ab)  # small-batch decode with this tree and .base (the commit before), alternating:
             # 0.6B at batch 1 and 8 twice, then the 8B's batch 1 in each of FORMATS
   for round in 1 2; do
