@@ -56,6 +56,28 @@ def test_cpu_and_eager_engines_never_take_the_gemv(device, eager, tmp_path, monk
     assert llm.engine.runner.device.type == device
 
 
+def test_headrace_gemv_fixes_the_rows_or_leaves_them_to_the_timing():
+    assert gemv_choice.fixed_rows("timed") is None
+    assert gemv_choice.fixed_rows("cublas") == range(0)
+    assert gemv_choice.fixed_rows("gemv") == range(1, 17)
+    with pytest.raises(ValueError, match="HEADRACE_GEMV='fast': timed, cublas or gemv"):
+        gemv_choice.fixed_rows("fast")
+
+
+@needs_cuda
+@pytest.mark.parametrize("choice, rows", [("cublas", range(0)), ("gemv", range(1, 17))])
+def test_a_fixed_choice_times_nothing_and_keeps_no_choice(choice, rows, monkeypatch):
+    """HEADRACE_GEMV=cublas|gemv: every 16-bit projection takes those rows untimed, and the
+    process's timed choices stay as they were for a later engine without it."""
+    monkeypatch.setattr(gemv_choice, "_CHOSEN", {})
+    monkeypatch.setattr(gemv_choice, "rows_for", lambda layers: pytest.fail("timed"))
+    monkeypatch.setenv(gemv_choice.GEMV_ENV, choice)
+    with torch.device("cuda"):
+        model = torch.nn.ModuleDict({"o": RowParallelLinear(256, 256).to(torch.bfloat16)})
+    gemv_choice.choose_gemv(model)
+    assert model["o"].gemv_rows == rows and gemv_choice._CHOSEN == {}
+
+
 @needs_cuda
 def test_one_choice_per_shape_and_the_layer_takes_it(monkeypatch):
     """Two q/k/v layers of one shape and a row-parallel one of another: each shape is timed

@@ -17,6 +17,7 @@ from common.sampling_params import SamplingParams
 from services import LLM
 from services.demo import demo_model_path
 from services.offline.engine import WORKER_PROCESS_ENV
+from services.worker.layers.gemv_choice import GEMV_ENV
 from tests.test_lora import ADAPTERS, make_adapter, merged_greedy, mixed_batch
 from services.worker.layers.attention import Attention
 from tests.test_kernels_triton import (MIXED_REQUESTS, AttentionShape, check_attention,
@@ -40,17 +41,6 @@ def tiny_prompts(lengths=(5, 40, 77, 1, 12, 3, 60, 9), seed: int = 2) -> list[li
 def greedy(llm: LLM, prompts, max_tokens: int = 24) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def fix_gemv(monkeypatch, rows: range) -> None:
-    """Every 16-bit projection takes the GEMV at `rows` and cuBLAS elsewhere, in place of
-    the worker's start-up timing (gemv_choice.py), which may choose otherwise in another
-    process: on random weights, whose logits tie to one bf16 step, that alone changes
-    greedy tokens (benchmarks/issue31-h200/pdl8)."""
-    from services.worker.layers import gemv_choice
-
-    monkeypatch.setattr(gemv_choice, "_CHOSEN", {})
-    monkeypatch.setattr(gemv_choice, "rows_for", lambda layers: rows)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral-window", "qwen2-window",
@@ -84,8 +74,8 @@ def test_the_16_bit_gemv_gives_the_cublas_tokens(arch, tmp_path, monkeypatch):
     model_dir = make_tiny_model(tmp_path, arch)
     prompts = tiny_prompts((5, 40, 77, 12))
     tokens = {}
-    for rows in (range(1, 17), range(0)):
-        fix_gemv(monkeypatch, rows)
+    for choice, rows in (("gemv", range(1, 17)), ("cublas", range(0))):
+        monkeypatch.setenv(GEMV_ENV, choice)
         llm = LLM(str(model_dir), dtype="float16", block_size=16, num_gpu_blocks_override=256,
                   max_num_batched_tokens=32, max_num_seqs=8)
         linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
@@ -203,9 +193,10 @@ def test_real_model_on_gpu_matches_transformers_fp32(real_model):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graphs_give_the_eager_tokens(real_model, dtype, monkeypatch):
-    """In bf16 with every projection on cuBLAS, as eager steps have them: the graphs'
-    Triton GEMVs round otherwise and break the random weights' ties otherwise."""
-    fix_gemv(monkeypatch, range(0))
+    """In bf16 with every projection on cuBLAS (HEADRACE_GEMV=cublas), as eager steps have
+    them, the graphs give eager's tokens exactly: their Triton GEMVs would round otherwise
+    and break the random weights' ties otherwise (benchmarks/issue31-h200/pdl8)."""
+    monkeypatch.setenv(GEMV_ENV, "cublas")
     kwargs = dict(dtype=dtype, num_gpu_blocks_override=512, max_num_seqs=16,
                   max_model_len=2048)
     graphs = LLM(real_model, **kwargs)
@@ -224,7 +215,7 @@ def test_programmatic_dependent_launch_changes_no_token(real_model, monkeypatch)
     give the same greedy tokens with it and without it."""
     import kernels.pdl
 
-    fix_gemv(monkeypatch, range(1, 17))
+    monkeypatch.setenv(GEMV_ENV, "gemv")
     kwargs = dict(num_gpu_blocks_override=512, max_num_seqs=16, max_model_len=2048)
     tokens = []
     for enabled in (True, False):

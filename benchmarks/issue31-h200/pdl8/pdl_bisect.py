@@ -1,8 +1,8 @@
 """Which kernel's PDL launch changes the greedy tokens of bf16 decode graphs?
 HEADRACE_PDL=1 with the kernels of the modules in OFF (comma list, e.g. "norm,gemv")
 launched plainly, or with ONLY set, every module but those launched plainly; EAGER=1 runs
-without graphs; GEMV=all or none: every 16-bit projection takes the Triton GEMV at 1-16
-rows, or cuBLAS, instead of the start-up timing's choice (gemv_choice.py). Prints a digest of all tokens and row 0's and row 1's first six.
+without graphs; HEADRACE_GEMV=gemv or cublas: every 16-bit projection takes the Triton GEMV
+at 1-16 rows, or cuBLAS, instead of the start-up timing's choice. Prints a digest of all tokens and row 0's and row 1's first six.
 Random Qwen3-0.6B weights, saved once under /tmp/rm (pdl_determinism.py's model)."""
 import hashlib, importlib, os, shutil
 from pathlib import Path
@@ -17,11 +17,6 @@ for name in off:
     setattr(importlib.import_module(f"kernels.{name}"), "pdl_launch", lambda t: {"PDL": False})
 
 from services import LLM  # noqa: E402
-from services.worker.layers import gemv_choice  # noqa: E402
-
-forced = {"all": range(1, 17), "none": range(0)}.get(os.environ.get("GEMV", ""))
-if forced is not None:
-    gemv_choice.rows_for = lambda layers: forced
 from common.sampling_params import SamplingParams  # noqa: E402
 
 out = Path("/tmp/rm")
@@ -42,7 +37,6 @@ llm = LLM(str(out), num_gpu_blocks_override=512, max_num_seqs=16, max_model_len=
 params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 toks = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 label = "eager" if eager else f"off={','.join(off) or '-'}"
-label += " gemv=" + ",".join(f"{n}x{k}:{r.start}-{r.stop - 1}"
-                             for (n, k, *_), r in gemv_choice._CHOSEN.items())
+label += f" gemv={os.environ.get('HEADRACE_GEMV', 'timed')}"
 print("RESULT", label, hashlib.md5(str(toks).encode()).hexdigest()[:8], toks[0][:6],
       toks[1][:6], flush=True)

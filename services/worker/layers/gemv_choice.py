@@ -13,12 +13,19 @@ which it was faster (`layer.gemv_rows`), cuBLAS for the rest; the choice is kept
 for the process (a draft model's projections of the same shape reuse it) and logged once.
 CPU layers, float32 weights, quantized and LoRA projections (which run their own matmuls)
 are left alone. A MoE router (layers/moe.py's ReplicatedLinear) is timed as the projections
-are."""
+are.
+
+The two round differently, and timings close to each other may fall either way from one
+start to the next, so a server's greedy tokens can change across restarts where two
+candidates tie to a bf16 step (benchmarks/issue31-h200/pdl8). HEADRACE_GEMV=cublas keeps
+cuBLAS everywhere (eager steps' numerics), =gemv takes the kernel at every decode-sized row
+count; both skip the timing."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -34,17 +41,32 @@ from services.worker.layers.quantization import UnquantizedMethod
 
 ShapeKey = tuple[int, int, torch.dtype, torch.device]
 TIMED_CALLS = 16  # calls a timing graph holds: 16 x 19 MB (Phi-3's o_proj) passes the L2
+GEMV_ENV = "HEADRACE_GEMV"
+FIXED_ROWS = {"cublas": range(0), "gemv": range(1, GEMV_MAX_ROWS + 1)}
 log = logging.getLogger("headrace.worker.gemv")
 _CHOSEN: dict[ShapeKey, range] = {}
 
 
 def choose_gemv(model: nn.Module) -> None:
     """Sets gemv_rows on each unquantized CUDA projection of 16-bit weights."""
+    fixed = fixed_rows(os.environ.get(GEMV_ENV, "timed"))
+    if fixed is not None:
+        log.info("gemv: %s=%s: the kernel at %s", GEMV_ENV, os.environ[GEMV_ENV],
+                 f"rows {fixed.start}-{fixed.stop - 1}" if fixed else "no rows")
     for key, layers in shape_groups(model).items():
-        if key not in _CHOSEN:
+        if fixed is None and key not in _CHOSEN:
             _CHOSEN[key] = rows_for(layers)
         for layer in layers.values():
-            layer.gemv_rows = _CHOSEN[key]
+            layer.gemv_rows = _CHOSEN[key] if fixed is None else fixed
+
+
+def fixed_rows(choice: str) -> range | None:
+    """HEADRACE_GEMV's rows for the kernel, None for the timing's."""
+    if choice == "timed":
+        return None
+    if choice not in FIXED_ROWS:
+        raise ValueError(f"{GEMV_ENV}={choice!r}: timed, cublas or gemv")
+    return FIXED_ROWS[choice]
 
 
 def shape_groups(model: nn.Module) -> dict[ShapeKey, dict[str, nn.Module]]:
