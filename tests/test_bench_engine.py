@@ -5,6 +5,7 @@ real processes, from the bus and through the HTTP gateway."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -300,3 +301,21 @@ def test_latency_floor_counts_quantized_weights(tiny, tmp_path, one_rank_latency
     weights = c["num_hidden_layers"] * (h * (q + 2 * kv) + q * h + 3 * h * i)
     rows = c["num_hidden_layers"] * ((q + 2 * kv) + h + 2 * i + h)
     assert read[0] - read[2] == 3 * weights - 4 * rows, read
+
+
+def test_latency_command_profiles_one_more_batch(tiny, tmp_path):
+    """--profile: an untimed batch under torch.profiler, its gzipped Chrome trace in
+    --profile-result-dir, and its busiest operators (kernels on a GPU) per output token
+    in the JSON, their own times adding up to no more than the busy time."""
+    data = run_latency(tiny, tmp_path / "latency.json", "--output-len", "8", "--profile",
+                       "--profile-result-dir", str(tmp_path / "traces"))
+    profile = data["profile"]
+    trace = Path(profile["trace"])
+    assert trace == tmp_path / "traces" / "latency-b1-ctx32.json.gz"
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert any(e.get("name") == "aten::mm" or "linear" in e.get("name", "") for e in events)
+    assert profile["device"] == "cpu" and profile["output_tokens"] == 8
+    top = profile["top"]
+    assert 0 < len(top) <= 15 and all(k["calls"] > 0 for k in top)
+    assert sum(k["total_ms"] for k in top) <= profile["busy_ms"] + 1e-6
+    assert top[0]["us_per_token"] == pytest.approx(1000 * top[0]["total_ms"] / 8)

@@ -2,20 +2,24 @@
 
     headrace bench latency --model DIR --load-format dummy --context-len 1000 \\
         [--batch-size 1] [--output-len 128] [--iterations 3] [--logprobs N] [--json FILE] \\
-        [--enable-lora --max-loras 4 --max-lora-rank 16 --lora-adapters 4]
+        [--enable-lora --max-loras 4 --max-lora-rank 16 --lora-adapters 4] \\
+        [--profile [--profile-result-dir DIR]]
 
 Each iteration prefills `batch-size` prompts of `context-len` tokens and decodes
 `output-len` tokens; prefill is the time to the first token, a decode's time the gap
 between one request's consecutive tokens (ms per output token). The floor
 of a batch-1 decode is the weights plus the KV cache read once, over the copy bandwidth.
 With --lora-adapters N, request i decodes under random adapter i mod N of rank
---max-lora-rank over every projection (benchmarks/bench/adapters.py).
+--max-lora-rank over every projection (benchmarks/bench/adapters.py). With --profile one
+more batch runs under torch.profiler, untimed (benchmarks/bench/latency_profile.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -26,6 +30,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench.adapters import random_adapters
+from benchmarks.bench.latency_profile import profile_batch
 from benchmarks.bench.throughput import _sync, machine_info
 from benchmarks.bench.workloads import ModelShape, fixed_workload, measure_ceilings
 from common.config import ConfigError, add_engine_args, engine_config_from_args
@@ -53,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--logprobs", type=int, default=None, metavar="N",
                         help="every request also asks for its tokens' logprobs and the top N "
                              "(what a greedy chat with logprobs costs the step)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed iterations, one more batch under torch.profiler:"
+                             " its Chrome trace, and its kernels' device time per token")
+    parser.add_argument("--profile-result-dir", type=Path,
+                        default=Path(os.environ.get("VLLM_TORCH_PROFILER_DIR",
+                                                    "headrace_profile")),
+                        help="where --profile writes its trace [env VLLM_TORCH_PROFILER_DIR; "
+                             "default ./headrace_profile]")
     parser.add_argument("--json", default=None, help="write the results to this file")
     add_engine_args(parser)
     return parser
@@ -175,6 +188,13 @@ def run(args: argparse.Namespace, argv: list[str], engine: Engine, adapter_root:
                                  if drafted else "")
           + (f"; {len(adapters)} LoRA adapters" if adapters else "")
           + (f"; logprobs={args.logprobs}" if args.logprobs is not None else ""))
+    if args.profile:
+        summary = profile_batch(
+            lambda: time_one_batch(engine, prompts, args.output_len, adapters, args.logprobs),
+            engine.runner.device, args.profile_result_dir,
+            f"latency-b{args.batch_size}-ctx{args.context_len}")
+        print("\n".join(summary.lines()))
+        result["profile"] = dataclasses.asdict(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
