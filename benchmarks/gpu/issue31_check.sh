@@ -124,6 +124,23 @@ pdl-ab)  # the graphs' GPU tests (TESTS=0: none), then the 0.6B decode step at b
     done
   done
   ;;
+profile-graphs)  # the graphs' GEMV tests (TESTS=0: none), then `bench latency --profile`
+                # of the decode steps as served, CUDA graphs and all (SPECS: "shape batch
+                # context" triples, comma between): traces and summaries in $R
+  if [ "${TESTS:-1}" != 0 ]; then
+    timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gemv_choice.py \
+      tests/test_gpu.py -k "fixed_choice or programmatic or eager_tokens" \
+      > "$R/pytest-gemv.txt" 2>&1
+  fi
+  IFS=, read -ra specs <<< "${SPECS:-qwen3-0.6b-shape 1 62,qwen3-0.6b-shape 8 62}"
+  for spec in "${specs[@]}"; do
+    set -- $spec
+    bench 150 latency --model "$M/$1" --load-format dummy --context-len $3 \
+      --batch-size $2 --output-len 32 --iterations 2 --max-model-len 2048 --profile \
+      --profile-result-dir "$R" --json "$R/latency-$1-b$2-profile.json" \
+      > "$R/latency-$1-b$2-profile.txt" 2>&1
+  done
+  ;;
 latency-ab)  # small-batch decode with this tree and .base (the commit before), alternating:
             # 0.6B at batch 1 and 8 twice, then the 8B's batch 1 in each of FORMATS
   for round in 1 2; do
