@@ -1,9 +1,14 @@
 """`headrace bench latency --profile`: one more batch, after the timed ones, under
 torch.profiler (vLLM's benchmark_latency has the flag). The Chrome trace goes to
 --profile-result-dir (default $VLLM_TORCH_PROFILER_DIR, as vLLM reads it); the summary
-says how much of the batch's wall time the device was busy and which kernels took that
-time, per output token. CUDA graph replays show their kernels one by one, so a decode
-step's launches, gaps and kernels read off the trace as they ran."""
+says how much of the time from the batch's first kernel to its last the device was busy
+(some kernel running: the union of their spans) and which kernels ran longest, per output
+token. CUDA graph replays show their kernels one by one, so a decode step's launches, gaps
+and kernels read off the trace as they ran. A kernel launched with PDL (kernels/pdl.py)
+starts before the one it follows has ended and waits for it: its span counts that wait,
+so the kernels' own times add up to more than the busy time; HEADRACE_PDL=0 gives each
+kernel its own. The profiler's host work slows the batch: its wall time is not the timed
+batches'."""
 
 from __future__ import annotations
 
@@ -33,14 +38,14 @@ class KernelTime:
 class ProfileSummary:
     trace: str  # the gzipped Chrome trace
     device: str  # "cuda": kernels' device time; "cpu": operators' own time
-    wall_ms: float  # the profiled batch, first token to last
-    busy_ms: float  # summed over every kernel (or operator) the batch ran
+    span_ms: float  # from the batch's first kernel (or operator) to its last
+    busy_ms: float  # of the span, with some kernel (or operator) running
     output_tokens: int  # the batch's first request's, the unit of the per-token figures
     top: list[KernelTime]
 
     def lines(self) -> list[str]:
         out = [f"profile: {self.trace}; {self.device} busy {self.busy_ms:.1f} of "
-               f"{self.wall_ms:.1f} ms ({self.busy_ms / self.wall_ms:.0%}) over "
+               f"{self.span_ms:.1f} ms ({1 - self.busy_ms / self.span_ms:.0%} idle) over "
                f"{self.output_tokens} tokens",
                f"  {'us/token':>9} {'calls':>7}  kernel" if self.device == "cuda"
                else f"  {'us/token':>9} {'calls':>7}  operator"]
@@ -57,7 +62,7 @@ def profile_batch(time_batch: Callable[[], tuple[float, list[float]]], device: t
     # every thread: the engine's steps run on its step thread, started before the profiler
     with profile(activities=activities,
                  experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
-        first, gaps = time_batch()
+        _, gaps = time_batch()
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = out_dir / f"{name}.json"
     prof.export_chrome_trace(str(raw))
@@ -74,6 +79,19 @@ def profile_batch(time_batch: Callable[[], tuple[float, list[float]]], device: t
     timed.sort(key=lambda a: getattr(a, own), reverse=True)
     top = [KernelTime(a.key, a.count, getattr(a, own) / 1000,
                       getattr(a, own) / tokens) for a in timed[:TOP_KERNELS]]
-    busy_ms = sum(getattr(a, own) for a in timed) / 1000
-    return ProfileSummary(str(trace), device.type, 1000 * (first + sum(gaps)), busy_ms,
-                          tokens, top)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == kind and e.time_range.end > e.time_range.start)
+    return ProfileSummary(str(trace), device.type, (spans[-1][1] - spans[0][0]) / 1000,
+                          covered_us(spans) / 1000, tokens, top)
+
+
+def covered_us(spans: list[tuple[int, int]]) -> int:
+    """The length of the union of sorted (start, end) spans."""
+    covered, reach = 0, None
+    for start, end in spans:
+        if reach is None or start > reach:
+            covered += end - start
+        elif end > reach:
+            covered += end - reach
+        reach = end if reach is None else max(reach, end)
+    return covered
