@@ -87,11 +87,8 @@ def profile_batch(time_batch: Callable[[], tuple[float, list[float]]], device: t
 
 def covered_us(spans: list[tuple[int, int]]) -> int:
     """The length of the union of sorted (start, end) spans."""
-    covered, reach = 0, None
+    covered, reach = 0, float("-inf")
     for start, end in spans:
-        if reach is None or start > reach:
-            covered += end - start
-        elif end > reach:
-            covered += end - reach
-        reach = end if reach is None else max(reach, end)
+        covered += max(0, end - max(start, reach))
+        reach = max(reach, end)
     return covered
