@@ -95,6 +95,12 @@ TUNED_TILES: dict[tuple[int, int, int, int], GemvTiles] = {
     (8, 5120, 2048, 132): GemvTiles(64, 256, True, 1, 4, 4),
     (16, 5120, 2048, 132): GemvTiles(64, 256, True, 1, 4, 4),
     (1, 2048, 4096, 132): GemvTiles(4, 512, False, 1, 8, 1),
+    # Qwen3-0.6B's o_proj and down_proj on an H200 (132 SMs too), 2026-11-30: 4-wide
+    # stripes of 1 KiB tiles fill the SMs unsplit, 3.10 and 4.05 us a launch in a CUDA
+    # graph, against the rules' K split in two and its sum, 4.23 and 5.20
+    # (benchmarks/issue31-h200/split9/probe.txt)
+    (1, 1024, 2048, 132): GemvTiles(4, 512, False, 1, 4, 3),
+    (1, 1024, 3072, 132): GemvTiles(4, 512, False, 1, 4, 3),
     # MoE routers (Qwen3-30B-A3B's 128 experts, Mixtral's 8): no K split, whose second
     # launch outweighs the idle SMs (benchmarks/gpu/router_gemv.py, 2026-11-26:
     # 2.2 and 2.8 us against cuBLAS's 4.7 and 5.2; benchmarks/issue29-h100/router-gemv.txt)

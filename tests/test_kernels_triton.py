@@ -42,8 +42,8 @@ from kernels.attention_inputs import (HeadNorms, _norm_rope_write_kv_kernel,
                                       norm_rope_write_kv_ref, norm_rope_write_kv_triton)
 from kernels.cache import quantize, write_kv, write_kv_ref, write_kv_triton
 from kernels.fp8_gemv import PackedTiles, fp8_gemv, fp8_gemv_ref, fp8_gemv_triton
-from kernels.gemv import (GemvTiles, _gemv_kernel, _sum_splits_kernel, gemv, gemv_ref,
-                          gemv_triton)
+from kernels.gemv import (TUNED_TILES, GemvTiles, _gemv_kernel, _sum_splits_kernel, gemv,
+                          gemv_ref, gemv_triton)
 from kernels.int4 import _w4a16_gemm_kernel, _w4a16_gemv_kernel
 from kernels.lora import lora_expand_ref, lora_expand_triton
 from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
@@ -906,11 +906,14 @@ def fp8_gemv_kernels() -> None:
 def gemv_kernels() -> None:
     """The 16-bit GEMV at 1, 2, 8 and 16 rows, odd N and K, with and without a bias: the
     default tiles (CUDA-core sums at one row, tensor cores at more), tensor cores forced at
-    one row, K split across programs. fp16 on tensor cores, bf16 on the CUDA cores: the
-    interpreter multiplies bf16 matrices as raw bits (module docstring)."""
+    one row, K split across programs, the 4-wide stripes of 1 KiB tiles the 0.6B's o_proj
+    and down_proj take (TUNED_TILES) over a K with a ragged last tile. fp16 on tensor
+    cores, bf16 on the CUDA cores: the interpreter multiplies bf16 matrices as raw bits
+    (module docstring)."""
     for rows in (1, 2, 8, 16):
         check_gemv(rows, 70, 300, torch.float16, "cpu")
     check_gemv(1, 33, 1000, torch.bfloat16, "cpu", bias=False)
+    check_gemv(1, 70, 1100, torch.bfloat16, "cpu", TUNED_TILES[(1, 1024, 2048, 132)])
     check_gemv(1, 70, 515, torch.bfloat16, "cpu", GemvTiles(8, 64, split_k=3))
     check_gemv(1, 40, 300, torch.float16, "cpu", GemvTiles(16, 64, dot=True))
     check_gemv(8, 70, 1000, torch.float16, "cpu", GemvTiles(32, 64, dot=True, split_k=4),
