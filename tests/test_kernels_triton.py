@@ -60,8 +60,10 @@ from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, FIXED_POINT, LOGPROBS_CH
                               top_logprobs_triton, top_p_threshold_exact_ref,
                               top_p_threshold_radix, top_p_threshold_ref,
                               top_p_threshold_triton)
-from kernels.triton_attention import (MAX_SPLITS, AttentionConfig, TileConfig, default_config,
-                                      paged_attention_triton, split_count, visible_span)
+from kernels.triton_attention import (MAX_SPLITS, AttentionConfig, TileConfig,
+                                      _combine_splits_kernel, _paged_attention_kernel,
+                                      default_config, paged_attention_triton, split_count,
+                                      visible_span)
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -1167,13 +1169,15 @@ def test_gemma_kernels_cuda(dtype: torch.dtype) -> None:
 SM90_PTXAS = Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas"
 
 
-def compile_for_sm90(fn, signature: dict[str, str], constexprs: dict) -> None:
+def compile_for_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int = 4,
+                     num_stages: int = 3) -> None:
     """Compiles fn to an sm_90 cubin on this machine: what the interpreter never checks
     (types the compiler refuses, shapes it cannot lay out, register or shared memory
     limits)."""
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
     assert kernel.asm["cubin"]
 
 
@@ -1281,6 +1285,38 @@ def test_gemv_compiles_for_sm90() -> None:
                                               y_ptr="*bf16", size="i32", n="i32",
                                               splits="i32"),
                      dict(HAS_BIAS=True, BLOCK=1024, PDL=True))
+
+
+@pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
+def test_paged_attention_compiles_for_sm90() -> None:
+    """The attention at Qwen3's heads as default_config launches it: decode tiles over bf16
+    and e4m3 caches with the context split and without, prefill tiles, a window and a soft
+    cap; and the split combine."""
+    names = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "part_out_ptr",
+             "part_lse_ptr", "block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr",
+             "k_scale_ptr", "v_scale_ptr", "key_limits_ptr", "num_tokens", "num_reqs",
+             "num_splits", "q_len_above", "q_len_upto", "qk_scale", "window", "cap",
+             "stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bt"]
+    for cache, split, decode, window in [("bf16", True, True, False),
+                                         ("bf16", False, True, False),
+                                         ("fp8e4nv", True, True, False),
+                                         ("bf16", False, False, True)]:
+        fp8 = cache != "bf16"
+        types = ["*bf16", f"*{cache}", f"*{cache}", "*bf16", "*fp32", "*fp32", "*i32",
+                 "*i32", "*i32", "*fp32", "*fp32", "*i32"] + ["i32"] * 5 + \
+            ["fp32", "i32", "fp32"] + ["i32"] * 6
+        tile = (TileConfig(16, 128, 4, 3) if fp8 else TileConfig(16, 128, 4, 1)) if decode \
+            else TileConfig(64, 64, 4, 2)
+        compile_for_sm90(_paged_attention_kernel, dict(zip(names, types)), dict(
+            GROUP=2, HEAD_DIM=128, DIM_BLOCK=128, BLOCK_SIZE=16, BLOCK_Q=tile.queries(2),
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, ONE_TILE_EACH=decode,
+            SEARCH_BLOCK=1 if decode else 512, SPLIT=split, EXACT_DOT=False, SCALED=fp8,
+            FP16_DOT=fp8, WINDOW=window, SOFT_CAP=window, LIMITS=False, PDL=True),
+            tile.num_warps, tile.num_stages)
+    compile_for_sm90(_combine_splits_kernel, dict(
+        part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", num_tokens="i32",
+        num_heads="i32", num_splits="i32"), dict(SPLITS_PAD=16, HEAD_DIM=128,
+                                                 DIM_BLOCK=128, PDL=True))
 
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
