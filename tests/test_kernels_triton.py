@@ -1305,8 +1305,9 @@ def test_paged_attention_compiles_for_sm90() -> None:
         types = ["*bf16", f"*{cache}", f"*{cache}", "*bf16", "*fp32", "*fp32", "*i32",
                  "*i32", "*i32", "*fp32", "*fp32", "*i32"] + ["i32"] * 5 + \
             ["fp32", "i32", "fp32"] + ["i32"] * 6
-        tile = (TileConfig(16, 128, 4, 3) if fp8 else TileConfig(16, 128, 4, 1)) if decode \
-            else TileConfig(64, 64, 4, 2)
+        config = default_config(torch.empty(1, 16, 128, dtype=torch.bfloat16),
+                                torch.float8_e4m3fn if fp8 else None)
+        tile = config.decode if decode else config.prefill
         compile_for_sm90(_paged_attention_kernel, dict(zip(names, types)), dict(
             GROUP=2, HEAD_DIM=128, DIM_BLOCK=128, BLOCK_SIZE=16, BLOCK_Q=tile.queries(2),
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, ONE_TILE_EACH=decode,

@@ -1,6 +1,7 @@
 """Split kernels at the 0.6B decode shapes, timed in CUDA graphs of 200 launches back to
-back (PDL as configured): the GEMV at o_proj's and down_proj's shapes, one row, with and
-without its K split, and the batch-1 attention at a context of 62 with the decode graph's
+back (PDL as configured; kernels/graph_timing's mean of five replays, where the committed
+split9/probe.txt took their median): the GEMV at o_proj's and down_proj's shapes, one
+row, with and without its K split, and the batch-1 attention at a context of 62 with the decode graph's
 16 splits and with none; and whether each matches its twin. Runs in this tree or, with
 PYTHONPATH at a copy of an older one, in that (the same kernel entry points).
 
@@ -13,28 +14,15 @@ import torch
 
 from kernels.attention import paged_attention_ref
 from kernels.gemv import GemvTiles, gemv_ref, gemv_triton
+from kernels.graph_timing import graph_us
 from kernels.triton_attention import paged_attention_triton
 
 LAUNCHES = 200
 
 
-def graph_us(fn) -> float:
-    """Microseconds a launch of fn, in a graph of LAUNCHES launches (median of 5)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAUNCHES):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / LAUNCHES)
-    return sorted(times)[2]
+def launch_us(fn) -> float:
+    """Microseconds a launch of fn, LAUNCHES launches back to back in one graph."""
+    return graph_us(fn, calls=LAUNCHES, replays=5)
 
 
 def gemv_cases() -> None:
@@ -44,7 +32,7 @@ def gemv_cases() -> None:
         for tiles in (GemvTiles(8, 256, split_k=1), GemvTiles(8, 256, split_k=2),
                       GemvTiles(4, 512, split_k=1), GemvTiles(4, 256, split_k=1)):
             err = (gemv_triton(x, w, None, tiles).float() - gemv_ref(x, w).float()).abs().max()
-            us = graph_us(lambda: gemv_triton(x, w, None, tiles))
+            us = launch_us(lambda: gemv_triton(x, w, None, tiles))
             print(f"gemv {n}x{k} {tiles}: {us:.2f} us, max err {err:.3g}")
 
 
@@ -64,7 +52,7 @@ def attention_cases() -> None:
                 return paged_attention_triton(q, k_cache, v_cache, tables, starts, lens, 0.1,
                                               max_query_len=1, max_seq_len=max_seq_len)
             err = (run().float() - ref.float()).abs().max()
-            us = graph_us(run)
+            us = launch_us(run)
             print(f"attention ctx {ctx} max_seq_len {max_seq_len}: {us:.2f} us, "
                   f"max err {err:.3g}")
 
