@@ -1,9 +1,9 @@
-"""Split kernels at the 0.6B decode shapes, timed in CUDA graphs of 200 launches back to
-back (PDL as configured; kernels/graph_timing's mean of five replays, where the committed
-split9/probe.txt took their median): the GEMV at o_proj's and down_proj's shapes, one
-row, with and without its K split, and the batch-1 attention at a context of 62 with the decode graph's
-16 splits and with none; and whether each matches its twin. Runs in this tree or, with
-PYTHONPATH at a copy of an older one, in that (the same kernel entry points).
+"""Split kernels at the 0.6B decode shapes, timed in CUDA graphs of 200 launches back to back
+(PDL as configured; kernels/graph_timing's mean of five replays, where the committed
+split9/probe.txt took their median): the GEMV at o_proj's and down_proj's shapes, one row,
+with and without its K split, and the batch-1 attention at a context of 62 with the decode
+graph's 16 splits and with none; and whether each matches its twin. Runs in this tree or,
+with PYTHONPATH at a copy of an older one, in that (the same kernel entry points).
 
     python benchmarks/gpu/split_k_probe.py
 """
