@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cache import dequantize
-from kernels.triton_attention import paged_attention_triton
+from kernels.triton_attention import paged_attention_triton, triton_decode_splits
 
 Scale = torch.Tensor | None  # float32 [1] per fp8 cache (kernels.cache), None otherwise
 
@@ -48,6 +48,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return paged_attention_torch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                  scale, k_scale, v_scale, sliding_window, soft_cap,
                                  key_limits)
+
+
+def decode_splits(q: torch.Tensor, cache_dtype: torch.dtype, num_kv_heads: int,
+                  max_seq_len: int, sliding_window: int | None = None) -> int:
+    """The parts paged_attention cuts each context into for a decode of q's requests whose
+    contexts are at most max_seq_len keys long: 1 off the GPU (the torch path walks
+    whole contexts)."""
+    if q.is_cuda:
+        return triton_decode_splits(q, cache_dtype, num_kv_heads, max_seq_len,
+                                    sliding_window)
+    return 1
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

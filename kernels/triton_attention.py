@@ -159,14 +159,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_query_len = num_tokens if max_query_len is None else max_query_len
     max_seq_len = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     config = config or default_config(q, k_cache.dtype)
-    short = config.decode.queries(group)
-    # (tiles, q_len range (above, upto], one tile per request)
-    passes = [(config.decode, 0, short, True)]
-    if max_query_len > short:
-        passes.append((config.prefill, short, NO_LIMIT, False))
-    busy_tiles = max(num_reqs, triton.cdiv(num_tokens, passes[-1][0].queries(group)))
-    span = visible_span(max_seq_len, sliding_window, [tile for tile, *_ in passes], group)
-    num_splits = split_count(busy_tiles * num_kv_heads, span, config)
+    passes, num_splits = launch_plan(config, group, num_tokens, num_reqs, num_kv_heads,
+                                     max_query_len, max_seq_len, sliding_window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     if num_splits > 1:
@@ -207,6 +201,34 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
             DIM_BLOCK=triton.next_power_of_2(head_dim), num_warps=4, **pdl_launch(q))
     return out
+
+
+Pass = tuple[TileConfig, int, int, bool]  # tiles, q_len range (above, upto], one tile each
+
+
+def launch_plan(config: AttentionConfig, group: int, num_tokens: int, num_reqs: int,
+                num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                sliding_window: int | None) -> tuple[list[Pass], int]:
+    """The launches of a batch (decode tiles, then prefill tiles where max_query_len says
+    it may hold requests longer than a decode tile) and the parts each context is cut
+    into: from host ints only."""
+    short = config.decode.queries(group)
+    passes = [(config.decode, 0, short, True)]
+    if max_query_len > short:
+        passes.append((config.prefill, short, NO_LIMIT, False))
+    busy_tiles = max(num_reqs, triton.cdiv(num_tokens, passes[-1][0].queries(group)))
+    span = visible_span(max_seq_len, sliding_window, [tile for tile, *_ in passes], group)
+    return passes, split_count(busy_tiles * num_kv_heads, span, config)
+
+
+def triton_decode_splits(q: torch.Tensor, cache_dtype: torch.dtype, num_kv_heads: int,
+                         max_seq_len: int, sliding_window: int | None = None) -> int:
+    """The parts paged_attention_triton cuts each context into for a decode of q's
+    requests (one query each) whose contexts are at most max_seq_len keys long."""
+    num_reqs, num_heads = q.shape[:2]
+    config = default_config(q, cache_dtype)
+    return launch_plan(config, num_heads // num_kv_heads, num_reqs, num_reqs, num_kv_heads,
+                       1, max_seq_len, sliding_window)[1]
 
 
 def search_block(num_reqs: int) -> int:

@@ -17,6 +17,7 @@ from common.sampling_params import SamplingParams
 from services import LLM
 from services.demo import demo_model_path
 from services.offline.engine import WORKER_PROCESS_ENV
+from services.worker.cuda_graphs import GraphKey
 from services.worker.layers.gemv_choice import GEMV_ENV
 from tests.test_lora import ADAPTERS, make_adapter, merged_greedy, mixed_batch
 from services.worker.layers.attention import Attention
@@ -205,6 +206,32 @@ def test_cuda_graphs_give_the_eager_tokens(real_model, dtype, monkeypatch):
     assert eager.engine.runner.graphs is None
     prompts = PROMPTS * 3  # 12 requests: replays the 16-wide graph with padding rows
     assert greedy(graphs, prompts) == greedy(eager, prompts)
+
+
+def test_short_contexts_replay_decode_graphs_split_for_them(real_model, monkeypatch):
+    """A decode graph is captured for each context bound that changes how its attention
+    splits (cuda_graphs.py): the batch-1 ladder starts at a bound that does not split and
+    ends at max_model_len, each request alone replays the bound that holds its context,
+    and the tokens are eager execution's (float32)."""
+    kwargs = dict(dtype="float32", num_gpu_blocks_override=512, max_num_seqs=4,
+                  max_model_len=2048)
+    graphs = LLM(real_model, **kwargs)
+    runner = graphs.engine.runner
+    layer = next(m for m in runner.model.modules() if isinstance(m, Attention))
+    k_cache = runner.kv_caches[layer.cache_index][0]
+    spans = runner.graphs.decode_spans[1]
+    assert spans[-1] == 2048
+    assert layer.decode_splits(1, spans[0], k_cache) == 1 < layer.decode_splits(1, 2048, k_cache)
+    replayed: list[GraphKey] = []
+    run = runner.graphs.run
+    monkeypatch.setattr(runner.graphs, "run",
+                        lambda key, *args: replayed.append(key) or run(key, *args))
+    prompts = tiny_prompts((5, 300, 700))
+    ours = [greedy(graphs, [prompt])[0] for prompt in prompts]
+    decodes = {key.span for key in replayed if not key.mixed}
+    assert decodes == {next(s for s in spans if s >= len(p) + 24) for p in prompts}, spans
+    eager = LLM(real_model, enforce_eager=True, **kwargs)
+    assert ours == [greedy(eager, [prompt])[0] for prompt in prompts]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available()
@@ -411,13 +438,13 @@ def test_two_stages_in_cuda_graphs_give_the_eager_and_one_gpu_tokens(tmp_path, m
         with LLM(model_dir, pipeline_parallel_size=2, enforce_eager=eager, **kwargs) as llm:
             runner = llm.engine.runner  # the first stage's
             assert (runner.graphs is None) == eager
-            replayed: list[tuple[bool, int]] = []
+            replayed: list[GraphKey] = []
             if not eager:
                 replay = runner.graphs.run
                 runner.graphs.run = lambda key, *args: replayed.append(key) or replay(key,
                                                                                       *args)
             assert greedy(llm, prompts, 32) == want
-            assert eager or {mixed for mixed, _ in replayed} == {False, True}
+            assert eager or {key.mixed for key in replayed} == {False, True}
     draft = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 4}
     with LLM(model_dir, pipeline_parallel_size=2, speculative_config=draft, **kwargs) as llm:
         assert greedy(llm, prompts, 32) == want
@@ -557,12 +584,12 @@ def test_vl_graphs_give_the_eager_and_transformers_tokens(arch, tmp_path):
     graphs = LLM(model_dir, kv_cache_memory=64 * 2**20, **kwargs)
     runner = graphs.engine.runner
     assert runner.graphs is not None
-    replayed: list[tuple[bool, int]] = []
+    replayed: list[GraphKey] = []
     replay = runner.graphs.run
     runner.graphs.run = lambda key, *args: replayed.append(key) or replay(key, *args)
     outs = graphs.generate(requests, params, use_tqdm=False)
     ours = [o.outputs[0].token_ids for o in outs]
-    assert any(not mixed for mixed, _ in replayed) and any(mixed for mixed, _ in replayed)
+    assert any(not key.mixed for key in replayed) and any(key.mixed for key in replayed)
     eager = LLM(model_dir, enforce_eager=True, num_gpu_blocks_override=256, **kwargs)
     assert eager.engine.runner.graphs is None
     assert ours == [o.outputs[0].token_ids

@@ -63,7 +63,7 @@ from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, FIXED_POINT, LOGPROBS_CH
 from kernels.triton_attention import (MAX_SPLITS, AttentionConfig, TileConfig,
                                       _combine_splits_kernel, _paged_attention_kernel,
                                       default_config, paged_attention_triton, split_count,
-                                      visible_span)
+                                      triton_decode_splits, visible_span)
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -252,6 +252,39 @@ def test_window_bounds_the_split_count() -> None:
     walked = 1024 + config.decode.queries(group) + config.decode.block_n
     assert (windowed - 1) * config.min_partition < walked
     assert visible_span(3000, 8192, [config.decode, config.prefill], group) == 3000
+
+
+class LaunchSpy:
+    """Stands in for a Triton kernel: records each launch's grid and launches nothing."""
+
+    def __init__(self) -> None:
+        self.grids: list[tuple[int, ...]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        self.grids.append(grid)
+        return lambda *args, **kwargs: None
+
+
+def test_decode_splits_name_the_launchs_parts(monkeypatch) -> None:
+    """triton_decode_splits, which the decode graphs' context bounds are chosen by
+    (services/worker/cuda_graphs.py), gives the parts a decode launch cuts its contexts
+    into at each bound, with a window and without (on the CPU: 2 programs wanted)."""
+    import kernels.triton_attention as triton_attention
+
+    attention = LaunchSpy()
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", attention)
+    monkeypatch.setattr(triton_attention, "_combine_splits_kernel", LaunchSpy())
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(8, 16, 1, 64, dtype=torch.bfloat16)
+    tables = torch.zeros(1, 8, dtype=torch.int32)
+    starts, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([100], dtype=torch.int32)
+    for window in (None, 64):
+        for bound in (16, 128, 129, 1024):
+            paged_attention_triton(q, cache, cache, tables, starts, lens, 0.1, max_query_len=1,
+                                   max_seq_len=bound, sliding_window=window)
+            assert attention.grids[-1][2] == triton_decode_splits(q, cache.dtype, 1, bound,
+                                                                  window), (window, bound)
+    assert [grid[2] for grid in attention.grids] == [1, 1, 2, 2] * 2
 
 
 # --- the small kernels -------------------------------------------------------------------

@@ -14,7 +14,8 @@ from common.config import ConfigError, EngineConfig
 from common.model_files import load_hf_config, load_tokenizer, resolve_model
 from common.model_info import resolve_engine
 from services.demo import demo_model_path
-from services.worker.cuda_graphs import StepGraphs, decode_sizes, mixed_sizes
+from services.worker.cuda_graphs import (GraphKey, StepGraphs, context_spans, decode_sizes,
+                                         mixed_sizes)
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
 from services.worker.loader import load_model, load_weights
 from services.worker.models import CausalLM, kv_cache_shape, model_class
@@ -163,31 +164,40 @@ def test_varlen_batches_with_shared_prefix_blocks(tiny):
 
 
 
+# decode graphs' context bounds as a GPU's attention could make them (the CPU's never splits:
+# it has one bound a size)
+PADDED_SPANS = {1: [16, 64], 2: [64], 4: [16, 32, 64]}
+
+
 @torch.no_grad()
 def padded_steps(paged: Paged, a: list[int], b: list[int], c: list[int]) -> list:
     """(chunks, the graph that replays them) of four steps over requests a (30 tokens), b
     (9) and c (5): two mixed, largest first, then two decodes, so that smaller steps see
-    the rows a larger one left in the buffers."""
+    the rows a larger one left in the buffers. The decodes' contexts are 27 and 28 keys: the
+    smallest of PADDED_SPANS' bounds that holds them."""
     blocks = {"a": paged.blocks(30), "b": paged.blocks(9), "c": paged.blocks(5)}
     return [
-        ([(blocks["a"], a[:25], 0), (blocks["b"], b[:8], 0)], (True, 48)),
+        ([(blocks["a"], a[:25], 0), (blocks["b"], b[:8], 0)], GraphKey(True, 48, 64)),
         ([(blocks["a"], a[25:26], 25), (blocks["b"], b[8:9], 8), (blocks["c"], c[:4], 0)],
-         (True, 16)),
+         GraphKey(True, 16, 64)),
         ([(blocks["a"], a[26:27], 26), (blocks["b"], b[8:9], 8), (blocks["c"], c[4:5], 4)],
-         (False, 4)),
-        ([(blocks["a"], a[27:28], 27)], (False, 1)),
+         GraphKey(False, 4, 32)),
+        ([(blocks["a"], a[27:28], 27)], GraphKey(False, 1, 64)),
     ]
 
 
 def test_steps_padded_into_the_graph_buffers_compute_the_same(tiny):
     """What a CUDA graph replays, run eagerly on the CPU: each step copied into the static
     buffers and padded to its graph's size (unused request slots, a padding tail of
-    tokens, stale rows left by a larger step) gives the unpadded step's logits."""
+    tokens, stale rows left by a larger step) gives the unpadded step's logits. A decode
+    takes the smallest context bound of its size that holds its longest context."""
     model, hf_config, ref_logits = tiny
     paged = Paged(model, hf_config, block_size=4, seed=4)
     graphs = StepGraphs(model, paged.kv_caches, max_num_seqs=4, max_num_batched_tokens=64,
                         max_model_len=64, block_size=4)
     assert graphs.sizes == {"decode": [1, 2, 4], "mixed": [16, 32, 48, 64]}
+    assert graphs.decode_spans == {1: [64], 2: [64], 4: [64]}
+    graphs.decode_spans = PADDED_SPANS
     a, b, c = token_ids(30, seed=8), token_ids(9, seed=9), token_ids(5, seed=10)
     ref = {name: ref_logits(ids) for name, ids in dict(a=a, b=b, c=c).items()}
     steps = padded_steps(paged, a, b, c)
@@ -196,7 +206,7 @@ def test_steps_padded_into_the_graph_buffers_compute_the_same(tiny):
         input_ids, positions, attn = paged.inputs(chunks)
         assert graphs.key(attn, input_ids.shape[0]) == key
         graphs.load(key, input_ids, positions, attn)
-        hidden = graphs.forward(*key)[:input_ids.shape[0]]
+        hidden = graphs.forward(key)[:input_ids.shape[0]]
         for logits, name, (_, tokens, start) in zip(paged.logits(hidden, chunks), names,
                                                      chunks):
             want = ref[name][start:start + len(tokens)]
@@ -247,6 +257,17 @@ def test_real_configs_take_transformers_checkpoints(shape, windows, scale, soft_
 
 def test_graph_ladders():
     assert decode_sizes(20) == [1, 2, 4, 8, 16, 20]
+    # a decode's splits as kernels/triton_attention.split_count makes them: as many as fill
+    # `wanted` programs, none under 128 keys of the bound; a second kind of layer (a
+    # window of 300 keys) splits only what it walks
+    def splits(wanted: int, bound: int) -> tuple[int, int]:
+        return (min(wanted, -(-bound // 128)), min(wanted, -(-min(bound, 300) // 128)))
+    assert context_spans(lambda bound: splits(33, bound), 2048) == [128, 256, 512, 1024, 2048]
+    assert context_spans(lambda bound: splits(33, bound), 3000) == [128, 256, 512, 1024,
+                                                                    2048, 3000]
+    assert context_spans(lambda bound: splits(4, bound), 40960) == [128, 256, 40960]
+    assert context_spans(lambda bound: splits(1, bound), 2048) == [2048]
+    assert context_spans(lambda bound: splits(33, bound), 100) == [100]
     assert mixed_sizes(512) == [16, 32, 48, 64, 96, 144, 208, 304, 448, 512]
     assert mixed_sizes(8) == [8]
 

@@ -37,7 +37,7 @@ from services.worker.layers.pipeline import PPStage, layer_partition
 from services.worker.loader import load_model
 from services.worker.models.llama import MissingLayer
 from services.worker.shell import WorkerShell
-from tests.test_models import Paged, padded_steps, token_ids
+from tests.test_models import PADDED_SPANS, Paged, padded_steps, token_ids
 from tests.test_draft_model import draft_config, random_prompts
 from tests.test_spec_decode import NGRAM, repetitive_prompts
 from tests.test_tensor_parallel import count_reads
@@ -142,6 +142,7 @@ def test_stage_steps_through_the_graph_buffers_give_the_whole_models_logits(tmp_
         graphs.append(StepGraphs(stage.model, stage.kv_caches, max_num_seqs=4,
                                  max_num_batched_tokens=64, max_model_len=64, block_size=4,
                                  receives=receives))
+        graphs[-1].decode_spans = PADDED_SPANS
     a, b, c = token_ids(30, seed=8), token_ids(9, seed=9), token_ids(5, seed=10)
     steps = padded_steps(whole, a, b, c)
     for chunks, key in steps:
@@ -150,7 +151,7 @@ def test_stage_steps_through_the_graph_buffers_give_the_whole_models_logits(tmp_
         for stage_graphs in graphs:
             assert stage_graphs.key(attn, input_ids.shape[0]) == key
             stage_graphs.load(key, input_ids, positions, attn, sent)
-            sent = stage_graphs.forward(*key)[:input_ids.shape[0]]
+            sent = stage_graphs.forward(key)[:input_ids.shape[0]]
         torch.testing.assert_close(graphs[1].model.compute_logits(sent),
                                    torch.cat(whole.step(chunks)), atol=1e-5, rtol=0)
 

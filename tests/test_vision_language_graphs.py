@@ -16,7 +16,7 @@ from common.messages import ImageInput
 from common.model_files import load_hf_config
 from common.sampling_params import SamplingParams
 from services.offline.llm import LLM
-from services.worker.cuda_graphs import StepGraphs
+from services.worker.cuda_graphs import GraphKey, StepGraphs
 from services.worker.images import mrope_positions_of_step
 from services.worker.inputs import StepInputs
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
@@ -109,7 +109,7 @@ class EagerGraphs(StepGraphs):
         super().__init__(runner.model, runner.kv_caches, config.max_num_seqs,
                          config.max_num_batched_tokens, config.max_model_len,
                          runner.block_size)
-        self.replayed: list[tuple[bool, int]] = []
+        self.replayed: list[GraphKey] = []
         self.eager: list[tuple[int, bool]] = []  # (positions' dims, has image rows)
         self.replaying = False
         forward = runner.model.forward
@@ -125,7 +125,7 @@ class EagerGraphs(StepGraphs):
         self.load(key, input_ids, positions, attn, hidden)
         self.replaying = True
         try:
-            return self.forward(*key)[:input_ids.shape[0]]
+            return self.forward(key)[:input_ids.shape[0]]
         finally:
             self.replaying = False
 
@@ -153,8 +153,8 @@ def test_qwen_vl_text_steps_through_the_graph_buffers_match_transformers(arch, t
     graphs = with_eager_graphs(llm)
     check_against_reference(llm, hf, chat(PROMPT), [random_image(1)])
     assert graphs.eager and all(call == (2, True) for call in graphs.eager)
-    assert graphs.replayed.count((False, 1)) == MAX_TOKENS - 1  # every decode
-    assert any(mixed for mixed, _ in graphs.replayed)  # the text chunk after the image
+    assert [key.size for key in graphs.replayed if not key.mixed] == [1] * (MAX_TOKENS - 1)
+    assert any(key.mixed for key in graphs.replayed)  # the text chunk after the image
 
 
 def test_llava_text_steps_through_the_graph_buffers_give_the_eager_tokens(tmp_path):
@@ -176,7 +176,8 @@ def test_llava_text_steps_through_the_graph_buffers_give_the_eager_tokens(tmp_pa
         outs.append(llm.generate(requests, params, use_tqdm=False))
     assert graphs is not None
     assert graphs.eager and all(call == (1, True) for call in graphs.eager)
-    assert (False, 2) in graphs.replayed and any(mixed for mixed, _ in graphs.replayed)
+    assert any(not key.mixed and key.size == 2 for key in graphs.replayed)
+    assert any(key.mixed for key in graphs.replayed)
     for eager, replayed in zip(*outs):
         assert replayed.outputs[0].token_ids == eager.outputs[0].token_ids
         for ours, want in zip(replayed.prompt_logprobs[1:], eager.prompt_logprobs[1:]):

@@ -142,14 +142,16 @@ profile-graphs)  # the graphs' GEMV tests (TESTS=0: none), then `bench latency -
   done
   ;;
 latency-ab)  # small-batch decode with this tree and .base (the commit before), alternating:
-            # 0.6B at batch 1 and 8 twice, then the 8B's batch 1 in each of FORMATS
+            # each of SPECS ("model batch context", ;-separated; the 0.6B at batch 1 and
+            # 8) twice, then the 8B's batch 1 in each of FORMATS
+  IFS=';' read -ra specs <<< "${SPECS:-qwen3-0.6b-shape 1 62;qwen3-0.6b-shape 8 62}"
   for round in 1 2; do
-    for spec in "qwen3-0.6b-shape 1 62" "qwen3-0.6b-shape 8 62"; do
+    for spec in "${specs[@]}"; do
       set -- $spec
       for tree in new base; do
         bench_in $tree 120 latency --model "$(realpath $M/$1)" --load-format dummy \
           --context-len $3 --batch-size $2 --output-len 64 --iterations 3 \
-          --max-model-len 2048 --json "$R/latency-$1-b$2-$tree-$round.json" \
+          --max-model-len 2048 --json "$R/latency-$1-b$2-c$3-$tree-$round.json" \
           >> "$R/latency-ab.txt" 2>&1
       done
     done

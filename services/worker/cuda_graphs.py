@@ -25,21 +25,42 @@ by one: four launches without logprobs, five and as many allocations with them (
 31). The heads stay apart from the forward graphs so that each of those is captured once:
 a head costs the host one replay more.
 
-A step replays the smallest graph of its kind that fits. Its inputs are copied into the
-graphs' static buffers; the unused request slots have no queries and context length 0,
-the tokens past the last real one have cache slot -1 and form the kernel's padding tail
+The attention of a small decode batch cuts each context into parts to fill the GPU, as
+many as the longest context the launch allows makes worth having
+(kernels/triton_attention.py), and a graph fixes that count. So a decode size has a graph
+for each bound on the context that changes some layer's count: max_model_len, and the
+powers of two below it. A batch-1 decode at a context of 62 then attends unsplit in one
+launch instead of in 16 parts and their combine (3.6 against 5.2 us a layer at
+Qwen3-0.6B's heads on an H200; at batch 4, 3.7 against 8.5;
+benchmarks/issue31-h200/split10). The bound sets the count alone: the kernel cuts the
+actual context, so every graph of a size computes any of its steps alike.
+
+A step replays the smallest graph of its kind that fits, a decode at the smallest bound
+that holds its longest context. Its inputs are copied into the graphs' static buffers;
+the unused request slots have no queries and context length 0, the tokens past the last
+real one have cache slot -1 and form the kernel's padding tail
 (kernels/triton_attention.py), so they attend to nothing and write nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
-from services.worker.layers.attention import AttentionMetadata, ForwardContext
+from services.worker.layers.attention import Attention, AttentionMetadata, ForwardContext
 from services.worker.models import CausalLM
 from services.worker.sampler import greedy_head
 
 MAX_TOKENS = 512  # beyond this a step's device time hides its launches
+MIN_SPAN = 16  # no attention splits a context shorter than this
+
+
+class GraphKey(NamedTuple):
+    mixed: bool  # a mixed graph, or a decode one
+    size: int    # its tokens (a decode graph's: its requests)
+    span: int    # the longest context its attention is split for
 
 
 def graph_tokens(max_num_seqs: int, max_num_batched_tokens: int) -> int:
@@ -54,6 +75,32 @@ def decode_sizes(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
+
+
+def context_spans(splits: Callable[[int], tuple[int, ...]], max_model_len: int) -> list[int]:
+    """The context bounds of one decode size's graphs, ascending: max_model_len, and each
+    power of two below it (from MIN_SPAN) whose attention splits, `splits(bound)` over
+    the model's kinds of attention layer, differ from those of the next larger bound
+    kept. Bounds that split alike would capture the same graph twice."""
+    spans = [max_model_len]
+    bound = 1 << (max_model_len - 1).bit_length()
+    while (bound := bound // 2) >= MIN_SPAN:
+        if splits(bound) != splits(spans[0]):
+            spans.insert(0, bound)
+    return spans
+
+
+def attention_kinds(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                    ) -> list[tuple[Attention, torch.Tensor]]:
+    """One attention layer of each kind (heads, window, cache dtype) with its K cache."""
+    kinds: dict[tuple, tuple[Attention, torch.Tensor]] = {}
+    for layer in model.modules():
+        if isinstance(layer, Attention):
+            k_cache = kv_caches[layer.cache_index][0]
+            kind = (layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                    layer.sliding_window, layer.q_dtype, k_cache.dtype)
+            kinds.setdefault(kind, (layer, k_cache))
+    return list(kinds.values())
 
 
 def mixed_sizes(max_tokens: int) -> list[int]:
@@ -78,6 +125,11 @@ class StepGraphs:
         self.decode_sizes = decode_sizes(min(max_num_seqs, MAX_TOKENS))
         self.mixed_sizes = mixed_sizes(min(max_num_batched_tokens, MAX_TOKENS))
         self.max_model_len = max_model_len
+        kinds = attention_kinds(model, kv_caches)
+        self.decode_spans = {size: context_spans(
+            lambda span, size=size: tuple(layer.decode_splits(size, span, k_cache)
+                                          for layer, k_cache in kinds), max_model_len)
+            for size in self.decode_sizes}
         device = kv_caches[0][0].device
         rows = max(self.decode_sizes[-1], self.mixed_sizes[-1])
         max_blocks = -(-max_model_len // block_size)
@@ -94,34 +146,48 @@ class StepGraphs:
         # decode graphs: request i is token i; mixed graphs: written for every step
         self.decode_starts = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.mixed_starts = ints(rows + 1)
-        self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[bool, int], torch.Tensor] = {}  # each graph's hidden states
-        # by (decode size, k): a decode graph's heads and their outputs
-        self.heads: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.head_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}  # each graph's hidden states
+        # by (decode graph, k): a decode graph's heads and their outputs
+        self.heads: dict[tuple[GraphKey, int], torch.cuda.CUDAGraph] = {}
+        self.head_outputs: dict[tuple[GraphKey, int], torch.Tensor] = {}
 
     @property
     def sizes(self) -> dict[str, list[int]]:
         return {"decode": self.decode_sizes, "mixed": self.mixed_sizes}
 
-    def key(self, attn: AttentionMetadata, num_tokens: int) -> tuple[bool, int] | None:
-        """The graph (mixed, size) that replays a step: the smallest of its kind that fits
-        (a decode batch past the decode ladder takes a mixed one), or None."""
+    @property
+    def keys(self) -> list[GraphKey]:
+        return [GraphKey(False, size, span) for size in self.decode_sizes
+                for span in self.decode_spans[size]] + \
+            [GraphKey(True, size, self.max_model_len) for size in self.mixed_sizes]
+
+    def key(self, attn: AttentionMetadata, num_tokens: int) -> GraphKey | None:
+        """The graph that replays a step: the smallest of its kind that fits (a decode
+        batch past the decode ladder takes a mixed one), a decode's at the smallest
+        context bound that holds its longest context; None where none fits."""
         mixed = attn.max_query_len > 1 or num_tokens > self.decode_sizes[-1]
-        return next(((mixed, s) for s in (self.mixed_sizes if mixed else self.decode_sizes)
+        size = next((s for s in (self.mixed_sizes if mixed else self.decode_sizes)
                      if s >= num_tokens), None)
+        if size is None:
+            return None
+        longest = min(attn.max_seq_len, self.max_model_len)
+        span = self.max_model_len if mixed else next(
+            s for s in self.decode_spans[size] if s >= longest)
+        return GraphKey(mixed, size, span)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        keys = [(False, s) for s in self.decode_sizes] + [(True, s) for s in self.mixed_sizes]
-        for key in sorted(keys, key=lambda k: -k[1]):  # largest first: the rest reuse its memory
-            self.forward(*key)  # warm-up outside capture (compiles, allocates workspaces)
+        # largest first: the rest reuse its memory
+        ordered = sorted(self.keys, key=lambda k: -k.size)
+        for key in ordered:
+            self.forward(key)  # warm-up outside capture (compiles, allocates workspaces)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[key] = self.forward(*key)
+                self.outputs[key] = self.forward(key)
             self.graphs[key] = graph
-        heads = [(size, k) for size in reversed(self.decode_sizes) for k in self.head_ks]
+        heads = [(key, k) for key in ordered if not key.mixed for k in self.head_ks]
         for head in heads:  # after every forward graph: each reads its graph's output
             self.head(*head)
             graph = torch.cuda.CUDAGraph()
@@ -130,7 +196,7 @@ class StepGraphs:
             self.heads[head] = graph
         torch.cuda.synchronize()
 
-    def run(self, key: tuple[bool, int], input_ids: torch.Tensor, positions: torch.Tensor,
+    def run(self, key: GraphKey, input_ids: torch.Tensor, positions: torch.Tensor,
             attn: AttentionMetadata, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states of a step, replayed by graph `key` (from `key()`); hidden:
         those the stage before sent, on a pipeline stage after the first. The result is
@@ -139,20 +205,20 @@ class StepGraphs:
         self.graphs[key].replay()
         return self.outputs[key][:input_ids.shape[0]]
 
-    def sample(self, key: tuple[bool, int], k: int) -> torch.Tensor | None:
+    def sample(self, key: GraphKey, k: int) -> torch.Tensor | None:
         """Head k's output for the step graph `key` has just replayed, over all the graph's
         rows (the next replay overwrites it); None where that graph has no such head."""
-        head = self.heads.get((key[1], k)) if not key[0] else None
+        head = self.heads.get((key, k))
         if head is None:
             return None
         head.replay()
-        return self.head_outputs[(key[1], k)]
+        return self.head_outputs[(key, k)]
 
-    def load(self, key: tuple[bool, int], input_ids: torch.Tensor, positions: torch.Tensor,
+    def load(self, key: GraphKey, input_ids: torch.Tensor, positions: torch.Tensor,
              attn: AttentionMetadata, hidden: torch.Tensor | None = None) -> None:
         """Copy a step into the static buffers, padded to graph `key`'s size (the padding
         tokens' hidden rows are whatever an earlier step left: they write nothing)."""
-        mixed, size = key
+        mixed, size, _ = key
         num_tokens, num_reqs = input_ids.shape[0], attn.seq_lens.shape[0]
         assert (hidden is None) == (self.hidden is None), \
             "a stage after the first, and only such a stage, takes the hidden states sent"
@@ -169,17 +235,17 @@ class StepGraphs:
             self.mixed_starts[:num_reqs + 1].copy_(attn.query_start_loc)
             self.mixed_starts[num_reqs + 1:size + 1] = num_tokens
 
-    def forward(self, mixed: bool, size: int) -> torch.Tensor:
-        """The model over the static buffers as graph `(mixed, size)` sees them."""
+    def forward(self, key: GraphKey) -> torch.Tensor:
+        """The model over the static buffers as graph `key` sees them."""
+        mixed, size, span = key
         starts = self.mixed_starts if mixed else self.decode_starts
         attn = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size],
                                  starts[:size + 1], self.seq_lens[:size],
-                                 max_query_len=size if mixed else 1,
-                                 max_seq_len=self.max_model_len)
+                                 max_query_len=size if mixed else 1, max_seq_len=span)
         return self.model(self.input_ids[:size], self.positions[:size],
                           ForwardContext(attn, self.kv_caches),
                           None if self.hidden is None else self.hidden[:size])
 
-    def head(self, size: int, k: int) -> torch.Tensor:
-        """Head k of decode graph `size` over that graph's output buffer."""
-        return greedy_head(self.model.compute_logits(self.outputs[(False, size)]), k)
+    def head(self, key: GraphKey, k: int) -> torch.Tensor:
+        """Head k of decode graph `key` over that graph's output buffer."""
+        return greedy_head(self.model.compute_logits(self.outputs[key]), k)

@@ -21,6 +21,7 @@ import torch
 
 from common.messages import StepPlan
 from common.speculative import split_drafts
+from services.worker.cuda_graphs import GraphKey
 from services.worker.layers.attention import AttentionMetadata
 from services.worker.request_state import RequestState
 
@@ -59,7 +60,7 @@ class StepInputs:
     # a vision-language step's (token indices, image embedding rows) (services/worker/
     # images.py); its positions are then [3, T]
     image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-    graph: tuple[bool, int] | None = None  # the step graph that replayed it (cuda_graphs.py)
+    graph: GraphKey | None = None  # the step graph that replayed it (cuda_graphs.py)
 
 
 def prepare_inputs(plan: StepPlan, states: list[RequestState], block_size: int,

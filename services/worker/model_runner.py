@@ -36,7 +36,7 @@ from common.model_info import DraftModel
 from common.pipeline import held_steps
 from common.sampling_params import SamplingParams
 from common.speculative import may_speculate
-from services.worker.cuda_graphs import MAX_TOKENS, StepGraphs, graph_tokens
+from services.worker.cuda_graphs import MAX_TOKENS, GraphKey, StepGraphs, graph_tokens
 from services.worker.draft import DraftRunner
 from services.worker.grammar import Grammars, MaskRow
 from services.worker.images import (EncoderCache, key_limits, mrope_positions_of_step,
@@ -342,7 +342,7 @@ class ModelRunner:
             self.draft.sync(inputs.input_ids, inputs.positions, attn)
         return hidden
 
-    def _forward(self, inputs: StepInputs, key: tuple[bool, int] | None) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, key: GraphKey | None) -> torch.Tensor:
         """The model's forward pass, replayed by graph `key` where there is one. On a
         pipeline stage the hidden states of the stage before come in first and this
         stage's go on after, both outside the graph."""
@@ -562,7 +562,8 @@ class ModelRunner:
         graphs.capture()
         if self.draft is not None:
             self.draft.capture_graphs(config.max_num_seqs, config.max_num_batched_tokens)
-        log.info("captured CUDA graphs for steps of %s tokens in %.1f s", graphs.sizes,
+        log.info("captured CUDA graphs for steps of %s tokens, decodes for contexts up to "
+                 "%s keys, in %.1f s", graphs.sizes, graphs.decode_spans,
                  time.perf_counter() - start)
         return graphs
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.attention import paged_attention
+from kernels.attention import decode_splits, paged_attention
 from kernels.attention_inputs import HeadNorms, norm_rope_write_kv
 from kernels.cache import write_kv
 from services.worker.layers.parallel import current_group
@@ -57,12 +57,22 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads, self.layer_idx = num_kv_heads, layer_idx
         self.sliding_window, self.soft_cap = sliding_window, soft_cap
+        # the loader builds a model in its activations' dtype (loader.default_dtype)
+        self.q_dtype = torch.get_default_dtype()
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32))
         self.calculate_scales = False
         self.tp = current_group()
         layers = current_stage().layers  # the KV cache holds the stage's layers only
         self.cache_index = layer_idx - (layers.start if layers is not None else 0)
+
+    def decode_splits(self, num_reqs: int, max_seq_len: int, k_cache: torch.Tensor) -> int:
+        """The parts this layer's attention cuts each context into for a decode of
+        num_reqs requests whose contexts are at most max_seq_len keys long."""
+        q = torch.empty((num_reqs, self.num_heads, self.head_dim), dtype=self.q_dtype,
+                        device=k_cache.device)
+        return decode_splits(q, k_cache.dtype, self.num_kv_heads, max_seq_len,
+                             self.sliding_window)
 
     def _calculate_scales(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           slot_mapping: torch.Tensor) -> None:
