@@ -14,8 +14,8 @@ from common.config import ConfigError, EngineConfig
 from common.model_files import load_hf_config, load_tokenizer, resolve_model
 from common.model_info import resolve_engine
 from services.demo import demo_model_path
-from services.worker.cuda_graphs import (GraphKey, StepGraphs, context_spans, decode_sizes,
-                                         mixed_sizes)
+from services.worker.cuda_graphs import (GraphKey, StepGraphs, attention_kinds, context_spans,
+                                         decode_sizes, mixed_sizes)
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
 from services.worker.loader import load_model, load_weights
 from services.worker.models import CausalLM, kv_cache_shape, model_class
@@ -211,6 +211,20 @@ def test_steps_padded_into_the_graph_buffers_compute_the_same(tiny):
                                                      chunks):
             want = ref[name][start:start + len(tokens)]
             assert rel_err(logits, want) < TOLERANCE, (key, name)
+
+
+def test_decode_graph_bounds_split_by_each_kind_of_attention(tmp_path):
+    """Gemma 2's layers alternate a window of 8 keys with none: the graphs' bounds are
+    chosen over one layer of each kind, with its own K cache and the model's dtype."""
+    model_dir = make_tiny_model(tmp_path, "gemma2")
+    resolved = resolve_engine(EngineConfig(model=str(model_dir), dtype="bfloat16"))
+    model = load_model(resolved.config, resolved.hf_config, CPU, torch.bfloat16, model_dir)
+    paged = Paged(model, resolved.hf_config, block_size=4)
+    kinds = attention_kinds(model, paged.kv_caches)
+    assert sorted(layer.sliding_window or 0 for layer, _ in kinds) == [0, 8]
+    assert all(k_cache is paged.kv_caches[layer.cache_index][0] for layer, k_cache in kinds)
+    # the queries' dtype, which picks the attention's tiles, is the model's
+    assert all(layer.q_dtype == torch.bfloat16 for layer, _ in kinds)
 
 
 @pytest.mark.parametrize("arch,windows", [("gemma2", [8, None, 8, None]),
