@@ -82,11 +82,12 @@ def context_spans(splits: Callable[[int], tuple[int, ...]], max_model_len: int) 
     power of two below it (from MIN_SPAN) whose attention splits, `splits(bound)` over
     the model's kinds of attention layer, differ from those of the next larger bound
     kept. Bounds that split alike would capture the same graph twice."""
-    spans = [max_model_len]
+    spans, kept = [max_model_len], splits(max_model_len)
     bound = 1 << (max_model_len - 1).bit_length()
     while (bound := bound // 2) >= MIN_SPAN:
-        if splits(bound) != splits(spans[0]):
+        if (split := splits(bound)) != kept:
             spans.insert(0, bound)
+            kept = split
     return spans
 
 

@@ -562,8 +562,10 @@ class ModelRunner:
         graphs.capture()
         if self.draft is not None:
             self.draft.capture_graphs(config.max_num_seqs, config.max_num_batched_tokens)
-        log.info("captured CUDA graphs for steps of %s tokens, decodes for contexts up to "
-                 "%s keys, in %.1f s", graphs.sizes, graphs.decode_spans,
+        bounded = {size: spans for size, spans in graphs.decode_spans.items()
+                   if len(spans) > 1}  # the other sizes' graphs hold any context
+        log.info("captured CUDA graphs for steps of %s tokens, decodes of these sizes for "
+                 "contexts up to these keys %s, in %.1f s", graphs.sizes, bounded,
                  time.perf_counter() - start)
         return graphs
 
