@@ -173,7 +173,7 @@ async def test_a_new_prefill_waits_behind_at_most_one_queued_step(redis_url):
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("early_rows, commits", [
-    (2, [["StepPlan"], ["TokenBatch"]]), (3, [["StepPlan", "TokenBatch"]])])
+    (2, [["plan"], ["tokens"]]), (3, [["plan", "tokens"]])])
 async def test_many_rows_of_results_send_the_plans_before_their_tokens(
         redis_url, monkeypatch, early_rows, commits):
     """A result of EARLY_PLAN_ROWS rows or more: the round's plan leaves in a commit of its
@@ -185,14 +185,14 @@ async def test_many_rows_of_results_send_the_plans_before_their_tokens(
         await bus.set_alive(keys.alive_worker(), "epoch-1", 30_000)
         await bus.publish(keys.results(), WorkerReady("w", "epoch-1", 64, 16, 256))
         sent: list[list[str]] = []
-        commit = bus.commit
+        write = bus.write
 
-        async def logged(outputs, done=()):  # the scheduler's: this test publishes too
-            names = [type(msg).__name__ for _, msg in outputs]
-            if {"StepPlan", "TokenBatch"} & set(names):
+        async def logged(records, done=()):  # the scheduler's: this test publishes too
+            names = [fields["type"] for _, fields in records]
+            if {"plan", "tokens"} & set(names):
                 sent.append(names)
-            return await commit(outputs, done)
-        monkeypatch.setattr(bus, "commit", logged)
+            return await write(records, done)
+        monkeypatch.setattr(bus, "write", logged)
         ctx = ServiceContext("scheduler", "t", config, ServerConfig(), bus, anyio.Event())
         tg.start_soon(SchedulerShell(ctx, config).run)
         params = SamplingParams(max_tokens=50, ignore_eos=True, eos_token_ids=(0,), n=2)
@@ -203,7 +203,7 @@ async def test_many_rows_of_results_send_the_plans_before_their_tokens(
                                                      epoch="epoch-1"))
         assert (await next_plan(bus)).step == 3
         with anyio.fail_after(5):
-            while not any("TokenBatch" in names for names in sent):
+            while not any("tokens" in names for names in sent):
                 await anyio.sleep(0.01)
         assert sent == commits
         ctx.stop.set()

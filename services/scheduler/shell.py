@@ -6,7 +6,9 @@ hop: while the device runs step N+1, the plan of N+2 is made from N's result, be
 steps' tokens are known (see services/scheduler/request.py). A result frees its slot at
 once; the next plan is made before the result's tokens are applied, and both leave in one
 commit with the acknowledgements of what was read, unless the tokens are many: then the
-plan goes first, on its own, and the worker has it while the tokens are applied.
+plan goes first, on its own, and the worker has it while the tokens are applied. Commits
+are written behind the loop (services/scheduler/commits.py): it reads on while Redis
+answers them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from common.messages import (Abort, AdmitRequest, DrainSteps, ErrorReply, Reques
 from common.model_info import check_shard, resolve_engine
 from common.service import ServiceContext, freeze_heap, heartbeat, run_service
 from common.timing import PhaseClock
+from services.scheduler.commits import CommitQueue
 from services.scheduler.core import Scheduler, SchedulerConfig
 from services.scheduler.inflight import StepsInFlight
 
@@ -57,6 +60,7 @@ class SchedulerShell:
         self.core: Scheduler | None = None
         self.worker_epoch = ""
         self.steps = StepsInFlight()
+        self.commits = CommitQueue(ctx.bus)
         self.results: list[StepResult] = []  # taken this round, applied after planning
         self.next_worker_check = 0.0
         self.next_gateway_check = 0.0
@@ -78,6 +82,7 @@ class SchedulerShell:
             tg.start_soon(heartbeat, self.bus, keys.alive_scheduler(self.shard), self.epoch,
                           self.ctx.stop)
             tg.start_soon(self._publish_stats)
+            tg.start_soon(self.commits.run)
             # what a previous incarnation left unread
             pending = {keys.admit(self.shard): "0", keys.control(self.shard): "0"}
             clock = self.clock
@@ -92,19 +97,18 @@ class SchedulerShell:
                 pending = {}
                 outputs = self._plan_round(entries)
                 if outputs and self._rows_to_apply() >= EARLY_PLAN_ROWS:
-                    await self.bus.commit(outputs)
+                    await self.commits.put(outputs)
                     clock.lap("commit")
                     outputs = []
                 outputs += self._result_round()
-                if outputs or entries:
-                    await self.bus.commit(outputs, done=entries)
+                await self.commits.put(outputs, done=entries)
                 clock.lap("commit")
                 if self._num_unfinished() < unfinished:
                     self.stats_due.set()
-                if lost := await self._check_worker():
-                    await self.bus.commit(lost)
+                await self.commits.put(await self._check_worker())
                 await self._abort_orphans()
                 await self._renew_images()
+            await self.commits.flush()
             tg.cancel_scope.cancel()
         await self.bus.forget(keys.scheduler_stats(self.shard))  # stopped: no figures
         log.info("scheduler loop times", **self.clock.summary())
