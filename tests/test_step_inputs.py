@@ -8,18 +8,20 @@ import torch
 
 from common.messages import StepPlan
 from common.sampling_params import SamplingParams
+from services.worker.block_table import BlockTable
 from services.worker.inputs import flatten, prepare_inputs, to_device_together
 from services.worker.request_state import RequestState
 
 BLOCK_SIZE = 4
+TABLE = BlockTable(rows=2, width=2)  # every test's requests; small, so that it grows
 CPU = torch.device("cpu")
 DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 
 
 def state(req_id: str, prompt: list[int], output: list[int], blocks: list[int],
           params: SamplingParams | None = None, **extra) -> RequestState:
-    return RequestState(req_id, prompt, output, blocks, params or SamplingParams(), None,
-                        **extra)
+    return RequestState(req_id, prompt, output, TABLE.add(blocks), params or SamplingParams(),
+                        None, **extra)
 
 
 def chunked_prefill_and_two_decodes() -> tuple[StepPlan, list[RequestState]]:
@@ -37,7 +39,7 @@ def chunked_prefill_and_two_decodes() -> tuple[StepPlan, list[RequestState]]:
 
 def test_a_chunked_prefill_and_two_decodes_flatten_by_hand():
     plan, states = chunked_prefill_and_two_decodes()
-    batch = flatten(plan, states, BLOCK_SIZE)
+    batch = flatten(plan, states, TABLE, BLOCK_SIZE)
     assert batch.token_ids.tolist() == [104, 105, 106, 107, 61, 0]  # c's: a placeholder
     assert batch.gathers == [(5, 1)]  # filled from the in-flight step's row 1
     assert batch.positions.tolist() == [4, 5, 6, 7, 6, 3]
@@ -54,7 +56,7 @@ def test_the_decodes_sample_and_the_chunk_takes_prompt_logprobs():
     plan, states = chunked_prefill_and_two_decodes()
     a, b, c = states
     last_tokens = torch.tensor([50, 51])  # the in-flight step's samples, on the device
-    inputs = prepare_inputs(plan, states, BLOCK_SIZE, last_tokens, CPU)
+    inputs = prepare_inputs(plan, states, TABLE, BLOCK_SIZE, last_tokens, CPU)
     assert inputs.input_ids.tolist() == [104, 105, 106, 107, 61, 51]
     assert inputs.positions.tolist() == [4, 5, 6, 7, 6, 3]
     attn = inputs.attn
@@ -76,7 +78,7 @@ def test_a_prompts_last_chunk_stops_its_prompt_logprobs_before_the_last_token():
     a = state("a", list(range(100, 110)), [], [7, 3, 9], SamplingParams(prompt_logprobs=2))
     plan = StepPlan(step=0, req_ids=["a"], num_scheduled_tokens=[2],
                     num_computed_tokens=[8])
-    inputs = prepare_inputs(plan, [a], BLOCK_SIZE, torch.empty(0, dtype=torch.int64), CPU)
+    inputs = prepare_inputs(plan, [a], TABLE, BLOCK_SIZE, torch.empty(0, dtype=torch.int64), CPU)
     # position 9 is the last prompt token: it predicts output, so one row, position 8
     assert inputs.prompt_logprob_rows == [(a, 0, 8, 1)]
     assert inputs.sampling == [a] and inputs.sample_indices.tolist() == [1]
@@ -90,7 +92,8 @@ def test_drafts_come_last_and_their_rows_verify_instead_of_sampling():
     plan = StepPlan(step=5, req_ids=["b", "d"], num_scheduled_tokens=[1, 3],
                     num_computed_tokens=[6, 4], num_draft_tokens=[0, 2],
                     draft_token_ids=[31, 32])
-    inputs = prepare_inputs(plan, [b, d], BLOCK_SIZE, torch.empty(0, dtype=torch.int64), CPU)
+    inputs = prepare_inputs(plan, [b, d], TABLE, BLOCK_SIZE, torch.empty(0, dtype=torch.int64),
+                            CPU)
     assert inputs.input_ids.tolist() == [61, 30, 31, 32]
     assert inputs.positions.tolist() == [6, 4, 5, 6]
     assert inputs.attn.slot_mapping.tolist() == [22, 32, 33, 34]  # d's second block: 8
@@ -106,8 +109,8 @@ def test_an_embedding_request_pools_every_chunk_and_never_samples():
     for computed, scheduled, last in [(0, 3, False), (3, 2, True)]:
         plan = StepPlan(step=0, req_ids=["b", "e"], num_scheduled_tokens=[1, scheduled],
                         num_computed_tokens=[6, computed])
-        inputs = prepare_inputs(plan, [b, e], BLOCK_SIZE, torch.empty(0, dtype=torch.int64),
-                                CPU)
+        inputs = prepare_inputs(plan, [b, e], TABLE, BLOCK_SIZE,
+                                torch.empty(0, dtype=torch.int64), CPU)
         # (state, first token index in the batch, count, its prompt's last chunk)
         assert inputs.pooling_rows == [(e, 1, scheduled, last)]
         assert inputs.sampling == [b]
@@ -143,3 +146,17 @@ def test_a_requests_sampling_row_follows_its_tokens_and_min_tokens():
     assert a.sampling_row() is row and list(row.output_token_ids) == [5, 6]
     assert not a.needs_history()
     assert state("b", [1], [7], [0], SamplingParams(presence_penalty=0.5)).needs_history()
+
+
+def test_the_block_table_grows_pads_with_zeros_and_gives_an_ended_requests_row_clean():
+    table = BlockTable(rows=2, width=2)
+    a, b = table.add([5, 6]), table.add([7])
+    c = table.add([1, 2, 3])  # a third row and a third column: both grow
+    table.extend(b, [8, 9, 10])
+    assert table.gather(np.asarray([c, a, b])).tolist() == [[1, 2, 3, 0], [5, 6, 0, 0],
+                                                          [7, 8, 9, 10]]
+    assert table.gather(np.asarray([a])).tolist() == [[5, 6]]  # as wide as its longest
+    table.release(b)
+    d = table.add([4])  # b's row again, with none of b's ids left in it
+    assert d == b and table.gather(np.asarray([d, c])).tolist() == [[4, 0, 0], [1, 2, 3]]
+    assert table.gather(np.asarray([d])).dtype == np.int32

@@ -36,6 +36,7 @@ from common.model_info import DraftModel
 from common.pipeline import held_steps
 from common.sampling_params import SamplingParams
 from common.speculative import may_speculate
+from services.worker.block_table import BlockTable
 from services.worker.cuda_graphs import MAX_TOKENS, GraphKey, StepGraphs, graph_tokens
 from services.worker.draft import DraftRunner
 from services.worker.grammar import Grammars, MaskRow
@@ -126,6 +127,7 @@ class ModelRunner:
         self.grammars = Grammars(lambda: load_tokenizer(model_dir, config.tokenizer),
                                  self.model.vocab_size, self.device)
         self.requests: dict[str, RequestState] = {}
+        self.block_table = BlockTable()  # the requests' blocks, a row each
         self.images = EncoderCache(self.model.patch_dim, self.device) \
             if self.model.multimodal else None
         # the largest images the processor makes, for the memory profile
@@ -273,30 +275,37 @@ class ModelRunner:
         assert self._pending is None and not self._unshared, \
             "a launched step still refers to these requests"
         self.requests.clear()
+        self.block_table = BlockTable()
         if self.images is not None:
             self.images = EncoderCache(self.model.patch_dim, self.device)
 
     def _apply_plan(self, plan: StepPlan) -> None:
         for req_id in plan.finished:
             state = self.requests.pop(req_id, None)
-            if state is not None and self.images is not None:
+            if state is None:
+                continue
+            self.block_table.release(state.table_row)
+            if self.images is not None:
                 self.images.release(state)
         for new in plan.new:
-            state = self.requests[new.req_id] = RequestState.new(new, self.device)
+            state = self.requests[new.req_id] = RequestState.new(new, self.device,
+                                                                 self.block_table)
             if self.images is not None and state.images and self.model.mrope:
                 state.mrope, state.mrope_delta = mrope_positions(
                     len(state.prompt_ids), state.images, self.model.merge,
                     self.model.tokens_per_second)
                 self.images.hold(state)
         for cached in plan.cached:
-            self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
+            self.block_table.extend(self.requests[cached.req_id].table_row,
+                                    cached.new_block_ids)
 
     def _prepare(self, plan: StepPlan) -> StepInputs:
         states = [self.requests[req_id] for req_id in plan.req_ids]
         if self.lora is not None:
             self.lora.prepare([state.lora for state in states],
                               np.asarray(plan.num_scheduled_tokens, dtype=np.int64))
-        inputs = prepare_inputs(plan, states, self.block_size, self._last_tokens, self.device)
+        inputs = prepare_inputs(plan, states, self.block_table, self.block_size,
+                                self._last_tokens, self.device)
         if self.images is not None:
             self._add_images(plan, states, inputs)
         return inputs
@@ -441,7 +450,7 @@ class ModelRunner:
             torch.cat([part.tokens for part in parts]),
             torch.cat([part.positions for part in parts]),
             inputs.attn.block_tables[self._tensor(np.asarray(rows))],
-            self._tensor(np.asarray([len(s.block_ids) for s in states])),
+            self._tensor(self.block_table.lengths[[s.table_row for s in states]]),
             int(inputs.seq_lens[rows].max()))
         launched.drafted = states
         launched.drafts_host = launched.to_host(drafts)

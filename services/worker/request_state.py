@@ -1,6 +1,6 @@
 """What the worker keeps of each request between steps: its tokens (it sampled them, so a
-plan carries none), its blocks, and the per-request state of sampling, grammars, pooling
-and adapters. Made from a plan's NewRequest, grown by its CachedRequest and by the tokens
+plan carries none), its row of the block table (services/worker/block_table.py), and the
+per-request state of sampling, grammars, pooling and adapters. Made from a plan's NewRequest, grown by its CachedRequest and by the tokens
 the worker samples, dropped when the plan lists it as finished."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from common.messages import ImageInput, LoRARequest, NewRequest
 from common.sampling_params import SamplingParams
 from common.tokens import slice_tokens
+from services.worker.block_table import BlockTable
 from services.worker.sampler import SamplingRow, has_penalty, make_generator
 
 
@@ -23,7 +24,7 @@ class RequestState:
     req_id: str
     prompt_ids: list[int]
     output_ids: list[int]
-    block_ids: list[int]
+    table_row: int  # its blocks' row of the worker's BlockTable
     params: SamplingParams
     generator: torch.Generator | None
     pending: int = 0  # tokens sampled by launched steps, not yet copied back to the host
@@ -50,12 +51,12 @@ class RequestState:
                            or any(len(word) > 1 for word in self.params.bad_words_token_ids))
 
     @classmethod
-    def new(cls, new: NewRequest, device: torch.device) -> RequestState:
+    def new(cls, new: NewRequest, device: torch.device, table: BlockTable) -> RequestState:
         params = new.params
         generator = None if params.seed is None else make_generator(params.seed, device)
         return cls(new.req_id, list(new.token_ids[:new.num_prompt_tokens]),
-                   list(new.token_ids[new.num_prompt_tokens:]), list(new.block_ids), params,
-                   generator, structured=params.structured_outputs is not None,
+                   list(new.token_ids[new.num_prompt_tokens:]), table.add(new.block_ids),
+                   params, generator, structured=params.structured_outputs is not None,
                    embed=new.embed, lora=new.lora, images=list(new.images))
 
     @property
