@@ -4,8 +4,13 @@ and a write that fails."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
 import anyio
 import pytest
+from anyio.abc import TaskGroup
 from redis.exceptions import ResponseError
 
 from common.bus import Bus, Entry
@@ -30,6 +35,27 @@ class HeldWrites:
         return await self.write(records, done)
 
 
+@dataclass
+class Writer:
+    bus: Bus
+    held: HeldWrites
+    commits: CommitQueue
+    tg: TaskGroup
+
+
+@asynccontextmanager
+async def held_writer(redis_url: str, monkeypatch, max_queued: int = 8
+                      ) -> AsyncIterator[Writer]:
+    """A CommitQueue whose writer runs, each of its writes held until the test allows."""
+    async with Bus(redis_url) as bus, anyio.create_task_group() as tg:
+        held = HeldWrites(bus)
+        monkeypatch.setattr(bus, "write", held)
+        commits = CommitQueue(bus, max_queued)
+        tg.start_soon(commits.run)
+        yield Writer(bus, held, commits, tg)
+        tg.cancel_scope.cancel()
+
+
 def abort(rid: str) -> tuple[str, Abort]:
     return (STREAM, Abort(rid))
 
@@ -40,68 +66,55 @@ async def stream_rids(bus: Bus) -> list[str]:
 
 @pytest.mark.anyio
 async def test_commits_queued_during_a_write_leave_together_in_order(redis_url, monkeypatch):
-    async with Bus(redis_url) as bus, anyio.create_task_group() as tg:
-        held = HeldWrites(bus)
-        monkeypatch.setattr(bus, "write", held)
-        commits = CommitQueue(bus)
-        tg.start_soon(commits.run)
-        await commits.put([abort("a")])  # the writer takes it at once
-        assert held.writes == [["a"]]
-        await commits.put([abort("b")])
-        await commits.put([abort("c"), abort("d")])
-        held.gate.set()
+    async with held_writer(redis_url, monkeypatch) as w:
+        await w.commits.put([abort("a")])  # the writer takes it at once
+        assert w.held.writes == [["a"]]
+        await w.commits.put([abort("b")])
+        await w.commits.put([abort("c"), abort("d")])
+        w.held.gate.set()
         with anyio.fail_after(5):
-            await commits.flush()
-        assert held.writes == [["a"], ["b", "c", "d"]]
-        assert await stream_rids(bus) == ["a", "b", "c", "d"]
-        tg.cancel_scope.cancel()
+            await w.commits.flush()
+        assert w.held.writes == [["a"], ["b", "c", "d"]]
+        assert await stream_rids(w.bus) == ["a", "b", "c", "d"]
 
 
 @pytest.mark.anyio
 async def test_an_entry_is_acknowledged_with_the_commit_that_answers_it(redis_url, monkeypatch):
-    async with Bus(redis_url) as bus, anyio.create_task_group() as tg:
-        await bus.ensure_group("test:in", GROUP)
-        await bus.publish("test:in", Abort("x"))
-        read: list[Entry] = await bus.read(GROUP, "c", {"test:in": ">"}, count=10)
-        held = HeldWrites(bus)
-        monkeypatch.setattr(bus, "write", held)
-        commits = CommitQueue(bus)
-        tg.start_soon(commits.run)
-        await commits.put([abort("answer")], done=read)
-        assert (await bus.redis.xpending("test:in", GROUP))["pending"] == 1  # not written yet
-        held.gate.set()
+    async with held_writer(redis_url, monkeypatch) as w:
+        await w.bus.ensure_group("test:in", GROUP)
+        w.held.gate.set()  # the test's own publish goes through the held write too
+        await w.bus.publish_to([("test:in", Abort("x"))])
+        read: list[Entry] = await w.bus.read(GROUP, "c", {"test:in": ">"}, count=10)
+        w.held.gate = anyio.Event()
+        await w.commits.put([abort("answer")], done=read)
+        assert (await w.bus.redis.xpending("test:in", GROUP))["pending"] == 1  # not yet
+        w.held.gate.set()
         with anyio.fail_after(5):
-            await commits.flush()
-        assert (await bus.redis.xpending("test:in", GROUP))["pending"] == 0
-        assert await stream_rids(bus) == ["answer"]
-        tg.cancel_scope.cancel()
+            await w.commits.flush()
+        assert (await w.bus.redis.xpending("test:in", GROUP))["pending"] == 0
+        assert await stream_rids(w.bus) == ["answer"]
 
 
 @pytest.mark.anyio
 async def test_put_waits_while_the_queue_is_full(redis_url, monkeypatch):
-    async with Bus(redis_url) as bus, anyio.create_task_group() as tg:
-        held = HeldWrites(bus)
-        monkeypatch.setattr(bus, "write", held)
-        commits = CommitQueue(bus, max_queued=2)
-        tg.start_soon(commits.run)
-        await commits.put([abort("a")])  # being written, held
-        await commits.put([abort("b")])
-        await commits.put([abort("c")])  # two queued behind the write: full
+    async with held_writer(redis_url, monkeypatch, max_queued=2) as w:
+        await w.commits.put([abort("a")])  # being written, held
+        await w.commits.put([abort("b")])
+        await w.commits.put([abort("c")])  # two queued behind the write: full
         third = anyio.Event()
 
         async def put_third() -> None:
-            await commits.put([abort("d")])
+            await w.commits.put([abort("d")])
             third.set()
-        tg.start_soon(put_third)
+        w.tg.start_soon(put_third)
         with anyio.move_on_after(0.2):
             await third.wait()
         assert not third.is_set()
-        held.gate.set()
+        w.held.gate.set()
         with anyio.fail_after(5):
             await third.wait()
-            await commits.flush()
-        assert await stream_rids(bus) == ["a", "b", "c", "d"]
-        tg.cancel_scope.cancel()
+            await w.commits.flush()
+        assert await stream_rids(w.bus) == ["a", "b", "c", "d"]
 
 
 @pytest.mark.anyio
@@ -120,13 +133,8 @@ async def test_a_write_that_fails_raises_in_the_writer(redis_url):
 
 @pytest.mark.anyio
 async def test_nothing_to_commit_writes_nothing(redis_url, monkeypatch):
-    async with Bus(redis_url) as bus, anyio.create_task_group() as tg:
-        held = HeldWrites(bus)
-        monkeypatch.setattr(bus, "write", held)
-        commits = CommitQueue(bus)
-        tg.start_soon(commits.run)
-        await commits.put([], done=[])
+    async with held_writer(redis_url, monkeypatch) as w:
+        await w.commits.put([], done=[])
         with anyio.fail_after(1):
-            await commits.flush()
-        assert held.writes == []
-        tg.cancel_scope.cancel()
+            await w.commits.flush()
+        assert w.held.writes == []

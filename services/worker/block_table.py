@@ -4,10 +4,9 @@ A step's block table was built anew from each request's list of ids. At 256 rows
 nano workload's lengths (5 to 70 blocks each) that took 225 us on the 2-CPU box (a
 throwaway timing), and it was 5% of the served worker's samples at four replicas of the
 detokenizer-bound workload on an H200 host (benchmarks/issue31-h200, eleventh session).
-Here a request's row is
-written when it arrives and grows by the ids its steps add, and a step's table is one
-gather of its requests' rows (22 us in the same timing), as vLLM's input batch keeps its
-block table.
+Here a request's row is written when it arrives and grows by the ids its steps add, and a
+step's table is one gather of its requests' rows (22 us in the same timing), as vLLM's
+input batch keeps its block table.
 """
 
 from __future__ import annotations
