@@ -482,6 +482,20 @@ def test_a_graph_head_samples_greedy_rows_on_raw_logits_with_one_logprob_at_most
     assert head(SamplingParams(temperature=0.0, logit_bias={3: 1.0})) is None
 
 
+def test_a_rows_path_follows_its_outputs_past_min_tokens() -> None:
+    """A row's params are read once (SamplingRow), its outputs at each step: EOS is held
+    back, which the graph heads cannot do, only until min_tokens are out; a grammar holds
+    nothing back (services/worker/grammar.py ends the request at its EOS)."""
+    outputs: list[int] = []  # the request's own list, which the row reads
+    row = SamplingRow(SamplingParams(temperature=0.0, min_tokens=2), [1], outputs, None)
+    assert graph_head([row]) is None
+    outputs += [5, 6]
+    assert graph_head([row]) == 0
+    grammar = SamplingParams(temperature=0.0, min_tokens=2,
+                             structured_outputs={"json": {"type": "object"}})
+    assert graph_head([make_row(grammar, torch.device("cpu"))]) == 0
+
+
 @pytest.mark.parametrize("k", GRAPH_HEADS)
 def test_a_graph_heads_padded_output_reads_as_the_samplers(device: torch.device,
                                                            k: int) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -64,6 +64,22 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens sampled so far (before this step)
     generator: torch.Generator | None  # per-request, from params.seed; None if unseeded
+    # Of its params, made once: each step asks every row which path samples it, two or
+    # three times over, and asking the params each time cost a 256-row step 170 us of the
+    # step thread on the 2-CPU box (a throwaway timing; issue 31).
+    fixed_logits: bool = field(init=False)  # no penalty, bias, allowed ids or bad words
+    greedy_kernel: bool = field(init=False)  # greedy with logprobs the kernel finds
+    min_tokens: int = field(init=False)  # 0 where EOS is never held back
+    logprobs: int = field(init=False)  # params.logprobs, -1 for None
+
+    def __post_init__(self) -> None:
+        params = self.params
+        self.fixed_logits = not (has_penalty(params) or params.logit_bias
+                                 or params.allowed_token_ids or params.bad_words_token_ids)
+        self.greedy_kernel = (params.greedy and self.fixed_logits
+                              and (params.logprobs or 0) <= MAX_KERNEL_LOGPROBS)
+        self.min_tokens = 0 if params.structured_outputs is not None else params.min_tokens
+        self.logprobs = -1 if params.logprobs is None else params.logprobs
 
 
 @dataclass(slots=True)
@@ -143,9 +159,9 @@ class Sampler:
         """`logits` float32 [N, vocab], this step's own (the grammar mask writes into it)."""
         if mask is not None:
             apply_token_bitmask(logits, mask.bitmask, mask.rows)
-        if all(_plain_greedy(row) for row in rows):
+        if all(map(_plain_greedy, rows)):
             return SamplerOutput.of_tokens(logits.argmax(dim=-1))
-        if all(_greedy_on_raw_logits(row) for row in rows):
+        if all(map(_greedy_on_raw_logits, rows)):
             return self._sample_greedy_with_logprobs(logits, rows)
         if logits.is_cuda and all(_plain_random(row) for row in rows):
             return self._sample_fused(logits, rows)
@@ -478,12 +494,12 @@ def graph_head(rows: Sequence[SamplingRow]) -> int | None:
     """Which head of a decode graph samples these rows: 0, the argmax (no row asks for
     logprobs), or HEAD_LOGPROBS, the top-logprobs kernel; None where a row needs the
     sampler (a random draw, processed logits, more logprobs)."""
-    if not all(_greedy_on_raw_logits(row) for row in rows):
+    if not all(map(_greedy_on_raw_logits, rows)):
         return None
-    asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
-    if not asked:
+    most = max(row.logprobs for row in rows)
+    if most < 0:
         return 0
-    return HEAD_LOGPROBS if max(asked) <= HEAD_LOGPROBS else None
+    return HEAD_LOGPROBS if most <= HEAD_LOGPROBS else None
 
 
 def greedy_head(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -548,8 +564,7 @@ def has_penalty(params: SamplingParams) -> bool:
 
 
 def _blocks_early_stops(row: SamplingRow) -> bool:
-    params = row.params
-    return len(row.output_token_ids) < params.min_tokens and params.structured_outputs is None
+    return row.min_tokens > 0 and len(row.output_token_ids) < row.min_tokens
 
 
 def _plain_random(row: SamplingRow) -> bool:
@@ -566,19 +581,14 @@ def _plain_greedy(row: SamplingRow) -> bool:
 
 def _greedy_on_raw_logits(row: SamplingRow) -> bool:
     """Greedy on the raw logits, asking for as many logprobs as one read of them finds."""
-    params = row.params
-    return (params.greedy and _unchanged_logits(row)
-            and (params.logprobs or 0) <= MAX_KERNEL_LOGPROBS)
+    return row.greedy_kernel and not _blocks_early_stops(row)
 
 
 def _raw_logits(row: SamplingRow) -> bool:
     """Nothing changes the row's logits before the choice, nor asks for their logprobs."""
-    return row.params.logprobs is None and _unchanged_logits(row)
+    return row.logprobs < 0 and _unchanged_logits(row)
 
 
 def _unchanged_logits(row: SamplingRow) -> bool:
     """Nothing changes the row's logits before the choice."""
-    params = row.params
-    return (not has_penalty(params) and not _blocks_early_stops(row)
-            and not params.logit_bias and not params.allowed_token_ids
-            and not params.bad_words_token_ids)
+    return row.fixed_logits and not _blocks_early_stops(row)
