@@ -179,11 +179,12 @@ class StepAdapters:
         self.ids: set[int] = set()
 
     def admits(self, req: Request) -> bool:
-        lora_id = req.lora_id
-        return lora_id is None or lora_id in self.ids or len(self.ids) < self.max_loras
+        if req.lora is None:  # most requests: spare the property, asked twice a row a step
+            return True
+        return req.lora_id in self.ids or len(self.ids) < self.max_loras
 
     def add(self, req: Request) -> None:
-        if req.lora_id is not None:
+        if req.lora is not None:
             self.ids.add(req.lora_id)
 
 
@@ -326,7 +327,8 @@ class Scheduler:
                 continue  # finished or aborted after this step was planned
             req.num_pending -= 1
             kept = self._append_tokens(req, result.token_ids[end - count:end])
-            req.proposal, req.proposal_after = proposal, req.num_known_tokens
+            if result.num_draft_tokens:  # without proposals, an older one no longer follows
+                req.proposal, req.proposal_after = proposal, req.num_known_tokens
             if sampled is None and columns is not None and req.final_only:
                 sampled = columns.rows()  # held until its end as records
             lps = [sampled[row]] if sampled is not None and sampled[row] is not None else []
@@ -433,8 +435,9 @@ class Scheduler:
         return batch
 
     def _num_to_schedule(self, req: Request, budget: int) -> int:
-        remaining = req.num_tokens - req.num_computed_tokens
-        if remaining <= 0 or not self._may_sample(req):
+        num_tokens = req.num_tokens
+        remaining = num_tokens - req.num_computed_tokens
+        if remaining <= 0 or not self._may_sample(req, num_tokens):
             return 0
         if req.num_pending and self.config.pipeline_stages > 1:
             return 0  # the first stage embeds the token in flight only once it is back
@@ -488,15 +491,16 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         return threshold if 0 < threshold < remaining else remaining
 
-    def _may_sample(self, req: Request) -> bool:
-        """False once the tokens already sampled (known or in flight) reach a length limit:
-        scheduling another step would only compute a token that is thrown away."""
+    def _may_sample(self, req: Request, num_tokens: int) -> bool:
+        """False once the tokens already sampled (known or in flight; `num_tokens` with the
+        prompt's) reach a length limit: scheduling another step would only compute a token
+        that is thrown away."""
         if req.embed:  # it only computes its prompt
             return True
         max_tokens = req.params.max_tokens
-        if max_tokens is not None and req.num_output_tokens >= max_tokens:
+        if max_tokens is not None and num_tokens - len(req.prompt_token_ids) >= max_tokens:
             return False
-        return req.num_tokens < self.config.max_model_len
+        return num_tokens < self.config.max_model_len
 
     def _allocate_or_preempt(self, req: Request, n: int, position: int) -> list | None:
         lookahead = self._lookahead(req.num_computed_tokens + n)
@@ -585,7 +589,7 @@ class Scheduler:
         if req.finish_reason is None:
             max_tokens = params.max_tokens
             if ((max_tokens is not None and num_output >= max_tokens)
-                    or req.num_known_tokens >= self.config.max_model_len):
+                    or len(req.prompt_token_ids) + num_output >= self.config.max_model_len):
                 req.finish_reason = "length"
 
     def _finish(self, req: Request) -> None:
