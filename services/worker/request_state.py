@@ -1,7 +1,8 @@
 """What the worker keeps of each request between steps: its tokens (it sampled them, so a
 plan carries none), its row of the block table (services/worker/block_table.py), and the
-per-request state of sampling, grammars, pooling and adapters. Made from a plan's NewRequest, grown by its CachedRequest and by the tokens
-the worker samples, dropped when the plan lists it as finished."""
+per-request state of sampling, grammars, pooling and adapters. Made from a plan's
+NewRequest, grown by its CachedRequest and by the tokens the worker samples, dropped when
+the plan lists it as finished."""
 
 from __future__ import annotations
 
