@@ -136,15 +136,24 @@ def test_sampling_options_reach_every_request_and_the_workloads_name():
     assert all(p.logprobs == 1 and p.top_p == 0.9 for p in workload.params)
     assert completion_body("m", [1, 2], workload.params[0])["logprobs"] == 1
     assert "logprobs" not in completion_body("m", [1, 2], nano_workload(1).params[0])
-    assert with_sampling(workload, None, None) is workload
+    assert with_sampling(workload, logprobs=None, top_p=None) is workload
+    twins = with_sampling(nano_workload(4), temperature=0.0, n=4)
+    assert twins.name == "nano[temperature=0.0,n=4]"
+    assert twins.output_tokens == 4 * nano_workload(4).output_tokens
+    assert completion_body("m", [1], twins.params[0])["n"] == 4
+    assert "n" not in completion_body("m", [1], workload.params[0])
 
 
 def test_throughput_command_times_the_http_path(tiny, tmp_path):
-    """With logprobs asked for on both paths, as the issue's logprobs workload does."""
-    stdout, data = run_throughput(tiny, tmp_path, "inprocess,http", "--logprobs", "1")
-    assert {r["workload"] for r in data["results"]} == {"fixed[logprobs=1]"}
+    """With logprobs and two greedy completions a request asked for on both paths, as the
+    detokenizer-bound workload of stage_scaling.sh does."""
+    stdout, data = run_throughput(tiny, tmp_path, "inprocess,http", "--logprobs", "1",
+                                  "--n", "2", "--temperature", "0")
+    assert {r["workload"] for r in data["results"]} == {
+        "fixed[logprobs=1,temperature=0.0,n=2]"}
     assert [r["path"] for r in data["results"]] == ["inprocess", "http"]
-    assert all(r["output_tokens"] == 6 * 12 and r["requests"] == 6 for r in data["results"])
+    assert all(r["output_tokens"] == 6 * 12 * 2 and r["requests"] == 6
+               for r in data["results"])
     inprocess, http = data["results"]
     ratio = http["tokens_per_s"] / inprocess["tokens_per_s"]
     assert f"http / inprocess: {ratio:.2f}x" in stdout.splitlines()

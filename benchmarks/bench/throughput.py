@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=None,
                         help="every request samples with this top_p (the sampler's cost "
                              "beyond temperature alone)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="every request samples at this temperature (0: greedy; "
+                             "default: the workload's, 0.6)")
+    parser.add_argument("--n", type=int, default=None,
+                        help="completions a request (the detokenizer-bound workload of "
+                             "benchmarks/gpu/stage_scaling.sh asks for 4)")
     parser.add_argument("--step-thread", action=argparse.BooleanOptionalAction, default=True,
                         help="the in-process engine runs its executor on a step thread, "
                              "as LLM does (in a worker process on GPUs unless "
@@ -147,17 +153,15 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     else:
         workload = fixed_workload(args.workload, args.num_prompts or 64, args.prompt_len,
                                   args.output_len, vocab_size=vocab_size)
-    return with_sampling(workload, args.logprobs, args.top_p)
+    return with_sampling(workload, logprobs=args.logprobs, top_p=args.top_p,
+                         temperature=args.temperature, n=args.n)
 
 
-def with_sampling(workload: Workload, logprobs: int | None, top_p: float | None) -> Workload:
-    """The workload with every request's logprobs and top_p set where given; its name says
-    so, since the figures differ."""
-    changes: dict[str, Any] = {}
-    if logprobs is not None:
-        changes["logprobs"] = logprobs
-    if top_p is not None:
-        changes["top_p"] = top_p
+def with_sampling(workload: Workload, **fields: float | int | None) -> Workload:
+    """The workload with the sampling fields given (logprobs, top_p, temperature, n) set
+    on every request, those given as None left alone; its name says so, since the figures
+    differ."""
+    changes = {name: value for name, value in fields.items() if value is not None}
     if not changes:
         return workload
     label = ",".join(f"{k}={v}" for k, v in changes.items())
@@ -309,6 +313,8 @@ def _overrides(params: SamplingParams) -> dict[str, Any]:
               "max_tokens": params.max_tokens, "top_p": params.top_p}
     if params.logprobs is not None:
         fields["logprobs"] = params.logprobs
+    if params.n > 1:
+        fields["n"] = params.n
     return fields
 
 

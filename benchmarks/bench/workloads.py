@@ -30,7 +30,7 @@ class Workload:
 
     @property
     def output_tokens(self) -> int:
-        return sum(p.max_tokens or 0 for p in self.params)
+        return sum((p.max_tokens or 0) * p.n for p in self.params)
 
 
 def nano_workload(num_prompts: int = 256, seed: int = 0) -> Workload:

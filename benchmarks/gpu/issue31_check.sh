@@ -288,6 +288,26 @@ detok-ab)  # the sampler's CUDA tests (TESTS=0: none), then the detokenizer-boun
     done
   done
   ;;
+detok-ceiling)  # item 6's bound: the detokenizer-bound workload's engine without the I/O
+              # stages. The 0.6B decode step at the workload's batch (256 rows, logprobs=5,
+              # greedy), then the workload itself (768 requests, n=4, 32 prompt and 128
+              # output tokens) in process and through HTTP with REPLICAS (4) tokenizers and
+              # detokenizers (PATHS: other paths than inprocess,http), ROUNDS (2) times over;
+              # LATENCY=0 skips the decode step
+  model=$(realpath $M/qwen3-0.6b-shape)
+  [ "${LATENCY:-1}" != 0 ] && bench 150 latency --model "$model" --load-format dummy --context-len 96 --batch-size 256 \
+    --output-len 64 --iterations 3 --max-model-len 2048 --logprobs 5 \
+    --json "$R/latency-b256-lp5.json" > "$R/latency-b256-lp5.txt" 2>&1
+  for round in $(seq ${ROUNDS:-2}); do
+    bench 280 throughput --model "$model" --load-format dummy --workload fixed \
+      --num-prompts 768 --prompt-len 32 --output-len 128 --n 4 --logprobs 5 \
+      --temperature 0 --max-num-seqs 256 --path ${PATHS:-inprocess,http} \
+      --api-server-count 4 --tokenizer-replicas ${REPLICAS:-4} \
+      --detokenizer-replicas ${REPLICAS:-4} \
+      --json "$R/throughput-detok-$round.json" > "$R/throughput-detok-$round.txt" 2>&1
+    tail -n 4 "$R/throughput-detok-$round.txt"
+  done
+  ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
        # the executor in the worker process and then on the step thread (WPS: which of the
        # two, 1 and 0; EXTRA: more flags; TAG names the files)

@@ -74,10 +74,10 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine(engine_config_from_args(args))
     warmup = with_output_len(nano_workload(256, seed=1), 4, 8)
-    run_inprocess(engine, with_sampling(warmup, args.logprobs, None))
+    run_inprocess(engine, with_sampling(warmup, logprobs=args.logprobs))
     lines = []
     for profiled, seed in ((False, 0), (True, 2)):  # 2: no prefix the first run cached
-        workload = with_sampling(nano_workload(256, seed=seed), args.logprobs, None)
+        workload = with_sampling(nano_workload(256, seed=seed), logprobs=args.logprobs)
         seen = pending_after_steps(engine)
         stamps = step_times(engine)
         host = cProfile.Profile()

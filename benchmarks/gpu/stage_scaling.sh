@@ -39,6 +39,7 @@ WARMUP_DIVISOR=${WARMUP_DIVISOR:-8}  # a warm-up sends this fraction of the time
 SERVE_TREE=${SERVE_TREE:-$PWD}  # the checkout whose `serve` runs (the client is this one's)
 SPY=${SPY:-}  # roles (as `services.cli ROLE`) that py-spy samples for SPY_S s of each timed run
 SPY_S=${SPY_S:-8}
+SPY_FLAGS=${SPY_FLAGS:-}  # more py-spy flags, such as --gil for the GIL holder's samples only
 DEADLINE_S=${DEADLINE_S:-400}  # no further replica count starts after this many seconds
 
 tok_flags() {  # NUM_PROMPTS
@@ -67,7 +68,7 @@ run_workload() {  # NAME NUM_PROMPTS: the warm-up (seed 7), then the timed run (
   fi
   local spies=()
   for role in $SPY; do
-    py-spy record --nonblocking --threads -d "$SPY_S" -r 500 -f raw -o "$R/spy-$role-$name.raw" \
+    py-spy record --nonblocking --threads $SPY_FLAGS -d "$SPY_S" -r 500 -f raw -o "$R/spy-$role-$name.raw" \
       -p "$(pgrep -f "services.cli $role " | head -n 1)" > "$R/spy-$role-$name.log" 2>&1 &
     spies+=($!)
   done

@@ -79,7 +79,7 @@ def run(kind: RequestOutputKind, prompts: int, logprobs: int | None,
     engine.detokenizer.token_text.preload(vocab_size)  # as with a worker process
     engine.steps.close()
     engine.steps = InstantSteps(logprobs is not None, len(engine.info.tokenizer), vocab_size)
-    workload = with_sampling(nano_workload(prompts), logprobs, None)
+    workload = with_sampling(nano_workload(prompts), logprobs=logprobs)
     for i, (prompt, params) in enumerate(zip(workload.prompts, workload.params)):
         engine.add_request(str(i), prompt, params.replace(output_kind=kind))
     engine.clock = PhaseClock()
