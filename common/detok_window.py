@@ -33,8 +33,15 @@ def make_context(prompt_ids: list[int], output_ids: list[int], num_new: int,
                          "tokens")
     num_prompt = len(prompt_ids)
     end = num_prompt + len(output_ids) - num_new
-    start = max(0, end - BASE_CONTEXT_TOKENS - MAX_CHAR_BYTES * stop_buffer_chars)
+    start = max(0, end - context_span(stop_buffer_chars))
     return slice_tokens(prompt_ids, output_ids, start, end), max(0, num_prompt - start)
+
+
+def context_span(stop_buffer_chars: int) -> int:
+    """How many tokens before the new ones a context holds at most, for a request of this
+    stop look-back (make_context's rule, which the served scheduler's fast path for
+    one-token rows applies with the span kept on the request)."""
+    return BASE_CONTEXT_TOKENS + MAX_CHAR_BYTES * stop_buffer_chars
 
 
 def detok_params(params: SamplingParams) -> DetokParams:

@@ -48,12 +48,34 @@ class TokenColumns:
                request_stamps: Sequence[float] = (), num_cached_tokens: int = 0,
                embedding: bytes | None = None) -> None:
         row = len(self.rids)
+        self._append_row(rid, index, reply_to, seq, context_ids, num_context_prompt, params,
+                         num_prompt_tokens)
+        self.new_token_ids += new_token_ids
+        self.new_ends.append(len(self.new_token_ids))
+        if (finish_reason is not None or logprobs or prompt_logprobs or request_stamps
+                or num_cached_tokens or embedding is not None):
+            self.extras[row] = DetokExtras(finish_reason, stop_reason, list(logprobs),
+                                           list(prompt_logprobs), list(request_stamps),
+                                           num_cached_tokens, embedding)
+
+    def append_token(self, rid: str, index: int, reply_to: str, seq: int, token: int,
+                     context_ids: Sequence[int], num_context_prompt: int,
+                     params: DetokParams, num_prompt_tokens: int) -> None:
+        """`append` of a row of one token and nothing more (no extras): a decode step's
+        usual row, which the served scheduler writes 256 of a step."""
+        self._append_row(rid, index, reply_to, seq, context_ids, num_context_prompt, params,
+                         num_prompt_tokens)
+        self.new_token_ids.append(token)
+        self.new_ends.append(len(self.new_token_ids))
+
+    def _append_row(self, rid: str, index: int, reply_to: str, seq: int,
+                    context_ids: Sequence[int], num_context_prompt: int, params: DetokParams,
+                    num_prompt_tokens: int) -> None:
+        """Every column of a row but its new tokens and extras."""
         self.rids.append(rid)
         self.indexes.append(index)
         self.reply_to.append(reply_to)
         self.seqs.append(seq)
-        self.new_token_ids += new_token_ids
-        self.new_ends.append(len(self.new_token_ids))
         self.context_ids += context_ids
         self.context_ends.append(len(self.context_ids))
         self.num_context_prompt.append(num_context_prompt)
@@ -63,11 +85,6 @@ class TokenColumns:
             at = self._params_at[id(params)] = len(self.params)
             self.params.append(params)
         self.params_of.append(at)
-        if (finish_reason is not None or logprobs or prompt_logprobs or request_stamps
-                or num_cached_tokens or embedding is not None):
-            self.extras[row] = DetokExtras(finish_reason, stop_reason, list(logprobs),
-                                           list(prompt_logprobs), list(request_stamps),
-                                           num_cached_tokens, embedding)
 
     def batch(self, step: int, stamps: list[float] | None = None, shard: int = 0,
               logprobs: StepLogprobs | None = None) -> TokenBatch:

@@ -366,21 +366,29 @@ def test_preemption_by_recompute_keeps_outputs_exact(lag, caplog):
     assert sched.kv.usage == 0.0
 
 
-def test_columns_give_each_item_the_logprobs_records_give_it():
+@pytest.mark.parametrize("final_only", [True, False])
+def test_columns_give_each_item_the_logprobs_records_give_it(final_only):
     """update_columns (the served scheduler's) leaves a step's sampled logprobs as columns,
     row i items[i]'s, which travel in the TokenBatch: joined back, every item is the one
     update (records) makes. Under preemption, one request aborted midway (its rows are
-    left out), rows without logprobs (width 0) and a FINAL_ONLY completion (its item
-    carries its own records)."""
+    left out), rows without logprobs (width 0), a request ended by a stop token and one
+    with stop strings (a longer context); with and without a FINAL_ONLY completion (its
+    item carries its own records). A step whose rows are all one streamed token takes the
+    fast path, one with the FINAL_ONLY request's row the general one."""
     ps = prompts(6, seed=5, lo=6, hi=14)
     seen: dict[str, list[DetokItem]] = {}
+    fast_steps = 0
     for way in ("records", "columns"):
         sched, worker = make(num_blocks=12, block_size=4, budget=32, max_seqs=8)
         for i, p in enumerate(ps):
             admit(sched, f"lp{i}" if i % 2 else f"r{i}", p, max_tokens=12,
                   logprobs=1 if i % 2 else None)
-        admit(sched, "lp-final", ps[0], max_tokens=12, logprobs=1,
-              output_kind=RequestOutputKind.FINAL_ONLY)
+        admit(sched, "lp-stop", ps[1], max_tokens=12, logprobs=1,
+              stop_token_ids=[reference(ps[1], 12)[6]])
+        admit(sched, "stop-strings", ps[2], max_tokens=12, stop=["never", "nor this"])
+        if final_only:
+            admit(sched, "lp-final", ps[0], max_tokens=12, logprobs=1,
+                  output_kind=RequestOutputKind.FINAL_ONLY)
         items = seen[way] = []
         execute, steps = worker.execute, iter(range(10_000))
         update, update_columns = sched.update, sched.update_columns
@@ -406,13 +414,28 @@ def test_columns_give_each_item_the_logprobs_records_give_it():
             items.extend(out)
             return out
 
+        def counted(*args: object, apply=sched._apply_one_token_rows) -> None:
+            nonlocal fast_steps
+            fast_steps += 1
+            apply(*args)
+
         sched.update, worker.execute = applied, with_logprobs
+        sched._apply_one_token_rows = counted
         drive(sched, worker, lag=1)
         assert sched.num_preemptions > 0
     assert seen["columns"] == seen["records"]
+    assert fast_steps > 0
     with_lps = [item for item in seen["records"] if item.logprobs]
-    assert {item.rid for item in with_lps} == {"lp1", "lp3", "lp5", "lp-final"}
-    assert [len(item.logprobs) for item in with_lps if item.rid == "lp-final"] == [12]
+    assert {item.rid for item in with_lps} == {"lp1", "lp3", "lp5", "lp-stop"} | (
+        {"lp-final"} if final_only else set())
+    assert [len(item.logprobs) for item in with_lps if item.rid == "lp-final"] == (
+        [12] if final_only else [])
+    [last] = [item for item in seen["columns"] if item.rid == "lp-stop"][-1:]
+    assert (last.finish_reason, last.seq) == ("stop", 6)
+    longest = max(len(item.context_ids) for item in seen["columns"]
+                  if item.rid == "stop-strings")
+    assert longest > max(len(item.context_ids) for item in seen["columns"]
+                         if item.rid == "r0")
 
 
 @pytest.mark.parametrize("way", ["update", "update_columns"])

@@ -45,6 +45,7 @@ from common.messages import (AdmitRequest, CachedRequest, DetokItem, MessageErro
 from common.pipeline import max_running, micro_batches
 from common.speculative import SpeculativeConfig, may_speculate, split_drafts
 from common.token_columns import ItemFields, TokenColumns
+from common.tokens import slice_tokens
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, Status
 
@@ -295,11 +296,62 @@ class Scheduler:
         completion still holds records until its end, and its row carries them."""
         columns = TokenColumns()
         rows: list[int] = []  # each row's row of the step's logprobs; -1: none, or its own
-        for fields, row in self._apply(result, records=False):
-            columns.append(*fields)
-            rows.append(row)
+        if self._streams_one_token_a_row(result):
+            self._apply_one_token_rows(result, columns, rows)
+        else:
+            for fields, row in self._apply(result, records=False):
+                columns.append(*fields)
+                rows.append(row)
         logprobs = result.logprobs
         return columns, None if logprobs is None else logprobs.select(rows)
+
+    def _streams_one_token_a_row(self, result: StepResult) -> bool:
+        """Whether every row of the result is one sampled token of a request that streams
+        and has no drafts out: a served decode step's usual result, which
+        _apply_one_token_rows writes straight into the columns."""
+        if (result.num_tokens or result.num_draft_tokens or result.prompt_logprobs
+                or result.embeddings):
+            return False
+        requests = self.requests
+        for req_id in result.req_ids:
+            req = requests.get(req_id)
+            if req is not None and (req.final_only or req.num_drafts_in_flight):
+                return False
+        return True
+
+    def _apply_one_token_rows(self, result: StepResult, columns: TokenColumns,
+                              rows: list[int]) -> None:
+        """_apply for such a result, without a record or a tuple a row: at 256 rows a step
+        the served scheduler spent more time applying tokens than planning (issue 31).
+        An item that carries more than its token (a request's first, or its last) takes
+        _item_fields as _apply's do."""
+        self._check_logprob_rows(result)
+        requests, token_ids = self.requests, result.token_ids
+        for row, req_id in enumerate(result.req_ids):
+            req = requests.get(req_id)
+            if req is None:
+                continue  # finished or aborted after this step was planned
+            req.num_pending -= 1
+            token = token_ids[row]
+            outputs = req.output_token_ids
+            outputs.append(token)
+            self._check_finish(req, token)
+            seq = len(outputs) - 1
+            if seq and req.finish_reason is None:
+                prompt = req.prompt_token_ids
+                num_prompt = len(prompt)
+                end = num_prompt + seq
+                start = max(0, end - req.context_span)
+                columns.append_token(req.rid, req.index, req.reply_to, seq, token,
+                                     slice_tokens(prompt, outputs, start, end),
+                                     max(0, num_prompt - start), req.detok_params,
+                                     num_prompt)
+            else:
+                columns.append(*self._item_fields(req, [token], []))
+                if req.finish_reason is not None:
+                    self._finish(req)
+            rows.append(row)
+        self.generation_tokens += len(rows)
 
     def _apply(self, result: StepResult, records: bool) -> list[tuple[ItemFields, int]]:
         """Each item's fields (DetokItem's, in order) with its row of the step's logprobs
@@ -310,10 +362,7 @@ class Scheduler:
                 continue
             if chunk.start == len(req.prompt_logprobs):  # not a recompute after preemption
                 req.prompt_logprobs.extend(chunk.rows())
-        columns = result.logprobs
-        if columns is not None and len(columns.widths) != len(result.req_ids):
-            raise MessageError(f"step {result.step} has logprobs for {len(columns.widths)} "
-                               f"rows of its {len(result.req_ids)}")
+        columns = self._check_logprob_rows(result)
         sampled = columns.rows() if columns is not None and records else None
         items: list[tuple[ItemFields, int]] = []
         counts = result.num_tokens or [1] * len(result.req_ids)
@@ -345,6 +394,14 @@ class Scheduler:
             if (req := self.requests.get(pooled.req_id)) is not None:
                 items.append((self._embedding_fields(req, pooled), -1))
         return items
+
+    def _check_logprob_rows(self, result: StepResult) -> StepLogprobs | None:
+        """The result's logprobs columns, refused unless they have a row a request."""
+        columns = result.logprobs
+        if columns is not None and len(columns.widths) != len(result.req_ids):
+            raise MessageError(f"step {result.step} has logprobs for {len(columns.widths)} "
+                               f"rows of its {len(result.req_ids)}")
+        return columns
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> list[int]:
         """Append a step's tokens up to the first that ends the request; a speculating

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.detok_window import detok_params, stop_lookback
+from common.detok_window import context_span, detok_params, stop_lookback
 from common.messages import DetokParams, ImageInput, LoRARequest, TokenLogprobs
 from common.sampling_params import RequestOutputKind, SamplingParams
 from common.speculative import NgramIndex
@@ -62,6 +62,7 @@ class Request:
     # made once: every step's DetokItem of this request carries them
     detok_params: DetokParams = field(init=False)
     stop_lookback: int = field(init=False)
+    context_span: int = field(init=False)  # the most tokens an item's context holds
     # one DetokItem at its end, not one a step (FINAL_ONLY without stop strings, whose
     # text could end it early); meanwhile its tokens' logprobs wait here
     final_only: bool = field(init=False)
@@ -70,6 +71,7 @@ class Request:
     def __post_init__(self) -> None:
         self.detok_params = detok_params(self.params)
         self.stop_lookback = stop_lookback(self.params.stop)
+        self.context_span = context_span(self.stop_lookback)
         self.final_only = (self.params.output_kind == RequestOutputKind.FINAL_ONLY
                            and not self.params.stop)
 
