@@ -31,16 +31,23 @@ def make_context(prompt_ids: list[int], output_ids: list[int], num_new: int,
     if not 0 <= num_new <= len(output_ids):
         raise ValueError(f"{num_new} new tokens do not fit the {len(output_ids)} output "
                          "tokens")
+    end = len(prompt_ids) + len(output_ids) - num_new
+    return context_before(prompt_ids, output_ids, end, context_span(stop_buffer_chars))
+
+
+def context_before(prompt_ids: list[int], output_ids: list[int], end: int, span: int
+                   ) -> tuple[list[int], int]:
+    """make_context of the new tokens from position `end` on, for a request whose span is
+    known: the served scheduler keeps it on the request and asks this for every
+    one-token row it applies."""
     num_prompt = len(prompt_ids)
-    end = num_prompt + len(output_ids) - num_new
-    start = max(0, end - context_span(stop_buffer_chars))
+    start = max(0, end - span)
     return slice_tokens(prompt_ids, output_ids, start, end), max(0, num_prompt - start)
 
 
 def context_span(stop_buffer_chars: int) -> int:
     """How many tokens before the new ones a context holds at most, for a request of this
-    stop look-back (make_context's rule, which the served scheduler's fast path for
-    one-token rows applies with the span kept on the request)."""
+    stop look-back."""
     return BASE_CONTEXT_TOKENS + MAX_CHAR_BYTES * stop_buffer_chars
 
 

@@ -295,9 +295,11 @@ detok-ceiling)  # item 6's bound: the detokenizer-bound workload's engine withou
               # detokenizers (PATHS: other paths than inprocess,http), ROUNDS (2) times over;
               # LATENCY=0 skips the decode step
   model=$(realpath $M/qwen3-0.6b-shape)
-  [ "${LATENCY:-1}" != 0 ] && bench 150 latency --model "$model" --load-format dummy --context-len 96 --batch-size 256 \
-    --output-len 64 --iterations 3 --max-model-len 2048 --logprobs 5 \
-    --json "$R/latency-b256-lp5.json" > "$R/latency-b256-lp5.txt" 2>&1
+  if [ "${LATENCY:-1}" != 0 ]; then
+    bench 150 latency --model "$model" --load-format dummy --context-len 96 \
+      --batch-size 256 --output-len 64 --iterations 3 --max-model-len 2048 --logprobs 5 \
+      --json "$R/latency-b256-lp5.json" > "$R/latency-b256-lp5.txt" 2>&1
+  fi
   for round in $(seq ${ROUNDS:-2}); do
     bench 280 throughput --model "$model" --load-format dummy --workload fixed \
       --num-prompts 768 --prompt-len 32 --output-len 128 --n 4 --logprobs 5 \

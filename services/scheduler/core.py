@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.config import EngineConfig
-from common.detok_window import make_context
+from common.detok_window import context_before, make_context
 from common.hops import NUM_REQUEST_STAMPS
 from common.messages import (AdmitRequest, CachedRequest, DetokItem, MessageError,
                              NewRequest, PooledOutput, SchedulerStats, StepLogprobs,
@@ -45,7 +45,6 @@ from common.messages import (AdmitRequest, CachedRequest, DetokItem, MessageErro
 from common.pipeline import max_running, micro_batches
 from common.speculative import SpeculativeConfig, may_speculate, split_drafts
 from common.token_columns import ItemFields, TokenColumns
-from common.tokens import slice_tokens
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, Status
 
@@ -340,12 +339,10 @@ class Scheduler:
             if seq and req.finish_reason is None:
                 prompt = req.prompt_token_ids
                 num_prompt = len(prompt)
-                end = num_prompt + seq
-                start = max(0, end - req.context_span)
-                columns.append_token(req.rid, req.index, req.reply_to, seq, token,
-                                     slice_tokens(prompt, outputs, start, end),
-                                     max(0, num_prompt - start), req.detok_params,
-                                     num_prompt)
+                context, num_context_prompt = context_before(prompt, outputs, num_prompt + seq,
+                                                             req.context_span)
+                columns.append_token(req.rid, req.index, req.reply_to, seq, token, context,
+                                     num_context_prompt, req.detok_params, num_prompt)
             else:
                 columns.append(*self._item_fields(req, [token], []))
                 if req.finish_reason is not None:
