@@ -254,11 +254,12 @@ def test_programmatic_dependent_launch_changes_no_token(real_model, monkeypatch)
 
 
 def test_greedy_decodes_sample_in_the_graphs_heads_as_eager_steps_do(real_model, monkeypatch):
-    """Greedy decode steps without logprobs and with logprobs 0 and 1 sample in their decode
-    graph's heads (12 requests: padding rows in the 16-wide graph); logprobs=2 takes the
-    sampler. Tokens and logprobs are eager execution's."""
+    """Greedy decode steps sample in their decode graph's heads (12 requests: padding rows
+    in the 16-wide graph), each at the narrowest head that holds its logprobs: none, 0
+    and 1, up to 5, up to 20; 21 takes the sampler. Tokens and logprobs are eager
+    execution's."""
     kwargs = dict(dtype="float32", num_gpu_blocks_override=512, max_num_seqs=16,
-                  max_model_len=2048)
+                  max_model_len=2048, max_logprobs=21)
     graphs = LLM(real_model, **kwargs)
     runner_graphs = graphs.engine.runner.graphs
     replayed: list[int] = []
@@ -266,21 +267,22 @@ def test_greedy_decodes_sample_in_the_graphs_heads_as_eager_steps_do(real_model,
     monkeypatch.setattr(runner_graphs, "sample",
                         lambda key, k: replayed.append(k) or sample(key, k))
     eager = LLM(real_model, enforce_eager=True, **kwargs)
-    for logprobs in (None, 0, 1, 2):
+    heads = {None: {0}, 0: {1}, 1: {1}, 2: {5}, 7: {20}, 21: set()}
+    for logprobs, want_heads in heads.items():
         replayed.clear()
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                                 logprobs=logprobs)
         ours, want = (llm.generate(PROMPTS * 3, params, use_tqdm=False)
                       for llm in (graphs, eager))
-        assert set(replayed) == ({0} if logprobs is None else {1} if logprobs < 2 else set())
+        assert set(replayed) == want_heads
         for a, b in zip(ours, want):
             tokens = a.outputs[0].token_ids
             assert tokens == b.outputs[0].token_ids
             if logprobs is None:
                 assert a.outputs[0].logprobs is None
                 continue
-            # the chosen token's entry: the others of logprobs=2 may swap places on a
-            # near-tie, the graphs' sums not being the eager kernels' to the last bit
+            # the chosen token's entry: the others may swap places on a near-tie, the
+            # graphs' sums not being the eager kernels' to the last bit
             for token, x, y in zip(tokens, a.outputs[0].logprobs, b.outputs[0].logprobs,
                                    strict=True):
                 assert len(x) == len(y) and x[token].rank == y[token].rank == 1

@@ -469,14 +469,18 @@ def test_greedy_logprobs_of_one_read_equal_the_general_paths(device: torch.devic
                          host_logprobs(out, len(ks)))
 
 
-def test_a_graph_head_samples_greedy_rows_on_raw_logits_with_one_logprob_at_most() -> None:
+def test_a_graph_head_samples_greedy_rows_on_raw_logits_at_the_narrowest_width() -> None:
     def head(*params: SamplingParams) -> int | None:
         return graph_head([make_row(p, torch.device("cpu")) for p in params])
+    def logprobs(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, logprobs=n)
     greedy = SamplingParams(temperature=0.0)
     assert head(greedy, greedy) == 0
-    assert head(greedy, SamplingParams(temperature=0.0, logprobs=0)) == 1
-    assert head(SamplingParams(temperature=0.0, logprobs=1), greedy) == 1
-    assert head(greedy, SamplingParams(temperature=0.0, logprobs=2)) is None
+    assert head(greedy, logprobs(0)) == 1
+    assert head(logprobs(1), greedy) == 1
+    assert head(greedy, logprobs(2)) == head(logprobs(5), logprobs(1)) == 5
+    assert head(logprobs(6), greedy) == head(logprobs(0), logprobs(20)) == 20
+    assert head(greedy, logprobs(21)) is None
     assert head(greedy, SamplingParams(temperature=0.7)) is None
     assert head(greedy, SamplingParams(temperature=0.0, repetition_penalty=1.2)) is None
     assert head(SamplingParams(temperature=0.0, logit_bias={3: 1.0})) is None
@@ -501,8 +505,9 @@ def test_a_graph_heads_padded_output_reads_as_the_samplers(device: torch.device,
                                                            k: int) -> None:
     """A head samples every row of its graph, the padding rows after the step's too: the
     step's rows read back from its one copy as the sampler's output for them alone, rows
-    of logprobs 0, 1 and none side by side."""
-    logprobs = [0, None, 1, 1, None] if k else [None] * 5
+    of logprobs 0, 1, none and the most, narrower than the head's k past k = 1 (a head
+    serves every width up to its own), side by side."""
+    logprobs = [0, None, max(k - 3, 1), 1, None] if k else [None] * 5
     rows = [make_row(SamplingParams(temperature=0.0, logprobs=n), device) for n in logprobs]
     logits = tied_logits(12, 8, 300).to(device)
     logits[len(rows):] = 0.0  # padding: what an earlier step left in the graph's buffers

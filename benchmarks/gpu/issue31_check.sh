@@ -3,6 +3,10 @@
 #   source .devkit/env.sh && bash benchmarks/gpu/issue31_check.sh STAGE
 set -uo pipefail
 source benchmarks/gpu/common.sh
+# item 6's detokenizer-bound workload as `bench throughput` flags: 768 requests, n=4,
+# logprobs=5, greedy, 32 prompt and 128 output tokens, 256 streams at most
+DETOK_WORKLOAD=(--load-format dummy --workload fixed --num-prompts 768 --prompt-len 32
+  --output-len 128 --n 4 --logprobs 5 --temperature 0 --max-num-seqs 256)
 latency_8b_ab() {  # Llama-3.1-8B shapes' batch-1 decode in each of FORMATS, this tree then
                  # .base (bf16, AWQ int4 under a written quantization_config, fp8 on load)
   local fmt model quant tree awq=/tmp/llama-3.1-8b-awq-shape
@@ -301,13 +305,29 @@ detok-ceiling)  # item 6's bound: the detokenizer-bound workload's engine withou
       --json "$R/latency-b256-lp5.json" > "$R/latency-b256-lp5.txt" 2>&1
   fi
   for round in $(seq ${ROUNDS:-2}); do
-    bench 280 throughput --model "$model" --load-format dummy --workload fixed \
-      --num-prompts 768 --prompt-len 32 --output-len 128 --n 4 --logprobs 5 \
-      --temperature 0 --max-num-seqs 256 --path ${PATHS:-inprocess,http} \
+    bench 280 throughput --model "$model" "${DETOK_WORKLOAD[@]}" \
+      --path ${PATHS:-inprocess,http} \
       --api-server-count 4 --tokenizer-replicas ${REPLICAS:-4} \
       --detokenizer-replicas ${REPLICAS:-4} \
       --json "$R/throughput-detok-$round.json" > "$R/throughput-detok-$round.txt" 2>&1
     tail -n 4 "$R/throughput-detok-$round.txt"
+  done
+  ;;
+detok-inproc-ab)  # the heads' GPU tests (TESTS=0: none), then detok-ceiling's workload in
+                # process, this tree and .base alternating, ROUNDS (2) times over
+  if [ "${TESTS:-1}" != 0 ]; then
+    timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      tests/test_sampler.py -k "heads or graph_head" > "$R/pytest-heads.txt" 2>&1
+    tail -n 1 "$R/pytest-heads.txt"
+  fi
+  for round in $(seq ${ROUNDS:-2}); do
+    trees="new base"; [ $((round % 2)) = 0 ] && trees="base new"
+    for tree in $trees; do
+      name=throughput-detok-$tree-$round
+      bench_in $tree 150 throughput --model "$(realpath $M/qwen3-0.6b-shape)" \
+        "${DETOK_WORKLOAD[@]}" --path inprocess --json "$R/$name.json" > "$R/$name.txt" 2>&1
+      tail -n 2 "$R/$name.txt"
+    done
   done
   ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with

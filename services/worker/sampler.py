@@ -482,24 +482,26 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int
 
 # --- sampling inside a decode step's CUDA graph ------------------------------------------
 
-# The most logprobs a row may ask for and still be sampled by a decode graph's head
-# (services/worker/cuda_graphs.py): logprobs=0 and 1 (a chat's `logprobs: true`, and
-# top_logprobs=1) cost the step the one read of its logits that the argmax makes; each
-# larger k would be one more head per graph.
-HEAD_LOGPROBS = 1
-GRAPH_HEADS = (0, HEAD_LOGPROBS)  # the k of each head a decode graph has
+# The k of each head a decode graph has (services/worker/cuda_graphs.py), smallest first:
+# the argmax, then the top-logprobs kernel at the widths the OpenAI API asks for most: a
+# chat's `logprobs: true` or top_logprobs=1, the completions API's most (5), and a chat's
+# most, vLLM's --max-logprobs default (20). A row of k logprobs takes the smallest head of
+# k or more. Each entry more is two more reductions over the chunk the kernel holds, not
+# another read of the logits; a step left to the sampler costs the host its launches, five
+# or so and their allocations, which a large batch's steps wait on (issue 31).
+GRAPH_HEADS = (0, 1, 5, 20)
 
 
 def graph_head(rows: Sequence[SamplingRow]) -> int | None:
     """Which head of a decode graph samples these rows: 0, the argmax (no row asks for
-    logprobs), or HEAD_LOGPROBS, the top-logprobs kernel; None where a row needs the
-    sampler (a random draw, processed logits, more logprobs)."""
+    logprobs), or the smallest top-logprobs head wide enough for every row; None where a
+    row needs the sampler (a random draw, processed logits, more logprobs)."""
     if not all(map(_greedy_on_raw_logits, rows)):
         return None
     most = max(row.logprobs for row in rows)
     if most < 0:
         return 0
-    return HEAD_LOGPROBS if most <= HEAD_LOGPROBS else None
+    return next((k for k in GRAPH_HEADS[1:] if k >= most), None)
 
 
 def greedy_head(logits: torch.Tensor, k: int) -> torch.Tensor:
