@@ -45,9 +45,12 @@ class RequestState:
     # row each time, as it asked each row's fixed penalties again (issue 31).
     _row: SamplingRow = field(init=False)
     _penalised: bool = field(init=False)
+    # it pools or asks for prompt logprobs: a step's inputs look such rows up by index
+    special: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self._row = SamplingRow(self.params, self.prompt_ids, self.output_ids, self.generator)
+        self.special = self.embed or self.params.prompt_logprobs is not None
         self._penalised = (has_penalty(self.params)
                            or any(len(word) > 1 for word in self.params.bad_words_token_ids))
 
