@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
              "lengths per minute"),
     "validation": "what the gateway's request and response models cost per request",
     "scheduler": "the scheduler core's host time per generated token (no model)",
+    "inputs": "the worker's host time to prepare a decode step's inputs (no model)",
 }
 
 
