@@ -37,7 +37,7 @@ TOOL_ENTRY_POINTS = (
     "services.gateway",          # services/gateway/public.py: Choice, parse_job,
                                  # validate_body, chunk_writer
     "services.worker",           # services/worker/__init__.py: load_weights,
-                                 # to_device_together
+                                 # to_device_together, decode_step_preparer
     "services.scheduler",        # services/scheduler/__init__.py: Scheduler, SchedulerConfig
 )
 # Libraries every tool may use whole: the corridor, the kernels, the tools themselves.

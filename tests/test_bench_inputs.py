@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 
-import torch
-
-from benchmarks.bench.inputs import BLOCK_SIZE, decode_step, main
-from services.worker.inputs import prepare_inputs
+from benchmarks.bench.inputs import main
+from services.worker.synthetic_step import decode_step, decode_step_preparer
 
 
 def test_the_timed_step_decodes_every_row_from_the_step_in_flight() -> None:
-    plan, states, table = decode_step(5, logprobs=2)
-    inputs = prepare_inputs(plan, states, table, BLOCK_SIZE, torch.arange(10, 15),
-                            torch.device("cpu"))
-    assert inputs.input_ids.tolist() == [10, 11, 12, 13, 14]  # each row's pending token
+    _, states, _ = decode_step(5, logprobs=2)
+    inputs = decode_step_preparer(5, logprobs=2)()
+    assert inputs.input_ids.tolist() == [0, 1, 2, 3, 4]  # each row's pending token
     assert inputs.positions.tolist() == [s.num_tokens for s in states]
     assert inputs.sample_rows == [0, 1, 2, 3, 4]
     assert inputs.prompt_logprob_rows == inputs.pooling_rows == inputs.spec == []

@@ -17,11 +17,9 @@ benchmarks/gpu/stage_scaling.sh asks n=4, logprobs=5).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 
+from benchmarks.bench.host_json import write_host_json
 from benchmarks.bench.workloads import nano_workload
 from common.messages import AdmitRequest, StepLogprobs, StepResult, encode
 from services.scheduler import Scheduler, SchedulerConfig
@@ -119,9 +117,5 @@ def main(argv: list[str]) -> int:
     total = sum(best[f"{k}_us_per_token"] for k in phases)
     print(f"best: {' + '.join(phases)} {total:.2f} us/token")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": runs,
-                       "machine": platform.processor() or platform.machine(),
-                       "cpus": os.cpu_count(), "python": platform.python_version()},
-                      f, indent=2)
+        write_host_json(args.json, {"args": vars(args), "runs": runs})
     return 0

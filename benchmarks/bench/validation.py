@@ -12,14 +12,12 @@ of one streamed chunk.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.bench.host_json import write_host_json
 from common.messages import TextDelta, TokenLogprobs
 from services.gateway import chunk_writer, parse_job, validate_body
 
@@ -59,13 +57,10 @@ def main(argv: list[str]) -> int:
         print(title)
         for name, row in rows.items():
             print(f"  {name:<48} p50 {row['p50_us']:7.2f} us  mean {row['mean_us']:7.2f} us")
-    result = {"iterations": args.iterations, "target_us": TARGET_US,
-              "request_model_only": models, "parse_job_whole": whole, "chunk": chunks,
-              "machine": platform.processor() or platform.machine(),
-              "cpus": os.cpu_count(), "python": platform.python_version()}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_host_json(args.json, {
+            "iterations": args.iterations, "target_us": TARGET_US,
+            "request_model_only": models, "parse_job_whole": whole, "chunk": chunks})
     over = [name for name, row in models.items() if row["p50_us"] > TARGET_US]
     print("PASS" if not over else f"OVER {TARGET_US:g} us: {', '.join(over)}")
     return 0 if not over else 1

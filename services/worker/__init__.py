@@ -5,7 +5,7 @@ it may change shape."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,3 +29,11 @@ def to_device_together(arrays: list[np.ndarray], device: torch.device) -> list[t
     shape: how the worker sends a step's inputs (benchmarks/gpu/input_copies.py times it)."""
     from services.worker.inputs import to_device_together as copy_together
     return copy_together(arrays, device)
+
+
+def decode_step_preparer(rows: int, logprobs: int | None = None) -> Callable[[], object]:
+    """A call prepares, on the CPU, the inputs of a made-up decode step of `rows` greedy
+    requests (each with `logprobs`) whose tokens are all still in flight, as the step
+    thread does before each launch (`headrace bench inputs` times it)."""
+    from services.worker.synthetic_step import decode_step_preparer as preparer
+    return preparer(rows, logprobs)
