@@ -114,7 +114,10 @@ def norm_rope_write_kv_triton(qkv: torch.Tensor, positions: torch.Tensor,
     return q_out
 
 
-@triton.jit
+# An eager step's positions and slots are views at any 8-byte offset into the buffer that
+# brought its inputs over (services/worker/inputs.py): specialized on their alignment, they
+# would compile another kernel in the middle of serving. One word a program each.
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_mapping_ptr"])
 def _norm_rope_write_kv_kernel(
         positions_ptr, qkv_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, q_out_ptr, k_cache_ptr,
         v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, stride_t, num_heads,

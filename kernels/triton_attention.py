@@ -272,9 +272,16 @@ def _request_of_tile(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr,
 
 # The sizes of a step change every step; were they specialized on (divisibility by 16,
 # equality to 1), each new combination would compile another kernel in the middle of
-# serving, seconds each on the H100.
+# serving, seconds each on the H100. So does an eager step's block table width
+# (stride_bt: its longest request's blocks), and so do the 16-byte alignments of its
+# metadata, views at any 4-byte offset into the one buffer that brought a step's inputs
+# over (services/worker/inputs.py's to_device_together): a py-spy of the in-process
+# engine caught the step thread compiling this kernel for 2.8 s of a run, warm-up and
+# timed (benchmarks/issue31-h200/heads13). Those loads are a few words a program.
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits", "q_len_above",
-                               "q_len_upto"])
+                               "q_len_upto", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
+                                            "seq_lens_ptr", "key_limits_ptr"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,

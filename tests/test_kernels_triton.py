@@ -1078,6 +1078,72 @@ def test_attention_dispatch_takes_triton_on_cuda() -> None:
     assert_close(out, paged_attention_ref(**inputs, scale=0.088), "dispatch", seed)
 
 
+def compiled_variants(kernel) -> int:
+    """The specializations of a Triton kernel this process has compiled for the current
+    device (the JIT's kernel cache: the first of its per-device entries)."""
+    return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+
+def offset_copy(tensor: torch.Tensor, words: int) -> torch.Tensor:
+    """`tensor`'s values `words` elements into a buffer of their dtype: a view that lies as
+    a step's metadata lie in the one buffer its inputs came in (to_device_together)."""
+    view = torch.empty(words + tensor.numel(), dtype=tensor.dtype,
+                       device=tensor.device)[words:].view(tensor.shape)
+    return view.copy_(tensor)
+
+
+@needs_cuda
+def test_an_eager_steps_metadata_compile_no_other_attention_kernel() -> None:
+    """An eager step's block table is as wide as its longest request, and its table,
+    starts and lengths are views at any 4-byte offset (services/worker/inputs.py). Were the
+    kernel specialized on either, each new width class or alignment would compile another
+    kernel in the middle of serving; the answer stays the reference's."""
+    g, seed = fresh_generator()
+    inputs = attention_inputs(AttentionShape(16, 8, 128, 16), TINY_REQUESTS, 0,
+                              torch.bfloat16, "cuda", g)
+    options = dict(scale=0.088, max_query_len=max(q for _, q in TINY_REQUESTS),
+                   max_seq_len=max(ctx for ctx, _ in TINY_REQUESTS))  # the same splits
+    ref = paged_attention_ref(**inputs, scale=0.088)
+    assert_close(paged_attention_triton(**inputs, **options), ref, "aligned", seed)
+    compiled = compiled_variants(_paged_attention_kernel)
+    used = max(math.ceil(ctx / 16) for ctx, _ in TINY_REQUESTS)
+    tables = inputs["block_tables"]
+    for words, width in [(1, used), (2, used + 1), (3, 16), (1, 17)]:
+        wide = torch.zeros(tables.shape[0], width, dtype=tables.dtype, device="cuda")
+        wide[:, :used] = tables[:, :used]
+        moved = {name: offset_copy(inputs[name], words)
+                 for name in ("query_start_loc", "seq_lens")}
+        moved["block_tables"] = offset_copy(wide, words)
+        out = paged_attention_triton(**inputs | moved, **options)
+        assert_close(out, ref, f"{words} words in, {width} blocks wide", seed)
+    assert compiled_variants(_paged_attention_kernel) == compiled
+
+
+@needs_cuda
+def test_an_eager_steps_positions_and_slots_compile_no_other_cache_write() -> None:
+    """The fused q/k norm, rotary and cache write, with its positions and slots 8 bytes
+    into their buffer (a step's int64 views, services/worker/inputs.py): the kernel
+    compiled for aligned ones runs, and writes what it wrote from them."""
+    g, _ = fresh_generator()
+    num_tokens, num_heads, num_kv_heads, head_dim = 9, 16, 8, 128
+    cos_sin = rope_cos_sin_cache(head_dim, 4096, 10000.0, None).cuda()
+    positions = torch.randint(0, 4096, (num_tokens,), generator=g).cuda()
+    qkv = rand(g, num_tokens, (num_heads + 2 * num_kv_heads) * head_dim,
+               dtype=torch.bfloat16, device="cuda")
+    slots = torch.randperm(64, generator=g)[:num_tokens].cuda()
+    outputs = []
+    for words in (0, 1):
+        caches = [torch.zeros(4, 16, num_kv_heads, head_dim, dtype=torch.bfloat16,
+                              device="cuda") for _ in range(2)]
+        q = norm_rope_write_kv_triton(qkv, offset_copy(positions, words), cos_sin, num_heads,
+                                      *caches, offset_copy(slots, words))
+        outputs.append([q, *caches])
+        if words == 0:
+            compiled = compiled_variants(_norm_rope_write_kv_kernel)
+    assert compiled_variants(_norm_rope_write_kv_kernel) == compiled
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+
+
 def fill_decode_batch(static: dict[str, torch.Tensor], num_real: int, block_size: int,
                       g: torch.Generator) -> None:
     """New contexts for the first num_real rows of a static decode batch, on distinct

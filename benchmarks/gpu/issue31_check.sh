@@ -334,6 +334,27 @@ detok-inproc-ab)  # the heads' GPU tests (TESTS=0: none), then detok-ceiling's w
     done
   done
   ;;
+compile-ab)  # the CUDA tests of eager steps' kernel specializations and the attention's
+            # (TESTS=0: none), then detok-inproc-ab's workload once in this tree and once in
+            # .base, each with a Triton cache of its own from empty: how many variants of
+            # the attention and of the cache write each compiled, startup and run together
+            # ($R/variants.txt)
+  if [ "${TESTS:-1}" != 0 ]; then
+    timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py -k \
+      "eager_steps or attention_cuda or norm_rope or key_limits or window_cuda or soft_cap" \
+      > "$R/pytest-compile.txt" 2>&1
+    tail -n 1 "$R/pytest-compile.txt"
+  fi
+  for tree in new base; do
+    rm -rf /tmp/triton-$tree
+    TRITON_CACHE_DIR=/tmp/triton-$tree bench_in $tree 200 throughput \
+      --model "$(realpath $M/qwen3-0.6b-shape)" "${DETOK_WORKLOAD[@]}" --path inprocess \
+      --json "$R/throughput-detok-$tree.json" > "$R/throughput-detok-$tree.txt" 2>&1
+    for kernel in _paged_attention_kernel _norm_rope_write_kv_kernel; do
+      echo "$tree $kernel $(find /tmp/triton-$tree -name "$kernel.json" | wc -l)"
+    done | tee -a "$R/variants.txt"
+  done
+  ;;
 paths)  # this tree's nano workload on both paths in one command, ROUNDS times over, with
        # the executor in the worker process and then on the step thread (WPS: which of the
        # two, 1 and 0; EXTRA: more flags; TAG names the files)
