@@ -53,6 +53,23 @@ def test_prefix_hit_is_confirmed_against_token_ids():
     assert pool.lookup(42, (9, 9, 9, 9)) is None  # same hash, other tokens: a miss
 
 
+def test_a_decode_that_fills_no_block_needs_nothing_and_one_that_does_is_cached():
+    """holds: the scheduler's shortcut past allocate. True only where allocate would return
+    no blocks and cache none: within the held blocks, short of a block to hash."""
+    for caching in (True, False):
+        kv = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=caching)
+        req = make_request("a", list(range(6)))
+        assert not kv.holds(req, 1)  # holds no blocks yet
+        assert kv.allocate(req, 6, kv.computed_blocks(req)) is not None  # 2 blocks, 1 full
+        req.num_computed_tokens = 6
+        req.output_token_ids += [7, 8]  # the 7th and 8th tokens: the second block fills
+        assert kv.holds(req, 7) and not kv.holds(req, 9)  # past the held blocks
+        assert kv.holds(req, 8) is not caching  # its filled block waits to be hashed
+        if caching:
+            assert kv.allocate(req, 2) == []  # room: it caches the block instead
+            assert kv.num_hashed["a"] == 2 and kv.holds(req, 8)
+
+
 def test_shared_prefix_is_reused_and_last_token_recomputed():
     kv = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=True)
     first = make_request("a", list(range(12)))

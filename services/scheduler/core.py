@@ -204,6 +204,8 @@ class Scheduler:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.spec = SpecDecodingStats()
+        # no draft model's slots to reserve past any request's tokens (_lookahead)
+        self._no_lookahead = config.speculative is None or not config.speculative.uses_draft_model
 
     # --- requests ---------------------------------------------------------------------
 
@@ -557,6 +559,8 @@ class Scheduler:
         return num_tokens < self.config.max_model_len
 
     def _allocate_or_preempt(self, req: Request, n: int, position: int) -> list | None:
+        if self._no_lookahead and self.kv.holds(req, req.num_computed_tokens + n):
+            return []
         lookahead = self._lookahead(req.num_computed_tokens + n)
         while (new_blocks := self.kv.allocate(req, n, None, lookahead)) is None:
             victim = self._pick_victim(self.running[position:])
