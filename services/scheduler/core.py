@@ -559,9 +559,10 @@ class Scheduler:
         return num_tokens < self.config.max_model_len
 
     def _allocate_or_preempt(self, req: Request, n: int, position: int) -> list | None:
-        if self._no_lookahead and self.kv.holds(req, req.num_computed_tokens + n):
+        num_slots = req.num_computed_tokens + n
+        if self._no_lookahead and self.kv.holds(req, num_slots):
             return []
-        lookahead = self._lookahead(req.num_computed_tokens + n)
+        lookahead = self._lookahead(num_slots)
         while (new_blocks := self.kv.allocate(req, n, None, lookahead)) is None:
             victim = self._pick_victim(self.running[position:])
             self._preempt(victim)

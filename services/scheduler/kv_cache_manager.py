@@ -57,10 +57,7 @@ class KVCacheManager:
         of those blocks waits to be cached: a decode step's usual case, which allocates
         nothing (allocate's first branch without its calls: about 5% off planning,
         benchmarks/scheduler-cpu/s13)."""
-        held = self.req_blocks.get(req.req_id)
-        return (held is not None and num_slots <= len(held) * self.block_size
-                and (not self.enable_caching
-                     or num_slots // self.block_size <= self.num_hashed.get(req.req_id, 0)))
+        return self._has_room(req, num_slots) and not self._fills_a_block(req, num_slots)
 
     def allocate(self, req: Request, num_new_tokens: int, computed: list[Block] | None = None,
                  num_lookahead_tokens: int = 0) -> list[Block] | None:
@@ -68,9 +65,9 @@ class KVCacheManager:
         ones (plus `computed` cache hits, given on first schedule), and
         `num_lookahead_tokens` slots after them (a draft model's proposals write there).
         None if they do not fit; the newly allocated blocks otherwise."""
-        if computed is None and (held := self.req_blocks.get(req.req_id)) is not None:
+        if computed is None:
             slots = req.num_computed_tokens + num_new_tokens
-            if slots + num_lookahead_tokens <= len(held) * self.block_size:
+            if self._has_room(req, slots + num_lookahead_tokens):
                 # the common decode step: the blocks it holds have room
                 self._cache_full_blocks(req, slots)
                 return []
@@ -99,14 +96,21 @@ class KVCacheManager:
         self.num_hashed.pop(req.req_id, None)
         self.pool.release(reversed(blocks))
 
+    def _has_room(self, req: Request, num_slots: int) -> bool:
+        """Whether the blocks the request holds have room for its first `num_slots`."""
+        held = self.req_blocks.get(req.req_id)
+        return held is not None and num_slots <= len(held) * self.block_size
+
+    def _fills_a_block(self, req: Request, num_slots: int) -> bool:
+        """Whether its first `num_slots` fill a block not cached yet (with caching on)."""
+        return (self.enable_caching
+                and num_slots // self.block_size > self.num_hashed.get(req.req_id, 0))
+
     def _cache_full_blocks(self, req: Request, num_computed_after: int) -> None:
-        if not self.enable_caching:
+        if not self._fills_a_block(req, num_computed_after):  # the common decode step
             return
         start = self.num_hashed.get(req.req_id, 0)
-        full = num_computed_after // self.block_size
-        if full <= start:  # the common decode step: no block filled up
-            return
-        full = min(full, req.num_known_tokens // self.block_size)  # known tokens only
+        full = min(num_computed_after, req.num_known_tokens) // self.block_size  # known only
         if full <= start:
             return
         self._extend_hashes(req)
