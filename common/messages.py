@@ -418,7 +418,9 @@ class StepResult:
     logprobs: StepLogprobs | None = None  # of the rows that asked for them
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     epoch: str = ""
-    execute_ms: float = 0.0
+    # the device's time on this step, and on earlier ones whose end no one waited for
+    # (services/worker/device_time.py); 0 off a GPU and on pipeline stages
+    device_ms: float = 0.0
     stamps: Times = field(default_factory=list)  # planned, started, tokens on the host
     embeddings: list[PooledOutput] = field(default_factory=list)  # of embedding requests
     # tokens per request of req_ids (token_ids is then their concatenation): 1 + accepted
@@ -545,6 +547,7 @@ class SchedulerStats:
     generation_tokens: int
     ts: float = 0.0
     waiting_tokens: int = 0  # prompt tokens of the waiting requests not yet computed
+    device_busy_seconds: float = 0.0  # StepResult.device_ms, summed
     # speculative decoding, vLLM v1's counters (services/scheduler/core.py SpecDecodingStats)
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

@@ -22,16 +22,18 @@ from benchmarks.bench.server_stages import StageStats
 
 def write_run(results: Path, name: str, requests_per_s: float, stages: dict[str, float],
               cpu_s: list[tuple[str, float]] | None = None, num_requests: int = 20,
-              started_at: float = 1000.0) -> None:
+              started_at: float = 1000.0, device_busy_s: float | None = None) -> None:
     """A save_result file of `num_requests` one-token requests over num_requests /
-    requests_per_s seconds, with the given stages' means (ms), and a proc_cpu diff."""
+    requests_per_s seconds, with the given stages' means (ms), the server's GPU time on
+    steps, and a proc_cpu diff."""
     duration = num_requests / requests_per_s
     results_ = [serve.RequestResult(i, 3000, 1, success=True, ttft=0.1, e2e=0.1,
                                     chunks=1, prompt_tokens=3000, output_tokens=1,
                                     usage_reported=True) for i in range(num_requests)]
     run = serve.BenchmarkRun("m", results_, duration,
                              [StageStats(s, num_requests, ms, ms, 2 * ms)
-                              for s, ms in stages.items()], [], 0.25, started_at)
+                              for s, ms in stages.items()], [], 0.25, started_at,
+                             device_busy_s)
     args = serve.build_parser().parse_args([])
     serve.save_result(results / f"{name}.json", args, run, serve.summarize(results_, duration),
                       [])
@@ -52,7 +54,7 @@ def test_table_and_plot_of_two_workloads(tmp_path):
         "2026/11/26 11:59:59.900, 0\n2026/11/26 12:00:00.000, 40\n"  # before; at the start
         "2026/11/26 12:00:00.100, 60\n2026/11/26 12:00:00.200, 0\n"  # inside; after the end
         "2026/11/26 12:00:00.3")  # cut off
-    write_run(tmp_path, "tok-4", 250.0, {"tokenizer": 9.0})
+    write_run(tmp_path, "tok-4", 250.0, {"tokenizer": 9.0}, device_busy_s=0.06)
     write_run(tmp_path, "detok-1", 10.0, {"detokenizer": 3.0, "result_to_detokenizer": 1.0})
     (tmp_path / "warmup-tok-1.txt").write_text("not a result")
     assert scaling_plot.main([str(tmp_path)]) == 0
@@ -61,7 +63,7 @@ def test_table_and_plot_of_two_workloads(tmp_path):
     rows = [line.split(" | ") for line in (tmp_path / "scaling.md").read_text().splitlines()
             if line.startswith("| ") and line[2].isdigit()]
     tok1, tok2, tok4, detok1 = rows
-    assert all(len(row) == 10 for row in rows)
+    assert all(len(row) == 12 for row in rows)
     assert tok1[:4] == ["| 1", "100.0", "1.00x", "0.8x"]
     assert tok2[:4] == ["| 2", "180.0", "1.80x", "1.6x"]
     assert tok4[2:4] == ["2.50x", "3.2x"]
@@ -71,7 +73,9 @@ def test_table_and_plot_of_two_workloads(tmp_path):
     assert tok1[7] == "tokenizer 0.95, gateway 0.25, redis 0.05" and tok4[7] == "-"
     assert tok2[7] == "tokenizer x2 1.62 (max 0.90), gateway 0.09"
     assert tok1[8] == "0.25"  # the client's cores
-    assert tok2[9] == "50 |" and tok1[9] == "- |"  # the GPU samples inside the run
+    assert tok2[9] == "50" and tok1[9] == "-"  # the GPU samples inside the run
+    # 0.06 s of GPU time in the 0.08 s run; 20 requests in 0.06 s: 333.3 a second
+    assert tok4[10:] == ["75", "333.3 |"] and tok1[10:] == ["-", "- |"]
     assert detok1[:3] == ["| 1", "10.0", "1.00x"]
     assert detok1[4:6] == ["1.00 / 2.00", "3.00 / 6.00"]  # the table's stage order
 

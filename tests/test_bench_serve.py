@@ -35,9 +35,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from benchmarks.bench import serve
 from benchmarks.bench.serve import (RequestResult, SseDecoder, StreamTimer, arrival_offsets,
                                     plan_requests, random_lengths, sharegpt_lengths, summarize)
-from benchmarks.bench.server_stages import (STAGE_HISTOGRAM, bucket_quantile, parse_stages,
-                                            prefix_cache_use, format_prefix_cache,
-                                            stage_breakdown)
+from benchmarks.bench.server_stages import (STAGE_HISTOGRAM, bucket_quantile, device_busy,
+                                            format_device_busy, format_prefix_cache,
+                                            parse_stages, prefix_cache_use, stage_breakdown)
 from common.net import free_port
 from tests.conftest import REPO, repo_env
 from tests.e2e_fixtures import write_event
@@ -576,6 +576,20 @@ def test_prefix_cache_use_is_each_shards_share_of_the_run():
     assert format_prefix_cache(rows).startswith(
         "Prefix cache hit rate: 50.0% of 2000 prompt tokens (shard 0: 90.0% of 1000, ")
     assert prefix_cache_use(None, "<html>not found</html>") == []
+
+
+def test_device_busy_is_the_runs_share_summed_over_shards():
+    registry = CollectorRegistry()
+    busy = Counter("headrace:device_busy_seconds", "GPU time on steps.", ["shard"],
+                   registry=registry)
+    busy.labels("0").inc(10.0)  # before the run
+    before = generate_latest(registry).decode()
+    busy.labels("0").inc(2.5)
+    busy.labels("1").inc(1.25)  # a shard that started during the run
+    assert device_busy(before, generate_latest(registry).decode()) == pytest.approx(3.75)
+    assert device_busy(None, generate_latest(registry).decode()) == pytest.approx(13.75)
+    assert device_busy(before, "<html>not found</html>") is None  # a server without it
+    assert format_device_busy(3.0, 4.0) == "GPU busy on steps: 3.00 s of the run's 4.00 s (75.0%)"
 
 
 def test_summary_of_nothing_but_failures():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+import time
 
 import pytest
 import torch
@@ -103,7 +104,11 @@ def test_the_worker_process_gives_the_in_process_tokens(tmp_path, monkeypatch):
             monkeypatch.setenv(WORKER_PROCESS_ENV, mode)
         with LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=256) as llm:
             assert (llm.engine.executor is None) == (mode != "0")
+            started = time.perf_counter()
             outputs = llm.generate(tiny_prompts(), params, use_tqdm=False)
+            # the device's time on the steps comes back with their results, either way
+            busy = llm.engine.scheduler.device_seconds
+            assert 0 < busy < time.perf_counter() - started
         tokens[mode] = [o.outputs[0].token_ids for o in outputs]
     assert tokens["1"] == tokens["0"] == tokens[None]
 

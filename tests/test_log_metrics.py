@@ -79,7 +79,8 @@ def random_stats(rng: random.Random) -> SchedulerStats:
                           kv_cache_usage=rng.random(), num_preemptions=rng.randint(0, 9),
                           prefix_cache_queries=1000, prefix_cache_hits=rng.randint(0, 1000),
                           prompt_tokens=rng.randint(1, 10**6),
-                          generation_tokens=rng.randint(1, 10**6))
+                          generation_tokens=rng.randint(1, 10**6),
+                          device_busy_seconds=rng.uniform(0, 100))
 
 
 MODEL = "smol"
@@ -114,6 +115,10 @@ def test_render_parses_has_vllm_names_and_a_series_per_shard():
         assert value["headrace:generation_tokens_total"] == figures.generation_tokens
         assert value["headrace:prefix_cache_queries_total"] == 1000
         assert value["headrace:prefix_cache_hits_total"] == figures.prefix_cache_hits
+        assert value["headrace:device_busy_seconds_total"] == pytest.approx(
+            figures.device_busy_seconds)
+        assert value["vllm:prompt_tokens_total"] == figures.prompt_tokens
+    assert not any(name.startswith("vllm:device") for name in seen)  # headrace's own
     assert seen["headrace:request_success_total"] == {
         labels(0, finished_reason="stop"): 3, labels(1, finished_reason="length"): 1}
     shard_1 = labels(1)

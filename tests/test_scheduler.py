@@ -448,6 +448,17 @@ def test_logprobs_for_other_rows_than_the_steps_are_refused(way):
         getattr(sched, way)(bad)
 
 
+@pytest.mark.parametrize("way", ["update", "update_columns"])
+def test_the_steps_device_time_adds_up_in_the_stats(way):
+    sched, worker = make()
+    admit(sched, "a", [1, 2, 3], max_tokens=3)
+    for device_ms in (1.5, 0.0, 2.25):  # 0: a step whose time an earlier result carried
+        result = worker.execute(sched.schedule())
+        getattr(sched, way)(with_fields(result, device_ms=device_ms))
+    assert sched.stats().device_busy_seconds == pytest.approx(0.00375)
+    assert not sched.has_unfinished()
+
+
 @pytest.mark.parametrize("lag", [0, 1])
 def test_a_final_only_completion_is_one_item_at_its_end(lag):
     """FINAL_ONLY (the offline LLM's): no item until the completion ends, then one with all

@@ -9,7 +9,10 @@ detokenizer replicas) and, where present, the CPU seconds each server process us
 same run (`{tok,detok}-N-cpu.json`, benchmarks/bench/proc_cpu.py) and nvidia-smi's GPU
 utilization samples (`{tok,detok}-N-gpu.csv`: timestamp, percent), of which those inside
 the run count. Which stage bounds a run shows in the busiest roles: a process near one core
-is saturated; a GPU near 100% is the bound.
+is saturated; a GPU near 100% is the bound. Where the server counts its GPU's time on the
+steps (`device_busy_s`, headrace:device_busy_seconds_total), the table gives its share of
+the run, and the requests/s the GPU alone would allow at that time per request: the
+ceiling that no count of replicas can pass.
 """
 
 from __future__ import annotations
@@ -49,6 +52,18 @@ class Point:
     roles: list[RoleLoad]  # busiest first
     client_cores: float | None
     gpu_percent: float | None  # nvidia-smi's utilization, mean over the run
+    device_busy_s: float | None = None  # the server's GPU time on steps over the run
+    duration_s: float = 0.0
+
+    @property
+    def busy_share(self) -> float | None:
+        return None if self.device_busy_s is None or not self.duration_s \
+            else self.device_busy_s / self.duration_s
+
+    @property
+    def gpu_bound(self) -> float | None:
+        """The requests/s of a GPU that never waited: completed over its busy seconds."""
+        return None if not self.device_busy_s else self.completed / self.device_busy_s
 
 
 def role_loads(processes: list[dict], seconds: float) -> list[RoleLoad]:
@@ -95,7 +110,8 @@ def load_points(results: Path) -> dict[str, list[Point]]:
             # the run's own duration is the time the CPU seconds were spent in
             role_loads(processes, summary["duration_s"]), data.get("client_cores"),
             gpu_percent(path.with_name(path.stem + "-gpu.csv"), start,
-                        start + summary["duration_s"])))
+                        start + summary["duration_s"]),
+            data.get("device_busy_s"), summary["duration_s"]))
     return {kind: sorted(p, key=lambda p: p.replicas) for kind, p in points.items() if p}
 
 
@@ -124,17 +140,21 @@ def table(points: dict[str, list[Point]]) -> str:
         lines += [f"### {title}", "",
                   "| replicas | requests/s | speed-up | goal (0.8 x N) | "
                   + " | ".join(f"{s} mean / p90 ms" for s in stages)
-                  + " | failed | busiest roles (cores) | client cores | GPU % |",
-                  "|---:|---:|---:|---:|" + "---:|" * len(stages) + "---:|---|---:|---:|"]
+                  + " | failed | busiest roles (cores) | client cores | GPU % | GPU busy % "
+                  "| GPU-bound requests/s |",
+                  "|---:|---:|---:|---:|" + "---:|" * len(stages)
+                  + "---:|---|---:|---:|---:|---:|"]
         for p in runs:
             gain = speedup(runs, p)
             client = "-" if p.client_cores is None else f"{p.client_cores:.2f}"
             gpu = "-" if p.gpu_percent is None else f"{p.gpu_percent:.0f}"
+            busy = "-" if p.busy_share is None else f"{100 * p.busy_share:.0f}"
+            bound = "-" if p.gpu_bound is None else f"{p.gpu_bound:.1f}"
             lines.append(
                 f"| {p.replicas} | {p.requests_per_s:.1f} | "
                 + ("-" if gain is None else f"{gain:.2f}x") + f" | {GOAL * p.replicas:.1f}x | "
                 + " | ".join(stage_cell(p.stages.get(s)) for s in stages)
-                + f" | {p.failed} | {roles_cell(p)} | {client} | {gpu} |")
+                + f" | {p.failed} | {roles_cell(p)} | {client} | {gpu} | {busy} | {bound} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -153,6 +173,9 @@ def plot(points: dict[str, list[Point]], path: Path) -> None:
         if base is not None:
             ax.plot(replicas, [GOAL * n * base for n in replicas], "--", color="gray",
                     label="0.8 x N x (1 replica)")
+        bounds = [(p.replicas, p.gpu_bound) for p in runs if p.gpu_bound is not None]
+        if bounds:
+            ax.plot(*zip(*bounds), ":", color="tab:red", label="GPU-bound (never waiting)")
         ax.set_title(WORKLOADS[kind][0])
         ax.set_xlabel("tokenizer and detokenizer replicas")
         ax.set_ylabel("requests/s")

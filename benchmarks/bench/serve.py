@@ -46,7 +46,8 @@ from tqdm import tqdm
 
 from benchmarks.bench.random_mm import (DEFAULT_BUCKET_CONFIG, DEFAULT_LIMIT_MM_PER_PROMPT,
                                         DatasetError, MultimodalSpec, image_sizes, image_urls)
-from benchmarks.bench.server_stages import (PrefixCache, StageStats, format_prefix_cache,
+from benchmarks.bench.server_stages import (PrefixCache, StageStats, device_busy,
+                                            format_device_busy, format_prefix_cache,
                                             format_stages, prefix_cache_use, stage_breakdown)
 
 # Common English words, each one token (with its leading space) in the Llama 3, Qwen2/3
@@ -479,6 +480,7 @@ class BenchmarkRun:
     prefix_cache: list[PrefixCache]  # per shard (empty: the server keeps no such counters)
     client_cores: float  # this process's CPU seconds over the run's: near 1, it is the bound
     started_at: float  # the run's start, Unix seconds: to line it up with other records
+    device_busy_s: float | None = None  # the server's GPU time on steps (None: not kept)
 
 
 async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
@@ -516,8 +518,9 @@ async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
         after = await scrape(session, metrics_url(args.base_url))
     stages = stage_breakdown(before, after) if after is not None else []
     cache = prefix_cache_use(before, after) if after is not None else []
+    busy = device_busy(before, after) if after is not None else None
     return BenchmarkRun(model, list(results), duration, stages, cache, client_cores,
-                        started_at)
+                        started_at, busy)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -579,7 +582,7 @@ def save_result(path: Path, args: argparse.Namespace, run: BenchmarkRun, summary
         "client_cores": round(run.client_cores, 3), "started_at": run.started_at,
         "server_stages": [asdict(s) for s in run.stages],
         "prefix_cache": [asdict(c) | {"hit_rate": c.hit_rate} for c in run.prefix_cache],
-        "requests": requests}, indent=1, default=str) + "\n")
+        "device_busy_s": run.device_busy_s, "requests": requests}, indent=1, default=str) + "\n")
 
 
 # --- the command -------------------------------------------------------------------------------
@@ -726,6 +729,8 @@ def main(argv: list[str]) -> int:
         print(format_stages(run.stages))
     if run.prefix_cache:
         print(format_prefix_cache(run.prefix_cache))
+    if run.device_busy_s is not None:
+        print(format_device_busy(run.device_busy_s, run.duration_s))
     for failure in [r for r in run.results if not r.success][:5]:
         print(f"request {failure.index} failed: {failure.error}", file=sys.stderr)
     if args.save_result:

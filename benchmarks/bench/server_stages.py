@@ -1,7 +1,8 @@
 """The server's own account of a benchmark run, from Prometheus /metrics expositions
 scraped before and after it: where requests spent their time (the `headrace:stage_seconds`
-histogram, one series per `stage` label) and how much of the prompts each shard's prefix
-cache held (the prefix_cache_queries/hits counters, one series per `shard` label). The
+histogram, one series per `stage` label), how much of the prompts each shard's prefix
+cache held (the prefix_cache_queries/hits counters, one series per `shard` label) and how
+long the GPUs worked on the steps (`headrace:device_busy_seconds`, summed over shards). The
 difference of the two scrapes is the run's share, so whatever the server served before
 does not count; p50 and p90 are estimated from the buckets as Prometheus'
 histogram_quantile does.
@@ -21,6 +22,7 @@ STAGE_LABEL = "stage"
 ROWS_OF = {"headrace:time_to_first_token_seconds": "gateway_ttft"}
 CACHE_COUNTERS = {"headrace:prefix_cache_queries": "queries",
                   "headrace:prefix_cache_hits": "hits"}
+DEVICE_BUSY = "headrace:device_busy_seconds"
 
 
 @dataclass(slots=True)
@@ -126,20 +128,36 @@ class PrefixCache:
         return self.hits / self.queries if self.queries else 0.0
 
 
-def parse_cache_counters(exposition: str) -> dict[tuple[str, str], float]:
-    """{(shard, "queries" | "hits"): total}; empty for a page that is not an exposition."""
+def parse_counters(exposition: str, names: dict[str, str]) -> dict[tuple[str, str], float]:
+    """{(shard, names[family]): total} of the counter families `names` keys; empty for a
+    page that is not an exposition."""
     totals: dict[tuple[str, str], float] = {}
     try:
         families = list(text_string_to_metric_families(exposition))
     except ValueError:
         return {}
     for family in families:
-        if family.name in CACHE_COUNTERS:
+        if family.name in names:
             for sample in family.samples:
                 if sample.name.endswith("_total"):
-                    key = (sample.labels.get("shard", ""), CACHE_COUNTERS[family.name])
+                    key = (sample.labels.get("shard", ""), names[family.name])
                     totals[key] = sample.value
     return totals
+
+
+def parse_cache_counters(exposition: str) -> dict[tuple[str, str], float]:
+    """{(shard, "queries" | "hits"): total}."""
+    return parse_counters(exposition, CACHE_COUNTERS)
+
+
+def device_busy(before: str | None, after: str) -> float | None:
+    """Seconds the servers' GPUs worked on steps between the two scrapes, summed over
+    shards; None where the server keeps no such counter."""
+    end = parse_counters(after, {DEVICE_BUSY: "busy"})
+    if not end:
+        return None
+    start = parse_counters(before, {DEVICE_BUSY: "busy"}) if before is not None else {}
+    return sum(total - start.get(key, 0.0) for key, total in end.items())
 
 
 def prefix_cache_use(before: str | None, after: str) -> list[PrefixCache]:
@@ -156,3 +174,8 @@ def format_prefix_cache(rows: list[PrefixCache]) -> str:
     shards = ", ".join(f"shard {r.shard}: {r.hit_rate:.1%} of {r.queries}" for r in rows)
     return (f"Prefix cache hit rate: {total.hit_rate:.1%} of {total.queries} prompt tokens "
             f"({shards})")
+
+
+def format_device_busy(busy_s: float, duration_s: float) -> str:
+    share = busy_s / duration_s if duration_s > 0 else 0.0
+    return f"GPU busy on steps: {busy_s:.2f} s of the run's {duration_s:.2f} s ({share:.1%})"

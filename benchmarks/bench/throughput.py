@@ -31,6 +31,7 @@ import json
 import platform
 import tempfile
 import time
+import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,8 +42,9 @@ import anyio
 import torch
 
 from benchmarks.bench.pipeline import CLIENT, LocalPipeline, drive
-from benchmarks.bench.serve import (RequestResult, first_model, send_request,
-                                    serialized)
+from benchmarks.bench.serve import (COUNTERS_SETTLE_S, RequestResult, first_model,
+                                    send_request, serialized)
+from benchmarks.bench.server_stages import device_busy, format_device_busy
 from benchmarks.bench.workloads import (WARMUP_SEED, Ceilings, ModelShape, Trace, Workload,
                                         experts_read, fixed_workload, kv_waste,
                                         measure_ceilings, nano_workload, reset_experts_read,
@@ -72,6 +74,7 @@ class RunResult:
     seconds: float
     phases: dict[str, float | int] | None = None  # where the run's time went
     data_parallel_size: int = 1
+    device_busy_s: float | None = None  # the GPUs' time on its steps (None: not measured)
 
     @property
     def tokens_per_s(self) -> float:
@@ -187,6 +190,7 @@ def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None
     if runner is not None:
         _sync(runner.device)
     engine.clock = PhaseClock()
+    busy_before = engine.scheduler.device_seconds
     start = time.perf_counter()
     with fewer_collections():  # as LLM.generate runs its batch
         while engine.has_unfinished():
@@ -196,8 +200,10 @@ def run_inprocess(engine: Engine, workload: Workload, trace: Trace | None = None
     engine.on_plan = None
     if trace is not None and shape is not None and runner is not None:
         trace.count_experts(shape, experts_read(runner.model))
+    seconds = time.perf_counter() - start
+    busy = engine.scheduler.device_seconds - busy_before
     return RunResult("inprocess", workload.name, len(workload.prompts), output_tokens,
-                     time.perf_counter() - start, engine.clock.summary())
+                     seconds, engine.clock.summary(), device_busy_s=busy or None)
 
 
 def run_served(path: str, config: EngineConfig, server: ServerConfig, workload: Workload
@@ -212,12 +218,27 @@ def run_served(path: str, config: EngineConfig, server: ServerConfig, workload: 
         try:
             anyio.run(pipeline.wait_ready)
             anyio.run(drive_workload, url, warmup_twin(workload, WARMUP_SEED))
+            before = scrape_metrics(pipeline.http_url) if path == "http" else None
             tokens, seconds = anyio.run(drive_workload, url, workload)
+            busy = None
+            if before is not None:
+                time.sleep(COUNTERS_SETTLE_S)
+                after = scrape_metrics(pipeline.http_url)
+                busy = device_busy(before, after) if after is not None else None
         finally:
             pipeline.stop()
         phases = pipeline.loop_times()  # warm-up and timed run together
     return RunResult(path, workload.name, len(workload.prompts), tokens, seconds, phases,
-                     config.data_parallel_size)
+                     config.data_parallel_size, busy or None)
+
+
+def scrape_metrics(http_url: str) -> str | None:
+    """The gateway's Prometheus exposition, or None where it answers none."""
+    try:
+        with urllib.request.urlopen(http_url + "/metrics", timeout=10) as response:
+            return response.read().decode()
+    except OSError:
+        return None
 
 
 async def drive_bus(redis_url: str, workload: Workload) -> tuple[int, float]:
@@ -335,6 +356,8 @@ def report(results: list[RunResult], floor_s: float, ceilings: Ceilings, waste: 
         if r.phases:
             lines.append("    " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else
                                             f"{k} {v}" for k, v in r.phases.items()))
+        if r.device_busy_s is not None:
+            lines.append("    " + format_device_busy(r.device_busy_s, r.seconds))
     first = results[0]
     lines.append(f"floor of {first.workload}: {floor_s:.2f} s "
                  f"({first.output_tokens / floor_s:.0f} tok/s); achieved "

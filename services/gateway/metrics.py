@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 PREFIX = "headrace:"
 VLLM_PREFIX = "vllm:"
 OWN_SERIES = ("stage_seconds", "stream_length", "stream_pending", "stream_lag",  # not vLLM's
-              "process_worst_stall_seconds", "process_stalls")
+              "process_worst_stall_seconds", "process_stalls", "device_busy_seconds")
 # vLLM's older names of a series, which its published dashboard and many rules still read
 VLLM_ALIASES = {"kv_cache_usage_perc": ("gpu_cache_usage_perc",),
                 "inter_token_latency_seconds": ("time_per_output_token_seconds",)}
@@ -93,6 +93,8 @@ TOTALS = {
     "generation_tokens": "Number of generation tokens processed.",
     "prefix_cache_queries": "Prefix cache queries, in tokens.",
     "prefix_cache_hits": "Prefix cache hits, in tokens.",
+    "device_busy_seconds": "Seconds the device spent on the engine's steps (CUDA events from "
+                           "each step's forward to its tokens on the host).",
     "spec_decode_num_drafts": "Number of spec decoding drafts (a request's step with drafts).",
     "spec_decode_num_draft_tokens": "Number of draft tokens.",
     "spec_decode_num_accepted_tokens": "Number of accepted tokens.",

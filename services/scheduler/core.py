@@ -203,6 +203,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.device_seconds = 0.0  # the steps' device time (services/worker/device_time.py)
         self.spec = SpecDecodingStats()
         # no draft model's slots to reserve past any request's tokens (_lookahead)
         self._no_lookahead = config.speculative is None or not config.speculative.uses_draft_model
@@ -288,6 +289,7 @@ class Scheduler:
     def update(self, result: StepResult) -> list[DetokItem]:
         """Apply a step's sampled tokens; returns what the detokenizers should see, each
         item with its token's logprobs as a record."""
+        self.device_seconds += result.device_ms / 1000
         return [DetokItem(*fields) for fields, _ in self._apply(result, records=True)]
 
     def update_columns(self, result: StepResult
@@ -295,6 +297,7 @@ class Scheduler:
         """As `update`, but the items are a TokenBatch's columns and the step's sampled
         logprobs stay columns: row i of the second is the first's row i. A FINAL_ONLY
         completion still holds records until its end, and its row carries them."""
+        self.device_seconds += result.device_ms / 1000
         columns = TokenColumns()
         rows: list[int] = []  # each row's row of the step's logprobs; -1: none, or its own
         if self._streams_one_token_a_row(result):
@@ -711,6 +714,7 @@ class Scheduler:
             prefix_cache_queries=self.kv.stats.queries, prefix_cache_hits=self.kv.stats.hits,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             ts=time.time(), waiting_tokens=self.waiting.tokens_to_compute(),
+            device_busy_seconds=self.device_seconds,
             spec_decode_num_drafts=self.spec.num_drafts,
             spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.messages import PooledOutput, PromptLogprobs, StepResult, with_fields
+from services.worker.device_time import DeviceTimer, Span, mark
 from services.worker.grammar import accept
 from services.worker.request_state import RequestState
 from services.worker.sampler import LogprobsLayout, unpack_logprobs
@@ -45,7 +46,6 @@ class Launched:
     """A step whose work is queued on the device; its tokens land in `host` when `done`
     fires."""
     step: int
-    started: float
     prompt_logprobs: list[PromptLogprobs]
     sampling: list[RequestState] = field(default_factory=list)
     # SamplerOutput.packed: a token per sampling row, then their logprobs if any
@@ -61,6 +61,7 @@ class Launched:
     drafts_host: torch.Tensor | None = None  # their proposals, k each
     pinned: PinnedBlocks | None = None  # where the copies land, on a GPU
     blocks: list[torch.Tensor] = field(default_factory=list)  # those taken from it
+    span: Span | None = None  # the device's time on the step (device_time.py)
 
     def to_host(self, values: torch.Tensor) -> torch.Tensor:
         """`values` on the host once `done` fires: the event is recorded again after each
@@ -72,14 +73,13 @@ class Launched:
         self.blocks.append(self.pinned.take(nbytes))
         host = self.blocks[-1][:nbytes].view(values.dtype).view(values.shape)
         host.copy_(values, non_blocking=True)
-        self.done = torch.cuda.Event()
-        self.done.record()
+        self.done = mark(values.device)
         return host
 
 
-def finish(launched: Launched) -> StepResult:
+def finish(launched: Launched, timer: DeviceTimer) -> StepResult:
     """The step's result, once its tokens are on the host; they are appended to their
-    requests."""
+    requests. `timer` measures its span, and earlier ones that ended."""
     if launched.done is not None:
         launched.done.synchronize()
     # when the tokens reached the host: the worker shell adds the plan's and the start's
@@ -99,7 +99,7 @@ def finish(launched: Launched) -> StepResult:
     result = StepResult(step=launched.step, req_ids=req_ids,
                         token_ids=token_ids, logprobs=logprobs,
                         prompt_logprobs=launched.prompt_logprobs,
-                        execute_ms=1000 * (time.perf_counter() - launched.started),
+                        device_ms=timer.take_ms(launched.span),
                         stamps=[on_host], embeddings=_embeddings(launched),
                         num_tokens=num_tokens, num_draft_tokens=num_drafts,
                         draft_token_ids=drafts)

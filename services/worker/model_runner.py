@@ -38,6 +38,7 @@ from common.sampling_params import SamplingParams
 from common.speculative import may_speculate
 from services.worker.block_table import BlockTable
 from services.worker.cuda_graphs import MAX_TOKENS, GraphKey, StepGraphs, graph_tokens
+from services.worker.device_time import DeviceTimer, mark
 from services.worker.draft import DraftRunner
 from services.worker.grammar import Grammars, MaskRow
 from services.worker.images import (EncoderCache, key_limits, mrope_positions_of_step,
@@ -135,6 +136,7 @@ class ModelRunner:
             if self.model.multimodal else None
         self._pending: Launched | None = None
         self._pinned = PinnedBlocks()  # the host side of launched steps' copies
+        self._device_time = DeviceTimer()  # single-stage steps' only (device_time.py)
         self._unshared = 0  # a pipeline stage's launched steps whose results are not back
         self._last_tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         self._connect_peers()
@@ -192,15 +194,17 @@ class ModelRunner:
         # On a synchronous device (the CPU) the last step is computed already: its tokens
         # go out now rather than after this step's compute.
         done = self._finish_last(self._pending is not None and self._pending.done is None)
-        started = time.perf_counter()
         inputs = self._prepare(plan)
+        begun = mark(self.device)
         hidden = self._run(inputs)
         # Penalties, min_tokens and grammars need the last step's tokens to sample: wait
         # for them now, while the device runs this step's forward pass.
         done += self._finish_last(any(s.pending and s.needs_history()
                                       for s in inputs.sampling))
-        launched = self._sample(plan.step, inputs, hidden, started)
+        launched = self._sample(plan.step, inputs, hidden)
         self._pool(launched, inputs.pooling_rows, hidden)
+        if begun is not None:
+            launched.span = (begun, launched.done or mark(self.device))
         done += self._finish_last()
         self._pending = launched
         return done
@@ -214,11 +218,10 @@ class ModelRunner:
         that many more are in flight; the other ranks get them forwarded
         (take_forwarded). None of this plan's requests has a token
         in flight (the scheduler plans none such), so the first stage knows every input."""
-        started = time.perf_counter()
         inputs = self._prepare(plan)
         hidden = self._run(inputs)
         if self.stage.is_last:
-            launched = self._sample(plan.step, inputs, hidden, started)
+            launched = self._sample(plan.step, inputs, hidden)
             self._pool(launched, inputs.pooling_rows, hidden)
             return self._post(self._finish_last(), launched)
         if self.stage.inbox is None:
@@ -370,12 +373,11 @@ class ModelRunner:
             self.stage.send_next(hidden if key is None else hidden.clone())
         return hidden
 
-    def _sample(self, step: int, inputs: StepInputs, hidden: torch.Tensor, started: float
-                ) -> Launched:
+    def _sample(self, step: int, inputs: StepInputs, hidden: torch.Tensor) -> Launched:
         """Queue the step's tokens: sampled, verified drafts, and the draft model's
         proposals after them, each copied to the host behind the launched step's event."""
-        launched = Launched(step, started, [self._prompt_logprobs(hidden, *row)
-                                            for row in inputs.prompt_logprob_rows],
+        launched = Launched(step, [self._prompt_logprobs(hidden, *row)
+                                   for row in inputs.prompt_logprob_rows],
                             pinned=self._pinned)
         if not inputs.sampling and not inputs.spec:
             return launched
@@ -531,7 +533,7 @@ class ModelRunner:
         if not now or launched is None:
             return []
         self._pending = None
-        return [finish(launched)]
+        return [finish(launched, self._device_time)]
 
     # --- set-up -------------------------------------------------------------------------
 
