@@ -75,6 +75,7 @@ class TileConfig:
     block_n: int     # keys per step of the context loop, >= 16
     num_warps: int
     num_stages: int
+    prefetch_v: bool = False  # load a step's V with its K, before the scores need K
 
     def queries(self, group: int) -> int:
         """Query tokens per tile."""
@@ -193,7 +194,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             SPLIT=num_splits > 1, EXACT_DOT=q.dtype == torch.float32, SCALED=scaled,
             FP16_DOT=scaled and q.dtype == torch.bfloat16,
             WINDOW=sliding_window is not None, SOFT_CAP=soft_cap is not None,
-            LIMITS=key_limits is not None, num_warps=tile.num_warps,
+            LIMITS=key_limits is not None, PREFETCH_V=tile.prefetch_v,
+            num_warps=tile.num_warps,
             num_stages=tile.num_stages, **pdl_launch(q))
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
@@ -293,7 +295,7 @@ def _paged_attention_kernel(
         ONE_TILE_EACH: tl.constexpr, SEARCH_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
         EXACT_DOT: tl.constexpr, SCALED: tl.constexpr, FP16_DOT: tl.constexpr,
         WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, LIMITS: tl.constexpr,
-        PDL: tl.constexpr):
+        PREFETCH_V: tl.constexpr, PDL: tl.constexpr):
     overlap_previous(PDL)
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if ONE_TILE_EACH:
@@ -384,15 +386,15 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs,
                                 table_row, kv_start, unmasked_start, qk_scale, window, cap,
                                 stride_cb, stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-                                DIM_BLOCK, EXACT_DOT, WINDOW, SOFT_CAP)
+                                DIM_BLOCK, EXACT_DOT, WINDOW, SOFT_CAP, PREFETCH_V)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs, table_row,
                             unmasked_start, unmasked_stop, qk_scale, window, cap, stride_cb,
                             stride_cs, False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_BLOCK,
-                            EXACT_DOT, WINDOW, SOFT_CAP)
+                            EXACT_DOT, WINDOW, SOFT_CAP, PREFETCH_V)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs, table_row,
                             unmasked_stop, kv_stop, qk_scale, window, cap, stride_cb,
                             stride_cs, True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DIM_BLOCK,
-                            EXACT_DOT, WINDOW, SOFT_CAP)
+                            EXACT_DOT, WINDOW, SOFT_CAP, PREFETCH_V)
 
     # l_i == 0: the row saw no key (padding, or a split past its causal edge)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -416,7 +418,7 @@ def _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs, table_row, star
             qk_scale, window, cap, stride_cb, stride_cs, MASKED: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
             DIM_BLOCK: tl.constexpr, EXACT_DOT: tl.constexpr, WINDOW: tl.constexpr,
-            SOFT_CAP: tl.constexpr):
+            SOFT_CAP: tl.constexpr, PREFETCH_V: tl.constexpr):
     """The online softmax over keys [start, stop), BLOCK_N at a time, read through the
     block table. MASKED: mask keys past stop and past each row's last key (key_last: its
     position, or its key limit) and, with WINDOW, those at or below position - window.
@@ -425,7 +427,6 @@ def _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs, table_row, star
     are."""
     k_ptr, v_ptr = kv_head_ptrs
     dims = tl.arange(0, DIM_BLOCK)
-    padded = DIM_BLOCK != HEAD_DIM  # the columns past head_dim are the next head's
     if SOFT_CAP:
         # c tanh(s / c) = c - 2c / (1 + e^(2s / c)): one exp2 and one division a score.
         # exp2 overflowing to inf gives c, underflowing to 0 gives -c, so large scores
@@ -442,13 +443,9 @@ def _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs, table_row, star
             block = tl.load(table_row + keys // BLOCK_SIZE)
         slot = block.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_cs
         kv_offsets = slot[:, None] + dims[None, :]
-        if MASKED:
-            kv_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
-            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        elif padded:
-            k = tl.load(k_ptr + kv_offsets, mask=dims[None, :] < HEAD_DIM, other=0.0)
-        else:
-            k = tl.load(k_ptr + kv_offsets)
+        k = _load_kv(k_ptr, kv_offsets, in_range, dims, MASKED, HEAD_DIM, DIM_BLOCK)
+        if PREFETCH_V:
+            v = _load_kv(v_ptr, kv_offsets, in_range, dims, MASKED, HEAD_DIM, DIM_BLOCK)
         k = k.to(q.dtype)  # an fp8 cache's values, unscaled; a no-op otherwise
         if EXACT_DOT:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
@@ -465,12 +462,8 @@ def _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs, table_row, star
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if MASKED:
-            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        elif padded:
-            v = tl.load(v_ptr + kv_offsets, mask=dims[None, :] < HEAD_DIM, other=0.0)
-        else:
-            v = tl.load(v_ptr + kv_offsets)
+        if not PREFETCH_V:
+            v = _load_kv(v_ptr, kv_offsets, in_range, dims, MASKED, HEAD_DIM, DIM_BLOCK)
         v = v.to(q.dtype)
         if EXACT_DOT:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -478,6 +471,21 @@ def _attend(acc, m_i, l_i, q, query_pos, key_last, kv_head_ptrs, table_row, star
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _load_kv(ptr, offsets, in_range, dims, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+             DIM_BLOCK: tl.constexpr):
+    """One step's keys or values: masked past the range's end, and past head_dim where
+    the tile is wider."""
+    if MASKED:
+        x = tl.load(ptr + offsets, mask=in_range[:, None] & (dims[None, :] < HEAD_DIM),
+                    other=0.0)
+    elif DIM_BLOCK != HEAD_DIM:
+        x = tl.load(ptr + offsets, mask=dims[None, :] < HEAD_DIM, other=0.0)
+    else:
+        x = tl.load(ptr + offsets)
+    return x
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_splits"])

@@ -229,11 +229,12 @@ def poison_skipped_keys(v_cache: torch.Tensor, block_tables: torch.Tensor,
 
 
 def tiny_config(decode_block_n: int, prefill_block_m: int, prefill_block_n: int,
-                split: bool) -> AttentionConfig:
+                split: bool, prefetch_v: bool = False) -> AttentionConfig:
     """Tile shapes for tiny batches; with split, every context is cut into parts of 16
-    keys, as many as MAX_SPLITS allows: split-K at tiny shapes."""
-    return AttentionConfig(TileConfig(16, decode_block_n, 4, 1),
-                           TileConfig(prefill_block_m, prefill_block_n, 4, 1),
+    keys, as many as MAX_SPLITS allows: split-K at tiny shapes. prefetch_v: both tiles
+    load V with K."""
+    return AttentionConfig(TileConfig(16, decode_block_n, 4, 1, prefetch_v),
+                           TileConfig(prefill_block_m, prefill_block_n, 4, 1, prefetch_v),
                            target_programs=1 << 20 if split else 1, min_partition=16)
 
 
@@ -718,12 +719,15 @@ def interpreter_check(fn: Callable[[], None]) -> Callable[[], None]:
 def attention_mixed_batches() -> None:
     """Decodes and prefill chunks in one batch (two launches: decode and prefill tiles),
     GQA 1, 2, 3 and 4, heads 64 and 128, blocks 16 and 32, fp32 and fp16, split-K on and
-    off (splits straddle the causal edge of prefill tiles)."""
+    off (splits straddle the causal edge of prefill tiles), V loaded with K and after the
+    scores."""
     for shape, dtype, config in [
             (AttentionShape(2, 2, 64, 16), torch.float32, tiny_config(16, 32, 16, False)),
-            (AttentionShape(4, 2, 128, 32), torch.float16, tiny_config(32, 64, 16, True)),
+            (AttentionShape(4, 2, 128, 32), torch.float16,
+             tiny_config(32, 64, 16, True, prefetch_v=True)),
             (AttentionShape(8, 2, 64, 32), torch.float32, tiny_config(16, 32, 32, True)),
-            (AttentionShape(6, 2, 128, 16), torch.float16, tiny_config(16, 64, 32, False))]:
+            (AttentionShape(6, 2, 128, 16), torch.float16,
+             tiny_config(16, 64, 32, False, prefetch_v=True))]:
         check_attention(shape, TINY_REQUESTS, dtype, "cpu", padding=2, config=config)
 
 
@@ -751,7 +755,8 @@ def attention_sliding_window() -> None:
     prefix in one batch; split-K on and off; a padded decode batch sized for 4096."""
     for shape, dtype, config, window in [
             (AttentionShape(4, 2, 64, 16), torch.float32, tiny_config(16, 32, 32, True), 3),
-            (AttentionShape(2, 2, 64, 16), torch.float16, tiny_config(32, 64, 32, False), 24),
+            (AttentionShape(2, 2, 64, 16), torch.float16,
+             tiny_config(32, 64, 32, False, prefetch_v=True), 24),
             (AttentionShape(6, 2, 64, 32), torch.float16, tiny_config(16, 64, 16, True), 70),
             (AttentionShape(4, 1, 64, 16), torch.float32, tiny_config(16, 16, 16, False),
              1000)]:
@@ -1411,7 +1416,8 @@ def test_paged_attention_compiles_for_sm90() -> None:
             GROUP=2, HEAD_DIM=128, DIM_BLOCK=128, BLOCK_SIZE=16, BLOCK_Q=tile.queries(2),
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, ONE_TILE_EACH=decode,
             SEARCH_BLOCK=1 if decode else 512, SPLIT=split, EXACT_DOT=False, SCALED=fp8,
-            FP16_DOT=fp8, WINDOW=window, SOFT_CAP=window, LIMITS=False, PDL=True),
+            FP16_DOT=fp8, WINDOW=window, SOFT_CAP=window, LIMITS=False, PREFETCH_V=False,
+            PDL=True),
             tile.num_warps, tile.num_stages)
     compile_for_sm90(_combine_splits_kernel, dict(
         part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", num_tokens="i32",
