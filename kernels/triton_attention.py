@@ -67,6 +67,7 @@ LOG2_E = 1.4426950408889634
 MAX_SPLITS = 64
 NO_LIMIT = 2 ** 31 - 1
 MIN_SEARCH_BLOCK = 512  # one search width for any batch up to 511 requests
+WIDE_FROM = 64  # decode batches from which wide_decode's tile runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,13 @@ class AttentionConfig:
     prefill: TileConfig   # the longer ones, in a second launch when a batch may have them
     target_programs: int  # split contexts until the grid has about this many programs
     min_partition: int    # fewest keys worth a split of their own
+    # the decode tile of batches of wide_from requests or more (the same block_m)
+    wide_decode: TileConfig | None = None
+    wide_from: int = 0
+
+    def decode_tile(self, num_reqs: int) -> TileConfig:
+        wide = self.wide_decode is not None and num_reqs >= self.wide_from
+        return self.wide_decode if wide else self.decode
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,7 +123,8 @@ def default_config(q: torch.Tensor, cache_dtype: torch.dtype | None = None
     (benchmarks/gpu/attention_tiles.py: at batch 1 and 1000 keys Phi-3 10.4 -> 8.1 us,
     Gemma-2-9B 10.9 -> 8.2, Llama-3.1-8B 7.5 -> 6.4; as fast or faster at every batch to 32
     and both contexts, but Phi-3's 32 KV heads at 16 and 32 requests, 3-5% slower,
-    benchmarks/issue29-h100/attention-tiles-candidates.txt)."""
+    benchmarks/issue29-h100/attention-tiles-candidates.txt). Decode batches of WIDE_FROM
+    requests or more take wide_decode's tile."""
     programs = sm_count(q.device.index or 0) if q.is_cuda else 1
     if q.dtype == torch.float32:  # exact fp32 dots: 16 x 16 tiles, larger ones spill
         return AttentionConfig(TileConfig(16, 16, 4, 2), TileConfig(16, 16, 4, 2), programs, 64)
@@ -124,7 +133,20 @@ def default_config(q: torch.Tensor, cache_dtype: torch.dtype | None = None
                                2 * programs, 64)
     decode_keys = 128 if q.shape[-1] <= 128 else 64
     return AttentionConfig(TileConfig(16, decode_keys, 4, 1), TileConfig(64, 64, 4, 2),
-                           2 * programs, 128)
+                           2 * programs, 128, *wide_decode(q.shape[-1]))
+
+
+def wide_decode(head_dim: int) -> tuple[TileConfig | None, int]:
+    """The bf16 decode tile of batches of WIDE_FROM requests or more, and WIDE_FROM. There
+    every request and KV head has a program that walks its whole context, and the 128-key
+    steps' registers leave few programs to an SM to hide the loads behind: 64-key steps
+    whose V loads with K ran Qwen3-0.6B's and Llama-3.1-8B's heads at 256 decodes of 112,
+    512 and 2000 keys in 38.1, 132.6 and 500.3 us against 45.0, 148.7 and 563.0, and at 64
+    and 128 decodes 8-15% faster too; within 5% of the best tile of the 24 swept in each
+    case but one (benchmarks/gpu/attention_batch_tiles.py, benchmarks/issue31-h200/busy14/
+    attention-batch-tiles.txt). Swept at heads of 128 only."""
+    return (TileConfig(16, 64, 4, 1, prefetch_v=True), WIDE_FROM) if head_dim == 128 \
+        else (None, 0)
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -214,8 +236,9 @@ def launch_plan(config: AttentionConfig, group: int, num_tokens: int, num_reqs: 
     """The launches of a batch (decode tiles, then prefill tiles where max_query_len says
     it may hold requests longer than a decode tile) and the parts each context is cut
     into: from host ints only."""
-    short = config.decode.queries(group)
-    passes = [(config.decode, 0, short, True)]
+    decode = config.decode_tile(num_reqs)
+    short = decode.queries(group)
+    passes = [(decode, 0, short, True)]
     if max_query_len > short:
         passes.append((config.prefill, short, NO_LIMIT, False))
     busy_tiles = max(num_reqs, triton.cdiv(num_tokens, passes[-1][0].queries(group)))

@@ -60,7 +60,7 @@ from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, FIXED_POINT, LOGPROBS_CH
                               top_logprobs_triton, top_p_threshold_exact_ref,
                               top_p_threshold_radix, top_p_threshold_ref,
                               top_p_threshold_triton)
-from kernels.triton_attention import (MAX_SPLITS, AttentionConfig, TileConfig,
+from kernels.triton_attention import (MAX_SPLITS, WIDE_FROM, AttentionConfig, TileConfig,
                                       _combine_splits_kernel, _paged_attention_kernel,
                                       default_config, paged_attention_triton, split_count,
                                       triton_decode_splits, visible_span)
@@ -260,10 +260,11 @@ class LaunchSpy:
 
     def __init__(self) -> None:
         self.grids: list[tuple[int, ...]] = []
+        self.options: list[dict] = []  # each launch's keyword arguments (the constexprs)
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
         self.grids.append(grid)
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: self.options.append(kwargs)
 
 
 def test_decode_splits_name_the_launchs_parts(monkeypatch) -> None:
@@ -286,6 +287,31 @@ def test_decode_splits_name_the_launchs_parts(monkeypatch) -> None:
             assert attention.grids[-1][2] == triton_decode_splits(q, cache.dtype, 1, bound,
                                                                   window), (window, bound)
     assert [grid[2] for grid in attention.grids] == [1, 1, 2, 2] * 2
+
+
+def test_wide_decode_batches_take_the_wide_tile(monkeypatch) -> None:
+    """A decode batch of WIDE_FROM requests at heads of 128 walks 64 keys a step with V
+    loaded beside K; one request fewer, heads of 64, or an fp8 cache keep the default."""
+    import kernels.triton_attention as triton_attention
+
+    attention = LaunchSpy()
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", attention)
+    for num_reqs, head_dim, cache_dtype in [(WIDE_FROM, 128, torch.bfloat16),
+                                            (WIDE_FROM - 1, 128, torch.bfloat16),
+                                            (4 * WIDE_FROM, 64, torch.bfloat16),
+                                            (WIDE_FROM, 128, torch.float8_e4m3fn)]:
+        q = torch.zeros(num_reqs, 2, head_dim, dtype=torch.bfloat16)
+        cache = torch.zeros(num_reqs, 16, 1, head_dim, dtype=cache_dtype)
+        scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(1)) \
+            if cache_dtype in FP8 else {}
+        paged_attention_triton(q, cache, cache, torch.zeros(num_reqs, 1, dtype=torch.int32),
+                               torch.arange(num_reqs + 1, dtype=torch.int32),
+                               torch.full((num_reqs,), 16, dtype=torch.int32), 0.1,
+                               max_query_len=1, max_seq_len=16, **scales)
+    tiles = [(o["BLOCK_N"], o["PREFETCH_V"], o["num_stages"]) for o in attention.options]
+    default = default_config(torch.zeros(1, 2, 128, dtype=torch.bfloat16)).decode
+    assert tiles[0] == (64, True, 1) and tiles[1] == (default.block_n, False, 1)
+    assert not tiles[2][1] and not tiles[3][1]
 
 
 # --- the small kernels -------------------------------------------------------------------
@@ -990,7 +1016,8 @@ def test_attention_cuda(model: str, block_size: int, dtype: torch.dtype) -> None
     heads, kv_heads, head_dim = MODELS[model][:3]
     shape = AttentionShape(heads, kv_heads, head_dim, block_size)
     check_attention(shape, MIXED_REQUESTS, dtype, "cuda", padding=2)
-    # decodes: a full batch, a small one (split-K), a padded one sized for max_model_len
+    # decodes: a full batch (at heads of 128, wide_decode's tile), a small one (split-K), a
+    # padded one sized for max_model_len
     decodes = random.Random()
     check_attention(shape, decode_requests(256, decodes), dtype, "cuda")
     check_attention(shape, decode_requests(3, decodes), dtype, "cuda")
@@ -1403,6 +1430,7 @@ def test_paged_attention_compiles_for_sm90() -> None:
              "stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bt"]
     for cache, split, decode, window in [("bf16", True, True, False),
                                          ("bf16", False, True, False),
+                                         ("bf16", False, "wide", False),
                                          ("fp8e4nv", True, True, False),
                                          ("bf16", False, False, True)]:
         fp8 = cache != "bf16"
@@ -1411,13 +1439,14 @@ def test_paged_attention_compiles_for_sm90() -> None:
             ["fp32", "i32", "fp32"] + ["i32"] * 6
         config = default_config(torch.empty(1, 16, 128, dtype=torch.bfloat16),
                                 torch.float8_e4m3fn if fp8 else None)
-        tile = config.decode if decode else config.prefill
+        tile = config.prefill if not decode else \
+            config.decode_tile(WIDE_FROM if decode == "wide" else 1)
         compile_for_sm90(_paged_attention_kernel, dict(zip(names, types)), dict(
             GROUP=2, HEAD_DIM=128, DIM_BLOCK=128, BLOCK_SIZE=16, BLOCK_Q=tile.queries(2),
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, ONE_TILE_EACH=decode,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, ONE_TILE_EACH=bool(decode),
             SEARCH_BLOCK=1 if decode else 512, SPLIT=split, EXACT_DOT=False, SCALED=fp8,
-            FP16_DOT=fp8, WINDOW=window, SOFT_CAP=window, LIMITS=False, PREFETCH_V=False,
-            PDL=True),
+            FP16_DOT=fp8, WINDOW=window, SOFT_CAP=window, LIMITS=False,
+            PREFETCH_V=tile.prefetch_v, PDL=True),
             tile.num_warps, tile.num_stages)
     compile_for_sm90(_combine_splits_kernel, dict(
         part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", num_tokens="i32",
