@@ -213,6 +213,25 @@ def test_steps_padded_into_the_graph_buffers_compute_the_same(tiny):
             assert rel_err(logits, want) < TOLERANCE, (key, name)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_greedy_logits_give_compute_logits_tokens_without_the_float_copy(arch, tmp_path):
+    """The decode graphs' heads read greedy_logits: the lm_head's bf16 logits, whose
+    float32 values are compute_logits's exactly; Gemma 2's soft cap follows its lm_head,
+    so there they are compute_logits's float32 ones."""
+    model_dir = make_tiny_model(tmp_path, arch)
+    resolved = resolve_engine(EngineConfig(model=str(model_dir), dtype="bfloat16"))
+    model = load_model(resolved.config, resolved.hf_config, CPU, torch.bfloat16, model_dir)
+    hidden = torch.randn(5, resolved.hf_config.hidden_size,
+                         generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        greedy, logits = model.greedy_logits(hidden), model.compute_logits(hidden)
+    capped = arch == "gemma2"
+    assert model.float_logits_only == capped
+    assert greedy.dtype == (torch.float32 if capped else torch.bfloat16)
+    assert torch.equal(greedy.float(), logits) and logits.dtype == torch.float32
+    assert torch.equal(greedy.argmax(dim=-1), logits.argmax(dim=-1))
+
+
 def test_decode_graph_bounds_split_by_each_kind_of_attention(tmp_path):
     """Gemma 2's layers alternate a window of 8 keys with none: the graphs' bounds are
     chosen over one layer of each kind, with its own K cache and the model's dtype."""

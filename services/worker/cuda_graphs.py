@@ -249,4 +249,4 @@ class StepGraphs:
 
     def head(self, key: GraphKey, k: int) -> torch.Tensor:
         """Head k of decode graph `key` over that graph's output buffer."""
-        return greedy_head(self.model.compute_logits(self.outputs[key]), k)
+        return greedy_head(self.model.greedy_logits(self.outputs[key]), k)

@@ -94,7 +94,7 @@ class DraftRunner:
                 seq_lens=(position + 1).to(torch.int32), max_query_len=1,
                 max_seq_len=min(max_seq_len + j + 1, self.max_model_len))
             hidden = self.forward(tokens, position, attn)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+            tokens = self.model.greedy_logits(hidden).argmax(dim=-1)
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
 

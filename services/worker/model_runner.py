@@ -549,12 +549,14 @@ class ModelRunner:
 
     def graph_head_bytes(self) -> int:
         """The logits the decode graphs' heads hold in the graphs' pool (cuda_graphs.py),
-        the largest graph's: the lm_head's, in the model's dtype, and their float32 copy.
-        The top-logprobs kernel's own buffers, even at k = 20, are under 1% of them."""
+        the largest graph's: the lm_head's, in the model's dtype, and where the heads read
+        compute_logits's (CausalLM.greedy_logits) their float32 copy. The top-logprobs
+        kernel's own buffers, even at k = 20, are under 1% of them."""
         if not self.stage.is_last:
             return 0
         rows = min(self.config.max_num_seqs, MAX_TOKENS)  # the largest decode graph's
-        return rows * self.model.vocab_size * (self.dtype.itemsize + 4)
+        copy = 4 if self.model.float_logits_only else 0
+        return rows * self.model.vocab_size * (self.dtype.itemsize + copy)
 
     def _capture_graphs(self) -> StepGraphs | None:
         """None on the CPU and under --enforce-eager. A vision-language model's graphs

@@ -59,5 +59,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, shared)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden).float()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits in the weight's dtype: a view, rows strided over a padded vocabulary."""
         logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
-        return logits[..., :self.vocab_size].float()
+        return logits[..., :self.vocab_size]

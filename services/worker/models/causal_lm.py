@@ -63,3 +63,19 @@ class CausalLM(nn.Module, abc.ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> float32 [N, vocab_size]."""
         return self.lm_head(hidden)
+
+    @property
+    def float_logits_only(self) -> bool:
+        """Whether something follows the lm_head (Gemma's soft cap, in a compute_logits
+        of its own), so that the model's logits are compute_logits's float32 only."""
+        return type(self).compute_logits is not CausalLM.compute_logits
+
+    def greedy_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> [N, vocab_size] logits for an argmax or the top-logprobs
+        kernel, which reads each value into float32: the lm_head's own where nothing
+        follows it, so that compute_logits's float32 copy is not made. Both give the same
+        tokens and logprobs on either, exactly (a bf16 value is a float32 one); the copy
+        took 112 us of a 256-row decode step of Qwen3's vocabulary on an H200
+        (benchmarks/issue31-h200/busy14)."""
+        return self.compute_logits(hidden) if self.float_logits_only \
+            else self.lm_head.logits(hidden)
