@@ -39,6 +39,7 @@ TOOL_ENTRY_POINTS = (
     "services.worker",           # services/worker/__init__.py: load_weights,
                                  # to_device_together, decode_step_preparer
     "services.scheduler",        # services/scheduler/__init__.py: Scheduler, SchedulerConfig
+    "services.detokenizer",      # services/detokenizer/__init__.py: batch_detokenizer
 )
 # Libraries every tool may use whole: the corridor, the kernels, the tools themselves.
 TOOL_LIBRARIES = ("benchmarks", "common", "kernels")

@@ -161,6 +161,32 @@ def test_the_text_is_the_same_in_one_item_as_a_token_at_a_time(tok, detok, seed)
     assert not any(sent.endswith(REPLACEMENT) for sent in one_token.sent[:-1])
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_plain_items_read_their_bytes_as_the_window_decode_would(tok, seed, monkeypatch):
+    """Items the plain path takes (services/detokenizer/core.py _plain_text) give the
+    deltas that decoding their windows gives, over text and random ids: byte tokens that
+    are no character, characters cut across steps, special tokens shown and skipped."""
+    rng = random.Random(seed)
+    partial = [i for i in range(256, 4000) if invalid_utf8(TokenBytes(tok).piece(i, False))]
+    text = tok.encode(SAMPLE_TEXTS[sorted(SAMPLE_TEXTS)[seed % len(SAMPLE_TEXTS)]])
+    outputs = text + [rng.choice(partial) if rng.random() < 0.3 else rng.randrange(len(tok))
+                      for _ in range(80)] + text
+    params = SamplingParams(skip_special_tokens=seed % 2 == 0)
+    plain, windowed = Detokenizer(tok), Detokenizer(tok)
+    monkeypatch.setattr(windowed, "_plain_text", lambda item: None)
+    taken = 0
+    for seq in range(len(outputs)):
+        item = detok_item(tok.encode(PROMPT), outputs, seq, 1, params)
+        taken += plain._plain_text(item) is not None
+        assert plain.process(item) == windowed.process(item), seq
+    assert taken > 20  # the plain path was taken, not only the window's
+    # a token that is U+FFFD itself: the window's text holds it back, as bytes of no
+    # character, until a character follows
+    replaced = tok.encode("ab \ufffd")
+    item = detok_item(tok.encode(PROMPT), replaced, len(replaced) - 1, 1, params)
+    assert plain.process(item) == windowed.process(item)
+
+
 def invalid_utf8(piece: bytes) -> bool:
     try:
         piece.decode()

@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "validation": "what the gateway's request and response models cost per request",
     "scheduler": "the scheduler core's host time per generated token (no model)",
     "inputs": "the worker's host time to prepare a decode step's inputs (no model)",
+    "detokenizer": "a detokenizer replica's host time per streamed token (no model)",
 }
 
 
