@@ -3,14 +3,17 @@
 Steps of `--streams` streamed completions, each step one new token a stream with
 `--logprobs` top logprobs, as the scheduler sends them (DetokItems with make_context's
 window, as a TokenBatch through the wire codec); the text is --tokenizer's encoding of
-this repository's README, so most tokens are English words. Each step's batch is decoded
-from its bytes and detokenized (services.detokenizer.batch_detokenizer) as a replica
-does before it writes the deltas; the times are microseconds a token.
+this repository's README, so most tokens are English words, and the alternatives in the
+logprobs are other tokens of it. Each step's batch is decoded from its bytes and
+detokenized (services.detokenizer.batch_detokenizer) as a replica does before it writes
+the deltas, with the heap frozen as a replica freezes it (common.service.freeze_heap);
+the times are microseconds a token.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import time
 from pathlib import Path
@@ -41,7 +44,7 @@ def step_batches(tokenizer, streams: int, steps: int, logprobs: int | None) -> l
             prompt, outputs = ids[start - PROMPT_TOKENS:start], ids[start:start + step]
             context, num_prompt = make_context(prompt, outputs, 1, 0)
             lps = [] if logprobs is None else [TokenLogprobs(
-                [outputs[-1]] + rng.sample(range(len(tokenizer)), logprobs),
+                [outputs[-1]] + rng.choices(ids, k=logprobs),
                 [-0.5] * (logprobs + 1), 1)]
             items.append(DetokItem(f"r{s}", 0, "gw", step - 1, outputs[-1:], context,
                                    num_prompt, params, PROMPT_TOKENS, logprobs=lps))
@@ -72,6 +75,8 @@ def main(argv: list[str]) -> int:
     tokenizer = load_tokenizer(args.tokenizer)
     batches = step_batches(tokenizer, args.streams, args.steps, args.logprobs)
     detokenize = batch_detokenizer(tokenizer)
+    gc.collect()
+    gc.freeze()
     time_run(detokenize, batches[:max(1, len(batches) // 8)], args.streams)  # warm-up
     runs = [time_run(detokenize, batches, args.streams) for _ in range(args.repeat)]
     print(f"{args.streams} streams, {args.steps} steps, logprobs {args.logprobs}: "
