@@ -89,12 +89,11 @@ class AttentionConfig:
     prefill: TileConfig   # the longer ones, in a second launch when a batch may have them
     target_programs: int  # split contexts until the grid has about this many programs
     min_partition: int    # fewest keys worth a split of their own
-    # the decode tile of batches of wide_from requests or more (the same block_m)
+    # the decode tile of batches of WIDE_FROM requests or more (the same block_m)
     wide_decode: TileConfig | None = None
-    wide_from: int = 0
 
     def decode_tile(self, num_reqs: int) -> TileConfig:
-        wide = self.wide_decode is not None and num_reqs >= self.wide_from
+        wide = self.wide_decode is not None and num_reqs >= WIDE_FROM
         return self.wide_decode if wide else self.decode
 
 
@@ -133,20 +132,19 @@ def default_config(q: torch.Tensor, cache_dtype: torch.dtype | None = None
                                2 * programs, 64)
     decode_keys = 128 if q.shape[-1] <= 128 else 64
     return AttentionConfig(TileConfig(16, decode_keys, 4, 1), TileConfig(64, 64, 4, 2),
-                           2 * programs, 128, *wide_decode(q.shape[-1]))
+                           2 * programs, 128, wide_decode(q.shape[-1]))
 
 
-def wide_decode(head_dim: int) -> tuple[TileConfig | None, int]:
-    """The bf16 decode tile of batches of WIDE_FROM requests or more, and WIDE_FROM. There
+def wide_decode(head_dim: int) -> TileConfig | None:
+    """The bf16 decode tile of batches of WIDE_FROM requests or more. There
     every request and KV head has a program that walks its whole context, and the 128-key
     steps' registers leave few programs to an SM to hide the loads behind: 64-key steps
     whose V loads with K ran Qwen3-0.6B's and Llama-3.1-8B's heads at 256 decodes of 112,
     512 and 2000 keys in 38.1, 132.6 and 500.3 us against 45.0, 148.7 and 563.0, and at 64
     and 128 decodes 8-15% faster too; within 5% of the best tile of the 24 swept in each
     case but one (benchmarks/gpu/attention_batch_tiles.py, benchmarks/issue31-h200/busy14/
-    attention-batch-tiles.txt). Swept at heads of 128 only."""
-    return (TileConfig(16, 64, 4, 1, prefetch_v=True), WIDE_FROM) if head_dim == 128 \
-        else (None, 0)
+    leaseC-attention-sweep/). Swept at heads of 128 only."""
+    return TileConfig(16, 64, 4, 1, prefetch_v=True) if head_dim == 128 else None
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -518,9 +518,8 @@ async def run_benchmark(args: argparse.Namespace, planned: list[PlannedRequest]
         after = await scrape(session, metrics_url(args.base_url))
     stages = stage_breakdown(before, after) if after is not None else []
     cache = prefix_cache_use(before, after) if after is not None else []
-    busy = device_busy(before, after) if after is not None else None
     return BenchmarkRun(model, list(results), duration, stages, cache, client_cores,
-                        started_at, busy)
+                        started_at, device_busy(before, after))
 
 
 # --- output ------------------------------------------------------------------------------------

@@ -150,10 +150,10 @@ def parse_cache_counters(exposition: str) -> dict[tuple[str, str], float]:
     return parse_counters(exposition, CACHE_COUNTERS)
 
 
-def device_busy(before: str | None, after: str) -> float | None:
+def device_busy(before: str | None, after: str | None) -> float | None:
     """Seconds the servers' GPUs worked on steps between the two scrapes, summed over
-    shards; None where the server keeps no such counter."""
-    end = parse_counters(after, {DEVICE_BUSY: "busy"})
+    shards; None where the server keeps no such counter or the last scrape failed."""
+    end = {} if after is None else parse_counters(after, {DEVICE_BUSY: "busy"})
     if not end:
         return None
     start = parse_counters(before, {DEVICE_BUSY: "busy"}) if before is not None else {}

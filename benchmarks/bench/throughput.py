@@ -31,7 +31,6 @@ import json
 import platform
 import tempfile
 import time
-import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ import anyio
 import torch
 
 from benchmarks.bench.pipeline import CLIENT, LocalPipeline, drive
-from benchmarks.bench.serve import (COUNTERS_SETTLE_S, RequestResult, first_model,
+from benchmarks.bench.serve import (COUNTERS_SETTLE_S, RequestResult, first_model, scrape,
                                     send_request, serialized)
 from benchmarks.bench.server_stages import device_busy, format_device_busy
 from benchmarks.bench.workloads import (WARMUP_SEED, Ceilings, ModelShape, Trace, Workload,
@@ -218,13 +217,12 @@ def run_served(path: str, config: EngineConfig, server: ServerConfig, workload: 
         try:
             anyio.run(pipeline.wait_ready)
             anyio.run(drive_workload, url, warmup_twin(workload, WARMUP_SEED))
-            before = scrape_metrics(pipeline.http_url) if path == "http" else None
+            before = anyio.run(scrape_metrics, pipeline.http_url) if path == "http" else None
             tokens, seconds = anyio.run(drive_workload, url, workload)
             busy = None
             if before is not None:
                 time.sleep(COUNTERS_SETTLE_S)
-                after = scrape_metrics(pipeline.http_url)
-                busy = device_busy(before, after) if after is not None else None
+                busy = device_busy(before, anyio.run(scrape_metrics, pipeline.http_url))
         finally:
             pipeline.stop()
         phases = pipeline.loop_times()  # warm-up and timed run together
@@ -232,13 +230,10 @@ def run_served(path: str, config: EngineConfig, server: ServerConfig, workload: 
                      config.data_parallel_size, busy or None)
 
 
-def scrape_metrics(http_url: str) -> str | None:
+async def scrape_metrics(http_url: str) -> str | None:
     """The gateway's Prometheus exposition, or None where it answers none."""
-    try:
-        with urllib.request.urlopen(http_url + "/metrics", timeout=10) as response:
-            return response.read().decode()
-    except OSError:
-        return None
+    async with aiohttp.ClientSession() as session:
+        return await scrape(session, http_url + "/metrics")
 
 
 async def drive_bus(redis_url: str, workload: Workload) -> tuple[int, float]:
