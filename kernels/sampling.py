@@ -58,38 +58,49 @@ MAX_KERNEL_LOGPROBS = 32
 def top_logprobs_triton(logits: torch.Tensor, k: int, chosen: torch.Tensor | None = None,
                         tile: tuple[int, int] = (LOGPROBS_CHUNK, 4)) -> torch.Tensor:
     """A row's chosen token, its logprob and rank, and the row's k likeliest tokens with
-    their logprobs, in one read of the logits: int64 [rows * (2 * k + 4)], the layout
-    SamplerOutput.packed sends to the host in one copy (packed_logprobs): each row's token
-    (`chosen`, int64 [rows], or where it is None, as greedy picks, the row's first
-    maximum), then ids [rows, k + 1] (that token, then the likeliest k, the lower column
-    first among equal logits), their logprobs' float32 bits [rows, k + 1] (sign-extended),
-    and ranks [rows] (1 + the columns of a strictly larger logit). torch's log_softmax,
-    gather, topk and comparison took about 0.7 ms of a 256-row step over Qwen3's columns,
-    six passes and as many launches, and as much host time again (issue 31). tile: the
-    first pass's chunk of columns (a power of two) and its warps; 4096 and 4 were the
-    fastest of six at 1 to 256 rows, k = 1, 5 and 20, over Qwen3's and Llama 3's columns
-    (benchmarks/gpu/top_logprobs_chunks.py, benchmarks/issue31-h200/busy14). There the
-    first pass's k reductions over every chunk took 177 us of a 256-row step at k = 5 and
-    752 at k = 20."""
+    their logprobs: int64 [rows * (2 * k + 4)], the layout SamplerOutput.packed sends to
+    the host in one copy (packed_logprobs): each row's token (`chosen`, int64 [rows], or
+    where it is None, as greedy picks, the row's first maximum), then ids [rows, k + 1]
+    (that token, then the likeliest k, the lower column first among equal logits), their
+    logprobs' float32 bits [rows, k + 1] (sign-extended), and ranks [rows] (1 + the
+    columns of a strictly larger logit). torch's log_softmax, gather, topk and comparison
+    took about 0.7 ms of a 256-row step over Qwen3's columns, six passes and as many
+    launches, and as much host time again (issue 31).
+
+    Three launches: every chunk of a row its maximum, exp-sum and count above the chosen
+    token; then the k largest logits of only the row's k chunks of largest maxima (the
+    lower chunk first among equal ones), since a logit of any other chunk has k larger
+    ones, or as large and in lower columns, from those chunks' maxima; then the row's
+    logsumexp, rank and k likeliest from those. Taking the k largest is 2k reductions
+    over a chunk: over every chunk, they took 177 of a 256-row step's us at k = 5 and 752
+    at k = 20 (benchmarks/gpu/top_logprobs_chunks.py, benchmarks/issue31-h200/busy14).
+    tile: the chunk of columns (a power of two) and the first launch's warps."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and 1 <= k <= min(vocab, MAX_KERNEL_LOGPROBS)
     chunk, warps = tile
     chunks = triton.cdiv(vocab, chunk)
+    picked = min(k, chunks)
     device = logits.device
     maxima = torch.empty((rows, chunks, 2), dtype=torch.float32, device=device)
     beaten = torch.empty((rows, chunks), dtype=torch.int32, device=device)
-    tops = torch.empty((rows, chunks, k), dtype=torch.float32, device=device)
-    columns = torch.empty((rows, chunks, k), dtype=torch.int32, device=device)
+    tops = torch.empty((rows, picked, k), dtype=torch.float32, device=device)
+    columns = torch.empty((rows, picked, k), dtype=torch.int32, device=device)
     out = torch.empty(rows * (2 * k + 4), dtype=torch.int64, device=device)
     chosen_ptr = out if chosen is None else chosen  # unread without a chosen token
-    _top_chunk_kernel[(rows, chunks)](logits, logits.stride(0), chosen_ptr, maxima, beaten,
-                                      tops, columns, vocab, CHOSEN=chosen is not None, K=k,
-                                      BLOCK=chunk, num_warps=warps)
+    chunks_pad = triton.next_power_of_2(chunks)
+    _chunk_sums_kernel[(rows, chunks)](logits, logits.stride(0), chosen_ptr, maxima, beaten,
+                                       vocab, CHOSEN=chosen is not None, BLOCK=chunk,
+                                       num_warps=warps)
+    _chunk_tops_kernel[(rows, picked)](logits, logits.stride(0), maxima, tops, columns,
+                                       vocab, chunks, K=k, BLOCK=chunk, CHUNKS=chunks_pad,
+                                       num_warps=4)
     k_slots = triton.next_power_of_2(k)
+    picked_pad = triton.next_power_of_2(picked)
     _top_combine_kernel[(rows,)](logits, logits.stride(0), chosen_ptr, maxima, beaten, tops,
-                                 columns, out, vocab, chunks, CHOSEN=chosen is not None, K=k,
-                                 CHUNKS=triton.next_power_of_2(chunks), K_SLOTS=k_slots,
-                                 num_warps=1 if chunks * k_slots <= 256 else 4)
+                                 columns, out, vocab, chunks, picked,
+                                 CHOSEN=chosen is not None, K=k, CHUNKS=chunks_pad,
+                                 PICKED=picked_pad, K_SLOTS=k_slots,
+                                 num_warps=1 if picked_pad * k_slots <= 256 else 4)
     return out
 
 
@@ -117,19 +128,16 @@ def packed_logprobs(tokens: torch.Tensor, ids: torch.Tensor, values: torch.Tenso
 
 
 @triton.jit
-def _top_chunk_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, beaten_ptr, tops_ptr,
-                      columns_ptr, vocab, CHOSEN: tl.constexpr, K: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """One chunk of a row, read once: its maximum, the sum of exp(x - maximum) (-inf
-    columns, which a grammar mask leaves, add nothing), how many of its columns beat the
-    chosen token's logit, and its K largest logits with their columns, each the lowest
-    column of its value not taken yet (`vocab` once every column is taken)."""
+def _chunk_sums_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, beaten_ptr, vocab,
+                       CHOSEN: tl.constexpr, BLOCK: tl.constexpr):
+    """One chunk of a row: its maximum, the sum of exp(x - maximum) (-inf columns, which
+    a grammar mask leaves, add nothing), and how many of its columns beat the chosen
+    token's logit."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride_row
     cols = part * BLOCK + tl.arange(0, BLOCK)
-    valid = cols < vocab
-    x = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
     top = tl.max(x, axis=0)
     total = tl.sum(tl.where(x > float("-inf"), tl.exp(x - top), 0.0), axis=0)
     at = row * tl.num_programs(1) + part
@@ -138,22 +146,45 @@ def _top_chunk_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, beaten_ptr
     if CHOSEN:
         chosen = tl.load(base + tl.load(chosen_ptr + row)).to(tl.float32)
         tl.store(beaten_ptr + at, tl.sum((x > chosen).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _chunk_tops_kernel(logits_ptr, stride_row, maxima_ptr, tops_ptr, columns_ptr, vocab,
+                       chunks, K: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    """The row's chunk of the j-th largest maximum (the lower chunk first among equal
+    ones), j the program's: its K largest logits with their columns, each the lowest
+    column of its value not taken yet (`vocab` once every column is taken)."""
+    row = tl.program_id(0)
+    j = tl.program_id(1)
+    part = tl.arange(0, CHUNKS)
+    maxima = tl.load(maxima_ptr + 2 * (row * chunks + part), mask=part < chunks,
+                     other=float("-inf"))
+    # a chunk's place: the chunks of a larger maximum, or as large and below it
+    ahead = (maxima[None, :] > maxima[:, None]) | \
+        ((maxima[None, :] == maxima[:, None]) & (part[None, :] < part[:, None]))
+    place = tl.sum(ahead.to(tl.int32), axis=1)
+    chunk = tl.min(tl.where((place == j) & (part < chunks), part, CHUNKS), axis=0)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
+                other=float("-inf")).to(tl.float32)
     taken = cols >= vocab
-    for j in tl.static_range(K):
+    at = (row * tl.num_programs(1) + j) * K
+    for i in tl.static_range(K):
         best = tl.max(tl.where(taken, float("-inf"), x), axis=0)
         col = tl.min(tl.where(~taken & (x == best), cols, vocab), axis=0)
-        tl.store(tops_ptr + at * K + j, best)
-        tl.store(columns_ptr + at * K + j, col)
+        tl.store(tops_ptr + at + i, best)
+        tl.store(columns_ptr + at + i, col)
         taken = taken | (cols == col)
 
 
 @triton.jit
 def _top_combine_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, beaten_ptr, tops_ptr,
-                        columns_ptr, out_ptr, vocab, chunks, CHOSEN: tl.constexpr,
-                        K: tl.constexpr, CHUNKS: tl.constexpr, K_SLOTS: tl.constexpr):
-    """A row's chunks into its logsumexp, rank and K likeliest (the chunks' candidates,
-    taken largest first, the lower column first among equals), written in place in the
-    packed layout."""
+                        columns_ptr, out_ptr, vocab, chunks, picked, CHOSEN: tl.constexpr,
+                        K: tl.constexpr, CHUNKS: tl.constexpr, PICKED: tl.constexpr,
+                        K_SLOTS: tl.constexpr):
+    """A row's chunks into its logsumexp, rank and K likeliest (the picked chunks'
+    candidates, taken largest first, the lower column first among equals), written in
+    place in the packed layout."""
     row = tl.program_id(0)
     rows = tl.num_programs(0)
     part = tl.arange(0, CHUNKS)
@@ -164,10 +195,10 @@ def _top_combine_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, beaten_p
     top = tl.max(maxima, axis=0)
     total = tl.sum(tl.where(maxima > float("-inf"), totals * tl.exp(maxima - top), 0.0), axis=0)
     lse = top + tl.log(total)
-    slot = tl.arange(0, CHUNKS * K_SLOTS)
+    slot = tl.arange(0, PICKED * K_SLOTS)
     part_of, j_of = slot // K_SLOTS, slot % K_SLOTS
-    held = (part_of < chunks) & (j_of < K)
-    candidate = (row * chunks + part_of) * K + j_of
+    held = (part_of < picked) & (j_of < K)
+    candidate = (row * picked + part_of) * K + j_of
     values = tl.load(tops_ptr + candidate, mask=held, other=float("-inf"))
     cols = tl.load(columns_ptr + candidate, mask=held, other=vocab)
     taken = cols >= vocab

@@ -53,8 +53,8 @@ from kernels.quant import (ScaledMmTiles, quantize_per_token_ref, quantize_per_t
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
 from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, FIXED_POINT, LOGPROBS_CHUNK,
                               MAX_KERNEL_LOGPROBS, ONE_BITS, RADIX_BITS, RADIX_BLOCK,
-                              RADIX_COPIES, TOP_P_STEPS, _top_chunk_kernel,
-                              _top_combine_kernel, _top_p_bins_kernel,
+                              RADIX_COPIES, TOP_P_STEPS, _chunk_sums_kernel,
+                              _chunk_tops_kernel, _top_combine_kernel, _top_p_bins_kernel,
                               _top_p_pick_kernel, _top_p_threshold_kernel, gumbel_argmax_ref,
                               gumbel_argmax_triton, philox_uniform, top_logprobs_ref,
                               top_logprobs_triton, top_p_threshold_exact_ref,
@@ -537,28 +537,32 @@ def split_top(packed: torch.Tensor, rows: int, k: int
             packed[rows + 2 * rows * width:])
 
 
-def check_top_logprobs(rows: int, vocab: int, k: int, dtype: torch.dtype, device: str
-                       ) -> None:
-    """The one-read logprobs of the chosen token and the k likeliest against the twin, for
-    given tokens and for greedy's (none given): tokens, ids and ranks exactly, logprobs to
+def check_top_logprobs(rows: int, vocab: int, k: int, dtype: torch.dtype, device: str,
+                       tile: tuple[int, int] = (LOGPROBS_CHUNK, 4)) -> None:
+    """The logprobs of the chosen token and the k likeliest against the twin, for given
+    tokens and for greedy's (none given): tokens, ids and ranks exactly, logprobs to
     float32's rounding of a sum over the row. Row 0's first chunk is -inf (a grammar
-    mask's), row 1 has fewer finite logits than k, and bf16 logits tie, where the first
-    maximum is the likeliest and the lower column comes first."""
+    mask's), row 1 has fewer finite logits than k, row 2's maximum is in its first and
+    last columns (two chunks of equal maxima), and bf16 logits tie, where the first
+    maximum is the likeliest and the lower column comes first. tile: the kernel's chunk
+    and warps."""
     g, seed = fresh_generator()
     logits = rand(g, rows, vocab, dtype=dtype, device=device, scale=3.0)
-    logits[0, :min(LOGPROBS_CHUNK, vocab // 2)] = float("-inf")
+    logits[0, :min(tile[0], vocab // 2)] = float("-inf")
     if rows > 1:
         logits[1, max(1, k // 2):] = float("-inf")
+    if rows > 2:
+        logits[2, [vocab - 1, 0]] = logits[2].max() + 1
     given = torch.randint(vocab // 2, vocab, (rows,), generator=g).to(device)
     given[1:2] = 0  # row 1's chosen token is finite
     for chosen in (given, None):
-        got = split_top(top_logprobs_triton(logits, k, chosen), rows, k)
+        got = split_top(top_logprobs_triton(logits, k, chosen, tile), rows, k)
         want = split_top(top_logprobs_ref(logits, k, chosen), rows, k)
         what = f"top {k} logprobs {rows}x{vocab} {dtype} chosen {chosen is not None} (seed {seed})"
         for i in (0, 1, 3):
             assert torch.equal(got[i], want[i]), what
         torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5, msg=what)
-    assert torch.equal(split_top(top_logprobs_triton(logits, k), rows, k)[0],
+    assert torch.equal(split_top(top_logprobs_triton(logits, k, tile=tile), rows, k)[0],
                        logits.argmax(dim=-1)), "greedy's token is torch.argmax's"
 
 
@@ -912,13 +916,16 @@ def lora_kernels() -> None:
 @interpreter_check
 def sampling_kernel() -> None:
     """A vocabulary over two iterations and a partial last one; bf16 and fp32 logits; the
-    one-read logprobs of the chosen token and the k likeliest, over three chunks and one."""
+    logprobs of the chosen token and the k likeliest, over three chunks and one, and over
+    ten and nineteen small ones, of which the k of the largest maxima hold the top k."""
     check_gumbel_argmax(5, 2 * BLOCK_VOCAB + 37, torch.float32, "cpu")
     check_gumbel_argmax(3, 300, torch.bfloat16, "cpu")
     check_top_logprobs(5, 2 * LOGPROBS_CHUNK + 37, 1, torch.float32, "cpu")
     check_top_logprobs(4, 2 * LOGPROBS_CHUNK + 37, 5, torch.float32, "cpu")
     check_top_logprobs(3, 300, 20, torch.bfloat16, "cpu")
     check_top_logprobs(2, 12, 12, torch.float32, "cpu")
+    check_top_logprobs(4, 300, 3, torch.bfloat16, "cpu", tile=(32, 4))
+    check_top_logprobs(3, 300, 5, torch.float32, "cpu", tile=(16, 4))
     check_gumbel_distribution("cpu")
     check_sampler_fused_logprobs(2 * BLOCK_VOCAB + 37, "cpu")
 
@@ -1339,22 +1346,26 @@ def test_fused_kernels_compile_for_sm90() -> None:
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
 def test_top_logprobs_kernels_compile_for_sm90() -> None:
-    """Both passes, with a chosen token and without (greedy's), for k of 1, 5 and the most
-    the sampler asks of them: the branches give a count and a rank of different origins the
-    same type, and 32 candidates of 64 chunks fit one program."""
+    """The three passes, with a chosen token and without (greedy's), for k of 1, 5 and the
+    most the sampler asks of them: the branches give a count and a rank of different
+    origins the same type, and 32 candidates of 32 chunks fit one program."""
     for dtype in ("fp32", "bf16"):
         for chosen in (True, False):
+            compile_for_sm90(_chunk_sums_kernel, dict(
+                logits_ptr=f"*{dtype}", stride_row="i32", chosen_ptr="*i64",
+                maxima_ptr="*fp32", beaten_ptr="*i32", vocab="i32"),
+                dict(CHOSEN=chosen, BLOCK=LOGPROBS_CHUNK))
             for k in (1, 5, MAX_KERNEL_LOGPROBS):
-                compile_for_sm90(_top_chunk_kernel, dict(
-                    logits_ptr=f"*{dtype}", stride_row="i32", chosen_ptr="*i64",
-                    maxima_ptr="*fp32", beaten_ptr="*i32", tops_ptr="*fp32",
-                    columns_ptr="*i32", vocab="i32"),
-                    dict(CHOSEN=chosen, K=k, BLOCK=LOGPROBS_CHUNK))
+                compile_for_sm90(_chunk_tops_kernel, dict(
+                    logits_ptr=f"*{dtype}", stride_row="i32", maxima_ptr="*fp32",
+                    tops_ptr="*fp32", columns_ptr="*i32", vocab="i32", chunks="i32"),
+                    dict(K=k, BLOCK=LOGPROBS_CHUNK, CHUNKS=64))
                 compile_for_sm90(_top_combine_kernel, dict(
                     logits_ptr=f"*{dtype}", stride_row="i32", chosen_ptr="*i64",
                     maxima_ptr="*fp32", beaten_ptr="*i32", tops_ptr="*fp32",
-                    columns_ptr="*i32", out_ptr="*i64", vocab="i32", chunks="i32"),
-                    dict(CHOSEN=chosen, K=k, CHUNKS=64,
+                    columns_ptr="*i32", out_ptr="*i64", vocab="i32", chunks="i32",
+                    picked="i32"),
+                    dict(CHOSEN=chosen, K=k, CHUNKS=64, PICKED=triton.next_power_of_2(k),
                          K_SLOTS=triton.next_power_of_2(k)))
 
 

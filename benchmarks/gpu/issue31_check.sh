@@ -277,6 +277,24 @@ latency-topk-ab)  # the 0.6B decode step in process, greedy, at SPECS ("batch lo
     done
   done
   ;;
+topk-ab)  # the top-logprobs kernel's CUDA tests and the heads' (TESTS=0: none), then
+         # benchmarks/gpu/top_logprobs_chunks.py in this tree and in .base, then
+         # detok-inproc-ab's workload (ROUNDS, 2) and latency-topk-ab's batch-1 steps
+  if [ "${TESTS:-1}" != 0 ]; then
+    timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+      tests/test_gpu.py -k "sampling_kernel_cuda or heads or graph_head" \
+      > "$R/pytest-topk.txt" 2>&1
+    tail -n 1 "$R/pytest-topk.txt"
+  fi
+  for tree in new base; do
+    dir=$PWD; [ $tree = base ] && dir=$PWD/.base
+    (cd "$dir" && PYTHONPATH="/tmp/site:$dir" timeout 120 \
+      python benchmarks/gpu/top_logprobs_chunks.py) > "$R/top-logprobs-chunks-$tree.txt" 2>&1
+    tail -n 1 "$R/top-logprobs-chunks-$tree.txt"
+  done
+  TESTS=0 bash "$0" detok-inproc-ab
+  SPECS="1 5,1 20,8 5" bash "$0" latency-topk-ab
+  ;;
 detok-ab)  # the sampler's CUDA tests (TESTS=0: none), then the detokenizer-bound workload
           # of stage_scaling.sh (n=4, logprobs=5, 256 streams) at REPLICAS (1 2 4) through
           # `serve` of this tree and of .base, ROUNDS (1) times over, this tree first in odd
