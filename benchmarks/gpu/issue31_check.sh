@@ -257,41 +257,25 @@ latency-lp-ab)  # the sampler's, the input copies' and the output blocks' CUDA t
   fi
   latency_lp_ab
   ;;
-latency-topk-ab)  # the 0.6B decode step in process, greedy, at SPECS ("batch logprobs"
-                 # pairs, comma between, - for no logprobs; batch 1 with logprobs=1 and
-                 # batch 256 with logprobs=5 by default), this tree then .base, ROUNDS (1)
-                 # times over
-  IFS=, read -ra specs <<< "${SPECS:-1 1,256 5}"
-  for round in $(seq ${ROUNDS:-1}); do
-    for spec in "${specs[@]}"; do
-      set -- $spec
-      lp=(); [ "$2" != - ] && lp=(--logprobs $2)
-      for tree in new base; do
-        bench_in $tree 150 latency --model "$(realpath $M/qwen3-0.6b-shape)" \
-          --load-format dummy --context-len 62 --batch-size $1 --output-len 64 \
-          --iterations 3 --max-model-len 2048 "${lp[@]}" \
-          --json "$R/latency-b$1-lp$2-$tree-$round.json" >> "$R/latency-topk-ab.txt" 2>&1
-        python -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], {k: v for k, v in d.items() if 'ms' in k or 'latency' in k})" \
-          "$R/latency-b$1-lp$2-$tree-$round.json"
-      done
-    done
+latency-topk-chunks)  # benchmarks/gpu/top_logprobs_chunks.py over the kernels of this tree, then
+             # of .base, at TILES (every tile the script has, by default)
+  for tree in new base; do
+    dir=$PWD; [ $tree = base ] && dir=$PWD/.base
+    PYTHONPATH="/tmp/site:$dir" timeout 200 python benchmarks/gpu/top_logprobs_chunks.py \
+      ${TILES:+--tiles $TILES} > "$R/top-logprobs-chunks-$tree.txt" 2>&1
+    tail -n 1 "$R/top-logprobs-chunks-$tree.txt"
   done
   ;;
 topk-ab)  # the top-logprobs kernel's CUDA tests and the heads' (TESTS=0: none), then
-         # benchmarks/gpu/top_logprobs_chunks.py in this tree and in .base, then
-         # detok-inproc-ab's workload (ROUNDS, 2) and latency-topk-ab's batch-1 steps
+         # topk-chunks, detok-inproc-ab's workload (ROUNDS, 2) and latency-topk-ab's
+         # batch-1 and batch-8 steps
   if [ "${TESTS:-1}" != 0 ]; then
     timeout 200 python -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
       tests/test_gpu.py -k "sampling_kernel_cuda or heads or graph_head" \
       > "$R/pytest-topk.txt" 2>&1
     tail -n 1 "$R/pytest-topk.txt"
   fi
-  for tree in new base; do
-    dir=$PWD; [ $tree = base ] && dir=$PWD/.base
-    (cd "$dir" && PYTHONPATH="/tmp/site:$dir" timeout 120 \
-      python benchmarks/gpu/top_logprobs_chunks.py) > "$R/top-logprobs-chunks-$tree.txt" 2>&1
-    tail -n 1 "$R/top-logprobs-chunks-$tree.txt"
-  done
+  bash "$0" topk-chunks
   TESTS=0 bash "$0" detok-inproc-ab
   SPECS="1 5,1 20,8 5" bash "$0" latency-topk-ab
   ;;
