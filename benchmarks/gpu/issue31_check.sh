@@ -257,7 +257,27 @@ latency-lp-ab)  # the sampler's, the input copies' and the output blocks' CUDA t
   fi
   latency_lp_ab
   ;;
-latency-topk-chunks)  # benchmarks/gpu/top_logprobs_chunks.py over the kernels of this tree, then
+latency-topk-ab)  # the 0.6B decode step in process, greedy, at SPECS ("batch logprobs"
+                 # pairs, comma between, - for no logprobs; batch 1 with logprobs=1 and
+                 # batch 256 with logprobs=5 by default), this tree then .base, ROUNDS (1)
+                 # times over
+  IFS=, read -ra specs <<< "${SPECS:-1 1,256 5}"
+  for round in $(seq ${ROUNDS:-1}); do
+    for spec in "${specs[@]}"; do
+      set -- $spec
+      lp=(); [ "$2" != - ] && lp=(--logprobs $2)
+      for tree in new base; do
+        bench_in $tree 150 latency --model "$(realpath $M/qwen3-0.6b-shape)" \
+          --load-format dummy --context-len 62 --batch-size $1 --output-len 64 \
+          --iterations 3 --max-model-len 2048 "${lp[@]}" \
+          --json "$R/latency-b$1-lp$2-$tree-$round.json" >> "$R/latency-topk-ab.txt" 2>&1
+        python -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], {k: v for k, v in d.items() if 'ms' in k or 'latency' in k})" \
+          "$R/latency-b$1-lp$2-$tree-$round.json"
+      done
+    done
+  done
+  ;;
+topk-chunks)  # benchmarks/gpu/top_logprobs_chunks.py over the kernels of this tree, then
              # of .base, at TILES (every tile the script has, by default)
   for tree in new base; do
     dir=$PWD; [ $tree = base ] && dir=$PWD/.base
