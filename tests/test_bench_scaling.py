@@ -22,10 +22,11 @@ from benchmarks.bench.server_stages import StageStats
 
 def write_run(results: Path, name: str, requests_per_s: float, stages: dict[str, float],
               cpu_s: list[tuple[str, float]] | None = None, num_requests: int = 20,
-              started_at: float = 1000.0, device_busy_s: float | None = None) -> None:
+              started_at: float = 1000.0, device_busy_s: float | None = None,
+              host: dict | None = None) -> None:
     """A save_result file of `num_requests` one-token requests over num_requests /
     requests_per_s seconds, with the given stages' means (ms), the server's GPU time on
-    steps, and a proc_cpu diff."""
+    steps, and a proc_cpu diff (with the machine's busy and stolen seconds, where given)."""
     duration = num_requests / requests_per_s
     results_ = [serve.RequestResult(i, 3000, 1, success=True, ttft=0.1, e2e=0.1,
                                     chunks=1, prompt_tokens=3000, output_tokens=1,
@@ -40,13 +41,16 @@ def write_run(results: Path, name: str, requests_per_s: float, stages: dict[str,
     if cpu_s is not None:
         processes = [{"pid": i, "role": role, "cpu_s": s}
                      for i, (role, s) in enumerate(cpu_s)]
-        (results / f"{name}-cpu.json").write_text(json.dumps(
-            {"wall_s": duration + 3, "processes": processes}))
+        usage = {"wall_s": duration + 3, "processes": processes}
+        if host is not None:
+            usage["host"] = host
+        (results / f"{name}-cpu.json").write_text(json.dumps(usage))
 
 
 def test_table_and_plot_of_two_workloads(tmp_path):
     write_run(tmp_path, "tok-1", 100.0, {"gateway_to_tokenizer": 50.0, "tokenizer": 9.0},
-              [("tokenizer", 0.19), ("gateway", 0.05), ("redis", 0.01)])
+              [("tokenizer", 0.19), ("gateway", 0.05), ("redis", 0.01)],
+              host={"busy_s": 1.9, "steal_s": 0.3})
     start = datetime(2026, 11, 26, 12, 0, 0).timestamp()  # 20 requests at 180/s: 0.111 s
     write_run(tmp_path, "tok-2", 180.0, {"gateway_to_tokenizer": 20.0, "tokenizer": 9.5},
               [("gateway", 0.01), ("tokenizer", 0.1), ("tokenizer", 0.08)], started_at=start)
@@ -63,7 +67,7 @@ def test_table_and_plot_of_two_workloads(tmp_path):
     rows = [line.split(" | ") for line in (tmp_path / "scaling.md").read_text().splitlines()
             if line.startswith("| ") and line[2].isdigit()]
     tok1, tok2, tok4, detok1 = rows
-    assert all(len(row) == 12 for row in rows)
+    assert all(len(row) == 13 for row in rows)
     assert tok1[:4] == ["| 1", "100.0", "1.00x", "0.8x"]
     assert tok2[:4] == ["| 2", "180.0", "1.80x", "1.6x"]
     assert tok4[2:4] == ["2.50x", "3.2x"]
@@ -75,7 +79,8 @@ def test_table_and_plot_of_two_workloads(tmp_path):
     assert tok1[8] == "0.25"  # the client's cores
     assert tok2[9] == "50" and tok1[9] == "-"  # the GPU samples inside the run
     # 0.06 s of GPU time in the 0.08 s run; 20 requests in 0.06 s: 333.3 a second
-    assert tok4[10:] == ["75", "333.3 |"] and tok1[10:] == ["-", "- |"]
+    assert tok4[10:] == ["75", "333.3", "- |"] and tok1[10:12] == ["-", "-"]
+    assert tok1[12] == "9.5 / 1.5 |"  # the machine's busy and stolen cores over 0.2 s
     assert detok1[:3] == ["| 1", "10.0", "1.00x"]
     assert detok1[4:6] == ["1.00 / 2.00", "3.00 / 6.00"]  # the table's stage order
 
@@ -110,6 +115,19 @@ def test_cpu_seconds_between_snapshots():
     while time.process_time() < deadline:
         pass
     assert proc_cpu.cpu_seconds(str(os.getpid())) - start == pytest.approx(0.1, abs=0.05)
+
+
+def test_the_machines_busy_and_stolen_seconds_between_snapshots():
+    # user nice system idle iowait irq softirq steal, in ticks
+    before = [100, 0, 50, 900, 5, 1, 2, 10]
+    after = [100 + 3 * proc_cpu.TICKS_PER_S, 0, 50 + proc_cpu.TICKS_PER_S, 5000, 9, 1, 2,
+             10 + proc_cpu.TICKS_PER_S // 2]
+    assert proc_cpu.host_use(before, after) == {"busy_s": 4.0, "steal_s": 0.5}
+    first = proc_cpu.snapshot()["host"]
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:
+        pass
+    assert proc_cpu.host_use(first, proc_cpu.snapshot()["host"])["busy_s"] >= 0.1
 
 
 def test_a_snapshot_under_a_root_keeps_its_descendants_only(tmp_path):

@@ -9,9 +9,12 @@ GPU, or waiting on one another). The benchmark client reports its own share:
     python -m benchmarks.bench.proc_cpu diff before.json after.json   # prints the diff JSON
 
 With ROOT_PID (the `headrace serve` launcher), only that process and its descendants count,
-not another server's on the same host.
+not another server's on the same host. The diff also gives the whole machine's CPU seconds
+busy and those stolen by the hypervisor (`host`, from /proc/stat): the same work took
+twice the CPU seconds on one H200 lease as on another, and steal is what a guest sees of
+a contended host.
 
-Linux only: it reads /proc/<pid>/stat and cmdline.
+Linux only: it reads /proc/stat and /proc/<pid>/stat and cmdline.
 """
 
 from __future__ import annotations
@@ -51,9 +54,25 @@ def descends(pid: str, root: str, parents: dict[str, str]) -> bool:
     return pid == root
 
 
+def host_ticks() -> list[int]:
+    """/proc/stat's machine-wide line: user, nice, system, idle, iowait, irq, softirq,
+    steal, ... ticks."""
+    first = Path("/proc/stat").read_text().splitlines()[0]
+    return [int(field) for field in first.split()[1:]]
+
+
+def host_use(before: list[int], after: list[int]) -> dict:
+    """The CPU seconds the whole machine spent busy (user, nice, system, irq, softirq)
+    and those the hypervisor stole from it, between two host_ticks()."""
+    spent = [b - a for a, b in zip(before, after)]
+    busy = spent[0] + spent[1] + spent[2] + spent[5] + spent[6]
+    steal = spent[7] if len(spent) > 7 else 0
+    return {"busy_s": round(busy / TICKS_PER_S, 2), "steal_s": round(steal / TICKS_PER_S, 2)}
+
+
 def snapshot(root: str | None = None) -> dict:
-    """{"time": wall seconds, "processes": {pid: [role, cpu seconds]}} of the processes
-    with a role (under `root`, where given)."""
+    """{"time": wall seconds, "host": host_ticks(), "processes": {pid: [role, cpu
+    seconds]}} of the processes with a role (under `root`, where given)."""
     parents, found = {}, {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -66,7 +85,7 @@ def snapshot(root: str | None = None) -> dict:
             continue
     if root is not None:
         found = {pid: row for pid, row in found.items() if descends(pid, root, parents)}
-    return {"time": time.time(), "processes": found}
+    return {"time": time.time(), "host": host_ticks(), "processes": found}
 
 
 def cpu_used(before: dict, after: dict) -> list[dict]:
@@ -87,6 +106,7 @@ def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[0] == "diff":
         before, after = (json.loads(Path(a).read_text()) for a in argv[1:])
         print(json.dumps({"wall_s": round(after["time"] - before["time"], 3),
+                          "host": host_use(before["host"], after["host"]),
                           "processes": cpu_used(before, after)}, indent=1))
         return 0
     print(__doc__, file=sys.stderr)

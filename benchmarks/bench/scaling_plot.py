@@ -12,7 +12,9 @@ the run count. Which stage bounds a run shows in the busiest roles: a process ne
 is saturated; a GPU near 100% is the bound. Where the server counts its GPU's time on the
 steps (`device_busy_s`, headrace:device_busy_seconds_total), the table gives its share of
 the run, and the requests/s the GPU alone would allow at that time per request: the
-ceiling that no count of replicas can pass.
+ceiling that no count of replicas can pass. Where the CPU diff has the whole machine's
+busy and stolen seconds, the table gives them as cores: the same work took twice the CPU
+seconds on one lease's host as on another's.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Point:
     gpu_percent: float | None  # nvidia-smi's utilization, mean over the run
     device_busy_s: float | None = None  # the server's GPU time on steps over the run
     duration_s: float = 0.0
+    host: dict | None = None  # proc_cpu's whole-machine busy_s and steal_s
 
     @property
     def busy_share(self) -> float | None:
@@ -100,7 +103,7 @@ def load_points(results: Path) -> dict[str, list[Point]]:
             continue
         data = json.loads(path.read_text())
         cpu = path.with_name(path.stem + "-cpu.json")
-        processes = json.loads(cpu.read_text())["processes"] if cpu.exists() else []
+        usage = json.loads(cpu.read_text()) if cpu.exists() else {}
         summary = data["summary"]
         start = data.get("started_at", 0.0)
         points[match[1]].append(Point(
@@ -108,10 +111,11 @@ def load_points(results: Path) -> dict[str, list[Point]]:
             summary["failed"], {s["stage"]: s for s in data.get("server_stages", [])},
             # the snapshots bracket the client's start-up too, while the server idles:
             # the run's own duration is the time the CPU seconds were spent in
-            role_loads(processes, summary["duration_s"]), data.get("client_cores"),
+            role_loads(usage.get("processes", []), summary["duration_s"]),
+            data.get("client_cores"),
             gpu_percent(path.with_name(path.stem + "-gpu.csv"), start,
                         start + summary["duration_s"]),
-            data.get("device_busy_s"), summary["duration_s"]))
+            data.get("device_busy_s"), summary["duration_s"], usage.get("host")))
     return {kind: sorted(p, key=lambda p: p.replicas) for kind, p in points.items() if p}
 
 
@@ -133,6 +137,14 @@ def roles_cell(point: Point, top: int = 3) -> str:
         for r in point.roles[:top]) or "-"
 
 
+def host_cell(point: Point) -> str:
+    """The machine's busy and stolen cores over the run: `9.8 / 0.4`."""
+    if point.host is None or not point.duration_s:
+        return "-"
+    return (f"{point.host['busy_s'] / point.duration_s:.1f} / "
+            f"{point.host['steal_s'] / point.duration_s:.1f}")
+
+
 def table(points: dict[str, list[Point]]) -> str:
     lines = []
     for kind, runs in points.items():
@@ -141,9 +153,9 @@ def table(points: dict[str, list[Point]]) -> str:
                   "| replicas | requests/s | speed-up | goal (0.8 x N) | "
                   + " | ".join(f"{s} mean / p90 ms" for s in stages)
                   + " | failed | busiest roles (cores) | client cores | GPU % | GPU busy % "
-                  "| GPU-bound requests/s |",
+                  "| GPU-bound requests/s | host busy / stolen cores |",
                   "|---:|---:|---:|---:|" + "---:|" * len(stages)
-                  + "---:|---|---:|---:|---:|---:|"]
+                  + "---:|---|---:|---:|---:|---:|---:|"]
         for p in runs:
             gain = speedup(runs, p)
             client = "-" if p.client_cores is None else f"{p.client_cores:.2f}"
@@ -154,7 +166,8 @@ def table(points: dict[str, list[Point]]) -> str:
                 f"| {p.replicas} | {p.requests_per_s:.1f} | "
                 + ("-" if gain is None else f"{gain:.2f}x") + f" | {GOAL * p.replicas:.1f}x | "
                 + " | ".join(stage_cell(p.stages.get(s)) for s in stages)
-                + f" | {p.failed} | {roles_cell(p)} | {client} | {gpu} | {busy} | {bound} |")
+                + f" | {p.failed} | {roles_cell(p)} | {client} | {gpu} | {busy} | {bound} "
+                + f"| {host_cell(p)} |")
         lines.append("")
     return "\n".join(lines)
 
