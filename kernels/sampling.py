@@ -73,7 +73,8 @@ def top_logprobs_triton(logits: torch.Tensor, k: int, chosen: torch.Tensor | Non
     ones, or as large and in lower columns, from those chunks' maxima; then the row's
     logsumexp, rank and k likeliest from those. Taking the k largest is 2k reductions
     over a chunk: over every chunk, they took 177 of a 256-row step's us at k = 5 and 752
-    at k = 20 (benchmarks/gpu/top_logprobs_chunks.py, benchmarks/issue31-h200/busy14).
+    at k = 20, over the k picked ones 54 and 443 (benchmarks/gpu/top_logprobs_chunks.py,
+    benchmarks/issue31-h200/busy14 and busy15).
     tile: the chunk of columns (a power of two) and the first launch's warps."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and 1 <= k <= min(vocab, MAX_KERNEL_LOGPROBS)
@@ -91,10 +92,10 @@ def top_logprobs_triton(logits: torch.Tensor, k: int, chosen: torch.Tensor | Non
     _chunk_sums_kernel[(rows, chunks)](logits, logits.stride(0), chosen_ptr, maxima, beaten,
                                        vocab, CHOSEN=chosen is not None, BLOCK=chunk,
                                        num_warps=warps)
+    k_slots = triton.next_power_of_2(k)
     _chunk_tops_kernel[(rows, picked)](logits, logits.stride(0), maxima, tops, columns,
                                        vocab, chunks, K=k, BLOCK=chunk, CHUNKS=chunks_pad,
-                                       num_warps=4)
-    k_slots = triton.next_power_of_2(k)
+                                       K_SLOTS=k_slots, num_warps=4)
     picked_pad = triton.next_power_of_2(picked)
     _top_combine_kernel[(rows,)](logits, logits.stride(0), chosen_ptr, maxima, beaten, tops,
                                  columns, out, vocab, chunks, picked,
@@ -150,26 +151,41 @@ def _chunk_sums_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, beaten_pt
 
 @triton.jit
 def _chunk_tops_kernel(logits_ptr, stride_row, maxima_ptr, tops_ptr, columns_ptr, vocab,
-                       chunks, K: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+                       chunks, K: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+                       K_SLOTS: tl.constexpr):
     """The row's chunk of the j-th largest maximum (the lower chunk first among equal
-    ones), j the program's: its K largest logits with their columns, each the lowest
-    column of its value not taken yet (`vocab` once every column is taken)."""
+    ones), j the program's: its largest logits with their columns, each the lowest column
+    of its value not taken yet, up to K of them, of those at least the picked chunks'
+    least maximum where K chunks are picked; -inf and `vocab` fill the slots left. The
+    row's k-th largest logit is then at least that maximum (k chunks have one as large),
+    so nothing below it is among the k likeliest, and most chunks hold only a few logits
+    above it: at K = 20 the K reductions over every picked chunk took 443 us of a
+    256-row step."""
     row = tl.program_id(0)
     j = tl.program_id(1)
+    picked = tl.num_programs(1)
     part = tl.arange(0, CHUNKS)
-    maxima = tl.load(maxima_ptr + 2 * (row * chunks + part), mask=part < chunks,
+    valid = part < chunks
+    maxima = tl.load(maxima_ptr + 2 * (row * chunks + part), mask=valid,
                      other=float("-inf"))
     # a chunk's place: the chunks of a larger maximum, or as large and below it
     ahead = (maxima[None, :] > maxima[:, None]) | \
         ((maxima[None, :] == maxima[:, None]) & (part[None, :] < part[:, None]))
     place = tl.sum(ahead.to(tl.int32), axis=1)
-    chunk = tl.min(tl.where((place == j) & (part < chunks), part, CHUNKS), axis=0)
+    chunk = tl.min(tl.where((place == j) & valid, part, CHUNKS), axis=0)
+    floor = tl.max(tl.where((place == picked - 1) & valid, maxima, float("-inf")), axis=0)
+    floor = tl.where(picked == K, floor, float("-inf"))  # fewer chunks than K: no floor
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
                 other=float("-inf")).to(tl.float32)
     taken = cols >= vocab
-    at = (row * tl.num_programs(1) + j) * K
-    for i in tl.static_range(K):
+    held = tl.minimum(tl.sum(((x >= floor) & ~taken).to(tl.int32), axis=0), K)
+    at = (row * picked + j) * K
+    slots = tl.arange(0, K_SLOTS)
+    left = (slots >= held) & (slots < K)
+    tl.store(tops_ptr + at + slots, float("-inf"), mask=left)
+    tl.store(columns_ptr + at + slots, vocab, mask=left)
+    for i in range(held):
         best = tl.max(tl.where(taken, float("-inf"), x), axis=0)
         col = tl.min(tl.where(~taken & (x == best), cols, vocab), axis=0)
         tl.store(tops_ptr + at + i, best)

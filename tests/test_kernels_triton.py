@@ -1359,7 +1359,8 @@ def test_top_logprobs_kernels_compile_for_sm90() -> None:
                 compile_for_sm90(_chunk_tops_kernel, dict(
                     logits_ptr=f"*{dtype}", stride_row="i32", maxima_ptr="*fp32",
                     tops_ptr="*fp32", columns_ptr="*i32", vocab="i32", chunks="i32"),
-                    dict(K=k, BLOCK=LOGPROBS_CHUNK, CHUNKS=64))
+                    dict(K=k, BLOCK=LOGPROBS_CHUNK, CHUNKS=64,
+                         K_SLOTS=triton.next_power_of_2(k)))
                 compile_for_sm90(_top_combine_kernel, dict(
                     logits_ptr=f"*{dtype}", stride_row="i32", chosen_ptr="*i64",
                     maxima_ptr="*fp32", beaten_ptr="*i32", tops_ptr="*fp32",
