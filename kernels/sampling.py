@@ -68,14 +68,16 @@ def top_logprobs_triton(logits: torch.Tensor, k: int, chosen: torch.Tensor | Non
     launches, and as much host time again (issue 31).
 
     Three launches: every chunk of a row its maximum, exp-sum and count above the chosen
-    token; then the k largest logits of only the row's k chunks of largest maxima (the
+    token; then the largest logits of only the row's k chunks of largest maxima (the
     lower chunk first among equal ones), since a logit of any other chunk has k larger
-    ones, or as large and in lower columns, from those chunks' maxima; then the row's
+    ones, or as large and in lower columns, from those chunks' maxima, and of those only
+    the ones at or above the least of the k maxima (_chunk_tops_kernel); then the row's
     logsumexp, rank and k likeliest from those. Taking the k largest is 2k reductions
     over a chunk: over every chunk, they took 177 of a 256-row step's us at k = 5 and 752
-    at k = 20, over the k picked ones 54 and 443 (benchmarks/gpu/top_logprobs_chunks.py,
-    benchmarks/issue31-h200/busy14 and busy15).
-    tile: the chunk of columns (a power of two) and the first launch's warps."""
+    at k = 20; over the k picked ones 54 and 443; as many as are at or above that floor,
+    42.5 and 92.3 (benchmarks/gpu/top_logprobs_chunks.py, benchmarks/issue31-h200/busy14
+    and busy15). tile: the chunk of columns (a power of two) and the first launch's
+    warps."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and 1 <= k <= min(vocab, MAX_KERNEL_LOGPROBS)
     chunk, warps = tile
