@@ -88,6 +88,18 @@ latency_lp_ab() {  # the 0.6B batch-1 step, greedy, without and with logprobs=1,
   done
 }
 case "$1" in
+owed)  # the H100 figures that issues 30 and 31 still owe, in one call (about 8 minutes):
+      # lp-cost's nano workload on both paths without and with logprobs=1 (items 1, 2, 4),
+      # latency's small-batch steps (item 3), itl's batch-1 chats (item 2), and issue 30's
+      # confirm (8B int4 and fp8 at batch 1, fp8 and bf16 at batch 64). Item 6 is
+      # stage_scaling.sh, a call of its own; item 5 is serving_check.sh on three leases.
+  ROUNDS=1 bash "$0" lp-cost
+  bash "$0" latency
+  bash "$0" itl
+  R=$R/issue30 bash benchmarks/gpu/issue30_check.sh confirm
+  grep -h "tok/s\|GPU busy" "$R"/throughput-nano*.txt; cat "$R/latency.txt" | grep "ms/token"
+  cat "$R/itl-cost.txt" "$R/issue30/latency.txt" | grep -v '^{' | tail -n 12
+  ;;
 latency)  # small-batch decode steps: 0.6B at batch 1 and 8, 8B at batch 1
   for spec in "qwen3-0.6b-shape 1 62" "qwen3-0.6b-shape 8 62" "llama-3.1-8b-shape 1 1000"; do
     set -- $spec
