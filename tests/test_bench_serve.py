@@ -20,6 +20,7 @@ import json
 import math
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -247,10 +248,16 @@ def test_poisson_arrivals_follow_the_schedule(fake_server, tmp_path):
     code, data = bench(server, tmp_path, *flags)
     assert code == 0
     planned = [p.send_at for p in plan_requests(serve.build_parser().parse_args(flags))]
-    arrived = sorted(t - server.arrivals[0] for t in server.arrivals)
-    assert arrived == pytest.approx(planned, abs=LATE_S)
     started = sorted(r["start"] for r in data["requests"])
-    assert started == pytest.approx(planned, abs=LATE_S)
+    arrived = sorted(t - server.arrivals[0] + started[0] for t in server.arrivals)
+    # never sent ahead of the plan (the server's clock is anchored at the first arrival,
+    # which may itself be late); on it as a rule; one request may be late by a burst of
+    # load on a busy 2-core machine (CI saw 68 ms), not by a drifting pace, which would
+    # fall further behind with each of the 0.8 s's requests
+    for seen, early in ((started, 0.005), (arrived, LATE_S)):
+        late = [at - plan for at, plan in zip(seen, planned)]
+        assert min(late) > -early, late
+        assert statistics.median(late) < LATE_S and max(late) < 5 * LATE_S, late
 
 
 def test_infinite_rate_sends_everything_at_once(fake_server, tmp_path):

@@ -494,7 +494,9 @@ def test_a_batch_runs_with_fewer_collections_and_leaves_them_as_they_were():
     try:
         with engine_module.fewer_collections():
             pass
-        assert gc.get_freeze_count() == frozen
+        # neither thawed nor frozen again (which would take in the context manager's own
+        # generator); frozen objects that another thread frees meanwhile leave the count
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
