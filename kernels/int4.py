@@ -386,9 +386,10 @@ def _nibble_products(words, place: tl.constexpr, xs, zero):
 
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr,
-                       out_ptr, m, n, k, group_size, k_share, HAS_PERM: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUPS: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr):
+                       out_ptr, m, n, k, group_size: tl.constexpr, k_share,
+                       HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, PACKED: tl.constexpr,
+                       PDL: tl.constexpr):
     """One row of x (program_id 2) times a BLOCK_N stripe of W over one K share
     (program_id 1): float32 partial sums into out [shares, m, n], or y itself; PACKED: in
     packed half arithmetic (CUDA), else in float32 (the interpreter). A K tile
@@ -396,7 +397,9 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
     are read in long runs. The first tile's words, scales and zeros are loaded before
     waiting on the previous kernel (they are constants); each step then loads the next
     tile before its own arithmetic, and the sums stay per lane in the words' layout until
-    one reduction after the loop."""
+    one reduction after the loop. group_size is a constant of the compiled kernel: a
+    step's group index is then a shift, where a runtime divisor cost an integer division
+    a step, 8% of the loop's time (benchmarks/issue30-h100/s9)."""
     let_next_start(PDL)
     stripe, share, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = stripe * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -456,7 +459,7 @@ def _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_n, n_ok, k0, k, g
 
 @triton.jit
 def _w4a16_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, out_ptr,
-                       m, n, k, group_size, k_share, HAS_PERM: tl.constexpr,
+                       m, n, k, group_size: tl.constexpr, k_share, HAS_PERM: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """A BLOCK_M x BLOCK_N tile of y over one K share (program_id 2): each K step
@@ -485,8 +488,9 @@ def _w4a16_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
 
 
 @triton.jit
-def _dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, w_ptr, n, k, group_size,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, w_ptr, n, k,
+                       group_size: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
     """W[stripe, K tile] in w's dtype."""
     overlap_previous(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
