@@ -21,7 +21,7 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
 GROUP = 128
 CONFIGS = {
     # K tiles over several groups: each row's words read in runs of 256-512 bytes
-    1: [Int4Tiles(1, n, kk, w, 1, split) for n in (8, 16, 32) for kk in (512, 1024)
+    1: [Int4Tiles(1, n, kk, w, 1, split) for n in (8, 16, 32, 64) for kk in (512, 1024)
         for w in (4, 8) for split in (1, 2)] + [Int4Tiles(1, 128, 128, 4, 1)],
     8: [Int4Tiles(16, n, 128, 4, s, split) for n in (64, 128) for s in (2, 3)
         for split in (1, 2, 4)],
