@@ -14,7 +14,9 @@ converted to it once, at load):
 - scales [N, K / g] in the activation dtype.
 - zeros uint8 [N, K / g], unpacked: GPTQ's v1 convention stores zero - 1, so its zeros run
   1..16 and 16 does not fit a nibble; a byte costs 1/(g/2) of the weight bytes (1/64 at
-  g = 128). Symmetric schemes store 8.
+  g = 128). Or None: symmetric, every zero SYMMETRIC_ZERO (GPTQ's sym, compressed-tensors'
+  symmetric); the kernels then load no zeros and take the constant's pairs, which at one
+  row saves the zeros' loads and their two moves between layouts a step.
 - perm [K] int32 or None: GPTQ's act-order (and compressed-tensors' actorder "group")
   quantizes the input features in another order, so a group's features are scattered.
   The converters sort the features by group once (qweight's columns permuted), making the
@@ -64,6 +66,8 @@ from kernels.packed_half import half_pair, power_of_two_scales
 from kernels.pdl import let_next_start, overlap_previous, pdl_launch, wait_for_previous
 
 PACK_FACTOR = 8  # int4 values per int32
+SYMMETRIC_ZERO = 8  # every zero of a symmetric scheme (zeros None)
+_SYMMETRIC_ZERO = tl.constexpr(SYMMETRIC_ZERO)  # the same, for the kernels
 # One word's sum of (q - z) * x over its eight nibbles in packed half arithmetic (the
 # module's docstring): $1 the word; $2..$5 the activation pairs (x0, x4), (x1, x5), (x2, x6),
 # (x3, x7) as f16x2; $6 the pair (1024 + z, 1024 + z); $7 (-64 - z, -64 - z). 0x2C00 is
@@ -145,17 +149,20 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 
 # --- torch reference twin ------------------------------------------------------------------
 
-def dequantize_int4_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                        group_size: int) -> torch.Tensor:
+def dequantize_int4_ref(qweight: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor | None, group_size: int) -> torch.Tensor:
     """The canonical layout -> W [N, K] in the scales' dtype, columns in qweight's order."""
     q = unpack_int4(qweight).to(torch.int32)
+    if zeros is None:
+        zeros = torch.full(scales.shape, SYMMETRIC_ZERO, device=scales.device)
     z = zeros.to(torch.int32).repeat_interleave(group_size, dim=1)
     s = scales.float().repeat_interleave(group_size, dim=1)
     return ((q - z).float() * s).to(scales.dtype)
 
 
 def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                   zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None = None,
+                   zeros: torch.Tensor | None, group_size: int,
+                   perm: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize, then one float32 matmul; the result in x's dtype."""
     w = dequantize_int4_ref(qweight, scales, zeros, group_size).to(x.dtype)
@@ -170,7 +177,7 @@ def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 # --- dispatch ------------------------------------------------------------------------------
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-               zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None = None,
+               zeros: torch.Tensor | None, group_size: int, perm: torch.Tensor | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N]. The one dispatch point for this op: CUDA tensors take the
     Triton kernels (the GEMV at one row, else the tiled GEMM), others the twin."""
@@ -213,14 +220,16 @@ def split_count(tiles: Int4Tiles, stripes: int, k: int, block_k: int, sms: int) 
 
 
 def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                      zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None = None,
+                      zeros: torch.Tensor | None, group_size: int,
+                      perm: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None,
                       tiles: Int4Tiles | None = None) -> torch.Tensor:
     """tiles: force these tiles (block_m 1: the GEMV; the sweep and tests); default: by the
     row count."""
     n, k = qweight.shape[0], qweight.shape[1] * PACK_FACTOR
     assert x.shape[-1] == k and qweight.is_contiguous() and scales.is_contiguous()
-    assert zeros.is_contiguous() and k % group_size == 0 and group_size % 8 == 0
+    assert zeros is None or zeros.is_contiguous()
+    assert k % group_size == 0 and group_size % 8 == 0
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -239,9 +248,11 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     k_share = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_share)
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    args = (x2, qweight, scales, zeros, perm if perm is not None else x2,
-            bias if bias is not None else x2, out, m, n, k, group_size, k_share)
-    flags = dict(HAS_PERM=perm is not None, HAS_BIAS=bias is not None and split == 1,
+    args = (x2, qweight, scales, zeros if zeros is not None else qweight,
+            perm if perm is not None else x2, bias if bias is not None else x2, out, m, n, k,
+            group_size, k_share)
+    flags = dict(HAS_ZEROS=zeros is not None, HAS_PERM=perm is not None,
+                 HAS_BIAS=bias is not None and split == 1,
                  BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
                  num_stages=tiles.num_stages, **pdl_launch(x))
     if gemv:
@@ -254,20 +265,20 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     return y.reshape(*x.shape[:-1], n)
 
 
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor | None, group_size: int) -> torch.Tensor:
     """The canonical layout -> W [N, K] in the scales' dtype (dequantize_int4_ref's twin)."""
     n, k = qweight.shape[0], qweight.shape[1] * PACK_FACTOR
     w = torch.empty(n, k, dtype=scales.dtype, device=qweight.device)
     block_n, block_k = DEQUANTIZE_TILE[0], k_tile(DEQUANTIZE_TILE[1], group_size)
     _dequantize_kernel[(triton.cdiv(n, block_n), k // block_k)](
-        qweight, scales, zeros, w, n, k, group_size, BLOCK_N=block_n, BLOCK_K=block_k,
-        **pdl_launch(qweight))
+        qweight, scales, zeros if zeros is not None else qweight, w, n, k, group_size,
+        HAS_ZEROS=zeros is not None, BLOCK_N=block_n, BLOCK_K=block_k, **pdl_launch(qweight))
     return w
 
 
 def dequantized_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                       zeros: torch.Tensor, group_size: int, perm: torch.Tensor | None,
+                       zeros: torch.Tensor | None, group_size: int, perm: torch.Tensor | None,
                        bias: torch.Tensor | None) -> torch.Tensor:
     """Many rows (prefill): the weight dequantized once to x's dtype, then cuBLAS; its
     16-bit copy is read once per tile of rows where the fused GEMM dequantizes every tile
@@ -281,6 +292,20 @@ def dequantized_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
 
 
 # --- kernels -------------------------------------------------------------------------------
+
+@triton.jit
+def _zeros(ptrs, mask, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """The zeros at ptrs ([BLOCK_N, GROUPS], or [BLOCK_N] where GROUPS is 0), or, without
+    them, SYMMETRIC_ZERO everywhere: a constant, so the pairs made of it are constants too
+    and nothing is loaded or moved between layouts."""
+    if HAS_ZEROS:
+        zeros = tl.load(ptrs, mask=mask, other=0)
+    elif GROUPS == 0:
+        zeros = tl.full((BLOCK_N,), _SYMMETRIC_ZERO, tl.uint8)
+    else:
+        zeros = tl.full((BLOCK_N, GROUPS), _SYMMETRIC_ZERO, tl.uint8)
+    return zeros
+
 
 @triton.jit
 def _x_columns(perm_ptr, offs_k, HAS_PERM: tl.constexpr):
@@ -387,9 +412,9 @@ def _nibble_products(words, place: tl.constexpr, xs, zero):
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr,
                        out_ptr, m, n, k, group_size: tl.constexpr, k_share,
-                       HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUPS: tl.constexpr, PACKED: tl.constexpr,
-                       PDL: tl.constexpr):
+                       HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+                       PACKED: tl.constexpr, PDL: tl.constexpr):
     """One row of x (program_id 2) times a BLOCK_N stripe of W over one K share
     (program_id 1): float32 partial sums into out [shares, m, n], or y itself; PACKED: in
     packed half arithmetic (CUDA), else in float32 (the interpreter). A K tile
@@ -414,7 +439,8 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
     lanes = tl.zeros((BLOCK_N, GROUPS, BLOCK_K // 8 // GROUPS), dtype=tl.float32)
     words = tl.load(w_rows + k_lo // 8, mask=n_ok[:, None], other=0)
     s = tl.load(scales_ptr + at_group + k_lo // group_size, mask=n_ok[:, None], other=0.0)
-    z = tl.load(zeros_ptr + at_group + k_lo // group_size, mask=n_ok[:, None], other=0)
+    z = _zeros(zeros_ptr + at_group + k_lo // group_size, n_ok[:, None], HAS_ZEROS, BLOCK_N,
+               GROUPS)
     wait_for_previous(PDL)
     x8 = _x_tile(x_row, perm_ptr, k_lo, x_at, HAS_PERM)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -423,8 +449,8 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
         next_words = tl.load(w_rows + (k0 + BLOCK_K) // 8, mask=ahead, other=0)
         next_s = tl.load(scales_ptr + at_group + (k0 + BLOCK_K) // group_size, mask=ahead,
                          other=0.0)
-        next_z = tl.load(zeros_ptr + at_group + (k0 + BLOCK_K) // group_size, mask=ahead,
-                         other=0)
+        next_z = _zeros(zeros_ptr + at_group + (k0 + BLOCK_K) // group_size, ahead, HAS_ZEROS,
+                        BLOCK_N, GROUPS)
         next_x8 = _x_tile(x_row, perm_ptr, tl.minimum(k0 + BLOCK_K, k - BLOCK_K), x_at,
                           HAS_PERM)
         if PACKED:
@@ -442,7 +468,8 @@ def _w4a16_gemv_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
 
 @triton.jit
 def _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_n, n_ok, k0, k, group_size,
-                      dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      HAS_ZEROS: tl.constexpr, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
     """W[offs_n, k0 : k0 + BLOCK_K] in dtype: the [BLOCK_N, BLOCK_K / 8] words loaded along
     their rows, shifted into their nibbles, less the row's zero, times its scale (the tile
     lies in one group)."""
@@ -452,16 +479,16 @@ def _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_n, n_ok, k0, k, g
     q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
     q = tl.reshape(q, (BLOCK_N, BLOCK_K))
     at_group = offs_n * (k // group_size) + k0 // group_size
-    z = tl.load(zeros_ptr + at_group, mask=n_ok, other=0).to(tl.int32)
+    z = _zeros(zeros_ptr + at_group, n_ok, HAS_ZEROS, BLOCK_N, 0).to(tl.int32)
     s = tl.load(scales_ptr + at_group, mask=n_ok, other=0.0).to(tl.float32)
     return ((q - z[:, None]).to(tl.float32) * s[:, None]).to(dtype)
 
 
 @triton.jit
 def _w4a16_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias_ptr, out_ptr,
-                       m, n, k, group_size: tl.constexpr, k_share, HAS_PERM: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                       m, n, k, group_size: tl.constexpr, k_share, HAS_ZEROS: tl.constexpr,
+                       HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """A BLOCK_M x BLOCK_N tile of y over one K share (program_id 2): each K step
     dequantizes a weight tile to the activation dtype and feeds tl.dot with float32
     accumulation; partial sums into out [shares, m, n], or y itself."""
@@ -478,7 +505,7 @@ def _w4a16_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
         cols = _x_columns(perm_ptr, k0 + tl.arange(0, BLOCK_K), HAS_PERM)
         xs = tl.load(rows + cols[None, :], mask=m_ok[:, None], other=0.0)
         w = _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_n, n_ok, k0, k,
-                              group_size, xs.dtype, BLOCK_N, BLOCK_K)
+                              group_size, HAS_ZEROS, xs.dtype, BLOCK_N, BLOCK_K)
         acc = tl.dot(xs, tl.trans(w), acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -489,14 +516,14 @@ def _w4a16_gemm_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, bias
 
 @triton.jit
 def _dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, w_ptr, n, k,
-                       group_size: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr):
+                       group_size: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """W[stripe, K tile] in w's dtype."""
     overlap_previous(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n
     k0 = tl.program_id(1) * BLOCK_K
     w = _dequantized_tile(qweight_ptr, scales_ptr, zeros_ptr, offs_n, n_ok, k0, k, group_size,
-                          w_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+                          HAS_ZEROS, w_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
     at = offs_n.to(tl.int64)[:, None] * k + k0 + tl.arange(0, BLOCK_K)[None, :]
     tl.store(w_ptr + at, w, mask=n_ok[:, None])

@@ -1469,17 +1469,17 @@ def test_paged_attention_compiles_for_sm90() -> None:
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
 def test_int4_kernels_compile_for_sm90() -> None:
     """The W4A16 GEMV in packed half arithmetic (its inline PTX) at the 8B tiles, with and
-    without act-order, and the tiled GEMM of decode batches."""
+    without act-order (and zeros), and the tiled GEMM of decode batches."""
     types = dict(x_ptr="*bf16", qweight_ptr="*i32", scales_ptr="*bf16", zeros_ptr="*u8",
                  perm_ptr="*i32", bias_ptr="*bf16", out_ptr="*fp32", m="i32", n="i32",
                  k="i32", k_share="i32")
     for act_order in (False, True):
         compile_for_sm90(_w4a16_gemv_kernel, types, dict(
-            group_size=128, HAS_PERM=act_order, HAS_BIAS=not act_order, BLOCK_N=16,
-            BLOCK_K=1024, GROUPS=8, PACKED=True, PDL=True))
+            group_size=128, HAS_ZEROS=act_order, HAS_PERM=act_order, HAS_BIAS=not act_order,
+            BLOCK_N=16, BLOCK_K=1024, GROUPS=8, PACKED=True, PDL=True))
     compile_for_sm90(_w4a16_gemm_kernel, dict(types, out_ptr="*bf16"), dict(
-        group_size=128, HAS_PERM=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
-        PDL=True))
+        group_size=128, HAS_ZEROS=False, HAS_PERM=True, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64,
+        BLOCK_K=128, PDL=True))
 
 
 @needs_cuda

@@ -31,8 +31,8 @@ from safetensors.torch import load_file, save_file
 from common.config import EngineConfig
 from common.model_files import load_hf_config
 from common.model_support import UnsupportedModel, check_model_support
-from kernels.int4 import (Int4Tiles, dequantize_int4_ref, pack_int4, unpack_int4,
-                          w4a16_gemm_ref, w4a16_gemm_triton)
+from kernels.int4 import (SYMMETRIC_ZERO, Int4Tiles, dequantize_int4_ref, pack_int4,
+                          unpack_int4, w4a16_gemm_ref, w4a16_gemm_triton)
 from services.worker.layers.linear import MergedColumnParallelLinear
 from services.worker.layers.quantization import building_with, quant_method_for
 from services.worker.layers.quantization.int4 import (Int4Method, Int4Weight, awq_to_int4,
@@ -197,22 +197,25 @@ def interpreter_check(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def random_int4(k: int, n: int, group_size: int, g: torch.Generator,
-                act_order: bool) -> Int4Weight:
-    """Random canonical weights: any nibble, zeros 0..16, small positive scales."""
+                act_order: bool, symmetric: bool = False) -> Int4Weight:
+    """Random canonical weights: any nibble, zeros 0..16 (symmetric: None, all 8), small
+    positive scales."""
     q = torch.randint(0, 16, (n, k), generator=g)
     groups = k // group_size
     scales = (torch.rand(n, groups, generator=g) * 0.05 + 0.01).half()
-    zeros = torch.randint(0, 17, (n, groups), generator=g).to(torch.uint8)
+    zeros = None if symmetric else torch.randint(0, 17, (n, groups), generator=g).to(
+        torch.uint8)
     perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
     return Int4Weight(pack_int4(q), scales, zeros, perm)
 
 
 def check_w4a16(m: int, k: int, n: int, group_size: int, act_order: bool,
                 tiles: Int4Tiles | None, with_bias: bool, dtype: torch.dtype = torch.float16,
-                device: str = "cpu", x_scale: float = 1.0) -> None:
-    """x_scale: the activations' size (the packed GEMV scales them into fp16's range)."""
+                device: str = "cpu", x_scale: float = 1.0, symmetric: bool = False) -> None:
+    """x_scale: the activations' size (the packed GEMV scales them into fp16's range).
+    symmetric: no zeros (every one 8)."""
     g, seed = fresh_generator()
-    w = random_int4(k, n, group_size, g, act_order)
+    w = random_int4(k, n, group_size, g, act_order, symmetric)
     w = Int4Weight(*(t if t is None else t.to(device) for t in
                      (w.qweight, w.scales.to(dtype), w.zeros, w.perm)))
     x = (torch.randn(m, k, generator=g) * x_scale).to(device, dtype)
@@ -222,7 +225,8 @@ def check_w4a16(m: int, k: int, n: int, group_size: int, act_order: bool,
                             tiles=tiles)
     error = relative_error(out, ref)
     assert error <= 1e-2, (f"m {m} k {k} n {n} g {group_size} act-order {act_order} "
-                           f"bias {with_bias} {tiles} {dtype}: error {error:.3g} (seed {seed})")
+                           f"bias {with_bias} symmetric {symmetric} {tiles} {dtype}: error "
+                           f"{error:.3g} (seed {seed})")
 
 
 @interpreter_check
@@ -231,10 +235,13 @@ def gemv_path() -> None:
     over several tiles, split over programs (forced and by the SM count) with the bias
     added after the split's sum; K tiles over several groups (narrowed where K is not a
     multiple), inside one group, and over all of K (per channel); groups 32, 64, 128,
-    with and without act-order."""
+    with and without act-order; without zeros (symmetric) at one and four rows."""
     for group_size in GROUP_SIZES:
         for act_order in (False, True):
             check_w4a16(1, 384, 96, group_size, act_order, Int4Tiles(1, 64, 256), act_order)
+    check_w4a16(1, 384, 96, 64, False, Int4Tiles(1, 64, 256), True, symmetric=True)
+    check_w4a16(4, 1024, 40, 128, True, Int4Tiles(1, 8, 512, split_k=2), False,
+                symmetric=True)
     check_w4a16(1, 384, 96, 384, False, Int4Tiles(1, 64, 256, split_k=3), True)
     check_w4a16(3, 256, 40, 32, True, Int4Tiles(1, 32, 64), True)
     check_w4a16(2, 3072, 24, 64, True, Int4Tiles(1, 8, 2048, split_k=2), False)
@@ -245,7 +252,7 @@ def gemv_path() -> None:
 def gemm_path() -> None:
     """Rows past one, M and N off the tiles, K tiles narrower and wider than a group (a
     wider one is narrowed to the group), K split over programs; groups 32, 64, 128 with
-    and without act-order; the default tiles at 16 and 17 rows."""
+    and without act-order; the default tiles at 16 and 17 rows; without zeros."""
     for group_size in GROUP_SIZES:
         for act_order in (False, True):
             check_w4a16(21, 256, 48, group_size, act_order, Int4Tiles(16, 32, 64),
@@ -253,6 +260,7 @@ def gemm_path() -> None:
     check_w4a16(5, 256, 80, 128, True, Int4Tiles(16, 64, 256, split_k=2), True)
     check_w4a16(16, 128, 72, 64, False, None, True)
     check_w4a16(17, 128, 136, 64, False, None, False)
+    check_w4a16(21, 256, 48, 32, True, Int4Tiles(16, 32, 64), True, symmetric=True)
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
@@ -268,10 +276,14 @@ def test_under_triton_interpreter(check: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w4a16_kernels_cuda(dtype: torch.dtype) -> None:
     """Llama-3.1-8B's qkv and down projections at group 128 (act-order on down): decode
-    rows on the GEMV path, a batch just past it and a prefill on the GEMM path."""
+    rows on the GEMV path, a batch just past it and a prefill on the GEMM path; with and
+    without zeros."""
     for m in (1, 16, 17, 2048):
-        check_w4a16(m, 4096, 6144, 128, False, None, m % 2 == 1, dtype, "cuda")
-        check_w4a16(m, 14336, 4096, 128, True, None, False, dtype, "cuda")
+        for symmetric in (False, True):
+            check_w4a16(m, 4096, 6144, 128, False, None, m % 2 == 1, dtype, "cuda",
+                        symmetric=symmetric)
+            check_w4a16(m, 14336, 4096, 128, True, None, False, dtype, "cuda",
+                        symmetric=symmetric)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -281,7 +293,9 @@ def test_packed_gemv_cuda_keeps_large_and_small_activations(x_scale: float) -> N
     would overflow fp16 unscaled, 3e4 is past fp16's largest value itself, and 1e-5 lies
     below its normal range; at every tuned projection and the default tiles."""
     for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (256, 96)):
-        check_w4a16(1, k, n, 128, False, None, True, torch.bfloat16, "cuda", x_scale)
+        for symmetric in (False, True):
+            check_w4a16(1, k, n, 128, False, None, True, torch.bfloat16, "cuda", x_scale,
+                        symmetric)
 
 
 def test_canonical_packing_round_trips() -> None:
@@ -458,6 +472,7 @@ def test_method_end_to_end(method_name: str, tmp_path: Path) -> None:
     for part, b in enumerate(bias.split(sizes)):
         layer.weight_loader(layer.bias, b, part)
     method.process_after_loading(layer)
+    assert (layer.zeros is None) == symmetric, "symmetric zeros are dropped, others kept"
     x = torch.randn(5, k, generator=g).half()
     w = torch.cat([qz.dequantized() for qz in parts])
     expected = (x.float() @ w.float().T + bias.float()).half()
@@ -639,7 +654,9 @@ def test_the_benchmarks_count_the_values_of_packed_weights(tmp_path):
 
 def dense_of(layer) -> torch.Tensor:
     """A loaded layer's W [N, K] in the checkpoint's input order."""
-    weight = Int4Weight(layer.qweight.data, layer.scales.data, layer.zeros.data,
+    zeros = torch.full(layer.scales.shape, SYMMETRIC_ZERO, dtype=torch.uint8) \
+        if layer.zeros is None else layer.zeros.data
+    weight = Int4Weight(layer.qweight.data, layer.scales.data, zeros,
                         None if layer.perm is None else layer.perm.data)
     return dense(weight, layer.qweight.shape[1] * 8 // layer.scales.shape[1])
 

@@ -21,12 +21,32 @@ json.dump(config, open(sys.argv[1], "w"))
 PY
   echo "$dir"
 }
-latency_ab() {  # 8B batch-1 decode in each of FORMATS with this tree and .base, alternating
-  local AWQ fmt model quant tree
-  AWQ=$(awq_shape)
+sym_shape() {  # the 8B shape's directory with a compressed-tensors W4A16 config, symmetric,
+             # group 128 (GPTQ's sym=True in another format; no zeros are stored)
+  local dir=/tmp/llama-3.1-8b-w4a16-sym-shape
+  rm -rf "$dir" && cp -r "$L" "$dir"
+  python - "$dir/config.json" <<'PY'
+import json, sys
+config = json.load(open(sys.argv[1]))
+config["quantization_config"] = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "quantization_status": "compressed", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "dynamic": False,
+                                              "symmetric": True, "strategy": "group",
+                                              "group_size": 128}}}}
+json.dump(config, open(sys.argv[1], "w"))
+PY
+  echo "$dir"
+}
+latency_ab() {  # 8B batch-1 decode in each of FORMATS (awq, sym: int4 without zeros, fp8,
+                # none) with this tree and .base, alternating
+  local AWQ SYM fmt model quant tree
+  AWQ=$(awq_shape) SYM=$(sym_shape)
   for fmt in ${FORMATS:-awq fp8 none}; do
     model=$L quant=(); [ "$fmt" = awq ] && model=$AWQ
     [ "$fmt" != none ] && quant=(--quantization "$fmt")
+    [ "$fmt" = sym ] && model=$SYM quant=(--quantization compressed-tensors)
     for tree in new base; do
       bench_in $tree 150 latency --model "$(realpath "$model")" --load-format dummy --context-len 1000 \
         --batch-size 1 --output-len 64 --iterations 3 --max-model-len 2048 "${quant[@]}" \

@@ -27,12 +27,11 @@ import torch
 from torch import nn
 
 from common.quantization import QuantSpec
-from kernels.int4 import PACK_FACTOR, pack_int4, unpack_int4, w4a16_gemm
+from kernels.int4 import PACK_FACTOR, SYMMETRIC_ZERO, pack_int4, unpack_int4, w4a16_gemm
 from services.worker.layers.quantization.base import QuantMethod, quant_parameter
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column ORDER[i]
 SEQUENTIAL_ORDER = tuple(range(PACK_FACTOR))
-SYMMETRIC_ZERO = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,12 +125,16 @@ def check_sizes(method: str, input_size: int, output_sizes: list[int],
 
 def replace_parameters(layer: nn.Module, stale: tuple[str, ...], weight: Int4Weight) -> None:
     """The checkpoint's tensors give way to the canonical ones. qweight counts its eight
-    values a word (pack_factor) where the benchmarks count the weights."""
+    values a word (pack_factor) where the benchmarks count the weights. Zeros that are all
+    SYMMETRIC_ZERO (a symmetric scheme, whatever the format stored) become None, which the
+    kernels multiply without loading any."""
     for name in stale:
         if hasattr(layer, name):
             delattr(layer, name)
-    for name in ("qweight", "scales", "zeros"):
+    for name in ("qweight", "scales"):
         setattr(layer, name, nn.Parameter(getattr(weight, name), requires_grad=False))
+    symmetric = bool((weight.zeros == SYMMETRIC_ZERO).all())
+    layer.zeros = None if symmetric else nn.Parameter(weight.zeros, requires_grad=False)
     layer.qweight.pack_factor = PACK_FACTOR
     layer.perm = None if weight.perm is None else nn.Parameter(weight.perm, requires_grad=False)
 
