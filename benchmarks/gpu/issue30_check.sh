@@ -186,11 +186,13 @@ b64)  # the fp8 cache's attention: its CUDA tests, the layout/tile experiment, t
   done
   ;;
 confirm)  # this tree alone, on another lease: 8B batch 64 (fp8 weights and cache, bf16)
-          # and batch 1 (AWQ int4, fp8), context 1000
-  AWQ=$(awq_shape)
-  for spec in "$L fp8 fp8 64" "$L none auto 64" "$AWQ awq auto 1" "$L fp8 auto 1"; do
+          # and batch 1 (AWQ int4, symmetric int4, fp8), context 1000
+  AWQ=$(awq_shape) SYM=$(sym_shape)
+  for spec in "$L fp8 fp8 64" "$L none auto 64" "$AWQ awq auto 1" "$SYM sym auto 1" \
+              "$L fp8 auto 1"; do
     set -- $spec
     quant=(); [ "$2" != none ] && quant=(--quantization "$2")
+    [ "$2" = sym ] && quant=(--quantization compressed-tensors)
     bench 150 latency --model "$1" --load-format dummy --context-len 1000 --batch-size "$4" \
       --output-len 64 --iterations 3 --max-model-len 2048 "${quant[@]}" --kv-cache-dtype "$3" \
       --json "$R/latency-8b-$2-kv$3-b$4.json" >> "$R/latency.txt" 2>&1
