@@ -38,8 +38,8 @@ on an H200 since the group size is a constant and each pair of x one conversion 
 fp16 holds the products because each word's eight activations are scaled by the power of
 two that puts their largest under 2^8: |q - z| <= 16, so a word's sum stays under 2^15,
 and the smallest activations that matter stay normal; the sum is scaled back in float32.
-The interpreter, which has no inline assembly, runs the exact float32 form: each nibble kept in place (a 20-bit shift for the top three), ORed under the
-exponent of 2^23 so that the word's bits read as the float 2^23 + q * 16^j, less
+The interpreter, which has no inline assembly, runs the exact float32 form: each nibble
+kept in place (a 20-bit shift for the top three), ORed under the exponent of 2^23 so that the word's bits read as the float 2^23 + q * 16^j, less
 2^23 + z * 16^j (exact: (q - z) * 16^j, an integer under 2^24), times the activation
 times 16^-j. Its K tiles span whole groups (up to 1024 inputs, 512 bytes of
 each row's words: HBM serves long runs faster than the 64-byte pieces of one group's
