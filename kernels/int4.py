@@ -180,11 +180,14 @@ def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor | None, group_size: int, perm: torch.Tensor | None = None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor:
     """x [..., K] -> [..., N]. The one dispatch point for this op: CUDA tensors take the
-    Triton kernels (the GEMV at one row, else the tiled GEMM), others the twin."""
+    Triton kernels (the GEMV at one row, else the tiled GEMM), others the twin. summed
+    False: where the kernels split K, the shares' float32 partial sums [..., splits, N]
+    unsummed, for a norm that adds them in its load (kernels/norm.py)."""
     if x.is_cuda:
-        return w4a16_gemm_triton(x, qweight, scales, zeros, group_size, perm, bias)
+        return w4a16_gemm_triton(x, qweight, scales, zeros, group_size, perm, bias,
+                                 summed=summed)
     return w4a16_gemm_ref(x, qweight, scales, zeros, group_size, perm, bias)
 
 
@@ -225,9 +228,9 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                       zeros: torch.Tensor | None, group_size: int,
                       perm: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None,
-                      tiles: Int4Tiles | None = None) -> torch.Tensor:
+                      tiles: Int4Tiles | None = None, summed: bool = True) -> torch.Tensor:
     """tiles: force these tiles (block_m 1: the GEMV; the sweep and tests); default: by the
-    row count."""
+    row count. summed: as w4a16_gemm's (with a bias the parts are summed anyway)."""
     n, k = qweight.shape[0], qweight.shape[1] * PACK_FACTOR
     assert x.shape[-1] == k and qweight.is_contiguous() and scales.is_contiguous()
     assert zeros is None or zeros.is_contiguous()
@@ -262,6 +265,8 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                                                 PACKED=x.is_cuda, **flags)
     else:
         _w4a16_gemm_kernel[(rows, stripes, split)](*args, BLOCK_M=tiles.block_m, **flags)
+    if split > 1 and not summed and bias is None:
+        return out.permute(1, 0, 2).unflatten(0, x.shape[:-1])
     if split > 1:
         sum_splits(out, bias, y)
     return y.reshape(*x.shape[:-1], n)

@@ -19,8 +19,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x) * weight; with residual: (norm(x + residual) * weight, x + residual).
     gemma: Gemma's weighting (module doc). An x of [T, parts, hidden] with a residual of
-    [T, hidden] is summed over its parts first, in float32 and rounded once as torch sums
-    (a mixture-of-experts layer's top-k outputs: the sum's launch folds into the norm's).
+    [T, hidden] is summed over its parts first, in float32 and rounded once to the
+    residual's dtype as torch sums (a mixture-of-experts layer's top-k outputs, or a GEMV's
+    float32 partial sums over a split K: the sum's launch folds into the norm's).
     The one dispatch point for this op: CUDA tensors take the Triton kernel."""
     if x.is_cuda:
         return rms_norm_triton(x, weight, eps, residual, gemma=gemma)
@@ -43,8 +44,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def sum_parts(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """x summed over its parts where it has them (rms_norm's doc), else x."""
-    return x.sum(1) if x.dim() == residual.dim() + 1 else x
+    """x summed over its parts where it has them, in the residual's dtype (rms_norm's doc),
+    else x."""
+    return x.sum(1).to(residual.dtype) if x.dim() == residual.dim() + 1 else x
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -53,20 +55,22 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One program per row. x may be a strided [T, hidden] or [T, heads, head_dim] view
     (the per-head q/k norms read q and k straight out of the fused qkv output), or, with a
-    residual, [T, parts, hidden] parts to sum (rms_norm's doc). out and residual_out:
-    contiguous buffers to write into, allocated when None. gemma: Gemma's weighting, whose
-    output keeps x's dtype."""
+    residual, [T, parts, hidden] parts to sum (rms_norm's doc), any strides but the last.
+    out and residual_out: contiguous buffers to write into, allocated when None. gemma:
+    Gemma's weighting, whose output keeps the activations' dtype (the residual's where
+    there is one)."""
     hidden = x.shape[-1]
     assert x.stride(-1) == 1 and weight.is_contiguous() and x.dim() in (2, 3)
     has_residual = residual is not None
     parts = x.shape[1] if has_residual and x.dim() == residual.dim() + 1 else 1
     shape = residual.shape if parts > 1 else x.shape
-    out_dtype = x.dtype if gemma else torch.promote_types(weight.dtype, x.dtype)
+    dtype = residual.dtype if has_residual else x.dtype  # float32 parts round to it
+    out_dtype = dtype if gemma else torch.promote_types(weight.dtype, dtype)
     out = torch.empty(shape, dtype=out_dtype, device=x.device) if out is None else out
     # without a residual, x and out stand in for its pointers, which the kernel never uses
     res = residual if has_residual else x
     if residual_out is None:
-        residual_out = torch.empty(shape, dtype=x.dtype, device=x.device) if has_residual \
+        residual_out = torch.empty(shape, dtype=dtype, device=x.device) if has_residual \
             else out
     assert res.shape == shape and res.stride(-1) == 1
     assert out.dtype == out_dtype and out.is_contiguous() and residual_out.is_contiguous()
@@ -85,7 +89,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, inner,
                      stride_x0, stride_x1, stride_r0, stride_r1,
                      HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, PARTS: tl.constexpr,
                      BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """PARTS > 1: x's rows are [PARTS, hidden] blocks (stride_x1 apart) summed first."""
+    """PARTS > 1: x's rows are [PARTS, hidden] blocks (stride_x1 apart) summed first and
+    rounded to the residual's dtype."""
     overlap_previous(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -97,7 +102,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, inner,
         for p in tl.static_range(1, PARTS):
             total += tl.load(x_ptr + row * stride_x0 + p * stride_x1 + cols, mask=mask,
                              other=0.0).to(tl.float32)
-        x = total.to(x.dtype)
+        x = total.to(new_res_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + outer * stride_r0 + within * stride_r1 + cols, mask=mask,
                       other=0.0)

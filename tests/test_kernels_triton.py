@@ -349,13 +349,20 @@ def check_write_kv(num_tokens: int, num_kv_heads: int, head_dim: int, block_size
 
 
 def check_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, device: str,
-                   with_residual: bool, gemma: bool = False, parts: int = 0) -> None:
+                   with_residual: bool, gemma: bool = False, parts: int = 0,
+                   split_parts: bool = False) -> None:
     """A strided view as input (a slice of a wider tensor), as the q/k norms get one.
     gemma: Gemma's (1 + weight) weighting against its own twin. parts: x is [T, parts,
-    hidden], a MoE layer's unsummed top-k terms, summed into the residual add."""
+    hidden], a MoE layer's unsummed top-k terms, summed into the residual add.
+    split_parts: those parts are instead a GEMV's float32 partial sums over a split K, laid
+    out [parts, T, hidden] as it writes them, rounded to dtype once summed."""
     g, seed = fresh_generator()
     x_shape = (shape[0], parts, *shape[1:]) if parts else shape
-    wide = rand(g, *x_shape[:-1], shape[-1] + 8, dtype=dtype, device=device, scale=3.0)
+    if split_parts:
+        wide = rand(g, parts, shape[0], shape[-1] + 8, dtype=torch.float32, device=device,
+                    scale=3.0).permute(1, 0, 2)
+    else:
+        wide = rand(g, *x_shape[:-1], shape[-1] + 8, dtype=dtype, device=device, scale=3.0)
     x = wide[..., 8:]
     weight = rand(g, shape[-1], dtype=dtype, device=device)
     residual = rand(g, *shape, dtype=dtype, device=device) if with_residual else None
@@ -868,6 +875,7 @@ def small_kernels() -> None:
         check_rms_norm((5, 96), dtype, "cpu", with_residual=False)
         check_rms_norm((5, 96), dtype, "cpu", with_residual=True)
         check_rms_norm((5, 96), dtype, "cpu", with_residual=True, parts=8)
+        check_rms_norm((5, 96), dtype, "cpu", with_residual=True, parts=2, split_parts=True)
         check_rms_norm((4, 3, 64), dtype, "cpu", with_residual=False)
         check_rotary(6, 3, 1, 64, dtype, "cpu")
         # partial rotary: 48 of 64 dims (a half that is no power of two), 40 of 80
@@ -1260,6 +1268,8 @@ def test_small_kernels_cuda(model: str, dtype: torch.dtype) -> None:
         check_write_kv(num_tokens, kv_heads, head_dim, 16, dtype, "cuda")
         check_rms_norm((num_tokens, hidden), dtype, "cuda", with_residual=True)
         check_rms_norm((num_tokens, hidden), dtype, "cuda", with_residual=True, parts=8)
+        check_rms_norm((num_tokens, hidden), dtype, "cuda", with_residual=True, parts=2,
+                       split_parts=True)
         check_rms_norm((num_tokens, hidden), dtype, "cuda", with_residual=False)
         check_rms_norm((num_tokens, heads, head_dim), dtype, "cuda", with_residual=False)
         check_rotary(num_tokens, heads, kv_heads, head_dim, dtype, "cuda")

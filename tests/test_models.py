@@ -340,3 +340,24 @@ def test_demo_gguf_prefill_matches_transformers_and_answers(demo_dir):
         (logits,) = paged.step([(blocks, answer[-1:], len(ids) + len(answer) - 1)])
     text = tokenizer.decode(answer, skip_special_tokens=True)
     assert text.strip() == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen2_moe"])
+def test_sublayer_ends_leave_split_sums_to_the_norm_after_them(arch, tmp_path):
+    """o_proj and a dense MLP's down_proj feed a norm alone (this layer's, the next one's or
+    the model's), which adds up a split K's partial sums (kernels/norm.py): on one rank they
+    may leave them to it. Not Gemma's, whose sublayers reduce to norms of their own, nor a
+    MoE block's shared expert, whose output is added to the routed one's."""
+    model_dir = make_tiny_model(tmp_path, arch)
+    hf_config = load_hf_config(model_dir)
+    model = load_model(EngineConfig(model=str(model_dir), dtype="float32"), hf_config, CPU,
+                       torch.float32)
+    leaving = {name.split(".", 3)[-1] for name, module in model.named_modules()
+               if getattr(module, "parts_to_norm", False)}
+    expected = {"llama": {"self_attn.o_proj", "mlp.down_proj"}, "gemma2": set(),
+                "qwen2_moe": {"self_attn.o_proj"}}[arch]
+    assert leaving == expected
+    shared = [module for name, module in model.named_modules()
+              if name.endswith("shared_expert.down_proj")]
+    assert all(not module.parts_to_norm for module in shared)
+    assert len(shared) == (hf_config.num_hidden_layers if arch == "qwen2_moe" else 0)

@@ -33,6 +33,7 @@ from common.model_files import load_hf_config
 from common.model_support import UnsupportedModel, check_model_support
 from kernels.int4 import (SYMMETRIC_ZERO, Int4Tiles, dequantize_int4_ref, pack_int4,
                           unpack_int4, w4a16_gemm_ref, w4a16_gemm_triton)
+from kernels.norm import rms_norm
 from services.worker.layers.linear import MergedColumnParallelLinear
 from services.worker.layers.quantization import building_with, quant_method_for
 from services.worker.layers.quantization.int4 import (Int4Method, Int4Weight, awq_to_int4,
@@ -248,6 +249,44 @@ def gemv_path() -> None:
     check_w4a16(1, 512, 72, 64, False, None, True)
 
 
+def check_unsummed(m: int, k: int, n: int, tiles: Int4Tiles | None, device: str = "cpu",
+                   dtype: torch.dtype = torch.float16) -> None:
+    """summed=False: a split K's float32 partial sums [m, splits, n], whose sum rounded
+    once is the summed product exactly; where K is not split, or with a bias, the product
+    itself. On the model's path the next norm adds them (kernels/norm.py): its outputs are
+    those of the norm of the summed product."""
+    g, seed = fresh_generator()
+    w = random_int4(k, n, 128, g, False)
+    w = Int4Weight(w.qweight.to(device), w.scales.to(device, dtype), w.zeros.to(device), None)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    args = (x, w.qweight, w.scales, w.zeros, 128)
+    summed = w4a16_gemm_triton(*args, tiles=tiles)
+    parts = w4a16_gemm_triton(*args, tiles=tiles, summed=False)
+    assert parts.shape == (m, 2, n) and parts.dtype == torch.float32, f"seed {seed}"
+    assert torch.equal(parts.sum(1).to(dtype), summed), f"seed {seed}"
+    bias = torch.randn(n, generator=g).to(device, dtype)
+    assert torch.equal(w4a16_gemm_triton(*args, None, bias, tiles=tiles, summed=False),
+                       w4a16_gemm_triton(*args, None, bias, tiles=tiles)), f"seed {seed}"
+    residual, weight = (torch.randn(m, n, generator=g).to(device, dtype) for _ in range(2))
+    for got, want in zip(rms_norm(parts, weight, 1e-6, residual),
+                         rms_norm(summed, weight, 1e-6, residual)):
+        assert torch.equal(got, want), f"the norm of the parts (seed {seed})"
+
+
+@interpreter_check
+def unsummed_parts() -> None:
+    """A split GEMV's parts at one and three rows; the tiled GEMM's; no split."""
+    check_unsummed(1, 1024, 48, Int4Tiles(1, 16, 512, split_k=2))
+    check_unsummed(3, 1024, 40, Int4Tiles(1, 8, 256, split_k=2))
+    check_unsummed(5, 512, 64, Int4Tiles(16, 32, 128, split_k=2))
+    g, _ = fresh_generator()
+    w = random_int4(256, 32, 128, g, False)
+    x = torch.randn(1, 256, generator=g).half()
+    whole = w4a16_gemm_triton(x, w.qweight, w.scales, w.zeros, 128,
+                              tiles=Int4Tiles(1, 16, 256, split_k=1), summed=False)
+    assert whole.shape == (1, 32) and whole.dtype == torch.float16
+
+
 @interpreter_check
 def gemm_path() -> None:
     """Rows past one, M and N off the tiles, K tiles narrower and wider than a group (a
@@ -284,6 +323,14 @@ def test_w4a16_kernels_cuda(dtype: torch.dtype) -> None:
                         symmetric=symmetric)
             check_w4a16(m, 14336, 4096, 128, True, None, False, dtype, "cuda",
                         symmetric=symmetric)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_unsummed_parts_cuda() -> None:
+    """Llama-3.1-8B's o and down projections at one row (their tuned GEMVs split K in two),
+    left unsummed to the norm after them."""
+    check_unsummed(1, 4096, 4096, None, "cuda", torch.bfloat16)
+    check_unsummed(1, 14336, 4096, None, "cuda", torch.bfloat16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -256,6 +256,9 @@ class RowParallelLinear(LinearBase):
                          bias)
         assert reduce_results or not bias, "the bias goes on the reduced sum"
         self.reduce_results = reduce_results
+        # set by a decoder layer whose next norm takes this output alone, on one rank: the
+        # matmul may then leave the sum of a split K to that norm (QuantMethod.apply_unsummed)
+        self.parts_to_norm = False
 
     input_split = True
 
@@ -264,7 +267,14 @@ class RowParallelLinear(LinearBase):
         return {None: OutputShard(0, self.output_size, 0, self.output_size)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts_to_norm:
+            return self.method.apply_unsummed(self, x)
         return self.finish(self.method.apply(self, x, None))
+
+    def leave_parts_to_norm(self) -> None:
+        """The next norm takes this output alone (kernels/norm.py adds parts up), which
+        needs the sum over ranks and the bias left to it too: one rank, no bias."""
+        self.parts_to_norm = not self.reduce_results and self.tp_size == 1
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's partial sums summed over the ranks, plus the bias (or left to the

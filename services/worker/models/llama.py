@@ -156,6 +156,12 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(size, eps, gemma=gemma)
             self.post_feedforward_layernorm = RMSNorm(size, eps, gemma=gemma)
         self.mlp = mlp  # LlamaMLP, or a mixture of experts (models/moe.py)
+        # the projections that end each sublayer feed a norm alone (this layer's, the next
+        # layer's or the model's), which adds up a split K's partial sums where they leave
+        # it (RowParallelLinear.leave_parts_to_norm)
+        self.self_attn.o_proj.leave_parts_to_norm()
+        if isinstance(mlp, LlamaMLP):
+            mlp.down_proj.leave_parts_to_norm()
 
     @property
     def pending_norm(self) -> RMSNorm | None:

@@ -59,6 +59,12 @@ class QuantMethod(abc.ABC):
               ) -> torch.Tensor:
         """y = x W^T (+ bias), for x [..., input_size]; no host syncs (CUDA graphs)."""
 
+    def apply_unsummed(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x W^T for a projection whose output only a norm takes, which adds up parts in
+        its load (RowParallelLinear.parts_to_norm): a matmul that splits K may return its
+        partial sums [..., parts, N] and save the launch that adds them. Else apply's."""
+        return self.apply(layer, x, None)
+
 
 class UnquantizedMethod(QuantMethod):
     """Weights in the model's dtype, [out, in]: cuBLAS, or for steps of the row counts in
