@@ -46,8 +46,8 @@ each row's words: HBM serves long runs faster than the 64-byte pieces of one gro
 tile), or lie inside one, so that each group of a tile has one scale and zero a row. The
 first tile's weights are loaded before the kernel waits on the previous one (kernels/pdl.py).
 Either way the error stays under the twin's, which rounds each dequantized weight to the
-activation dtype. Split-K partial sums are added by kernels/gemv.py's second launch, as there.
-The tiled GEMM (more rows: larger decode batches, prefill) dequantizes [BLOCK_N,
+activation dtype. Split-K partial sums are added by kernels/gemv.py's second launch, as
+there, or left to the norm that takes them (summed=False, kernels/norm.py). The tiled GEMM (more rows: larger decode batches, prefill) dequantizes [BLOCK_N,
 BLOCK_K] tiles to the activation dtype and feeds tl.dot; from DEQUANTIZE_MIN_ROWS rows
 (prefill) the weight is dequantized once and cuBLAS multiplies. Tiles come from sweeps on
 the H100 (benchmarks/gpu/int4_gemv_sweep.py, benchmarks/issue30-h100): the GEMV reads
