@@ -39,20 +39,22 @@ fp16 holds the products because each word's eight activations are scaled by the 
 two that puts their largest under 2^8: |q - z| <= 16, so a word's sum stays under 2^15,
 and the smallest activations that matter stay normal; the sum is scaled back in float32.
 The interpreter, which has no inline assembly, runs the exact float32 form: each nibble
-kept in place (a 20-bit shift for the top three), ORed under the exponent of 2^23 so that the word's bits read as the float 2^23 + q * 16^j, less
-2^23 + z * 16^j (exact: (q - z) * 16^j, an integer under 2^24), times the activation
-times 16^-j. Its K tiles span whole groups (up to 1024 inputs, 512 bytes of
-each row's words: HBM serves long runs faster than the 64-byte pieces of one group's
-tile), or lie inside one, so that each group of a tile has one scale and zero a row. The
-first tile's weights are loaded before the kernel waits on the previous one (kernels/pdl.py).
-Either way the error stays under the twin's, which rounds each dequantized weight to the
-activation dtype. Split-K partial sums are added by kernels/gemv.py's second launch, as
-there, or left to the norm that takes them (summed=False, kernels/norm.py). The tiled GEMM (more rows: larger decode batches, prefill) dequantizes [BLOCK_N,
-BLOCK_K] tiles to the activation dtype and feeds tl.dot; from DEQUANTIZE_MIN_ROWS rows
-(prefill) the weight is dequantized once and cuBLAS multiplies. Tiles come from sweeps on
-the H100 (benchmarks/gpu/int4_gemv_sweep.py, benchmarks/issue30-h100): the GEMV reads
-1.4-1.9 TB/s of packed weights at the 8B projections. The choice reads only shapes, so a
-step replays in a CUDA graph.
+kept in place (a 20-bit shift for the top three), ORed under the exponent of 2^23 so that
+the word's bits read as the float 2^23 + q * 16^j, less 2^23 + z * 16^j (exact: (q - z) *
+16^j, an integer under 2^24), times the activation times 16^-j. Its K tiles span whole
+groups (up to 1024 inputs, 512 bytes of each row's words: HBM serves long runs faster than
+the 64-byte pieces of one group's tile), or lie inside one, so that each group of a tile
+has one scale and zero a row. The first tile's weights are loaded before the kernel waits
+on the previous one (kernels/pdl.py). Either way the error stays under the twin's, which
+rounds each dequantized weight to the activation dtype. Split-K partial sums are added by
+kernels/gemv.py's second launch, as there, or left to the norm that takes them
+(summed=False, kernels/norm.py).
+The tiled GEMM (more rows: larger decode batches, prefill) dequantizes [BLOCK_N, BLOCK_K]
+tiles to the activation dtype and feeds tl.dot; from DEQUANTIZE_MIN_ROWS rows (prefill) the
+weight is dequantized once and cuBLAS multiplies. Tiles come from sweeps on the H100
+(benchmarks/gpu/int4_gemv_sweep.py, benchmarks/issue30-h100): the GEMV reads 1.4-1.9 TB/s
+of packed weights at the 8B projections. The choice reads only shapes, so a step replays in
+a CUDA graph.
 """
 
 from __future__ import annotations

@@ -136,7 +136,8 @@ def replace_parameters(layer: nn.Module, stale: tuple[str, ...], weight: Int4Wei
     symmetric = bool((weight.zeros == SYMMETRIC_ZERO).all())
     layer.zeros = None if symmetric else nn.Parameter(weight.zeros, requires_grad=False)
     layer.qweight.pack_factor = PACK_FACTOR
-    layer.perm = None if weight.perm is None else nn.Parameter(weight.perm, requires_grad=False)
+    layer.perm = None if weight.perm is None else nn.Parameter(weight.perm,
+                                                               requires_grad=False)
 
 
 def load_shared(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
