@@ -23,42 +23,14 @@ from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from benchmarks.gpu.graph_timing import graph_us
+from benchmarks.gpu.int4_packed_experiment import (GROUP, SHAPES, exact_product,
+                                                   random_projection)
 from kernels.gemv import sum_splits
-from kernels.int4 import unpack_int4, w4a16_gemm_triton
+from kernels.int4 import WORD_SUM_ASM, w4a16_gemm_triton
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
-          "down": (14336, 4096)}
-GROUP = 128
 TILES = [(bn, vec, warps) for bn, vec, warps in
          [(16, 2, 4), (32, 2, 4), (64, 2, 8), (32, 2, 8), (64, 2, 4), (16, 4, 4), (32, 4, 4),
           (32, 4, 8), (8, 4, 2), (16, 1, 4), (32, 1, 4)]]
-
-
-WORD_SUM_ASM = gl.constexpr("""
-{
-.reg .b32 h0, h1, h2, h3, w2, acc, sixteenth;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-mov.b32 sixteenth, 0x2C002C00;
-lop3.b32 h0, $1, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 h1, $1, 0x00F000F0, 0x64006400, 0xEA;
-shr.u32 w2, $1, 8;
-lop3.b32 h2, w2, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 h3, w2, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 h0, h0, $6;
-fma.rn.f16x2 h1, h1, sixteenth, $7;
-sub.f16x2 h2, h2, $6;
-fma.rn.f16x2 h3, h3, sixteenth, $7;
-mul.rn.f16x2 acc, h0, $2;
-fma.rn.f16x2 acc, h1, $3, acc;
-fma.rn.f16x2 acc, h2, $4, acc;
-fma.rn.f16x2 acc, h3, $5, acc;
-mov.b32 {lo, hi}, acc;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}
-""")
 
 
 @gluon.jit
@@ -191,15 +163,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), triton.__version__, flush=True)
     best_total, shipped_total = 0.0, 0.0
     for name, (k, n) in SHAPES.items():
-        qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32,
-                                device="cuda")
-        scales = (torch.rand(n, k // GROUP, device="cuda") * 0.01).to(torch.bfloat16)
-        zeros = torch.randint(0, 17, (n, k // GROUP), dtype=torch.uint8, device="cuda")
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        exact = (x.double() @ ((unpack_int4(qweight).double() - zeros.double()
-                                .repeat_interleave(GROUP, 1))
-                               * scales.double().repeat_interleave(GROUP, 1)).T)
-        nbytes = qweight.numel() * 4 + scales.numel() * 2 + zeros.numel()
+        x, qweight, scales, zeros, nbytes = random_projection(k, n)
+        exact = exact_product(x, qweight, scales, zeros)
 
         def error(y: torch.Tensor) -> float:
             return ((y.double() - exact).norm() / exact.norm()).item()

@@ -30,13 +30,12 @@ import triton
 import triton.language as tl
 
 from benchmarks.gpu.graph_timing import graph_us
-from kernels.int4 import (TUNED_GEMV_TILES, WORD_SUM_ASM, _per_word, gemv_k_tile,
-                          split_count, unpack_int4, w4a16_gemm_ref)
+from benchmarks.gpu.int4_packed_experiment import (GROUP, SHAPES, exact_product,
+                                                   random_projection)
+from kernels.int4 import (TUNED_GEMV_TILES, WORD_SUM_ASM, _eight_columns, _per_word,
+                          gemv_k_tile, split_count, w4a16_gemm_ref)
 from kernels.packed_half import half_pair, power_of_two_scales
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
-          "down": (14336, 4096)}
-GROUP = 128
 MODES = ["copy", "group", "x", "xz", "xzs", "read", "bf16"]
 # one word's sum of (q - z) * x in bf16x2 arithmetic: $1 the word; $2..$5 the activation
 # pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7) as bf16x2; $6 the pair (128 + z, 128 + z).
@@ -72,14 +71,8 @@ add.f32 $0, flo, fhi;
 @triton.jit
 def _x_pairs(x8, BLOCK_K: tl.constexpr):
     up, down = power_of_two_scales(tl.max(tl.abs(x8), axis=1), 7)
-    x = tl.reshape(x8 * up[:, None], (BLOCK_K // 8, 2, 2, 2))
-    x4a, x4b = tl.split(x)
-    x2a, x2b = tl.split(x4a)
-    x2c, x2d = tl.split(x4b)
-    x0, x4 = tl.split(x2a)
-    x2, x6 = tl.split(x2b)
-    x1, x5 = tl.split(x2c)
-    x3, x7 = tl.split(x2d)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _eight_columns(
+        tl.reshape(x8 * up[:, None], (BLOCK_K // 8, 2, 2, 2)))
     return half_pair(x0, x4), half_pair(x1, x5), half_pair(x2, x6), half_pair(x3, x7), down
 
 
@@ -94,14 +87,7 @@ def _bf16_pair(low, high):
 def _bf16_sums(words, x8, z, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                GROUPS: tl.constexpr):
     shape: tl.constexpr = (BLOCK_N, BLOCK_K // 8)
-    x = tl.reshape(x8, (BLOCK_K // 8, 2, 2, 2))
-    x4a, x4b = tl.split(x)
-    x2a, x2b = tl.split(x4a)
-    x2c, x2d = tl.split(x4b)
-    x0, x4 = tl.split(x2a)
-    x2, x6 = tl.split(x2b)
-    x1, x5 = tl.split(x2c)
-    x3, x7 = tl.split(x2d)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _eight_columns(tl.reshape(x8, (BLOCK_K // 8, 2, 2, 2)))
     zb = (128.0 + z.to(tl.float32)).to(tl.bfloat16)
     sums = tl.inline_asm_elementwise(
         BF16_WORD_SUM_ASM, "=r,r,r,r,r,r,r",
@@ -213,16 +199,9 @@ def main() -> None:
     print("shape      " + "".join(f"{m:>14s}" for m in MODES))
     total = {m: 0.0 for m in MODES}
     for name, (k, n) in SHAPES.items():
-        qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32,
-                                device="cuda")
-        scales = (torch.rand(n, k // GROUP, device="cuda") * 0.01).to(torch.bfloat16)
-        zeros = torch.randint(0, 16, (n, k // GROUP), dtype=torch.uint8, device="cuda")
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x, qweight, scales, zeros, nbytes = random_projection(k, n)
         out = torch.empty(2, n, device="cuda")
-        nbytes = qweight.numel() * 4 + scales.numel() * 2 + zeros.numel()
-        exact = (x.double() @ ((unpack_int4(qweight).double() - zeros.double()
-                                .repeat_interleave(GROUP, 1))
-                               * scales.double().repeat_interleave(GROUP, 1)).T).flatten()
+        exact = exact_product(x, qweight, scales, zeros).flatten()
         twin = w4a16_gemm_ref(x, qweight, scales, zeros, GROUP).double().flatten()
         errors = [f"twin {relative_error(twin, exact):.2e}"]
         for mode in (MODES.index("group"), MODES.index("bf16")):

@@ -146,22 +146,35 @@ def sass_opcodes(kernel, label: str) -> collections.Counter:
     return collections.Counter(op.split(".")[0] for op in ops)
 
 
+def random_projection(k: int, n: int) -> tuple[torch.Tensor, ...]:
+    """A random [n, k] int4 projection at group GROUP on CUDA (any nibble, zeros 0..15,
+    scales up to 0.01), a bf16 row of x, and the bytes the weights take:
+    (x, qweight, scales, zeros, nbytes). The int4 experiments share it."""
+    qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32,
+                            device="cuda")
+    scales = (torch.rand(n, k // GROUP, device="cuda") * 0.01).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (n, k // GROUP), dtype=torch.uint8, device="cuda")
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    return x, qweight, scales, zeros, qweight.numel() * 4 + scales.numel() * 2 + zeros.numel()
+
+
+def exact_product(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                  zeros: torch.Tensor) -> torch.Tensor:
+    """x W^T in float64, W dequantized exactly: [1, n]."""
+    w = ((unpack_int4(qweight).double() - zeros.double().repeat_interleave(GROUP, 1))
+         * scales.double().repeat_interleave(GROUP, 1))
+    return x.double() @ w.T
+
+
 def main() -> None:
     torch.manual_seed(0)
     for name, (k, n) in SHAPES.items():
-        qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32,
-                                device="cuda")
-        scales = (torch.rand(n, k // GROUP, device="cuda") * 0.01).to(torch.bfloat16)
-        zeros = torch.randint(0, 16, (n, k // GROUP), dtype=torch.uint8, device="cuda")
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        nbytes = qweight.numel() * 4 + scales.numel() * 2 + zeros.numel()
+        x, qweight, scales, zeros, nbytes = random_projection(k, n)
         ref = w4a16_gemm_ref(x, qweight, scales, zeros, GROUP).float()
         shipped = w4a16_gemm_triton(x, qweight, scales, zeros, GROUP).float()
         got = experiment(x, qweight, scales, zeros, 1, 32, 1024, 8).float()
         got2 = experiment(x, qweight, scales, zeros, 2, 32, 1024, 8).float()
-        exact = (x.double() @ (unpack_int4(qweight).double() - zeros.double()
-                               .repeat_interleave(GROUP, 1)).mul(
-            scales.double().repeat_interleave(GROUP, 1)).T).float()
+        exact = exact_product(x, qweight, scales, zeros).float()
         scale = exact.abs().max().item()
         print(f"{name} K {k} N {n}: max |err| / max |y| against float64: twin "
               f"{(ref - exact).abs().max().item() / scale:.2e}, shipped "
