@@ -8,7 +8,8 @@ through shared memory with 16 barriers, and divides by the runtime group size.
 Variants of the shipped loop, one row, each K share's float32 sums stored (no second
 launch), timed in a CUDA graph at Llama-3.1-8B's projections and the shipped tiles:
 
-- `copy`: the shipped loop as it is (the baseline).
+- `copy`: the shipped loop as it was at a68fcab, the group size a runtime argument (the
+  baseline; its pairs of x are made by today's `half_pair`).
 - `group`: the group size a compile-time constant (shifts, not a division a step).
 - `x`: also x's pairs computed once, from the share's first tile (wrong sums: it bounds
   what preparing x once instead of every step could save).
