@@ -1,11 +1,13 @@
-"""Temperature sampling in one pass over the logits (the Gumbel-max trick).
+"""Choosing tokens on the GPU: greedy and temperature sampling in one pass over the logits,
+and the logprobs a step asks for.
 
-argmax(logits / T + g), g = -log(-log(u)) with u uniform, is a draw from softmax(logits / T).
-The torch sampler spends ~1 ms of a 256-row decode step on it (divide, softmax, noise,
-clamp, divide, argmax: ten passes over [rows, vocab] floats); the kernel reads the logits
-once and makes its uniforms on the fly from Triton's Philox generator, keyed by
-(seed, row * vocab + column), so the result depends on the seed and the logits alone.
-`philox_uniform` writes the same uniforms out, which is what the torch twin consumes.
+Temperature sampling uses the Gumbel-max trick: argmax(logits / T + g), g = -log(-log(u))
+with u uniform, is a draw from softmax(logits / T). The torch sampler spends ~1 ms of a
+256-row decode step on it (divide, softmax, noise, clamp, divide, argmax: ten passes over
+[rows, vocab] floats); the kernel reads the logits once and makes its uniforms on the fly
+from Triton's Philox generator, keyed by (seed, row * vocab + column), so the result
+depends on the seed and the logits alone. `philox_uniform` writes the same uniforms out,
+which is what the torch twin consumes.
 """
 
 from __future__ import annotations
@@ -14,18 +16,51 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_VOCAB = 2048  # columns per iteration; one program walks one row
+from kernels.pdl import overlap_previous, pdl_launch
+
+# Columns per program of the argmax's first launch. One program a row walked Llama-3's
+# 128,256 columns in dependent loads, and torch's argmax reduces a row of that width in one
+# block: 38 us of an 8B batch-1 decode step on an H200, against 8.5 us for its 19 blocks
+# at Qwen3's 151,936 (benchmarks/issue30-h100/s10).
+ARGMAX_CHUNK = 4096
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: each row's first maximum, as torch.argmax picks (a NaN counts as
+    +inf here); on CUDA from argmax_triton."""
+    if logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1:
+        return argmax_triton(logits)
+    return logits.argmax(dim=-1)
 
 
 def gumbel_argmax_triton(logits: torch.Tensor, temperature: torch.Tensor, seed: int
                          ) -> torch.Tensor:
     """logits [rows, vocab] (any float dtype), temperature float32 [rows] (> 0) -> int64
     token ids [rows]."""
+    assert logits.shape[0] * logits.shape[1] < 2 ** 31  # Philox offsets are int32
+    return argmax_triton(logits, temperature, seed)
+
+
+def argmax_triton(logits: torch.Tensor, temperature: torch.Tensor | None = None,
+                  seed: int = 0) -> torch.Tensor:
+    """int64 [rows]: the first column of each row's largest logit (temperature None), or
+    of logits / T + Gumbel noise drawn from `seed` (the sampled token). Two launches: every
+    ARGMAX_CHUNK columns of a row a program, its maximum and that maximum's first column;
+    then a program a row takes the first chunk holding the row's maximum."""
     rows, vocab = logits.shape
-    assert logits.stride(1) == 1 and rows * vocab < 2 ** 31  # Philox offsets are int32
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _gumbel_argmax_kernel[(rows,)](logits, logits.stride(0), temperature, out, seed, vocab,
-                                   BLOCK=BLOCK_VOCAB, num_warps=8)
+    assert logits.stride(1) == 1
+    chunks = triton.cdiv(vocab, ARGMAX_CHUNK)
+    device = logits.device
+    maxima = torch.empty((rows, chunks), dtype=torch.float32, device=device)
+    columns = torch.empty((rows, chunks), dtype=torch.int32, device=device)
+    out = torch.empty(rows, dtype=torch.int64, device=device)
+    gumbel = temperature is not None
+    _chunk_argmax_kernel[(rows, chunks)](
+        logits, logits.stride(0), temperature if gumbel else logits, maxima, columns, seed,
+        vocab, GUMBEL=gumbel, BLOCK=ARGMAX_CHUNK, num_warps=4, **pdl_launch(logits))
+    _argmax_combine_kernel[(rows,)](maxima, columns, out, chunks,
+                                    CHUNKS=triton.next_power_of_2(chunks), num_warps=1,
+                                    **pdl_launch(logits))
     return out
 
 
@@ -40,8 +75,8 @@ def gumbel_argmax_ref(logits: torch.Tensor, temperature: torch.Tensor, uniform: 
 def philox_uniform(rows: int, vocab: int, seed: int, device: torch.device) -> torch.Tensor:
     """float32 [rows, vocab]: the uniforms gumbel_argmax_triton draws for this seed."""
     out = torch.empty((rows, vocab), dtype=torch.float32, device=device)
-    _philox_uniform_kernel[(rows, triton.cdiv(vocab, BLOCK_VOCAB))](
-        out, seed, vocab, BLOCK=BLOCK_VOCAB)
+    _philox_uniform_kernel[(rows, triton.cdiv(vocab, ARGMAX_CHUNK))](
+        out, seed, vocab, BLOCK=ARGMAX_CHUNK)
     return out
 
 
@@ -246,25 +281,40 @@ def _top_combine_kernel(logits_ptr, stride_row, chosen_ptr, maxima_ptr, beaten_p
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride_row, temperature_ptr, out_ptr, seed, vocab,
-                          BLOCK: tl.constexpr):
+def _chunk_argmax_kernel(logits_ptr, stride_row, temperature_ptr, maxima_ptr, columns_ptr, seed,
+                         vocab, GUMBEL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One chunk of a row: its largest score and the first column holding it."""
+    overlap_previous(PDL)
     row = tl.program_id(0)
-    inv_t = 1.0 / tl.load(temperature_ptr + row)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_col = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < vocab
-        x = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=0.0)
+    part = tl.program_id(1)
+    cols = part * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < vocab
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask,
+                other=float("-inf")).to(tl.float32)
+    if GUMBEL:
         u = tl.rand(seed, row * vocab + cols)
-        score = x.to(tl.float32) * inv_t - tl.log(-tl.log(u))
-        score = tl.where(mask, score, float("-inf"))
-        take = score > best  # strict: each lane keeps its first maximum
-        best = tl.where(take, score, best)
-        best_col = tl.where(take, cols, best_col)
-    top = tl.max(best, axis=0)
-    # the first column holding the maximum, as torch.argmax picks
-    tl.store(out_ptr + row, tl.min(tl.where(best == top, best_col, vocab), axis=0).to(tl.int64))
+        x = x * (1.0 / tl.load(temperature_ptr + row)) - tl.log(-tl.log(u))
+    x = tl.where(x != x, float("inf"), x)
+    top = tl.max(x, axis=0)
+    at = row * tl.num_programs(1) + part
+    tl.store(maxima_ptr + at, top)
+    tl.store(columns_ptr + at, tl.min(tl.where(mask & (x == top), cols, vocab), axis=0))
+
+
+@triton.jit
+def _argmax_combine_kernel(maxima_ptr, columns_ptr, out_ptr, chunks, CHUNKS: tl.constexpr,
+                           PDL: tl.constexpr):
+    """A row's chunks: the first column of the largest maximum (chunks hold ascending
+    columns, so the least column among the chunks that hold it)."""
+    overlap_previous(PDL)
+    row = tl.program_id(0)
+    part = tl.arange(0, CHUNKS)
+    valid = part < chunks
+    maxima = tl.load(maxima_ptr + row * chunks + part, mask=valid, other=float("-inf"))
+    columns = tl.load(columns_ptr + row * chunks + part, mask=valid, other=2 ** 31 - 1)
+    top = tl.max(maxima, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(maxima == top, columns, 2 ** 31 - 1),
+                                   axis=0).to(tl.int64))
 
 
 @triton.jit

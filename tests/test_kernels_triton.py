@@ -51,11 +51,12 @@ from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
 from kernels.quant import (ScaledMmTiles, quantize_per_token_ref, quantize_per_token_triton,
                            scaled_mm, scaled_mm_ref, scaled_mm_triton)
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
-from kernels.sampling import (BLOCK_TOP_P, BLOCK_VOCAB, FIXED_POINT, LOGPROBS_CHUNK,
+from kernels.sampling import (ARGMAX_CHUNK, BLOCK_TOP_P, FIXED_POINT, LOGPROBS_CHUNK,
                               MAX_KERNEL_LOGPROBS, ONE_BITS, RADIX_BITS, RADIX_BLOCK,
-                              RADIX_COPIES, TOP_P_STEPS, _chunk_sums_kernel,
-                              _chunk_tops_kernel, _top_combine_kernel, _top_p_bins_kernel,
-                              _top_p_pick_kernel, _top_p_threshold_kernel, gumbel_argmax_ref,
+                              RADIX_COPIES, TOP_P_STEPS, _argmax_combine_kernel,
+                              _chunk_argmax_kernel, _chunk_sums_kernel, _chunk_tops_kernel,
+                              _top_combine_kernel, _top_p_bins_kernel, _top_p_pick_kernel,
+                              _top_p_threshold_kernel, argmax_triton, gumbel_argmax_ref,
                               gumbel_argmax_triton, philox_uniform, top_logprobs_ref,
                               top_logprobs_triton, top_p_threshold_exact_ref,
                               top_p_threshold_radix, top_p_threshold_ref,
@@ -533,6 +534,26 @@ def check_gumbel_argmax(rows: int, vocab: int, dtype: torch.dtype, device: str) 
     assert torch.equal(out, ref), f"gumbel argmax {dtype} (seed {seed})"
 
 
+def check_argmax(rows: int, vocab: int, dtype: torch.dtype, device: str) -> None:
+    """Each row's first maximum, as torch.argmax picks, with ties planted: a row's largest
+    logit twice in two chunks (the lower column wins), twice in one chunk, in the partial
+    last chunk, a row of -inf (column 0) and one whose largest is +inf."""
+    chunk = ARGMAX_CHUNK
+    assert rows >= 5 and vocab >= 3 * chunk
+    g, seed = fresh_generator()
+    logits = rand(g, rows, vocab, dtype=dtype, device=device, scale=3.0)
+    logits[0, [chunk + 5, 2 * chunk + 1]] = 50.0
+    logits[1, [chunk + 9, chunk + 3]] = 50.0
+    logits[2, vocab - 1] = 50.0
+    logits[3] = float("-inf")
+    logits[4, [chunk - 1, 7]] = float("inf")
+    out = argmax_triton(logits)
+    assert out.dtype == torch.int64
+    ref = logits.float().argmax(dim=-1)
+    assert torch.equal(out, ref), f"argmax {dtype} {rows}x{vocab}: {out} vs {ref} (seed {seed})"
+    assert out[:5].tolist() == [chunk + 5, chunk + 3, vocab - 1, 0, 7]
+
+
 def split_top(packed: torch.Tensor, rows: int, k: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """top_logprobs' packed output as (tokens, ids [rows, k + 1], logprobs [rows, k + 1],
@@ -923,10 +944,13 @@ def lora_kernels() -> None:
 
 @interpreter_check
 def sampling_kernel() -> None:
-    """A vocabulary over two iterations and a partial last one; bf16 and fp32 logits; the
-    logprobs of the chosen token and the k likeliest, over three chunks and one, and over
-    ten and nineteen small ones, of which the k of the largest maxima hold the top k."""
-    check_gumbel_argmax(5, 2 * BLOCK_VOCAB + 37, torch.float32, "cpu")
+    """The argmax with ties across and within chunks; a vocabulary over two chunks and a
+    partial last one; bf16 and fp32 logits; the logprobs of the chosen token and the k
+    likeliest, over three chunks and one, and over ten and nineteen small ones, of which
+    the k of the largest maxima hold the top k."""
+    check_argmax(6, 3 * ARGMAX_CHUNK + 37, torch.float32, "cpu")
+    check_argmax(5, 3 * ARGMAX_CHUNK, torch.bfloat16, "cpu")
+    check_gumbel_argmax(5, 2 * ARGMAX_CHUNK + 37, torch.float32, "cpu")
     check_gumbel_argmax(3, 300, torch.bfloat16, "cpu")
     check_top_logprobs(5, 2 * LOGPROBS_CHUNK + 37, 1, torch.float32, "cpu")
     check_top_logprobs(4, 2 * LOGPROBS_CHUNK + 37, 5, torch.float32, "cpu")
@@ -935,7 +959,7 @@ def sampling_kernel() -> None:
     check_top_logprobs(4, 300, 3, torch.bfloat16, "cpu", tile=(32, 4))
     check_top_logprobs(3, 300, 5, torch.float32, "cpu", tile=(16, 4))
     check_gumbel_distribution("cpu")
-    check_sampler_fused_logprobs(2 * BLOCK_VOCAB + 37, "cpu")
+    check_sampler_fused_logprobs(2 * ARGMAX_CHUNK + 37, "cpu")
 
 
 @interpreter_check
@@ -1381,6 +1405,21 @@ def test_top_logprobs_kernels_compile_for_sm90() -> None:
 
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
+def test_argmax_kernels_compile_for_sm90() -> None:
+    """Greedy and Gumbel chunks over bf16 and fp32 logits, with PDL, and the combine over
+    Llama-3's 32 chunks."""
+    for dtype in ("fp32", "bf16"):
+        for gumbel in (True, False):
+            compile_for_sm90(_chunk_argmax_kernel, dict(
+                logits_ptr=f"*{dtype}", stride_row="i32", temperature_ptr="*fp32",
+                maxima_ptr="*fp32", columns_ptr="*i32", seed="i32", vocab="i32"),
+                dict(GUMBEL=gumbel, BLOCK=ARGMAX_CHUNK, PDL=True))
+    compile_for_sm90(_argmax_combine_kernel, dict(
+        maxima_ptr="*fp32", columns_ptr="*i32", out_ptr="*i64", chunks="i32"),
+        dict(CHUNKS=32, PDL=True), num_warps=1)
+
+
+@pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
 def test_top_p_kernel_compiles_for_sm90() -> None:
     """The interpreter let the kernel read a plain global, which a GPU compile refuses:
     every top-p request on CUDA failed."""
@@ -1494,6 +1533,9 @@ def test_int4_kernels_compile_for_sm90() -> None:
 
 @needs_cuda
 def test_sampling_kernel_cuda() -> None:
+    for rows in (5, 256):
+        check_argmax(rows, 151936, torch.bfloat16, "cuda")
+        check_argmax(rows, 128256, torch.float32, "cuda")
     for rows in (1, 256):
         check_gumbel_argmax(rows, 151936, torch.bfloat16, "cuda")
         check_gumbel_argmax(rows, 128256, torch.float32, "cuda")

@@ -20,6 +20,7 @@ import torch
 
 from common.config import EngineConfig
 from common.model_info import DraftModel
+from kernels.sampling import greedy_tokens
 from services.worker.cuda_graphs import StepGraphs
 from services.worker.layers.attention import AttentionMetadata, ForwardContext
 from services.worker.loader import load_model
@@ -94,7 +95,7 @@ class DraftRunner:
                 seq_lens=(position + 1).to(torch.int32), max_query_len=1,
                 max_seq_len=min(max_seq_len + j + 1, self.max_model_len))
             hidden = self.forward(tokens, position, attn)
-            tokens = self.model.greedy_logits(hidden).argmax(dim=-1)
+            tokens = greedy_tokens(self.model.greedy_logits(hidden))
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
 

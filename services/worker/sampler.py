@@ -37,10 +37,10 @@ import torch
 from common.messages import StepLogprobs
 from common.sampling_params import SamplingParams
 from kernels.grammar_mask import apply_token_bitmask
-from kernels.sampling import (MAX_KERNEL_LOGPROBS, gumbel_argmax_triton, packed_logprobs,
-                              top_logprobs_ref, top_logprobs_triton, top_p_threshold_exact_ref,
-                              top_p_threshold_radix, top_p_threshold_ref,
-                              top_p_threshold_triton)
+from kernels.sampling import (MAX_KERNEL_LOGPROBS, greedy_tokens, gumbel_argmax_triton,
+                              packed_logprobs, top_logprobs_ref, top_logprobs_triton,
+                              top_p_threshold_exact_ref, top_p_threshold_radix,
+                              top_p_threshold_ref, top_p_threshold_triton)
 
 _SEED_MASK = (1 << 64) - 1  # torch seeds are uint64; any Python int maps into that range
 # Up to this k, torch.topk finds the k-th largest logit; past it, a threshold search over
@@ -160,7 +160,7 @@ class Sampler:
         if mask is not None:
             apply_token_bitmask(logits, mask.bitmask, mask.rows)
         if all(map(_plain_greedy, rows)):
-            return SamplerOutput.of_tokens(logits.argmax(dim=-1))
+            return SamplerOutput.of_tokens(greedy_tokens(logits))
         if all(map(_greedy_on_raw_logits, rows)):
             return self._sample_greedy_with_logprobs(logits, rows)
         if logits.is_cuda and all(_plain_random(row) for row in rows):
@@ -210,7 +210,7 @@ class Sampler:
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if len(random_rows) == len(rows):
             return self._sample_random(logits, rows)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = greedy_tokens(logits)
         if random_rows:
             index = self._tensor(random_rows, torch.int64)
             sampled = self._sample_random(logits[index], [rows[i] for i in random_rows])
@@ -220,7 +220,7 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
                        ) -> torch.Tensor:
         probs = self.probs(logits, rows)
-        return probs.div_(self.exponential_noise(probs, rows)).argmax(dim=-1)
+        return greedy_tokens(probs.div_(self.exponential_noise(probs, rows)))
 
     def probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The distribution each random row draws from, and speculative verification's p:
@@ -508,7 +508,7 @@ def greedy_head(logits: torch.Tensor, k: int) -> torch.Tensor:
     """What head k computes from a graph's logits, fixed-shape: the greedy tokens (k = 0),
     or those and k top logprobs a row, packed (SamplerOutput.packed's layout, over every
     row of the graph)."""
-    return logits.argmax(dim=-1) if k == 0 else _top_logprobs(logits, k)
+    return greedy_tokens(logits) if k == 0 else _top_logprobs(logits, k)
 
 
 def graph_head_output(out: torch.Tensor, rows: Sequence[SamplingRow], k: int

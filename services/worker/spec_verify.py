@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.sampling import greedy_tokens
 from services.worker.sampler import Sampler, SamplingRow, to_device
 
 
@@ -62,7 +63,7 @@ def _targets(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow]
              drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position (one row each, its draft or -1): whether the draft is accepted, and
     the token that replaces it if not (the draw from p without the draft)."""
-    greedy = logits.argmax(dim=-1)
+    greedy = greedy_tokens(logits)
     random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
     accepted = greedy == drafts
     if not random_rows:
@@ -79,7 +80,7 @@ def _targets(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow]
     # p - onehot(d), floored at 0, is p with d's entry zeroed: draw from that
     residual = probs.scatter(1, draft.clamp_min(0).unsqueeze(1),
                              torch.where(has_draft, 0.0, p_draft).unsqueeze(1))
-    drawn = residual.div_(sampler.exponential_noise(residual, sub)).argmax(dim=-1)
+    drawn = greedy_tokens(residual.div_(sampler.exponential_noise(residual, sub)))
     return accepted, greedy.index_copy(0, index, drawn)
 
 
