@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kernels.cache import FP8_DTYPES, _quantize, write_kv_ref
 from kernels.norm import rms_norm_ref
-from kernels.pdl import overlap_previous, pdl_launch
+from kernels.pdl import let_next_start, pdl_launch, wait_for_previous
 from kernels.rotary import _round_like, apply_rotary_ref
 
 # heads per program: a Qwen3-30B-A3B decode token (32 q, 4 KV heads) spreads over 9
@@ -126,16 +126,21 @@ def _norm_rope_write_kv_kernel(
         HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
         HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
         PDL: tl.constexpr):
-    overlap_previous(PDL)
+    let_next_start(PDL)
     # HALF: half the rotary dims; HALF_BLOCK: HALF rounded up to a power of two;
     # PASS_BLOCK: the pass-through dims (HEAD_DIM - 2 * HALF) rounded up, at least 1 (its
     # loads and stores are masked off where there are none)
     token = tl.program_id(0)
     group = tl.program_id(1)
     half_cols = tl.arange(0, HALF_BLOCK)[None, :]
+    # a step's positions and slots are inputs, copied in before its first kernel (a plain
+    # launch that no PDL kernel overtakes), and the table is a constant: their two
+    # dependent round trips go out while the previous kernel ends
     row = cos_sin_ptr + tl.load(positions_ptr + token) * (2 * HALF)
     cos = tl.load(row + half_cols, mask=half_cols < HALF, other=0.0)
     sin = tl.load(row + HALF + half_cols, mask=half_cols < HALF, other=0.0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    wait_for_previous(PDL)
     qkv_row = qkv_ptr + token * stride_t
     if group < q_groups:
         heads = group * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
@@ -147,7 +152,6 @@ def _norm_rope_write_kv_kernel(
                           x3, q_out_ptr, q_out_ptr, HEAD_DIM, HALF, HALF_BLOCK, PASS_BLOCK,
                           False, FP8_MAX)
     else:
-        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         heads = (group - q_groups) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
         # padding (slot -1) writes nothing; q above is still computed for its row
         rows = (heads < num_kv_heads) & (heads * 0 + slot >= 0)

@@ -202,6 +202,11 @@ def _packed_row_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, n, k, scale_s
     scale_rows = scale_ptr + (offs_n // scale_block_n) * scale_stride
     lanes = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
     words = tl.load(w_rows, mask=n_ok[:, None] & (cols < k // 4)[None, :], other=0)
+    # constants too: loaded now, they add no round trip after the loop
+    if not PER_K_SCALE:
+        scale = tl.load(scale_rows, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     wait_for_previous(PDL)
     x4 = tl.load(x_ptr + x_at, mask=x_at < k, other=0.0).to(tl.float32)
     for k0 in range(0, k, BLOCK_K):
@@ -217,7 +222,7 @@ def _packed_row_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, n, k, scale_s
         words, x4 = next_words, next_x4.to(tl.float32)
     acc = tl.sum(lanes, axis=1)
     if not PER_K_SCALE:
-        acc *= tl.load(scale_rows, mask=n_ok, other=0.0)
+        acc *= scale
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        acc += bias
     tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -251,6 +251,11 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
     scale_rows = scale_ptr + (offs_n // scale_block_n) * scale_stride
     k_lo = share * k_share
     k_hi = tl.minimum(k_lo + k_share, k)
+    # constants, loaded before waiting on the previous kernel: no round trip after the loop
+    if HAS_SCALE and not PER_K_SCALE:
+        scale = tl.load(scale_rows, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if USE_DOT:
         wait_for_previous(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -271,9 +276,9 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
         acc = _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
                             PER_K_SCALE, BLOCK_N, BLOCK_K, PDL)[None, :]
     if HAS_SCALE and not PER_K_SCALE:
-        acc *= tl.load(scale_rows, mask=n_ok, other=0.0)[None, :]
+        acc *= scale
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += bias
     at = (share * m + offs_m)[:, None] * n + offs_n[None, :]
     tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])

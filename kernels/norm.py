@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import overlap_previous, pdl_launch
+from kernels.pdl import let_next_start, pdl_launch, wait_for_previous
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -91,10 +91,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, inner,
                      BLOCK: tl.constexpr, PDL: tl.constexpr):
     """PARTS > 1: x's rows are [PARTS, hidden] blocks (stride_x1 apart) summed first and
     rounded to the residual's dtype."""
-    overlap_previous(PDL)
+    let_next_start(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    # the weight is no kernel's output: its load goes out while the previous kernel ends,
+    # rather than after the row's reduction, a round trip to memory less a norm
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_for_previous(PDL)
     outer, within = row // inner, row % inner
     x = tl.load(x_ptr + outer * stride_x0 + within * stride_x1 + cols, mask=mask, other=0.0)
     if PARTS > 1:  # in float32, rounded once, as torch sums a low-precision tensor
@@ -111,7 +115,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, inner,
         tl.store(new_res_ptr + row * hidden + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if GEMMA:  # weighted in float32, rounded once
         y = x32 * inv_rms * (1.0 + w)
     else:  # the normed row rounded to the activation dtype before the weight, as Llama's

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from kernels.cache import FP8_DTYPES
-from kernels.pdl import overlap_previous, pdl_launch
+from kernels.pdl import let_next_start, overlap_previous, pdl_launch, wait_for_previous
 
 LOG2_E = 1.4426950408889634
 # splits beyond this add combine traffic faster than they add parallelism
@@ -317,7 +317,10 @@ def _paged_attention_kernel(
         EXACT_DOT: tl.constexpr, SCALED: tl.constexpr, FP16_DOT: tl.constexpr,
         WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, LIMITS: tl.constexpr,
         PREFETCH_V: tl.constexpr, PDL: tl.constexpr):
-    overlap_previous(PDL)
+    # the step's metadata is its input, copied in before its first kernel (a plain launch
+    # that no PDL kernel overtakes): it is read while the previous kernel ends, a round
+    # trip to memory less on a decode's critical path; q and the cache wait for it
+    let_next_start(PDL)
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if ONE_TILE_EACH:
         # the decode launch: each request of its class fits one tile, so tile r is request
@@ -338,6 +341,7 @@ def _paged_attention_kernel(
     other_class = real & ((q_len <= q_len_above) | (q_len > q_len_upto))
     if (first_query >= q_len) | other_class:
         return
+    wait_for_previous(PDL)
 
     rows = tl.arange(0, BLOCK_M)
     # a head_dim that is no power of two (Phi-3's 96) runs in the next one's tiles, its

@@ -46,8 +46,9 @@ from kernels.gemv import (TUNED_TILES, GemvTiles, _gemv_kernel, _sum_splits_kern
                           gemv_ref, gemv_triton)
 from kernels.int4 import _w4a16_gemm_kernel, _w4a16_gemv_kernel
 from kernels.lora import lora_expand_ref, lora_expand_triton
-from kernels.norm import (_gemma_norm_add_norm_kernel, gemma_norm_add_norm_ref,
-                          gemma_norm_add_norm_triton, rms_norm_ref, rms_norm_triton)
+from kernels.norm import (_gemma_norm_add_norm_kernel, _rms_norm_kernel,
+                          gemma_norm_add_norm_ref, gemma_norm_add_norm_triton, rms_norm_ref,
+                          rms_norm_triton)
 from kernels.quant import (ScaledMmTiles, quantize_per_token_ref, quantize_per_token_triton,
                            scaled_mm, scaled_mm_ref, scaled_mm_triton)
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rope_cos_sin_cache
@@ -1357,7 +1358,8 @@ def compile_for_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps:
 def test_fused_kernels_compile_for_sm90() -> None:
     """The fused attention inputs at Qwen3's heads into bf16 and e4m3 caches, Phi-3's
     96-wide heads, partial rotary and Gemma 3's 256-wide (1 + w) heads; Gemma's
-    norm-add-norm at Gemma-2-9B's width."""
+    norm-add-norm at Gemma-2-9B's width; the RMSNorm with PDL over a residual, and over
+    float32 parts."""
     names = ["positions_ptr", "qkv_ptr", "cos_sin_ptr", "q_w_ptr", "k_w_ptr", "q_out_ptr",
              "k_cache_ptr", "v_cache_ptr", "slot_mapping_ptr", "k_scale_ptr", "v_scale_ptr",
              "stride_t", "num_heads", "num_kv_heads", "eps", "q_groups"]
@@ -1376,6 +1378,14 @@ def test_fused_kernels_compile_for_sm90() -> None:
                       out_ptr="*bf16", new_res_ptr="*bf16", hidden="i32", eps="fp32",
                       stride_x="i32", stride_r="i32")
     compile_for_sm90(_gemma_norm_add_norm_kernel, norm_types, dict(BLOCK=4096))
+    rms_types = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
+                     new_res_ptr="*bf16", hidden="i32", inner="i32", eps="fp32",
+                     stride_x0="i32", stride_x1="i32", stride_r0="i32", stride_r1="i32")
+    for parts in (1, 2):  # the norm after int4's split o and down takes float32 parts
+        compile_for_sm90(_rms_norm_kernel, dict(rms_types, x_ptr="*fp32" if parts > 1
+                                                else "*bf16"),
+                         dict(HAS_RESIDUAL=True, GEMMA=False, PARTS=parts, BLOCK=4096,
+                              PDL=True), num_warps=8)
 
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")
