@@ -142,7 +142,7 @@ pdl-ab)  # the graphs' GPU tests (TESTS=0: none), then the 0.6B decode step at b
   ;;
 profile-graphs)  # the graphs' GEMV tests (TESTS=0: none), then `bench latency --profile`
                 # of the decode steps as served, CUDA graphs and all (SPECS: "shape batch
-                # context" triples, comma between): traces and summaries in $R
+                # context [quantization]", comma between): traces and summaries in $R
   if [ "${TESTS:-1}" != 0 ]; then
     timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gemv_choice.py \
       tests/test_gpu.py -k "fixed_choice or programmatic or eager_tokens" \
@@ -151,10 +151,12 @@ profile-graphs)  # the graphs' GEMV tests (TESTS=0: none), then `bench latency -
   IFS=, read -ra specs <<< "${SPECS:-qwen3-0.6b-shape 1 62,qwen3-0.6b-shape 8 62}"
   for spec in "${specs[@]}"; do
     set -- $spec
+    quant=() name=$1-b$2
+    [ -n "${4:-}" ] && quant=(--quantization $4) name=$1-$4-b$2
     bench 150 latency --model "$M/$1" --load-format dummy --context-len $3 \
       --batch-size $2 --output-len 32 --iterations 2 --max-model-len 2048 --profile \
-      --profile-result-dir "$R" --json "$R/latency-$1-b$2-profile.json" \
-      > "$R/latency-$1-b$2-profile.txt" 2>&1
+      --profile-result-dir "$R" "${quant[@]}" --json "$R/latency-$name-profile.json" \
+      > "$R/latency-$name-profile.txt" 2>&1
   done
   ;;
 latency-ab)  # small-batch decode with this tree and .base (the commit before), alternating:
