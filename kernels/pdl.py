@@ -46,8 +46,11 @@ def overlap_previous(PDL: tl.constexpr):
 
 @triton.jit
 def let_next_start(PDL: tl.constexpr):
-    """The first half of overlap_previous: a kernel that reads its own constants (a GEMV's
-    weights) before wait_for_previous issues those loads while the previous kernel ends."""
+    """The first half of overlap_previous. Between it and wait_for_previous a kernel may
+    read what no kernel of the chain writes, and those loads go out while the previous
+    kernel ends: constants (weights, scales, a norm's weight, the rotary table) and the
+    step's inputs (positions, slots, query starts, sequence lengths), which are copied in
+    before the step's first kernel, a plain launch that no PDL kernel overtakes."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
