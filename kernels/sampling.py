@@ -51,9 +51,11 @@ def argmax_triton(logits: torch.Tensor, temperature: torch.Tensor | None = None,
     assert logits.stride(1) == 1
     chunks = triton.cdiv(vocab, ARGMAX_CHUNK)
     device = logits.device
+    out = torch.empty(rows, dtype=torch.int64, device=device)
+    if rows == 0:
+        return out
     maxima = torch.empty((rows, chunks), dtype=torch.float32, device=device)
     columns = torch.empty((rows, chunks), dtype=torch.int32, device=device)
-    out = torch.empty(rows, dtype=torch.int64, device=device)
     gumbel = temperature is not None
     _chunk_argmax_kernel[(rows, chunks)](
         logits, logits.stride(0), temperature if gumbel else logits, maxima, columns, seed,

@@ -553,6 +553,7 @@ def check_argmax(rows: int, vocab: int, dtype: torch.dtype, device: str) -> None
     ref = logits.float().argmax(dim=-1)
     assert torch.equal(out, ref), f"argmax {dtype} {rows}x{vocab}: {out} vs {ref} (seed {seed})"
     assert out[:5].tolist() == [chunk + 5, chunk + 3, vocab - 1, 0, 7]
+    assert argmax_triton(logits[:0]).shape == (0,)
 
 
 def split_top(packed: torch.Tensor, rows: int, k: int
