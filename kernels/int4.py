@@ -239,9 +239,8 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     assert k % group_size == 0 and group_size % 8 == 0
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return y.reshape(*x.shape[:-1], n)
+        return torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if tiles is None and m >= DEQUANTIZE_MIN_ROWS:
         return dequantized_matmul(x2, qweight, scales, zeros, group_size, perm,
                                   bias).reshape(*x.shape[:-1], n)
@@ -254,6 +253,8 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     split = split_count(tiles, stripes * rows, k, block_k, sm_count(x.device))
     k_share = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_share)
+    parts = split > 1 and not summed and bias is None  # the shares' sums left to a norm
+    y = None if parts else torch.empty(m, n, dtype=x.dtype, device=x.device)
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     args = (x2, qweight, scales, zeros if zeros is not None else qweight,
             perm if perm is not None else x2, bias if bias is not None else x2, out, m, n, k,
@@ -267,8 +268,9 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
                                                 PACKED=x.is_cuda, **flags)
     else:
         _w4a16_gemm_kernel[(rows, stripes, split)](*args, BLOCK_M=tiles.block_m, **flags)
-    if split > 1 and not summed and bias is None:
+    if parts:
         return out.permute(1, 0, 2).unflatten(0, x.shape[:-1])
+    assert y is not None
     if split > 1:
         sum_splits(out, bias, y)
     return y.reshape(*x.shape[:-1], n)
