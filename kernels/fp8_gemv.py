@@ -38,6 +38,9 @@ import triton.language as tl
 
 from kernels.gemv import GemvTiles, default_tiles, launch_gemv, sm_count
 from kernels.packed_half import half_pair, power_of_two_scales
+from kernels.norm_seam import (ResidualSum, SeamNorm, block_parts, new_residual_sum,
+                               residual_sum_ref, seam_add, seam_input_ref, seam_inv_rms,
+                               seam_tensor, seam_weigh)
 from kernels.pdl import let_next_start, pdl_launch, wait_for_previous
 from kernels.quant import FP8_DTYPE, dequantize
 
@@ -99,44 +102,49 @@ def scale_blocks(w_scale: torch.Tensor, n: int, k: int, block: tuple[int, int] |
     return w_scale.reshape(shape).float().contiguous(), block_n, block_k
 
 
-def fp8_gemv_ref(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None, block: tuple[int, int] | None = None
-                 ) -> torch.Tensor:
-    """Dequantize to float32, one float32 matmul (+ bias), the result in x's dtype."""
+def fp8_gemv_ref(x: torch.Tensor | SeamNorm, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                 add_to: torch.Tensor | None = None) -> torch.Tensor | ResidualSum:
+    """Dequantize to float32, one float32 matmul (+ bias), the result in x's dtype; a
+    norm seam as gemv_ref's."""
+    x = seam_input_ref(x)
     n, k = w_fp8.shape
     scale, block_n, block_k = scale_blocks(w_scale, n, k, block)
     y = x.float() @ dequantize(w_fp8, scale, block_n, block_k).T
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    y = y.to(x.dtype)
+    return y if add_to is None else residual_sum_ref(y, add_to)
 
 
 # --- dispatch ------------------------------------------------------------------------------
 
-def fp8_gemv(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-             bias: torch.Tensor | None = None, block: tuple[int, int] | None = None
-             ) -> torch.Tensor:
-    """x [..., K] (at most GEMV_MAX_ROWS rows) -> [..., N]. The one dispatch point: CUDA
-    tensors take the Triton kernel, others the twin."""
-    if x.is_cuda:
-        return fp8_gemv_triton(x, w_fp8, w_scale, bias, block)
-    return fp8_gemv_ref(x, w_fp8, w_scale, bias, block)
+def fp8_gemv(x: torch.Tensor | SeamNorm, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+             bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+             add_to: torch.Tensor | None = None) -> torch.Tensor | ResidualSum:
+    """x [..., K] (at most GEMV_MAX_ROWS rows) -> [..., N]; a norm seam as gemv's (one
+    row). The one dispatch point: CUDA tensors take the Triton kernel, others the twin."""
+    if seam_tensor(x).is_cuda:
+        return fp8_gemv_triton(x, w_fp8, w_scale, bias, block, add_to=add_to)
+    return fp8_gemv_ref(x, w_fp8, w_scale, bias, block, add_to)
 
 
-def fp8_gemv_triton(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+def fp8_gemv_triton(x: torch.Tensor | SeamNorm, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                    tiles: GemvTiles | PackedTiles | None = None) -> torch.Tensor:
+                    tiles: GemvTiles | PackedTiles | None = None,
+                    add_to: torch.Tensor | None = None) -> torch.Tensor | ResidualSum:
     """tiles: force these tiles (the sweep; PackedTiles: the packed kernel, CUDA only);
     default: the packed kernel for one row on CUDA, else default_tiles by the shape."""
     n, k = w_fp8.shape
     assert w_fp8.dtype == FP8_DTYPE, "e4m3 weights"
     scale, block_n, block_k = scale_blocks(w_scale, n, k, block)
-    rows, sms = max(1, x.numel() // k), sm_count(x.device)
-    if isinstance(tiles, PackedTiles) or (tiles is None and takes_packed(x, w_fp8, rows)):
+    rows_in = seam_tensor(x)
+    rows, sms = max(1, rows_in.numel() // k), sm_count(rows_in.device)
+    if isinstance(tiles, PackedTiles) or (tiles is None and takes_packed(rows_in, w_fp8, rows)):
         tiles = tiles or TUNED_PACKED_TILES.get((n, k, sms), PACKED_TILES)
-        return launch_packed(x, w_fp8, bias, tiles, scale, (block_n, block_k))
+        return launch_packed(x, w_fp8, bias, tiles, scale, (block_n, block_k), add_to)
     tiles = tiles or default_tiles(rows, n, k, sms, 1, block_k)
-    return launch_gemv(x, w_fp8, bias, tiles, scale, (block_n, block_k))
+    return launch_gemv(x, w_fp8, bias, tiles, scale, (block_n, block_k), add_to)
 
 
 def takes_packed(x: torch.Tensor, w_fp8: torch.Tensor, rows: int) -> bool:
@@ -145,24 +153,32 @@ def takes_packed(x: torch.Tensor, w_fp8: torch.Tensor, rows: int) -> bool:
     return (rows == 1 and x.is_cuda and w_fp8.shape[1] % 4 == 0 and w_fp8.is_contiguous())
 
 
-def launch_packed(x: torch.Tensor, w_fp8: torch.Tensor, bias: torch.Tensor | None,
-                  tiles: PackedTiles, scale: torch.Tensor,
-                  scale_block: tuple[int, int]) -> torch.Tensor:
-    """The packed kernel for one row x [..., K]; scale as launch_gemv takes it."""
+def launch_packed(x: torch.Tensor | SeamNorm, w_fp8: torch.Tensor, bias: torch.Tensor | None,
+                  tiles: PackedTiles, scale: torch.Tensor, scale_block: tuple[int, int],
+                  add_to: torch.Tensor | None = None) -> torch.Tensor | ResidualSum:
+    """The packed kernel for one row x [..., K]; scale as launch_gemv takes it, and so a
+    norm seam."""
+    norm = x if isinstance(x, SeamNorm) else None
+    x = seam_tensor(x)
     n, k = w_fp8.shape
     x1 = x.reshape(1, k).contiguous()
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    stripes = triton.cdiv(n, tiles.block_n)
+    result = None if add_to is None else new_residual_sum(add_to.reshape(1, n), stripes)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device) if result is None else result.total
     block_n, block_k = scale_block
     tile_k, per_k = tiles.block_k, block_k < k
     if per_k:  # a K tile inside one scale block, as launch_gemv's
         tile_k = min(tile_k, block_k & -block_k)
         assert tile_k >= 16, f"fp8_gemv: K blocks of {block_k} split into no tile of 16+"
-    _packed_row_kernel[(triton.cdiv(n, tiles.block_n),)](
+    sumsq = norm.sum.sumsq if norm is not None else result.sumsq if result is not None else y
+    parts = sumsq.shape[-1] if norm is not None else 1
+    _packed_row_kernel[(stripes,)](
         x1, w_fp8.view(torch.int32), scale, bias if bias is not None else y, y, n, k,
-        scale.shape[1], block_n, block_k, PER_K_SCALE=per_k, HAS_BIAS=bias is not None,
-        BLOCK_N=tiles.block_n, BLOCK_K=tile_k, num_warps=tiles.num_warps, num_stages=1,
-        **pdl_launch(x))
-    return y.reshape(*x.shape[:-1], n)
+        scale.shape[1], block_n, block_k, add_to if add_to is not None else y, sumsq,
+        norm.weight if norm is not None else y, parts, norm.eps if norm is not None else 0.0,
+        PER_K_SCALE=per_k, HAS_BIAS=bias is not None, NORM_IN=norm is not None, ADD_RESIDUAL=result is not None, BLOCK_P=block_parts(parts), BLOCK_N=tiles.block_n,
+        BLOCK_K=tile_k, num_warps=tiles.num_warps, num_stages=1, **pdl_launch(x))
+    return result if result is not None else y.reshape(*x.shape[:-1], n)
 
 
 # --- kernels -------------------------------------------------------------------------------
@@ -186,13 +202,16 @@ def _packed_word_sums(words, x4, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _packed_row_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, n, k, scale_stride,
-                       scale_block_n, scale_block_k, PER_K_SCALE: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       scale_block_n, scale_block_k, res_ptr, sumsq_ptr, norm_w_ptr, parts,
+                       eps, PER_K_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       NORM_IN: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        PDL: tl.constexpr):
     """y = x w^T for one row and a BLOCK_N stripe of w (int32 words of four e4m3, [N,
     K / 4]) over all of K, scaled per K tile or once after the loop. As the 16-bit GEMV's
     one-row loop: per-lane sums reduced once, the next tile loaded before the current
-    one's arithmetic, the first weights before waiting on the previous kernel."""
+    one's arithmetic, the first weights before waiting on the previous kernel; and its
+    norm seam (NORM_IN, ADD_RESIDUAL: kernels/norm_seam.py)."""
     let_next_start(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n
@@ -207,22 +226,34 @@ def _packed_row_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, n, k, scale_s
         scale = tl.load(scale_rows, mask=n_ok, other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if NORM_IN:
+        norm_w = tl.load(norm_w_ptr + x_at, mask=x_at < k, other=0.0)
     wait_for_previous(PDL)
-    x4 = tl.load(x_ptr + x_at, mask=x_at < k, other=0.0).to(tl.float32)
+    residual = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0) if ADD_RESIDUAL else 0.0
+    x4 = tl.load(x_ptr + x_at, mask=x_at < k, other=0.0)
+    inv_rms = seam_inv_rms(sumsq_ptr, parts, k, eps, BLOCK_P) if NORM_IN else 1.0
     for k0 in range(0, k, BLOCK_K):
         k_next = k0 + BLOCK_K
         next_words = tl.load(w_rows + k_next // 4,
                              mask=n_ok[:, None] & (k_next // 4 + cols < k // 4)[None, :],
                              other=0)
         next_x4 = tl.load(x_ptr + k_next + x_at, mask=k_next + x_at < k, other=0.0)
-        sums = _packed_word_sums(words, x4, BLOCK_N, BLOCK_K)
+        if NORM_IN:
+            next_norm_w = tl.load(norm_w_ptr + k_next + x_at, mask=k_next + x_at < k,
+                                  other=0.0)
+            x4 = seam_weigh(x4, norm_w, inv_rms)
+            norm_w = next_norm_w
+        sums = _packed_word_sums(words, x4.to(tl.float32), BLOCK_N, BLOCK_K)
         if PER_K_SCALE:
             sums *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok, other=0.0)[:, None]
         lanes += sums
-        words, x4 = next_words, next_x4.to(tl.float32)
+        words, x4 = next_words, next_x4
     acc = tl.sum(lanes, axis=1)
     if not PER_K_SCALE:
         acc *= scale
     if HAS_BIAS:
         acc += bias
-    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    if ADD_RESIDUAL:
+        seam_add(acc, residual, out_ptr, offs_n, n_ok, sumsq_ptr + tl.program_id(0))
+    else:
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -31,10 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.norm_seam import (ResidualSum, SeamNorm, block_parts, new_residual_sum,
+                               residual_sum_ref, seam_add, seam_input_ref, seam_inv_rms,
+                               seam_tensor, seam_weigh)
 from kernels.pdl import let_next_start, overlap_previous, pdl_launch, wait_for_previous
 
 GEMV_MAX_ROWS = 16
 DOT_MIN_ROWS = 16  # tl.dot's smallest M: fewer rows are padded with masked loads
+SUM_BLOCK = 1024  # outputs a program of the split's sum adds up
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,23 +115,28 @@ TUNED_TILES: dict[tuple[int, int, int, int], GemvTiles] = {
 
 # --- torch reference twin ------------------------------------------------------------------
 
-def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
-             ) -> torch.Tensor:
-    """One float32 matmul (+ bias), the result in x's dtype."""
+def gemv_ref(x: torch.Tensor | SeamNorm, w: torch.Tensor, bias: torch.Tensor | None = None,
+             add_to: torch.Tensor | None = None) -> torch.Tensor | ResidualSum:
+    """One float32 matmul (+ bias), the result in x's dtype; a SeamNorm normed before and
+    a residual (add_to) added after, as the unfused ops do (kernels/norm_seam.py)."""
+    x = seam_input_ref(x)
     y = x.float() @ w.float().T
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    y = y.to(x.dtype)
+    return y if add_to is None else residual_sum_ref(y, add_to)
 
 
 # --- dispatch ------------------------------------------------------------------------------
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (at most GEMV_MAX_ROWS rows) -> [..., N]. The one dispatch point: CUDA
-    tensors take the Triton kernel, others the twin."""
-    if x.is_cuda:
-        return gemv_triton(x, w, bias)
-    return gemv_ref(x, w, bias)
+def gemv(x: torch.Tensor | SeamNorm, w: torch.Tensor, bias: torch.Tensor | None = None,
+         add_to: torch.Tensor | None = None) -> torch.Tensor | ResidualSum:
+    """x [..., K] (at most GEMV_MAX_ROWS rows) -> [..., N]; with a norm seam (one row: a
+    SeamNorm for x, or a residual to add to), what kernels/norm_seam.py says. The one
+    dispatch point: CUDA tensors take the Triton kernel, others the twin."""
+    if seam_tensor(x).is_cuda:
+        return gemv_triton(x, w, bias, add_to=add_to)
+    return gemv_ref(x, w, bias, add_to)
 
 
 @functools.cache
@@ -171,20 +180,27 @@ def tiles_for(rows: int, n: int, k: int, sms: int) -> GemvTiles:
     return tuned or default_tiles(rows, n, k, sms)
 
 
-def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                tiles: GemvTiles | None = None) -> torch.Tensor:
+def gemv_triton(x: torch.Tensor | SeamNorm, w: torch.Tensor, bias: torch.Tensor | None = None,
+                tiles: GemvTiles | None = None, add_to: torch.Tensor | None = None
+                ) -> torch.Tensor | ResidualSum:
     """tiles: force these tiles (the sweep); default: tiles_for the shape."""
     n, k = w.shape
-    assert w.dtype == x.dtype, f"gemv: {w.dtype} weights for {x.dtype} activations"
-    tiles = tiles or tiles_for(max(1, x.numel() // k), n, k, sm_count(x.device))
-    return launch_gemv(x, w, bias, tiles)
+    rows = seam_tensor(x)
+    assert w.dtype == rows.dtype, f"gemv: {w.dtype} weights for {rows.dtype} activations"
+    tiles = tiles or tiles_for(max(1, rows.numel() // k), n, k, sm_count(rows.device))
+    return launch_gemv(x, w, bias, tiles, add_to=add_to)
 
 
-def launch_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+def launch_gemv(x: torch.Tensor | SeamNorm, w: torch.Tensor, bias: torch.Tensor | None,
                 tiles: GemvTiles, scale: torch.Tensor | None = None,
-                scale_block: tuple[int, int] | None = None) -> torch.Tensor:
+                scale_block: tuple[int, int] | None = None,
+                add_to: torch.Tensor | None = None) -> torch.Tensor | ResidualSum:
     """The kernel (and the K split's sum) for x [..., K] and w [N, K]; scale: float32
-    blocks [ceil(N / block_n), ceil(K / block_k)] of scale_block (block_n, block_k)."""
+    blocks [ceil(N / block_n), ceil(K / block_k)] of scale_block (block_n, block_k). One
+    row may take a norm seam (gemv's doc): the split's sum adds the residual where K
+    splits."""
+    norm = x if isinstance(x, SeamNorm) else None
+    x = seam_tensor(x)
     n, k = w.shape
     assert w.stride(1) == 1, "row-major weights"
     assert x.shape[-1] == k and x.dtype in (torch.bfloat16, torch.float16)
@@ -193,9 +209,9 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         x2 = x2.contiguous()
     m = x2.shape[0]
     assert m <= GEMV_MAX_ROWS, f"the GEMV takes at most {GEMV_MAX_ROWS} rows, not {m}"
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert m == 1 or (norm is None and add_to is None), "a norm seam is one row"
     if m == 0:
-        return y.reshape(*x.shape[:-1], n)
+        return torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     block_n, block_k = scale_block or (n, k)
     tile_k, per_k = tiles.block_k, scale is not None and block_k < k
     if per_k:
@@ -205,28 +221,41 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     split = max(1, min(tiles.split_k, triton.cdiv(k, tile_k)))
     k_share = triton.cdiv(triton.cdiv(k, split), tile_k) * tile_k
     split = triton.cdiv(k, k_share)
+    stripes = triton.cdiv(n, tiles.block_n)
+    result = None if add_to is None else new_residual_sum(
+        add_to.reshape(m, n), stripes if split == 1 else triton.cdiv(n, SUM_BLOCK))
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if result is None else result.total
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     assert tiles.dot or m == 1, "more than one row takes tensor cores (tiles.dot)"
     block_m = max(triton.next_power_of_2(m), DOT_MIN_ROWS) if tiles.dot else 1
-    _gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
+    sumsq = norm.sum.sumsq if norm is not None else result.sumsq if result is not None else y
+    parts = sumsq.shape[-1] if norm is not None else 1
+    _gemv_kernel[(stripes, split)](
         x2, w, scale if scale is not None else w, bias if bias is not None else y, out, m, n,
         k, x2.stride(0), w.stride(0), scale.shape[1] if scale is not None else 0, block_n,
-        block_k, k_share, HAS_SCALE=scale is not None, PER_K_SCALE=per_k,
+        block_k, k_share, add_to if add_to is not None else y, sumsq,
+        norm.weight if norm is not None else y, parts, norm.eps if norm is not None else 0.0,
+        HAS_SCALE=scale is not None, PER_K_SCALE=per_k,
         HAS_BIAS=bias is not None and split == 1, USE_DOT=tiles.dot, BLOCK_M=block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tile_k, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **pdl_launch(x))
+        BLOCK_N=tiles.block_n, BLOCK_K=tile_k, NORM_IN=norm is not None,
+        ADD_RESIDUAL=result is not None and split == 1, BLOCK_P=block_parts(parts),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
     if split > 1:
-        sum_splits(out, bias, y)
-    return y.reshape(*x.shape[:-1], n)
+        sum_splits(out, bias, y, add_to, result)
+    return result if result is not None else y.reshape(*x.shape[:-1], n)
 
 
-def sum_splits(parts: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+def sum_splits(parts: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+               add_to: torch.Tensor | None = None, result: ResidualSum | None = None) -> None:
     """y [m, n] = the K shares' float32 partial sums parts [splits, m, n] (+ bias), added
-    up in one launch."""
+    up in one launch; with add_to (one row), y is result's total, the sum plus add_to,
+    and each program's squares go to result's sumsq (kernels/norm_seam.py)."""
     splits, m, n = parts.shape
-    _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](
+    _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
         parts, bias if bias is not None else y, y, m * n, n, splits,
-        HAS_BIAS=bias is not None, BLOCK=1024, **pdl_launch(y))
+        add_to if add_to is not None else y, result.sumsq if result is not None else y,
+        HAS_BIAS=bias is not None, ADD_RESIDUAL=add_to is not None, BLOCK=SUM_BLOCK,
+        **pdl_launch(y))
 
 
 # --- kernels -------------------------------------------------------------------------------
@@ -234,12 +263,17 @@ def sum_splits(parts: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
                  stride_w, scale_stride, scale_block_n, scale_block_k, k_share,
+                 res_ptr, sumsq_ptr, norm_w_ptr, parts, eps,
                  HAS_SCALE: tl.constexpr, PER_K_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, NORM_IN: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+                 BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     """A BLOCK_N stripe of y's columns over one K share (program_id 1); with more than one
     share, float32 partial sums into out [shares, m, n], else y itself. Without HAS_SCALE
-    the scale arguments are not read."""
+    the scale arguments are not read. One row only (kernels/norm_seam.py): NORM_IN, x is a
+    residual sum to norm (its squares' `parts` sums at sumsq_ptr, the norm's weight at
+    norm_w_ptr); ADD_RESIDUAL (one share), out takes y + residual and sumsq_ptr each
+    stripe's squares."""
     let_next_start(PDL)
     stripe, share = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -258,6 +292,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
         bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if USE_DOT:
         wait_for_previous(PDL)
+        residual = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0) if ADD_RESIDUAL else 0.0
+        inv_rms = seam_inv_rms(sumsq_ptr, parts, k, eps, BLOCK_P) if NORM_IN else 1.0
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k_ok = k0 + offs_k < k_hi
@@ -265,6 +301,9 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
                         other=0.0)
             xs = tl.load(x_rows + k0 + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                          other=0.0)
+            if NORM_IN:  # one row: padding rows are zeros, and weighted stay zeros
+                xs = seam_weigh(xs, tl.load(norm_w_ptr + k0 + offs_k, mask=k_ok,
+                                            other=0.0)[None, :], inv_rms)
             # 16-bit weights are x's dtype; fp8 values are exact in it: exact products,
             # float32 sums
             part = tl.dot(xs, tl.trans(w.to(xs.dtype)))
@@ -273,52 +312,72 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m, n, k, stride_x,
                                 other=0.0)[None, :]
             acc += part
     else:
-        acc = _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
-                            PER_K_SCALE, BLOCK_N, BLOCK_K, PDL)[None, :]
+        sums, residual = _one_row_sums(
+            w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k, res_ptr + offs_n,
+            sumsq_ptr, norm_w_ptr, parts, k, eps, PER_K_SCALE, NORM_IN, ADD_RESIDUAL,
+            BLOCK_N, BLOCK_K, BLOCK_P, PDL)
+        acc = sums[None, :]
     if HAS_SCALE and not PER_K_SCALE:
         acc *= scale
     if HAS_BIAS:
         acc += bias
+    if ADD_RESIDUAL:  # one row: the padding rows hold the bias alone
+        seam_add(tl.sum(tl.where(m_ok[:, None], acc, 0.0), axis=0), residual, out_ptr, offs_n,
+                 n_ok, sumsq_ptr + stripe)
+        return
     at = (share * m + offs_m)[:, None] * n + offs_n[None, :]
     tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k,
-                  PER_K_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PDL: tl.constexpr):
-    """x's first row times the stripe over [k_lo, k_hi), scaled per K tile or not at all.
-    Products are summed per lane in the weight tile's own layout, with one cross-lane
-    reduction after the loop (a 3-d broadcast against x's rows made the compiler shuffle
-    every tile through shared memory). Each step issues the next tile's loads before its
-    own arithmetic: Triton pipelines only loads that feed tl.dot, and the loads in flight
-    set the bandwidth. The first weight tile is loaded before waiting on the previous
-    kernel (weights are constants; x is that kernel's output)."""
+def _one_row_sums(w_rows, x_ptr, scale_rows, n_ok, k_lo, k_hi, scale_block_k, res_rows,
+                  sumsq_ptr, norm_w_ptr, parts, k, eps, PER_K_SCALE: tl.constexpr,
+                  NORM_IN: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    """x's first row times the stripe over [k_lo, k_hi), scaled per K tile or not at all;
+    and the stripe's residual where ADD_RESIDUAL (loaded with x's first tile, not after the
+    loop). Products are summed per lane in the weight tile's own layout, with one
+    cross-lane reduction after the loop (a 3-d broadcast against x's rows made the compiler
+    shuffle every tile through shared memory). Each step issues the next tile's loads
+    before its own arithmetic: Triton pipelines only loads that feed tl.dot, and the loads
+    in flight set the bandwidth. The first weight tile is loaded before waiting on the
+    previous kernel (weights are constants; x is that kernel's output). NORM_IN: x's tiles
+    are normed as they come (kernels/norm_seam.py)."""
     offs_k = tl.arange(0, BLOCK_K)
     lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_ok = k_lo + offs_k < k_hi
     w = tl.load(w_rows + k_lo + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if NORM_IN:
+        norm_w = tl.load(norm_w_ptr + k_lo + offs_k, mask=k_ok, other=0.0)
     wait_for_previous(PDL)
+    residual = tl.load(res_rows, mask=n_ok, other=0.0) if ADD_RESIDUAL else 0.0
     xs = tl.load(x_ptr + k_lo + offs_k, mask=k_ok, other=0.0)
+    inv_rms = seam_inv_rms(sumsq_ptr, parts, k, eps, BLOCK_P) if NORM_IN else 1.0
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_next = k0 + BLOCK_K + offs_k
         next_ok = k_next < k_hi
         w_next = tl.load(w_rows + k_next[None, :], mask=n_ok[:, None] & next_ok[None, :],
                          other=0.0)
         x_next = tl.load(x_ptr + k_next, mask=next_ok, other=0.0)
+        if NORM_IN:
+            norm_w_next = tl.load(norm_w_ptr + k_next, mask=next_ok, other=0.0)
+            xs = seam_weigh(xs, norm_w, inv_rms)
+            norm_w = norm_w_next
         wf = w.to(tl.float32)
         if PER_K_SCALE:
             wf *= tl.load(scale_rows + k0 // scale_block_k, mask=n_ok, other=0.0)[:, None]
         lanes += wf * xs.to(tl.float32)[None, :]
         w, xs = w_next, x_next
-    return tl.sum(lanes, axis=1)
+    return tl.sum(lanes, axis=1), residual
 
 
 @triton.jit
-def _sum_splits_kernel(parts_ptr, bias_ptr, y_ptr, size, n, splits,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """y = the K shares' float32 partial sums [splits, size] added up (+ bias)."""
+def _sum_splits_kernel(parts_ptr, bias_ptr, y_ptr, size, n, splits, res_ptr, sumsq_ptr,
+                       HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """y = the K shares' float32 partial sums [splits, size] added up (+ bias); with
+    ADD_RESIDUAL (one row), y + residual and its squares' sum (kernels/norm_seam.py)."""
     overlap_previous(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
@@ -327,4 +386,8 @@ def _sum_splits_kernel(parts_ptr, bias_ptr, y_ptr, size, n, splits,
         acc += tl.load(parts_ptr + s * size + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    if ADD_RESIDUAL:
+        seam_add(acc, tl.load(res_ptr + offs, mask=ok, other=0.0), y_ptr, offs, ok,
+                 sumsq_ptr + tl.program_id(0))
+    else:
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)

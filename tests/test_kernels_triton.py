@@ -1467,7 +1467,10 @@ def test_gemv_compiles_for_sm90() -> None:
     (the widest projections), more rows on tensor cores. And the K split's sum."""
     types = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*bf16",
                  out_ptr="*bf16", m="i32", n="i32", k="i32", stride_x="i32", stride_w="i32",
-                 scale_stride="i32", scale_block_n="i32", scale_block_k="i32", k_share="i32")
+                 scale_stride="i32", scale_block_n="i32", scale_block_k="i32", k_share="i32",
+                 res_ptr="*bf16", sumsq_ptr="*fp32", norm_w_ptr="*bf16", parts="i32",
+                 eps="fp32")
+    plain = dict(NORM_IN=False, ADD_RESIDUAL=False, BLOCK_P=1)
     for per_k, dot, block_m, block_n, block_k in [(False, False, 1, 8, 512),
                                                   (True, False, 1, 32, 128),
                                                   (False, True, 16, 32, 128),
@@ -1475,19 +1478,21 @@ def test_gemv_compiles_for_sm90() -> None:
                                                   (True, True, 16, 32, 128)]:
         compile_for_sm90(_gemv_kernel, types, dict(
             HAS_SCALE=True, PER_K_SCALE=per_k, HAS_BIAS=True, USE_DOT=dot, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
+            BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, **plain))
     for dtype in ("bf16", "fp16"):
         half = dict(types, x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", scale_ptr=f"*{dtype}",
-                    bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
+                    bias_ptr=f"*{dtype}", out_ptr=f"*{dtype}", res_ptr=f"*{dtype}",
+                    norm_w_ptr=f"*{dtype}")
         for dot, block_m, block_n, block_k in [(False, 1, 8, 256), (True, 16, 32, 64),
                                                (True, 16, 32, 128)]:
             compile_for_sm90(_gemv_kernel, half, dict(
                 HAS_SCALE=False, PER_K_SCALE=False, HAS_BIAS=True, USE_DOT=dot,
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True))
-    compile_for_sm90(_sum_splits_kernel, dict(parts_ptr="*fp32", bias_ptr="*bf16",
-                                              y_ptr="*bf16", size="i32", n="i32",
-                                              splits="i32"),
-                     dict(HAS_BIAS=True, BLOCK=1024, PDL=True))
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, **plain))
+    sums = dict(parts_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16", size="i32", n="i32",
+                splits="i32", res_ptr="*bf16", sumsq_ptr="*fp32")
+    for seam in (False, True):
+        compile_for_sm90(_sum_splits_kernel, sums,
+                         dict(HAS_BIAS=True, ADD_RESIDUAL=seam, BLOCK=1024, PDL=True))
 
 
 @pytest.mark.skipif(not SM90_PTXAS.exists(), reason="Triton's ptxas is not installed")

@@ -176,6 +176,30 @@ latency-ab)  # small-batch decode with this tree and .base (the commit before), 
   done
   FORMATS="${FORMATS:-none awq fp8}" latency_8b_ab
   ;;
+knobs-ab)  # batch-1 decode under each of KNOBS (';'-separated: "base" runs .base, anything
+          # else is env assignments for this tree), alternating: the 0.6B at context 62
+          # SMALL_ROUNDS times (2), then the 8B at context 1000 in each of FORMATS (fp8 on
+          # load)
+  IFS=';' read -ra knobs <<< "${KNOBS:-base;HEADRACE_NORM_SEAMS=0;HEADRACE_NORM_SEAMS=1}"
+  runs=()
+  for round in $(seq ${SMALL_ROUNDS:-2}); do runs+=("qwen3-0.6b-shape none 62 $round"); done
+  for fmt in ${FORMATS:-none fp8}; do runs+=("llama-3.1-8b-shape $fmt 1000 1"); done
+  for run in "${runs[@]}"; do
+    set -- $run
+    quant=()
+    [ "$2" != none ] && quant=(--quantization "$2")
+    for i in "${!knobs[@]}"; do
+      tree=new assign=${knobs[$i]}
+      [ "$assign" = base ] && tree=base assign=
+      echo "== $1 $2 knob $i: ${knobs[$i]}" >> "$R/knobs-ab.txt"
+      ( [ -n "$assign" ] && export $assign
+        bench_in $tree 120 latency --model "$(realpath $M/$1)" --load-format dummy \
+          --context-len $3 --batch-size 1 --output-len 64 --iterations 3 \
+          --max-model-len 2048 "${quant[@]}" --json "$R/latency-$1-$2-knob$i-$4.json" ) \
+        >> "$R/knobs-ab.txt" 2>&1
+    done
+  done
+  ;;
 nano)  # the nano workload on both user paths, then with logprobs=1, then with top_p
   for extra in "" "--logprobs 1" "--top-p 0.9"; do
     name=$(echo "nano$extra" | tr -d ' -')

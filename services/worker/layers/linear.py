@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.norm_seam import ResidualSum, SeamNorm
 from services.worker.layers.checkpoint import CheckpointSlice, read_whole
 from services.worker.layers.parallel import current_group, divide, kv_heads_per_rank
 from services.worker.layers.quantization import current_method, quant_parameter
@@ -159,7 +160,11 @@ class LinearBase(nn.Module, abc.ABC):
             result[shard_id] = tuple(shape)
         return result
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | SeamNorm) -> torch.Tensor:
+        """x W^T (+ bias); x a SeamNorm (layers/norm_seam.py decided the matmul takes it)
+        is normed as the matmul loads it."""
+        if isinstance(x, SeamNorm):
+            return self.method.apply_seam(self, x, self.bias)
         return self.method.apply(self, x, self.bias)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
@@ -270,6 +275,12 @@ class RowParallelLinear(LinearBase):
         if self.parts_to_norm:
             return self.method.apply_unsummed(self, x)
         return self.finish(self.method.apply(self, x, None))
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> ResidualSum:
+        """x W^T added to the residual stream in the matmul's epilogue, with the sum's
+        squares for the norm that the next projection applies (layers/norm_seam.py
+        decided it: one rank, no bias)."""
+        return self.method.apply_seam(self, x, None, residual)
 
     def leave_parts_to_norm(self) -> None:
         """The next norm takes this output alone (kernels/norm.py adds parts up), which

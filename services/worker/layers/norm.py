@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kernels.norm import gemma_norm_add_norm, rms_norm
+from kernels.norm_seam import ResidualSum, SeamNorm
 from services.worker.layers.linear import Checkpoint, ShardShapes, copy_checked, new_parameter
 from services.worker.layers.parallel import current_group
 
@@ -37,6 +38,13 @@ class RMSNorm(nn.Module):
         if self.sums_ranks and residual is not None:
             return self.tp.all_reduce_rms_norm(x, residual, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps, residual, gemma=self.gemma)
+
+    def seam(self, summed: ResidualSum) -> SeamNorm:
+        """This norm of a residual sum, left to the projection that takes it (Llama's
+        weighting, one rank: layers/norm_seam.py)."""
+        assert not (self.gemma or (self.sums_ranks and self.tp.size > 1)), \
+            "a norm seam has Llama's weighting and a reduced input"
+        return SeamNorm(summed, self.weight, self.eps)
 
 
 def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, first: RMSNorm, second: RMSNorm

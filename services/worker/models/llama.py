@@ -20,12 +20,14 @@ from torch import nn
 from common.model_files import sliding_windows
 from kernels.attention_inputs import HeadNorms
 from kernels.norm import sum_parts
+from kernels.norm_seam import ResidualSum, SeamNorm
 from services.worker.layers.activation import gated_activation
 from services.worker.layers.attention import Attention, ForwardContext
 from services.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                            RowParallelLinear)
 from services.worker.layers.norm import RMSNorm, norm_add_norm
+from services.worker.layers.norm_seam import seam_between
 from services.worker.layers.parallel import current_group
 from services.worker.layers.pipeline import current_stage
 from services.worker.layers.rotary import MRotaryEmbedding, RotaryEmbedding
@@ -86,19 +88,24 @@ class LlamaAttention(nn.Module):
                               self.num_kv_heads, layer_idx, sliding_window=sliding_window,
                               soft_cap=getattr(hf_config, "attn_logit_softcapping", None))
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | SeamNorm,
+                ctx: ForwardContext, add_to: torch.Tensor | None = None
+                ) -> torch.Tensor | ResidualSum:
+        """add_to: the residual stream, which o_proj then adds its output to (a norm
+        seam, layers/norm_seam.py); hidden a SeamNorm: qkv_proj norms it."""
         qkv = self.qkv_proj(hidden)
         if self.attn.calculate_scales or positions.dim() > 1:
             # the fp8 scales need k and v before the write; M-RoPE's three positions a token
             # take their own rotary
-            return self.o_proj(self.separate_ops(positions, qkv, ctx))
-        norms = None
-        if self.q_norm is not None:
-            norms = HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                              self.q_norm.gemma)
-        out = self.attn(qkv, None, None, ctx, positions, self.rotary_emb.cos_sin_cache, norms)
-        return self.o_proj(out)
+            out = self.separate_ops(positions, qkv, ctx)
+        else:
+            norms = None
+            if self.q_norm is not None:
+                norms = HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                  self.q_norm.gemma)
+            out = self.attn(qkv, None, None, ctx, positions, self.rotary_emb.cos_sin_cache,
+                            norms)
+        return self.o_proj(out) if add_to is None else self.o_proj.add_to(out, add_to)
 
     def separate_ops(self, positions: torch.Tensor, qkv: torch.Tensor,
                      ctx: ForwardContext) -> torch.Tensor:
@@ -125,8 +132,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden_size, bias=flags.mlp_bias,
                                            reduce_results=flags.mlp_reduces)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | SeamNorm, add_to: torch.Tensor | None = None
+                ) -> torch.Tensor | ResidualSum:
+        """add_to and a SeamNorm x: LlamaAttention.forward's, for down_proj and
+        gate_up_proj."""
+        act = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(act) if add_to is None else self.down_proj.add_to(act, add_to)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -162,28 +173,49 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn.o_proj.leave_parts_to_norm()
         if isinstance(mlp, LlamaMLP):
             mlp.down_proj.leave_parts_to_norm()
+        # whether the projections may take the norms after o_proj and down_proj themselves
+        # (layers/norm_seam.py): Llama's norms, a dense MLP; LlamaModel sets the next layer
+        self.seams = isinstance(mlp, LlamaMLP) and not (gemma or flags.sandwich_norms)
+        # in a tuple, so that it is no submodule of this one; its qkv_proj is looked up at
+        # each forward, since a LoRA wrapper may take its place after the model is built
+        self.next_layer: tuple[LlamaDecoderLayer, ...] = ()
 
     @property
     def pending_norm(self) -> RMSNorm | None:
         """The norm this layer's output still needs before its residual add."""
         return self.post_feedforward_layernorm if self.sandwich_norms else None
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | ResidualSum,
                 residual: torch.Tensor | None, ctx: ForwardContext,
-                pending: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """pending: the previous layer's pending_norm, applied to hidden before the add."""
-        if residual is None:
+                pending: RMSNorm | None = None
+                ) -> tuple[torch.Tensor | ResidualSum, torch.Tensor | None]:
+        """pending: the previous layer's pending_norm, applied to hidden before the add.
+        hidden a ResidualSum (residual None): the layer before added its output to the
+        residual stream, and this layer's qkv_proj takes the input norm. This layer returns
+        one where its down_proj and the next layer's qkv_proj take the norm between."""
+        if isinstance(hidden, ResidualSum):
+            hidden, residual = self.input_layernorm.seam(hidden), hidden.total
+        elif residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         elif pending is not None:
             hidden, residual = norm_add_norm(hidden, residual, pending, self.input_layernorm)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
         if self.sandwich_norms:
+            hidden = self.self_attn(positions, hidden, ctx)
             hidden, residual = norm_add_norm(hidden, residual, self.post_attention_layernorm,
                                              self.pre_feedforward_layernorm)
             return self.mlp(hidden), residual  # post_feedforward_layernorm: pending_norm
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.seams and seam_between(self.self_attn.o_proj, self.mlp.gate_up_proj,
+                                       residual):
+            summed = self.self_attn(positions, hidden, ctx, add_to=residual)
+            hidden, residual = self.post_attention_layernorm.seam(summed), summed.total
+        else:
+            hidden = self.self_attn(positions, hidden, ctx)
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.next_layer and seam_between(self.mlp.down_proj,
+                                            self.next_layer[0].self_attn.qkv_proj, residual):
+            return self.mlp(hidden, add_to=residual), None
         return self.mlp(hidden), residual
 
 
@@ -230,6 +262,9 @@ class LlamaModel(nn.Module):
             for i, rotary in enumerate(rotary_by_layer(hf_config)))
         self.own_layers = [layer for layer in self.layers
                            if not isinstance(layer, MissingLayer)]
+        for layer, after in zip(self.own_layers, self.own_layers[1:]):
+            if layer.seams and after.seams:
+                layer.next_layer = (after,)
         self.partial_output = not flags.mlp_reduces  # each rank's share of a sum
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps,
                             sums_ranks=not flags.mlp_reduces, gemma=flags.gemma_norm) \

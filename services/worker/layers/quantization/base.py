@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.gemv import gemv
+from kernels.norm_seam import ResidualSum, SeamNorm
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -65,6 +66,17 @@ class QuantMethod(abc.ABC):
         partial sums [..., parts, N] and save the launch that adds them. Else apply's."""
         return self.apply(layer, x, None)
 
+    def takes_seam(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether apply_seam serves a step of activations like x (kernels/norm_seam.py)."""
+        return False
+
+    def apply_seam(self, layer: nn.Module, x: torch.Tensor | SeamNorm,
+                   bias: torch.Tensor | None, add_to: torch.Tensor | None = None
+                   ) -> torch.Tensor | ResidualSum:
+        """apply's product with a norm seam: x a SeamNorm to norm as it loads, or add_to
+        a residual to add the product to. Only where takes_seam said so."""
+        raise NotImplementedError(f"{self.name}: no norm seam")
+
 
 class UnquantizedMethod(QuantMethod):
     """Weights in the model's dtype, [out, in]: cuBLAS, or for steps of the row counts in
@@ -84,3 +96,12 @@ class UnquantizedMethod(QuantMethod):
         if x.numel() // x.shape[-1] in layer.gemv_rows:
             return gemv(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
+
+    def takes_seam(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """One row where that row takes the GEMV."""
+        return x.numel() == x.shape[-1] and 1 in layer.gemv_rows
+
+    def apply_seam(self, layer: nn.Module, x: torch.Tensor | SeamNorm,
+                   bias: torch.Tensor | None, add_to: torch.Tensor | None = None
+                   ) -> torch.Tensor | ResidualSum:
+        return gemv(x, layer.weight, bias, add_to)

@@ -20,6 +20,7 @@ from torch import nn
 from common.quantization import QuantSpec
 from kernels.fp8_gemv import fp8_gemv
 from kernels.gemv import GEMV_MAX_ROWS
+from kernels.norm_seam import ResidualSum, SeamNorm
 from kernels.quant import FP8_DTYPE, quantize_per_token, quantize_static, scaled_mm
 from services.worker.layers.quantization.base import QuantMethod, ceil_div, quant_parameter
 
@@ -129,6 +130,16 @@ class W8A8Method(QuantMethod):
         y = scaled_mm(q, scale, layer.weight, layer.weight_scale, layer.block_n, layer.group_k,
                       x.dtype, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def takes_seam(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """One row that takes the fp8 GEMV."""
+        return x.numel() == x.shape[-1] and self.takes_gemv(x.reshape(1, -1))
+
+    def apply_seam(self, layer: nn.Module, x: torch.Tensor | SeamNorm,
+                   bias: torch.Tensor | None, add_to: torch.Tensor | None = None
+                   ) -> torch.Tensor | ResidualSum:
+        return fp8_gemv(x, layer.weight, layer.weight_scale, bias,
+                        block=(layer.block_n, layer.group_k), add_to=add_to)
 
     def takes_gemv(self, rows: torch.Tensor) -> bool:
         """fp8 weights, a decode-sized step of 16-bit activations on CUDA (the CPU keeps
