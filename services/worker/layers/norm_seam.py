@@ -21,8 +21,8 @@ ENABLED = os.environ.get("HEADRACE_NORM_SEAMS", "1") != "0"
 def seam_between(last: nn.Module, first: nn.Module, residual: torch.Tensor) -> bool:
     """Whether `last` adds its output to `residual` and `first` norms that sum as it loads
     it, for a step whose residual stream is `residual`."""
-    return (ENABLED and isinstance(last, RowParallelLinear)
-            and isinstance(first, ColumnParallelLinear)
+    return (ENABLED and residual.numel() == residual.shape[-1]  # one row
+            and isinstance(last, RowParallelLinear) and isinstance(first, ColumnParallelLinear)
             and last.tp_size == 1 and last.bias is None
             and last.method.takes_seam(last, residual)
             and first.method.takes_seam(first, residual))
