@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from kernels.gemv import GemvTiles, default_tiles, launch_gemv, sm_count
-from kernels.norm_seam import (ResidualSum, SeamNorm, block_parts, new_residual_sum,
-                               residual_sum_ref, seam_add, seam_input_ref, seam_inv_rms,
+from kernels.norm_seam import (ResidualSum, SeamNorm, new_residual_sum, residual_sum_ref,
+                               seam_add, seam_arguments, seam_input_ref, seam_inv_rms,
                                seam_tensor, seam_weigh)
 from kernels.packed_half import half_pair, power_of_two_scales
 from kernels.pdl import let_next_start, pdl_launch, wait_for_previous
@@ -170,14 +170,12 @@ def launch_packed(x: torch.Tensor | SeamNorm, w_fp8: torch.Tensor, bias: torch.T
     if per_k:  # a K tile inside one scale block, as launch_gemv's
         tile_k = min(tile_k, block_k & -block_k)
         assert tile_k >= 16, f"fp8_gemv: K blocks of {block_k} split into no tile of 16+"
-    sumsq = norm.sum.sumsq if norm is not None else result.sumsq if result is not None else y
-    parts = sumsq.shape[-1] if norm is not None else 1
+    seam, block_p = seam_arguments(norm, add_to, result, y)
     _packed_row_kernel[(stripes,)](
         x1, w_fp8.view(torch.int32), scale, bias if bias is not None else y, y, n, k,
-        scale.shape[1], block_n, block_k, add_to if add_to is not None else y, sumsq,
-        norm.weight if norm is not None else y, parts, norm.eps if norm is not None else 0.0,
+        scale.shape[1], block_n, block_k, *seam,
         PER_K_SCALE=per_k, HAS_BIAS=bias is not None, NORM_IN=norm is not None,
-        ADD_RESIDUAL=result is not None, BLOCK_P=block_parts(parts), BLOCK_N=tiles.block_n,
+        ADD_RESIDUAL=result is not None, BLOCK_P=block_p, BLOCK_N=tiles.block_n,
         BLOCK_K=tile_k, num_warps=tiles.num_warps, num_stages=1, **pdl_launch(x))
     return result if result is not None else y.reshape(*x.shape[:-1], n)
 

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norm_seam import (ResidualSum, SeamNorm, block_parts, new_residual_sum,
-                               residual_sum_ref, seam_add, seam_input_ref, seam_inv_rms,
+from kernels.norm_seam import (ResidualSum, SeamNorm, new_residual_sum, residual_sum_ref,
+                               seam_add, seam_arguments, seam_input_ref, seam_inv_rms,
                                seam_tensor, seam_weigh)
 from kernels.pdl import let_next_start, overlap_previous, pdl_launch, wait_for_previous
 
@@ -228,17 +228,14 @@ def launch_gemv(x: torch.Tensor | SeamNorm, w: torch.Tensor, bias: torch.Tensor 
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     assert tiles.dot or m == 1, "more than one row takes tensor cores (tiles.dot)"
     block_m = max(triton.next_power_of_2(m), DOT_MIN_ROWS) if tiles.dot else 1
-    sumsq = norm.sum.sumsq if norm is not None else result.sumsq if result is not None else y
-    parts = sumsq.shape[-1] if norm is not None else 1
+    seam, block_p = seam_arguments(norm, add_to, result, y)
     _gemv_kernel[(stripes, split)](
         x2, w, scale if scale is not None else w, bias if bias is not None else y, out, m, n,
         k, x2.stride(0), w.stride(0), scale.shape[1] if scale is not None else 0, block_n,
-        block_k, k_share, add_to if add_to is not None else y, sumsq,
-        norm.weight if norm is not None else y, parts, norm.eps if norm is not None else 0.0,
-        HAS_SCALE=scale is not None, PER_K_SCALE=per_k,
+        block_k, k_share, *seam, HAS_SCALE=scale is not None, PER_K_SCALE=per_k,
         HAS_BIAS=bias is not None and split == 1, USE_DOT=tiles.dot, BLOCK_M=block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tile_k, NORM_IN=norm is not None,
-        ADD_RESIDUAL=result is not None and split == 1, BLOCK_P=block_parts(parts),
+        ADD_RESIDUAL=result is not None and split == 1, BLOCK_P=block_p,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
     if split > 1:
         sum_splits(out, bias, y, add_to, result)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.norm import rms_norm, rms_norm_ref
+from kernels.norm import rms_norm_ref
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +40,6 @@ class SeamNorm:
     sum: ResidualSum
     weight: torch.Tensor
     eps: float
-
-    def normed(self) -> torch.Tensor:
-        """The norm as its own op, for whatever cannot take it in its load."""
-        return rms_norm(self.sum.total, self.weight, self.eps)
 
 
 def residual_sum_ref(y: torch.Tensor, residual: torch.Tensor) -> ResidualSum:
@@ -70,6 +66,19 @@ def new_residual_sum(residual: torch.Tensor, parts: int) -> ResidualSum:
     return ResidualSum(torch.empty_like(residual),
                        torch.empty(residual.shape[0], parts, dtype=torch.float32,
                                    device=residual.device))
+
+
+def seam_arguments(norm: SeamNorm | None, add_to: torch.Tensor | None,
+                   result: ResidualSum | None, unused: torch.Tensor) -> tuple:
+    """A GEMV launch's seam arguments (res_ptr, sumsq_ptr, norm_w_ptr, parts, eps), and
+    its BLOCK_P: a SeamNorm's parts and weight, or the residual to add and the result's
+    sumsq; `unused` stands in for the pointers the kernel does not read."""
+    if norm is not None:
+        parts = norm.sum.sumsq.shape[-1]
+        return (unused, norm.sum.sumsq, norm.weight, parts, norm.eps), block_parts(parts)
+    if result is not None:
+        return (add_to, result.sumsq, unused, 1, 0.0), 1
+    return (unused, unused, unused, 1, 0.0), 1
 
 
 @triton.jit
